@@ -1,0 +1,16 @@
+"""`python -m mlx_qwen_fast.generate`: `mlx_lm.generate` with the fast path installed.
+
+Takes exactly ``mlx_lm.generate``'s flags, plus ``--stock`` to run stock mlx-lm.
+"""
+
+from mlx_lm.generate import main as _main
+
+from ._cli import run_mlx_lm_main
+
+
+def main() -> None:
+    run_mlx_lm_main(_main)
+
+
+if __name__ == "__main__":
+    main()

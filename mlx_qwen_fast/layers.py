@@ -1,0 +1,128 @@
+"""Fast-path modules for mlx-lm's Qwen3.5/3.6 layers.
+
+Each class subclasses the stock mlx-lm module and only replaces ``__call__``:
+the parameters (quantised or not) stay the same arrays under the same paths,
+so ``model.parameters()``, saving, ``load_weights`` and sharding are unchanged.
+:func:`rebind` moves an existing module instance to another class without
+copying anything; :mod:`mlx_qwen_fast.patch` uses it in both directions.
+"""
+
+from typing import Any, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.nn.layers.distributed import sum_gradients
+from mlx_lm.models.gated_delta import normalize_qk
+from mlx_lm.models.qwen3_5 import GatedDeltaNet
+from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextSparseMoeBlock
+
+from .ops import attention as attention_ops
+from .ops import gated_delta as gated_delta_ops
+from .ops import moe as moe_ops
+
+
+def rebind(module: nn.Module, cls: type) -> nn.Module:
+    """Return a module of class ``cls`` sharing every array and child of ``module``.
+
+    ``cls`` must be ``type(module)``'s subclass or base class with the same
+    attributes (the fast classes below and their stock parents).
+    """
+    new = cls.__new__(cls)
+    dict.update(new, module)
+    new.__dict__.update(module.__dict__)
+    return new
+
+
+class FastGatedDeltaNet(GatedDeltaNet):
+    """``qwen3_5.GatedDeltaNet`` with the recurrence from :mod:`ops.gated_delta`.
+
+    The projections, conv1d, normalisation and output are mlx-lm's; only the
+    gated delta rule is dispatched (chunkwise-parallel form on CPU/CUDA
+    instead of stock's per-token loop, mlx-lm's own kernel on Metal, CUDA
+    kernels where available).
+    """
+
+    stock_class = GatedDeltaNet
+
+    def __call__(
+        self,
+        inputs: mx.array,
+        mask: Optional[mx.array] = None,
+        cache: Optional[Any] = None,
+    ) -> mx.array:
+        B, S, _ = inputs.shape
+        if self.sharding_group is not None:
+            inputs = sum_gradients(self.sharding_group)(inputs)
+
+        qkv = self.in_proj_qkv(inputs)
+        z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
+        b = self.in_proj_b(inputs)
+        a = self.in_proj_a(inputs)
+
+        if cache is not None and cache[0] is not None:
+            conv_state = cache[0]
+        else:
+            conv_state = mx.zeros(
+                (B, self.conv_kernel_size - 1, self.conv_dim), dtype=inputs.dtype
+            )
+        if mask is not None:
+            qkv = mx.where(mask[..., None], qkv, 0)
+        conv_input = mx.concatenate([conv_state, qkv], axis=1)
+        if cache is not None:
+            n_keep = self.conv_kernel_size - 1
+            if cache.lengths is not None:
+                ends = mx.clip(cache.lengths, 0, S)
+                positions = (ends[:, None] + mx.arange(n_keep))[..., None]
+                cache[0] = mx.take_along_axis(conv_input, positions, axis=1)
+            else:
+                cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
+        conv_out = nn.silu(self.conv1d(conv_input))
+
+        q, k, v = [
+            t.reshape(B, S, h, d)
+            for t, h, d in zip(
+                mx.split(conv_out, [self.key_dim, 2 * self.key_dim], -1),
+                [self.num_k_heads, self.num_k_heads, self.num_v_heads],
+                [self.head_k_dim, self.head_k_dim, self.head_v_dim],
+            )
+        ]
+        q, k = normalize_qk(q, k, inv_scale=self.head_k_dim**-0.5, eps=1e-6)
+
+        state = cache[1] if cache else None
+        out, state = gated_delta_ops.gated_delta_update(
+            q, k, v, a, b, self.A_log, self.dt_bias, state, mask
+        )
+        if cache is not None:
+            cache[1] = state
+            cache.advance(S)
+
+        out = self.norm(out, z)
+        out = self.out_proj(out.reshape(B, S, -1))
+        if self.sharding_group is not None:
+            out = mx.distributed.all_sum(out, group=self.sharding_group)
+        return out
+
+
+class FastAttention(Qwen3NextAttention):
+    """Gated full attention dispatched through :mod:`ops.attention`."""
+
+    stock_class = Qwen3NextAttention
+
+    def __call__(self, x, mask=None, cache=None):
+        return attention_ops.gated_attention(self, x, mask=mask, cache=cache)
+
+
+class FastSparseMoeBlock(Qwen3NextSparseMoeBlock):
+    """Sparse MoE block (router, top-k experts, shared expert) via :mod:`ops.moe`."""
+
+    stock_class = Qwen3NextSparseMoeBlock
+
+    def __call__(self, x):
+        return moe_ops.sparse_moe(self, x)
+
+
+FAST_CLASSES = {
+    GatedDeltaNet: FastGatedDeltaNet,
+    Qwen3NextAttention: FastAttention,
+    Qwen3NextSparseMoeBlock: FastSparseMoeBlock,
+}

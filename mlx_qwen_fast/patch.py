@@ -1,0 +1,240 @@
+"""mlx-lm integration: swap the fast-path modules into a loaded model.
+
+Three routes, all ending in :func:`patch`:
+
+* ``patch(model)`` on a model from ``mlx_lm.load`` (in place);
+* ``mlx_lm.load(path, model_config={"model_type": "qwen3_5_moe_fast"})`` or a
+  checkpoint whose config names that type (see ``models/qwen3_5_moe_fast.py``);
+* :func:`install`, which wraps ``mlx_lm.utils.load_model`` so that
+  ``mlx_lm.generate``, ``benchmark``, ``chat``, ``server`` and user scripts
+  calling ``mlx_lm.load`` get the fast path (``MLX_QWEN_FAST=0`` disables it).
+
+A model the fast path does not support is left entirely stock, with one
+warning naming the reason.
+"""
+
+import functools
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import mlx.nn as nn
+import mlx_lm.utils
+
+from . import backend
+from .layers import FAST_CLASSES, rebind
+from .ops import attention as attention_ops
+from .ops import gated_delta as gated_delta_ops
+from .ops import moe as moe_ops
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5", "qwen3_5_moe_fast")
+_SLOTS = ("linear_attn", "self_attn", "mlp")
+_PREFILL_TOKENS = 2048  # mlx-lm's default prefill_step_size, for the report
+
+
+@dataclass
+class PatchReport:
+    """What :func:`patch` did.
+
+    Attributes:
+        patched: True if the fast modules are in place.
+        reason: why the model was left stock (None when patched).
+        model_type: the model's ``model_type``.
+        backend: "cpu", "cuda" or "metal" (the default device's backend).
+        swapped: number of modules swapped per slot
+            (``linear_attn``, ``self_attn``, ``mlp``).
+        ops: implementation each op uses on this backend, e.g.
+            ``{"gated_delta.prefill": "chunked", "moe.decode": "stock"}``.
+    """
+
+    patched: bool
+    reason: Optional[str] = None
+    model_type: str = ""
+    backend: str = ""
+    swapped: Dict[str, int] = field(default_factory=dict)
+    ops: Dict[str, str] = field(default_factory=dict)
+
+    def __str__(self):
+        if not self.patched:
+            return f"mlx_qwen_fast: left stock ({self.reason})"
+        swapped = ", ".join(f"{n} {k}" for k, n in self.swapped.items())
+        ops = ", ".join(f"{k}={v}" for k, v in self.ops.items())
+        return f"mlx_qwen_fast: patched {swapped} on {self.backend}; ops: {ops}"
+
+
+def op_implementations(backend_name: Optional[str] = None) -> Dict[str, str]:
+    """Implementation of each op family for prefill and decode on a backend."""
+    b = backend_name or backend.current()
+    table = {}
+    for name, module in (
+        ("gated_delta", gated_delta_ops),
+        ("attention", attention_ops),
+        ("moe", moe_ops),
+    ):
+        table[f"{name}.prefill"] = module.implementation_for(_PREFILL_TOKENS, b)
+        table[f"{name}.decode"] = module.implementation_for(1, b)
+    return table
+
+
+def _model_type(model: nn.Module) -> str:
+    mt = getattr(model, "model_type", None)
+    if mt is None and hasattr(model, "args"):
+        mt = getattr(model.args, "model_type", None)
+    return mt or type(model).__module__.rsplit(".", 1)[-1]
+
+
+def _unsupported_reason(model: nn.Module) -> Optional[str]:
+    model_type = _model_type(model)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    layers = getattr(model, "layers", None)
+    if not layers:
+        return "the model has no decoder layers"
+    stock_or_fast = set(FAST_CLASSES) | set(FAST_CLASSES.values())
+    for i, layer in enumerate(layers):
+        mixer = getattr(layer, "linear_attn", None) or getattr(layer, "self_attn", None)
+        if mixer is None or type(mixer) not in stock_or_fast:
+            return f"layer {i} has an unsupported token mixer {type(mixer).__name__}"
+        if hasattr(layer, "linear_attn"):
+            la = layer.linear_attn
+            if la.head_k_dim % 32 or la.head_v_dim % 32:
+                return (
+                    f"layer {i}: Gated DeltaNet head dims {la.head_k_dim}/"
+                    f"{la.head_v_dim} are not multiples of 32"
+                )
+    return None
+
+
+def _swap(model: nn.Module, to_fast: bool) -> Dict[str, int]:
+    swapped = {slot: 0 for slot in _SLOTS}
+    for layer in model.layers:
+        for slot in _SLOTS:
+            module = getattr(layer, slot, None)
+            if module is None:
+                continue
+            if to_fast and type(module) in FAST_CLASSES:
+                setattr(layer, slot, rebind(module, FAST_CLASSES[type(module)]))
+                swapped[slot] += 1
+            elif not to_fast and type(module) in FAST_CLASSES.values():
+                setattr(layer, slot, rebind(module, module.stock_class))
+                swapped[slot] += 1
+    return {k: v for k, v in swapped.items() if v}
+
+
+def patch(model: nn.Module, *, warn: bool = True) -> PatchReport:
+    """Swap the fast-path modules into a loaded mlx-lm Qwen3.5/3.6 model, in place.
+
+    Swaps every Gated DeltaNet (``linear_attn``), gated attention
+    (``self_attn``) and sparse-MoE (``mlp``) module for its fast subclass in
+    :mod:`mlx_qwen_fast.layers`, sharing the loaded (quantised) arrays under
+    the same parameter paths. Dense MLPs stay as they are. Patching an
+    already patched model is a no-op.
+
+    Args:
+        model: a model from ``mlx_lm.load`` (``qwen3_5_moe`` or ``qwen3_5``).
+        warn: emit one ``UserWarning`` when the model is left stock.
+
+    Returns:
+        A :class:`PatchReport`. If the model type or a layer's shape is not
+        supported, nothing is changed, ``report.patched`` is False and
+        ``report.reason`` says why.
+    """
+    reason = _unsupported_reason(model)
+    if reason is not None:
+        if warn:
+            warnings.warn(f"mlx_qwen_fast: model left on the stock path: {reason}")
+        return PatchReport(False, reason, _model_type(model), backend.current())
+    swapped = _swap(model, to_fast=True)
+    return PatchReport(
+        True,
+        None,
+        _model_type(model),
+        backend.current(),
+        swapped,
+        op_implementations(),
+    )
+
+
+def unpatch(model: nn.Module) -> Dict[str, int]:
+    """Restore the stock mlx-lm modules (same arrays); returns counts per slot."""
+    return _swap(model, to_fast=False)
+
+
+def is_patched(model: nn.Module) -> bool:
+    """True if any layer of ``model`` holds a fast-path module."""
+    fast = tuple(FAST_CLASSES.values())
+    return any(
+        isinstance(getattr(layer, slot, None), fast)
+        for layer in getattr(model, "layers", [])
+        for slot in _SLOTS
+    )
+
+
+def _shallow_clone(value):
+    if isinstance(value, nn.Module):
+        new = value.__class__.__new__(value.__class__)
+        new.__dict__.update(value.__dict__)
+        for k, v in value.items():
+            dict.__setitem__(new, k, _shallow_clone(v))
+        return new
+    if isinstance(value, list):
+        return [_shallow_clone(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _shallow_clone(v) for k, v in value.items()}
+    return value
+
+
+def patched_copy(model: nn.Module, *, warn: bool = True):
+    """A patched twin of ``model`` that shares all its weight arrays.
+
+    The module tree is copied (cheap: no array is copied), then patched;
+    ``model`` itself stays stock. Used for A/B runs in one process.
+
+    Returns:
+        ``(fast_model, report)``.
+    """
+    twin = _shallow_clone(model)
+    return twin, patch(twin, warn=warn)
+
+
+_ENV_SWITCH = "MLX_QWEN_FAST"
+
+
+def enabled() -> bool:
+    """False when the environment sets ``MLX_QWEN_FAST=0``."""
+    return os.environ.get(_ENV_SWITCH, "1") != "0"
+
+
+def install() -> bool:
+    """Make every ``mlx_lm.load`` return a patched model.
+
+    Wraps ``mlx_lm.utils.load_model`` (which ``mlx_lm.load``, ``sharded_load``
+    and so ``generate``, ``benchmark``, ``chat`` and ``server`` all call).
+    Other model types pass through untouched (no warning). Idempotent.
+    Returns False (and installs nothing) when ``MLX_QWEN_FAST=0``.
+    """
+    if not enabled():
+        return False
+    current = mlx_lm.utils.load_model
+    if getattr(current, "_mlx_qwen_fast", False):
+        return True
+
+    @functools.wraps(current)
+    def load_model(*args, **kwargs):
+        model, config = current(*args, **kwargs)
+        if enabled() and _model_type(model) in SUPPORTED_MODEL_TYPES:
+            patch(model)
+        return model, config
+
+    load_model._mlx_qwen_fast = True
+    load_model._wrapped = current
+    mlx_lm.utils.load_model = load_model
+    return True
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (already loaded models stay as they are)."""
+    current = mlx_lm.utils.load_model
+    if getattr(current, "_mlx_qwen_fast", False):
+        mlx_lm.utils.load_model = current._wrapped
