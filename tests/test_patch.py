@@ -1,0 +1,179 @@
+"""Patched vs stock mlx-lm model on the tiny random checkpoint."""
+
+import warnings
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx_lm
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+import mlx_qwen_fast
+from mlx_qwen_fast.layers import FAST_CLASSES
+from mlx_qwen_fast.patch import patch, patched_copy, unpatch
+
+BF16_EPS = 2.0**-8
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_checkpoint):
+    return mlx_lm.load(str(tiny_checkpoint))
+
+
+def _prefill_logits(model, tokens, step):
+    """Logits of every position, fed in chunks of ``step`` through one cache."""
+    cache = make_prompt_cache(model)
+    outs = []
+    for i in range(0, tokens.size, step):
+        outs.append(model(tokens[None, i : i + step], cache=cache).astype(mx.float32))
+        mx.eval(outs[-1])
+    return mx.concatenate(outs, axis=1)[0]
+
+
+def _rel_l2(a, b):
+    return (mx.linalg.norm(a - b) / mx.linalg.norm(b)).item()
+
+
+def test_patch_swaps_every_module_and_shares_arrays(tiny):
+    model, _ = tiny
+    stock_params = dict(tree_flatten(model.parameters()))
+    fast, report = patched_copy(model)
+    assert report.patched and report.reason is None
+    n_layers = len(model.layers)
+    n_attn = sum(not l.is_linear for l in model.layers)
+    assert report.swapped == {
+        "linear_attn": n_layers - n_attn,
+        "self_attn": n_attn,
+        "mlp": n_layers,
+    }
+    assert set(report.ops) >= {"gated_delta.prefill", "gated_delta.decode"}
+    fast_params = dict(tree_flatten(fast.parameters()))
+    assert fast_params.keys() == stock_params.keys()
+    # Same arrays, not copies: identical buffers (same id of the underlying array).
+    assert all(fast_params[k] is stock_params[k] for k in stock_params)
+    # The original stays stock.
+    assert not mlx_qwen_fast.is_patched(model) and mlx_qwen_fast.is_patched(fast)
+
+
+def test_unpatch_restores_stock_classes(tiny):
+    model, _ = tiny
+    fast, _ = patched_copy(model)
+    counts = unpatch(fast)
+    n_modules = sum(
+        hasattr(l, s) for l in fast.layers for s in ("linear_attn", "self_attn", "mlp")
+    )
+    assert sum(counts.values()) == n_modules
+    assert not mlx_qwen_fast.is_patched(fast)
+    stock_types = set(FAST_CLASSES)
+    assert all(
+        type(getattr(l, s)) in stock_types
+        for l in fast.layers
+        for s in ("linear_attn", "self_attn", "mlp")
+        if hasattr(l, s)
+    )
+    # Patching twice is a no-op the second time.
+    patch(fast)
+    assert patch(fast).swapped == {}
+
+
+@pytest.mark.parametrize("length", [1, 3, 63, 64, 65, 2049])
+def test_patched_logits_match_stock(tiny, length):
+    model, _ = tiny
+    fast, _ = patched_copy(model)
+    rng = np.random.default_rng(length)
+    vocab = model.args.text_config["vocab_size"]
+    tokens = mx.array(rng.integers(0, vocab, size=length), dtype=mx.int32)
+    step = 2048  # mlx-lm's prefill_step_size: 2049 crosses a chunk boundary
+    ref = _prefill_logits(model, tokens, step)
+    out = _prefill_logits(fast, tokens, step)
+    # Both run in bf16; the two paths differ by the order of fp32 sums inside
+    # the recurrence, i.e. by bf16 rounding of its output, amplified at most
+    # ~linearly through the layers.
+    tol = BF16_EPS * len(model.layers)
+    err = _rel_l2(out, ref)
+    assert err < tol, f"T={length}: rel L2 {err:.2e} >= {tol:.2e}"
+
+
+def _greedy(model, prompt, n):
+    tokens, logits = [], []
+    for (tok, logprobs), _ in zip(generate_step(prompt, model, max_tokens=n), range(n)):
+        tokens.append(int(tok))
+        logits.append(logprobs)
+    return tokens, logits
+
+
+def test_greedy_tokens_identical_for_64_steps(demo_checkpoint):
+    model, tokenizer = mlx_lm.load(str(demo_checkpoint))
+    fast, _ = patched_copy(model)
+    prompt = mx.array(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Write a short poem about the sea."}],
+            add_generation_prompt=True,
+        )
+    )
+    a, logits_a = _greedy(model, prompt, 64)
+    b, _ = _greedy(fast, prompt, 64)
+    if a != b:
+        i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        top2 = mx.sort(logits_a[i])[-2:]
+        margin = (top2[1] - top2[0]).item()
+        pytest.fail(
+            f"greedy tokens diverge at step {i}: stock {a[i]} vs patched {b[i]}; "
+            f"stock top-1/top-2 log-prob margin there: {margin:.4f}"
+        )
+
+
+def test_unsupported_model_stays_stock_with_warning():
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=32,
+        num_hidden_layers=1,
+        intermediate_size=64,
+        num_attention_heads=2,
+        rms_norm_eps=1e-6,
+        vocab_size=64,
+        num_key_value_heads=2,
+    )
+    model = llama.Model(args)
+    before = {id(l): dict(l.items()) for l in model.layers}
+    with pytest.warns(UserWarning, match="left on the stock path: model_type 'llama'"):
+        report = patch(model)
+    assert not report.patched and "llama" in report.reason
+    assert {id(l): dict(l.items()) for l in model.layers} == before
+    assert not mlx_qwen_fast.is_patched(model)
+
+
+def test_registered_model_type_loads_patched(tiny_checkpoint):
+    model, _ = mlx_lm.load(
+        str(tiny_checkpoint), model_config={"model_type": "qwen3_5_moe_fast"}
+    )
+    assert mlx_qwen_fast.is_patched(model)
+    assert model.patch_report.patched
+    stock, _ = mlx_lm.load(str(tiny_checkpoint))
+    tokens = mx.array([[1, 2, 3, 4, 5]])
+    assert _rel_l2(model(tokens).astype(mx.float32), stock(tokens).astype(mx.float32)) < BF16_EPS * 8
+
+
+def test_install_patches_mlx_lm_load_and_env_switch(tiny_checkpoint, monkeypatch):
+    try:
+        assert mlx_qwen_fast.install()
+        model, _ = mlx_lm.load(str(tiny_checkpoint))
+        assert mlx_qwen_fast.is_patched(model)
+        monkeypatch.setenv("MLX_QWEN_FAST", "0")
+        model, _ = mlx_lm.load(str(tiny_checkpoint))
+        assert not mlx_qwen_fast.is_patched(model)
+    finally:
+        mlx_qwen_fast.uninstall()
+    model, _ = mlx_lm.load(str(tiny_checkpoint))
+    assert not mlx_qwen_fast.is_patched(model)
+
+
+def test_install_is_off_when_env_says_so(monkeypatch):
+    monkeypatch.setenv("MLX_QWEN_FAST", "0")
+    assert mlx_qwen_fast.install() is False
+    assert not getattr(mlx_lm.utils.load_model, "_mlx_qwen_fast", False)
