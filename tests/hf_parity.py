@@ -21,21 +21,14 @@ import contextlib
 import json
 import math
 import os
-import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, Iterable, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import numpy as np
 
-# The package is not pip-installed in every checkout; make ``import
-# mlx_qwen_fast`` resolve to this repository.
-_REPO_ROOT = str(Path(__file__).resolve().parents[1])
-if _REPO_ROOT not in sys.path:
-    sys.path.insert(0, _REPO_ROOT)
-
-import mlx.core as mx  # noqa: E402
-import torch  # noqa: E402
+import mlx.core as mx
+import torch
 
 # --------------------------------------------------------------------------
 # Tiny configuration

@@ -23,18 +23,13 @@ written as JSON to ``hf_parity.REPORT_PATH`` (default
 
 import contextlib
 import json
-import os
-import sys
 import time
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-if _HERE not in sys.path:  # import the helper whatever pytest's import mode
-    sys.path.insert(0, _HERE)
-import hf_parity as hp  # noqa: E402
+import hf_parity as hp  # tests/ is on sys.path (pytest's default import mode)
 
 FP32_GATE = 1e-4
 
