@@ -12,7 +12,6 @@ import sys
 import time
 import urllib.request
 
-import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx_lm import batch_generate, generate, stream_generate

@@ -1,9 +1,7 @@
 """Patched vs stock mlx-lm model on the tiny random checkpoint."""
 
-import warnings
 
 import mlx.core as mx
-import mlx.nn as nn
 import mlx_lm
 import numpy as np
 import pytest
