@@ -1,0 +1,668 @@
+"""Build, check and time the CUDA Gated DeltaNet kernels (device script).
+
+Run on the GPU machine (see shared/device/README.md):
+
+    source .mlxcuda/boot.sh && PYTHONPATH=. python3 bench/gdn_cuda.py
+
+Each section runs in its own process (a kernel fault cannot take the others
+down): build (first-use compile with an empty cubin cache, then a fresh
+process loading from the cache), scan, frontend, norm, decode.  Every check
+compares against an fp32 reference on fresh random data with the outputs
+poisoned (NaN) before the kernel runs; timings are medians over repeated
+launches.  Full logs and a JSON of every number go to $OUT (or --out); a
+short table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+D = 128
+HK, HV = 16, 32
+C = (2 * HK + HV) * D
+
+# --------------------------------------------------------------------------
+# helpers (imported lazily: the driver itself needs no MLX)
+# --------------------------------------------------------------------------
+
+
+def _mx():
+    import mlx.core as mx
+
+    return mx
+
+
+def rel(a, b):
+    mx = _mx()
+    a = a.astype(mx.float32)
+    b = b.astype(mx.float32)
+    num = mx.sqrt(mx.sum((a - b) ** 2)).item()
+    den = mx.sqrt(mx.sum(b**2)).item()
+    return num / max(den, 1e-30)
+
+
+def maxabs(a, b):
+    mx = _mx()
+    return mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))).item()
+
+
+def finite(a):
+    mx = _mx()
+    return bool(mx.all(mx.isfinite(a.astype(mx.float32))).item())
+
+
+def timeit(fn, n=20, batch=1, warm=3):
+    """Median seconds per call; ``batch`` calls are queued per evaluation."""
+    mx = _mx()
+    for _ in range(warm):
+        mx.eval(fn())
+    mx.synchronize()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        outs = [fn() for _ in range(batch)]
+        mx.eval(outs)
+        mx.synchronize()
+        ts.append((time.perf_counter() - t0) / batch)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def gates(B, T, decay, key):
+    """g in (0, 1], beta in (0, 1): 'strong' g ~ 0.05-0.6, 'weak' ~ 0.99-0.9999."""
+    mx = _mx()
+    k1, k2 = mx.random.split(key)
+    if decay == "strong":
+        g = mx.random.uniform(0.05, 0.6, (B, T, HV), key=k1)
+    else:
+        g = 1.0 - mx.random.uniform(1e-4, 1e-2, (B, T, HV), key=k1)
+    beta = mx.random.uniform(0.0, 1.0, (B, T, HV), key=k2)
+    return g.astype(mx.float32), beta.astype(mx.float32)
+
+
+def qkv_inputs(B, T, key, dtype):
+    """q, k L2-normalised (q scaled by D^-0.5), v ~ N(0,1), rounded to dtype."""
+    mx = _mx()
+    k1, k2, k3 = mx.random.split(key, 3)
+    q = mx.random.normal((B, T, HK, D), key=k1)
+    k = mx.random.normal((B, T, HK, D), key=k2)
+    v = mx.random.normal((B, T, HV, D), key=k3)
+    q = q / mx.sqrt((q * q).sum(-1, keepdims=True)) * D**-0.5
+    k = k / mx.sqrt((k * k).sum(-1, keepdims=True))
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+def reference_recurrent():
+    """fp32 per-token reference: ops.gated_delta.gated_delta_recurrent if it
+    is there, else mlx-lm's gated_delta_ops on fp32 inputs."""
+    mx = _mx()
+    try:
+        from mlx_qwen_fast.ops.gated_delta import gated_delta_recurrent
+
+        def ref(q, k, v, g, beta, state, mask=None):
+            f = mx.float32
+            return gated_delta_recurrent(
+                q.astype(f), k.astype(f), v.astype(f), g, beta, state, mask
+            )
+
+        return ref, "ops.gated_delta.gated_delta_recurrent"
+    except Exception:
+        from mlx_lm.models.gated_delta import gated_delta_ops
+
+        def ref(q, k, v, g, beta, state, mask=None):
+            f = mx.float32
+            return gated_delta_ops(q.astype(f), k.astype(f), v.astype(f), g, beta, state, mask)
+
+        return ref, "mlx_lm gated_delta_ops (fp32)"
+
+
+# --------------------------------------------------------------------------
+# section: build (first use / cached start-up)
+# --------------------------------------------------------------------------
+
+_BUILD_SNIPPET = r"""
+import time, json, sys
+t0 = time.perf_counter()
+import mlx.core as mx
+t1 = time.perf_counter()
+from mlx_qwen_fast.kernels import _cuda_build as cb
+from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan
+from mlx_qwen_fast.kernels.gated_delta_frontend import gated_delta_frontend
+from mlx_qwen_fast.kernels.gated_rms_norm import gated_rms_norm
+from mlx_qwen_fast.kernels.gated_delta_decode import gated_delta_decode
+B, T, HK, HV, D = 1, 8, 16, 32, 128
+C = (2 * HK + HV) * D
+bf = mx.bfloat16
+q = mx.ones((B, T, HK, D), bf) * 0.01; k = q; v = mx.ones((B, T, HV, D), bf)
+g = mx.ones((B, T, HV)) * 0.9; beta = g
+qkv = mx.ones((B, T, C), bf) * 0.1; a = mx.zeros((B, T, HV), bf)
+w = mx.ones((C, 4, 1), bf) * 0.1; A = mx.zeros((HV,)); dtb = mx.zeros((HV,), bf)
+mx.eval(q, v, g, qkv, a, w, A, dtb)
+t2 = time.perf_counter()
+res = {}
+def first(name, fn):
+    t = time.perf_counter(); mx.eval(fn()); mx.synchronize(); res[name] = time.perf_counter() - t
+first("scan", lambda: gated_delta_scan(q, k, v, g, beta, None))
+first("frontend", lambda: gated_delta_frontend(qkv, a, a, w, None, A, dtb, num_k_heads=HK, num_v_heads=HV))
+first("norm", lambda: gated_rms_norm(v, v, mx.ones((D,), bf), 1e-6))
+first("decode", lambda: gated_delta_decode(qkv[:, :1], v[:, :1].reshape(B, 1, HV * D), a[:, :1], a[:, :1], w, None, A, dtb, mx.ones((D,), bf), None, num_k_heads=HK, num_v_heads=HV))
+t3 = time.perf_counter()
+print("BUILDJSON" + json.dumps(dict(import_mlx=t1 - t0, setup=t2 - t1, first_call=res, all_first_calls=t3 - t2,
+      total=t3 - t0, stats=cb.build_stats, compiler=cb.compiler_id(), nvrtc=getattr(cb._get_nvrtc(), "path", None))))
+"""
+
+
+def section_build(args):
+    cache = tempfile.mkdtemp(prefix="mqf_cache_")
+    env = dict(os.environ, MLX_QWEN_FAST_CACHE=cache, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = {}
+    for label in ("first_use", "cached"):
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, "-c", _BUILD_SNIPPET], env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        log(f"[build:{label}] rc={r.returncode} wall={wall:.2f}s\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
+        rec = {"rc": r.returncode, "process_wall": wall}
+        for line in r.stdout.splitlines():
+            if line.startswith("BUILDJSON"):
+                rec.update(json.loads(line[len("BUILDJSON"):]))
+        out[label] = rec
+    # mx.fast.cuda_kernel (NVRTC inside MLX, no disk cache) for comparison
+    snippet = r"""
+import time, mlx.core as mx
+k = mx.fast.cuda_kernel(name="t", input_names=["a"], output_names=["o"], source="auto i = blockIdx.x*blockDim.x+threadIdx.x; if (i < 256) o[i] = a[i]*2;")
+a = mx.ones((256,)); mx.eval(a)
+t = time.perf_counter()
+o = k(inputs=[a], grid=(256,1,1), threadgroup=(256,1,1), output_shapes=[a.shape], output_dtypes=[a.dtype])[0]
+mx.eval(o); print("CKJSON", time.perf_counter() - t)
+"""
+    r = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True)
+    for line in r.stdout.splitlines():
+        if line.startswith("CKJSON"):
+            out["mx_fast_cuda_kernel_first_call_s"] = float(line.split()[1])
+    log(f"[build:cuda_kernel] {r.stdout[-500:]} {r.stderr[-1500:]}")
+    return out
+
+
+# --------------------------------------------------------------------------
+# section: scan
+# --------------------------------------------------------------------------
+
+SCAN_VARIANTS = [
+    # (L, R, warps, TB, kqf32, lazy)
+    (8, 2, 4, 32, 0, 0),
+    (8, 2, 4, 32, 1, 0),
+    (8, 2, 4, 32, 1, 1),
+    (4, 1, 4, 32, 1, 1),
+    (8, 1, 8, 32, 1, 1),
+    (16, 2, 8, 32, 1, 1),
+    (8, 2, 4, 16, 1, 1),
+    (8, 2, 4, 64, 1, 1),
+]
+T_LIST = [1, 2, 3, 63, 64, 65, 1000, 4096]
+
+
+def section_scan(args):
+    mx = _mx()
+    from mlx_qwen_fast.kernels import _cuda_build as cb
+    from mlx_qwen_fast.kernels import gated_delta_scan as S
+
+    cb.set_poison(True)
+    ref, ref_name = reference_recurrent()
+    res = {"reference": ref_name, "checks": [], "timings": {}}
+    tl = [t for t in T_LIST if t <= 1000] if args.quick else list(T_LIST)
+    tmax = tl[-1]
+    key = mx.random.key(int(time.time()) & 0xFFFF)
+    cfgs = [S.DEFAULT_CONFIG] + [c for c in SCAN_VARIANTS if tuple(c) != tuple(S.DEFAULT_CONFIG)]
+    for B in (1, 2):
+        for decay in ("strong", "weak"):
+            key, k1, k2, k3 = mx.random.split(key, 4)
+            qb, kb, vb = qkv_inputs(B, tmax, k1, mx.bfloat16)  # bf16-exact values
+            g, beta = gates(B, tmax, decay, k2)
+            s0 = 0.5 * mx.random.normal((B, HV, D, D), key=k3)
+            # reference: segment-wise, state recorded at each boundary
+            t_ref = time.perf_counter()
+            ys, states, st, prev = [], {}, s0, 0
+            for T in tl:
+                y, st = ref(qb[:, prev:T], kb[:, prev:T], vb[:, prev:T], g[:, prev:T], beta[:, prev:T], st)
+                mx.eval(y, st)
+                ys.append(y)
+                states[T] = st
+                prev = T
+            yref = mx.concatenate(ys, axis=1)
+            mx.eval(yref)
+            res.setdefault("reference_seconds", []).append(time.perf_counter() - t_ref)
+            for dt in (mx.float32, mx.bfloat16):
+                q, k, v = (x.astype(dt) for x in (qb, kb, vb))
+                cl = cfgs if (B == 1 and decay == "strong") else cfgs[:1]
+                for cfg in cl:
+                    for T in tl:
+                        if cfg != cfgs[0] and T not in (1, 65, tmax):
+                            continue
+                        y, s1 = S.gated_delta_scan(q[:, :T], k[:, :T], v[:, :T], g[:, :T], beta[:, :T], s0, config=cfg)
+                        mx.eval(y, s1)
+                        yr = yref[:, :T]
+                        rec = dict(B=B, T=T, decay=decay, dtype=str(dt), cfg=list(cfg),
+                                   y_rel=rel(y, yr), y_maxabs=maxabs(y, yr), y_refmax=mx.max(mx.abs(yr)).item(),
+                                   s_rel=rel(s1, states[T]), finite=finite(y) and finite(s1))
+                        ytol = 1e-4 if dt == mx.float32 else 1e-2
+                        rec["ok"] = rec["finite"] and rec["y_rel"] < ytol and rec["s_rel"] < 1e-4
+                        res["checks"].append(rec)
+                        if not rec["ok"]:
+                            log(f"[scan] FAIL {rec}")
+                # two calls carried over (default config)
+                T1 = min(1000, tmax // 2)
+                ya, sa = S.gated_delta_scan(q[:, :T1], k[:, :T1], v[:, :T1], g[:, :T1], beta[:, :T1], s0)
+                yb, sb = S.gated_delta_scan(q[:, T1:], k[:, T1:], v[:, T1:], g[:, T1:], beta[:, T1:], sa)
+                y2 = mx.concatenate([ya, yb], axis=1)
+                rec = dict(B=B, T=f"{T1}+{tmax - T1}", decay=decay, dtype=str(dt), cfg="carry",
+                           y_rel=rel(y2, yref), s_rel=rel(sb, states[tmax]), finite=finite(y2) and finite(sb))
+                rec["ok"] = rec["finite"] and rec["y_rel"] < (1e-4 if dt == mx.float32 else 1e-2) and rec["s_rel"] < 1e-4
+                res["checks"].append(rec)
+    # mask: B=2, left padding of 5 and 0 steps, T=65
+    key, k1, k2, k3 = mx.random.split(key, 4)
+    T = 65
+    q, k, v = qkv_inputs(2, T, k1, mx.float32)
+    g, beta = gates(2, T, "strong", k2)
+    s0 = 0.5 * mx.random.normal((2, HV, D, D), key=k3)
+    mask = mx.array([[False] * 5 + [True] * (T - 5), [True] * T])
+    yr, sr = ref(q, k, v, g, beta, s0, mask)
+    y, s1 = S.gated_delta_scan(q, k, v, g, beta, s0, mask)
+    mx.eval(y, s1, yr, sr)
+    rec = dict(B=2, T=T, decay="strong", dtype="float32", cfg="mask", y_rel=rel(y, yr),
+               y_pad_max=mx.max(mx.abs(y[0, :5])).item(), s_rel=rel(s1, sr), finite=finite(y) and finite(s1))
+    rec["ok"] = rec["finite"] and rec["y_rel"] < 1e-4 and rec["s_rel"] < 1e-4 and rec["y_pad_max"] == 0.0
+    res["checks"].append(rec)
+
+    # ---- timings (poison off) ----
+    cb.set_poison(False)
+    for B, T in ((1, 4096), (1, 2048), (2, 4096)):
+        key, k1, k2, k3 = mx.random.split(key, 4)
+        q, k, v = qkv_inputs(B, T, k1, mx.bfloat16)
+        g, beta = gates(B, T, "weak", k2)
+        s0 = 0.5 * mx.random.normal((B, HV, D, D), key=k3)
+        mx.eval(q, k, v, g, beta, s0)
+        cl = cfgs if (B, T) == (1, 4096) else cfgs[:1]
+        for cfg in cl:
+            t = timeit(lambda: S.gated_delta_scan(q, k, v, g, beta, s0, config=cfg), n=15, batch=5)
+            res["timings"][f"scan B={B} T={T} cfg={list(cfg)}"] = t
+            log(f"[scan] B={B} T={T} cfg={list(cfg)}: {t * 1e3:.3f} ms")
+    # the chunkwise plain-MLX form (tensor-core matmuls) for comparison
+    try:
+        from mlx_qwen_fast.ops.gated_delta import gated_delta_chunked
+
+        key, k1, k2, k3 = mx.random.split(key, 4)
+        q, k, v = qkv_inputs(1, 4096, k1, mx.bfloat16)
+        g, beta = gates(1, 4096, "weak", k2)
+        s0 = 0.5 * mx.random.normal((1, HV, D, D), key=k3)
+        mx.eval(q, k, v, g, beta, s0)
+        t = timeit(lambda: gated_delta_chunked(q, k, v, g, beta, s0), n=5, batch=1, warm=2)
+        res["timings"]["chunked (ops, plain MLX) B=1 T=4096"] = t
+        log(f"[scan] ops.gated_delta_chunked B=1 T=4096: {t * 1e3:.3f} ms")
+    except Exception as e:  # noqa: BLE001
+        log(f"[scan] chunked timing skipped: {e!r}")
+    return res
+
+
+# --------------------------------------------------------------------------
+# section: frontend + norm
+# --------------------------------------------------------------------------
+
+
+def ref_frontend(qkv, a, b, w, conv_state, A_log, dt_bias, eps=1e-6):
+    mx = _mx()
+    import mlx.nn as nn
+
+    f = mx.float32
+    T = qkv.shape[1]
+    x = mx.concatenate([conv_state.astype(f), qkv.astype(f)], axis=1)
+    wf = w.astype(f).reshape(C, 4)
+    o = x[:, 0:T] * wf[:, 0]
+    for i in range(1, 4):
+        o = o + x[:, i:i + T] * wf[:, i]
+    o = o * mx.sigmoid(o)
+    B = qkv.shape[0]
+    q = o[..., : HK * D].reshape(B, T, HK, D)
+    k = o[..., HK * D: 2 * HK * D].reshape(B, T, HK, D)
+    v = o[..., 2 * HK * D:].reshape(B, T, HV, D)
+    q = q * mx.rsqrt((q * q).sum(-1, keepdims=True) + eps) * D**-0.5
+    k = k * mx.rsqrt((k * k).sum(-1, keepdims=True) + eps)
+    g = mx.exp(-mx.exp(A_log.astype(f)) * nn.softplus(a.astype(f) + dt_bias.astype(f)))
+    beta = mx.sigmoid(b.astype(f))
+    return q, k, v, g, beta, x[:, -3:]
+
+
+def ref_norm(y, z, w, eps):
+    """mlx-lm's Qwen3NextRMSNormGated, run as in the model."""
+    from mlx_lm.models.qwen3_next import Qwen3NextRMSNormGated
+
+    m = Qwen3NextRMSNormGated(D, eps=eps)
+    m.weight = w
+    return m(y, z)
+
+
+def fe_params(key, dtype):
+    mx = _mx()
+    k1, k2, k3 = mx.random.split(key, 3)
+    w = (0.5 * mx.random.normal((C, 4, 1), key=k1)).astype(dtype)
+    A_log = mx.log(mx.random.uniform(0.1, 8.0, (HV,), key=k2))
+    dt_bias = mx.random.uniform(-1.0, 1.0, (HV,), key=k3).astype(dtype)
+    return w, A_log, dt_bias
+
+
+def section_frontend(args):
+    mx = _mx()
+    from mlx_qwen_fast.kernels import _cuda_build as cb
+    from mlx_qwen_fast.kernels.gated_delta_frontend import gated_delta_frontend
+    from mlx_qwen_fast.kernels.gated_rms_norm import gated_rms_norm
+
+    cb.set_poison(True)
+    res = {"checks": [], "timings": {}}
+    key = mx.random.key((int(time.time()) + 7) & 0xFFFF)
+    for dt in (mx.float32, mx.bfloat16):
+        key, kp = mx.random.split(key)
+        w, A_log, dt_bias = fe_params(kp, dt)
+        for B in (1, 2):
+            for T in (1, 2, 3, 64, 65, 1000):
+                key, k1, k2, k3, k4 = mx.random.split(key, 5)
+                qkv = mx.random.normal((B, T, C), key=k1).astype(dt)
+                a = mx.random.normal((B, T, HV), key=k2).astype(dt)
+                b = mx.random.normal((B, T, HV), key=k3).astype(dt)
+                cs = mx.random.normal((B, 3, C), key=k4).astype(dt)
+                out = gated_delta_frontend(qkv, a, b, w, cs, A_log, dt_bias, num_k_heads=HK, num_v_heads=HV)
+                ref = ref_frontend(qkv, a, b, w, cs, A_log, dt_bias)
+                mx.eval(out, ref)
+                names = ("q", "k", "v", "g", "beta", "conv_state")
+                errs = {n: rel(o, r) for n, o, r in zip(names, out, ref)}
+                tol = 1e-5 if dt == mx.float32 else 1e-2
+                rec = dict(B=B, T=T, dtype=str(dt), **{f"{n}_rel": e for n, e in errs.items()},
+                           finite=all(finite(o) for o in out))
+                rec["ok"] = rec["finite"] and all(errs[n] < tol for n in names[:3]) and errs["g"] < 1e-5 \
+                    and errs["beta"] < 1e-5 and errs["conv_state"] == 0.0
+                res["checks"].append(rec)
+                if not rec["ok"]:
+                    log(f"[frontend] FAIL {rec}")
+        # gated norm
+        for N in (1, 33, 4096 * HV):
+            key, k1, k2, k3 = mx.random.split(key, 4)
+            y = mx.random.normal((N, D), key=k1).astype(dt)
+            z = mx.random.normal(y.shape, key=k2).astype(dt)
+            wn = (1.0 + 0.3 * mx.random.normal((D,), key=k3)).astype(dt)
+            o = gated_rms_norm(y, z, wn, 1e-6)
+            r = ref_norm(y, z, wn, 1e-6)
+            mx.eval(o, r)
+            rec = dict(kernel="gated_rms_norm", rows=y.size // D, dtype=str(dt), rel=rel(o, r), maxabs=maxabs(o, r),
+                       finite=finite(o))
+            rec["ok"] = rec["finite"] and rec["rel"] < (1e-5 if dt == mx.float32 else 4e-3)
+            res["checks"].append(rec)
+            if not rec["ok"]:
+                log(f"[norm] FAIL {rec}")
+
+    # ---- timings ----
+    cb.set_poison(False)
+    import mlx.nn as nn
+    from mlx_lm.models.gated_delta import compute_g, normalize_qk
+
+    dt = mx.bfloat16
+    key, kp, k1, k2, k3, k4 = mx.random.split(key, 6)
+    w, A_log, dt_bias = fe_params(kp, dt)
+    for T in (4096, 2048):
+        B = 1
+        qkv = mx.random.normal((B, T, C), key=k1).astype(dt)
+        a = mx.random.normal((B, T, HV), key=k2).astype(dt)
+        b = mx.random.normal((B, T, HV), key=k3).astype(dt)
+        cs = mx.random.normal((B, 3, C), key=k4).astype(dt)
+        mx.eval(qkv, a, b, cs)
+        t = timeit(lambda: gated_delta_frontend(qkv, a, b, w, cs, A_log, dt_bias, num_k_heads=HK, num_v_heads=HV), n=15, batch=5)
+        res["timings"][f"frontend B=1 T={T}"] = t
+        conv = nn.Conv1d(C, C, 4, groups=C, bias=False)
+        conv.weight = w
+
+        def stock():  # mlx-lm's ops for the same work (bf16, as in the model)
+            x = mx.concatenate([cs, qkv], axis=1)
+            o = nn.silu(conv(x))
+            q, k, v = mx.split(o, [HK * D, 2 * HK * D], -1)
+            q, k = normalize_qk(q.reshape(B, T, HK, D), k.reshape(B, T, HK, D), inv_scale=D**-0.5, eps=1e-6)
+            return q, k, v, compute_g(A_log, a, dt_bias), mx.sigmoid(b), x[:, -3:]
+
+        res["timings"][f"frontend stock mlx-lm ops B=1 T={T}"] = timeit(stock, n=10, batch=2)
+        y = mx.random.normal((B, T, HV, D), key=k1).astype(dt)
+        z = mx.random.normal((B, T, HV, D), key=k2).astype(dt)
+        wn = mx.ones((D,), dt)
+        mx.eval(y, z)
+        res["timings"][f"gated_rms_norm B=1 T={T}"] = timeit(lambda: gated_rms_norm(y, z, wn, 1e-6), n=15, batch=5)
+        res["timings"][f"gated norm stock mlx-lm B=1 T={T}"] = timeit(lambda: ref_norm(y, z, wn, 1e-6), n=15, batch=5)
+    for kk, t in res["timings"].items():
+        log(f"[frontend] {kk}: {t * 1e3:.3f} ms")
+    return res
+
+
+# --------------------------------------------------------------------------
+# section: decode
+# --------------------------------------------------------------------------
+
+
+def section_decode(args):
+    mx = _mx()
+    from mlx_qwen_fast.kernels import _cuda_build as cb
+    from mlx_qwen_fast.kernels.gated_delta_decode import gated_delta_decode
+    from mlx_qwen_fast.kernels.gated_delta_frontend import gated_delta_frontend
+    from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan
+    from mlx_qwen_fast.kernels.gated_rms_norm import gated_rms_norm
+
+    cb.set_poison(True)
+    ref, ref_name = reference_recurrent()
+    res = {"checks": [], "timings": {}}
+    key = mx.random.key((int(time.time()) + 13) & 0xFFFF)
+    for dt in (mx.float32, mx.bfloat16):
+        key, kp, kn = mx.random.split(key, 3)
+        w, A_log, dt_bias = fe_params(kp, dt)
+        wn = (1.0 + 0.3 * mx.random.normal((D,), key=kn)).astype(dt)
+        for B in (1, 2):
+            key, k1, k2, k3, k4, k5, k6 = mx.random.split(key, 7)
+            qkv = mx.random.normal((B, 1, C), key=k1).astype(dt)
+            z = mx.random.normal((B, 1, HV * D), key=k2).astype(dt)
+            a = mx.random.normal((B, 1, HV), key=k3).astype(dt)
+            b = mx.random.normal((B, 1, HV), key=k4).astype(dt)
+            cs = mx.random.normal((B, 3, C), key=k5).astype(dt)
+            s0 = 0.5 * mx.random.normal((B, HV, D, D), key=k6)
+            out, ncs, ns = gated_delta_decode(qkv, z, a, b, w, cs, A_log, dt_bias, wn, s0, num_k_heads=HK, num_v_heads=HV)
+            # reference: fp32 front end, fp32 recurrence, q/k/v rounded as the
+            # kernel stores them (to dt), then mlx-lm's gated norm on y in dt
+            q, k, v, g, beta, rcs = ref_frontend(qkv, a, b, w, cs, A_log, dt_bias)
+            q, k, v = (x.astype(dt).astype(mx.float32) for x in (q, k, v))
+            y, rs = ref(q, k, v, g, beta, s0)
+            ro = ref_norm(y.astype(dt), z.reshape(B, 1, HV, D), wn, 1e-6).reshape(B, 1, HV * D)
+            mx.eval(out, ncs, ns, ro, rcs, rs)
+            rec = dict(B=B, dtype=str(dt), out_rel=rel(out, ro), out_maxabs=maxabs(out, ro),
+                       state_rel=rel(ns, rs), conv_state_rel=rel(ncs, rcs),
+                       finite=finite(out) and finite(ns) and finite(ncs))
+            rec["ok"] = rec["finite"] and rec["out_rel"] < (1e-4 if dt == mx.float32 else 1.5e-2) \
+                and rec["state_rel"] < (1e-5 if dt == mx.float32 else 1e-3) and rec["conv_state_rel"] == 0.0
+            res["checks"].append(rec)
+            if not rec["ok"]:
+                log(f"[decode] FAIL {rec}")
+        # 8 decode steps == prefill kernels over the same 8 tokens
+        B, T = 2, 8
+        key, k1, k2, k3, k4, k5, k6 = mx.random.split(key, 7)
+        qkv = mx.random.normal((B, T, C), key=k1).astype(dt)
+        z = mx.random.normal((B, T, HV * D), key=k2).astype(dt)
+        a = mx.random.normal((B, T, HV), key=k3).astype(dt)
+        b = mx.random.normal((B, T, HV), key=k4).astype(dt)
+        cs = mx.random.normal((B, 3, C), key=k5).astype(dt)
+        s0 = 0.5 * mx.random.normal((B, HV, D, D), key=k6)
+        c_, s_, outs = cs, s0, []
+        for t in range(T):
+            o, c_, s_ = gated_delta_decode(qkv[:, t:t + 1], z[:, t:t + 1], a[:, t:t + 1], b[:, t:t + 1], w, c_, A_log,
+                                           dt_bias, wn, s_, num_k_heads=HK, num_v_heads=HV)
+            outs.append(o)
+        od = mx.concatenate(outs, axis=1)
+        q, k, v, g, beta, pc = gated_delta_frontend(qkv, a, b, w, cs, A_log, dt_bias, num_k_heads=HK, num_v_heads=HV)
+        y, ps = gated_delta_scan(q, k, v, g, beta, s0)
+        op = gated_rms_norm(y, z.reshape(B, T, HV, D), wn, 1e-6).reshape(B, T, HV * D)
+        mx.eval(od, op, c_, s_, pc, ps)
+        rec = dict(B=B, T=T, dtype=str(dt), check="decode x8 vs prefill kernels", out_rel=rel(od, op),
+                   state_rel=rel(s_, ps), conv_state_rel=rel(c_, pc), finite=finite(od) and finite(s_))
+        rec["ok"] = rec["finite"] and rec["out_rel"] < (1e-4 if dt == mx.float32 else 1.5e-2) \
+            and rec["state_rel"] < (1e-5 if dt == mx.float32 else 1e-3) and rec["conv_state_rel"] == 0.0
+        res["checks"].append(rec)
+        if not rec["ok"]:
+            log(f"[decode] FAIL {rec}")
+
+    # ---- timings: 30 layers per token, each its own state, as in the model ----
+    cb.set_poison(False)
+    dt = mx.bfloat16
+    key, kp, kn = mx.random.split(key, 3)
+    w, A_log, dt_bias = fe_params(kp, dt)
+    wn = mx.ones((D,), dt)
+    for B in (1, 2):
+        key, k1, k2, k3 = mx.random.split(key, 4)
+        qkv = mx.random.normal((B, 1, C), key=k1).astype(dt)
+        z = mx.random.normal((B, 1, HV * D), key=k2).astype(dt)
+        a = mx.random.normal((B, 1, HV), key=k3).astype(dt)
+        NL = 30
+        states = [0.1 * mx.random.normal((B, HV, D, D)) for _ in range(NL)]
+        convs = [mx.random.normal((B, 3, C)).astype(dt) for _ in range(NL)]
+        mx.eval(qkv, z, a, states, convs)
+
+        def token():
+            outs = []
+            for i in range(NL):
+                o, c_, s_ = gated_delta_decode(qkv, z, a, a, w, convs[i], A_log, dt_bias, wn, states[i],
+                                               num_k_heads=HK, num_v_heads=HV)
+                outs += [o, c_, s_]
+            return outs
+
+        t = timeit(token, n=20, batch=1)
+        res["timings"][f"decode B={B}: 30 layers, eval per token (per layer)"] = t / NL
+
+        def chain():  # one layer, 50 steps, each step's state feeds the next
+            s_, c_ = states[0], convs[0]
+            for _ in range(50):
+                o, c_, s_ = gated_delta_decode(qkv, z, a, a, w, c_, A_log, dt_bias, wn, s_, num_k_heads=HK,
+                                               num_v_heads=HV)
+            return o, s_
+
+        res["timings"][f"decode B={B}: 50 chained steps (per step)"] = timeit(chain, n=10) / 50
+    # stock-like composition for one decode layer (ops reference path), B=1
+    try:
+        from mlx_qwen_fast.ops.gated_delta import gated_delta_recurrent
+        import mlx.nn as nn
+        from mlx_lm.models.gated_delta import compute_g, normalize_qk
+
+        conv = nn.Conv1d(C, C, 4, groups=C, bias=False)
+        conv.weight = w
+        B = 1
+        qkv1 = qkv[:1]
+        z1 = z[:1].reshape(1, 1, HV, D)
+        a1 = a[:1]
+
+        def stock_layer():
+            x = mx.concatenate([convs[0][:1], qkv1], axis=1)
+            o = nn.silu(conv(x))
+            q, k, v = mx.split(o, [HK * D, 2 * HK * D], -1)
+            q, k = normalize_qk(q.reshape(1, 1, HK, D), k.reshape(1, 1, HK, D), inv_scale=D**-0.5, eps=1e-6)
+            y, s = gated_delta_recurrent(q, k, v.reshape(1, 1, HV, D), compute_g(A_log, a1, dt_bias), mx.sigmoid(a1),
+                                         states[0][:1])
+            return ref_norm(y, z1, wn, 1e-6), x[:, -3:], s
+
+        res["timings"]["decode B=1: plain-ops layer (ops.recurrent + mlx-lm glue)"] = timeit(stock_layer, n=20)
+    except Exception as e:  # noqa: BLE001
+        log(f"[decode] stock timing skipped: {e!r}")
+    for kk, t in res["timings"].items():
+        log(f"[decode] {kk}: {t * 1e6:.1f} us")
+    return res
+
+
+# --------------------------------------------------------------------------
+# driver
+# --------------------------------------------------------------------------
+
+_LOG = None
+
+
+def log(msg):
+    print(msg, flush=True)
+    if _LOG is not None:
+        with open(_LOG, "a") as f:
+            f.write(msg + "\n")
+
+
+SECTIONS = {"build": section_build, "scan": section_scan, "frontend": section_frontend, "decode": section_decode}
+
+
+def main():
+    global _LOG
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--section", choices=list(SECTIONS), help="run one section in this process")
+    ap.add_argument("--sections", default="build,scan,frontend,decode")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--quick", action="store_true", help="T up to 1000 only")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _LOG = str(out / "gdn_cuda.log")
+    if args.section:
+        t0 = time.perf_counter()
+        r = SECTIONS[args.section](args)
+        r["section_seconds"] = time.perf_counter() - t0
+        (out / f"gdn_{args.section}.json").write_text(json.dumps(r, indent=1, default=str))
+        return
+    results = {}
+    for name in args.sections.split(","):
+        t0 = time.perf_counter()
+        cmd = [sys.executable, __file__, "--section", name, "--out", str(out)] + (["--quick"] if args.quick else [])
+        rc = subprocess.run(cmd).returncode
+        log(f"== section {name}: rc={rc} ({time.perf_counter() - t0:.1f} s)")
+        p = out / f"gdn_{name}.json"
+        results[name] = json.loads(p.read_text()) if p.exists() else {"rc": rc}
+    summary(results)
+
+
+def summary(results):
+    lines = ["", "=== GDN CUDA kernels: summary ==="]
+    b = results.get("build", {})
+    for label in ("first_use", "cached"):
+        r = b.get(label, {})
+        if r:
+            fc = r.get("first_call", {})
+            lines.append(
+                f"start-up {label:9s}: process {r.get('process_wall', 0):.2f}s, import mlx {r.get('import_mlx', 0):.2f}s, "
+                + ", ".join(f"{k} {v:.2f}s" for k, v in fc.items())
+                + f" [{r.get('compiler')}]"
+            )
+    if "mx_fast_cuda_kernel_first_call_s" in b:
+        lines.append(f"mx.fast.cuda_kernel trivial first call: {b['mx_fast_cuda_kernel_first_call_s']:.2f}s")
+    for name in ("scan", "frontend", "decode"):
+        r = results.get(name, {})
+        ch = r.get("checks", [])
+        bad = [c for c in ch if not c.get("ok")]
+        lines.append(f"{name}: {len(ch) - len(bad)}/{len(ch)} checks pass" + (f"  FAILED: {bad[:3]}" if bad else ""))
+        worst = {}
+        for c in ch:
+            for kk, v in c.items():
+                if kk.endswith("_rel") or kk == "rel":
+                    tag = (c.get("dtype"), kk)
+                    worst[tag] = max(worst.get(tag, 0.0), v if isinstance(v, float) else 0.0)
+        if worst:
+            lines.append("   worst rel err: " + ", ".join(f"{d.split('.')[-1]}:{kk}={v:.1e}" for (d, kk), v in sorted(worst.items(), key=str)))
+        for kk, t in r.get("timings", {}).items():
+            lines.append(f"   {kk:70s} {t * 1e3:9.4f} ms")
+    print("\n".join(lines))
+    if _LOG:
+        with open(_LOG, "a") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,206 @@
+// Shared device helpers for the Gated DeltaNet CUDA kernels.
+//
+// Self-contained on purpose: it needs no CUDA header, so NVRTC compiles the
+// kernels with no include path (the mlx-cuda wheel ships no CUDA headers) and
+// nvcc compiles the same text for the register/spill report.
+//
+// Element types: activations may be bf16_t, f16_t or float (chosen per build by
+// a -D macro); every kernel computes in fp32 and rounds once on store.
+#pragma once
+
+typedef unsigned short gdn_u16;
+
+struct bf16_t {
+  gdn_u16 x;
+};
+struct f16_t {
+  gdn_u16 x;
+};
+
+// ---- scalar conversions -----------------------------------------------------
+
+__device__ __forceinline__ float to_f(float v) {
+  return v;
+}
+__device__ __forceinline__ float to_f(bf16_t v) {
+  return __uint_as_float(((unsigned)v.x) << 16);
+}
+__device__ __forceinline__ float to_f(f16_t v) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.x));
+  return f;
+}
+
+template <typename T>
+struct Cvt;
+template <>
+struct Cvt<float> {
+  static __device__ __forceinline__ float from(float v) {
+    return v;
+  }
+};
+template <>
+struct Cvt<bf16_t> {
+  static __device__ __forceinline__ bf16_t from(float v) {
+    bf16_t r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.x) : "f"(v));
+    return r;
+  }
+};
+template <>
+struct Cvt<f16_t> {
+  static __device__ __forceinline__ f16_t from(float v) {
+    f16_t r;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.x) : "f"(v));
+    return r;
+  }
+};
+
+// Round to T and convert back: the value a T-typed intermediate would hold.
+template <typename T>
+__device__ __forceinline__ float from_f_round(float v) {
+  return to_f(Cvt<T>::from(v));
+}
+
+template <typename T>
+__device__ __forceinline__ T from_f(float v) {
+  return Cvt<T>::from(v);
+}
+
+// ---- 16-byte vector loads/stores: 8 elements of a 2-byte type, 4 floats -----
+
+template <typename T>
+struct Vec16 {
+  static constexpr int N = 16 / sizeof(T);
+};
+
+__device__ __forceinline__ void unpack_bf16x2(unsigned w, float& lo, float& hi) {
+  lo = __uint_as_float(w << 16);
+  hi = __uint_as_float(w & 0xffff0000u);
+}
+__device__ __forceinline__ void unpack_f16x2(unsigned w, float& lo, float& hi) {
+  gdn_u16 a = (gdn_u16)(w & 0xffffu), b = (gdn_u16)(w >> 16);
+  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(a));
+  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(b));
+}
+
+__device__ __forceinline__ void load16(const float* p, float* o) {
+  float4 u = *reinterpret_cast<const float4*>(p);
+  o[0] = u.x;
+  o[1] = u.y;
+  o[2] = u.z;
+  o[3] = u.w;
+}
+__device__ __forceinline__ void load16(const bf16_t* p, float* o) {
+  uint4 u = *reinterpret_cast<const uint4*>(p);
+  unpack_bf16x2(u.x, o[0], o[1]);
+  unpack_bf16x2(u.y, o[2], o[3]);
+  unpack_bf16x2(u.z, o[4], o[5]);
+  unpack_bf16x2(u.w, o[6], o[7]);
+}
+__device__ __forceinline__ void load16(const f16_t* p, float* o) {
+  uint4 u = *reinterpret_cast<const uint4*>(p);
+  unpack_f16x2(u.x, o[0], o[1]);
+  unpack_f16x2(u.y, o[2], o[3]);
+  unpack_f16x2(u.z, o[4], o[5]);
+  unpack_f16x2(u.w, o[6], o[7]);
+}
+
+// 8-byte loads: 4 elements of a 2-byte type (or 2 floats).
+__device__ __forceinline__ void load8(const bf16_t* p, float* o) {
+  uint2 u = *reinterpret_cast<const uint2*>(p);
+  unpack_bf16x2(u.x, o[0], o[1]);
+  unpack_bf16x2(u.y, o[2], o[3]);
+}
+__device__ __forceinline__ void load8(const f16_t* p, float* o) {
+  uint2 u = *reinterpret_cast<const uint2*>(p);
+  unpack_f16x2(u.x, o[0], o[1]);
+  unpack_f16x2(u.y, o[2], o[3]);
+}
+
+// Four consecutive elements of any type, as floats (16 B for float, 8 B else).
+__device__ __forceinline__ void load4(const float* p, float* o) {
+  load16(p, o);
+}
+__device__ __forceinline__ void load4(const bf16_t* p, float* o) {
+  load8(p, o);
+}
+__device__ __forceinline__ void load4(const f16_t* p, float* o) {
+  load8(p, o);
+}
+
+__device__ __forceinline__ unsigned pack2(bf16_t a, bf16_t b) {
+  return (unsigned)a.x | ((unsigned)b.x << 16);
+}
+__device__ __forceinline__ unsigned pack2(f16_t a, f16_t b) {
+  return (unsigned)a.x | ((unsigned)b.x << 16);
+}
+
+// Store four consecutive elements (rounded to T from fp32).
+__device__ __forceinline__ void store4(float* p, const float* v) {
+  *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+template <typename T>
+__device__ __forceinline__ void store4(T* p, const float* v) {
+  uint2 u;
+  u.x = pack2(Cvt<T>::from(v[0]), Cvt<T>::from(v[1]));
+  u.y = pack2(Cvt<T>::from(v[2]), Cvt<T>::from(v[3]));
+  *reinterpret_cast<uint2*>(p) = u;
+}
+
+// ---- warp reductions ------------------------------------------------------
+
+template <int WIDTH = 32>
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = WIDTH / 2; o > 0; o >>= 1) {
+    v += __shfl_xor_sync(0xffffffffu, v, o);
+  }
+  return v;
+}
+
+// ---- asynchronous global -> shared copies (sm_80+) -------------------------
+
+__device__ __forceinline__ unsigned smem_addr(const void* p) {
+  return (unsigned)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  asm volatile(
+      "cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)),
+      "l"(gmem));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  asm volatile(
+      "cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(smem)),
+      "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+// ---- activation helpers -----------------------------------------------------
+
+__device__ __forceinline__ float silu_f(float x) {
+  return x / (1.0f + expf(-x));
+}
+__device__ __forceinline__ float sigmoid_f(float x) {
+  return 1.0f / (1.0f + expf(-x));
+}
+// log(1 + exp(x)) computed as MLX's logaddexp(x, 0) does.
+__device__ __forceinline__ float softplus_f(float x) {
+  return fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x)));
+}
+
+// ---- compile-time type choice ------------------------------------------------
+
+template <bool C, typename A, typename B>
+struct Pick {
+  typedef A type;
+};
+template <typename A, typename B>
+struct Pick<false, A, B> {
+  typedef B type;
+};

@@ -1,0 +1,23 @@
+"""Fused CUDA kernels, one kernel per file (like mlx-lm's own ``mlx_lm/kernels``).
+
+Each module holds one kernel: a docstring saying what it fuses, ``supports()``
+(whether a call can use it; never compiles) and a thin typed wrapper.  The
+kernel sources live in ``mlx_qwen_fast/cuda/*.cu``; ``_cuda_build`` compiles
+them once per machine (NVRTC, disk cache of cubins) and launches them with
+``mx.fast.precompiled_cuda_kernel``.
+
+Importing this package needs only MLX; nothing is compiled until a kernel is
+first called on a CUDA device.
+
+Modules (each exposes the wrapper of the same name and ``supports``):
+
+- ``gated_delta_scan``      prefill recurrence (state in registers)
+- ``gated_delta_frontend``  conv + SiLU + q/k L2 norm + gates (prefill)
+- ``gated_rms_norm``        output gated RMSNorm with z
+- ``gated_delta_decode``    the whole GDN layer step for T = 1
+
+Import them by module path, e.g.
+``from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan, supports``
+(the package does not re-export the functions: a function named like its
+module would hide the module's ``supports``).
+"""

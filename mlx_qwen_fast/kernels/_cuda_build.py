@@ -1,0 +1,476 @@
+"""Build CUDA kernels once per machine and launch them through MLX.
+
+The one place where the package turns CUDA source (``mlx_qwen_fast/cuda/*.cu``)
+into machine code.  Every CUDA kernel of the package is built here:
+
+1. The source file is read and compiled with NVRTC (the ``libnvrtc`` that MLX's
+   CUDA backend itself loaded, else one found on disk; ``nvcc`` as a last
+   resort) for the GPU's exact architecture (``sm_90a`` on Hopper), with the
+   kernel's configuration passed as ``-D`` macros.
+2. The cubin is cached on disk under ``$MLX_QWEN_FAST_CACHE`` or
+   ``$XDG_CACHE_HOME/mlx_qwen_fast`` (default ``~/.cache/mlx_qwen_fast``),
+   keyed by a hash of the source and headers, the options, the GPU
+   architecture, the compiler version and the MLX version.  A second process
+   (or a second run of the same program) loads the cubin instead of compiling.
+3. Launches go through ``mx.fast.precompiled_cuda_kernel``: the kernel is an
+   ``extern "C" __global__`` function whose parameters are the input arrays,
+   the output arrays, then int/float scalars (MLX's calling convention for
+   precompiled kernels).  Float scalars are rounded to fp32 here (MLX rejects
+   a Python float that is not exactly an fp32 value).
+
+Kernel names: MLX caches loaded modules by kernel name for the life of the
+process, so every distinct build (source + options) gets its own name:
+``<base>_<hash>``, passed to the source as the ``KNAME`` macro.
+
+Sources must be self-contained: NVRTC runs with no include path (the mlx-cuda
+wheel ships no CUDA headers), so kernels include only this package's own
+``*.cuh`` files from ``mlx_qwen_fast/cuda/``, which are handed to NVRTC as
+in-memory headers.
+
+Environment:
+  MLX_QWEN_FAST_CACHE   cache directory (overrides XDG_CACHE_HOME)
+  MLX_QWEN_FAST_NVRTC   path of a libnvrtc to use
+  MLX_QWEN_FAST_ARCH    target such as "sm_90a" instead of asking the driver
+  MLX_QWEN_FAST_POISON  "1": fill kernel outputs with NaN before each launch
+                        (tests; shows elements a kernel failed to write)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+__all__ = [
+    "CUDA_SOURCE_DIR",
+    "CudaKernel",
+    "build_stats",
+    "cache_dir",
+    "cuda_available",
+    "gpu_arch",
+    "set_poison",
+]
+
+CUDA_SOURCE_DIR = Path(__file__).resolve().parent.parent / "cuda"
+
+_lock = threading.Lock()
+_POISON = os.environ.get("MLX_QWEN_FAST_POISON", "") == "1"
+
+#: Per-kernel build records: name -> dict(seconds, source="compiled"|"cache").
+build_stats: Dict[str, dict] = {}
+
+
+def set_poison(on: bool) -> None:
+    """Fill every output with NaN before each launch (tests only: costs a pass)."""
+    global _POISON
+    _POISON = bool(on)
+
+
+def cuda_available() -> bool:
+    """True when MLX's default device is a CUDA GPU."""
+    try:
+        import mlx.core as mx
+    except ImportError:
+        return False
+    cuda = getattr(mx, "cuda", None)
+    if cuda is None or not cuda.is_available():
+        return False
+    return mx.default_device() == mx.gpu
+
+
+def cache_dir() -> Path:
+    """Directory of the cubin cache (created on first write)."""
+    d = os.environ.get("MLX_QWEN_FAST_CACHE")
+    if d:
+        return Path(d)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
+        os.path.expanduser("~"), ".cache"
+    )
+    return Path(base) / "mlx_qwen_fast"
+
+
+# ---------------------------------------------------------------------------
+# GPU architecture (CUDA driver API through ctypes)
+# ---------------------------------------------------------------------------
+
+_arch: Optional[Tuple[int, int]] = None
+
+
+def gpu_arch() -> Tuple[int, int]:
+    """(major, minor) compute capability of CUDA device 0 (MLX's GPU)."""
+    global _arch
+    if _arch is None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        if lib.cuInit(0) != 0:
+            raise RuntimeError("cuInit failed: no usable CUDA driver")
+        dev = ctypes.c_int()
+        if lib.cuDeviceGet(ctypes.byref(dev), 0) != 0:
+            raise RuntimeError("cuDeviceGet(0) failed")
+        major, minor = ctypes.c_int(), ctypes.c_int()
+        # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR / _MINOR
+        lib.cuDeviceGetAttribute(ctypes.byref(major), 75, dev)
+        lib.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev)
+        _arch = (major.value, minor.value)
+    return _arch
+
+
+def _arch_option() -> str:
+    forced = os.environ.get("MLX_QWEN_FAST_ARCH")
+    if forced:  # e.g. "sm_90a": build without a GPU (cache warming, CI)
+        return forced
+    major, minor = gpu_arch()
+    # sm_90a: the arch-specific Hopper target (wgmma, setmaxnreg); plain sm_XY
+    # elsewhere.
+    suffix = "a" if (major, minor) == (9, 0) else ""
+    return f"sm_{major}{minor}{suffix}"
+
+
+# ---------------------------------------------------------------------------
+# NVRTC
+# ---------------------------------------------------------------------------
+
+
+def _nvrtc_candidates() -> List[str]:
+    """Places to look for libnvrtc, best first."""
+    out: List[str] = []
+    env = os.environ.get("MLX_QWEN_FAST_NVRTC")
+    if env:
+        out.append(env)
+    # The library MLX's CUDA backend already loaded (its exact version).
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                m = re.search(r"(/\S*libnvrtc\.so[.\d]*)$", line.strip())
+                if m and "builtins" not in m.group(1):
+                    out.append(m.group(1))
+    except OSError:
+        pass
+    # By soname (also returns an already-loaded copy).
+    out += ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
+    # pip's nvidia-cuda-nvrtc packages, next to mlx and on sys.path.
+    roots = list(sys.path)
+    try:
+        import mlx
+
+        roots.insert(0, str(Path(mlx.__file__).resolve().parent.parent))
+    except Exception:
+        pass
+    for root in roots:
+        for sub in ("nvidia/cu13/lib", "nvidia/cuda_nvrtc/lib", "nvidia/cu12/lib"):
+            out += sorted(glob.glob(os.path.join(root, sub, "libnvrtc.so*")))
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(var):
+            out += sorted(glob.glob(os.path.join(os.environ[var], "lib64", "libnvrtc.so*")))
+    out += sorted(glob.glob("/usr/local/cuda/lib64/libnvrtc.so*"))
+    found = ctypes.util.find_library("nvrtc")
+    if found:
+        out.append(found)
+    return [p for p in out if "builtins" not in p and "alt" not in os.path.basename(p)]
+
+
+class _Nvrtc:
+    def __init__(self, lib: ctypes.CDLL, path: str):
+        self.lib = lib
+        self.path = path
+        c = ctypes
+        lib.nvrtcGetErrorString.restype = c.c_char_p
+        major, minor = c.c_int(), c.c_int()
+        lib.nvrtcVersion(c.byref(major), c.byref(minor))
+        self.version = (major.value, minor.value)
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            msg = self.lib.nvrtcGetErrorString(rc).decode()
+            raise RuntimeError(f"{what} failed: {msg}")
+
+    def compile(
+        self, source: str, name: str, headers: Dict[str, str], options: List[str]
+    ) -> bytes:
+        c = ctypes
+        prog = c.c_void_p()
+        hn = list(headers)
+        h_src = (c.c_char_p * len(hn))(*[headers[n].encode() for n in hn])
+        h_names = (c.c_char_p * len(hn))(*[n.encode() for n in hn])
+        self._check(
+            self.lib.nvrtcCreateProgram(
+                c.byref(prog), source.encode(), (name + ".cu").encode(),
+                len(hn), h_src, h_names,
+            ),
+            "nvrtcCreateProgram",
+        )
+        try:
+            opts = (c.c_char_p * len(options))(*[o.encode() for o in options])
+            rc = self.lib.nvrtcCompileProgram(prog, len(options), opts)
+            if rc != 0:
+                size = c.c_size_t()
+                self.lib.nvrtcGetProgramLogSize(prog, c.byref(size))
+                log = c.create_string_buffer(size.value + 1)
+                self.lib.nvrtcGetProgramLog(prog, log)
+                raise RuntimeError(
+                    f"NVRTC failed to compile {name}:\n{log.value.decode(errors='replace')}"
+                )
+            size = c.c_size_t()
+            self._check(self.lib.nvrtcGetCUBINSize(prog, c.byref(size)), "nvrtcGetCUBINSize")
+            buf = c.create_string_buffer(size.value)
+            self._check(self.lib.nvrtcGetCUBIN(prog, buf), "nvrtcGetCUBIN")
+            return buf.raw[: size.value]
+        finally:
+            self.lib.nvrtcDestroyProgram(c.byref(prog))
+
+
+_nvrtc: Optional[_Nvrtc] = None
+_nvrtc_searched = False
+
+
+def _get_nvrtc() -> Optional[_Nvrtc]:
+    global _nvrtc, _nvrtc_searched
+    if not _nvrtc_searched:
+        _nvrtc_searched = True
+        for cand in _nvrtc_candidates():
+            try:
+                lib = ctypes.CDLL(cand)
+                lib.nvrtcVersion  # noqa: B018 -- attribute check
+            except (OSError, AttributeError):
+                continue
+            _preload_builtins(cand)
+            _nvrtc = _Nvrtc(lib, cand)
+            break
+    return _nvrtc
+
+
+def _loaded_path(soname_prefix: str) -> Optional[str]:
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                p = line.strip().split()[-1]
+                if os.path.basename(p).startswith(soname_prefix):
+                    return p
+    except OSError:
+        pass
+    return None
+
+
+def _preload_builtins(nvrtc_path: str) -> None:
+    """Load libnvrtc-builtins from libnvrtc's own folder.
+
+    NVRTC dlopens its builtins library by soname at the first compile; a pip
+    install (nvidia/cu13/lib) is not on the loader's search path, so load it
+    here first (a later dlopen by soname finds the loaded copy).
+    """
+    path = nvrtc_path if os.path.isabs(nvrtc_path) else _loaded_path("libnvrtc.so")
+    if not path:
+        return
+    for cand in sorted(glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so*"))):
+        if ".alt." in os.path.basename(cand):
+            continue
+        try:
+            ctypes.CDLL(cand, mode=ctypes.RTLD_GLOBAL)
+            return
+        except OSError:
+            continue
+
+
+def compiler_id() -> str:
+    """Which compiler builds kernels here, e.g. ``nvrtc-13.0`` or ``nvcc``."""
+    nv = _get_nvrtc()
+    if nv is not None:
+        return f"nvrtc-{nv.version[0]}.{nv.version[1]}"
+    if shutil.which("nvcc"):
+        return "nvcc-" + _nvcc_version()
+    return "none"
+
+
+def _nvcc_version() -> str:
+    try:
+        out = subprocess.run(["nvcc", "--version"], capture_output=True, text=True).stdout
+        m = re.search(r"release ([\d.]+)", out)
+        return m.group(1) if m else "?"
+    except OSError:
+        return "?"
+
+
+def _compile_nvcc(source_path: Path, options: List[str], arch: str) -> bytes:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "k.cubin")
+        num = arch[3:]
+        cmd = [
+            "nvcc", "-cubin", "-std=c++17", "-O3",
+            f"-gencode=arch=compute_{num},code={arch}",
+            f"-I{source_path.parent}", "-o", out, str(source_path),
+        ] + [o for o in options if o.startswith("-D")]
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"nvcc failed for {source_path.name}:\n{r.stderr}")
+        return Path(out).read_bytes()
+
+
+# ---------------------------------------------------------------------------
+# sources, cache, kernels
+# ---------------------------------------------------------------------------
+
+
+def _read_sources(filename: str) -> Tuple[str, Dict[str, str]]:
+    src = (CUDA_SOURCE_DIR / filename).read_text()
+    headers = {p.name: p.read_text() for p in sorted(CUDA_SOURCE_DIR.glob("*.cuh"))}
+    return src, headers
+
+
+def _mlx_version() -> str:
+    try:
+        import mlx.core as mx
+
+        return mx.__version__
+    except Exception:
+        return "?"
+
+
+_cubins: Dict[str, bytes] = {}
+
+
+@dataclass
+class CudaKernel:
+    """One compiled configuration of one kernel source file.
+
+    Args:
+      filename: source file in ``mlx_qwen_fast/cuda/`` (e.g. "gated_delta_scan.cu").
+      base_name: stem of the kernel's symbol; the built kernel is
+        ``<base_name>_<hash>`` (the source receives it as ``KNAME``).
+      defines: configuration macros, ``{"GDN_HV": 32, ...}``.
+    """
+
+    filename: str
+    base_name: str
+    defines: Dict[str, object] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self._src, self._headers = _read_sources(self.filename)
+        defs = [f"-D{k}={v}" for k, v in sorted(self.defines.items())]
+        self._base_opts = ["-std=c++17"] + defs
+        h = hashlib.sha256()
+        h.update(self._src.encode())
+        for n, t in sorted(self._headers.items()):
+            h.update(n.encode() + t.encode())
+        h.update(" ".join(self._base_opts).encode())
+        self.name = f"{self.base_name}_{h.hexdigest()[:12]}"
+        self._cubin: Optional[bytes] = None
+
+    def _cache_key(self, arch: str, comp: str) -> str:
+        h = hashlib.sha256()
+        for part in (self.name, self._src, arch, comp, _mlx_version(), " ".join(self._base_opts)):
+            h.update(part.encode())
+            h.update(b"\0")
+        for n, t in sorted(self._headers.items()):
+            h.update(n.encode() + b"\0" + t.encode())
+        return h.hexdigest()[:32]
+
+    @property
+    def cubin(self) -> bytes:
+        """The compiled kernel, from memory, the disk cache, or a fresh build."""
+        if self._cubin is not None:
+            return self._cubin
+        with _lock:
+            if self.name in _cubins:
+                self._cubin = _cubins[self.name]
+                return self._cubin
+            t0 = time.perf_counter()
+            arch = _arch_option()
+            comp = compiler_id()
+            key = self._cache_key(arch, comp)
+            path = cache_dir() / f"{self.name}-{arch}-{key}.cubin"
+            data = None
+            if path.is_file():
+                try:
+                    data = path.read_bytes()
+                    origin = "cache"
+                except OSError:
+                    data = None
+            if data is None:
+                data = self._compile(arch)
+                origin = "compiled"
+                try:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+                    with os.fdopen(fd, "wb") as f:
+                        f.write(data)
+                    os.replace(tmp, path)
+                except OSError:
+                    pass  # a read-only cache only costs the next process a compile
+            build_stats[self.name] = {
+                "seconds": time.perf_counter() - t0,
+                "source": origin,
+                "compiler": comp,
+                "arch": arch,
+            }
+            _cubins[self.name] = data
+            self._cubin = data
+            return data
+
+    def _compile(self, arch: str) -> bytes:
+        opts = [f"--gpu-architecture={arch}", f"-DKNAME={self.name}"] + self._base_opts
+        nv = _get_nvrtc()
+        if nv is not None:
+            return nv.compile(self._src, self.name, self._headers, opts)
+        if shutil.which("nvcc"):
+            return _compile_nvcc(CUDA_SOURCE_DIR / self.filename, opts, arch)
+        raise RuntimeError(
+            "No CUDA compiler found: need libnvrtc (pip package nvidia-cuda-nvrtc, "
+            "which mlx[cuda13] installs) or nvcc on PATH; set MLX_QWEN_FAST_NVRTC "
+            "to a libnvrtc.so path to choose one."
+        )
+
+    def __call__(
+        self,
+        inputs: Sequence,
+        output_shapes: Sequence[Tuple[int, ...]],
+        output_dtypes: Sequence,
+        grid: Tuple[int, int, int],
+        threadgroup: Tuple[int, int, int],
+        scalars: Sequence = (),
+        shared_memory: int = 0,
+    ) -> List:
+        """Launch; ``grid`` counts threads (MLX's convention), not blocks."""
+        import mlx.core as mx
+
+        sc = []
+        for s in scalars:
+            if isinstance(s, bool) or isinstance(s, (int, np.integer)):
+                sc.append(int(s) if not isinstance(s, bool) else s)
+            else:
+                sc.append(float(np.float32(s)))
+        return mx.fast.precompiled_cuda_kernel(
+            name=self.name,
+            compiled_source=self.cubin,
+            inputs=list(inputs),
+            output_shapes=[tuple(s) for s in output_shapes],
+            output_dtypes=list(output_dtypes),
+            scalars=sc,
+            grid=tuple(grid),
+            threadgroup=tuple(threadgroup),
+            shared_memory=int(shared_memory),
+            init_value=float("nan") if _POISON else None,
+            ensure_row_contiguous=True,
+        )
+
+
+def dtype_macro(dtype) -> str:
+    """C type of an MLX float dtype in the kernel sources (gdn_common.cuh)."""
+    import mlx.core as mx
+
+    table = {mx.bfloat16: "bf16_t", mx.float16: "f16_t", mx.float32: "float"}
+    if dtype not in table:
+        raise ValueError(f"unsupported dtype {dtype}: expected bfloat16, float16 or float32")
+    return table[dtype]

@@ -1,0 +1,160 @@
+"""Gated DeltaNet decode step on CUDA: one kernel per layer and token.
+
+Fuses everything of mlx-lm's ``GatedDeltaNet.__call__`` (mlx_lm/models/
+qwen3_5.py) between the input projections and ``out_proj`` for T = 1: conv
+state update, depthwise conv + SiLU, q/k L2 normalisation, gates, the gated
+delta rule state update and readout, and the gated RMSNorm with z -- one
+graph node instead of ~40.  Each block owns one (batch, value head) and issues
+its 64 KB of state loads before the front-end arithmetic so the two overlap.
+Source: ``mlx_qwen_fast/cuda/gated_delta_decode.cu``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import mlx.core as mx
+
+from . import _cuda_build as cb
+
+__all__ = ["gated_delta_decode", "supports"]
+
+D = 128
+KW = 4
+_FLOAT = (mx.bfloat16, mx.float16, mx.float32)
+_kernels: Dict[tuple, cb.CudaKernel] = {}
+
+
+def supports(
+    qkv: mx.array,
+    state: Optional[mx.array],
+    *,
+    num_k_heads: int,
+    num_v_heads: int,
+    head_k_dim: int = D,
+    head_v_dim: int = D,
+    mask: Optional[mx.array] = None,
+) -> bool:
+    """True when :func:`gated_delta_decode` can run this call.
+
+    Needs the CUDA backend, one token (qkv [B, 1, C] or [B, C]), head dims
+    128, Hv a multiple of Hk, a float32 state [B, Hv, 128, 128] (or None) and
+    no mask.
+    """
+    if not cb.cuda_available() or mask is not None:
+        return False
+    try:
+        if head_k_dim != D or head_v_dim != D or num_k_heads <= 0 or num_v_heads % num_k_heads:
+            return False
+        C = (2 * num_k_heads + num_v_heads) * D
+        if qkv.dtype not in _FLOAT or qkv.shape[-1] != C:
+            return False
+        if not (qkv.ndim == 2 or (qkv.ndim == 3 and qkv.shape[1] == 1)):
+            return False
+        B = qkv.shape[0]
+        if state is not None and (state.shape != (B, num_v_heads, D, D) or state.dtype != mx.float32):
+            return False
+    except AttributeError:
+        return False
+    return True
+
+
+def gated_delta_decode(
+    qkv: mx.array,
+    z: mx.array,
+    a: mx.array,
+    b: mx.array,
+    conv_weight: mx.array,
+    conv_state: Optional[mx.array],
+    A_log: mx.array,
+    dt_bias: mx.array,
+    norm_weight: mx.array,
+    state: Optional[mx.array],
+    *,
+    num_k_heads: int,
+    num_v_heads: int,
+    norm_eps: float = 1e-6,
+    qk_eps: float = 1e-6,
+) -> Tuple[mx.array, mx.array, mx.array]:
+    """One decode step of a Gated DeltaNet layer, up to ``out_proj``.
+
+    Args:
+      qkv: [B, 1, C] (or [B, C]) ``in_proj_qkv`` output, C = (2 Hk + Hv) * 128.
+      z: [B, 1, Hv*128] (or [B, 1, Hv, 128], [B, Hv*128]) ``in_proj_z`` output.
+      a, b: [B, 1, Hv] (or [B, Hv]) ``in_proj_a`` / ``in_proj_b`` outputs.
+      conv_weight: ``conv1d.weight`` [C, 4, 1] (or [C, 4]).
+      conv_state: [B, 3, C] previous conv inputs, or None for zeros.
+      A_log, dt_bias: [Hv]; norm_weight: [128] (the gated norm's weight).
+      state: [B, Hv, 128, 128] float32 recurrent state, or None for zeros.
+      num_k_heads, num_v_heads: Hk, Hv.
+      norm_eps: the gated RMSNorm's eps (``rms_norm_eps``).
+      qk_eps: the q/k L2-norm eps (mlx-lm: 1e-6).
+
+    Returns:
+      (out [B, 1, Hv*128] in qkv's dtype -- the input of ``out_proj`` --,
+       new conv state [B, 3, C] in qkv's dtype,
+       new state [B, Hv, 128, 128] float32).
+
+    Raises:
+      ValueError: shapes/dtypes outside the above (names the argument).
+      RuntimeError: no CUDA compiler could build the kernel.
+    """
+    Hk, Hv = num_k_heads, num_v_heads
+    if Hk <= 0 or Hv % Hk:
+        raise ValueError(f"num_v_heads ({Hv}) must be a multiple of num_k_heads ({Hk})")
+    C = (2 * Hk + Hv) * D
+    if qkv.dtype not in _FLOAT or qkv.shape[-1] != C or not (
+        qkv.ndim == 2 or (qkv.ndim == 3 and qkv.shape[1] == 1)
+    ):
+        raise ValueError(f"qkv must be a float array of shape [B, 1, {C}], got {qkv.dtype} {tuple(qkv.shape)}")
+    B = qkv.shape[0]
+    x = qkv.dtype
+    if z.size != B * Hv * D:
+        raise ValueError(f"z must have shape [{B}, 1, {Hv * D}], got {tuple(z.shape)}")
+    for name, t in (("a", a), ("b", b)):
+        if t.size != B * Hv:
+            raise ValueError(f"{name} must have shape [{B}, 1, {Hv}], got {tuple(t.shape)}")
+    if conv_weight.size != C * KW or conv_weight.dtype not in _FLOAT:
+        raise ValueError(f"conv_weight must have shape [{C}, {KW}, 1] (float), got {tuple(conv_weight.shape)}")
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if t.shape != (Hv,) or t.dtype not in _FLOAT:
+            raise ValueError(f"{name} must have shape [{Hv}] (float), got {t.dtype} {tuple(t.shape)}")
+    if norm_weight.shape != (D,) or norm_weight.dtype not in _FLOAT:
+        raise ValueError(f"norm_weight must have shape [{D}] (float), got {tuple(norm_weight.shape)}")
+    if conv_state is None:
+        conv_state = mx.zeros((B, KW - 1, C), dtype=x)
+    elif conv_state.shape != (B, KW - 1, C):
+        raise ValueError(f"conv_state must have shape [{B}, {KW - 1}, {C}], got {tuple(conv_state.shape)}")
+    if state is None:
+        state = mx.zeros((B, Hv, D, D), dtype=mx.float32)
+    elif state.shape != (B, Hv, D, D) or state.dtype != mx.float32:
+        raise ValueError(
+            f"state must be float32 of shape [{B}, {Hv}, {D}, {D}], got {state.dtype} {tuple(state.shape)}"
+        )
+    # The kernel reads these in the activation dtype; astype is free when
+    # they already are (the usual case).
+    z, a, b, conv_state = (t.astype(x) for t in (z, a, b, conv_state))
+    key = (x, conv_weight.dtype, A_log.dtype, dt_bias.dtype, norm_weight.dtype, Hv, Hk)
+    kern = _kernels.get(key)
+    if kern is None:
+        kern = cb.CudaKernel(
+            "gated_delta_decode.cu", "mqf_gdn_decode",
+            dict(
+                GDN_X=cb.dtype_macro(x), GDN_W=cb.dtype_macro(conv_weight.dtype),
+                GDN_A=cb.dtype_macro(A_log.dtype), GDN_DT=cb.dtype_macro(dt_bias.dtype),
+                GDN_N=cb.dtype_macro(norm_weight.dtype), GDN_HV=Hv, GDN_HK=Hk,
+            ),
+        )
+        _kernels[key] = kern
+    out, new_conv, new_state = kern(
+        inputs=[
+            qkv.reshape(B, C), z.reshape(B, Hv * D), a.reshape(B, Hv), b.reshape(B, Hv),
+            conv_weight.reshape(C, KW), conv_state, A_log, dt_bias, norm_weight, state,
+        ],
+        output_shapes=[(B, 1, Hv * D), (B, KW - 1, C), (B, Hv, D, D)],
+        output_dtypes=[x, x, mx.float32],
+        grid=(B * Hv * 512, 1, 1),
+        threadgroup=(512, 1, 1),
+        scalars=[qk_eps, norm_eps],
+    )
+    return out, new_conv, new_state

@@ -1,0 +1,235 @@
+"""CUDA Gated DeltaNet kernels vs fp32 references (needs an NVIDIA GPU).
+
+Every test is marked ``cuda`` and skipped where MLX has no CUDA backend (CI).
+Run on the GPU machine:
+
+    source .mlxcuda/boot.sh && PYTHONPATH=. python3 -m pytest -q -m cuda tests/test_cuda_gated_delta.py
+
+Outputs are poisoned with NaN before every launch (``set_poison``), inputs are
+fresh random data, and the references are plain MLX ops in float32:
+``ops.gated_delta.gated_delta_recurrent`` for the recurrence, mlx-lm's own
+expressions for the conv / norms / gates.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+_HAS_CUDA = bool(getattr(mx, "cuda", None)) and mx.cuda.is_available()
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not _HAS_CUDA, reason="needs MLX's CUDA backend"),
+]
+
+D, HK, HV = 128, 16, 32
+C = (2 * HK + HV) * D
+
+
+@pytest.fixture(autouse=True)
+def _poison():
+    from mlx_qwen_fast.kernels import _cuda_build as cb
+
+    cb.set_poison(True)
+    yield
+    cb.set_poison(False)
+
+
+def rel(a, b):
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return (mx.linalg.norm((a - b).reshape(-1)) / mx.maximum(mx.linalg.norm(b.reshape(-1)), 1e-30)).item()
+
+
+def finite(*xs):
+    return all(bool(mx.all(mx.isfinite(x.astype(mx.float32))).item()) for x in xs)
+
+
+def reference(q, k, v, g, beta, state, mask=None):
+    f = mx.float32
+    try:
+        from mlx_qwen_fast.ops.gated_delta import gated_delta_recurrent as ref
+    except Exception:  # ops.gated_delta missing or broken: mlx-lm fp32
+        from mlx_lm.models.gated_delta import gated_delta_ops as ref
+    return ref(q.astype(f), k.astype(f), v.astype(f), g, beta, state, mask)
+
+
+def make_scan_inputs(B, T, decay, seed, dtype=mx.bfloat16):
+    ks = mx.random.split(mx.random.key(seed), 6)
+    q = mx.random.normal((B, T, HK, D), key=ks[0])
+    k = mx.random.normal((B, T, HK, D), key=ks[1])
+    q = q / mx.linalg.norm(q, axis=-1, keepdims=True) * D**-0.5
+    k = k / mx.linalg.norm(k, axis=-1, keepdims=True)
+    v = mx.random.normal((B, T, HV, D), key=ks[2])
+    if decay == "strong":
+        g = mx.random.uniform(0.05, 0.6, (B, T, HV), key=ks[3])
+    else:
+        g = 1.0 - mx.random.uniform(1e-4, 1e-2, (B, T, HV), key=ks[3])
+    beta = mx.random.uniform(0, 1, (B, T, HV), key=ks[4])
+    s0 = 0.5 * mx.random.normal((B, HV, D, D), key=ks[5])
+    # bf16-exact values, so fp32 and bf16 kernel runs see the same numbers
+    q, k, v = (x.astype(mx.bfloat16).astype(dtype) for x in (q, k, v))
+    return q, k, v, g, beta, s0
+
+
+# ---------------------------------------------------------------------------
+# scan
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("decay", ["strong", "weak"])
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 3), (2, 64), (1, 65), (2, 300)])
+def test_scan_matches_reference(B, T, decay, dtype):
+    from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan, supports
+
+    q, k, v, g, beta, s0 = make_scan_inputs(B, T, decay, seed=T * 7 + B, dtype=dtype)
+    assert supports(q, k, v, g, beta, s0)
+    y, s = gated_delta_scan(q, k, v, g, beta, s0)
+    yr, sr = reference(q, k, v, g, beta, s0)
+    mx.eval(y, s, yr, sr)
+    assert y.dtype == dtype and s.dtype == mx.float32
+    assert finite(y, s)
+    assert rel(s, sr) < 1e-4
+    assert rel(y, yr) < (1e-4 if dtype == mx.float32 else 1e-2)
+
+
+def test_scan_carry_over_two_calls():
+    from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan
+
+    q, k, v, g, beta, s0 = make_scan_inputs(2, 130, "weak", seed=3)
+    ya, sa = gated_delta_scan(q[:, :67], k[:, :67], v[:, :67], g[:, :67], beta[:, :67], s0)
+    yb, sb = gated_delta_scan(q[:, 67:], k[:, 67:], v[:, 67:], g[:, 67:], beta[:, 67:], sa)
+    yr, sr = reference(q, k, v, g, beta, s0)
+    assert rel(mx.concatenate([ya, yb], axis=1), yr) < 1e-2
+    assert rel(sb, sr) < 1e-4
+
+
+def test_scan_mask_and_zero_state():
+    from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan
+
+    q, k, v, g, beta, _ = make_scan_inputs(2, 40, "strong", seed=11, dtype=mx.float32)
+    mask = mx.array([[False] * 6 + [True] * 34, [True] * 40])
+    y, s = gated_delta_scan(q, k, v, g, beta, None, mask)
+    yr, sr = reference(q, k, v, g, beta, mx.zeros((2, HV, D, D)), mask)
+    assert rel(s, sr) < 1e-4 and rel(y, yr) < 1e-4
+    assert mx.max(mx.abs(y[0, :6])).item() == 0.0
+
+
+def test_scan_rejects_bad_shapes():
+    from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan, supports
+
+    q, k, v, g, beta, s0 = make_scan_inputs(1, 4, "weak", seed=1)
+    with pytest.raises(ValueError, match="beta"):
+        gated_delta_scan(q, k, v, g, beta[:, :, :16], s0)
+    with pytest.raises(ValueError, match="state"):
+        gated_delta_scan(q, k, v, g, beta, s0.astype(mx.bfloat16))
+    q64 = mx.zeros((1, 4, HK, 64), mx.bfloat16)
+    assert not supports(q64, q64, mx.zeros((1, 4, HV, 64), mx.bfloat16), g, beta, None)
+    assert not supports(q, k, v, mx.zeros((1, 4, HV, D)), beta, s0)  # vector gates
+
+
+# ---------------------------------------------------------------------------
+# front end, gated norm
+# ---------------------------------------------------------------------------
+
+
+def fe_params(seed, dtype):
+    ks = mx.random.split(mx.random.key(seed), 3)
+    w = (0.5 * mx.random.normal((C, 4, 1), key=ks[0])).astype(dtype)
+    A_log = mx.log(mx.random.uniform(0.1, 8.0, (HV,), key=ks[1]))
+    dt_bias = mx.random.uniform(-1.0, 1.0, (HV,), key=ks[2]).astype(dtype)
+    return w, A_log, dt_bias
+
+
+def ref_frontend(qkv, a, b, w, cs, A_log, dt_bias, eps=1e-6):
+    f = mx.float32
+    B, T, _ = qkv.shape
+    x = mx.concatenate([cs.astype(f), qkv.astype(f)], axis=1)
+    conv = nn.Conv1d(C, C, 4, groups=C, bias=False)
+    conv.weight = w.astype(f)
+    o = nn.silu(conv(x))
+    q = o[..., : HK * D].reshape(B, T, HK, D)
+    k = o[..., HK * D: 2 * HK * D].reshape(B, T, HK, D)
+    v = o[..., 2 * HK * D:].reshape(B, T, HV, D)
+    q = q * mx.rsqrt((q * q).sum(-1, keepdims=True) + eps) * D**-0.5
+    k = k * mx.rsqrt((k * k).sum(-1, keepdims=True) + eps)
+    g = mx.exp(-mx.exp(A_log.astype(f)) * nn.softplus(a.astype(f) + dt_bias.astype(f)))
+    return q, k, v, g, mx.sigmoid(b.astype(f)), x[:, -3:]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("B,T", [(1, 1), (2, 2), (1, 3), (2, 65)])
+def test_frontend_matches_reference(B, T, dtype):
+    from mlx_qwen_fast.kernels.gated_delta_frontend import gated_delta_frontend, supports
+
+    w, A_log, dt_bias = fe_params(T, dtype)
+    ks = mx.random.split(mx.random.key(100 + T), 4)
+    qkv = mx.random.normal((B, T, C), key=ks[0]).astype(dtype)
+    a = mx.random.normal((B, T, HV), key=ks[1]).astype(dtype)
+    b = mx.random.normal((B, T, HV), key=ks[2]).astype(dtype)
+    cs = mx.random.normal((B, 3, C), key=ks[3]).astype(dtype)
+    assert supports(qkv, cs, w, num_k_heads=HK, num_v_heads=HV)
+    out = gated_delta_frontend(qkv, a, b, w, cs, A_log, dt_bias, num_k_heads=HK, num_v_heads=HV)
+    ref = ref_frontend(qkv, a, b, w, cs, A_log, dt_bias)
+    assert finite(*out)
+    tol = 1e-5 if dtype == mx.float32 else 1e-2
+    for name, o, r in zip(("q", "k", "v"), out[:3], ref[:3]):
+        assert o.dtype == dtype and o.shape == r.shape, name
+        assert rel(o, r) < tol, name
+    assert rel(out[3], ref[3]) < 1e-5 and rel(out[4], ref[4]) < 1e-5
+    assert rel(out[5], ref[5]) == 0.0
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_gated_rms_norm_matches_mlx_lm(dtype):
+    from mlx_lm.models.qwen3_next import Qwen3NextRMSNormGated
+
+    from mlx_qwen_fast.kernels.gated_rms_norm import gated_rms_norm
+
+    ks = mx.random.split(mx.random.key(5), 3)
+    y = mx.random.normal((2, 37, HV, D), key=ks[0]).astype(dtype)
+    z = mx.random.normal(y.shape, key=ks[1]).astype(dtype)
+    w = (1 + 0.3 * mx.random.normal((D,), key=ks[2])).astype(dtype)
+    m = Qwen3NextRMSNormGated(D, eps=1e-6)
+    m.weight = w
+    out, ref = gated_rms_norm(y, z, w, 1e-6), m(y, z)
+    assert out.dtype == dtype and finite(out)
+    assert rel(out, ref) < (1e-5 if dtype == mx.float32 else 4e-3)
+
+
+# ---------------------------------------------------------------------------
+# decode
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("B", [1, 2])
+def test_decode_matches_reference(B, dtype):
+    from mlx_lm.models.qwen3_next import Qwen3NextRMSNormGated
+
+    from mlx_qwen_fast.kernels.gated_delta_decode import gated_delta_decode, supports
+
+    w, A_log, dt_bias = fe_params(B, dtype)
+    ks = mx.random.split(mx.random.key(200 + B), 7)
+    qkv = mx.random.normal((B, 1, C), key=ks[0]).astype(dtype)
+    z = mx.random.normal((B, 1, HV * D), key=ks[1]).astype(dtype)
+    a = mx.random.normal((B, 1, HV), key=ks[2]).astype(dtype)
+    b = mx.random.normal((B, 1, HV), key=ks[3]).astype(dtype)
+    cs = mx.random.normal((B, 3, C), key=ks[4]).astype(dtype)
+    s0 = 0.5 * mx.random.normal((B, HV, D, D), key=ks[5])
+    wn = (1 + 0.3 * mx.random.normal((D,), key=ks[6])).astype(dtype)
+    assert supports(qkv, s0, num_k_heads=HK, num_v_heads=HV)
+    out, ncs, ns = gated_delta_decode(qkv, z, a, b, w, cs, A_log, dt_bias, wn, s0, num_k_heads=HK, num_v_heads=HV)
+    q, k, v, g, beta, rcs = ref_frontend(qkv, a, b, w, cs, A_log, dt_bias)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))  # the kernel stores them in dtype
+    y, rs = reference(q, k, v, g, beta, s0)
+    m = Qwen3NextRMSNormGated(D, eps=1e-6)
+    m.weight = wn
+    ro = m(y.astype(dtype), z.reshape(B, 1, HV, D)).reshape(B, 1, HV * D)
+    assert out.shape == (B, 1, HV * D) and out.dtype == dtype
+    assert finite(out, ns, ncs)
+    assert rel(ncs, rcs) == 0.0
+    assert rel(ns, rs) < (1e-5 if dtype == mx.float32 else 1e-3)
+    assert rel(out, ro) < (1e-4 if dtype == mx.float32 else 1.5e-2)
