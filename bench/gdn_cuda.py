@@ -199,15 +199,14 @@ mx.eval(o); print("CKJSON", time.perf_counter() - t)
 # --------------------------------------------------------------------------
 
 SCAN_VARIANTS = [
-    # (L, R, warps, TB, kqf32, lazy)
-    (8, 2, 4, 32, 0, 0),
-    (8, 2, 4, 32, 1, 0),
-    (8, 2, 4, 32, 1, 1),
-    (4, 1, 4, 32, 1, 1),
-    (8, 1, 8, 32, 1, 1),
-    (16, 2, 8, 32, 1, 1),
-    (8, 2, 4, 16, 1, 1),
-    (8, 2, 4, 64, 1, 1),
+    # (L, R, warps, TB, kqf32, U): run 1's best (v1), then token-grouped (v2)
+    (8, 2, 4, 32, 0, 1),
+    (8, 2, 4, 32, 1, 2),
+    (8, 2, 4, 32, 1, 4),
+    (8, 2, 4, 16, 1, 4),
+    (16, 2, 8, 32, 1, 4),
+    (4, 1, 4, 32, 1, 4),
+    (8, 1, 8, 32, 1, 4),
 ]
 T_LIST = [1, 2, 3, 63, 64, 65, 1000, 4096]
 
@@ -554,6 +553,53 @@ def section_decode(args):
             return o, s_
 
         res["timings"][f"decode B={B}: 50 chained steps (per step)"] = timeit(chain, n=10) / 50
+
+        # where the time goes: graph building (Python + node creation) vs eval
+        tb_, te_ = [], []
+        for _ in range(15):
+            t0 = time.perf_counter()
+            outs = token()
+            t1 = time.perf_counter()
+            mx.eval(outs)
+            mx.synchronize()
+            tb_.append(t1 - t0)
+            te_.append(time.perf_counter() - t1)
+        tb_.sort()
+        te_.sort()
+        res["timings"][f"decode B={B}: graph building only (per layer)"] = tb_[7] / NL
+        res["timings"][f"decode B={B}: eval only (per layer)"] = te_[7] / NL
+
+        def token_fn(qkv_, z_, a_, *sc):
+            outs = []
+            for i in range(NL):
+                o, c_, s_ = gated_delta_decode(qkv_, z_, a_, a_, w, sc[i], A_log, dt_bias, wn, sc[NL + i],
+                                               num_k_heads=HK, num_v_heads=HV)
+                outs += [o, c_, s_]
+            return outs
+
+        try:
+            ctoken = mx.compile(token_fn)
+            t = timeit(lambda: ctoken(qkv, z, a, *convs, *states), n=20)
+            res["timings"][f"decode B={B}: mx.compile'd 30 layers, eval per token (per layer)"] = t / NL
+            # generate-like loop: the next token's graph is built while the GPU
+            # runs this one (async_eval), states carried token to token
+            for label, fn in (("eager", token_fn), ("compiled", ctoken)):
+                cs_, ss_ = list(convs), list(states)
+                mx.eval(fn(qkv, z, a, *cs_, *ss_))
+                mx.synchronize()
+                t0 = time.perf_counter()
+                nt_ = 30
+                for _ in range(nt_):
+                    outs = fn(qkv, z, a, *cs_, *ss_)
+                    cs_ = outs[1::3]
+                    ss_ = outs[2::3]
+                    mx.async_eval(outs)
+                mx.eval(outs)
+                mx.synchronize()
+                res["timings"][f"decode B={B}: async pipelined {label}, 30 tokens (per layer)"] = (
+                    (time.perf_counter() - t0) / nt_ / NL)
+        except Exception as e:  # noqa: BLE001
+            log(f"[decode] compiled timing failed: {e!r}")
     # stock-like composition for one decode layer (ops reference path), B=1
     try:
         from mlx_qwen_fast.ops.gated_delta import gated_delta_recurrent
@@ -585,6 +631,50 @@ def section_decode(args):
 
 
 # --------------------------------------------------------------------------
+# section: profile (run under ncu; no checks, a few launches of each kernel)
+# --------------------------------------------------------------------------
+
+
+def section_profile(args):
+    mx = _mx()
+    from mlx_qwen_fast.kernels import gated_delta_scan as S
+    from mlx_qwen_fast.kernels.gated_delta_decode import gated_delta_decode
+    from mlx_qwen_fast.kernels.gated_delta_frontend import gated_delta_frontend
+    from mlx_qwen_fast.kernels.gated_rms_norm import gated_rms_norm
+
+    key = mx.random.key(1)
+    k1, k2, k3, k4 = mx.random.split(key, 4)
+    T = 4096
+    q, k, v = qkv_inputs(1, T, k1, mx.bfloat16)
+    g, beta = gates(1, T, "weak", k2)
+    s0 = 0.5 * mx.random.normal((1, HV, D, D), key=k3)
+    mx.eval(q, k, v, g, beta, s0)
+    for cfg in [S.DEFAULT_CONFIG] + SCAN_VARIANTS:
+        for _ in range(2):
+            mx.eval(S.gated_delta_scan(q, k, v, g, beta, s0, config=cfg))
+    w, A_log, dt_bias = fe_params(k4, mx.bfloat16)
+    qkv = mx.random.normal((1, T, C), key=k1).astype(mx.bfloat16)
+    a = mx.random.normal((1, T, HV), key=k2).astype(mx.bfloat16)
+    cs = mx.random.normal((1, 3, C), key=k3).astype(mx.bfloat16)
+    mx.eval(qkv, a, cs)
+    for _ in range(3):
+        mx.eval(gated_delta_frontend(qkv, a, a, w, cs, A_log, dt_bias, num_k_heads=HK, num_v_heads=HV))
+        mx.eval(gated_rms_norm(v, v, mx.ones((D,), mx.bfloat16), 1e-6))
+    for B in (1, 2):
+        s1 = 0.5 * mx.random.normal((B, HV, D, D), key=k3)
+        mx.eval(s1)
+        for _ in range(3):
+            mx.eval(gated_delta_decode(qkv[:B, :1] if B == 1 else mx.concatenate([qkv[:, :1]] * B),
+                                       v[:1, :1].reshape(1, 1, HV * D) if B == 1 else mx.concatenate([v[:1, :1].reshape(1, 1, HV * D)] * B),
+                                       a[:1, :1] if B == 1 else mx.concatenate([a[:, :1]] * B),
+                                       a[:1, :1] if B == 1 else mx.concatenate([a[:, :1]] * B),
+                                       w, None, A_log, dt_bias, mx.ones((D,), mx.bfloat16), s1,
+                                       num_k_heads=HK, num_v_heads=HV))
+    mx.synchronize()
+    return {}
+
+
+# --------------------------------------------------------------------------
 # driver
 # --------------------------------------------------------------------------
 
@@ -598,7 +688,8 @@ def log(msg):
             f.write(msg + "\n")
 
 
-SECTIONS = {"build": section_build, "scan": section_scan, "frontend": section_frontend, "decode": section_decode}
+SECTIONS = {"build": section_build, "scan": section_scan, "frontend": section_frontend, "decode": section_decode,
+            "profile": section_profile}
 
 
 def main():

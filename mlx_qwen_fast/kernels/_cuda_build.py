@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import glob
 import hashlib
 import os
@@ -442,28 +443,36 @@ class CudaKernel:
         scalars: Sequence = (),
         shared_memory: int = 0,
     ) -> List:
-        """Launch; ``grid`` counts threads (MLX's convention), not blocks."""
+        """Launch; ``grid`` counts threads (MLX's convention), not blocks.
+
+        ``scalars``: Python ints (int32 parameters) and floats (fp32
+        parameters, rounded here to the nearest fp32 value).
+        """
         import mlx.core as mx
 
-        sc = []
-        for s in scalars:
-            if isinstance(s, bool) or isinstance(s, (int, np.integer)):
-                sc.append(int(s) if not isinstance(s, bool) else s)
-            else:
-                sc.append(float(np.float32(s)))
+        cubin = self._cubin if self._cubin is not None else self.cubin
         return mx.fast.precompiled_cuda_kernel(
             name=self.name,
-            compiled_source=self.cubin,
-            inputs=list(inputs),
-            output_shapes=[tuple(s) for s in output_shapes],
-            output_dtypes=list(output_dtypes),
-            scalars=sc,
-            grid=tuple(grid),
-            threadgroup=tuple(threadgroup),
-            shared_memory=int(shared_memory),
-            init_value=float("nan") if _POISON else None,
+            compiled_source=cubin,
+            inputs=inputs,
+            output_shapes=output_shapes,
+            output_dtypes=output_dtypes,
+            scalars=[s if type(s) is int else _f32(s) for s in scalars],
+            grid=grid,
+            threadgroup=threadgroup,
+            shared_memory=shared_memory,
+            init_value=_NAN if _POISON else None,
             ensure_row_contiguous=True,
         )
+
+
+_NAN = float("nan")
+
+
+@functools.lru_cache(maxsize=256)
+def _f32(x: float) -> float:
+    """Nearest fp32 value of x, as a Python float (MLX rejects others)."""
+    return float(np.float32(x))
 
 
 def dtype_macro(dtype) -> str:

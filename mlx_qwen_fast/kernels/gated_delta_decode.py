@@ -99,7 +99,42 @@ def gated_delta_decode(
       ValueError: shapes/dtypes outside the above (names the argument).
       RuntimeError: no CUDA compiler could build the kernel.
     """
-    Hk, Hv = num_k_heads, num_v_heads
+    sig = (
+        qkv.shape, qkv.dtype, z.shape, z.dtype, a.shape, a.dtype, b.shape, b.dtype,
+        conv_weight.shape, conv_weight.dtype,
+        None if conv_state is None else (conv_state.shape, conv_state.dtype),
+        A_log.shape, A_log.dtype, dt_bias.shape, dt_bias.dtype,
+        norm_weight.shape, norm_weight.dtype,
+        None if state is None else (state.shape, state.dtype),
+        num_k_heads, num_v_heads,
+    )
+    plan = _plans.get(sig)
+    if plan is None:
+        plan = _plan(qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
+                     num_k_heads, num_v_heads)
+        _plans[sig] = plan
+    kern, B, C, Hv, x, out_shapes, out_dtypes, grid, cast = plan
+    if conv_state is None:
+        conv_state = mx.zeros((B, KW - 1, C), dtype=x)
+    if state is None:
+        state = mx.zeros((B, Hv, D, D), dtype=mx.float32)
+    if cast:  # the kernel reads these in the activation dtype
+        z, a, b, conv_state = (t.astype(x) for t in (z, a, b, conv_state))
+    out, new_conv, new_state = kern(
+        [
+            qkv.reshape(B, C), z.reshape(B, Hv * D), a.reshape(B, Hv), b.reshape(B, Hv),
+            conv_weight.reshape(C, KW), conv_state, A_log, dt_bias, norm_weight, state,
+        ],
+        out_shapes, out_dtypes, grid, (512, 1, 1), (qk_eps, norm_eps),
+    )
+    return out, new_conv, new_state
+
+
+_plans: Dict[tuple, tuple] = {}
+
+
+def _plan(qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, Hk, Hv):
+    """Validate one call signature; returns what the launch needs."""
     if Hk <= 0 or Hv % Hk:
         raise ValueError(f"num_v_heads ({Hv}) must be a multiple of num_k_heads ({Hk})")
     C = (2 * Hk + Hv) * D
@@ -121,19 +156,13 @@ def gated_delta_decode(
             raise ValueError(f"{name} must have shape [{Hv}] (float), got {t.dtype} {tuple(t.shape)}")
     if norm_weight.shape != (D,) or norm_weight.dtype not in _FLOAT:
         raise ValueError(f"norm_weight must have shape [{D}] (float), got {tuple(norm_weight.shape)}")
-    if conv_state is None:
-        conv_state = mx.zeros((B, KW - 1, C), dtype=x)
-    elif conv_state.shape != (B, KW - 1, C):
+    if conv_state is not None and conv_state.shape != (B, KW - 1, C):
         raise ValueError(f"conv_state must have shape [{B}, {KW - 1}, {C}], got {tuple(conv_state.shape)}")
-    if state is None:
-        state = mx.zeros((B, Hv, D, D), dtype=mx.float32)
-    elif state.shape != (B, Hv, D, D) or state.dtype != mx.float32:
+    if state is not None and (state.shape != (B, Hv, D, D) or state.dtype != mx.float32):
         raise ValueError(
             f"state must be float32 of shape [{B}, {Hv}, {D}, {D}], got {state.dtype} {tuple(state.shape)}"
         )
-    # The kernel reads these in the activation dtype; astype is free when
-    # they already are (the usual case).
-    z, a, b, conv_state = (t.astype(x) for t in (z, a, b, conv_state))
+    cast = any(t.dtype != x for t in (z, a, b)) or (conv_state is not None and conv_state.dtype != x)
     key = (x, conv_weight.dtype, A_log.dtype, dt_bias.dtype, norm_weight.dtype, Hv, Hk)
     kern = _kernels.get(key)
     if kern is None:
@@ -146,15 +175,6 @@ def gated_delta_decode(
             ),
         )
         _kernels[key] = kern
-    out, new_conv, new_state = kern(
-        inputs=[
-            qkv.reshape(B, C), z.reshape(B, Hv * D), a.reshape(B, Hv), b.reshape(B, Hv),
-            conv_weight.reshape(C, KW), conv_state, A_log, dt_bias, norm_weight, state,
-        ],
-        output_shapes=[(B, 1, Hv * D), (B, KW - 1, C), (B, Hv, D, D)],
-        output_dtypes=[x, x, mx.float32],
-        grid=(B * Hv * 512, 1, 1),
-        threadgroup=(512, 1, 1),
-        scalars=[qk_eps, norm_eps],
-    )
-    return out, new_conv, new_state
+    out_shapes = [(B, 1, Hv * D), (B, KW - 1, C), (B, Hv, D, D)]
+    out_dtypes = [x, x, mx.float32]
+    return kern, B, C, Hv, x, out_shapes, out_dtypes, (B * Hv * 512, 1, 1), cast

@@ -29,12 +29,12 @@ D = 128
 
 class ScanConfig(tuple):
     """(L lanes per state row, R rows per lane, warps per block, tokens per
-    stage, fp32 k/q staging, lazy decay) -- see gated_delta_scan.cu."""
+    stage, fp32 k/q staging, U tokens per group) -- see gated_delta_scan.cu."""
 
     __slots__ = ()
 
-    def __new__(cls, L=8, R=2, warps=4, tb=32, kqf32=1, lazy=1):
-        return super().__new__(cls, (L, R, warps, tb, kqf32, lazy))
+    def __new__(cls, L=8, R=2, warps=4, tb=32, kqf32=1, u=4):
+        return super().__new__(cls, (L, R, warps, tb, kqf32, u))
 
     @property
     def rows_per_block(self) -> int:
@@ -43,7 +43,7 @@ class ScanConfig(tuple):
 
 
 #: Chosen from the H200 measurements in bench/results/gdn-cuda-log.md.
-DEFAULT_CONFIG = ScanConfig(8, 2, 4, 32, 1, 1)
+DEFAULT_CONFIG = ScanConfig(8, 2, 4, 32, 1, 4)
 
 _kernels: Dict[tuple, cb.CudaKernel] = {}
 
@@ -52,13 +52,13 @@ def _kernel(dtype, Hv: int, Hk: int, cfg: ScanConfig) -> cb.CudaKernel:
     key = (dtype, Hv, Hk, tuple(cfg))
     kern = _kernels.get(key)
     if kern is None:
-        L, R, W, TB, KQF, LAZY = cfg
+        L, R, W, TB, KQF, U = cfg
         kern = cb.CudaKernel(
             "gated_delta_scan.cu",
             "mqf_gdn_scan",
             dict(
                 GDN_X=cb.dtype_macro(dtype), GDN_HV=Hv, GDN_HK=Hk, GDN_L=L,
-                GDN_R=R, GDN_NW=W, GDN_TB=TB, GDN_KQF32=KQF, GDN_LAZY=LAZY,
+                GDN_R=R, GDN_NW=W, GDN_TB=TB, GDN_KQF32=KQF, GDN_U=U,
             ),
         )
         _kernels[key] = kern
@@ -67,12 +67,14 @@ def _kernel(dtype, Hv: int, Hk: int, cfg: ScanConfig) -> cb.CudaKernel:
 
 def _smem_bytes(dtype, cfg: ScanConfig) -> int:
     """Dynamic shared memory of one block (the layout in the .cu file)."""
-    L, R, W, TB, KQF, LAZY = cfg
+    L, R, W, TB, KQF, U = cfg
     RB = cfg.rows_per_block
     xs = dtype.size
     n = xs * (2 * TB * D * 2 + 2 * TB * RB * 2)  # k, q, v, y tiles
     n += 4 * (2 * TB * 2 + TB)  # g, beta, k.q
-    if KQF and xs != 4:
+    if U > 1:
+        n += 4 * (TB // U) * 16  # Gram entries per group
+    if (KQF and xs != 4) or U > 1:
         n += 4 * 2 * TB * D  # fp32 copies of k and q
     return n
 
