@@ -1,0 +1,12 @@
+"""Benchmarks of mlx_qwen_fast against stock mlx-lm (see bench/README.md).
+
+Modules (each a CLI, ``python -m bench.<name> --help``, and importable):
+
+* :mod:`bench.ab` -- end-to-end prefill/decode A/B, stock vs patched twin;
+* :mod:`bench.numerics` -- teacher-forced logits vs an fp32 reference;
+* :mod:`bench.ops` -- one op family at a time, every implementation;
+* :mod:`bench.ceilings` -- measured copy bandwidth and bf16 matmul rate;
+* :mod:`bench.plots` -- PNG plots from a result JSON;
+* :mod:`bench.common` -- shared helpers (result header, JSON writer, timing,
+  checkpoint loading, the roofline byte/FLOP model).
+"""

@@ -1,0 +1,372 @@
+"""Per-op benchmark: every implementation of each op family at the model's shapes.
+
+Op families and the implementations run (discovered from each ops module's
+dispatch table by :func:`implementations`, plus mlx-lm's own code as the
+stock baseline; names for another backend -- "metal" or "cuda" in the name --
+are left out):
+
+* ``gated_delta.prefill`` / ``gated_delta.decode``: the recurrence alone,
+  ``fn(q, k, v, g, beta, state, mask)`` (``mlx_qwen_fast.ops.gated_delta``;
+  "stock-loop" = ``mlx_lm.models.gated_delta.gated_delta_ops``). Bytes: q, k,
+  v, g, beta, y, state read + written; FLOPs 6 Hv Dk Dv per token.
+* ``moe.prefill`` / ``moe.decode``: the sparse MoE block of layer 0 (the real
+  router, experts and shared expert, quantised as the checkpoint),
+  ``fn(block, x)``. FLOPs 2 T (k + 1) 3 D I + router 2 T D (E + 1); bytes =
+  the weights of the experts touched (k per token, expected distinct ones
+  for T tokens under uniform routing), shared expert, routers, x and y.
+* ``attention.prefill`` / ``attention.decode``: the first full-attention
+  layer, ``fn(module, x, mask, cache)``; prefill from an empty KV cache
+  (causal), decode one token against a cache of ``--decode-context`` tokens.
+  Bytes: weights, KV read and written, x, y; FLOPs: projections + 4 H hd per
+  (query, key) pair.
+
+Each point: warm-up, then ``--repeats`` timed calls (``mx.eval`` of the
+outputs, ``mx.synchronize``), median ms; GB/s and TFLOP/s from the byte and
+FLOP counts; ``roofline_frac`` = max(GB/s / copy_gbps, TFLOP/s / bf16_tflops),
+the fraction of the nearer ceiling (``bw_frac`` and ``compute_frac`` apart).
+
+    python -m bench.ops --preset qwen3.6-35b-a3b [--ops gated_delta,moe.decode]
+        [--prefill-tokens 512,2k,4k] [--decode-context 4k,32k] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+
+from . import ceilings as ceilings_mod
+from . import common
+
+FAMILIES = ("gated_delta", "moe", "attention")
+OPS = tuple(f"{f}.{p}" for f in FAMILIES for p in ("prefill", "decode"))
+
+
+# ---------------------------------------------------------------------------
+# Implementations
+# ---------------------------------------------------------------------------
+
+
+def _ops_module(family: str):
+    import importlib
+
+    return importlib.import_module(f"mlx_qwen_fast.ops.{family}")
+
+
+def dispatch_table(family: str) -> Dict[str, Callable]:
+    """The ops module's table name -> function: its ``IMPLEMENTATIONS`` dict,
+    or ``_TABLE`` where ``IMPLEMENTATIONS`` only lists the names."""
+    module = _ops_module(family)
+    for attr in ("IMPLEMENTATIONS", "_TABLE"):
+        table = getattr(module, attr, None)
+        if isinstance(table, dict):
+            return dict(table)
+    raise RuntimeError(f"mlx_qwen_fast.ops.{family} has no dispatch table "
+                       "(IMPLEMENTATIONS or _TABLE dict)")
+
+
+def _stock_baselines() -> Dict[str, Tuple[str, Callable]]:
+    from mlx_lm.models.gated_delta import gated_delta_ops
+    from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextSparseMoeBlock
+
+    return {
+        "gated_delta": ("stock-loop", gated_delta_ops),
+        "moe": ("stock", Qwen3NextSparseMoeBlock.__call__),
+        "attention": ("stock", lambda m, x, mask=None, cache=None:
+                      Qwen3NextAttention.__call__(m, x, mask=mask, cache=cache)),
+    }
+
+
+def _runs_on(name: str, backend: str) -> bool:
+    lowered = name.lower()
+    for other in ("metal", "cuda"):
+        if other in lowered and backend != other:
+            return False
+    return True
+
+
+def implementations(family: str, backend: Optional[str] = None) -> Dict[str, Callable]:
+    """Implementations of ``family`` runnable on ``backend`` (default: the
+    current one): mlx-lm's stock code first, then the ops module's table."""
+    backend = backend or common.backend_name()
+    name, fn = _stock_baselines()[family]
+    table = {name: fn}
+    for k, v in dispatch_table(family).items():
+        table.setdefault(k, v)
+    return {k: v for k, v in table.items() if _runs_on(k, backend)}
+
+
+def default_implementation(family: str, tokens: int) -> Optional[str]:
+    """The name the patched model uses for ``tokens`` tokens on this backend."""
+    try:
+        return _ops_module(family).implementation_for(tokens)
+    except Exception:
+        return None
+
+
+# ---------------------------------------------------------------------------
+# Inputs, bytes, FLOPs of each op
+# ---------------------------------------------------------------------------
+
+
+def _nbytes(module) -> int:
+    return sum(v.nbytes for _, v in tree_flatten(module.parameters()))
+
+
+@dataclasses.dataclass
+class Case:
+    """One op at one shape: ``call(fn)`` builds the graph; ``bytes``/``flops``
+    per call."""
+
+    op: str
+    shape: Dict
+    call: Callable[[Callable], Any]
+    bytes: float
+    flops: float
+
+
+def _layers(model):
+    return model.language_model.model.layers
+
+
+def gated_delta_case(model, T: int, dtype) -> Case:
+    from mlx_lm.models.gated_delta import normalize_qk
+
+    s = common.ModelShape.from_config(common.text_args(model))
+    Hk, Hv, Dk, Dv = s.gdn_k_heads, s.gdn_v_heads, s.gdn_k_dim, s.gdn_v_dim
+    key = mx.random.key(T)
+    k1, k2, k3, k4, k5, k6 = mx.random.split(key, 6)
+    q = mx.random.normal((1, T, Hk, Dk), key=k1).astype(dtype)
+    k = mx.random.normal((1, T, Hk, Dk), key=k2).astype(dtype)
+    q, k = normalize_qk(q, k, inv_scale=Dk**-0.5, eps=1e-6)
+    v = mx.random.normal((1, T, Hv, Dv), key=k3).astype(dtype)
+    g = mx.random.uniform(0.5, 1.0, (1, T, Hv), key=k4)
+    beta = mx.sigmoid(mx.random.normal((1, T, Hv), key=k5)).astype(dtype)
+    state = 0.1 * mx.random.normal((1, Hv, Dv, Dk), key=k6)
+    mx.eval(q, k, v, g, beta, state)
+    isz = q.dtype.size
+    per_token = 2 * Hk * Dk * isz + 2 * Hv * Dv * isz + Hv * 4 + Hv * isz
+    nbytes = T * per_token + 2 * Hv * Dv * Dk * 4
+    phase = "decode" if T == 1 else "prefill"
+    return Case(f"gated_delta.{phase}", {"T": T, "Hk": Hk, "Hv": Hv, "Dk": Dk, "Dv": Dv},
+                lambda fn: fn(q, k, v, g, beta, state, None), nbytes, 6.0 * Hv * Dk * Dv * T)
+
+
+def moe_case(model, T: int, dtype) -> Case:
+    block = _layers(model)[0].mlp
+    s = common.ModelShape.from_config(common.text_args(model))
+    x = mx.random.normal((1, T, s.hidden), key=mx.random.key(T)).astype(dtype)
+    mx.eval(x)
+    E, k = s.experts, s.top_k
+    touched = E * (1.0 - (1.0 - k / E) ** T)  # expected distinct experts
+    nbytes = _nbytes(block.switch_mlp) * touched / E
+    nbytes += _nbytes(block.shared_expert) + _nbytes(block.gate) + _nbytes(block.shared_expert_gate)
+    nbytes += 2 * x.nbytes
+    flops = 2.0 * T * (k * 3 * s.hidden * s.moe_inter + 3 * s.hidden * s.shared_inter)
+    flops += 2.0 * T * s.hidden * (E + 1)
+    phase = "decode" if T == 1 else "prefill"
+    return Case(f"moe.{phase}", {"T": T, "D": s.hidden, "E": E, "k": k, "I": s.moe_inter},
+                lambda fn: fn(block, x), nbytes, flops)
+
+
+def attention_case(model, T: int, context: int, dtype) -> Case:
+    from mlx_lm.models.cache import KVCache
+
+    module = next(layer.self_attn for layer in _layers(model) if hasattr(layer, "self_attn"))
+    s = common.ModelShape.from_config(common.text_args(model))
+    H, Hkv, hd, D = s.heads, s.kv_heads, s.head_dim, s.hidden
+    x = mx.random.normal((1, T, D), key=mx.random.key(T)).astype(dtype)
+    isz = x.dtype.size
+    kv_row = 2 * Hkv * hd * isz  # K and V of one token
+    if T == 1:
+        # decode: a cache holding `context` tokens, room for the new one; the
+        # offset is reset before every call so each call does the same work
+        cap = context + 256
+        keys = mx.random.normal((1, Hkv, cap, hd), key=mx.random.key(1)).astype(dtype)
+        values = mx.random.normal((1, Hkv, cap, hd), key=mx.random.key(2)).astype(dtype)
+        mx.eval(x, keys, values)
+        cache = KVCache()
+
+        def call(fn):
+            # the call writes row `context` in place (as a decode step does)
+            cache.keys, cache.values, cache.offset = keys, values, context
+            return fn(module, x, None, cache)
+
+        attn_flops = 4.0 * H * hd * (context + 1)
+        kv_bytes = (context + 1) * kv_row + kv_row
+        op, shape = "attention.decode", {"T": 1, "context": context}
+    else:
+        mx.eval(x)
+
+        def call(fn):
+            return fn(module, x, "causal", KVCache())
+
+        attn_flops = 4.0 * H * hd * T * (T + 1) / 2
+        kv_bytes = 2 * T * kv_row  # written, then read
+        op, shape = "attention.prefill", {"T": T, "context": 0}
+    proj_params = D * (2 * H * hd + 2 * Hkv * hd) + H * hd * D
+    flops = 2.0 * T * proj_params + attn_flops
+    nbytes = _nbytes(module) + kv_bytes + 2 * x.nbytes
+    shape.update({"H": H, "Hkv": Hkv, "hd": hd})
+    return Case(op, shape, call, nbytes, flops)
+
+
+def cases(model, ops: List[str], prefill_tokens: List[int], decode_contexts: List[int],
+          dtype) -> List[Tuple[str, Case]]:
+    """(family, case) for every requested op and shape."""
+    out = []
+    for op in ops:
+        family, phase = op.split(".")
+        if family == "attention":
+            if phase == "prefill":
+                out += [(family, attention_case(model, T, 0, dtype)) for T in prefill_tokens]
+            else:
+                out += [(family, attention_case(model, 1, c, dtype)) for c in decode_contexts]
+        else:
+            make = gated_delta_case if family == "gated_delta" else moe_case
+            tokens = prefill_tokens if phase == "prefill" else [1]
+            out += [(family, make(model, T, dtype)) for T in tokens]
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Running
+# ---------------------------------------------------------------------------
+
+
+def run_case(case: Case, impl: str, fn: Callable, *, repeats: int, warmup: int,
+             budget_s: Optional[float], ceilings: Optional[Dict], backend: str,
+             default: Optional[str]) -> Dict:
+    rec: Dict[str, Any] = {"op": case.op, "backend": backend, "impl": impl,
+                           "default": impl == default, "shape": case.shape,
+                           "bytes": case.bytes, "flops": case.flops}
+    try:
+        times = common.measure(lambda: case.call(fn), warmup=warmup, repeats=repeats,
+                               budget_s=budget_s)
+    except Exception as exc:
+        common.free_memory()
+        rec.update(status="oom" if common.is_oom(exc) else "error", ms=None, ms_min=None,
+                   ms_max=None, gbps=None, tflops=None, roofline_frac=None,
+                   error=f"{type(exc).__name__}: {exc}"[:500])
+        return rec
+    s = common.stats(times)
+    t = s["median"]
+    gbps = case.bytes / t / common.GB
+    tflops = case.flops / t / 1e12
+    bw = common.roofline_frac(gbps, (ceilings or {}).get("copy_gbps"))
+    comp = common.roofline_frac(tflops, (ceilings or {}).get("bf16_tflops"))
+    fracs = [f for f in (bw, comp) if f is not None]
+    rec.update(status="ok", ms=t * 1e3, ms_min=s["min"] * 1e3, ms_max=s["max"] * 1e3,
+               repeats=s["n"], gbps=gbps, tflops=tflops,
+               roofline_frac=max(fracs) if fracs else None, bw_frac=bw, compute_frac=comp)
+    return rec
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.ops", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    common.add_checkpoint_args(p)
+    p.add_argument("--ops", default=",".join(FAMILIES),
+                   help="comma list of families (gated_delta, moe, attention) or ops "
+                        "(e.g. moe.decode); default all")
+    p.add_argument("--impls", default=None,
+                   help="comma list of implementation names to run (default: all available)")
+    p.add_argument("--prefill-tokens", type=common.lengths_arg, default=[512, 2048, 4096],
+                   help="T of the prefill ops (default 512,2k,4k)")
+    p.add_argument("--decode-context", type=common.lengths_arg, default=[4096, 32768],
+                   help="KV context of attention.decode (default 4k,32k)")
+    p.add_argument("--repeats", type=int, default=10, help="timed calls per point (median)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls first")
+    p.add_argument("--max-seconds", type=float, default=60.0,
+                   help="stop repeating a point after this much timed time (default %(default)s)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny shapes for CI: prefill T=16, decode context 32, 2 repeats, "
+                        "1 warm-up, small ceilings")
+    p.add_argument("--no-ceilings", action="store_true", help="skip the ceilings (fractions null)")
+    ceilings_mod.add_ceiling_args(p)
+    p.add_argument("--out", default=None,
+                   help="result JSON (default bench/results/<date>-<device>-ops.json)")
+    p.add_argument("--append", action="store_true",
+                   help="merge into an existing --out file (same op/impl/shape replaced)")
+    return p
+
+
+def _selected_ops(text: str) -> List[str]:
+    out = []
+    for part in (x.strip() for x in text.split(",") if x.strip()):
+        if part in FAMILIES:
+            out += [f"{part}.prefill", f"{part}.decode"]
+        elif part in OPS:
+            out.append(part)
+        else:
+            raise SystemExit(f"--ops: unknown {part!r}; use {FAMILIES} or {OPS}")
+    return list(dict.fromkeys(out))
+
+
+def op_key(rec: Dict):
+    return rec["op"], rec["impl"], tuple(sorted(rec["shape"].items()))
+
+
+def main(argv=None) -> Dict:
+    args = build_parser().parse_args(argv)
+    if args.smoke:
+        args.prefill_tokens, args.decode_context = [16], [32]
+        args.repeats, args.warmup = 2, 1
+        args.copy_mib, args.matmul_n = args.copy_mib or 8, args.matmul_n or 128
+    t0 = time.perf_counter()
+    ceil = None if args.no_ceilings else ceilings_mod.from_args(args)
+    model, config, _ = common.load_checkpoint(args)
+    dtype = mx.bfloat16 if args.dtype == "bfloat16" or args.model else mx.float32
+    backend = common.backend_name()
+    wanted = set(x.strip() for x in args.impls.split(",")) if args.impls else None
+
+    records = []
+    for family, case in cases(model, _selected_ops(args.ops), args.prefill_tokens,
+                              args.decode_context, dtype):
+        default = default_implementation(family, case.shape["T"])
+        for impl, fn in implementations(family, backend).items():
+            if wanted and impl not in wanted:
+                continue
+            rec = run_case(case, impl, fn, repeats=args.repeats, warmup=args.warmup,
+                           budget_s=args.max_seconds, ceilings=ceil, backend=backend,
+                           default=default)
+            records.append(rec)
+            shape = ",".join(f"{k}={v}" for k, v in case.shape.items() if k in ("T", "context"))
+            if rec["status"] == "ok":
+                print(f"{case.op:18} {shape:16} {impl:18} {rec['ms']:10.3f} ms "
+                      f"{rec['gbps']:9.1f} GB/s {rec['tflops']:8.3f} TFLOP/s"
+                      + (f"  roofline {rec['roofline_frac']:.3f}" if rec["roofline_frac"] else ""),
+                      flush=True)
+            else:
+                print(f"{case.op:18} {shape:16} {impl:18} {rec['status']}: {rec.get('error')}",
+                      flush=True)
+            common.free_memory()
+
+    out = Path(args.out) if args.out else common.default_out("ops")
+    result = {
+        **common.result_header("ops", args),
+        **common.checkpoint_fields(args),
+        "ceilings": ceil,
+        "op_implementations": {op: default_implementation(op.split(".")[0],
+                                                          1 if op.endswith("decode") else 2048)
+                               for op in OPS},
+        "ops": records,
+        "wall_seconds": time.perf_counter() - t0,
+    }
+    if args.append and out.exists():
+        old = common.read_json(out)
+        result["ops"] = common.merge_records(old.get("ops", []), records, op_key)
+        result["ceilings"] = ceil or old.get("ceilings")
+    common.write_json(out, result)
+    print("wrote", out, flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
