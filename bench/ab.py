@@ -105,22 +105,24 @@ def prefill(
     prompt: mx.array,
     step: int,
     max_seconds: Optional[float] = None,
+    cache: Optional[List[Any]] = None,
 ) -> Tuple[Run, Optional[List[Any]], Optional[mx.array]]:
     """Prefill ``prompt`` (1-D token ids) as ``generate_step`` does.
 
-    Returns ``(run, cache, first_token)``; cache and token are None unless the
-    run is "ok". ``max_seconds`` is checked at chunk boundaries.
+    ``cache``: continue an existing prompt cache (extended in place) instead
+    of starting from an empty one. Returns ``(run, cache, first_token)``;
+    cache and token are None unless the run is "ok". ``max_seconds`` is
+    checked at chunk boundaries.
     """
     from mlx_lm.models.cache import make_prompt_cache
 
     n = prompt.size
     done = 0
-    cache = None
     common.free_memory()
     common.reset_peak()
     t0 = time.perf_counter()
     try:
-        cache = make_prompt_cache(model)
+        cache = make_prompt_cache(model) if cache is None else cache
         for c in chunk_sizes(n, step)[:-1]:
             model(prompt[done : done + c][None], cache=cache)
             mx.eval([layer.state for layer in cache])
@@ -341,6 +343,12 @@ def decode_sweep(engines: Dict[str, Any], contexts: Sequence[int], ctx: Context,
     timed_out = {} if timed_out is None else timed_out
     fill_failed: Optional[Tuple[int, str]] = None
     records: List[Dict] = []
+    # One growing context: the fill cache is extended from one context length
+    # to the next (each engine decodes from its own copy), so the fill costs
+    # max(contexts) tokens in all rather than their sum.
+    contexts = sorted(contexts)
+    full_prompt = common.random_tokens(max(contexts), ctx.vocab, ctx.prompt_seed)
+    fill_cache, filled = None, 0
     for n in contexts:
         done: Dict[str, Dict] = {}
         for name in engines:
@@ -355,8 +363,9 @@ def decode_sweep(engines: Dict[str, Any], contexts: Sequence[int], ctx: Context,
                 for name in engines:
                     done.setdefault(name, _not_run(fill_failed[1], note))
             else:
-                prompt = common.random_tokens(n, ctx.vocab, ctx.prompt_seed + n)
-                fill, cache, token = prefill(fill_model, prompt, ctx.step, fill_max_seconds)
+                fill, fill_cache, token = prefill(fill_model, full_prompt[filled:n], ctx.step,
+                                                  fill_max_seconds, cache=fill_cache)
+                filled, cache = n, fill_cache
                 log(f"  decode {common.fmt_len(n):>5} cache fill ({fill_engine}): {fill.status} "
                     f"{fill.seconds:.1f} s")
                 if fill.status != "ok":
