@@ -95,15 +95,19 @@ def test_scan_matches_reference(B, T, decay, dtype):
     assert rel(y, yr) < (1e-4 if dtype == mx.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("config", [(8, 2, 4, 32, 0, 1), (8, 2, 4, 32, 1, 2), (16, 2, 8, 16, 1, 4)])
+@pytest.mark.parametrize(
+    "config", [(8, 2, 4, 32, 1, 1), (8, 2, 4, 32, 0, 4), (8, 2, 4, 32, 1, 2), (16, 2, 8, 16, 1, 4)]
+)
 def test_scan_other_variants(config):
     from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan
 
     q, k, v, g, beta, s0 = make_scan_inputs(2, 67, "strong", seed=17, dtype=mx.float32)
     y, s = gated_delta_scan(q, k, v, g, beta, s0, config=config)
+    yb, sb = gated_delta_scan(*(x.astype(mx.bfloat16) for x in (q, k, v)), g, beta, s0, config=config)
     yr, sr = reference(q, k, v, g, beta, s0)
-    assert finite(y, s)
+    assert finite(y, s, yb, sb)
     assert rel(s, sr) < 1e-4 and rel(y, yr) < 1e-4
+    assert rel(sb, sr) < 1e-4 and rel(yb, yr) < 1e-2
 
 
 def test_scan_carry_over_two_calls():

@@ -39,7 +39,7 @@
 //
 // Variants (build macros):
 //   GDN_KQF32 (0/1): convert the staged k and q rows to fp32 in shared memory
-//     once per stage instead of in every lane and token (always on when U > 1).
+//     once per stage instead of in every lane and token.
 //   GDN_U (1, 2, 4): tokens per group, as above.
 //
 // Build macros: KNAME, GDN_X (bf16_t | f16_t | float), GDN_HV, GDN_HK, GDN_L,
@@ -73,9 +73,8 @@ constexpr int RG = 32 / L;        // row groups per warp
 constexpr int RPW = RG * R;       // rows per warp
 constexpr int RB = NW * RPW;      // rows per block
 constexpr int U = GDN_U;          // tokens per group
-// fp32 (zero-padded) copies of the staged k/q rows; for fp32 inputs only
-// needed by the grouped path (padding).
-constexpr bool KQF = (GDN_KQF32 && sizeof(xt) != 4) || U > 1;
+// fp32 copies of the staged k/q rows (zero rows past the last token).
+constexpr bool KQF = GDN_KQF32 && sizeof(xt) != 4;
 typedef typename Pick<KQF, float, xt>::type kt;     // k/q element type read by the lanes
 constexpr int CH = Vec16<kt>::N;  // elements per 16-byte chunk read by a lane
 constexpr int XCH = Vec16<xt>::N; // elements per 16-byte chunk of the inputs
@@ -215,10 +214,21 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
     // (zero rows past the last token) and k_t . q_t (U == 1) or the Gram
     // entries of each group (U > 1).
     constexpr int NCONV = KQF ? TB : 0;
+    constexpr int NPAD = (U > 1 && !KQF) ? U - 1 : 0;  // zero rows nt.. of the last group
     constexpr int NDOTW = U == 1 ? TB : NG;
-    for (int w = warp; w < NCONV + NDOTW; w += NW) {
-      if (w < NCONV) {
-        const int t = w;
+    for (int w = warp; w < NPAD + NCONV + NDOTW; w += NW) {
+      if (w < NPAD) {
+        const int t = nt + w;
+        if (t < ((nt + U - 1) / U) * U) {
+          const float z4[4] = {0.f, 0.f, 0.f, 0.f};
+          store4(ks + (buf * TB + t) * D + lane * 4, z4);
+          store4(qs + (buf * TB + t) * D + lane * 4, z4);
+        }
+        continue;
+      }
+      const int wi = w - NPAD;
+      if (wi < NCONV) {
+        const int t = wi;
         float kv4[4] = {0.f, 0.f, 0.f, 0.f}, qv4[4] = {0.f, 0.f, 0.f, 0.f};
         if (t < nt) {
           load4(ks + (buf * TB + t) * D + lane * 4, kv4);
@@ -227,7 +237,7 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
         store4(kf32 + t * D + lane * 4, kv4);
         store4(qf32 + t * D + lane * 4, qv4);
       } else if (U == 1) {
-        const int t = w - NCONV;
+        const int t = wi - NCONV;
         if (t < nt) {
           float kv4[4], qv4[4];
           load4(ks + (buf * TB + t) * D + lane * 4, kv4);
@@ -243,7 +253,7 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
         }
       } else {
         // Group m: KK[i][j] (i < j) then KQ[i][j] (i <= j), NDOT <= 16 dots.
-        const int m = w - NCONV;
+        const int m = wi - NCONV;
         float kv[U][4], qv[U][4];
 #pragma unroll
         for (int i = 0; i < U; ++i) {

@@ -33,7 +33,7 @@ class ScanConfig(tuple):
 
     __slots__ = ()
 
-    def __new__(cls, L=8, R=2, warps=4, tb=32, kqf32=1, u=4):
+    def __new__(cls, L=8, R=2, warps=4, tb=32, kqf32=0, u=1):
         return super().__new__(cls, (L, R, warps, tb, kqf32, u))
 
     @property
@@ -43,7 +43,7 @@ class ScanConfig(tuple):
 
 
 #: Chosen from the H200 measurements in bench/results/gdn-cuda-log.md.
-DEFAULT_CONFIG = ScanConfig(8, 2, 4, 32, 1, 4)
+DEFAULT_CONFIG = ScanConfig(8, 2, 4, 32, 0, 1)
 
 _kernels: Dict[tuple, cb.CudaKernel] = {}
 
@@ -74,7 +74,7 @@ def _smem_bytes(dtype, cfg: ScanConfig) -> int:
     n += 4 * (2 * TB * 2 + TB)  # g, beta, k.q
     if U > 1:
         n += 4 * (TB // U) * 16  # Gram entries per group
-    if (KQF and xs != 4) or U > 1:
+    if KQF and xs != 4:
         n += 4 * 2 * TB * D  # fp32 copies of k and q
     return n
 
