@@ -16,6 +16,10 @@ from mlx_lm.models.gated_delta import normalize_qk
 from mlx_lm.models.qwen3_5 import GatedDeltaNet
 from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextSparseMoeBlock
 
+from .kernels import gated_delta_decode as k_decode
+from .kernels import gated_delta_frontend as k_frontend
+from .kernels import gated_delta_scan as k_scan
+from .kernels import gated_rms_norm as k_norm
 from .ops import attention as attention_ops
 from .ops import gated_delta as gated_delta_ops
 from .ops import moe as moe_ops
@@ -36,10 +40,15 @@ def rebind(module: nn.Module, cls: type) -> nn.Module:
 class FastGatedDeltaNet(GatedDeltaNet):
     """``qwen3_5.GatedDeltaNet`` with the recurrence from :mod:`ops.gated_delta`.
 
-    The projections, conv1d, normalisation and output are mlx-lm's; only the
-    gated delta rule is dispatched (chunkwise-parallel form on CPU/CUDA
-    instead of stock's per-token loop, mlx-lm's own kernel on Metal, CUDA
-    kernels where available).
+    Where :func:`ops.gated_delta.implementation_for` picks the CUDA kernels
+    (and the call has no padding mask, no per-row cache lengths and no
+    sharding), the layer runs fused: for prefill the front end (conv1d + SiLU
+    + q/k L2 norm + gates), the register-resident scan and the gated RMSNorm;
+    for decode one kernel for everything between the input projections and
+    ``out_proj``. Otherwise the projections, conv1d, normalisation and output
+    are mlx-lm's and only the gated delta rule is dispatched (chunkwise-parallel
+    form on CPU/CUDA instead of stock's per-token loop, mlx-lm's own kernel on
+    Metal).
     """
 
     stock_class = GatedDeltaNet
@@ -50,6 +59,75 @@ class FastGatedDeltaNet(GatedDeltaNet):
         mask: Optional[mx.array] = None,
         cache: Optional[Any] = None,
     ) -> mx.array:
+        S = inputs.shape[1]
+        if (
+            mask is None
+            and self.sharding_group is None
+            and (cache is None or cache.lengths is None)
+            and gated_delta_ops.implementation_for(S) == gated_delta_ops.CUDA_KERNEL
+        ):
+            fused = self._decode_cuda if S == 1 else self._prefill_cuda
+            out = fused(inputs, cache)
+            if out is not None:
+                return out
+        return self._reference(inputs, mask, cache)
+
+    def _heads(self):
+        return dict(num_k_heads=self.num_k_heads, num_v_heads=self.num_v_heads)
+
+    def _states(self, cache):
+        conv_state = cache[0] if cache is not None else None
+        state = cache[1] if cache is not None else None
+        return conv_state, state
+
+    def _store(self, cache, conv_state, state, S):
+        if cache is not None:
+            cache[0] = conv_state
+            cache[1] = state
+            cache.advance(S)
+
+    def _prefill_cuda(self, inputs, cache):
+        """Front end + scan + gated norm kernels; None if a kernel can't take the call."""
+        B, S, _ = inputs.shape
+        qkv = self.in_proj_qkv(inputs)
+        conv_state, state = self._states(cache)
+        dims = dict(head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim)
+        if conv_state is None:
+            conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), qkv.dtype)
+        if not k_frontend.supports(qkv, conv_state, self.conv1d.weight, **self._heads(), **dims):
+            return None
+        z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
+        q, k, v, g, beta, conv_state = k_frontend.gated_delta_frontend(
+            qkv, self.in_proj_a(inputs), self.in_proj_b(inputs), self.conv1d.weight,
+            conv_state, self.A_log, self.dt_bias, **self._heads(),
+        )
+        if not k_scan.supports(q, k, v, g, beta, state):
+            return None
+        y, state = k_scan.gated_delta_scan(q, k, v, g, beta, state)
+        self._store(cache, conv_state, state, S)
+        if k_norm.supports(y, z, self.norm.weight):
+            out = k_norm.gated_rms_norm(y, z, self.norm.weight, self.norm.eps)
+        else:
+            out = self.norm(y, z)
+        return self.out_proj(out.reshape(B, S, -1))
+
+    def _decode_cuda(self, inputs, cache):
+        """The whole step between the projections and ``out_proj`` in one kernel."""
+        qkv = self.in_proj_qkv(inputs)
+        conv_state, state = self._states(cache)
+        if not k_decode.supports(
+            qkv, state, **self._heads(), head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim
+        ):
+            return None
+        out, conv_state, state = k_decode.gated_delta_decode(
+            qkv, self.in_proj_z(inputs), self.in_proj_a(inputs), self.in_proj_b(inputs),
+            self.conv1d.weight, conv_state, self.A_log, self.dt_bias, self.norm.weight,
+            state, **self._heads(), norm_eps=self.norm.eps,
+        )
+        self._store(cache, conv_state, state, 1)
+        return self.out_proj(out)
+
+    def _reference(self, inputs, mask, cache):
         B, S, _ = inputs.shape
         if self.sharding_group is not None:
             inputs = sum_gradients(self.sharding_group)(inputs)
