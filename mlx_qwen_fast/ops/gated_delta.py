@@ -1,0 +1,729 @@
+"""Gated DeltaNet recurrence: reference, chunkwise-parallel form, dispatch.
+
+Replaces ``mlx_lm.models.gated_delta.gated_delta_update``.  On Apple GPUs
+mlx-lm runs the recurrence with Metal kernels; on CUDA and CPU it falls back
+to ``gated_delta_ops``, a Python loop over every token (about 40 graph nodes
+per token per layer, ~90% of stock prefill time on CUDA).  This module keeps
+the Metal path and replaces the fallback with
+
+* :func:`gated_delta_recurrent` -- the per-token recurrence in plain MLX ops,
+  fp32 math (the reference of record; also the decode path, T small);
+* :func:`gated_delta_chunked` -- the chunkwise-parallel (WY / UT transform)
+  form of Yang, Kautz & Hatamizadeh, "Gated Delta Networks: Improving Mamba2
+  with Delta Rule" (arXiv 2412.06464) and Yang et al., "Parallelizing Linear
+  Transformers with the Delta Rule over Sequence Length" (arXiv 2406.06484):
+  matmuls within a chunk, a short loop over chunks for the state.
+
+Contract (the same as mlx-lm's)
+-------------------------------
+===========  ====================  =========================================
+argument     shape                 dtype / meaning
+===========  ====================  =========================================
+q, k         [B, T, Hk, Dk]        any float; already L2-normalised, the
+                                   ``Dk**-0.5`` scale folded into q
+                                   (``mlx_lm...gated_delta.normalize_qk``)
+v            [B, T, Hv, Dv]        any float; Hv a multiple of Hk, value
+                                   head h reads key head ``h // (Hv // Hk)``
+g            [B, T, Hv]            decay per step and value head, in (0, 1]
+                                   (float32 from :func:`compute_gates`)
+beta         [B, T, Hv]            write strength, in [0, 1] (sigmoid)
+state        [B, Hv, Dv, Dk]       float32; ``None`` means zeros
+mask         [B, T]                bool; False = padding step: the state
+                                   passes through unchanged and y is 0
+returns y    [B, T, Hv, Dv]        q.dtype
+new state    [B, Hv, Dv, Dk]       float32
+===========  ====================  =========================================
+
+Recurrence per value head (S is Dv x Dk):
+``S <- g_t S;  kv = S k_t;  delta = beta_t (v_t - kv);  S <- S + delta k_t^T;
+y_t = S q_t``.  All arithmetic is fp32 whatever the input dtype, as in
+mlx-lm's ``_gated_delta_step_ops`` (which promotes to the fp32 state).
+
+Masked steps: the state is left unchanged and y is 0 there (what mlx-lm's
+Metal kernel writes; mlx-lm's ops fallback writes ``S' q_t`` for a state it
+then discards; in mlx-lm's models q is 0 at padded steps, so both give 0).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Callable, Dict, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import gated_delta as _stock
+
+from .. import backend as _backend
+from ..kernels import _cuda_build
+from ..kernels import gated_delta_scan as _k_scan
+
+__all__ = [
+    "gated_delta_recurrent",
+    "gated_delta_chunked",
+    "compute_gates",
+    "gated_delta_update",
+    "implementation_for",
+    "IMPLEMENTATIONS",
+    "RECURRENT_MAX_T",
+    "CHUNK_SIZE",
+    "DEFAULT_CHUNK_SIZE",
+]
+
+DEFAULT_CHUNK_SIZE = 64
+
+# Largest T that the dispatcher sends to the per-token recurrence on CPU/CUDA;
+# longer inputs go to the chunked form.  Measured on CPU (mlx 0.32.4 CPU
+# build, 2 cores shared with other jobs, Hk=16, Hv=32, D=128, B=1, bf16
+# q/k/v, min of 10, ms, recurrent / chunked C=16 / stock mlx-lm loop):
+# T=1 1.6 / 2.2 / 1.8 (all bound by the 2 MB state); T=2 4.6 / 4.3 / 5.5;
+# T=3 7.7 / 7.9 / 8.8; T=4 10.6 / 8.0 / 12.1; T=8 17.8 / 9.5 / 19.0;
+# T=16 34 / 19 / 35; T=64 139 / 75 / 148.  So decode (T=1) takes the
+# recurrence (one compiled graph, fewest nodes); T=2-3 is a tie; longer
+# inputs take the chunked form.  On CUDA the crossover is set by graph nodes
+# rather than bytes and should be re-measured there (counted with
+# mx.export_to_dot, Dk=Dv=128, not counting views: chunked ~90 nodes + ~9 per
+# chunk, e.g. 378 at T=2048, C=64; recurrence 12 for T=1, ~6 per token:
+# 390 at T=64).
+RECURRENT_MAX_T = 1
+
+# Chunk size the dispatcher uses per backend.  Per token the chunked form
+# spends ~6*Dk*Dv flops carrying the state between chunks and ~8*C*D on the
+# intra-chunk matmuls, so a small chunk costs fewer flops.  MLX's CPU build
+# runs matmuls through a reference BLAS (~2 GFLOP/s here), where C=16 was the
+# fastest (same setup, min of 3: T=512 C=16 0.55 s, C=32 0.63 s, C=64 0.84 s;
+# T=2048 2.86 / 2.97 / 3.73 s).  On a GPU flops are cheap and the chunk loop
+# is sequential, so the usual C=64 (fla's choice) keeps the loop short.
+CHUNK_SIZE = {_backend.CPU: 16, _backend.CUDA: 64, _backend.METAL: 64}
+
+
+# --------------------------------------------------------------------------
+# validation (shape / dtype checks only; never evaluates an array)
+# --------------------------------------------------------------------------
+
+
+def _shape(x) -> Tuple[int, ...]:
+    return tuple(x.shape)
+
+
+def _check_inputs(q, k, v, g, beta, state, mask):
+    """Check the contract's shapes; returns (B, T, Hk, Dk, Hv, Dv).
+
+    Raises ValueError naming the argument, the expected shape/dtype and what
+    was passed.
+    """
+    if q.ndim != 4:
+        raise ValueError(
+            f"q must have shape [B, T, Hk, Dk] (rank 4), got shape {_shape(q)}"
+        )
+    B, T, Hk, Dk = q.shape
+    if k.ndim != 4:
+        raise ValueError(
+            f"k must have shape [B, T, Hk, Dk] (rank 4), got shape {_shape(k)}"
+        )
+    if k.shape[:2] != q.shape[:2]:
+        raise ValueError(
+            f"k must have shape [B, T, Hk, Dk] = {(B, T, Hk, Dk)} like q "
+            f"(mismatched B/T), got {_shape(k)}"
+        )
+    if k.shape[3] != Dk:
+        raise ValueError(
+            f"k must have the same key dim Dk={Dk} as q (shape {(B, T, Hk, Dk)}),"
+            f" got Dk={k.shape[3]} (shape {_shape(k)})"
+        )
+    if k.shape[2] != Hk:
+        raise ValueError(
+            f"k must have the same key head count Hk={Hk} as q "
+            f"(shape {(B, T, Hk, Dk)}), got {_shape(k)}"
+        )
+    if v.ndim != 4:
+        raise ValueError(
+            f"v must have shape [B, T, Hv, Dv] (rank 4), got shape {_shape(v)}"
+        )
+    if v.shape[:2] != q.shape[:2]:
+        raise ValueError(
+            f"v must have shape [B, T, Hv, Dv] with B={B}, T={T} as q "
+            f"(mismatched B/T), got {_shape(v)}"
+        )
+    Hv, Dv = v.shape[2], v.shape[3]
+    if Hk == 0 or Hv % Hk != 0:
+        raise ValueError(
+            f"v's head count Hv={Hv} must be a positive multiple of the key "
+            f"head count Hk={Hk} (v shape {_shape(v)}, q shape {_shape(q)})"
+        )
+    if g is not None and _shape(g) != (B, T, Hv):
+        raise ValueError(
+            f"g must have shape [B, T, Hv] = {(B, T, Hv)} (one scalar decay per "
+            f"step and value head), got {_shape(g)}"
+        )
+    if _shape(beta) != (B, T, Hv):
+        raise ValueError(
+            f"beta must have shape [B, T, Hv] = {(B, T, Hv)}, got {_shape(beta)}"
+        )
+    if state is not None:
+        if _shape(state) != (B, Hv, Dv, Dk):
+            raise ValueError(
+                f"state must have shape [B, Hv, Dv, Dk] = {(B, Hv, Dv, Dk)}, "
+                f"got {_shape(state)}"
+            )
+        if state.dtype != mx.float32:
+            raise ValueError(
+                f"state must have dtype float32 (a bf16/fp16 state drifts), "
+                f"got {state.dtype}"
+            )
+    if mask is not None and _shape(mask) != (B, T):
+        raise ValueError(
+            f"mask must have shape [B, T] = {(B, T)} (bool, False = padding), "
+            f"got {_shape(mask)}"
+        )
+    return B, T, Hk, Dk, Hv, Dv
+
+
+def _as_bool(mask):
+    return mask if mask.dtype == mx.bool_ else mask != 0
+
+
+# --------------------------------------------------------------------------
+# 1. per-token recurrence (reference of record)
+# --------------------------------------------------------------------------
+
+
+@mx.compile
+def _step(q, k, v, g, beta, state):
+    """One recurrent step, fp32, value heads grouped by key head.
+
+    q, k: [B, Hk, 1, Dk] f32; v: [B, Hk, R, Dv] f32; g, beta: [B, Hk, R] f32;
+    state: [B, Hk, R, Dv, Dk] f32.  Returns y [B, Hk, R, Dv], new state.
+    """
+    kk = k[..., None, :]  # [B, Hk, 1, 1, Dk]
+    state = state * g[..., None, None]
+    kv = (state * kk).sum(axis=-1)  # [B, Hk, R, Dv]
+    delta = (v - kv) * beta[..., None]
+    state = state + kk * delta[..., None]
+    y = (state * q[..., None, :]).sum(axis=-1)
+    return y, state
+
+
+@mx.compile
+def _step_masked(q, k, v, g, beta, state, m):
+    """:func:`_step` with a bool mask ``m`` [B]: False keeps the state, y = 0."""
+    y, new_state = _step(q, k, v, g, beta, state)
+    m = m.reshape(m.shape[0], 1, 1, 1)
+    y = mx.where(m, y, 0.0)  # y: [B, Hk, R, Dv]
+    new_state = mx.where(m[..., None], new_state, state)
+    return y, new_state
+
+
+def gated_delta_recurrent(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: Optional[mx.array] = None,
+    mask: Optional[mx.array] = None,
+) -> Tuple[mx.array, mx.array]:
+    """Gated delta rule, one token at a time, in plain MLX ops (fp32 math).
+
+    The reference of record for :func:`gated_delta_chunked`, and the decode
+    path (T small).  Same step math as mlx-lm's ``_gated_delta_step_ops``
+    (mlx_lm/models/gated_delta.py), with every operand cast to float32 and
+    the GQA head sharing done by broadcasting (q/k are not repeated).
+
+    Args:
+      q, k: [B, T, Hk, Dk], any float dtype (L2-normalised; q pre-scaled).
+      v: [B, T, Hv, Dv], any float dtype; Hv % Hk == 0.
+      g: [B, T, Hv] decay in (0, 1] (dimensionless, per step).
+      beta: [B, T, Hv] write strength.
+      state: [B, Hv, Dv, Dk] float32, or None for zeros.
+      mask: [B, T] bool or None; False steps leave the state unchanged and
+        give y = 0.
+
+    Returns:
+      (y [B, T, Hv, Dv] in q.dtype, state [B, Hv, Dv, Dk] float32).
+
+    Raises:
+      ValueError: on a wrong rank/shape of any argument, Hv not a multiple of
+        Hk, or a state that is not float32 (see module docstring).
+    """
+    B, T, Hk, Dk, Hv, Dv = _check_inputs(q, k, v, g, beta, state, mask)
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    if mask is not None:
+        mask = _as_bool(mask)
+    if T == 0:
+        return mx.zeros((B, 0, Hv, Dv), q.dtype), state
+    if T == 1:  # decode: one compiled graph, no slicing
+        if mask is None:
+            return _recurrent_one(q, k, v, g, beta, state)
+        return _recurrent_one_masked(q, k, v, g, beta, state, mask)
+    R = Hv // Hk
+    f32 = mx.float32
+    S = state.reshape(B, Hk, R, Dv, Dk)
+    qf = q.astype(f32)[:, :, :, None, :]  # [B, T, Hk, 1, Dk]
+    kf = k.astype(f32)[:, :, :, None, :]
+    vf = v.astype(f32).reshape(B, T, Hk, R, Dv)
+    gf = g.astype(f32).reshape(B, T, Hk, R)
+    bf = beta.astype(f32).reshape(B, T, Hk, R)
+    ys = []
+    for t in range(T):
+        if mask is None:
+            y, S = _step(qf[:, t], kf[:, t], vf[:, t], gf[:, t], bf[:, t], S)
+        else:
+            y, S = _step_masked(
+                qf[:, t], kf[:, t], vf[:, t], gf[:, t], bf[:, t], S, mask[:, t]
+            )
+        ys.append(y)
+    y = mx.stack(ys, axis=1).reshape(B, T, Hv, Dv).astype(q.dtype)
+    return y, S.reshape(B, Hv, Dv, Dk)
+
+
+def _one_token_args(q, k, v, g, beta, state):
+    B, _, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    R = Hv // Hk
+    f32 = mx.float32
+    return (
+        q.astype(f32).reshape(B, Hk, 1, Dk),
+        k.astype(f32).reshape(B, Hk, 1, Dk),
+        v.astype(f32).reshape(B, Hk, R, Dv),
+        g.astype(f32).reshape(B, Hk, R),
+        beta.astype(f32).reshape(B, Hk, R),
+        state.reshape(B, Hk, R, Dv, Dk),
+    )
+
+
+@mx.compile
+def _recurrent_one(q, k, v, g, beta, state):
+    """T == 1 without mask: casts, reshapes and the step in one compiled graph."""
+    y, S = _step(*_one_token_args(q, k, v, g, beta, state))
+    return y.reshape(v.shape).astype(q.dtype), S.reshape(state.shape)
+
+
+@mx.compile
+def _recurrent_one_masked(q, k, v, g, beta, state, mask):
+    """T == 1 with a [B, 1] bool mask."""
+    y, S = _step_masked(*_one_token_args(q, k, v, g, beta, state), mask[:, 0])
+    return y.reshape(v.shape).astype(q.dtype), S.reshape(state.shape)
+
+
+# --------------------------------------------------------------------------
+# 2. chunkwise-parallel form
+# --------------------------------------------------------------------------
+
+
+# x86 CPUs handle subnormal floats through microcode assists, ~100x slower
+# than normal ones (MLX does not set flush-to-zero).  Decay ratios across a
+# chunk (g^C) and products of small UT-transform entries land there easily
+# (measured: a whole call 3x slower at T=512 with real gate values).  So on
+# CPU every matmul operand is flushed to 0 below _FTZ = 2^-60 (~8.7e-19):
+# a product of two kept values is then >= 2^-120, still a normal float.
+# The operands are O(1)-scaled (unit keys, activations, ratios <= 1), so the
+# dropped magnitudes are ~1e-12 of an fp32 ulp.  GPUs run subnormals at full
+# speed; there the flush is left out (fewer kernels).
+_FTZ = 2.0**-60
+_LOG_FTZ = -60 * 0.6931471805599453  # log(_FTZ)
+
+
+def _ftz(x: mx.array) -> mx.array:
+    return mx.where(mx.abs(x) < _FTZ, 0.0, x)
+
+
+def _no_ftz(x: mx.array) -> mx.array:
+    return x
+
+
+def _flush_subnormals() -> bool:
+    """Whether the chunked form flushes tiny operands (CPU backend only)."""
+    return _backend.current() == _backend.CPU
+
+
+def _unit_lower_inverse(A: mx.array, ftz: Callable = _no_ftz) -> mx.array:
+    """(I + A)^-1 for strictly lower-triangular A [..., C, C], C a power of 2.
+
+    Recursive block doubling with matmuls only (runs on any backend; MLX's
+    linalg solvers are CPU-only): start from the 1x1 diagonal blocks (all 1),
+    and at each level merge neighbouring s x s inverses Xa, Xb into the
+    2s x 2s inverse [[Xa, 0], [-Xb A21 Xa, Xb]], where A21 is the s x s
+    block of A below the diagonal inside each 2s block.  log2(C) levels of
+    two small batched matmuls (s x s) and a few copies each, ~C^3/3 flops in
+    all; exact algebra, no series truncation (recursive triangular inversion,
+    cf. Du Croz & Higham, IMA J. Numer. Anal. 12 (1992)).  Measured with the
+    full chunked form against a float64 loop: relative error <= ~2e-6 even
+    for strongly correlated keys with beta ~ 1 and g ~ 1.  ``ftz`` is applied
+    to each new off-diagonal block (see _FTZ).
+    """
+    C = A.shape[-1]
+    lead = A.shape[:-2]
+    nd = len(lead)
+    X = mx.ones((*lead, C, 1, 1), dtype=A.dtype)  # inverses of 1x1 blocks
+    s = 1
+    while s < C:
+        n = C // (2 * s)
+        # diagonal 2s x 2s blocks of A: [..., n, 2s, 2s]
+        blk = mx.diagonal(A.reshape(*lead, n, 2 * s, n, 2 * s), 0, nd, nd + 2)
+        blk = mx.moveaxis(blk, -1, nd)
+        A21 = blk[..., s:, :s]
+        Xp = X.reshape(*lead, n, 2, s, s)
+        Xa = Xp[..., 0, :, :]
+        Xb = Xp[..., 1, :, :]
+        off = ftz(-(ftz(Xb @ A21) @ Xa))
+        top = mx.concatenate([Xa, mx.zeros_like(Xa)], axis=-1)
+        bot = mx.concatenate([off, Xb], axis=-1)
+        X = mx.concatenate([top, bot], axis=-2)
+        s *= 2
+    return X.reshape(*lead, C, C)
+
+
+def _make_chunk_fns(flush: bool):
+    """Compiled (prepare, step) of the chunked form, with or without _FTZ."""
+    ftz = _ftz if flush else _no_ftz
+
+    @mx.compile
+    def prepare(q, k, v, lg, beta):
+        """Everything that is parallel over chunks.
+
+        q, k: [N, B, Hk, 1, C, Dk]; v: [N, B, Hk, R, C, Dv]; lg (log decay,
+        0 on identity steps), beta: [N, B, Hk, R, C]; all float32 (N =
+        chunk count).
+
+        Per chunk and value head, with b_i = sum_{l<=i} lg_l (gamma_i =
+        exp(b_i) is the decay from the chunk start through step i) and
+        ratio_ij = gamma_i / gamma_j = exp(sum_{j<l<=i} lg_l) (segment sums,
+        not differences of cumulative sums, for accuracy under strong decay):
+
+          A      = strictly_lower(diag(beta) K K^T * ratio)
+          Tm     = (I + A)^-1                        (UT / WY transform)
+          U      = Tm diag(beta) V,  W = Tm diag(beta * gamma) K
+          Attn   = Q K^T * ratio  (lower incl. diagonal)
+          delta  = U - W S0^T                        (per-step writes)
+          y      = gamma * Q S0^T + Attn delta
+                 = Attn U + (gamma * Q - Attn W) S0^T
+          S_end  = gamma_C S0 + delta^T (ratio_{C,:} * K)
+
+        Returns WQ = [W ; gamma Q - Attn W] [N, ..., 2C, Dk], UY = [U ;
+        Attn U] [N, ..., 2C, Dv], Kd = ratio_{C,:} * K [N, ..., C, Dk] and
+        gamma_C [N, ..., 1, 1].
+        """
+        C = q.shape[-2]
+        idx = mx.arange(C)
+        lower_strict = idx[:, None] > idx[None, :]
+        lower_incl = idx[:, None] >= idx[None, :]
+        # segment sums: seg[i, j] = sum_{j < l <= i} lg_l  (i >= j)
+        seg = mx.cumsum(mx.where(lower_strict, lg[..., :, None], 0.0), axis=-2)
+        b = mx.cumsum(lg, axis=-1)
+        if flush:  # exp() never returns a subnormal, ratios < _FTZ are 0
+            ratio = mx.where(
+                lower_incl & (seg > _LOG_FTZ), mx.exp(mx.maximum(seg, _LOG_FTZ)), 0.0
+            )
+            gamma = mx.where(b > _LOG_FTZ, mx.exp(mx.maximum(b, _LOG_FTZ)), 0.0)
+        else:
+            ratio = mx.where(lower_incl, mx.exp(seg), 0.0)  # [.., C, C]
+            gamma = mx.exp(b)  # [.., C]
+        ratio_last = ratio[..., -1, :]  # gamma_C / gamma_j
+
+        kt = mx.swapaxes(k, -1, -2)
+        KK = k @ kt  # [N, B, Hk, 1, C, C], shared by the R value heads
+        QK = q @ kt
+        A = ftz(mx.where(lower_strict, beta[..., :, None] * KK * ratio, 0.0))
+        Tm = _unit_lower_inverse(A, ftz)
+        U = ftz(Tm @ ftz(beta[..., None] * v))
+        W = ftz(Tm @ ftz((beta * gamma)[..., None] * k))
+        Attn = ftz(QK * ratio)
+        UY = mx.concatenate([U, Attn @ U], axis=-2)
+        WQ = mx.concatenate([W, ftz(gamma[..., None] * q - Attn @ W)], axis=-2)
+        Kd = ftz(ratio_last[..., None] * k)
+        g_last = gamma[..., -1:, None]
+        return WQ, UY, Kd, g_last
+
+    @mx.compile
+    def step(S, WQ, UY, Kd, g_last):
+        """Carry the state over one chunk.
+
+        S [B, Hk, R, Dv, Dk]; WQ [B, Hk, R, 2C, Dk]; UY [B, Hk, R, 2C, Dv];
+        Kd [B, Hk, R, C, Dk]; g_last [B, Hk, R, 1, 1].  Returns y_chunk
+        [B, Hk, R, C, Dv] and the state after the chunk.
+        """
+        C = Kd.shape[-2]
+        P = WQ @ mx.swapaxes(S, -1, -2)  # [.., 2C, Dv]
+        delta = ftz(UY[..., :C, :] - P[..., :C, :])
+        y = UY[..., C:, :] + P[..., C:, :]
+        S = ftz(g_last * S + mx.swapaxes(delta, -1, -2) @ Kd)
+        return y, S
+
+    return prepare, step
+
+
+_CHUNK_FNS = {flush: _make_chunk_fns(flush) for flush in (False, True)}
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and (n & (n - 1)) == 0
+
+
+def gated_delta_chunked(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: Optional[mx.array] = None,
+    mask: Optional[mx.array] = None,
+    *,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> Tuple[mx.array, mx.array]:
+    """Gated delta rule in chunkwise-parallel form (plain MLX ops, fp32).
+
+    Algorithm: the chunkwise WY/UT form of the gated delta rule (Yang, Kautz,
+    Hatamizadeh, arXiv 2412.06464; the DeltaNet chunkwise form of Yang et
+    al., arXiv 2406.06484): inside each chunk of ``chunk_size``
+    steps, cumulative log-decay (as segment sums), the UT transform
+    ``(I + strictly_lower(diag(beta) K K^T * decay ratios))^-1`` (inverted by
+    matmul-only block doubling, see :func:`_unit_lower_inverse`), the w/u
+    vectors, intra-chunk attention with the decay mask; then a loop over
+    chunks (two matmuls each) carries the state.  No per-token loop; graph
+    size is independent of T apart from the chunk loop.
+
+    T not a multiple of the chunk is padded with identity steps (beta=0,
+    g=1); masked steps (mask False) are made identity steps too, and their y
+    set to 0.  When T < chunk_size the chunk shrinks to the next power of two
+    >= T.  Scratch memory grows linearly with T (roughly
+    T * Hv * (5 * D + 4 * C) * 4 bytes: ~0.2 GB at T=2048 for Hv=32, D=128,
+    C=64); callers bound it by prefilling in pieces, as mlx-lm does.
+
+    Args:
+      q, k: [B, T, Hk, Dk]; v: [B, T, Hv, Dv]; g, beta: [B, T, Hv];
+      state: [B, Hv, Dv, Dk] float32 or None; mask: [B, T] bool or None --
+        as in the module docstring.
+      chunk_size: steps per chunk, a power of two (default 64).
+
+    Returns:
+      (y [B, T, Hv, Dv] in q.dtype, state [B, Hv, Dv, Dk] float32).  Agrees
+      with :func:`gated_delta_recurrent` to fp32 rounding (relative L2 error
+      ~1e-6 on y and state for fp32 inputs).
+
+    Raises:
+      ValueError: shape/dtype errors as for :func:`gated_delta_recurrent`,
+        or ``chunk_size`` not a positive power of two.
+    """
+    if not isinstance(chunk_size, int) or not _is_pow2(chunk_size):
+        raise ValueError(
+            f"chunk_size must be a positive power of two, got {chunk_size!r}"
+        )
+    B, T, Hk, Dk, Hv, Dv = _check_inputs(q, k, v, g, beta, state, mask)
+    R = Hv // Hk
+    f32 = mx.float32
+    if T == 0:
+        st = mx.zeros((B, Hv, Dv, Dk), f32) if state is None else state
+        return mx.zeros((B, 0, Hv, Dv), q.dtype), st
+
+    C = min(chunk_size, 1 << (T - 1).bit_length())
+    N = -(-T // C)
+    Tp = N * C
+
+    lg = mx.log(g.astype(f32))
+    bt = beta.astype(f32)
+    if mask is not None:
+        mask = _as_bool(mask)
+        lg = mx.where(mask[..., None], lg, 0.0)
+        bt = mx.where(mask[..., None], bt, 0.0)
+    qf, kf, vf = q.astype(f32), k.astype(f32), v.astype(f32)
+    if Tp != T:
+        pad = Tp - T
+        qf = mx.pad(qf, [(0, 0), (0, pad), (0, 0), (0, 0)])
+        kf = mx.pad(kf, [(0, 0), (0, pad), (0, 0), (0, 0)])
+        vf = mx.pad(vf, [(0, 0), (0, pad), (0, 0), (0, 0)])
+        lg = mx.pad(lg, [(0, 0), (0, pad), (0, 0)])
+        bt = mx.pad(bt, [(0, 0), (0, pad), (0, 0)])
+
+    # chunk-major layouts: [N, B, Hk, R|1, C, D]
+    qc = qf.reshape(B, N, C, Hk, 1, Dk).transpose(1, 0, 3, 4, 2, 5)
+    kc = kf.reshape(B, N, C, Hk, 1, Dk).transpose(1, 0, 3, 4, 2, 5)
+    vc = vf.reshape(B, N, C, Hk, R, Dv).transpose(1, 0, 3, 4, 2, 5)
+    lgc = lg.reshape(B, N, C, Hk, R).transpose(1, 0, 3, 4, 2)
+    btc = bt.reshape(B, N, C, Hk, R).transpose(1, 0, 3, 4, 2)
+
+    prepare, step = _CHUNK_FNS[_flush_subnormals()]
+    WQ, UY, Kd, g_last = prepare(qc, kc, vc, lgc, btc)
+
+    if state is None:
+        S = mx.zeros((B, Hk, R, Dv, Dk), dtype=f32)
+    else:
+        S = state.reshape(B, Hk, R, Dv, Dk)
+    ys = []
+    for c in range(N):
+        y, S = step(S, WQ[c], UY[c], Kd[c], g_last[c])
+        ys.append(y)
+    y = ys[0] if N == 1 else mx.stack(ys, axis=0)
+    # [N, B, Hk, R, C, Dv] -> [B, N, C, Hk, R, Dv]
+    y = y.reshape(N, B, Hk, R, C, Dv).transpose(1, 0, 4, 2, 3, 5)
+    y = y.reshape(B, Tp, Hv, Dv)
+    if Tp != T:
+        y = y[:, :T]
+    if mask is not None:
+        y = mx.where(mask[:, :, None, None], y, 0.0)
+    return y.astype(q.dtype), S.reshape(B, Hv, Dv, Dk)
+
+
+# --------------------------------------------------------------------------
+# 3. gates
+# --------------------------------------------------------------------------
+
+
+@partial(mx.compile, shapeless=True)
+def _compute_g(A_log, a, dt_bias):
+    # identical expression to mlx_lm.models.gated_delta.compute_g
+    return mx.exp(-mx.exp(A_log.astype(mx.float32)) * nn.softplus(a + dt_bias))
+
+
+def compute_gates(
+    a: mx.array, b: mx.array, A_log: mx.array, dt_bias: mx.array
+) -> Tuple[mx.array, mx.array]:
+    """Decay and write strength of the gated delta rule.
+
+    ``g = exp(-exp(A_log) * softplus(a + dt_bias))`` and ``beta = sigmoid(b)``,
+    the same expressions (and so the same bits) as mlx-lm's ``compute_g``
+    and ``mx.sigmoid(b)``: ``a + dt_bias`` and its softplus are evaluated in
+    their own dtype, the product and exponentials in float32.
+
+    Args:
+      a: [B, T, Hv] (the ``in_proj_a`` output); b: [B, T, Hv] (``in_proj_b``).
+      A_log, dt_bias: [Hv] per-head parameters.
+
+    Returns:
+      (g [B, T, Hv] float32 in (0, 1] (decay per step, dimensionless),
+       beta [B, T, Hv] in b's dtype, in (0, 1)).
+    """
+    return _compute_g(A_log, a, dt_bias), mx.sigmoid(b)
+
+
+# --------------------------------------------------------------------------
+# 4. dispatch
+# --------------------------------------------------------------------------
+
+
+def _mlx_lm_metal(q, k, v, g, beta, state, mask):
+    """mlx-lm's own Metal kernels (Apple GPU), the stock fast path."""
+    if k.shape[-1] % 32 != 0:  # mlx-lm's kernels need Dk a multiple of 32
+        return gated_delta_chunked(q, k, v, g, beta, state, mask)
+    if state is None:
+        B, _, _, Dk = q.shape
+        Hv, Dv = v.shape[-2:]
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    return _stock.gated_delta_kernel(q, k, v, g, beta, state, mask)
+
+
+def _chunked_for_backend(q, k, v, g, beta, state, mask):
+    """:func:`gated_delta_chunked` with the chunk size of the current backend."""
+    size = CHUNK_SIZE.get(_backend.current(), DEFAULT_CHUNK_SIZE)
+    return gated_delta_chunked(q, k, v, g, beta, state, mask, chunk_size=size)
+
+
+def _cuda_kernel(q, k, v, g, beta, state, mask):
+    """The register-resident CUDA scan (``kernels/gated_delta_scan``); the
+    chunked form for calls it does not support (head dims other than 128)."""
+    if _k_scan.supports(q, k, v, g, beta, state, mask):
+        return _k_scan.gated_delta_scan(q, k, v, g, beta, state, mask)
+    return _chunked_for_backend(q, k, v, g, beta, state, mask)
+
+
+#: Name of the CUDA-kernel implementation (the GDN layer then also uses the
+#: fused front-end, gated-norm and decode kernels).
+CUDA_KERNEL = "cuda-kernel"
+
+# name -> fn(q, k, v, g, beta, state, mask) -> (y, state), chosen in
+# implementation_for().
+_TABLE: Dict[str, Callable] = {
+    "mlx-lm-metal": _mlx_lm_metal,
+    "recurrent": gated_delta_recurrent,
+    "chunked": _chunked_for_backend,
+    CUDA_KERNEL: _cuda_kernel,
+}
+
+#: Names of the implementations, for the patch report.
+IMPLEMENTATIONS: Tuple[str, ...] = tuple(_TABLE)
+
+
+def implementation_for(T: int, backend: Optional[str] = None) -> str:
+    """Name (a key of the dispatch table) of the implementation used for T steps.
+
+    Args:
+      T: number of steps in the call (1 while decoding).
+      backend: "cpu" | "cuda" | "metal"; None means
+        :func:`mlx_qwen_fast.backend.current`.
+
+    metal -> "mlx-lm-metal"; cuda -> "cuda-kernel"; cpu -> "recurrent" for T <= RECURRENT_MAX_T, else
+    "chunked" (chunk size ``CHUNK_SIZE[backend]``).
+
+    Raises:
+      ValueError: for an unknown backend name.
+    """
+    if backend is None:
+        backend = _backend.current()
+    if backend == _backend.METAL:
+        return "mlx-lm-metal"
+    if backend not in (_backend.CPU, _backend.CUDA):
+        raise ValueError(
+            f"backend must be 'cpu', 'cuda' or 'metal', got {backend!r}"
+        )
+    if backend == _backend.CUDA and _cuda_build.cuda_available():
+        return CUDA_KERNEL
+    return "recurrent" if T <= RECURRENT_MAX_T else "chunked"
+
+
+def gated_delta_update(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    a: mx.array,
+    b: mx.array,
+    A_log: mx.array,
+    dt_bias: mx.array,
+    state: Optional[mx.array] = None,
+    mask: Optional[mx.array] = None,
+    *,
+    use_kernel: bool = True,
+    lower_bound: Optional[float] = None,
+    allow_neg_eigval: bool = False,
+) -> Tuple[mx.array, mx.array]:
+    """Drop-in replacement for ``mlx_lm.models.gated_delta.gated_delta_update``.
+
+    Computes the gates (:func:`compute_gates`) and runs the recurrence with
+    the implementation :func:`implementation_for` picks for T and the
+    current backend.  The keyword arguments mirror mlx-lm's:
+    ``use_kernel=False`` (training) avoids the Metal kernels, which have no
+    gradient (our plain-op paths do); ``lower_bound`` selects mlx-lm's
+    ``compute_lower_bound_g``; ``allow_neg_eigval`` doubles beta.  Vector
+    gates (``a`` of rank 4) go to mlx-lm's own function unchanged.
+
+    Args:
+      q, k: [B, T, Hk, Dk]; v: [B, T, Hv, Dv]; a, b: [B, T, Hv];
+      A_log, dt_bias: [Hv]; state: [B, Hv, Dv, Dk] float32 or None;
+      mask: [B, T] bool or None.
+
+    Returns:
+      (y [B, T, Hv, Dv] in q.dtype, state [B, Hv, Dv, Dk] float32).
+
+    Raises:
+      ValueError: as :func:`gated_delta_recurrent` (shapes checked on the
+        gates computed from a, b).
+    """
+    if a.ndim == 4:  # vector gating: not this module's contract
+        return _stock.gated_delta_update(
+            q, k, v, a, b, A_log, dt_bias, state, mask,
+            use_kernel=use_kernel, lower_bound=lower_bound,
+            allow_neg_eigval=allow_neg_eigval,
+        )
+    if lower_bound is None:
+        g, beta = compute_gates(a, b, A_log, dt_bias)
+    else:
+        g = _stock.compute_lower_bound_g(A_log, a, dt_bias, lower_bound)
+        beta = mx.sigmoid(b)
+    if allow_neg_eigval:
+        beta = beta * 2.0
+    T = q.shape[1] if q.ndim == 4 else 0
+    name = implementation_for(T)
+    if name == "mlx-lm-metal" and not use_kernel:
+        name = "recurrent" if T <= RECURRENT_MAX_T else "chunked"
+    if name == "mlx-lm-metal":
+        _check_inputs(q, k, v, g, beta, state, mask)
+    return _TABLE[name](q, k, v, g, beta, state, mask)

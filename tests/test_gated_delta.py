@@ -1,0 +1,521 @@
+"""Tests for mlx_qwen_fast.ops.gated_delta (Gated DeltaNet recurrence).
+
+Every test draws fresh random inputs from a generator seeded by the test's own
+node id (different for every parametrised case, reproducible on a rerun).
+
+Tolerances come from the dtype, never tuned to pass:
+
+* fp32 (y or state computed in fp32 math): relative L2 error <= FP32_RTOL
+  = 128 fp32 eps = 2**-16 ~ 1.5e-5 (measured errors are ~1e-7..2e-6).
+* bf16 outputs: both sides compute in fp32 and round to bf16 once, so an
+  element may differ by one bf16 ulp of its magnitude plus the fp32-level
+  difference (FP32_RTOL * max |ref|).
+"""
+
+import zlib
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_lm.models import gated_delta as stock
+from mlx_qwen_fast.ops import gated_delta as gd
+
+EPS32 = float(np.finfo(np.float32).eps)  # 2**-23
+EPS_BF16 = 2.0**-7  # bf16 has 8 significant bits (7 stored)
+FP32_RTOL = 128 * EPS32  # ~1.5e-5
+
+
+# ----------------------------------------------------------------- helpers
+
+
+@pytest.fixture
+def rng(request):
+    """numpy Generator seeded from this test case's node id."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+def _unit(x, axis=-1):
+    return x / np.linalg.norm(x, axis=axis, keepdims=True)
+
+
+def make_inputs(
+    rng,
+    B=1,
+    T=8,
+    Hk=2,
+    Hv=4,
+    Dk=32,
+    Dv=32,
+    g_range=(0.5, 1.0),
+    beta_range=(0.0, 1.0),
+    key_corr=0.0,
+    with_state=True,
+):
+    """Contract-shaped inputs as float32 numpy arrays (q, k, v, g, beta, S)."""
+    base = rng.standard_normal((B, 1, Hk, Dk)) * key_corr
+    q = _unit(base + rng.standard_normal((B, T, Hk, Dk))) * Dk**-0.5
+    k = _unit(base + rng.standard_normal((B, T, Hk, Dk)))
+    v = rng.standard_normal((B, T, Hv, Dv))
+    g = rng.uniform(*g_range, (B, T, Hv))
+    beta = rng.uniform(*beta_range, (B, T, Hv))
+    S = rng.standard_normal((B, Hv, Dv, Dk)) * 0.3 if with_state else None
+    out = [x.astype(np.float32) for x in (q, k, v, g, beta)]
+    out.append(None if S is None else S.astype(np.float32))
+    return out
+
+
+def to_mx(arrs, dtype=mx.float32):
+    """q, k, v (and beta) in ``dtype``; g and state stay float32."""
+    q, k, v, g, beta, S = arrs
+    conv = lambda x, dt: mx.array(x).astype(dt)  # noqa: E731
+    return (
+        conv(q, dtype),
+        conv(k, dtype),
+        conv(v, dtype),
+        conv(g, mx.float32),
+        conv(beta, dtype),
+        None if S is None else conv(S, mx.float32),
+    )
+
+
+def np64(x):
+    return np.asarray(x.astype(mx.float32) if isinstance(x, mx.array) else x, np.float64)
+
+
+def naive(q, k, v, g, beta, S=None, mask=None):
+    """Independent float64 numpy loop over tokens (vectorised over B, heads)."""
+    q, k, v, g, beta = (np64(x) for x in (q, k, v, g, beta))
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    R = Hv // Hk
+    S = np.zeros((B, Hv, Dv, Dk)) if S is None else np64(S).copy()
+    qr, kr = np.repeat(q, R, axis=2), np.repeat(k, R, axis=2)
+    y = np.zeros((B, T, Hv, Dv))
+    m = np.ones((B, T), bool) if mask is None else np.asarray(mask, bool)
+    for t in range(T):
+        Sn = S * g[:, t, :, None, None]
+        kv = np.einsum("bhvk,bhk->bhv", Sn, kr[:, t])
+        d = beta[:, t, :, None] * (v[:, t] - kv)
+        Sn = Sn + d[..., None] * kr[:, t, :, None, :]
+        yt = np.einsum("bhvk,bhk->bhv", Sn, qr[:, t])
+        sel = m[:, t]
+        S[sel] = Sn[sel]
+        y[sel, t] = yt[sel]
+    return y, S
+
+
+def rel_l2(a, ref):
+    """||a - ref|| / ||ref||; an all-zero ref demands an exact zero."""
+    a, ref = np64(a), np64(ref)
+    num, den = np.linalg.norm(a - ref), np.linalg.norm(ref)
+    if den == 0:
+        return 0.0 if num == 0 else float("inf")
+    return float(num / den)
+
+
+def assert_fp32_close(a, ref, what):
+    err = rel_l2(a, ref)
+    assert err <= FP32_RTOL, f"{what}: relative L2 error {err:.3e} > {FP32_RTOL:.3e}"
+
+
+def assert_bf16_close(a, ref, what):
+    """a (bf16) vs ref: <= 1 bf16 ulp of the magnitude + fp32-level slack."""
+    a, ref = np64(a), np64(ref)
+    mag = np.maximum(np.abs(a), np.abs(ref))
+    ulp = EPS_BF16 * np.exp2(np.floor(np.log2(np.maximum(mag, 1e-30))))
+    bound = ulp + FP32_RTOL * np.abs(ref).max()
+    bad = np.abs(a - ref) > bound
+    assert not bad.any(), (
+        f"{what}: {bad.sum()} of {bad.size} elements beyond 1 bf16 ulp; "
+        f"max |diff| {np.abs(a - ref).max():.3e}"
+    )
+
+
+def assert_y_close(y, ref, what):
+    if y.dtype == mx.bfloat16:
+        assert_bf16_close(y, ref, what)
+    else:
+        assert_fp32_close(y, ref, what)
+
+
+def mlx_ref_inputs(arrs_mx):
+    """The values the mlx implementations actually see, as float64 numpy."""
+    return [None if x is None else np64(x) for x in arrs_mx]
+
+
+# ----------------------------------------------------- recurrence vs numpy
+
+
+@pytest.mark.parametrize("B,T,Hk,Hv", [(1, 1, 2, 4), (2, 3, 1, 3), (2, 40, 2, 2)])
+def test_recurrent_matches_float64_loop(rng, B, T, Hk, Hv):
+    arrs = make_inputs(rng, B=B, T=T, Hk=Hk, Hv=Hv, Dk=32, Dv=16)
+    y, S = gd.gated_delta_recurrent(*to_mx(arrs))
+    y_ref, S_ref = naive(*arrs)
+    assert y.shape == (B, T, Hv, 16) and y.dtype == mx.float32
+    assert S.shape == (B, Hv, 16, 32) and S.dtype == mx.float32
+    assert_fp32_close(y, y_ref, "y")
+    assert_fp32_close(S, S_ref, "state")
+
+
+# ------------------------------------------------- chunked vs recurrence
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("chunk", [16, 32, 64])
+@pytest.mark.parametrize("T", [1, 2, 3, 63, 64, 65])
+@pytest.mark.parametrize("B", [1, 2])
+def test_chunked_matches_recurrent(rng, B, T, chunk, dtype):
+    arrs = make_inputs(rng, B=B, T=T, Hk=2, Hv=4, Dk=32, Dv=16)
+    inp = to_mx(arrs, dtype)
+    y_c, S_c = gd.gated_delta_chunked(*inp, chunk_size=chunk)
+    y_r, S_r = gd.gated_delta_recurrent(*inp)
+    assert y_c.dtype == dtype and S_c.dtype == mx.float32
+    assert y_c.shape == (B, T, 4, 16) and S_c.shape == (B, 4, 16, 32)
+    assert_y_close(y_c, y_r, "chunked y vs recurrent")
+    assert_fp32_close(S_c, S_r, "chunked state vs recurrent")
+    # and both against the float64 loop on the values they saw
+    y_n, S_n = naive(*mlx_ref_inputs(inp))
+    assert_y_close(y_c, y_n, "chunked y vs float64 loop")
+    assert_fp32_close(S_c, S_n, "chunked state vs float64 loop")
+
+
+def test_chunked_long_sequence(rng):
+    """T = 2049 (not a multiple of any chunk), small head count."""
+    arrs = make_inputs(rng, B=1, T=2049, Hk=1, Hv=2, Dk=32, Dv=32)
+    inp = to_mx(arrs)
+    y_c, S_c = gd.gated_delta_chunked(*inp)
+    y_r, S_r = gd.gated_delta_recurrent(*inp)
+    y_n, S_n = naive(*arrs)
+    assert_fp32_close(y_c, y_n, "chunked y vs float64 loop")
+    assert_fp32_close(S_c, S_n, "chunked state vs float64 loop")
+    assert_fp32_close(y_r, y_n, "recurrent y vs float64 loop")
+    assert_fp32_close(S_r, S_n, "recurrent state vs float64 loop")
+
+
+def test_chunked_real_head_dims(rng):
+    """Dk = Dv = 128, GQA 2 value heads per key head (the model's layout)."""
+    arrs = make_inputs(rng, B=1, T=70, Hk=2, Hv=4, Dk=128, Dv=128)
+    y_c, S_c = gd.gated_delta_chunked(*to_mx(arrs))
+    y_n, S_n = naive(*arrs)
+    assert_fp32_close(y_c, y_n, "y")
+    assert_fp32_close(S_c, S_n, "state")
+
+
+@pytest.mark.parametrize(
+    "g_range,beta_range,key_corr",
+    [
+        ((0.005, 0.02), (0.0, 1.0), 0.0),  # strong decay
+        ((0.999, 1.0), (0.0, 1.0), 0.0),  # weak decay
+        ((0.999, 1.0), (0.999, 1.0), 3.0),  # weak decay, beta ~ 1, correlated keys
+        ((0.5, 1.0), (0.0, 1e-3), 0.0),  # beta ~ 0
+        ((0.005, 0.02), (0.999, 1.0), 3.0),  # strong decay, beta ~ 1
+    ],
+    ids=["strong-decay", "weak-decay", "weak-beta1-corr", "beta0", "strong-beta1-corr"],
+)
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_chunked_decay_extremes(rng, g_range, beta_range, key_corr, chunk):
+    arrs = make_inputs(
+        rng, B=2, T=130, Hk=2, Hv=4, Dk=64, Dv=32,
+        g_range=g_range, beta_range=beta_range, key_corr=key_corr,
+    )
+    if g_range[1] == 1.0:
+        arrs[3][:, ::7] = 1.0  # exact g = 1 steps
+    y_c, S_c = gd.gated_delta_chunked(*to_mx(arrs), chunk_size=chunk)
+    y_r, S_r = gd.gated_delta_recurrent(*to_mx(arrs))
+    y_n, S_n = naive(*arrs)
+    assert_fp32_close(y_c, y_n, "chunked y")
+    assert_fp32_close(S_c, S_n, "chunked state")
+    assert_fp32_close(y_r, y_n, "recurrent y")
+    assert_fp32_close(S_r, S_n, "recurrent state")
+
+
+@pytest.mark.parametrize("flush", [False, True], ids=["gpu-variant", "cpu-flush"])
+@pytest.mark.parametrize("g_range", [(1e-12, 1e-6), (0.2, 0.4)], ids=["g~1e-9", "g~0.3"])
+def test_chunked_flush_variants(rng, monkeypatch, flush, g_range):
+    """Both compiled variants (CPU flushes operands < 2^-60, GPU does not)
+    match the float64 loop where decays across a chunk underflow."""
+    monkeypatch.setattr(gd, "_flush_subnormals", lambda: flush)
+    arrs = make_inputs(rng, B=1, T=150, Hk=2, Hv=4, g_range=g_range, key_corr=1.0)
+    y_c, S_c = gd.gated_delta_chunked(*to_mx(arrs), chunk_size=64)
+    y_n, S_n = naive(*arrs)
+    assert_fp32_close(y_c, y_n, "y")
+    assert_fp32_close(S_c, S_n, "state")
+
+
+def test_decay_underflow_to_zero(rng):
+    """g that underflowed to exactly 0 (huge A_log) resets the state, no NaN."""
+    arrs = make_inputs(rng, B=1, T=70, Hk=1, Hv=2)
+    arrs[3][0, [0, 5, 64, 69], :] = 0.0
+    y_c, S_c = gd.gated_delta_chunked(*to_mx(arrs))
+    y_n, S_n = naive(*arrs)
+    assert np.isfinite(np64(y_c)).all() and np.isfinite(np64(S_c)).all()
+    assert_fp32_close(y_c, y_n, "y")
+    assert_fp32_close(S_c, S_n, "state")
+
+
+def test_state_none_is_zeros(rng):
+    arrs = make_inputs(rng, B=2, T=20, with_state=False)
+    inp = to_mx(arrs)
+    zeros = mx.zeros((2, 4, 32, 32), mx.float32)
+    for fn in (gd.gated_delta_chunked, gd.gated_delta_recurrent):
+        y0, S0 = fn(*inp[:5], None)
+        y1, S1 = fn(*inp[:5], zeros)
+        assert np.array_equal(np64(y0), np64(y1)) and np.array_equal(np64(S0), np64(S1))
+    y_n, S_n = naive(*arrs)
+    assert_fp32_close(y0, y_n, "y")
+
+
+def test_empty_sequence(rng):
+    arrs = make_inputs(rng, B=2, T=0)
+    inp = to_mx(arrs)
+    for fn in (gd.gated_delta_chunked, gd.gated_delta_recurrent):
+        y, S = fn(*inp)
+        assert y.shape == (2, 0, 4, 32) and y.dtype == mx.float32
+        assert np.array_equal(np64(S), arrs[5].astype(np.float64))
+
+
+@pytest.mark.parametrize("T", [1, 2, 33])
+@pytest.mark.parametrize("masked", [False, True])
+def test_dispatch_table_entries_agree(rng, T, masked):
+    """Every CPU-runnable table entry equals the reference, with int masks too."""
+    arrs = make_inputs(rng, B=2, T=T, Hk=1, Hv=2)
+    inp = to_mx(arrs)
+    mask = mx.array((rng.uniform(size=(2, T)) > 0.3).astype(np.int32)) if masked else None
+    y_ref, S_ref = gd.gated_delta_recurrent(*inp, mask)
+    for name in gd.IMPLEMENTATIONS:
+        if name == "mlx-lm-metal" and gd._backend.current() != "metal":
+            continue
+        y, S = gd._TABLE[name](*inp, mask)
+        assert_fp32_close(y, y_ref, f"{name} y")
+        assert_fp32_close(S, S_ref, f"{name} state")
+
+
+@pytest.mark.parametrize("split", [1, 37, 64, 100])
+def test_state_carried_across_calls(rng, split):
+    """Two calls with the carried state equal one call (and the recurrence)."""
+    T = 101
+    arrs = make_inputs(rng, B=2, T=T, Hk=2, Hv=4)
+    q, k, v, g, beta, S = to_mx(arrs)
+    first = lambda x: x[:, :split]  # noqa: E731
+    second = lambda x: x[:, split:]  # noqa: E731
+    y_all, S_all = gd.gated_delta_chunked(q, k, v, g, beta, S)
+    y1, S1 = gd.gated_delta_chunked(*map(first, (q, k, v, g, beta)), S)
+    y2, S2 = gd.gated_delta_chunked(*map(second, (q, k, v, g, beta)), S1)
+    assert_fp32_close(mx.concatenate([y1, y2], axis=1), y_all, "y")
+    assert_fp32_close(S2, S_all, "state")
+    # prefill in chunked form, then decode steps with the recurrence
+    y3, S3 = gd.gated_delta_chunked(*map(first, (q, k, v, g, beta)), S)
+    ys = [y3]
+    for t in range(split, T):
+        sl = lambda x: x[:, t : t + 1]  # noqa: E731
+        yt, S3 = gd.gated_delta_recurrent(*map(sl, (q, k, v, g, beta)), S3)
+        ys.append(yt)
+    assert_fp32_close(mx.concatenate(ys, axis=1), y_all, "prefill+decode y")
+    assert_fp32_close(S3, S_all, "prefill+decode state")
+
+
+# ------------------------------------------------------------------ masks
+
+
+def _left_pad_mask(B, T, pads):
+    pos = np.arange(T)[None, :]
+    return pos >= np.asarray(pads)[:, None]
+
+
+@pytest.mark.parametrize(
+    "pads,T,chunk",
+    [([0, 5], 21, 16), ([3, 70], 130, 64), ([64, 1], 65, 32), ([2, 0], 1 + 2, 64)],
+)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["fp32", "bf16"])
+def test_left_padding_mask(rng, pads, T, chunk, dtype):
+    """Padded steps leave the state unchanged and give y = 0; the unmasked
+    positions equal the recurrence run on the unpadded sequence alone."""
+    B = len(pads)
+    arrs = make_inputs(rng, B=B, T=T, Hk=2, Hv=4)
+    inp = to_mx(arrs, dtype)
+    mask_np = _left_pad_mask(B, T, pads)
+    mask = mx.array(mask_np)
+    y_c, S_c = gd.gated_delta_chunked(*inp, mask, chunk_size=chunk)
+    y_r, S_r = gd.gated_delta_recurrent(*inp, mask)
+    for y, S, name in ((y_c, S_c, "chunked"), (y_r, S_r, "recurrent")):
+        assert not np64(y)[~mask_np].any(), f"{name}: y must be 0 at padded steps"
+        for b in range(B):
+            p = pads[b]
+            sub = [x[b : b + 1, p:] for x in inp[:5]] + [inp[5][b : b + 1]]
+            y_ref, S_ref = gd.gated_delta_recurrent(*sub)
+            if T - p > 0:
+                assert_y_close(y[b : b + 1, p:], y_ref, f"{name} y, row {b}")
+            assert_fp32_close(S[b : b + 1], S_ref, f"{name} state, row {b}")
+    y_n, S_n = naive(*mlx_ref_inputs(inp), mask=mask_np)
+    assert_y_close(y_c, y_n, "chunked y vs float64 loop")
+    assert_fp32_close(S_c, S_n, "chunked state vs float64 loop")
+
+
+def test_arbitrary_mask_and_stock_ops(rng):
+    """Holes and right padding too; unmasked y and the state equal mlx-lm's
+    ops fallback (which writes a discarded readout at masked steps)."""
+    B, T = 2, 90
+    arrs = make_inputs(rng, B=B, T=T, Hk=2, Hv=4)
+    inp = to_mx(arrs)
+    mask_np = rng.uniform(size=(B, T)) > 0.3
+    mask_np[1, 80:] = False
+    mask = mx.array(mask_np)
+    y_c, S_c = gd.gated_delta_chunked(*inp, mask, chunk_size=32)
+    y_s, S_s = stock.gated_delta_ops(*inp, mask)
+    assert_fp32_close(np64(y_c)[mask_np], np64(y_s)[mask_np], "y (unmasked)")
+    assert_fp32_close(S_c, S_s, "state")
+    assert not np64(y_c)[~mask_np].any()
+
+
+def test_all_masked_keeps_state(rng):
+    arrs = make_inputs(rng, B=1, T=33, Hk=1, Hv=2)
+    inp = to_mx(arrs)
+    mask = mx.zeros((1, 33), dtype=mx.bool_)
+    for fn in (gd.gated_delta_chunked, gd.gated_delta_recurrent):
+        y, S = fn(*inp, mask)
+        assert np.array_equal(np64(S), arrs[5].astype(np.float64))
+        assert not np64(y).any()
+
+
+# ---------------------------------------------- drop-in vs mlx-lm's stock
+
+
+def _gate_inputs(rng, B, T, Hv, dtype):
+    a = mx.array(rng.standard_normal((B, T, Hv)).astype(np.float32)).astype(dtype)
+    b = mx.array(rng.standard_normal((B, T, Hv)).astype(np.float32)).astype(dtype)
+    A_log = mx.array(np.log(rng.uniform(0.1, 8.0, Hv)).astype(np.float32))
+    dt_bias = mx.array(rng.uniform(-1, 1, Hv).astype(np.float32)).astype(dtype)
+    return a, b, A_log, dt_bias
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("T,masked", [(1, False), (1, True), (70, False), (70, True)])
+def test_update_matches_stock(rng, T, masked, dtype):
+    B, Hk, Hv = 2, 2, 4
+    arrs = make_inputs(rng, B=B, T=T, Hk=Hk, Hv=Hv)
+    q, k, v, _, _, S = to_mx(arrs, dtype)
+    gates = _gate_inputs(rng, B, T, Hv, dtype)
+    mask = None
+    if masked:
+        mask_np = _left_pad_mask(B, T, [0, min(T - 1, 9)]) if T > 1 else np.array([[True], [False]])
+        mask = mx.array(mask_np)
+    y, S_out = gd.gated_delta_update(q, k, v, *gates, S, mask)
+    y_s, S_s = stock.gated_delta_update(q, k, v, *gates, S, mask)
+    assert y.dtype == y_s.dtype == dtype and S_out.dtype == mx.float32
+    assert y.shape == y_s.shape and S_out.shape == S_s.shape
+    if masked:  # stock's ops fallback writes a discarded readout at padding
+        keep = np.asarray(mask_np)
+        y, y_s = np64(y)[keep], np64(y_s)[keep]
+    if dtype == mx.bfloat16:
+        assert_bf16_close(y, y_s, "y")
+    else:
+        assert_fp32_close(y, y_s, "y")
+    assert_fp32_close(S_out, S_s, "state")
+
+
+def test_update_kwargs_match_stock(rng):
+    """lower_bound / allow_neg_eigval / use_kernel / state=None pass through."""
+    B, T, Hk, Hv = 1, 40, 1, 2
+    q, k, v, _, _, _ = to_mx(make_inputs(rng, B=B, T=T, Hk=Hk, Hv=Hv))
+    gates = _gate_inputs(rng, B, T, Hv, mx.float32)
+    kw = dict(lower_bound=-5.0, allow_neg_eigval=True, use_kernel=False)
+    y, S = gd.gated_delta_update(q, k, v, *gates, None, None, **kw)
+    y_s, S_s = stock.gated_delta_update(q, k, v, *gates, None, None, **kw)
+    assert_fp32_close(y, y_s, "y")
+    assert_fp32_close(S, S_s, "state")
+
+
+def test_update_vector_gates_delegate_to_stock(rng):
+    B, T, Hk, Hv, D = 1, 5, 1, 2, 32
+    q, k, v, _, _, S = to_mx(make_inputs(rng, B=B, T=T, Hk=Hk, Hv=Hv, Dk=D, Dv=D))
+    a = mx.array(rng.standard_normal((B, T, Hv, D)).astype(np.float32))
+    b = mx.array(rng.standard_normal((B, T, Hv)).astype(np.float32))
+    A_log = mx.array(np.log(rng.uniform(0.1, 8.0, (Hv, D))).astype(np.float32))
+    dt_bias = mx.array(rng.uniform(-1, 1, (Hv, D)).astype(np.float32))
+    y, St = gd.gated_delta_update(q, k, v, a, b, A_log, dt_bias, S)
+    y_s, S_s = stock.gated_delta_update(q, k, v, a, b, A_log, dt_bias, S)
+    assert np.array_equal(np64(y), np64(y_s)) and np.array_equal(np64(St), np64(S_s))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["fp32", "bf16"])
+def test_compute_gates_bitwise_stock(rng, dtype):
+    a, b, A_log, dt_bias = _gate_inputs(rng, 2, 9, 4, dtype)
+    g, beta = gd.compute_gates(a, b, A_log, dt_bias)
+    assert g.dtype == mx.float32 and g.shape == (2, 9, 4)
+    assert np.array_equal(np64(g), np64(stock.compute_g(A_log, a, dt_bias)))
+    assert np.array_equal(np64(beta), np64(mx.sigmoid(b)))
+    gn = np.asarray(g)
+    assert ((gn > 0) & (gn <= 1)).all()
+
+
+# ------------------------------------------------------------------ dispatch
+
+
+def test_implementation_for():
+    assert set(gd.IMPLEMENTATIONS) == set(gd._TABLE)
+    assert gd.implementation_for(1, "metal") == "mlx-lm-metal"
+    assert gd.implementation_for(4096, "metal") == "mlx-lm-metal"
+    for be in ("cpu", "cuda"):
+        assert gd.implementation_for(1, be) == "recurrent"
+        assert gd.implementation_for(gd.RECURRENT_MAX_T, be) == "recurrent"
+        assert gd.implementation_for(gd.RECURRENT_MAX_T + 1, be) == "chunked"
+        assert gd.implementation_for(2048, be) == "chunked"
+    for T in (1, 2048):
+        assert gd.implementation_for(T) in gd.IMPLEMENTATIONS
+    with pytest.raises(ValueError, match="backend"):
+        gd.implementation_for(1, "tpu")
+
+
+# -------------------------------------------------------------- validation
+
+
+def _good(B=2, T=5, Hk=2, Hv=4, Dk=8, Dv=6):
+    z = lambda *s: mx.zeros(s, mx.float32)  # noqa: E731
+    return dict(
+        q=z(B, T, Hk, Dk), k=z(B, T, Hk, Dk), v=z(B, T, Hv, Dv), g=z(B, T, Hv),
+        beta=z(B, T, Hv), state=z(B, Hv, Dv, Dk), mask=mx.ones((B, T), mx.bool_),
+    )
+
+
+@pytest.mark.parametrize(
+    "field,value,pattern",
+    [
+        ("q", mx.zeros((2, 5, 16)), r"q must have shape \[B, T, Hk, Dk\]"),
+        ("k", mx.zeros((2, 5, 2, 8, 1)), r"k must have shape \[B, T, Hk, Dk\]"),
+        ("k", mx.zeros((2, 4, 2, 8)), r"k must have shape .*mismatched B/T"),
+        ("k", mx.zeros((2, 5, 2, 7)), r"k must have the same key dim Dk=8"),
+        ("k", mx.zeros((2, 5, 1, 8)), r"k must have the same key head count"),
+        ("v", mx.zeros((2, 5, 24)), r"v must have shape \[B, T, Hv, Dv\]"),
+        ("v", mx.zeros((1, 5, 4, 6)), r"v must have shape .*mismatched B/T"),
+        ("v", mx.zeros((2, 5, 3, 6)), r"Hv=3 must be a positive multiple of .*Hk=2"),
+        ("g", mx.zeros((2, 5, 4, 8)), r"g must have shape \[B, T, Hv\] = \(2, 5, 4\)"),
+        ("beta", mx.zeros((2, 5, 2)), r"beta must have shape \[B, T, Hv\] = \(2, 5, 4\)"),
+        ("state", mx.zeros((2, 4, 8, 6)), r"state must have shape \[B, Hv, Dv, Dk\] = \(2, 4, 6, 8\)"),
+        ("state", mx.zeros((2, 4, 6, 8), mx.bfloat16), r"state must have dtype float32"),
+        ("mask", mx.ones((2, 4), mx.bool_), r"mask must have shape \[B, T\] = \(2, 5\)"),
+    ],
+)
+@pytest.mark.parametrize("fn", ["gated_delta_recurrent", "gated_delta_chunked"])
+def test_validation_errors(fn, field, value, pattern):
+    args = _good()
+    args[field] = value
+    with pytest.raises(ValueError, match=pattern):
+        getattr(gd, fn)(**args)
+
+
+def test_validation_update_and_chunk_size():
+    args = _good()
+    with pytest.raises(ValueError, match="chunk_size must be a positive power of two"):
+        gd.gated_delta_chunked(**args, chunk_size=48)
+    a = mx.zeros((2, 5, 4))
+    with pytest.raises(ValueError, match=r"state must have dtype float32"):
+        gd.gated_delta_update(
+            args["q"], args["k"], args["v"], a, a, mx.zeros((4,)), mx.zeros((4,)),
+            args["state"].astype(mx.float16),
+        )
+    with pytest.raises(ValueError, match=r"beta must have shape"):
+        gd.gated_delta_update(
+            args["q"], args["k"], args["v"], a, mx.zeros((2, 5, 3)),
+            mx.zeros((4,)), mx.zeros((4,)),
+        )
