@@ -167,6 +167,13 @@ def test_streaming_shards(tmp_path, tiny_checkpoint):
     x = mx.array([[1, 50, 300, 7, 900]])
     assert mx.array_equal(a(x), b(x)).item()
 
+    # Rewriting the directory leaves no stale shard behind.
+    write_checkpoint(out, "tiny", seed=1)
+    assert [p.name for p in out.glob("*.safetensors")] == [
+        "model-00001-of-00001.safetensors"
+    ]
+    mlx_lm.load(str(out))
+
 
 # ---------------------------------------------------------------------------
 # build_model
