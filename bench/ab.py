@@ -275,6 +275,7 @@ class Context:
     step: int
     rounds: int
     max_seconds: Optional[float]
+    warmup_max_seconds: Optional[float] = None  # warm-up budget (first-use JIT)
     run_index: int = 0
     save: Any = None  # callable(records) after each point
 
@@ -299,11 +300,15 @@ def prefill_sweep(engines: Dict[str, Any], lengths: Sequence[int], ctx: Context,
             if name in done or set(chunk_sizes(n, ctx.step)) <= warmed[name]:
                 continue
             w = warmup_length(n, ctx.step)
-            run, _, _ = prefill(model, prompt[:w], ctx.step, ctx.max_seconds)
+            # The first warm-up of a process also pays MLX's first-use kernel
+            # compilation (tens of seconds on CUDA), so it has its own budget.
+            run, _, _ = prefill(model, prompt[:w], ctx.step, ctx.warmup_max_seconds)
+            log(f"  prefill {common.fmt_len(n):>5} {name:8} warm-up ({w} tokens): "
+                f"{run.status} {run.seconds:.1f} s")
             if run.status == "ok":
                 warmed[name] |= set(chunk_sizes(w, ctx.step))
             else:
-                done[name] = _summary([run], n)
+                done[name] = {**_summary([run], n), "skipped": True}
                 done[name]["note"] = f"warm-up prefill of {w} tokens ended with {run.status}"
         for r in range(ctx.rounds):
             for name in _order(list(engines), r):
@@ -536,6 +541,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-seconds", type=float, default=120.0,
                    help="time budget of one prefill or decode run (default %(default)s s); "
                         "0 = none")
+    g.add_argument("--warmup-max-seconds", type=float, default=600.0,
+                   help="time budget of a prefill warm-up, which includes first-use "
+                        "kernel compilation (default %(default)s s); 0 = none")
     g.add_argument("--fill-max-seconds", type=float, default=300.0,
                    help="time budget of the decode cache fill (default %(default)s s)")
     g.add_argument("--engines", default="stock,patched",
@@ -642,7 +650,8 @@ def main(argv=None) -> Dict:
     ctx = Context(
         roofline=roof, ceilings=result["ceilings"], vocab=common.ModelShape.from_config(config).vocab,
         prompt_seed=args.prompt_seed, step=args.prefill_step_size, rounds=args.rounds,
-        max_seconds=max_s, run_index=run_index,
+        max_seconds=max_s, warmup_max_seconds=args.warmup_max_seconds or None,
+        run_index=run_index,
     )
     common.write_json(out, result)
     if prefill_lengths:
