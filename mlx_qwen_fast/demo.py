@@ -8,6 +8,12 @@ prompt, prints both texts, whether the tokens are identical, and prefill /
 decode tok/s for each. Exit code 1 when the tokens differ.
 
 ``--model PATH`` runs the same comparison on any Qwen3.5/3.6 checkpoint.
+
+Activations run in float32 by default (``--dtype bfloat16`` for the stored
+dtype): on random weights, two code paths whose bf16 rounding differs pick
+different greedy tokens at near-ties whatever the lm_head scale (bf16 vs fp32
+of the *same* stock model agree on only ~80% of the tiny model's tokens), so
+only fp32 makes token identity a check of the code rather than of rounding.
 """
 
 import argparse
@@ -54,10 +60,16 @@ def main(argv=None) -> int:
     parser.add_argument("--model", type=Path, help="checkpoint path (default: tiny demo)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32",
+        help="activation dtype (default float32: see the module docstring)",
+    )
     args = parser.parse_args(argv)
 
     path = args.model or ensure_demo_checkpoint(default_checkpoint_dir())
     stock, tokenizer = mlx_lm.load(str(path))
+    if args.dtype == "float32":
+        stock.set_dtype(mx.float32)  # 4-bit weights stay; scales, norms upcast
     fast, report = patched_copy(stock)
     print(report)
     prompt = tokenizer.apply_chat_template(
@@ -79,7 +91,7 @@ def main(argv=None) -> int:
 
     a, b = results["stock"][0], results["patched"][0]
     same = a == b
-    print(f"\ndevice: {mx.default_device()}  tokens identical: {same}")
+    print(f"\ndevice: {mx.default_device()}  dtype: {args.dtype}  tokens identical: {same}")
     if not same:
         first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         print(f"first difference at generated token {first}")

@@ -77,22 +77,45 @@ def test_unpatch_restores_stock_classes(tiny):
     assert patch(fast).swapped == {}
 
 
+def _fp32(model):
+    """The same checkpoint with fp32 activations (4-bit weights unchanged,
+    quantisation scales/biases and norms upcast)."""
+    model.set_dtype(mx.float32)
+    return model
+
+
 @pytest.mark.parametrize("length", [1, 3, 63, 64, 65, 2049])
-def test_patched_logits_match_stock(tiny, length):
-    model, _ = tiny
-    fast, _ = patched_copy(model)
+def test_patched_logits_match_stock(tiny_checkpoint, length):
+    """fp32: the patched model computes stock's function to fp32 rounding.
+
+    bf16: the patched model is no further from the fp32 logits than stock.
+    On random weights the bf16 error itself is chaotic (near-tie expert
+    choices flip; re-rounding stock's own GDN output by 1e-7 moves its logits
+    by 2-7e-2), so the bf16 check compares errors against the fp32 reference
+    rather than the two bf16 paths with each other.
+    """
     rng = np.random.default_rng(length)
-    vocab = model.args.text_config["vocab_size"]
-    tokens = mx.array(rng.integers(0, vocab, size=length), dtype=mx.int32)
     step = 2048  # mlx-lm's prefill_step_size: 2049 crosses a chunk boundary
-    ref = _prefill_logits(model, tokens, step)
-    out = _prefill_logits(fast, tokens, step)
-    # Both run in bf16; the two paths differ by the order of fp32 sums inside
-    # the recurrence, i.e. by bf16 rounding of its output, amplified at most
-    # ~linearly through the layers.
-    tol = BF16_EPS * len(model.layers)
-    err = _rel_l2(out, ref)
-    assert err < tol, f"T={length}: rel L2 {err:.2e} >= {tol:.2e}"
+    bf16, _ = mlx_lm.load(str(tiny_checkpoint))
+    vocab = bf16.args.text_config["vocab_size"]
+    tokens = mx.array(rng.integers(0, vocab, size=length), dtype=mx.int32)
+
+    ref32 = _fp32(mlx_lm.load(str(tiny_checkpoint))[0])
+    fast32, _ = patched_copy(ref32)
+    exact = _prefill_logits(ref32, tokens, step)
+    err32 = _rel_l2(_prefill_logits(fast32, tokens, step), exact)
+    assert err32 < 1e-4, f"T={length}: fp32 patched vs stock rel L2 {err32:.2e}"
+
+    if length > 65:  # CPU bf16 matmuls are ~10x slower than fp32: keep CI short
+        return
+    fast16, _ = patched_copy(bf16)
+    err_stock = _rel_l2(_prefill_logits(bf16, tokens, step), exact)
+    err_fast = _rel_l2(_prefill_logits(fast16, tokens, step), exact)
+    # Stock's own bf16 error varies up to ~2x between equally valid roundings
+    # of the same weights (tests/test_transformers_parity.py); allow that.
+    assert err_fast <= 2 * err_stock + 4 * BF16_EPS, (
+        f"T={length}: bf16 error vs fp32: patched {err_fast:.2e}, stock {err_stock:.2e}"
+    )
 
 
 def _greedy(model, prompt, n):
@@ -104,7 +127,12 @@ def _greedy(model, prompt, n):
 
 
 def test_greedy_tokens_identical_for_64_steps(demo_checkpoint):
+    # fp32 activations: in bf16 on random weights two code paths that round
+    # differently pick different greedy tokens at near-ties (DESIGN-NOTES 8;
+    # mlx_qwen_fast/checkpoint.py measured 79-85% bf16-vs-fp32 agreement at
+    # any lm_head scale), so only fp32 makes token identity a real check.
     model, tokenizer = mlx_lm.load(str(demo_checkpoint))
+    model = _fp32(model)
     fast, _ = patched_copy(model)
     prompt = mx.array(
         tokenizer.apply_chat_template(
