@@ -15,6 +15,6 @@ def run_mlx_lm_main(main, argv=None) -> None:
     stock = "--stock" in argv
     argv = [a for a in argv if a != "--stock"]
     if not stock:
-        install()
+        install(verbose=True)
     sys.argv = [sys.argv[0]] + argv
     main()

@@ -15,6 +15,7 @@ warning naming the reason.
 
 import functools
 import os
+import sys
 import warnings
 from dataclasses import dataclass, field
 from typing import Dict, Optional
@@ -206,12 +207,13 @@ def enabled() -> bool:
     return os.environ.get(_ENV_SWITCH, "1") != "0"
 
 
-def install() -> bool:
+def install(*, verbose: bool = False) -> bool:
     """Make every ``mlx_lm.load`` return a patched model.
 
     Wraps ``mlx_lm.utils.load_model`` (which ``mlx_lm.load``, ``sharded_load``
     and so ``generate``, ``benchmark``, ``chat`` and ``server`` all call).
     Other model types pass through untouched (no warning). Idempotent.
+    ``verbose``: print each load's :class:`PatchReport` to stderr.
     Returns False (and installs nothing) when ``MLX_QWEN_FAST=0``.
     """
     if not enabled():
@@ -224,7 +226,9 @@ def install() -> bool:
     def load_model(*args, **kwargs):
         model, config = current(*args, **kwargs)
         if enabled() and _model_type(model) in SUPPORTED_MODEL_TYPES:
-            patch(model)
+            report = patch(model)
+            if verbose:
+                print(report, file=sys.stderr)
         return model, config
 
     load_model._mlx_qwen_fast = True

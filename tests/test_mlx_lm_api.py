@@ -146,3 +146,18 @@ def test_server_streaming_chat_completion(demo_checkpoint):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_generate_cli_fast_and_stock(demo_checkpoint):
+    """`python -m mlx_qwen_fast.generate` takes mlx_lm.generate's flags (+ --stock)."""
+    texts = {}
+    for flag in ([], ["--stock"]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "mlx_qwen_fast.generate", "--model", str(demo_checkpoint),
+             "--prompt", PROMPTS[0], "--max-tokens", "8", "--verbose", "False", *flag],
+            capture_output=True, text=True, timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert ("mlx_qwen_fast: patched" in proc.stderr) == (not flag), proc.stderr
+        texts[bool(flag)] = proc.stdout
+    assert texts[False].strip() and texts[True].strip()
