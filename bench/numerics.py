@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 import mlx.core as mx
-import mlx.nn as nn
+
+from mlx_qwen_fast.patch import clone_modules, patched_copy
 
 from . import common
 
@@ -47,26 +48,11 @@ REFERENCE_NOTE = (
 )
 
 
-def clone_module(module):
-    """A copy of a module tree (new Module/list/dict containers) whose leaves
-    are the same arrays: updating the clone's parameters (e.g. ``set_dtype``)
-    leaves the original untouched."""
-    if isinstance(module, nn.Module):
-        new = module.__class__.__new__(module.__class__)
-        new.__dict__.update(module.__dict__)
-        for k, v in module.items():
-            dict.__setitem__(new, k, clone_module(v))
-        return new
-    if isinstance(module, list):
-        return [clone_module(v) for v in module]
-    if isinstance(module, dict):
-        return {k: clone_module(v) for k, v in module.items()}
-    return module
 
 
 def fp32_reference(model):
     """The fp32 reference of ``model`` (see module docstring)."""
-    ref = clone_module(model)
+    ref = clone_modules(model)
     ref.set_dtype(mx.float32)
     return ref
 
@@ -139,7 +125,6 @@ def main(argv=None) -> Dict:
     args = build_parser().parse_args(argv)
     t0 = time.perf_counter()
     model, config, tokenizer = common.load_checkpoint(args)
-    from mlx_qwen_fast.patch import patched_copy
 
     fast, report = patched_copy(model)
     print(report, flush=True)

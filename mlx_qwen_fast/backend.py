@@ -21,3 +21,19 @@ def current() -> str:
     if hasattr(mx, "cuda") and mx.cuda.is_available():
         return CUDA
     return CPU
+
+
+BACKENDS = (CPU, CUDA, METAL)
+
+
+def resolve(name=None) -> str:
+    """``name`` checked against :data:`BACKENDS`, or :func:`current` when None.
+
+    Raises:
+        ValueError: ``name`` is not "cpu", "cuda" or "metal".
+    """
+    if name is None:
+        return current()
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    return name

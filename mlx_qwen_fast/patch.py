@@ -172,17 +172,20 @@ def is_patched(model: nn.Module) -> bool:
     )
 
 
-def _shallow_clone(value):
+def clone_modules(value):
+    """A copy of a module tree (new Module/list/dict containers) whose leaf
+    arrays are the same objects: no array is copied, and updating the copy's
+    parameters (``set_dtype``, patching) leaves the original untouched."""
     if isinstance(value, nn.Module):
         new = value.__class__.__new__(value.__class__)
         new.__dict__.update(value.__dict__)
         for k, v in value.items():
-            dict.__setitem__(new, k, _shallow_clone(v))
+            dict.__setitem__(new, k, clone_modules(v))
         return new
     if isinstance(value, list):
-        return [_shallow_clone(v) for v in value]
+        return [clone_modules(v) for v in value]
     if isinstance(value, dict):
-        return {k: _shallow_clone(v) for k, v in value.items()}
+        return {k: clone_modules(v) for k, v in value.items()}
     return value
 
 
@@ -195,7 +198,7 @@ def patched_copy(model: nn.Module, *, warn: bool = True):
     Returns:
         ``(fast_model, report)``.
     """
-    twin = _shallow_clone(model)
+    twin = clone_modules(model)
     return twin, patch(twin, warn=warn)
 
 

@@ -657,14 +657,9 @@ def implementation_for(T: int, backend: Optional[str] = None) -> str:
     Raises:
       ValueError: for an unknown backend name.
     """
-    if backend is None:
-        backend = _backend.current()
+    backend = _backend.resolve(backend)
     if backend == _backend.METAL:
         return "mlx-lm-metal"
-    if backend not in (_backend.CPU, _backend.CUDA):
-        raise ValueError(
-            f"backend must be 'cpu', 'cuda' or 'metal', got {backend!r}"
-        )
     if backend == _backend.CUDA and _cuda_build.cuda_available():
         return CUDA_KERNEL
     return "recurrent" if T <= RECURRENT_MAX_T else "chunked"

@@ -508,13 +508,7 @@ def implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:
     Raises:
         ValueError: unknown backend.
     """
-    backend = backend or _backend.current()
-    if backend not in _BY_BACKEND:
-        raise ValueError(
-            f"implementation_for: backend must be one of {sorted(_BY_BACKEND)}, "
-            f"got {backend!r}"
-        )
-    return _BY_BACKEND[backend]
+    return _BY_BACKEND[_backend.resolve(backend)]
 
 
 def sparse_moe(block, x: mx.array, *, implementation: Optional[str] = None) -> mx.array:
