@@ -59,7 +59,7 @@ class PatchReport:
     def __str__(self):
         if not self.patched:
             return f"mlx_qwen_fast: left stock ({self.reason})"
-        swapped = ", ".join(f"{n} {k}" for k, n in self.swapped.items())
+        swapped = ", ".join(f"{n} {k}" for k, n in self.swapped.items()) or "nothing new"
         ops = ", ".join(f"{k}={v}" for k, v in self.ops.items())
         return f"mlx_qwen_fast: patched {swapped} on {self.backend}; ops: {ops}"
 
@@ -140,7 +140,14 @@ def patch(model: nn.Module, *, warn: bool = True) -> PatchReport:
         A :class:`PatchReport`. If the model type or a layer's shape is not
         supported, nothing is changed, ``report.patched`` is False and
         ``report.reason`` says why.
+
+    Raises:
+        TypeError: ``model`` is not an ``mlx.nn.Module`` (e.g. a path).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"patch expects a loaded mlx-lm model (mlx.nn.Module), got {type(model).__name__}"
+        )
     reason = _unsupported_reason(model)
     if reason is not None:
         if warn:

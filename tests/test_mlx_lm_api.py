@@ -127,7 +127,7 @@ def test_server_streaming_chat_completion(demo_checkpoint):
             assert resp.status == 200
             for raw in resp:
                 line = raw.decode().strip()
-                if not line:
+                if not line or line.startswith(":"):  # SSE comments (mlx-lm's keepalives)
                     continue
                 assert line.startswith("data: "), line
                 payload = line[len("data: "):]
