@@ -385,7 +385,9 @@ def decode_sweep(engines: Dict[str, Any], contexts: Sequence[int], ctx: Context,
             for name, model in engines.items():  # warm-up, synchronous: host/device split
                 if name in done:
                     continue
-                sync[name] = decode_sync(model, copy_cache(cache), token, steps, ctx.max_seconds)
+                # warm-up: may include first-use kernel compilation -> its own budget
+                sync[name] = decode_sync(model, copy_cache(cache), token, steps,
+                                         ctx.warmup_max_seconds)
                 if sync[name].status != "ok":
                     done[name] = _summary([sync[name]], steps)
                     done[name]["note"] = f"warm-up decode ended with {sync[name].status}"
