@@ -34,6 +34,7 @@ tested against.
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
@@ -483,11 +484,45 @@ def _stock(block, x: mx.array) -> mx.array:
     return Qwen3NextSparseMoeBlock.__call__(block, x)
 
 
+def _cuda_kernel(block, x: mx.array) -> mx.array:
+    """Routing + grouped expert GEMM kernels (``kernels.moe_routing``,
+    ``kernels.moe_grouped_gemm``); the stock block wherever they do not apply
+    (sharded block, non-bf16 activations, other quantisation, no CUDA).
+
+    Numerics as :func:`sparse_moe_block` (fp32 selection, routing weights and
+    combine), expert outputs rounded to bf16 as ``SwitchGLU``. Unverified on a
+    GPU until bench/results/moe-cuda-log.md says otherwise.
+    """
+    from ..kernels import moe_grouped_gemm as _gg
+    from ..kernels import moe_routing as _mr
+
+    sm = block.switch_mlp
+    lead, d = x.shape[:-1], x.shape[-1]
+    tokens = x.reshape(-1, d)
+    if getattr(block, "sharding_group", None) is not None or not _gg.supports(
+        tokens, sm.gate_proj, sm.up_proj, sm.down_proj
+    ):
+        return _stock(block, x)
+    logits = block.gate(tokens)
+    if not _mr.supports(logits, block.top_k):
+        return _stock(block, x)
+    tile = _gg.choose_tile_rows(tokens.shape[0] * block.top_k, block.num_experts)
+    routing = _mr.route_and_group(logits, block.top_k, tile, normalize=block.norm_topk_prob)
+    y = _gg.moe_experts(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj)
+    return y.reshape(*lead, d) + shared_expert(block, x)
+
+
 #: name -> fn(block, x). Add a kernel here and pick it in ``_BY_BACKEND``.
 IMPLEMENTATIONS: Dict[str, Callable[..., mx.array]] = {
     "stock": _stock,
     "reference": sparse_moe_block,
+    "cuda-kernel": _cuda_kernel,
 }
+
+#: Opt-in for the unverified CUDA MoE kernels: ``MLX_QWEN_FAST_MOE_KERNEL=1``
+#: selects "cuda-kernel" on CUDA for calls of at least this many tokens.
+MOE_KERNEL_ENV = "MLX_QWEN_FAST_MOE_KERNEL"
+MOE_KERNEL_MIN_TOKENS = 16
 
 # backend -> implementation name (all stock until a kernel beats it).
 _BY_BACKEND = {
@@ -505,10 +540,21 @@ def implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:
         backend: ``"cpu" | "cuda" | "metal"``; default
             :func:`mlx_qwen_fast.backend.current`.
 
+    ``"cuda-kernel"`` only on CUDA, only when the environment sets
+    ``MLX_QWEN_FAST_MOE_KERNEL=1`` and ``num_tokens >= 16`` (prefill); the
+    default stays stock until the kernels are measured.
+
     Raises:
         ValueError: unknown backend.
     """
-    return _BY_BACKEND[_backend.resolve(backend)]
+    name = _backend.resolve(backend)
+    if (
+        name == _backend.CUDA
+        and num_tokens >= MOE_KERNEL_MIN_TOKENS
+        and os.environ.get(MOE_KERNEL_ENV, "") == "1"
+    ):
+        return "cuda-kernel"
+    return _BY_BACKEND[name]
 
 
 def sparse_moe(block, x: mx.array, *, implementation: Optional[str] = None) -> mx.array:

@@ -1,0 +1,317 @@
+"""Build, check and time the CUDA MoE kernels: routing and grouped expert GEMM (device script).
+
+Run on the GPU machine:
+
+    source .mlxcuda/boot.sh && PYTHONPATH=. python3 bench/moe_cuda.py --out $OUT
+
+Sections, each in its own process (a kernel fault cannot take the others
+down): build (first-use compile into an empty cubin cache, then a process
+loading from the cache), check (fresh random data, outputs poisoned with NaN,
+fp32 references), time (T = 512, 2048, 4096 tokens, E = 256, D = 2048,
+I = 512, k = 8: routing and grouped GEMM against stock mlx-lm's
+``SwitchGLU`` / ``gather_qmm``). FLOPs of the expert GEMMs: 2*T*k*3*D*I,
+against the 624 TFLOP/s dense bf16 ceiling. Logs and a JSON of every number
+go to --out ($OUT); a short table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+E, D, I, K = 256, 2048, 512, 8
+T_LIST = [512, 2048, 4096]
+PEAK_BF16 = 624e12
+_LOG = None
+
+
+def _mx():
+    import mlx.core as mx
+
+    return mx
+
+
+def log(msg):
+    print(msg, flush=True)
+    if _LOG is not None:
+        with open(_LOG, "a") as f:
+            f.write(msg + "\n")
+
+
+def rel(a, b):
+    mx = _mx()
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return mx.sqrt(mx.sum((a - b) ** 2)).item() / max(mx.sqrt(mx.sum(b**2)).item(), 1e-30)
+
+
+def finite(a):
+    mx = _mx()
+    return bool(mx.all(mx.isfinite(a.astype(mx.float32))).item())
+
+
+def timeit(fn, n=15, batch=3, warm=3):
+    """Median seconds per call; ``batch`` calls are queued per evaluation."""
+    mx = _mx()
+    for _ in range(warm):
+        mx.eval(fn())
+    mx.synchronize()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        outs = [fn() for _ in range(batch)]
+        mx.eval(outs)
+        mx.synchronize()
+        ts.append((time.perf_counter() - t0) / batch)
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def make_switch(seed=0, e=E, d=D, i=I):
+    """mlx-lm SwitchGLU, 4-bit affine group 64, bf16 scales (the checkpoint's layout)."""
+    mx = _mx()
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import SwitchGLU
+
+    mx.random.seed(seed)
+    sm = SwitchGLU(d, i, e, bias=False)
+    nn.quantize(sm, group_size=64, bits=4)
+    sm.set_dtype(mx.bfloat16)
+    mx.eval(sm.parameters())
+    return sm
+
+
+def make_inputs(t, seed, e=E, d=D, skew=1.0):
+    mx = _mx()
+    ks = mx.random.split(mx.random.key(seed), 3)
+    x = mx.random.normal((t, d), key=ks[0]).astype(mx.bfloat16)
+    bias = mx.random.normal((e,), key=ks[2]) * skew  # uneven expert popularity
+    logits = (mx.random.normal((t, e), key=ks[1]) * 2.0 + bias).astype(mx.bfloat16)
+    mx.eval(x, logits)
+    return x, logits
+
+
+# --------------------------------------------------------------------------
+# sections
+# --------------------------------------------------------------------------
+
+_BUILD_SNIPPET = r"""
+import json, time
+t0 = time.perf_counter()
+import mlx.core as mx
+from mlx_qwen_fast.kernels import _cuda_build as cb
+from mlx_qwen_fast.kernels import moe_routing as mr, moe_grouped_gemm as gg
+t1 = time.perf_counter()
+res = {}
+for name, k in [("route", mr._kernel(1, MOE_E=256, MOE_K=8, MOE_LT="bf16_t")), ("group", mr._kernel(2, MOE_E=256)),
+                ("gate_up64", gg._kernel(0, 64)), ("gate_up32", gg._kernel(0, 32)),
+                ("down64", gg._kernel(1, 64, "float")), ("down32", gg._kernel(1, 32, "float"))]:
+    t = time.perf_counter(); k.cubin; res[name] = time.perf_counter() - t
+print("BUILDJSON" + json.dumps(dict(import_s=t1 - t0, build_s=res, stats=cb.build_stats, compiler=cb.compiler_id())))
+"""
+
+
+def section_build(args):
+    cache = tempfile.mkdtemp(prefix="mqf_cache_")
+    env = dict(os.environ, MLX_QWEN_FAST_CACHE=cache,
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = {}
+    for label in ("first_use", "cached"):
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, "-c", _BUILD_SNIPPET], env=env, capture_output=True, text=True)
+        log(f"[build:{label}] rc={r.returncode} wall={time.perf_counter() - t0:.2f}s\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+        rec = {"rc": r.returncode}
+        for line in r.stdout.splitlines():
+            if line.startswith("BUILDJSON"):
+                rec.update(json.loads(line[len("BUILDJSON"):]))
+        out[label] = rec
+    return out
+
+
+def dense_reference(x, r, sm):
+    """fp32 math on mx.dequantize-d weights, bf16 rounding where SwitchGLU rounds."""
+    mx = _mx()
+    deq = lambda p: mx.dequantize(p.weight, p.scales, p.biases, group_size=64, bits=4)  # noqa: E731
+    k = r.groups.top_k
+    bf = lambda t: t.astype(mx.bfloat16).astype(mx.float32)  # noqa: E731
+    order, ex = r.groups.order, r.groups.sorted_experts
+    xr = x[order // k].astype(mx.float32)
+    n = x.shape[0]
+    wg, wu, wd = deq(sm.gate_proj), deq(sm.up_proj), deq(sm.down_proj)  # bf16, exact
+    # chunks of 256 rows bound the per-row weight gathers ([256, out, in] fp32)
+    outs = []
+    for s in range(0, n * k, 256):
+        e = ex[s:s + 256]
+        xs = xr[s:s + 256][:, None, :]
+        g = bf((xs @ wg[e].astype(mx.float32).swapaxes(-1, -2))[:, 0])
+        u = bf((xs @ wu[e].astype(mx.float32).swapaxes(-1, -2))[:, 0])
+        h = bf(g * mx.sigmoid(g) * u)
+        o = bf((h[:, None, :] @ wd[e].astype(mx.float32).swapaxes(-1, -2))[:, 0])
+        mx.eval(o)
+        outs.append(o)
+    o = mx.concatenate(outs)
+    y = mx.zeros((n * k, x.shape[1]), mx.float32).at[order].add(o * r.scores.reshape(-1)[order][:, None])
+    return y.reshape(n, k, -1).sum(1)
+
+
+def section_check(args):
+    mx = _mx()
+    from mlx_qwen_fast.kernels import _cuda_build as cb
+    from mlx_qwen_fast.kernels import moe_grouped_gemm as gg
+    from mlx_qwen_fast.kernels import moe_routing as mr
+    from mlx_qwen_fast.ops import moe
+
+    cb.set_poison(True)
+    checks = []
+    sm = make_switch(1)
+    for t in (1, 7, 300, 2049):
+        for tile in (32, 64):
+            x, logits = make_inputs(t, seed=100 + t)
+            r = mr.route_and_group(logits.astype(mx.float32), K, tile)
+            ri, rs = moe.route(logits.astype(mx.float32), K)
+            g = moe.group_by_expert(r.inds, E)
+            c = dict(t=t, tile=tile)
+            c["inds_same"] = bool(mx.array_equal(mx.sort(r.inds, 1), mx.sort(ri.astype(mx.int32), 1)).item())
+            c["scores_maxabs"] = mx.max(mx.abs(mx.sort(r.scores, 1) - mx.sort(rs, 1))).item()
+            c["counts_same"] = bool(mx.array_equal(r.groups.counts, g.counts).item())
+            c["bmap_same"] = bool(mx.array_equal(r.block_map, moe.block_map(g, tile)).item())
+            c["sorted_experts_same"] = bool(mx.array_equal(r.groups.sorted_experts, g.sorted_experts).item())
+            got = gg.moe_experts(x, r, sm.gate_proj, sm.up_proj, sm.down_proj, out_dtype=mx.float32)
+            c["finite"] = finite(got)
+            if t <= 300:
+                c["rel_vs_dense_fp32"] = rel(got, dense_reference(x, r, sm))
+            stock = moe.combine(moe.expert_swiglu(x, g, sm.gate_proj, sm.up_proj, sm.down_proj), r.scores, dtype=mx.float32)
+            c["rel_vs_gather_qmm"] = rel(got, stock)
+            c["ok"] = (c["inds_same"] and c["counts_same"] and c["bmap_same"] and c["sorted_experts_same"]
+                       and c["finite"] and c["scores_maxabs"] < 1e-5 and c["rel_vs_gather_qmm"] < 0.06
+                       and c.get("rel_vs_dense_fp32", 0.0) < 0.016)
+            log(f"[check] {c}")
+            checks.append(c)
+    cb.set_poison(False)
+    return {"checks": checks}
+
+
+def section_time(args):
+    mx = _mx()
+    from mlx_qwen_fast.kernels import moe_grouped_gemm as gg
+    from mlx_qwen_fast.kernels import moe_routing as mr
+    from mlx_qwen_fast.ops import moe
+
+    sm = make_switch(2)
+    arr = lambda p: (p.weight, p.scales, p.biases)  # noqa: E731
+    tl = [512, 2048] if args.quick else T_LIST
+    timings, rows = {}, []
+    for t in tl:
+        x, logits = make_inputs(t, seed=t)
+        flops = 2 * t * K * 3 * D * I
+
+        def stock_route():
+            inds, scores = moe.route(logits, K)
+            return inds, scores
+
+        def ref_route_group():
+            inds, scores = moe.route(logits, K)
+            g = moe.group_by_expert(inds, E)
+            return g.order, moe.block_map(g, 64), scores
+
+        inds_s, scores_s = moe.route(logits, K)
+        mx.eval(inds_s, scores_s)
+
+        def stock_experts():  # mlx-lm SwitchGLU (sorts, 3 gather_qmm, unsorts) + combine
+            y = sm(x, inds_s)
+            return (y * scores_s[..., None].astype(y.dtype)).sum(-2)
+
+        res = {
+            "route_stock_ops(softmax+argpartition)": timeit(stock_route),
+            "route+group+block_map_reference_ops": timeit(ref_route_group),
+            "route+group_kernels": timeit(lambda: tuple(mr.route_and_group(logits, K, 64)[:2])),
+            "experts_stock_SwitchGLU": timeit(stock_experts),
+        }
+        for tile in (32, 64):
+            r = mr.route_and_group(logits, K, tile)
+            mx.eval(r.inds, r.scores, r.groups.order, r.block_map)
+            h = gg.gate_up_swiglu(x, r, arr(sm.gate_proj), arr(sm.up_proj))
+            mx.eval(h)
+            res[f"gate_up_kernel_tile{tile}"] = timeit(lambda: gg.gate_up_swiglu(x, r, arr(sm.gate_proj), arr(sm.up_proj)))
+            res[f"down_kernel_tile{tile}_f32"] = timeit(lambda: gg.down_weighted(h, r, arr(sm.down_proj)))
+            res[f"down_kernel_tile{tile}_bf16"] = timeit(
+                lambda: gg.down_weighted(h, r, arr(sm.down_proj), out_dtype=mx.bfloat16))
+            res[f"experts_kernels_tile{tile}(+combine)"] = timeit(
+                lambda: gg.moe_experts(x, r, sm.gate_proj, sm.up_proj, sm.down_proj))
+            tc = gg.choose_tile_rows(t * K, E)
+            if tile == tc:
+                res[f"route+experts_kernels_tile{tile}"] = timeit(
+                    lambda: gg.moe_experts(x, mr.route_and_group(logits, K, tc), sm.gate_proj, sm.up_proj, sm.down_proj))
+        for name, s in res.items():
+            f = flops if ("experts" in name) else (flops * 2 / 3 if "gate_up" in name else flops / 3 if "down" in name else 0)
+            rate = f / s / 1e12 if f else 0.0
+            timings[f"T={t} {name}"] = {"ms": s * 1e3, "tflops": rate, "pct_peak": 100 * rate * 1e12 / PEAK_BF16}
+            rows.append((t, name, s * 1e3, rate))
+            log(f"[time] T={t:5d} {name:45s} {s * 1e3:9.3f} ms  {rate:7.1f} TFLOP/s")
+    return {"timings": timings}
+
+
+SECTIONS = {"build": section_build, "check": section_check, "time": section_time}
+
+
+def main():
+    global _LOG
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--section", choices=list(SECTIONS), help="run one section in this process")
+    ap.add_argument("--sections", default="build,check,time")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--quick", action="store_true", help="T = 512, 2048 only")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _LOG = str(out / "moe_cuda.log")
+    if args.section:
+        t0 = time.perf_counter()
+        r = SECTIONS[args.section](args)
+        r["section_seconds"] = time.perf_counter() - t0
+        (out / f"moe_{args.section}.json").write_text(json.dumps(r, indent=1, default=str))
+        return
+    results = {}
+    for name in args.sections.split(","):
+        t0 = time.perf_counter()
+        cmd = [sys.executable, __file__, "--section", name, "--out", str(out)] + (["--quick"] if args.quick else [])
+        rc = subprocess.run(cmd).returncode
+        log(f"== section {name}: rc={rc} ({time.perf_counter() - t0:.1f} s)")
+        p = out / f"moe_{name}.json"
+        results[name] = json.loads(p.read_text()) if p.exists() else {"rc": rc}
+    summary(results)
+
+
+def summary(results):
+    lines = ["", "=== CUDA MoE kernels: summary ==="]
+    for label, r in results.get("build", {}).items():
+        if isinstance(r, dict) and "build_s" in r:
+            lines.append(f"build {label:9s}: " + ", ".join(f"{k} {v:.2f}s" for k, v in r["build_s"].items())
+                         + f" [{r.get('compiler')}]")
+    ch = results.get("check", {}).get("checks", [])
+    bad = [c for c in ch if not c.get("ok")]
+    lines.append(f"check: {len(ch) - len(bad)}/{len(ch)} pass" + (f"  FAILED: {bad[:3]}" if bad else ""))
+    if ch:
+        lines.append("   worst rel vs gather_qmm %.2e, vs dense fp32 %.2e" % (
+            max(c.get("rel_vs_gather_qmm", 0) for c in ch), max(c.get("rel_vs_dense_fp32", 0) for c in ch)))
+    lines.append(f"{'T':>5s} {'variant':45s} {'ms':>9s} {'TFLOP/s':>8s} {'% of 624':>8s}")
+    for key, v in results.get("time", {}).get("timings", {}).items():
+        t, name = key.split(" ", 1)
+        lines.append(f"{t[2:]:>5s} {name:45s} {v['ms']:9.3f} {v['tflops']:8.1f} {v['pct_peak']:8.1f}")
+    print("\n".join(lines))
+    if _LOG:
+        with open(_LOG, "a") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,220 @@
+// MoE routing on the GPU after the router matmul: softmax, top-k, grouping of
+// the N*k assignments by expert and the (expert, row tile) block map, with no
+// host synchronisation and grids that depend only on N (never on the data).
+//
+// Contract: mlx_qwen_fast/ops/moe.py (route, group_by_expert, block_map).
+//
+// One source, two kernels, chosen by MOE_STAGE:
+//
+// MOE_STAGE 1 (route): one warp per token, 8 tokens per 256-thread block.
+//   fp32 softmax over E logits (max-subtracted expf, one division), then k
+//   rounds of a warp arg-max (ties: lower expert id first), renormalised by
+//   the sum of the k probabilities when `normalize`. Slots are written in
+//   decreasing probability.
+//   Inputs: logits [N, E] (MOE_LT). Outputs: inds [N, K] int32,
+//   scores [N, K] float. Scalars: int N, int normalize.
+//   Launch: ceil(N/8)*256 threads, 256 per block.
+//
+// MOE_STAGE 2 (group): a single 1024-thread block.
+//   shared-memory histogram (atomics) -> counts [E]; block scan ->
+//   offsets [E+1]; tiles per expert ceil(count/tile) and their scan -> the
+//   block map [max_tiles, 2] of (expert, tile), (-1, -1) past the end; then
+//   the scatter: each assignment takes the next slot of its expert with a
+//   shared atomic, so `order` groups assignments by expert but is NOT stable
+//   within an expert (the order of one expert's assignments is whatever the
+//   atomics give; the set is exact). Also writes sorted_experts [N*K] and
+//   inverse [N*K] (grouped row of each assignment).
+//   Inputs: inds [N*K] int32 (values in [0, E); others are undefined
+//   behaviour, as in ops.moe.group_by_expert). Outputs: counts [E],
+//   offsets [E+1], order [NK], sorted_experts [NK], inverse [NK],
+//   block_map [max_tiles, 2], all int32. Scalars: int NK, int tile,
+//   int max_tiles. Launch: 1024 threads, one block.
+//
+// Build macros: KNAME, MOE_STAGE, MOE_E (experts, multiple of 32, <= 1024),
+// MOE_K (top-k, stage 1), MOE_LT (logit type, stage 1).
+#include "gdn_common.cuh"
+
+#ifndef MOE_E
+#define MOE_E 256
+#endif
+
+#if MOE_STAGE == 1
+
+typedef MOE_LT lt;
+constexpr int E = MOE_E;
+constexpr int K = MOE_K;
+constexpr int EPL = E / 32;  // logits per lane
+static_assert(E % 32 == 0, "E must be a multiple of 32");
+static_assert(K >= 1 && K <= 32 && K <= E, "1 <= K <= min(32, E)");
+
+extern "C" __global__ void __launch_bounds__(256) KNAME(
+    const lt* __restrict__ logits,
+    int* __restrict__ inds,
+    float* __restrict__ scores,
+    int N,
+    int normalize) {
+  const int lane = threadIdx.x & 31;
+  const int n = blockIdx.x * 8 + (threadIdx.x >> 5);
+  if (n >= N) {
+    return;  // whole warp leaves together
+  }
+  const lt* row = logits + (size_t)n * E;
+  float p[EPL];
+  float m = __int_as_float(0xff800000);  // -inf
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    p[i] = to_f(row[i * 32 + lane]);
+    m = fmaxf(m, p[i]);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  }
+  float s = 0.0f;
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    p[i] = expf(p[i] - m);
+    s += p[i];
+  }
+  s = warp_sum(s);
+  const float inv = 1.0f / s;
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    p[i] = p[i] * inv;  // >= 0; taken entries become -1
+  }
+  float my_p = 0.0f, tot = 0.0f;
+  int my_i = 0;
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    float bp = p[0];
+    int bi = lane;
+#pragma unroll
+    for (int i = 1; i < EPL; ++i) {
+      if (p[i] > bp) {  // strict: the lower id wins ties within a lane
+        bp = p[i];
+        bi = i * 32 + lane;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float op = __shfl_xor_sync(0xffffffffu, bp, o);
+      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+      if (op > bp || (op == bp && oi < bi)) {
+        bp = op;
+        bi = oi;
+      }
+    }
+    // every lane now holds the same (bp, bi)
+#pragma unroll
+    for (int i = 0; i < EPL; ++i) {
+      if (bi == i * 32 + lane) {
+        p[i] = -1.0f;
+      }
+    }
+    tot += bp;
+    if (lane == j) {
+      my_p = bp;
+      my_i = bi;
+    }
+  }
+  if (lane < K) {
+    inds[(size_t)n * K + lane] = my_i;
+    scores[(size_t)n * K + lane] = normalize ? my_p / tot : my_p;
+  }
+}
+
+#elif MOE_STAGE == 2
+
+constexpr int E = MOE_E;
+constexpr int NT = 1024;
+static_assert(E <= NT, "E must be <= 1024");
+
+// Inclusive scan of one int per thread over the 1024-thread block.
+__device__ __forceinline__ int block_incl_scan(int v, int* wsum) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int t = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += t;
+  }
+  if (lane == 31) wsum[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    int w = wsum[lane];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int t = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += t;
+    }
+    wsum[lane] = w;
+  }
+  __syncthreads();
+  if (warp > 0) v += wsum[warp - 1];
+  __syncthreads();  // wsum is reused by the next scan
+  return v;
+}
+
+extern "C" __global__ void __launch_bounds__(1024) KNAME(
+    const int* __restrict__ inds,
+    int* __restrict__ counts,
+    int* __restrict__ offsets,
+    int* __restrict__ order,
+    int* __restrict__ sorted_experts,
+    int* __restrict__ inverse,
+    int* __restrict__ bmap,
+    int NK,
+    int tile,
+    int max_tiles) {
+  __shared__ int hist[E];
+  __shared__ int cursor[E];
+  __shared__ int tend[E];
+  __shared__ int wsum[32];
+  const int tid = threadIdx.x;
+  for (int e = tid; e < E; e += NT) hist[e] = 0;
+  __syncthreads();
+  for (int a = tid; a < NK; a += NT) atomicAdd(&hist[inds[a]], 1);
+  __syncthreads();
+
+  const int c = tid < E ? hist[tid] : 0;
+  const int incl = block_incl_scan(c, wsum);
+  const int ntile = (c + tile - 1) / tile;
+  const int tincl = block_incl_scan(ntile, wsum);
+  if (tid < E) {
+    counts[tid] = c;
+    offsets[tid + 1] = incl;
+    cursor[tid] = incl - c;
+    tend[tid] = tincl;
+  }
+  if (tid == 0) offsets[0] = 0;
+  __syncthreads();
+
+  const int total = tend[E - 1];
+  for (int i = tid; i < max_tiles; i += NT) {
+    int e = -1, t = -1;
+    if (i < total) {
+      // first expert whose tiles end after item i
+      int lo = 0, hi = E - 1;
+      while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (tend[mid] > i) hi = mid; else lo = mid + 1;
+      }
+      e = lo;
+      const int start = e > 0 ? tend[e - 1] : 0;
+      t = i - start;
+    }
+    bmap[2 * i] = e;
+    bmap[2 * i + 1] = t;
+  }
+
+  for (int a = tid; a < NK; a += NT) {
+    const int e = inds[a];
+    const int pos = atomicAdd(&cursor[e], 1);
+    order[pos] = a;
+    sorted_experts[pos] = e;
+    inverse[a] = pos;
+  }
+}
+
+#else
+#error "MOE_STAGE must be 1 (route) or 2 (group)"
+#endif

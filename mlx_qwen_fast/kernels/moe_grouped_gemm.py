@@ -1,0 +1,320 @@
+"""Grouped expert GEMM with fused 4-bit dequantisation (prefill MoE) on CUDA.
+
+Replaces the three ``mx.gather_qmm`` calls of mlx-lm's ``SwitchGLU`` for the
+prefill shapes. Two kernels on the grouped (by-expert) order of the
+assignments, work items from the block map of
+:func:`mlx_qwen_fast.kernels.moe_routing.group` (or ``ops.moe.block_map``):
+
+- :func:`gate_up_swiglu`: gathers each item's rows of ``x`` (token
+  ``order[r] // k``), dequantises the gate and up weight tiles into shared
+  memory, runs both GEMMs on tensor cores (``mma.sync`` m16n8k16 bf16, fp32
+  accumulation) and writes ``silu(gate) * up`` (each rounded to bf16 first,
+  as ``SwitchGLU`` on bf16 does) in grouped order.
+- :func:`down_weighted`: the down projection of those rows times the
+  assignment's routing weight, written back in *assignment* order
+  (``[N*k, D]``), so the combine is ``y.reshape(N, k, D).sum(1)``: exact and
+  deterministic (no atomics).
+
+Weights: MLX affine quantisation, 4 bits, group 64: ``weight [E, O, K/8]``
+uint32 (eight nibbles, lowest nibble = lowest input index), ``scales`` and
+``biases [E, O, K/64]`` bf16, ``w = bf16(bf16(scale * q) + bias)`` as ``mx.dequantize`` computes it (see
+:func:`unpack_affine_4bit`, the host reference of the kernel's unpacking).
+No bf16 copy of a weight is ever written to global memory.
+
+Source: ``mlx_qwen_fast/cuda/moe_grouped_gemm.cu``. Status: compiled with
+nvcc (no spills); not yet run on a GPU (bench/results/moe-cuda-log.md).
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from . import _cuda_build as cb
+from .moe_routing import Routing
+
+__all__ = [
+    "gate_up_swiglu",
+    "down_weighted",
+    "moe_experts",
+    "supports",
+    "supports_arrays",
+    "unpack_affine_4bit",
+    "choose_tile_rows",
+    "TILE_CHOICES",
+]
+
+BK = 64  # K step = quantisation group
+BN = 64  # output columns per CTA
+NT = 128  # threads per CTA
+TILE_CHOICES = (32, 64)
+_kernels: Dict[tuple, cb.CudaKernel] = {}
+
+
+# ---------------------------------------------------------------------------
+# host-side helpers (CPU-testable)
+# ---------------------------------------------------------------------------
+
+
+def unpack_affine_4bit(w, scales, biases, group_size: int = 64) -> np.ndarray:
+    """Host reference of the kernel's dequantisation, as numpy float32.
+
+    Args:
+        w: ``[..., O, K/8]`` uint32 (numpy or MLX) packed weights.
+        scales, biases: ``[..., O, K/group_size]`` bf16 (numpy float32 or MLX).
+        group_size: inputs per scale/bias.
+
+    Returns:
+        ``[..., O, K]`` float32 holding bf16 values
+        ``bf16(bf16(scale * q) + bias)``, ``q = (w >> 4*j) & 15`` for input
+        ``8*word + j`` (low nibble first): bit-exact with ``mx.dequantize``
+        for bf16 scales (tests/test_cuda_moe.py checks it on CPU).
+    """
+    w = np.asarray(w).astype(np.uint32)
+    s, b = _np32(scales), _np32(biases)
+    shifts = 4 * np.arange(8, dtype=np.uint32)
+    q = (w[..., None] >> shifts) & np.uint32(15)  # [..., O, K/8, 8]
+    q = q.reshape(*w.shape[:-1], w.shape[-1] * 8).astype(np.float32)
+    s = np.repeat(s, group_size, axis=-1)
+    b = np.repeat(b, group_size, axis=-1)
+    return _bf16_round(_bf16_round(s * q) + b)
+
+
+def _bf16_round(a: np.ndarray) -> np.ndarray:
+    """Round float32 to the nearest bf16 (ties to even), kept as float32."""
+    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
+    u = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    return u.view(np.float32)
+
+
+def _np32(a) -> np.ndarray:
+    if isinstance(a, mx.array):
+        return np.asarray(a.astype(mx.float32))
+    return np.asarray(a, dtype=np.float32)
+
+
+def choose_tile_rows(num_assignments: int, num_experts: int) -> int:
+    """Rows per work item: 32 when experts average fewer than 64 rows, else 64.
+
+    ``num_assignments = N*k``. A guess until measured (bench/moe_cuda.py times
+    both); small tiles waste fewer padded rows, large tiles reread weights less.
+    """
+    if num_assignments < 0 or num_experts < 1:
+        raise ValueError(
+            f"choose_tile_rows: need num_assignments >= 0 and num_experts >= 1, "
+            f"got {num_assignments}, {num_experts}"
+        )
+    return 32 if num_assignments < 64 * num_experts else 64
+
+
+def _q_arrays(proj) -> Tuple[mx.array, mx.array, mx.array]:
+    return proj["weight"], proj["scales"], proj["biases"]
+
+
+def _q_ok(w, s, b, E=None, O=None, K=None) -> bool:
+    try:
+        if w.ndim != 3 or w.dtype != mx.uint32 or s.dtype != mx.bfloat16 or b.dtype != mx.bfloat16:
+            return False
+        e, o, kw = w.shape
+        if s.shape != (e, o, kw * 8 // 64) or b.shape != s.shape:
+            return False
+        return (
+            (E is None or e == E) and (O is None or o == O) and (K is None or kw * 8 == K)
+            and o % BN == 0 and (kw * 8) % BK == 0
+        )
+    except AttributeError:
+        return False
+
+
+def supports_arrays(x: mx.array, gate: Sequence, up: Sequence, down: Sequence) -> bool:
+    """Shape/dtype check without the backend check (pure, CPU-callable).
+
+    ``x [N, D]`` bf16; ``gate``, ``up``: ``(weight [E, I, D/8] uint32,
+    scales [E, I, D/64] bf16, biases)``; ``down``: ``(weight [E, D, I/8], ...)``;
+    ``D`` and ``I`` multiples of 64.
+    """
+    try:
+        if x.ndim != 2 or x.dtype != mx.bfloat16:
+            return False
+        d = x.shape[1]
+        e, i = gate[0].shape[0], gate[0].shape[1]
+        return (
+            _q_ok(*gate, E=e, K=d) and _q_ok(*up, E=e, O=i, K=d)
+            and _q_ok(*down, E=e, O=d, K=i) and d % BK == 0
+        )
+    except (AttributeError, IndexError, TypeError):
+        return False
+
+
+def supports(x: mx.array, gate_proj, up_proj, down_proj) -> bool:
+    """True when the kernels can run ``SwitchGLU`` projections on ``x``.
+
+    Needs MLX's CUDA backend, ``x [N, D]`` bf16, and three
+    ``QuantizedSwitchLinear`` with mode "affine", 4 bits, group 64, bf16
+    scales and biases, no bias term, and D, I multiples of 64. Never compiles.
+    """
+    if not cb.cuda_available():
+        return False
+    for p in (gate_proj, up_proj, down_proj):
+        if (
+            getattr(p, "bits", None) != 4 or getattr(p, "group_size", None) != 64
+            or getattr(p, "mode", "affine") not in ("affine", None)
+            or "biases" not in p or "bias" in p
+        ):
+            return False
+    return supports_arrays(x, _q_arrays(gate_proj), _q_arrays(up_proj), _q_arrays(down_proj))
+
+
+def _kernel(kind: int, bm: int, yt: str = "bf16_t") -> cb.CudaKernel:
+    key = (kind, bm, yt)
+    k = _kernels.get(key)
+    if k is None:
+        defs = dict(MOE_KIND=kind, MOE_BM=bm, MOE_BN=BN)
+        if kind == 1:
+            defs["MOE_YT"] = yt
+        k = cb.CudaKernel(
+            "moe_grouped_gemm.cu", "mqf_moe_gate_up" if kind == 0 else "mqf_moe_down", defs
+        )
+        _kernels[key] = k
+    return k
+
+
+def _check_routing(fn: str, routing: Routing, nk: int):
+    if routing.tile_rows not in TILE_CHOICES:
+        raise ValueError(f"{fn}: routing.tile_rows must be one of {TILE_CHOICES}, got {routing.tile_rows}")
+    g = routing.groups
+    if g.order.shape != (nk,) or g.order.dtype != mx.int32:
+        raise ValueError(f"{fn}: routing.groups.order must be int32 [{nk}], got {g.order.dtype} {tuple(g.order.shape)}")
+    e = g.counts.shape[0]
+    mt = -(-nk // routing.tile_rows) + e
+    if routing.block_map.shape != (mt, 2) or routing.block_map.dtype != mx.int32:
+        raise ValueError(
+            f"{fn}: routing.block_map must be int32 [{mt}, 2] (ceil(N*k/tile_rows) + E), "
+            f"got {routing.block_map.dtype} {tuple(routing.block_map.shape)}"
+        )
+    if g.offsets.shape != (e + 1,) or g.offsets.dtype != mx.int32:
+        raise ValueError(f"{fn}: routing.groups.offsets must be int32 [{e + 1}], got {tuple(g.offsets.shape)}")
+
+
+def gate_up_swiglu(x: mx.array, routing: Routing, gate: Sequence, up: Sequence) -> mx.array:
+    """``silu(x W_gate^T) * (x W_up^T)`` per assignment, in grouped order.
+
+    Args:
+        x: ``[N, D]`` bfloat16 tokens (D a multiple of 64).
+        routing: from :func:`moe_routing.route_and_group` on these N tokens
+            (``tile_rows`` 32 or 64; ``k`` from ``routing.groups.top_k``).
+        gate, up: ``(weight [E, I, D/8] uint32, scales [E, I, D/64] bf16,
+            biases [E, I, D/64] bf16)``, I a multiple of 64.
+
+    Returns:
+        ``[N*k, I]`` bfloat16; row ``r`` belongs to assignment
+        ``routing.groups.order[r]``.
+
+    Raises:
+        ValueError: bad shape/dtype of an argument (named in the message).
+    """
+    if x.ndim != 2 or x.dtype != mx.bfloat16 or x.shape[1] % BK:
+        raise ValueError(f"gate_up_swiglu: x must be bfloat16 [N, D] with D % 64 == 0, got {x.dtype} {tuple(x.shape)}")
+    n, d = x.shape
+    if not _q_ok(*gate, K=d):
+        raise ValueError(
+            "gate_up_swiglu: gate must be (uint32 [E, I, D/8], bf16 [E, I, D/64], bf16 [E, I, D/64]) "
+            f"with D={d} and I % 64 == 0, got {[(a.dtype, tuple(a.shape)) for a in gate]}"
+        )
+    e, i_dim = gate[0].shape[0], gate[0].shape[1]
+    if not _q_ok(*up, E=e, O=i_dim, K=d):
+        raise ValueError(
+            f"gate_up_swiglu: up must match gate (uint32 [{e}, {i_dim}, {d // 8}], bf16 scales/biases), "
+            f"got {[(a.dtype, tuple(a.shape)) for a in up]}"
+        )
+    k = routing.groups.top_k
+    nk = n * k
+    _check_routing("gate_up_swiglu", routing, nk)
+    if routing.groups.counts.shape[0] != e:
+        raise ValueError(f"gate_up_swiglu: routing has {routing.groups.counts.shape[0]} experts, weights have {e}")
+    if nk == 0:
+        return mx.zeros((0, i_dim), mx.bfloat16)
+    mt = routing.block_map.shape[0]
+    kern = _kernel(0, routing.tile_rows)
+    (h,) = kern(
+        inputs=[x, *gate, *up, routing.groups.order, routing.groups.offsets, routing.block_map],
+        output_shapes=[(nk, i_dim)],
+        output_dtypes=[mx.bfloat16],
+        grid=(mt * NT, i_dim // BN, 1),
+        threadgroup=(NT, 1, 1),
+        scalars=[d, i_dim, k],
+    )
+    return h
+
+
+def down_weighted(
+    h: mx.array, routing: Routing, down: Sequence, *, out_dtype: mx.Dtype = mx.float32
+) -> mx.array:
+    """``scores[a] * (h[r] W_down^T)`` written to row ``a = order[r]``.
+
+    Args:
+        h: ``[N*k, I]`` bfloat16 in grouped order (:func:`gate_up_swiglu`).
+        routing: the same routing.
+        down: ``(weight [E, D, I/8] uint32, scales [E, D, I/64] bf16, biases)``.
+        out_dtype: float32 (default) or bfloat16.
+
+    Returns:
+        ``[N*k, D]`` in ``out_dtype``, assignment order (``a = n*k + j``);
+        each expert output is rounded to bf16 before the routing weight is
+        applied (as ``SwitchGLU`` on bf16 does).
+
+    Raises:
+        ValueError: bad shape/dtype of an argument (named in the message).
+    """
+    if h.ndim != 2 or h.dtype != mx.bfloat16 or h.shape[1] % BK:
+        raise ValueError(f"down_weighted: h must be bfloat16 [N*k, I] with I % 64 == 0, got {h.dtype} {tuple(h.shape)}")
+    nk, i_dim = h.shape
+    if not _q_ok(*down, K=i_dim):
+        raise ValueError(
+            "down_weighted: down must be (uint32 [E, D, I/8], bf16 [E, D, I/64], bf16 [E, D, I/64]) "
+            f"with I={i_dim} and D % 64 == 0, got {[(a.dtype, tuple(a.shape)) for a in down]}"
+        )
+    if out_dtype not in (mx.float32, mx.bfloat16):
+        raise ValueError(f"down_weighted: out_dtype must be float32 or bfloat16, got {out_dtype}")
+    _check_routing("down_weighted", routing, nk)
+    scores = routing.scores.reshape(-1)
+    if scores.shape != (nk,) or scores.dtype != mx.float32:
+        raise ValueError(f"down_weighted: routing.scores must be float32 with {nk} entries, got {scores.dtype} {tuple(routing.scores.shape)}")
+    e, d = down[0].shape[0], down[0].shape[1]
+    if routing.groups.counts.shape[0] != e:
+        raise ValueError(f"down_weighted: routing has {routing.groups.counts.shape[0]} experts, weights have {e}")
+    if nk == 0:
+        return mx.zeros((0, d), out_dtype)
+    mt = routing.block_map.shape[0]
+    kern = _kernel(1, routing.tile_rows, "float" if out_dtype == mx.float32 else "bf16_t")
+    (y,) = kern(
+        inputs=[h, *down, routing.groups.order, routing.groups.offsets, routing.block_map, scores],
+        output_shapes=[(nk, d)],
+        output_dtypes=[out_dtype],
+        grid=(mt * NT, d // BN, 1),
+        threadgroup=(NT, 1, 1),
+        scalars=[i_dim, d, routing.groups.top_k],
+    )
+    return y
+
+
+def moe_experts(
+    x: mx.array, routing: Routing, gate_proj, up_proj, down_proj,
+    *, out_dtype: Optional[mx.Dtype] = None,
+) -> mx.array:
+    """Routed-expert part of the sparse MoE block: ``[N, D]``.
+
+    ``sum_j scores[n, j] * expert_{inds[n, j]}(x[n])`` from the three
+    ``QuantizedSwitchLinear`` of a ``SwitchGLU`` (see :func:`supports`),
+    combined in fp32 and returned in ``out_dtype`` (default ``x.dtype``).
+
+    Raises:
+        ValueError: as :func:`gate_up_swiglu` / :func:`down_weighted`.
+    """
+    n, d = x.shape
+    h = gate_up_swiglu(x, routing, _q_arrays(gate_proj), _q_arrays(up_proj))
+    y = down_weighted(h, routing, _q_arrays(down_proj))
+    k = routing.groups.top_k
+    return y.reshape(n, k, d).sum(axis=1).astype(out_dtype or x.dtype)

@@ -1,0 +1,214 @@
+"""MoE routing on CUDA: softmax + top-k, grouping by expert, block map.
+
+Replaces the chain of MLX ops of :func:`mlx_qwen_fast.ops.moe.route`,
+:func:`~mlx_qwen_fast.ops.moe.group_by_expert` and
+:func:`~mlx_qwen_fast.ops.moe.block_map` (softmax, argpartition, scatter-add,
+cumsum, argsort, ...) by two kernels, with no host synchronisation and grids
+that depend only on ``N`` (CUDA-graph friendly):
+
+1. ``route``: one warp per token: fp32 softmax, k rounds of warp arg-max
+   (ties to the lower expert id), renormalisation.
+2. ``group``: one 1024-thread block: shared-memory histogram, scans, block
+   map, scatter.
+
+Difference from the reference contract: ``order`` groups the assignments by
+expert but is **not stable** within an expert (shared-memory atomics decide
+the order among one expert's assignments). ``counts``, ``offsets``,
+``block_map`` and ``sorted_experts`` are exact; ``order`` is a permutation
+whose restriction to each expert's rows is the same *set* as the reference's,
+and ``inverse`` is its exact inverse. Consumers that need only the grouping
+(the grouped GEMM, which writes results back by assignment id) are unaffected.
+The k slots of a token are in decreasing probability (the reference's
+``argpartition`` leaves them unordered).
+
+Source: ``mlx_qwen_fast/cuda/moe_routing.cu``. The single-block grouping
+kernel loops over all ``N*k`` assignments (about 32 per thread at N = 4096,
+k = 8); at 128K tokens it is ~1000 per thread and should move to a multi-block
+scheme if it shows in the profile.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, NamedTuple, Tuple
+
+import mlx.core as mx
+
+from ..ops.moe import ExpertGroups, max_tiles
+from . import _cuda_build as cb
+
+__all__ = ["Routing", "route", "group", "route_and_group", "supports", "plan"]
+
+_LOGIT = (mx.float32, mx.bfloat16, mx.float16)
+_INTS = (mx.int32, mx.uint32)
+_kernels: Dict[tuple, cb.CudaKernel] = {}
+
+
+class Routing(NamedTuple):
+    """Everything the grouped GEMM needs, all on the device.
+
+    Fields: ``inds [N, k]`` int32, ``scores [N, k]`` float32, ``groups``
+    (:class:`~mlx_qwen_fast.ops.moe.ExpertGroups`, int32 arrays, ``order`` not
+    stable within an expert), ``block_map [max_tiles, 2]`` int32,
+    ``tile_rows`` (Python int).
+    """
+
+    inds: mx.array
+    scores: mx.array
+    groups: ExpertGroups
+    block_map: mx.array
+    tile_rows: int
+
+
+def plan(num_tokens: int, top_k: int, num_experts: int, tile_rows: int) -> dict:
+    """Launch plan (pure Python, no GPU): grids in threads, as MLX counts them.
+
+    Returns a dict with ``num_assignments`` (N*k), ``max_tiles``
+    (``ceil(N*k / tile_rows) + E``), ``route_grid`` / ``route_block`` and
+    ``group_grid`` / ``group_block`` (3-tuples).
+
+    Raises:
+        ValueError: a negative count or ``tile_rows < 1`` / ``top_k < 1``.
+    """
+    if num_tokens < 0 or top_k < 1 or num_experts < 1 or tile_rows < 1:
+        raise ValueError(
+            "plan: need num_tokens >= 0, top_k >= 1, num_experts >= 1, tile_rows >= 1, "
+            f"got {num_tokens}, {top_k}, {num_experts}, {tile_rows}"
+        )
+    nk = num_tokens * top_k
+    return dict(
+        num_assignments=nk,
+        max_tiles=max_tiles(nk, num_experts, tile_rows),
+        route_grid=(max(1, -(-num_tokens // 8)) * 256, 1, 1),
+        route_block=(256, 1, 1),
+        group_grid=(1024, 1, 1),
+        group_block=(1024, 1, 1),
+    )
+
+
+def supports(logits: mx.array, top_k: int) -> bool:
+    """True for ``logits [N, E]`` float32/bfloat16/float16 with E a multiple of
+    32, ``E <= 1024`` and ``1 <= top_k <= min(32, E)``, on MLX's CUDA backend.
+    Never compiles."""
+    if not cb.cuda_available():
+        return False
+    return _shape_ok(logits, top_k)
+
+
+def _shape_ok(logits, top_k) -> bool:
+    try:
+        e = logits.shape[-1]
+        return (
+            logits.ndim == 2 and logits.dtype in _LOGIT and e % 32 == 0
+            and 32 <= e <= 1024 and 1 <= top_k <= min(32, e)
+        )
+    except AttributeError:
+        return False
+
+
+def _kernel(stage: int, **defs) -> cb.CudaKernel:
+    key = (stage,) + tuple(sorted(defs.items()))
+    k = _kernels.get(key)
+    if k is None:
+        k = cb.CudaKernel(
+            "moe_routing.cu", "mqf_moe_route" if stage == 1 else "mqf_moe_group",
+            dict(MOE_STAGE=stage, **defs),
+        )
+        _kernels[key] = k
+    return k
+
+
+def route(logits: mx.array, top_k: int, *, normalize: bool = True) -> Tuple[mx.array, mx.array]:
+    """Top-k experts per token (the contract of :func:`ops.moe.route`).
+
+    Args:
+        logits: ``[N, E]`` float32/bfloat16/float16 router outputs; E a
+            multiple of 32, at most 1024.
+        top_k: experts per token, ``1 <= top_k <= min(32, E)``.
+        normalize: divide the k probabilities by their sum.
+
+    Returns:
+        ``(inds [N, k] int32, scores [N, k] float32)``, slots in decreasing
+        probability (ties: lower expert id first).
+
+    Raises:
+        ValueError: bad ``logits`` shape/dtype or ``top_k`` (names them).
+    """
+    if not _shape_ok(logits, top_k):
+        raise ValueError(
+            "route: logits must be [N, E] float32/bfloat16/float16 with E a multiple of 32 "
+            f"(<= 1024) and top_k in [1, min(32, E)], got logits {logits.dtype} "
+            f"{tuple(logits.shape)}, top_k={top_k}"
+        )
+    n, e = logits.shape
+    if n == 0:
+        return mx.zeros((0, top_k), mx.int32), mx.zeros((0, top_k), mx.float32)
+    p = plan(n, top_k, e, 1)
+    kern = _kernel(1, MOE_E=e, MOE_K=top_k, MOE_LT=cb.dtype_macro(logits.dtype))
+    inds, scores = kern(
+        inputs=[logits],
+        output_shapes=[(n, top_k), (n, top_k)],
+        output_dtypes=[mx.int32, mx.float32],
+        grid=p["route_grid"],
+        threadgroup=p["route_block"],
+        scalars=[n, int(bool(normalize))],
+    )
+    return inds, scores
+
+
+def group(inds: mx.array, num_experts: int, tile_rows: int) -> Tuple[ExpertGroups, mx.array]:
+    """Group assignments by expert and list the grouped GEMM's work items.
+
+    Args:
+        inds: ``[N, k]`` int32/uint32 expert ids in ``[0, num_experts)``
+            (out-of-range ids are undefined behaviour).
+        num_experts: ``E``, a multiple of 32, at most 1024.
+        tile_rows: rows per work item, ``>= 1``.
+
+    Returns:
+        ``(groups, block_map)``: :class:`ExpertGroups` (int32; ``order`` not
+        stable within an expert, see the module docstring) and
+        ``block_map [ceil(N*k / tile_rows) + E, 2]`` int32 as
+        :func:`ops.moe.block_map`.
+
+    Raises:
+        ValueError: ``inds`` not a 2-D int32/uint32 array, ``num_experts`` not
+            a multiple of 32 in [32, 1024], ``tile_rows < 1``, ``k > E``.
+    """
+    if inds.ndim != 2 or inds.dtype not in _INTS:
+        raise ValueError(
+            f"group: inds must be int32/uint32 of shape [N, k], got {inds.dtype} {tuple(inds.shape)}"
+        )
+    if num_experts % 32 != 0 or not 32 <= num_experts <= 1024:
+        raise ValueError(f"group: num_experts must be a multiple of 32 in [32, 1024], got {num_experts}")
+    if tile_rows < 1:
+        raise ValueError(f"group: tile_rows must be >= 1, got {tile_rows}")
+    n, k = inds.shape
+    if k > num_experts:
+        raise ValueError(f"group: inds [N, k] has k={k} > num_experts={num_experts}")
+    p = plan(n, k, num_experts, tile_rows)
+    nk, mt = p["num_assignments"], p["max_tiles"]
+    if nk == 0:
+        z = mx.zeros((0,), mx.int32)
+        groups = ExpertGroups(
+            mx.zeros((num_experts,), mx.int32), mx.zeros((num_experts + 1,), mx.int32), z, z, z, k
+        )
+        return groups, mx.full((mt, 2), -1, mx.int32)
+    kern = _kernel(2, MOE_E=num_experts)
+    counts, offsets, order, sorted_experts, inverse, bmap = kern(
+        inputs=[inds.reshape(-1).astype(mx.int32)],
+        output_shapes=[(num_experts,), (num_experts + 1,), (nk,), (nk,), (nk,), (mt, 2)],
+        output_dtypes=[mx.int32] * 6,
+        grid=p["group_grid"],
+        threadgroup=p["group_block"],
+        scalars=[nk, tile_rows, mt],
+    )
+    return ExpertGroups(counts, offsets, order, sorted_experts, inverse, k), bmap
+
+
+def route_and_group(
+    logits: mx.array, top_k: int, tile_rows: int, *, normalize: bool = True
+) -> Routing:
+    """:func:`route` then :func:`group` (two launches). Args/errors as those."""
+    inds, scores = route(logits, top_k, normalize=normalize)
+    groups, bmap = group(inds, logits.shape[-1], tile_rows)
+    return Routing(inds, scores, groups, bmap, tile_rows)

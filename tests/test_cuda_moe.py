@@ -1,0 +1,345 @@
+"""CUDA MoE kernels (routing, grouped GEMM) vs the ops.moe references.
+
+The kernel tests are marked ``cuda`` and skipped where MLX has no CUDA backend;
+the host-side helpers (nibble unpacking, launch plans, tile choice, shape
+checks, dispatch gating) run everywhere. On the GPU machine:
+
+    source .mlxcuda/boot.sh && PYTHONPATH=. python3 -m pytest -q tests/test_cuda_moe.py
+
+Outputs are poisoned with NaN before every launch (``set_poison``), inputs are
+fresh random data; references are ``ops.moe.route`` / ``group_by_expert`` /
+``block_map`` / ``expert_swiglu`` (stock ``gather_qmm``) and an fp32 matmul on
+``mx.dequantize``-d weights.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models.qwen3_next import ModelArgs, Qwen3NextSparseMoeBlock
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+from mlx_qwen_fast.kernels import moe_grouped_gemm as gg
+from mlx_qwen_fast.kernels import moe_routing as mr
+from mlx_qwen_fast.ops import moe
+
+_HAS_CUDA = bool(getattr(mx, "cuda", None)) and mx.cuda.is_available()
+cuda = pytest.mark.cuda
+needs_cuda = pytest.mark.skipif(not _HAS_CUDA, reason="needs MLX's CUDA backend")
+BF16_EPS = 2.0**-8
+# vs the gather_qmm path: its bf16 quantized matmul is itself ~1.6e-2 (rel.
+# norm) from fp32 math on the dequantized weights on CPU; the tight checks are
+# against fp32 math on mx.dequantize-d weights (dense_ref).
+GATHER_QMM_TOL = 0.06
+
+
+@pytest.fixture
+def poison():
+    from mlx_qwen_fast.kernels import _cuda_build as cb
+
+    cb.set_poison(True)
+    yield
+    cb.set_poison(False)
+
+
+def npa(a):
+    return np.asarray(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a)
+
+
+def rel(a, b):
+    a, b = npa(a).astype(np.float64), npa(b).astype(np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def finite(*xs):
+    return all(bool(mx.all(mx.isfinite(x.astype(mx.float32))).item()) for x in xs)
+
+
+def qproj(E, O, K, seed, scale=1.0):
+    """A bf16 4-bit QuantizedSwitchLinear E x (K -> O) with fresh weights."""
+    p = QuantizedSwitchLinear(K, O, E, bias=False, group_size=64, bits=4)
+    w = mx.random.normal((E, O, K), key=mx.random.key(seed)) * (scale / K**0.5)
+    p.weight, p.scales, p.biases = mx.quantize(w.astype(mx.bfloat16), group_size=64, bits=4)
+    mx.eval(p.parameters())
+    return p
+
+
+def make_logits(n, E, kind, seed, dtype):
+    z = mx.random.normal((n, E), key=mx.random.key(seed)) * 2.0
+    if kind == "skewed":  # a handful of popular experts
+        bias = mx.zeros((E,)).at[mx.array([3, 4, 5, 200 % E])].add(3.0)
+        z = z + bias
+    elif kind == "empty":  # 8 experts take everything, the rest are empty
+        bias = mx.zeros((E,)).at[mx.arange(8) * 3].add(40.0)
+        z = z + bias
+    elif kind == "one":  # every token's top-1 is expert 17
+        z = z + mx.zeros((E,)).at[17].add(60.0)
+    return z.astype(dtype)
+
+
+# ---------------------------------------------------------------------------
+# host-side helpers (run everywhere)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("K", [64, 192, 320, 2048])
+def test_unpack_matches_mx_dequantize(K):
+    w = (mx.random.normal((4, 64, K), key=mx.random.key(K)) * 3).astype(mx.bfloat16)
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    ref = npa(mx.dequantize(wq, s, b, group_size=64, bits=4))
+    got = gg.unpack_affine_4bit(wq, s, b)
+    assert got.shape == ref.shape
+    assert np.array_equal(got, ref)  # bit-exact, low nibble first
+    # the other nibble order is clearly wrong (guards the test itself)
+    wn = np.asarray(wq).astype(np.uint32)
+    swapped = ((wn & 0x0F0F0F0F) << 4) | ((wn >> 4) & 0x0F0F0F0F)
+    assert not np.array_equal(gg.unpack_affine_4bit(swapped, s, b), ref)
+
+
+def test_plan_and_tiles():
+    p = mr.plan(4096, 8, 256, 64)
+    assert p["num_assignments"] == 32768
+    assert p["max_tiles"] == 32768 // 64 + 256 == moe.max_tiles(32768, 256, 64)
+    assert p["route_grid"] == (512 * 256, 1, 1)
+    assert mr.plan(7, 8, 256, 32)["max_tiles"] == 2 + 256
+    assert mr.plan(0, 8, 256, 32)["route_grid"][0] == 256
+    with pytest.raises(ValueError, match="tile_rows"):
+        mr.plan(4, 8, 256, 0)
+    assert gg.choose_tile_rows(512 * 8, 256) == 32
+    assert gg.choose_tile_rows(4096 * 8, 256) == 64
+    assert gg.choose_tile_rows(1, 256) in gg.TILE_CHOICES
+
+
+def test_supports_arrays_shapes():
+    E, D, I = 4, 192, 128
+    x = mx.zeros((5, D), mx.bfloat16)
+    g, u, d = (qproj(E, I, D, 1), qproj(E, I, D, 2), qproj(E, D, I, 3))
+    arr = lambda p: (p.weight, p.scales, p.biases)  # noqa: E731
+    assert gg.supports_arrays(x, arr(g), arr(u), arr(d))
+    assert not gg.supports_arrays(x.astype(mx.float32), arr(g), arr(u), arr(d))
+    # I = 96: output columns not a multiple of the 64-column tile -> refused
+    g96, u96 = qproj(E, 96, D, 4), qproj(E, 96, D, 5)
+    assert not gg.supports_arrays(x, arr(g96), arr(u96), arr(d))
+    assert not gg.supports_arrays(x, arr(g), arr(u96), arr(d))  # gate/up mismatch
+    d_bad = qproj(E, 256, I, 6)  # down output != D
+    assert not gg.supports_arrays(x, arr(g), arr(u), arr(d_bad))
+    if not _HAS_CUDA:
+        assert not gg.supports(x, g, u, d)
+        assert not mr.supports(mx.zeros((3, 256)), 8)
+
+
+def test_dispatch_gated_by_env(monkeypatch):
+    monkeypatch.delenv(moe.MOE_KERNEL_ENV, raising=False)
+    assert "cuda-kernel" in moe.IMPLEMENTATIONS
+    for b in ("cpu", "cuda", "metal"):
+        assert moe.implementation_for(4096, b) == "stock"
+    monkeypatch.setenv(moe.MOE_KERNEL_ENV, "1")
+    assert moe.implementation_for(4096, "cuda") == "cuda-kernel"
+    assert moe.implementation_for(1, "cuda") == "stock"  # decode stays stock
+    assert moe.implementation_for(4096, "cpu") == "stock"
+    assert moe.implementation_for(4096, "metal") == "stock"
+
+
+def test_cuda_kernel_impl_falls_back_to_stock_off_cuda():
+    if _HAS_CUDA:
+        pytest.skip("checks the CPU fallback")
+    block = make_block(D=128, H=64, E=32, k=4, dtype=mx.float32)
+    x = mx.random.normal((2, 5, 128), key=mx.random.key(0))
+    a = moe.sparse_moe(block, x, implementation="cuda-kernel")
+    b = moe.sparse_moe(block, x, implementation="stock")
+    assert mx.array_equal(a, b).item()
+
+
+# ---------------------------------------------------------------------------
+# routing kernels
+# ---------------------------------------------------------------------------
+
+
+def check_routing(logits, k, tile, normalize=True):
+    E = logits.shape[1]
+    r = mr.route_and_group(logits, k, tile, normalize=normalize)
+    inds, scores = r.inds, r.scores
+    assert inds.dtype == mx.int32 and scores.dtype == mx.float32
+    ref_i, ref_s = moe.route(logits, k, normalize=normalize)
+    ii, ss = np.asarray(inds), np.asarray(scores)
+    ri, rs = np.asarray(ref_i).astype(np.int64), np.asarray(ref_s)
+    # selection: the same probabilities (ties may pick different ids)
+    np.testing.assert_allclose(np.sort(ss, 1), np.sort(rs, 1), rtol=2e-6, atol=1e-7)
+    probs = np.asarray(mx.softmax(logits.astype(mx.float32), axis=-1, precise=True))
+    sel = np.take_along_axis(probs, ii, 1)
+    want = sel / sel.sum(1, keepdims=True) if normalize else sel
+    np.testing.assert_allclose(ss, want, rtol=2e-6, atol=1e-7)
+    assert np.all(np.diff(ss, axis=1) <= 0)  # decreasing probability
+    assert all(len(set(row)) == k for row in ii.tolist())
+    if logits.dtype == mx.float32:  # no ties: the same experts
+        assert np.array_equal(np.sort(ii, 1), np.sort(ri, 1))
+    # grouping, against the reference grouping of the kernel's own inds
+    g = r.groups
+    ref = moe.group_by_expert(inds, E)
+    assert np.array_equal(np.asarray(g.counts), np.asarray(ref.counts))
+    assert np.array_equal(np.asarray(g.offsets), np.asarray(ref.offsets))
+    assert np.array_equal(np.asarray(g.sorted_experts), np.asarray(ref.sorted_experts))
+    order, inv = np.asarray(g.order), np.asarray(g.inverse)
+    nk = ii.size
+    assert np.array_equal(np.sort(order), np.arange(nk))
+    assert np.array_equal(ii.reshape(-1)[order], np.asarray(ref.sorted_experts))
+    assert np.array_equal(inv[order], np.arange(nk))
+    # same set per expert as the stable reference (order within is free)
+    off = np.asarray(g.offsets)
+    ro = np.asarray(ref.order)
+    for e in np.nonzero(np.asarray(g.counts))[0][:64]:
+        a, b = off[e], off[e + 1]
+        assert np.array_equal(np.sort(order[a:b]), ro[a:b])
+    assert np.array_equal(np.asarray(r.block_map), np.asarray(moe.block_map(ref, tile)))
+    return r
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("n", [1, 2, 7, 64, 2049, 4099])
+@pytest.mark.parametrize("kind", ["random", "skewed", "empty"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_routing_vs_reference(poison, n, kind, dtype):
+    logits = make_logits(n, 256, kind, seed=n * 7 + len(kind), dtype=dtype)
+    tile = 64 if n > 1000 else 32
+    r = check_routing(logits, 8, tile)
+    if kind == "empty":
+        counts = np.asarray(r.groups.counts)
+        assert np.count_nonzero(counts) == 8 and counts.sum() == n * 8
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("n", [1, 64, 4099])
+def test_routing_all_to_one_expert(poison, n):
+    logits = make_logits(n, 256, "one", seed=n, dtype=mx.float32)
+    r = check_routing(logits, 1, 32)
+    counts = np.asarray(r.groups.counts)
+    assert counts[17] == n and counts.sum() == n
+    assert np.allclose(np.asarray(r.scores), 1.0)
+
+
+@cuda
+@needs_cuda
+def test_routing_unnormalized_and_other_sizes(poison):
+    check_routing(make_logits(300, 128, "random", 1, mx.float32), 4, 64, normalize=False)
+    check_routing(make_logits(33, 64, "skewed", 2, mx.float16), 6, 32)
+
+
+# ---------------------------------------------------------------------------
+# grouped GEMM kernels
+# ---------------------------------------------------------------------------
+
+
+def dense_ref(x, r, gate, up, down):
+    """fp32 reference on mx.dequantize-d weights, rounding where SwitchGLU
+    does (gate, up, swiglu and down outputs to bf16). Returns (h in grouped
+    order, y [N*k, D] weighted in assignment order)."""
+    deq = lambda p: mx.dequantize(p.weight, p.scales, p.biases, group_size=64, bits=4).astype(mx.float32)  # noqa: E731
+    wg, wu, wd = deq(gate), deq(up), deq(down)
+    k = r.groups.top_k
+    order = r.groups.order
+    experts = r.groups.sorted_experts
+    xr = x[order // k].astype(mx.float32)[:, None, :]  # [NK, 1, D]
+    bf = lambda t: t.astype(mx.bfloat16).astype(mx.float32)  # noqa: E731
+    g = bf((xr @ wg[experts].swapaxes(-1, -2))[:, 0])
+    u = bf((xr @ wu[experts].swapaxes(-1, -2))[:, 0])
+    h = bf(g * mx.sigmoid(g) * u)
+    o = bf((h[:, None, :] @ wd[experts].swapaxes(-1, -2))[:, 0])
+    y = mx.zeros_like(o).at[order].add(o * r.scores.reshape(-1)[order][:, None])
+    return h, y
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("D,I,E", [(192, 128, 32), (320, 64, 32), (2048, 512, 256)])
+@pytest.mark.parametrize("n", [1, 7, 64, 300])
+@pytest.mark.parametrize("tile", [32, 64])
+def test_grouped_gemm_vs_reference(poison, D, I, E, n, tile):
+    k = 8
+    gate, up, down = qproj(E, I, D, 1), qproj(E, I, D, 2), qproj(E, D, I, 3)
+    x = mx.random.normal((n, D), key=mx.random.key(n + D)).astype(mx.bfloat16)
+    logits = make_logits(n, E, "skewed", seed=n, dtype=mx.float32)
+    r = mr.route_and_group(logits, k, tile)
+    arr = lambda p: (p.weight, p.scales, p.biases)  # noqa: E731
+    h = gg.gate_up_swiglu(x, r, arr(gate), arr(up))
+    y = gg.down_weighted(h, r, arr(down))
+    assert h.shape == (n * k, I) and h.dtype == mx.bfloat16
+    assert y.shape == (n * k, D) and y.dtype == mx.float32
+    assert finite(h, y)  # every row written (outputs were NaN)
+    h_ref, y_ref = dense_ref(x, r, gate, up, down)
+    assert rel(h, h_ref) < 2 * BF16_EPS
+    assert rel(y, y_ref) < 4 * BF16_EPS
+    # the down kernel alone on the reference h: only its own rounding differs
+    y2 = gg.down_weighted(h_ref.astype(mx.bfloat16), r, arr(down))
+    assert rel(y2, y_ref) < 2 * BF16_EPS
+    # vs the stock-path reference (gather_qmm), combined per token
+    groups = moe.group_by_expert(r.inds, E)
+    ref = moe.combine(moe.expert_swiglu(x, groups, gate, up, down), r.scores, dtype=mx.float32)
+    got = gg.moe_experts(x, r, gate, up, down, out_dtype=mx.float32)
+    # gather_qmm's own error is not bf16-tight (1.6e-2 per projection on CPU)
+    assert rel(got, ref) < GATHER_QMM_TOL
+
+
+@cuda
+@needs_cuda
+def test_grouped_gemm_refuses_unsupported(poison):
+    E, D = 32, 192
+    x = mx.zeros((4, D), mx.bfloat16)
+    g96, u96 = qproj(E, 96, D, 1), qproj(E, 96, D, 2)
+    d = qproj(E, D, 96, 3)
+    assert not gg.supports(x, g96, u96, d)
+    r = mr.route_and_group(make_logits(4, E, "random", 0, mx.float32), 8, 32)
+    with pytest.raises(ValueError, match="gate"):
+        gg.gate_up_swiglu(x, r, (g96.weight, g96.scales, g96.biases), (u96.weight, u96.scales, u96.biases))
+    with pytest.raises(ValueError, match="x must be bfloat16"):
+        gg.gate_up_swiglu(x.astype(mx.float32), r, (g96.weight, g96.scales, g96.biases), (u96.weight, u96.scales, u96.biases))
+
+
+# ---------------------------------------------------------------------------
+# the whole block through the dispatch
+# ---------------------------------------------------------------------------
+
+
+def make_block(D=128, H=64, E=32, k=8, dtype=mx.bfloat16, router_scale=4.0):
+    args = ModelArgs(
+        model_type="qwen3_next", hidden_size=D, num_hidden_layers=1, intermediate_size=H,
+        num_attention_heads=2, linear_num_value_heads=2, linear_num_key_heads=1,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+        num_experts=E, num_experts_per_tok=k, decoder_sparse_step=1,
+        shared_expert_intermediate_size=H, mlp_only_layers=[], moe_intermediate_size=H,
+        rms_norm_eps=1e-6, vocab_size=16, num_key_value_heads=1, rope_theta=1e4,
+        partial_rotary_factor=0.25, max_position_embeddings=128, head_dim=8,
+        norm_topk_prob=True,
+    )
+    block = Qwen3NextSparseMoeBlock(args)
+    block.gate.weight = block.gate.weight * router_scale
+
+    def predicate(path, m):
+        if not hasattr(m, "to_quantized"):
+            return False
+        if path == "gate" or path.endswith("shared_expert_gate"):
+            return {"group_size": 64, "bits": 8}
+        return True
+
+    nn.quantize(block, group_size=64, bits=4, class_predicate=predicate)
+    block.set_dtype(dtype)
+    mx.eval(block.parameters())
+    return block
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("n", [16, 333])
+def test_block_cuda_kernel_vs_reference(poison, n):
+    block = make_block(D=256, H=128, E=64, k=8)
+    x = mx.random.normal((1, n, 256), key=mx.random.key(n)).astype(mx.bfloat16)
+    assert gg.supports(x.reshape(n, 256), block.switch_mlp.gate_proj,
+                       block.switch_mlp.up_proj, block.switch_mlp.down_proj)
+    got = moe.sparse_moe(block, x, implementation="cuda-kernel")
+    ref = moe.sparse_moe(block, x, implementation="reference")
+    assert got.shape == ref.shape and got.dtype == ref.dtype
+    assert finite(got)
+    assert rel(got, ref) < GATHER_QMM_TOL
