@@ -244,10 +244,17 @@ def dense_ref(x, r, gate, up, down):
     experts = r.groups.sorted_experts
     xr = x[order // k].astype(mx.float32)[:, None, :]  # [NK, 1, D]
     bf = lambda t: t.astype(mx.bfloat16).astype(mx.float32)  # noqa: E731
-    g = bf((xr @ wg[experts].swapaxes(-1, -2))[:, 0])
-    u = bf((xr @ wu[experts].swapaxes(-1, -2))[:, 0])
-    h = bf(g * mx.sigmoid(g) * u)
-    o = bf((h[:, None, :] @ wd[experts].swapaxes(-1, -2))[:, 0])
+    hs, os_ = [], []
+    for s in range(0, xr.shape[0], 128):  # bounds the [rows, out, in] weight gathers
+        ex = experts[s:s + 128]
+        g = bf((xr[s:s + 128] @ wg[ex].swapaxes(-1, -2))[:, 0])
+        u = bf((xr[s:s + 128] @ wu[ex].swapaxes(-1, -2))[:, 0])
+        hh = bf(g * mx.sigmoid(g) * u)
+        oo = bf((hh[:, None, :] @ wd[ex].swapaxes(-1, -2))[:, 0])
+        mx.eval(hh, oo)
+        hs.append(hh)
+        os_.append(oo)
+    h, o = mx.concatenate(hs), mx.concatenate(os_)
     y = mx.zeros_like(o).at[order].add(o * r.scores.reshape(-1)[order][:, None])
     return h, y
 
