@@ -15,7 +15,6 @@ short table is printed last.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -27,6 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from bench.device_script import log, run_sections  # noqa: E402
 
 D = 128
 HK, HV = 16, 32
@@ -676,14 +677,6 @@ def section_profile(args):
 # driver
 # --------------------------------------------------------------------------
 
-_LOG = None
-
-
-def log(msg):
-    print(msg, flush=True)
-    if _LOG is not None:
-        with open(_LOG, "a") as f:
-            f.write(msg + "\n")
 
 
 SECTIONS = {"build": section_build, "scan": section_scan, "frontend": section_frontend, "decode": section_decode,
@@ -691,31 +684,8 @@ SECTIONS = {"build": section_build, "scan": section_scan, "frontend": section_fr
 
 
 def main():
-    global _LOG
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--section", choices=list(SECTIONS), help="run one section in this process")
-    ap.add_argument("--sections", default="build,scan,frontend,decode")
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    ap.add_argument("--quick", action="store_true", help="T up to 1000 only")
-    args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    _LOG = str(out / "gdn_cuda.log")
-    if args.section:
-        t0 = time.perf_counter()
-        r = SECTIONS[args.section](args)
-        r["section_seconds"] = time.perf_counter() - t0
-        (out / f"gdn_{args.section}.json").write_text(json.dumps(r, indent=1, default=str))
-        return
-    results = {}
-    for name in args.sections.split(","):
-        t0 = time.perf_counter()
-        cmd = [sys.executable, __file__, "--section", name, "--out", str(out)] + (["--quick"] if args.quick else [])
-        rc = subprocess.run(cmd).returncode
-        log(f"== section {name}: rc={rc} ({time.perf_counter() - t0:.1f} s)")
-        p = out / f"gdn_{name}.json"
-        results[name] = json.loads(p.read_text()) if p.exists() else {"rc": rc}
-    summary(results)
+    run_sections(__file__, "gdn", SECTIONS, summary, __doc__.splitlines()[0],
+                 "build,scan,frontend,decode", "T up to 1000 only")
 
 
 def summary(results):
@@ -747,10 +717,7 @@ def summary(results):
             lines.append("   worst rel err: " + ", ".join(f"{d.split('.')[-1]}:{kk}={v:.1e}" for (d, kk), v in sorted(worst.items(), key=str)))
         for kk, t in r.get("timings", {}).items():
             lines.append(f"   {kk:70s} {t * 1e3:9.4f} ms")
-    print("\n".join(lines))
-    if _LOG:
-        with open(_LOG, "a") as f:
-            f.write("\n".join(lines) + "\n")
+    log("\n".join(lines))
 
 
 if __name__ == "__main__":

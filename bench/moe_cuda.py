@@ -16,7 +16,6 @@ go to --out ($OUT); a short table is printed last.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -29,10 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.device_script import log, run_sections  # noqa: E402
+
 E, D, I, K = 256, 2048, 512, 8
 T_LIST = [512, 2048, 4096]
 PEAK_BF16 = 624e12
-_LOG = None
 
 
 def _mx():
@@ -41,11 +41,6 @@ def _mx():
     return mx
 
 
-def log(msg):
-    print(msg, flush=True)
-    if _LOG is not None:
-        with open(_LOG, "a") as f:
-            f.write(msg + "\n")
 
 
 def rel(a, b):
@@ -264,31 +259,8 @@ SECTIONS = {"build": section_build, "check": section_check, "time": section_time
 
 
 def main():
-    global _LOG
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--section", choices=list(SECTIONS), help="run one section in this process")
-    ap.add_argument("--sections", default="build,check,time")
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
-    ap.add_argument("--quick", action="store_true", help="T = 512, 2048 only")
-    args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    _LOG = str(out / "moe_cuda.log")
-    if args.section:
-        t0 = time.perf_counter()
-        r = SECTIONS[args.section](args)
-        r["section_seconds"] = time.perf_counter() - t0
-        (out / f"moe_{args.section}.json").write_text(json.dumps(r, indent=1, default=str))
-        return
-    results = {}
-    for name in args.sections.split(","):
-        t0 = time.perf_counter()
-        cmd = [sys.executable, __file__, "--section", name, "--out", str(out)] + (["--quick"] if args.quick else [])
-        rc = subprocess.run(cmd).returncode
-        log(f"== section {name}: rc={rc} ({time.perf_counter() - t0:.1f} s)")
-        p = out / f"moe_{name}.json"
-        results[name] = json.loads(p.read_text()) if p.exists() else {"rc": rc}
-    summary(results)
+    run_sections(__file__, "moe", SECTIONS, summary, __doc__.splitlines()[0],
+                 "build,check,time", "T = 512, 2048 only")
 
 
 def summary(results):
@@ -307,10 +279,7 @@ def summary(results):
     for key, v in results.get("time", {}).get("timings", {}).items():
         t, name = key.split(" ", 1)
         lines.append(f"{t[2:]:>5s} {name:45s} {v['ms']:9.3f} {v['tflops']:8.1f} {v['pct_peak']:8.1f}")
-    print("\n".join(lines))
-    if _LOG:
-        with open(_LOG, "a") as f:
-            f.write("\n".join(lines) + "\n")
+    log("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,10 @@ Modules (each exposes the wrapper of the same name and ``supports``):
 - ``gated_delta_frontend``  conv + SiLU + q/k L2 norm + gates (prefill)
 - ``gated_rms_norm``        output gated RMSNorm with z
 - ``gated_delta_decode``    the whole GDN layer step for T = 1
+- ``moe_routing``           softmax/top-k routing + expert grouping + block map
+                            (unverified on a GPU; opt-in, see ``ops.moe``)
+- ``moe_grouped_gemm``      fused-dequant grouped expert GEMM (gate+up SwiGLU,
+                            down + routing weight; unverified on a GPU; opt-in)
 
 Import them by module path, e.g.
 ``from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan, supports``

@@ -1,0 +1,60 @@
+"""Shared driver of the device kernel scripts (``bench/gdn_cuda.py``,
+``bench/moe_cuda.py``): each section runs in its own process (a crash or a
+hang in one kernel does not lose the others), writes ``<prefix>_<section>.json``
+under ``--out``, and the parent prints the script's summary table last.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+_log_path = None
+
+
+def log(msg: str) -> None:
+    """Print ``msg`` and append it to the script's log file under ``--out``."""
+    print(msg, flush=True)
+    if _log_path is not None:
+        with open(_log_path, "a") as f:
+            f.write(msg + "\n")
+
+
+def run_sections(script, prefix, sections, summary, description, default_sections, quick_help):
+    """The ``main()`` of a device script.
+
+    Args:
+        script: the script's ``__file__`` (re-run once per section).
+        prefix: file-name prefix of the log and the per-section JSON files.
+        sections: name -> fn(args) -> dict of results.
+        summary: fn(results by section) that ``log``s the closing table.
+        description, default_sections, quick_help: argparse texts/defaults.
+    """
+    global _log_path
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--section", choices=list(sections), help="run one section in this process")
+    ap.add_argument("--sections", default=default_sections)
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _log_path = str(out / f"{prefix}_cuda.log")
+    if args.section:
+        t0 = time.perf_counter()
+        r = sections[args.section](args)
+        r["section_seconds"] = time.perf_counter() - t0
+        (out / f"{prefix}_{args.section}.json").write_text(json.dumps(r, indent=1, default=str))
+        return
+    results = {}
+    for name in args.sections.split(","):
+        t0 = time.perf_counter()
+        cmd = [sys.executable, script, "--section", name, "--out", str(out)]
+        rc = subprocess.run(cmd + (["--quick"] if args.quick else [])).returncode
+        log(f"== section {name}: rc={rc} ({time.perf_counter() - t0:.1f} s)")
+        p = out / f"{prefix}_{name}.json"
+        results[name] = json.loads(p.read_text()) if p.exists() else {"rc": rc}
+    summary(results)
