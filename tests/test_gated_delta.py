@@ -494,6 +494,8 @@ def _good(B=2, T=5, Hk=2, Hv=4, Dk=8, Dv=6):
         ("state", mx.zeros((2, 4, 8, 6)), r"state must have shape \[B, Hv, Dv, Dk\] = \(2, 4, 6, 8\)"),
         ("state", mx.zeros((2, 4, 6, 8), mx.bfloat16), r"state must have dtype float32"),
         ("mask", mx.ones((2, 4), mx.bool_), r"mask must have shape \[B, T\] = \(2, 5\)"),
+        ("q", mx.zeros((2, 5, 2, 8), mx.int32), r"q must be a floating mx.array"),
+        ("v", np.zeros((2, 5, 4, 6), np.float32), r"v must be a floating mx.array"),
     ],
 )
 @pytest.mark.parametrize("fn", ["gated_delta_recurrent", "gated_delta_chunked"])

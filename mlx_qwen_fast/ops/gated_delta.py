@@ -116,6 +116,12 @@ def _check_inputs(q, k, v, g, beta, state, mask):
             f"q must have shape [B, T, Hk, Dk] (rank 4), got shape {_shape(q)}"
         )
     B, T, Hk, Dk = q.shape
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, mx.array) or not mx.issubdtype(x.dtype, mx.floating):
+            raise ValueError(
+                f"{name} must be a floating mx.array (bfloat16, float16 or float32), "
+                f"got {getattr(x, 'dtype', type(x).__name__)}"
+            )
     if k.ndim != 4:
         raise ValueError(
             f"k must have shape [B, T, Hk, Dk] (rank 4), got shape {_shape(k)}"
