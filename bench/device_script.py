@@ -58,3 +58,36 @@ def run_sections(script, prefix, sections, summary, description, default_section
         p = out / f"{prefix}_{name}.json"
         results[name] = json.loads(p.read_text()) if p.exists() else {"rc": rc}
     summary(results)
+
+
+def rel(a, b) -> float:
+    """Relative L2 error ||a - b|| / ||b|| in fp32."""
+    import mlx.core as mx
+
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return mx.sqrt(mx.sum((a - b) ** 2)).item() / max(mx.sqrt(mx.sum(b**2)).item(), 1e-30)
+
+
+def finite(a) -> bool:
+    """True when every element of ``a`` is finite (poisoned outputs were written)."""
+    import mlx.core as mx
+
+    return bool(mx.all(mx.isfinite(a.astype(mx.float32))).item())
+
+
+def timeit(fn, n=20, batch=1, warm=3) -> float:
+    """Median seconds per call of ``fn``; ``batch`` calls are queued per evaluation."""
+    import mlx.core as mx
+
+    for _ in range(warm):
+        mx.eval(fn())
+    mx.synchronize()
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        outs = [fn() for _ in range(batch)]
+        mx.eval(outs)
+        mx.synchronize()
+        ts.append((time.perf_counter() - t0) / batch)
+    ts.sort()
+    return ts[len(ts) // 2]

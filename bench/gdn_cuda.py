@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.device_script import log, run_sections  # noqa: E402
+from bench.device_script import finite, log, rel, run_sections, timeit  # noqa: E402
 
 D = 128
 HK, HV = 16, 32
@@ -44,40 +44,9 @@ def _mx():
     return mx
 
 
-def rel(a, b):
-    mx = _mx()
-    a = a.astype(mx.float32)
-    b = b.astype(mx.float32)
-    num = mx.sqrt(mx.sum((a - b) ** 2)).item()
-    den = mx.sqrt(mx.sum(b**2)).item()
-    return num / max(den, 1e-30)
-
-
 def maxabs(a, b):
     mx = _mx()
     return mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))).item()
-
-
-def finite(a):
-    mx = _mx()
-    return bool(mx.all(mx.isfinite(a.astype(mx.float32))).item())
-
-
-def timeit(fn, n=20, batch=1, warm=3):
-    """Median seconds per call; ``batch`` calls are queued per evaluation."""
-    mx = _mx()
-    for _ in range(warm):
-        mx.eval(fn())
-    mx.synchronize()
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        outs = [fn() for _ in range(batch)]
-        mx.eval(outs)
-        mx.synchronize()
-        ts.append((time.perf_counter() - t0) / batch)
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 def gates(B, T, decay, key):

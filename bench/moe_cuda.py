@@ -22,13 +22,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.device_script import log, run_sections  # noqa: E402
+from bench.device_script import finite, log, rel, run_sections  # noqa: E402
+from bench.device_script import timeit as _timeit  # noqa: E402
 
 E, D, I, K = 256, 2048, 512, 8
 T_LIST = [512, 2048, 4096]
@@ -42,33 +44,7 @@ def _mx():
 
 
 
-
-def rel(a, b):
-    mx = _mx()
-    a, b = a.astype(mx.float32), b.astype(mx.float32)
-    return mx.sqrt(mx.sum((a - b) ** 2)).item() / max(mx.sqrt(mx.sum(b**2)).item(), 1e-30)
-
-
-def finite(a):
-    mx = _mx()
-    return bool(mx.all(mx.isfinite(a.astype(mx.float32))).item())
-
-
-def timeit(fn, n=15, batch=3, warm=3):
-    """Median seconds per call; ``batch`` calls are queued per evaluation."""
-    mx = _mx()
-    for _ in range(warm):
-        mx.eval(fn())
-    mx.synchronize()
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        outs = [fn() for _ in range(batch)]
-        mx.eval(outs)
-        mx.synchronize()
-        ts.append((time.perf_counter() - t0) / batch)
-    ts.sort()
-    return ts[len(ts) // 2]
+timeit = partial(_timeit, n=15, batch=3)  # this script's repeat counts
 
 
 def make_switch(seed=0, e=E, d=D, i=I):

@@ -15,15 +15,15 @@ fresh random data; references are ``ops.moe.route`` / ``group_by_expert`` /
 from __future__ import annotations
 
 import mlx.core as mx
-import mlx.nn as nn
 import numpy as np
 import pytest
-from mlx_lm.models.qwen3_next import ModelArgs, Qwen3NextSparseMoeBlock
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from mlx_qwen_fast.kernels import moe_grouped_gemm as gg
 from mlx_qwen_fast.kernels import moe_routing as mr
 from mlx_qwen_fast.ops import moe
+
+import moe_blocks  # tests/ is on sys.path
 
 _HAS_CUDA = bool(getattr(mx, "cuda", None)) and mx.cuda.is_available()
 cuda = pytest.mark.cuda
@@ -311,30 +311,7 @@ def test_grouped_gemm_refuses_unsupported(poison):
 
 
 def make_block(D=128, H=64, E=32, k=8, dtype=mx.bfloat16, router_scale=4.0):
-    args = ModelArgs(
-        model_type="qwen3_next", hidden_size=D, num_hidden_layers=1, intermediate_size=H,
-        num_attention_heads=2, linear_num_value_heads=2, linear_num_key_heads=1,
-        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-        num_experts=E, num_experts_per_tok=k, decoder_sparse_step=1,
-        shared_expert_intermediate_size=H, mlp_only_layers=[], moe_intermediate_size=H,
-        rms_norm_eps=1e-6, vocab_size=16, num_key_value_heads=1, rope_theta=1e4,
-        partial_rotary_factor=0.25, max_position_embeddings=128, head_dim=8,
-        norm_topk_prob=True,
-    )
-    block = Qwen3NextSparseMoeBlock(args)
-    block.gate.weight = block.gate.weight * router_scale
-
-    def predicate(path, m):
-        if not hasattr(m, "to_quantized"):
-            return False
-        if path == "gate" or path.endswith("shared_expert_gate"):
-            return {"group_size": 64, "bits": 8}
-        return True
-
-    nn.quantize(block, group_size=64, bits=4, class_predicate=predicate)
-    block.set_dtype(dtype)
-    mx.eval(block.parameters())
-    return block
+    return moe_blocks.make_block(D=D, H=H, E=E, k=k, dtype=dtype, router_scale=router_scale)
 
 
 @cuda
