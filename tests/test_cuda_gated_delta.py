@@ -248,3 +248,34 @@ def test_decode_matches_reference(B, dtype):
     assert rel(ncs, rcs) == 0.0
     assert rel(ns, rs) < (1e-5 if dtype == mx.float32 else 1e-3)
     assert rel(out, ro) < (1e-4 if dtype == mx.float32 else 1.5e-2)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("B", [1, 2])
+def test_decode_compiled_equals_eager(B, dtype):
+    """The mx.compile'd step is the same kernel: bit-identical results, over
+    several chained steps (state and conv state carried), and None states."""
+    from mlx_qwen_fast.kernels.gated_delta_decode import (
+        gated_delta_decode,
+        gated_delta_decode_compiled,
+    )
+
+    w, A_log, dt_bias = fe_params(B, dtype)
+    ks = mx.random.split(mx.random.key(300 + B), 5)
+    wn = (1 + 0.3 * mx.random.normal((D,), key=ks[0])).astype(dtype)
+    kw = dict(num_k_heads=HK, num_v_heads=HV)
+    ce, se, cc, sc = None, None, None, None
+    for t in range(3):
+        kt = mx.random.split(ks[1 + t], 4)
+        qkv = mx.random.normal((B, 1, C), key=kt[0]).astype(dtype)
+        z = mx.random.normal((B, 1, HV * D), key=kt[1]).astype(dtype)
+        a = mx.random.normal((B, 1, HV), key=kt[2]).astype(dtype)
+        b = mx.random.normal((B, 1, HV), key=kt[3]).astype(dtype)
+        oe, ce, se = gated_delta_decode(qkv, z, a, b, w, ce, A_log, dt_bias, wn, se, **kw)
+        oc, cc, sc = gated_delta_decode_compiled(qkv, z, a, b, w, cc, A_log, dt_bias, wn, sc, **kw)
+        assert finite(oc, cc, sc)
+        for x, y in ((oe, oc), (ce, cc), (se, sc)):
+            assert x.shape == y.shape and x.dtype == y.dtype
+            assert mx.array_equal(x, y).item()
+    with pytest.raises(ValueError, match="state"):
+        gated_delta_decode_compiled(qkv, z, a, b, w, cc, A_log, dt_bias, wn, sc[:, :4], **kw)

@@ -346,11 +346,13 @@ def test_block_vs_stock_bf16():
 # ---------------------------------------------------------------------------
 
 
-def test_dispatch_is_stock_everywhere():
-    assert {"stock", "reference"} <= set(moe.IMPLEMENTATIONS)
+def test_dispatch_stock_except_cuda_prefill(monkeypatch):
+    monkeypatch.delenv(moe.MOE_KERNEL_ENV, raising=False)
+    assert {"stock", "reference", "cuda-kernel"} <= set(moe.IMPLEMENTATIONS)
     for b in ("cpu", "cuda", "metal"):
         for n in (1, 7, 2048, 65536):
-            assert moe.implementation_for(n, b) == "stock"
+            want = "cuda-kernel" if b == "cuda" and n >= moe.MOE_KERNEL_MIN_TOKENS else "stock"
+            assert moe.implementation_for(n, b) == want
     assert moe.implementation_for(1) in moe.IMPLEMENTATIONS
     with pytest.raises(ValueError, match="backend"):
         moe.implementation_for(1, "tpu")
