@@ -7,9 +7,11 @@ Run on the GPU machine:
 Sections, each in its own process (a kernel fault cannot take the others
 down): build (first-use compile into an empty cubin cache, then a process
 loading from the cache), check (fresh random data, outputs poisoned with NaN,
-fp32 references), time (T = 512, 2048, 4096 tokens, E = 256, D = 2048,
-I = 512, k = 8: routing and grouped GEMM against stock mlx-lm's
-``SwitchGLU`` / ``gather_qmm``). FLOPs of the expert GEMMs: 2*T*k*3*D*I,
+fp32 references; every grouped-GEMM variant of ``moe_grouped_gemm.VARIANTS``
+at tile rows 32, 64 and 128), time (T = 512, 2048, 4096 tokens, E = 256,
+D = 2048, I = 512, k = 8: routing and every grouped-GEMM variant against
+stock mlx-lm's ``SwitchGLU`` / ``gather_qmm``; tiles 32/64 at T = 512, 64/128
+above). FLOPs of the expert GEMMs: 2*T*k*3*D*I,
 against the 624 TFLOP/s dense bf16 ceiling. Logs and a JSON of every number
 go to --out ($OUT); a short table is printed last.
 """
@@ -83,9 +85,11 @@ from mlx_qwen_fast.kernels import _cuda_build as cb
 from mlx_qwen_fast.kernels import moe_routing as mr, moe_grouped_gemm as gg
 t1 = time.perf_counter()
 res = {}
-for name, k in [("route", mr._kernel(1, MOE_E=256, MOE_K=8, MOE_LT="bf16_t")), ("group", mr._kernel(2, MOE_E=256)),
-                ("gate_up64", gg._kernel(0, 64)), ("gate_up32", gg._kernel(0, 32)),
-                ("down64", gg._kernel(1, 64, "float")), ("down32", gg._kernel(1, 32, "float"))]:
+ks = [("route", mr._kernel(1, MOE_E=256, MOE_K=8, MOE_LT="bf16_t")), ("group", mr._kernel(2, MOE_E=256)),
+      ("gate_up64", gg._kernel(0, 64)[0]), ("gate_up32", gg._kernel(0, 32)[0]),
+      ("down64", gg._kernel(1, 64, "float", out_cols=2048)[0]), ("down32", gg._kernel(1, 32, "float", out_cols=2048)[0])]
+ks += [(f"gate_up128_{v}", gg._kernel(0, 128, variant=v)[0]) for v in gg.VARIANTS if v != "base"]
+for name, k in ks:
     t = time.perf_counter(); k.cubin; res[name] = time.perf_counter() - t
 print("BUILDJSON" + json.dumps(dict(import_s=t1 - t0, build_s=res, stats=cb.build_stats, compiler=cb.compiler_id())))
 """
@@ -145,32 +149,51 @@ def section_check(args):
     checks = []
     sm = make_switch(1)
     for t in (1, 7, 300, 2049):
-        for tile in (32, 64):
-            x, logits = make_inputs(t, seed=100 + t)
+        x, logits = make_inputs(t, seed=100 + t)
+        refs = {}  # token-space references: the same for every tile and variant
+        for tile in gg.TILE_CHOICES:
             r = mr.route_and_group(logits.astype(mx.float32), K, tile)
             ri, rs = moe.route(logits.astype(mx.float32), K)
             g = moe.group_by_expert(r.inds, E)
-            c = dict(t=t, tile=tile)
+            c0 = dict(t=t, tile=tile)
             # bf16 logits tie often: a tie may pick another expert id with the
             # same probability, so compare the selected probabilities
             probs = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
             pick = lambda i: mx.sort(mx.take_along_axis(probs, i.astype(mx.int32), 1), 1)  # noqa: E731
-            c["inds_same"] = bool(mx.array_equal(pick(r.inds), pick(ri)).item())
-            c["scores_maxabs"] = mx.max(mx.abs(mx.sort(r.scores, 1) - mx.sort(rs, 1))).item()
-            c["counts_same"] = bool(mx.array_equal(r.groups.counts, g.counts).item())
-            c["bmap_same"] = bool(mx.array_equal(r.block_map, moe.block_map(g, tile)).item())
-            c["sorted_experts_same"] = bool(mx.array_equal(r.groups.sorted_experts, g.sorted_experts).item())
-            got = gg.moe_experts(x, r, sm.gate_proj, sm.up_proj, sm.down_proj, out_dtype=mx.float32)
-            c["finite"] = finite(got)
-            if t <= 300:
-                c["rel_vs_dense_fp32"] = rel(got, dense_reference(x, r, sm))
-            stock = moe.combine(moe.expert_swiglu(x, g, sm.gate_proj, sm.up_proj, sm.down_proj), r.scores, dtype=mx.float32)
-            c["rel_vs_gather_qmm"] = rel(got, stock)
-            c["ok"] = (c["inds_same"] and c["counts_same"] and c["bmap_same"] and c["sorted_experts_same"]
-                       and c["finite"] and c["scores_maxabs"] < 1e-5 and c["rel_vs_gather_qmm"] < 0.06
-                       and c.get("rel_vs_dense_fp32", 0.0) < 0.016)
-            log(f"[check] {c}")
-            checks.append(c)
+            c0["inds_same"] = bool(mx.array_equal(pick(r.inds), pick(ri)).item())
+            c0["scores_maxabs"] = mx.max(mx.abs(mx.sort(r.scores, 1) - mx.sort(rs, 1))).item()
+            c0["counts_same"] = bool(mx.array_equal(r.groups.counts, g.counts).item())
+            c0["bmap_same"] = bool(mx.array_equal(r.block_map, moe.block_map(g, tile)).item())
+            c0["sorted_experts_same"] = bool(mx.array_equal(r.groups.sorted_experts, g.sorted_experts).item())
+            if not refs:
+                refs["inds"], refs["scores"] = r.inds, r.scores
+                if t <= 300:
+                    refs["dense"] = dense_reference(x, r, sm)
+                refs["stock"] = moe.combine(moe.expert_swiglu(x, g, sm.gate_proj, sm.up_proj, sm.down_proj),
+                                            r.scores, dtype=mx.float32)
+                mx.eval(refs)
+            # the references hold for this routing only if it is the same one
+            c0["routing_as_ref"] = bool(mx.array_equal(r.inds, refs["inds"]).item()
+                                        and mx.array_equal(r.scores, refs["scores"]).item())
+            for variant in gg.VARIANTS:
+                c = dict(c0, variant=variant)
+                got = gg.moe_experts(x, r, sm.gate_proj, sm.up_proj, sm.down_proj, out_dtype=mx.float32,
+                                     variant=variant)
+                c["finite"] = finite(got)
+                if "dense" in refs:
+                    c["rel_vs_dense_fp32"] = rel(got, refs["dense"])
+                c["rel_vs_gather_qmm"] = rel(got, refs["stock"])
+                # every size: against the checked baseline kernel (differs by the
+                # dequantisation rounding and summation order only)
+                if variant == "base":
+                    base_out = got
+                c["rel_vs_base"] = rel(got, base_out)
+                c["ok"] = (c["inds_same"] and c["counts_same"] and c["bmap_same"] and c["sorted_experts_same"]
+                           and c["routing_as_ref"] and c["finite"] and c["scores_maxabs"] < 1e-5
+                           and c["rel_vs_gather_qmm"] < 0.06 and c.get("rel_vs_dense_fp32", 0.0) < 0.016
+                           and c["rel_vs_base"] < 0.016)
+                log(f"[check] {c}")
+                checks.append(c)
     cb.set_poison(False)
     return {"checks": checks}
 
@@ -211,21 +234,25 @@ def section_time(args):
             "route+group_kernels": timeit(lambda: tuple(mr.route_and_group(logits, K, 64)[:2])),
             "experts_stock_SwitchGLU": timeit(stock_experts),
         }
-        for tile in (32, 64):
+        for tile in ((32, 64) if t <= 512 else (64, 128)):
             r = mr.route_and_group(logits, K, tile)
             mx.eval(r.inds, r.scores, r.groups.order, r.block_map)
-            h = gg.gate_up_swiglu(x, r, arr(sm.gate_proj), arr(sm.up_proj))
-            mx.eval(h)
-            res[f"gate_up_kernel_tile{tile}"] = timeit(lambda: gg.gate_up_swiglu(x, r, arr(sm.gate_proj), arr(sm.up_proj)))
-            res[f"down_kernel_tile{tile}_f32"] = timeit(lambda: gg.down_weighted(h, r, arr(sm.down_proj)))
-            res[f"down_kernel_tile{tile}_bf16"] = timeit(
-                lambda: gg.down_weighted(h, r, arr(sm.down_proj), out_dtype=mx.bfloat16))
-            res[f"experts_kernels_tile{tile}(+combine)"] = timeit(
-                lambda: gg.moe_experts(x, r, sm.gate_proj, sm.up_proj, sm.down_proj))
-            tc = gg.choose_tile_rows(t * K, E)
-            if tile == tc:
-                res[f"route+experts_kernels_tile{tile}"] = timeit(
-                    lambda: gg.moe_experts(x, mr.route_and_group(logits, K, tc), sm.gate_proj, sm.up_proj, sm.down_proj))
+            for v in gg.VARIANTS:
+                h = gg.gate_up_swiglu(x, r, arr(sm.gate_proj), arr(sm.up_proj), variant=v)
+                mx.eval(h)
+                res[f"gate_up_kernel_{v}_tile{tile}"] = timeit(
+                    lambda: gg.gate_up_swiglu(x, r, arr(sm.gate_proj), arr(sm.up_proj), variant=v))
+                res[f"down_kernel_{v}_tile{tile}_f32"] = timeit(lambda: gg.down_weighted(h, r, arr(sm.down_proj), variant=v))
+                if v == "base":
+                    res[f"down_kernel_{v}_tile{tile}_bf16"] = timeit(
+                        lambda: gg.down_weighted(h, r, arr(sm.down_proj), out_dtype=mx.bfloat16, variant=v))
+                res[f"experts_kernels_{v}_tile{tile}(+combine)"] = timeit(
+                    lambda: gg.moe_experts(x, r, sm.gate_proj, sm.up_proj, sm.down_proj, variant=v))
+        for v in gg.VARIANTS:  # routing + experts at the variant's own tile choice
+            tc = gg.choose_tile_rows(t * K, E, v)
+            res[f"route+experts_kernels_{v}_tile{tc}"] = timeit(
+                lambda: gg.moe_experts(x, mr.route_and_group(logits, K, tc), sm.gate_proj, sm.up_proj,
+                                       sm.down_proj, variant=v))
         for name, s in res.items():
             f = flops if ("experts" in name) else (flops * 2 / 3 if "gate_up" in name else flops / 3 if "down" in name else 0)
             rate = f / s / 1e12 if f else 0.0
@@ -255,6 +282,46 @@ def summary(results):
     if ch:
         lines.append("   worst rel vs gather_qmm %.2e, vs dense fp32 %.2e" % (
             max(c.get("rel_vs_gather_qmm", 0) for c in ch), max(c.get("rel_vs_dense_fp32", 0) for c in ch)))
+    if ch:
+        by_v = {}
+        for c in ch:
+            if "variant" in c:
+                b = by_v.setdefault(c["variant"], [0, 0, 0.0])
+                b[0] += bool(c.get("ok"))
+                b[1] += 1
+                b[2] = max(b[2], c.get("rel_vs_dense_fp32", 0.0))
+        lines.append("   per variant: " + ", ".join(f"{v} {a}/{n} (dense {m:.2e})" for v, (a, n, m) in by_v.items()))
+    tm = results.get("time", {}).get("timings", {})
+    if tm:  # one row per (variant, tile): gate_up / down / experts ms per T
+        lines.append("grouped GEMM variants: gate_up ms / down f32 ms / experts(+combine) ms [TFLOP/s] per T")
+        rows = {}
+        for key, v in tm.items():
+            t, name = key.split(" ", 1)
+            for part, pre in (("gu", "gate_up_kernel_"), ("dn", "down_kernel_"), ("ex", "experts_kernels_")):
+                if name.startswith(pre):
+                    rest = name[len(pre):].replace("_f32", "").replace("(+combine)", "")
+                    if rest.endswith("_bf16"):
+                        continue
+                    rows.setdefault(rest, {}).setdefault(int(t[2:]), {})[part] = v
+        ts = sorted({tt for r in rows.values() for tt in r})
+        lines.append(f"{'variant_tile':16s}" + "".join(f" | {'T=' + str(tt):>30s}" for tt in ts))
+        from mlx_qwen_fast.kernels.moe_grouped_gemm import VARIANTS
+
+        def _order(n):
+            v, tile = n.rsplit("_tile", 1)
+            return (VARIANTS.index(v) if v in VARIANTS else len(VARIANTS), v, int(tile) if tile.isdigit() else 0)
+
+        for name in sorted(rows, key=_order):
+            cells = []
+            for tt in ts:
+                d = rows[name].get(tt)
+                if not d or "ex" not in d:
+                    cells.append(f" | {'-':>30s}")
+                    continue
+                cells.append(" | %7.3f %7.3f %7.3f [%5.1f]" % (
+                    d.get("gu", {}).get("ms", float("nan")), d.get("dn", {}).get("ms", float("nan")),
+                    d["ex"]["ms"], d["ex"]["tflops"]))
+            lines.append(f"{name:16s}" + "".join(cells))
     lines.append(f"{'T':>5s} {'variant':45s} {'ms':>9s} {'TFLOP/s':>8s} {'% of 624':>8s}")
     for key, v in results.get("time", {}).get("timings", {}).items():
         t, name = key.split(" ", 1)

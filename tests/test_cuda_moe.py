@@ -101,6 +101,74 @@ def test_unpack_matches_mx_dequantize(K):
     assert not np.array_equal(gg.unpack_affine_4bit(swapped, s, b), ref)
 
 
+def _bf16_once_f64(v):
+    """float64 -> nearest bf16 (8 significant bits, ties to even), as float64."""
+    m, e = np.frexp(np.asarray(v, dtype=np.float64))  # v = m * 2**e, 0.5 <= |m| < 1
+    return np.ldexp(np.round(m * 256.0), e - 8)  # np.round: half to even
+
+
+@pytest.mark.parametrize("K", [64, 320, 2048])
+def test_unpack_once_rounding(K):
+    """rounding="once" (MOE_DEQ=1 variants): bf16(s*q + b) from the exact value."""
+    w = (mx.random.normal((4, 64, K), key=mx.random.key(K + 1)) * 3).astype(mx.bfloat16)
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    got = gg.unpack_affine_4bit(wq, s, b, rounding="once")
+    wn = np.asarray(wq).astype(np.uint64)
+    q = np.stack([(wn >> np.uint64(4 * j)) & np.uint64(15) for j in range(8)], -1)
+    q = q.reshape(*wn.shape[:-1], K).astype(np.float64)
+    s64 = np.repeat(npa(s).astype(np.float64), 64, axis=-1)
+    b64 = np.repeat(npa(b).astype(np.float64), 64, axis=-1)
+    ref = _bf16_once_f64(s64 * q + b64)
+    assert got.dtype == np.float32 and got.shape == ref.shape
+    assert np.array_equal(got.astype(np.float64), ref)
+    # the two roundings differ somewhere (guards the test itself), by at most
+    # half an ulp of bf16(s*q) (the extra rounding) plus one ulp of the result
+    twice = gg.unpack_affine_4bit(wq, s, b, rounding="twice").astype(np.float64)
+    if K >= 320:
+        assert not np.array_equal(got, twice)
+    assert np.all(np.abs(ref - twice) <= np.abs(s64 * q) * 2.0**-8 + np.abs(ref) * 2.0**-7)
+    with pytest.raises(ValueError, match="rounding"):
+        gg.unpack_affine_4bit(wq, s, b, rounding="thrice")
+
+
+@cuda
+@needs_cuda
+def test_unpack_once_matches_cuda_dequantize():
+    w = (mx.random.normal((4, 64, 2048), key=mx.random.key(5)) * 3).astype(mx.bfloat16)
+    wq, s, b = mx.quantize(w, group_size=64, bits=4)
+    ref = npa(mx.dequantize(wq, s, b, group_size=64, bits=4))  # GPU stream
+    assert np.array_equal(gg.unpack_affine_4bit(wq, s, b, rounding="once"), ref)
+
+
+def test_grouped_gemm_variant_config():
+    assert gg.DEFAULT_VARIANT in gg.VARIANTS and set(gg.VARIANT_ROUNDING) == set(gg.VARIANTS)
+    for v in gg.VARIANTS:
+        for kind, o in ((0, 512), (1, 2048), (0, 192), (1, 320)):
+            for bm in gg.TILE_CHOICES:
+                c = gg.variant_config(v, kind, bm, o)
+                d = c["defines"]
+                assert d["MOE_BM"] == bm and o % c["bn"] == 0 and c["bn"] == d["MOE_BN"]
+                wm, wn = d.get("MOE_WM", 2), d.get("MOE_WN", 2)
+                assert c["threads"] == 32 * wm * wn
+                assert (bm // wm) % 16 == 0 and (c["bn"] // wn) % 8 == 0
+                assert bm * 8 % c["threads"] == 0 and c["bn"] * 8 % c["threads"] == 0
+                nmat = 2 if kind == 0 else 1
+                assert 2 * 72 * (bm + nmat * c["bn"]) + 4 * bm <= 48 * 1024  # static smem
+                assert (d.get("MOE_DEQ", 0) == 1) == (gg.VARIANT_ROUNDING[v] == "once")
+    assert gg.variant_config("base", 0, 64, 512)["defines"] == dict(MOE_BM=64, MOE_BN=64)
+    assert gg.variant_config("big", 1, 64, 2048)["bn"] == 128
+    assert gg.variant_config("big", 1, 64, 320)["bn"] == 64  # 320 % 128 != 0
+    with pytest.raises(ValueError, match="variant"):
+        gg.variant_config("nope", 0, 64, 512)
+    with pytest.raises(ValueError, match="variant"):
+        gg.choose_tile_rows(4096, 256, "nope")
+    for v in gg.VARIANTS:
+        for nk in (0, 1, 512 * 8, 2048 * 8, 4096 * 8, 100000):
+            assert gg.choose_tile_rows(nk, 256, v) in gg.TILE_CHOICES
+    assert gg.choose_tile_rows(4096 * 8, 256, "base") == 64
+    assert gg.choose_tile_rows(4096 * 8, 256, "big") == 128
+
+
 def test_plan_and_tiles():
     p = mr.plan(4096, 8, 256, 64)
     assert p["num_assignments"] == 32768
@@ -270,16 +338,19 @@ def dense_ref(x, r, gate, up, down):
 @needs_cuda
 @pytest.mark.parametrize("D,I,E", [(192, 128, 32), (320, 64, 32), (2048, 512, 256)])
 @pytest.mark.parametrize("n", [1, 7, 64, 300])
-@pytest.mark.parametrize("tile", [32, 64])
-def test_grouped_gemm_vs_reference(poison, D, I, E, n, tile):
+@pytest.mark.parametrize("variant,tile", [
+    ("base", 32), ("base", 64), ("deq", 64), ("pf", 32), ("pfl", 64), ("pfl", 128),
+    ("big", 32), ("big", 64), ("big", 128),
+])
+def test_grouped_gemm_vs_reference(poison, D, I, E, n, variant, tile):
     k = 8
     gate, up, down = qproj(E, I, D, 1), qproj(E, I, D, 2), qproj(E, D, I, 3)
     x = mx.random.normal((n, D), key=mx.random.key(n + D)).astype(mx.bfloat16)
     logits = make_logits(n, E, "skewed", seed=n, dtype=mx.float32)
     r = mr.route_and_group(logits, k, tile)
     arr = lambda p: (p.weight, p.scales, p.biases)  # noqa: E731
-    h = gg.gate_up_swiglu(x, r, arr(gate), arr(up))
-    y = gg.down_weighted(h, r, arr(down))
+    h = gg.gate_up_swiglu(x, r, arr(gate), arr(up), variant=variant)
+    y = gg.down_weighted(h, r, arr(down), variant=variant)
     assert h.shape == (n * k, I) and h.dtype == mx.bfloat16
     assert y.shape == (n * k, D) and y.dtype == mx.float32
     assert finite(h, y)  # every row written (outputs were NaN)
@@ -287,12 +358,12 @@ def test_grouped_gemm_vs_reference(poison, D, I, E, n, tile):
     assert rel(h, h_ref) < 2 * BF16_EPS
     assert rel(y, y_ref) < 4 * BF16_EPS
     # the down kernel alone on the reference h: only its own rounding differs
-    y2 = gg.down_weighted(h_ref.astype(mx.bfloat16), r, arr(down))
+    y2 = gg.down_weighted(h_ref.astype(mx.bfloat16), r, arr(down), variant=variant)
     assert rel(y2, y_ref) < 2 * BF16_EPS
     # vs the stock-path reference (gather_qmm), combined per token
     groups = moe.group_by_expert(r.inds, E)
     ref = moe.combine(moe.expert_swiglu(x, groups, gate, up, down), r.scores, dtype=mx.float32)
-    got = gg.moe_experts(x, r, gate, up, down, out_dtype=mx.float32)
+    got = gg.moe_experts(x, r, gate, up, down, out_dtype=mx.float32, variant=variant)
     # gather_qmm's own error is not bf16-tight (1.6e-2 per projection on CPU)
     assert rel(got, ref) < GATHER_QMM_TOL
 

@@ -2,16 +2,18 @@
 //
 // Weights: MLX affine 4-bit, group 64: packed uint32 W [E, O, K/8] (eight
 // nibbles per word, lowest nibble = lowest input index), bf16 scales and
-// biases [E, O, K/64]; w[o, i] = bf16(bf16(scale * q) + bias), the two bf16
-// roundings of mx.dequantize (checked bit-exact on CPU against its output). Dequantised tiles live only in shared memory.
+// biases [E, O, K/64]; baseline (MOE_DEQ 0): w[o, i] = bf16(bf16(scale * q)
+// + bias), the two bf16 roundings of the CPU mx.dequantize (checked bit-exact
+// on CPU against its output); MOE_DEQ 1: bf16(scale * q + bias), one rounding
+// (MLX's CUDA mx.dequantize). Dequantised tiles live only in shared memory.
 //
 // Work items come from the block map of ops.moe.block_map (tile rows = MOE_BM):
 // CTA (blockIdx.x = item, blockIdx.y = column tile) computes rows
 // [offsets[e] + t*BM, min(+BM, offsets[e+1])) of the grouped order times
 // BN output columns of expert e; (-1, -1) items return at once.
-// Tensor cores: mma.sync m16n8k16 bf16 -> fp32, 4 warps (2 x 2), each warp a
-// 32 x 32 block of every output matrix. K step 64 (= one quantisation group),
-// single shared-memory stage (no pipelining yet: correctness first).
+// Tensor cores: mma.sync m16n8k16 bf16 -> fp32, MOE_WM x MOE_WN warps (baseline
+// 2 x 2), each warp a BM/MOE_WM x BN/MOE_WN block of every output matrix.
+// K step 64 (= one quantisation group), single shared-memory stage.
 //
 // MOE_KIND 0 (gate + up + SwiGLU):
 //   inputs x [N, K] bf16, wg, sg, bg, wu, su, bu, order [NK] int32,
@@ -26,10 +28,28 @@
 // The caller sums y over the k assignments of each token (fp32).
 //
 // Requirements (the Python wrapper checks them): K % 64 == 0, O % MOE_BN == 0,
-// 16-byte aligned rows (K % 8 == 0 holds). Launch: grid (T*128, O/BN, 1)
-// threads, 128 per block.
+// 16-byte aligned rows (K % 8 == 0 holds). Launch: grid (T*NT, O/BN, 1)
+// threads, NT = 32 * MOE_WM * MOE_WN per block (128 for the baseline).
 //
-// Build macros: KNAME, MOE_KIND, MOE_BM (64 or 32), MOE_BN (64), MOE_YT.
+// Build macros: KNAME, MOE_KIND, MOE_BM (32, 64 or 128), MOE_BN (64 or 128),
+// MOE_MINB (optional: __launch_bounds__ minimum CTAs per SM),
+// MOE_YT, and the variant switches (defaults = the baseline kernel above):
+//   MOE_DEQ  0: scalar fp32 dequantisation, two bf16 roundings (as the CPU
+//               mx.dequantize); 1: packed bf16x2: nibbles OR-ed into the
+//               mantissa of bf16 128.0 (0x4300 | q = 128 + q, exact), minus
+//               128 (exact), then one fma.rn.bf16x2: w = bf16(s * q + b), one
+//               rounding (as MLX's CUDA mx.dequantize). Nibbles j and j+4 of a
+//               word share one bf16x2 register, so MOE_DEQ 1 stores K in the
+//               order (0,4,1,5,2,6,3,7) within every 8 inputs, and the A tile
+//               (x or h) is staged in the same order (4 prmt per 16 bytes):
+//               the dot products are unchanged.
+//   MOE_PF   0: load -> sync -> mma -> sync; 1: the next K step's global
+//               words (x/h rows, packed weights, scales, biases) are fetched
+//               into registers before the current step's mma and stored
+//               (dequantised) after it (single shared stage, two syncs).
+//   MOE_LDM  0: 32-bit shared loads for fragments; 1: ldmatrix.x4.
+//   MOE_WM, MOE_WN: warps along rows and columns (default 2 x 2); threads
+//               per CTA = 32 * MOE_WM * MOE_WN (the launch must match).
 #include "gdn_common.cuh"
 
 #ifndef MOE_BM
@@ -41,19 +61,40 @@
 #ifndef MOE_YT
 #define MOE_YT float
 #endif
+#ifndef MOE_DEQ
+#define MOE_DEQ 0
+#endif
+#ifndef MOE_PF
+#define MOE_PF 0
+#endif
+#ifndef MOE_LDM
+#define MOE_LDM 0
+#endif
+#ifndef MOE_WM
+#define MOE_WM 2
+#endif
+#ifndef MOE_WN
+#define MOE_WN 2
+#endif
 
 constexpr int BM = MOE_BM;
 constexpr int BN = MOE_BN;
 constexpr int BK = 64;
 constexpr int LDS = BK + 8;  // padded row (halves): conflict-free fragment loads
-constexpr int NT = 128;
+constexpr int NT = 32 * MOE_WM * MOE_WN;
 constexpr int NMAT = MOE_KIND == 0 ? 2 : 1;
-constexpr int WM = BM / 2;  // rows per warp
-constexpr int WN = BN / 2;  // cols per warp
+constexpr int WM = BM / MOE_WM;  // rows per warp
+constexpr int WN = BN / MOE_WN;  // cols per warp
 constexpr int MT = WM / 16;
 constexpr int NTL = WN / 8;
-static_assert(BM == 32 || BM == 64, "BM must be 32 or 64");
-static_assert(BN == 64, "BN must be 64");
+constexpr int XPT = BM * 8 / NT;  // 16-byte x chunks per thread per K step
+constexpr int WPT = BN * 8 / NT;  // packed words per thread per matrix per K step
+static_assert(BM == 32 || BM == 64 || BM == 128, "BM must be 32, 64 or 128");
+static_assert(BN == 64 || BN == 128, "BN must be 64 or 128");
+static_assert(WM % 16 == 0 && WN % 8 == 0, "warp tile must be a multiple of 16 x 8");
+static_assert(XPT >= 1 && XPT * NT == BM * 8 && WPT >= 1 && WPT * NT == BN * 8, "loads must split evenly");
+static_assert(!MOE_LDM || NTL % 2 == 0, "ldmatrix B path loads two n-tiles at once");
+static_assert(sizeof(gdn_u16) * LDS * (BM + NMAT * BN) <= 48 * 1024, "static shared memory over 48 KB");
 typedef MOE_YT yt;
 
 __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
@@ -64,11 +105,69 @@ __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ void ldsm_x4(unsigned* r, const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p)));
+}
+
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
   return (unsigned)from_f<bf16_t>(lo).x | ((unsigned)from_f<bf16_t>(hi).x << 16);
 }
 
-// Dequantise BN rows x 64 inputs of one expert matrix into ws (bf16).
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
+  unsigned d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// One packed word (8 nibbles) -> 8 bf16 in shared memory.
+// MOE_DEQ 0: natural order, bf16(bf16(s * q) + b) (fp32 arithmetic, two roundings).
+// MOE_DEQ 1: order (q0,q4),(q1,q5),(q2,q6),(q3,q7), bf16(s * q + b) (one fma).
+__device__ __forceinline__ uint4 dequant_word(unsigned word, gdn_u16 sb, gdn_u16 bb) {
+  uint4 v;
+  unsigned* pv = &v.x;
+#if MOE_DEQ == 0
+  const float s = __uint_as_float((unsigned)sb << 16), b = __uint_as_float((unsigned)bb << 16);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float q0 = (float)((word >> (8 * j)) & 15u);
+    const float q1 = (float)((word >> (8 * j + 4)) & 15u);
+    pv[j] = pack_bf16(from_f_round<bf16_t>(s * q0) + b, from_f_round<bf16_t>(s * q1) + b);
+  }
+#else
+  const unsigned s2 = (unsigned)sb | ((unsigned)sb << 16);
+  const unsigned b2 = (unsigned)bb | ((unsigned)bb << 16);
+  const unsigned magic = 0x43004300u;  // bf16x2 (128, 128)
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    // nibble j -> low half, nibble j + 4 -> high half; OR into 128's mantissa
+    const unsigned m = ((word >> (4 * j)) & 0x000F000Fu) | magic;  // one lop3
+    unsigned q, w;
+    asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(q) : "r"(m), "r"(magic));  // exact: q
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(w) : "r"(q), "r"(s2), "r"(b2));
+    pv[j] = w;
+  }
+#endif
+  return v;
+}
+
+// 8 consecutive bf16 of an A row, in the shared-memory K order of MOE_DEQ.
+__device__ __forceinline__ uint4 a_order(uint4 v) {
+#if MOE_DEQ == 0
+  return v;
+#else
+  uint4 r;
+  r.x = prmt(v.x, v.z, 0x5410u);  // (e0, e4)
+  r.y = prmt(v.x, v.z, 0x7632u);  // (e1, e5)
+  r.z = prmt(v.y, v.w, 0x5410u);  // (e2, e6)
+  r.w = prmt(v.y, v.w, 0x7632u);  // (e3, e7)
+  return r;
+#endif
+}
+
+#if MOE_DEQ == 0 && MOE_PF == 0
+// Baseline: dequantise BN rows x 64 inputs of one expert matrix into ws (bf16).
 __device__ __forceinline__ void load_w(
     gdn_u16 (*ws)[LDS], const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
     const bf16_t* __restrict__ B, int e, int n0, int k0, int K, int O) {
@@ -78,22 +177,40 @@ __device__ __forceinline__ void load_w(
     const int rr = i >> 3, wq = i & 7;
     const size_t row = (size_t)e * O + n0 + rr;
     const unsigned word = W[row * kw + (k0 >> 3) + wq];
-    const float s = to_f(S[row * kg + (k0 >> 6)]);
-    const float b = to_f(B[row * kg + (k0 >> 6)]);
-    uint4 v;
-    unsigned* pv = &v.x;
+    *reinterpret_cast<uint4*>(&ws[rr][wq * 8]) =
+        dequant_word(word, S[row * kg + (k0 >> 6)].x, B[row * kg + (k0 >> 6)].x);
+  }
+}
+#endif
+
+// Registers of one K step (MOE_PF path).
+struct Stage {
+  uint4 x[XPT];
+  unsigned w[NMAT][WPT];
+  gdn_u16 s[NMAT][WPT], b[NMAT][WPT];
+};
+
+__device__ __forceinline__ void fetch_w(
+    Stage& st, int m, const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
+    const bf16_t* __restrict__ B, int e, int n0, int k0, int K, int O) {
+  const int kw = K >> 3, kg = K >> 6;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float q0 = (float)((word >> (8 * j)) & 15u);
-      const float q1 = (float)((word >> (8 * j + 4)) & 15u);
-      // bf16 arithmetic as mx.dequantize: round(round(s * q) + b)
-      pv[j] = pack_bf16(from_f_round<bf16_t>(s * q0) + b, from_f_round<bf16_t>(s * q1) + b);
-    }
-    *reinterpret_cast<uint4*>(&ws[rr][wq * 8]) = v;
+  for (int u = 0; u < WPT; ++u) {
+    const int i = threadIdx.x + u * NT;
+    const int rr = i >> 3, wq = i & 7;
+    const size_t row = (size_t)e * O + n0 + rr;
+    st.w[m][u] = W[row * kw + (k0 >> 3) + wq];
+    st.s[m][u] = S[row * kg + (k0 >> 6)].x;
+    st.b[m][u] = B[row * kg + (k0 >> 6)].x;
   }
 }
 
-extern "C" __global__ void __launch_bounds__(NT) KNAME(
+#ifdef MOE_MINB  // optional register cap: at least MOE_MINB CTAs per SM
+#define MOE_LB __launch_bounds__(NT, MOE_MINB)
+#else
+#define MOE_LB __launch_bounds__(NT)
+#endif
+extern "C" __global__ void MOE_LB KNAME(
     const bf16_t* __restrict__ x,
     const unsigned* __restrict__ w0,
     const bf16_t* __restrict__ s0,
@@ -139,7 +256,7 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
 
   const int lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, tq = lane & 3;
-  const int wm = warp >> 1, wn = warp & 1;
+  const int wm = warp / MOE_WN, wn = warp % MOE_WN;
 
   float acc[NMAT][MT][NTL][4];
 #pragma unroll
@@ -151,7 +268,51 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[m][i][j][c] = 0.0f;
 
+#if MOE_DEQ == 0 && MOE_PF == 0
+#define MOE_BASELINE_LOOP 1
+#else
+#define MOE_BASELINE_LOOP 0
+#endif
+
+#if !MOE_BASELINE_LOOP
+  Stage st;
+  // global -> registers for the K step at k0
+  auto fetch = [&](int k0) {
+#pragma unroll
+    for (int u = 0; u < XPT; ++u) {
+      const int i = tid + u * NT;
+      const int r = i >> 3, c = (i & 7) * 8;
+      const int sr = src[r];
+      st.x[u] = make_uint4(0u, 0u, 0u, 0u);
+      if (sr >= 0) st.x[u] = *reinterpret_cast<const uint4*>(x + (size_t)sr * K + k0 + c);
+    }
+    fetch_w(st, 0, w0, s0, b0, e, n0, k0, K, O);
+#if MOE_KIND == 0
+    fetch_w(st, 1, w1, s1, b1, e, n0, k0, K, O);
+#endif
+  };
+  // registers -> shared memory (dequantised)
+  auto store = [&]() {
+#pragma unroll
+    for (int u = 0; u < XPT; ++u) {
+      const int i = tid + u * NT;
+      *reinterpret_cast<uint4*>(&xs[i >> 3][(i & 7) * 8]) = a_order(st.x[u]);
+    }
+#pragma unroll
+    for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+      for (int u = 0; u < WPT; ++u) {
+        const int i = tid + u * NT;
+        *reinterpret_cast<uint4*>(&ws[m][i >> 3][(i & 7) * 8]) = dequant_word(st.w[m][u], st.s[m][u], st.b[m][u]);
+      }
+  };
+#if MOE_PF
+  fetch(0);
+#endif
+#endif
+
   for (int k0 = 0; k0 < K; k0 += BK) {
+#if MOE_BASELINE_LOOP
 #pragma unroll
     for (int i = tid; i < BM * 8; i += NT) {
       const int r = i >> 3, c = (i & 7) * 8;
@@ -165,20 +326,46 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
     load_w(ws[1], w1, s1, b1, e, n0, k0, K, O);
 #endif
     __syncthreads();
+#else
+#if !MOE_PF
+    fetch(k0);
+#endif
+    store();
+    __syncthreads();
+#if MOE_PF
+    if (k0 + BK < K) fetch(k0 + BK);  // in flight during this step's mma
+#endif
+#endif
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 16) {
       unsigned a[MT][4];
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
+#if MOE_LDM
+        ldsm_x4(a[i], &xs[wm * WM + i * 16 + (lane & 15)][kk + (lane >> 4) * 8]);
+#else
         const int r = wm * WM + i * 16 + g;
         const int c = kk + 2 * tq;
         a[i][0] = *reinterpret_cast<const unsigned*>(&xs[r][c]);
         a[i][1] = *reinterpret_cast<const unsigned*>(&xs[r + 8][c]);
         a[i][2] = *reinterpret_cast<const unsigned*>(&xs[r][c + 8]);
         a[i][3] = *reinterpret_cast<const unsigned*>(&xs[r + 8][c + 8]);
+#endif
       }
 #pragma unroll
-      for (int m = 0; m < NMAT; ++m)
+      for (int m = 0; m < NMAT; ++m) {
+#if MOE_LDM
+#pragma unroll
+        for (int j = 0; j < NTL; j += 2) {
+          unsigned bb[4];  // b0, b1 of n-tile j, then of n-tile j + 1
+          ldsm_x4(bb, &ws[m][wn * WN + j * 8 + (lane & 7) + ((lane >> 4) << 3)][kk + ((lane >> 3) & 1) * 8]);
+#pragma unroll
+          for (int i = 0; i < MT; ++i) {
+            mma_bf16(acc[m][i][j], a[i], bb[0], bb[1]);
+            mma_bf16(acc[m][i][j + 1], a[i], bb[2], bb[3]);
+          }
+        }
+#else
 #pragma unroll
         for (int j = 0; j < NTL; ++j) {
           const int n = wn * WN + j * 8 + g;
@@ -187,6 +374,8 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
 #pragma unroll
           for (int i = 0; i < MT; ++i) mma_bf16(acc[m][i][j], a[i], bb0, bb1);
         }
+#endif
+      }
     }
     __syncthreads();
   }

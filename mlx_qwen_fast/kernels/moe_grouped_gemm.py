@@ -17,12 +17,33 @@ assignments, work items from the block map of
 
 Weights: MLX affine quantisation, 4 bits, group 64: ``weight [E, O, K/8]``
 uint32 (eight nibbles, lowest nibble = lowest input index), ``scales`` and
-``biases [E, O, K/64]`` bf16, ``w = bf16(bf16(scale * q) + bias)`` as ``mx.dequantize`` computes it (see
-:func:`unpack_affine_4bit`, the host reference of the kernel's unpacking).
-No bf16 copy of a weight is ever written to global memory.
+``biases [E, O, K/64]`` bf16. The baseline variant computes
+``w = bf16(bf16(scale * q) + bias)`` as the CPU ``mx.dequantize`` does; the
+other variants ``w = bf16(scale * q + bias)`` (one rounding, as MLX's CUDA
+``mx.dequantize``): see :func:`unpack_affine_4bit`, the host reference of the
+kernels' unpacking, and :data:`VARIANT_ROUNDING`. No bf16 copy of a weight is
+ever written to global memory.
 
-Source: ``mlx_qwen_fast/cuda/moe_grouped_gemm.cu``. Status: compiled with
-nvcc (no spills); not yet run on a GPU (bench/results/moe-cuda-log.md).
+Variants (keyword ``variant``, default :data:`DEFAULT_VARIANT`; build macros
+of the source in parentheses):
+
+- ``"base"``: the first kernel: scalar fp32 dequantisation, 4 warps, tile
+  BM x 64, load -> sync -> mma -> sync (MOE_DEQ=0, MOE_PF=0).
+- ``"deq"``: packed bf16x2 dequantisation, magic-number nibble unpacking, one
+  fma per two weights (MOE_DEQ=1).
+- ``"pf"``: ``deq`` plus a register prefetch of the next K step's global words
+  during the current step's mma (MOE_PF=1).
+- ``"pfl"``: ``pf`` plus ldmatrix.x4 fragment loads (MOE_LDM=1).
+- ``"big"``: ``pfl`` with 8 warps and 128-column tiles (MOE_BN=128,
+  MOE_WM x MOE_WN = 2 x 4) where the output width allows and the 48 KB of
+  static shared memory holds them (gate+up at BM 32/64, down at every BM).
+
+Every variant takes tile rows 32, 64 or 128 (``routing.tile_rows``); BM=128
+runs 8 warps (4 x 2).
+
+Source: ``mlx_qwen_fast/cuda/moe_grouped_gemm.cu``. Status: ``base`` checked
+and timed on the H200 (bench/results/moe-cuda-log.md); the other variants
+compiled with nvcc (no spills), not yet run.
 """
 
 from __future__ import annotations
@@ -44,12 +65,22 @@ __all__ = [
     "unpack_affine_4bit",
     "choose_tile_rows",
     "TILE_CHOICES",
+    "VARIANTS",
+    "DEFAULT_VARIANT",
+    "VARIANT_ROUNDING",
+    "variant_config",
 ]
 
 BK = 64  # K step = quantisation group
 BN = 64  # output columns per CTA
-NT = 128  # threads per CTA
-TILE_CHOICES = (32, 64)
+NT = 128  # threads per CTA of the baseline variant
+TILE_CHOICES = (32, 64, 128)
+VARIANTS = ("base", "deq", "pf", "pfl", "big")
+#: The variant the public functions use when ``variant`` is None. Stays the
+#: measured baseline until the new variants are checked and timed on the GPU.
+DEFAULT_VARIANT = "base"
+#: Dequantisation rounding of each variant (``rounding`` of unpack_affine_4bit).
+VARIANT_ROUNDING = {"base": "twice", "deq": "once", "pf": "once", "pfl": "once", "big": "once"}
 _kernels: Dict[tuple, cb.CudaKernel] = {}
 
 
@@ -58,20 +89,31 @@ _kernels: Dict[tuple, cb.CudaKernel] = {}
 # ---------------------------------------------------------------------------
 
 
-def unpack_affine_4bit(w, scales, biases, group_size: int = 64) -> np.ndarray:
-    """Host reference of the kernel's dequantisation, as numpy float32.
+def unpack_affine_4bit(w, scales, biases, group_size: int = 64, rounding: str = "twice") -> np.ndarray:
+    """Host reference of the kernels' dequantisation, as numpy float32.
 
     Args:
         w: ``[..., O, K/8]`` uint32 (numpy or MLX) packed weights.
         scales, biases: ``[..., O, K/group_size]`` bf16 (numpy float32 or MLX).
         group_size: inputs per scale/bias.
+        rounding: ``"twice"``: ``bf16(bf16(scale * q) + bias)``, the baseline
+            kernel (MOE_DEQ=0) and MLX's CPU ``mx.dequantize`` (bit-exact with
+            it, tests/test_cuda_moe.py); ``"once"``: ``bf16(scale * q + bias)``
+            rounded once from the exact value, the packed kernels (MOE_DEQ=1:
+            ``q`` made exact in bf16, then one ``fma.rn.bf16x2``) and MLX's
+            CUDA ``mx.dequantize``. :data:`VARIANT_ROUNDING` maps variants.
 
     Returns:
-        ``[..., O, K]`` float32 holding bf16 values
-        ``bf16(bf16(scale * q) + bias)``, ``q = (w >> 4*j) & 15`` for input
-        ``8*word + j`` (low nibble first): bit-exact with ``mx.dequantize``
-        for bf16 scales (tests/test_cuda_moe.py checks it on CPU).
+        ``[..., O, K]`` float32 holding bf16 values, ``q = (w >> 4*j) & 15``
+        for input ``8*word + j`` (low nibble first). (MOE_DEQ=1 keeps K in
+        the order 0,4,1,5,2,6,3,7 within each 8 inputs in shared memory, for
+        weights and activations alike; the values and dot products are these.)
+
+    Raises:
+        ValueError: unknown ``rounding``.
     """
+    if rounding not in ("twice", "once"):
+        raise ValueError(f"unpack_affine_4bit: rounding must be 'twice' or 'once', got {rounding!r}")
     w = np.asarray(w).astype(np.uint32)
     s, b = _np32(scales), _np32(biases)
     shifts = 4 * np.arange(8, dtype=np.uint32)
@@ -79,7 +121,11 @@ def unpack_affine_4bit(w, scales, biases, group_size: int = 64) -> np.ndarray:
     q = q.reshape(*w.shape[:-1], w.shape[-1] * 8).astype(np.float32)
     s = np.repeat(s, group_size, axis=-1)
     b = np.repeat(b, group_size, axis=-1)
-    return _bf16_round(_bf16_round(s * q) + b)
+    if rounding == "twice":
+        return _bf16_round(_bf16_round(s * q) + b)
+    # s * q is exact in fp32 (8 x 4 significant bits); the sum is exact in
+    # float64 (aligned spans far below 53 bits); one rounding to bf16.
+    return _bf16_round_f64(s.astype(np.float64) * q + b)
 
 
 def _bf16_round(a: np.ndarray) -> np.ndarray:
@@ -89,24 +135,81 @@ def _bf16_round(a: np.ndarray) -> np.ndarray:
     return u.view(np.float32)
 
 
+def _bf16_round_f64(a: np.ndarray) -> np.ndarray:
+    """Round float64 to the nearest bf16 (ties to even) in one step, as float32.
+
+    For values in bf16's normal range (bf16 subnormals are not modelled)."""
+    u = np.ascontiguousarray(a, dtype=np.float64).view(np.uint64)
+    drop = np.uint64(45)  # 52 - 7 mantissa bits
+    half = np.uint64((1 << 44) - 1)
+    u = (u + half + ((u >> drop) & np.uint64(1))) & ~np.uint64((1 << 45) - 1)
+    return u.view(np.float64).astype(np.float32)  # exact: 8 significant bits
+
+
 def _np32(a) -> np.ndarray:
     if isinstance(a, mx.array):
         return np.asarray(a.astype(mx.float32))
     return np.asarray(a, dtype=np.float32)
 
 
-def choose_tile_rows(num_assignments: int, num_experts: int) -> int:
-    """Rows per work item: 32 when experts average fewer than 64 rows, else 64.
+def choose_tile_rows(num_assignments: int, num_experts: int, variant: Optional[str] = None) -> int:
+    """Rows per work item (one of :data:`TILE_CHOICES`) for ``variant``.
 
-    ``num_assignments = N*k``. A guess until measured (bench/moe_cuda.py times
-    both); small tiles waste fewer padded rows, large tiles reread weights less.
+    ``"base"`` (the default while :data:`DEFAULT_VARIANT` is ``"base"``): 32
+    when experts average fewer than 64 rows, else 64 (measured on the H200:
+    32 faster at T=512, 64 at T >= 2048). Other variants: also 128 once
+    experts average 128 rows or more (a guess until bench/moe_cuda.py times
+    64 against 128). ``num_assignments = N*k``. Small tiles waste fewer padded
+    rows, large tiles dequantise and reread the weights fewer times.
     """
     if num_assignments < 0 or num_experts < 1:
         raise ValueError(
             f"choose_tile_rows: need num_assignments >= 0 and num_experts >= 1, "
             f"got {num_assignments}, {num_experts}"
         )
-    return 32 if num_assignments < 64 * num_experts else 64
+    variant = _check_variant("choose_tile_rows", variant)
+    if num_assignments < 64 * num_experts:
+        return 32
+    if variant == "base" or num_assignments < 128 * num_experts:
+        return 64
+    return 128
+
+
+def _check_variant(fn: str, variant: Optional[str]) -> str:
+    v = DEFAULT_VARIANT if variant is None else variant
+    if v not in VARIANTS:
+        raise ValueError(f"{fn}: variant must be one of {VARIANTS}, got {variant!r}")
+    return v
+
+
+def variant_config(variant: str, kind: int, bm: int, out_cols: int) -> dict:
+    """Build macros and launch shape of one kernel: dict of ``defines``
+    (MOE_* macros without MOE_KIND / MOE_YT), ``threads`` per CTA and ``bn``
+    (output columns per CTA). ``kind`` 0 = gate+up, 1 = down; ``bm`` the
+    tile rows; ``out_cols`` the output width O (a multiple of 64)."""
+    variant = _check_variant("variant_config", variant)
+    if bm not in TILE_CHOICES:
+        raise ValueError(f"variant_config: bm must be one of {TILE_CHOICES}, got {bm}")
+    d = dict(MOE_BM=bm, MOE_BN=BN)
+    wm, wn = (4, 2) if bm == 128 else (2, 2)
+    if variant != "base":
+        d["MOE_DEQ"] = 1
+    if variant in ("pf", "pfl", "big"):
+        d["MOE_PF"] = 1
+    if variant in ("pfl", "big"):
+        d["MOE_LDM"] = 1
+    # 128 columns: 8 warps; gate+up holds two weight tiles, so only BM <= 64
+    # fits 48 KB of static shared memory (xs BM x 72 + 2 x 128 x 72 halves)
+    if variant == "big" and out_cols % 128 == 0 and (kind == 1 or bm <= 64):
+        d["MOE_BN"] = 128
+        if bm == 128:  # down, 4 x 2 warps of 32 x 64; cap at 2 CTAs/SM (126 regs, no spills)
+            wm, wn = 4, 2
+            d["MOE_MINB"] = 2
+        else:
+            wm, wn = 2, 4
+    if (wm, wn) != (2, 2):
+        d["MOE_WM"], d["MOE_WN"] = wm, wn
+    return dict(defines=d, threads=32 * wm * wn, bn=d["MOE_BN"])
 
 
 def _q_arrays(proj) -> Tuple[mx.array, mx.array, mx.array]:
@@ -167,18 +270,21 @@ def supports(x: mx.array, gate_proj, up_proj, down_proj) -> bool:
     return supports_arrays(x, _q_arrays(gate_proj), _q_arrays(up_proj), _q_arrays(down_proj))
 
 
-def _kernel(kind: int, bm: int, yt: str = "bf16_t") -> cb.CudaKernel:
-    key = (kind, bm, yt)
+def _kernel(kind: int, bm: int, yt: str = "bf16_t", variant: Optional[str] = None,
+            out_cols: int = 512) -> Tuple[cb.CudaKernel, dict]:
+    """(kernel, variant_config) of one build; cached per configuration."""
+    cfg = variant_config(_check_variant("_kernel", variant), kind, bm, out_cols)
+    defs = dict(cfg["defines"], MOE_KIND=kind)
+    if kind == 1:
+        defs["MOE_YT"] = yt
+    key = tuple(sorted(defs.items()))
     k = _kernels.get(key)
     if k is None:
-        defs = dict(MOE_KIND=kind, MOE_BM=bm, MOE_BN=BN)
-        if kind == 1:
-            defs["MOE_YT"] = yt
         k = cb.CudaKernel(
             "moe_grouped_gemm.cu", "mqf_moe_gate_up" if kind == 0 else "mqf_moe_down", defs
         )
         _kernels[key] = k
-    return k
+    return k, cfg
 
 
 def _check_routing(fn: str, routing: Routing, nk: int):
@@ -198,15 +304,19 @@ def _check_routing(fn: str, routing: Routing, nk: int):
         raise ValueError(f"{fn}: routing.groups.offsets must be int32 [{e + 1}], got {tuple(g.offsets.shape)}")
 
 
-def gate_up_swiglu(x: mx.array, routing: Routing, gate: Sequence, up: Sequence) -> mx.array:
+def gate_up_swiglu(
+    x: mx.array, routing: Routing, gate: Sequence, up: Sequence, *, variant: Optional[str] = None
+) -> mx.array:
     """``silu(x W_gate^T) * (x W_up^T)`` per assignment, in grouped order.
 
     Args:
         x: ``[N, D]`` bfloat16 tokens (D a multiple of 64).
         routing: from :func:`moe_routing.route_and_group` on these N tokens
-            (``tile_rows`` 32 or 64; ``k`` from ``routing.groups.top_k``).
+            (``tile_rows`` in :data:`TILE_CHOICES`; ``k`` from
+            ``routing.groups.top_k``).
         gate, up: ``(weight [E, I, D/8] uint32, scales [E, I, D/64] bf16,
             biases [E, I, D/64] bf16)``, I a multiple of 64.
+        variant: one of :data:`VARIANTS` (None: :data:`DEFAULT_VARIANT`).
 
     Returns:
         ``[N*k, I]`` bfloat16; row ``r`` belongs to assignment
@@ -215,6 +325,7 @@ def gate_up_swiglu(x: mx.array, routing: Routing, gate: Sequence, up: Sequence) 
     Raises:
         ValueError: bad shape/dtype of an argument (named in the message).
     """
+    variant = _check_variant("gate_up_swiglu", variant)
     if x.ndim != 2 or x.dtype != mx.bfloat16 or x.shape[1] % BK:
         raise ValueError(f"gate_up_swiglu: x must be bfloat16 [N, D] with D % 64 == 0, got {x.dtype} {tuple(x.shape)}")
     n, d = x.shape
@@ -237,20 +348,22 @@ def gate_up_swiglu(x: mx.array, routing: Routing, gate: Sequence, up: Sequence) 
     if nk == 0:
         return mx.zeros((0, i_dim), mx.bfloat16)
     mt = routing.block_map.shape[0]
-    kern = _kernel(0, routing.tile_rows)
+    kern, cfg = _kernel(0, routing.tile_rows, variant=variant, out_cols=i_dim)
+    nt = cfg["threads"]
     (h,) = kern(
         inputs=[x, *gate, *up, routing.groups.order, routing.groups.offsets, routing.block_map],
         output_shapes=[(nk, i_dim)],
         output_dtypes=[mx.bfloat16],
-        grid=(mt * NT, i_dim // BN, 1),
-        threadgroup=(NT, 1, 1),
+        grid=(mt * nt, i_dim // cfg["bn"], 1),
+        threadgroup=(nt, 1, 1),
         scalars=[d, i_dim, k],
     )
     return h
 
 
 def down_weighted(
-    h: mx.array, routing: Routing, down: Sequence, *, out_dtype: mx.Dtype = mx.float32
+    h: mx.array, routing: Routing, down: Sequence, *, out_dtype: mx.Dtype = mx.float32,
+    variant: Optional[str] = None,
 ) -> mx.array:
     """``scores[a] * (h[r] W_down^T)`` written to row ``a = order[r]``.
 
@@ -259,6 +372,7 @@ def down_weighted(
         routing: the same routing.
         down: ``(weight [E, D, I/8] uint32, scales [E, D, I/64] bf16, biases)``.
         out_dtype: float32 (default) or bfloat16.
+        variant: one of :data:`VARIANTS` (None: :data:`DEFAULT_VARIANT`).
 
     Returns:
         ``[N*k, D]`` in ``out_dtype``, assignment order (``a = n*k + j``);
@@ -268,6 +382,7 @@ def down_weighted(
     Raises:
         ValueError: bad shape/dtype of an argument (named in the message).
     """
+    variant = _check_variant("down_weighted", variant)
     if h.ndim != 2 or h.dtype != mx.bfloat16 or h.shape[1] % BK:
         raise ValueError(f"down_weighted: h must be bfloat16 [N*k, I] with I % 64 == 0, got {h.dtype} {tuple(h.shape)}")
     nk, i_dim = h.shape
@@ -288,13 +403,15 @@ def down_weighted(
     if nk == 0:
         return mx.zeros((0, d), out_dtype)
     mt = routing.block_map.shape[0]
-    kern = _kernel(1, routing.tile_rows, "float" if out_dtype == mx.float32 else "bf16_t")
+    kern, cfg = _kernel(1, routing.tile_rows, "float" if out_dtype == mx.float32 else "bf16_t",
+                        variant=variant, out_cols=d)
+    nt = cfg["threads"]
     (y,) = kern(
         inputs=[h, *down, routing.groups.order, routing.groups.offsets, routing.block_map, scores],
         output_shapes=[(nk, d)],
         output_dtypes=[out_dtype],
-        grid=(mt * NT, d // BN, 1),
-        threadgroup=(NT, 1, 1),
+        grid=(mt * nt, d // cfg["bn"], 1),
+        threadgroup=(nt, 1, 1),
         scalars=[i_dim, d, routing.groups.top_k],
     )
     return y
@@ -302,19 +419,21 @@ def down_weighted(
 
 def moe_experts(
     x: mx.array, routing: Routing, gate_proj, up_proj, down_proj,
-    *, out_dtype: Optional[mx.Dtype] = None,
+    *, out_dtype: Optional[mx.Dtype] = None, variant: Optional[str] = None,
 ) -> mx.array:
     """Routed-expert part of the sparse MoE block: ``[N, D]``.
 
     ``sum_j scores[n, j] * expert_{inds[n, j]}(x[n])`` from the three
     ``QuantizedSwitchLinear`` of a ``SwitchGLU`` (see :func:`supports`),
     combined in fp32 and returned in ``out_dtype`` (default ``x.dtype``).
+    ``variant``: one of :data:`VARIANTS` for both kernels (None:
+    :data:`DEFAULT_VARIANT`).
 
     Raises:
         ValueError: as :func:`gate_up_swiglu` / :func:`down_weighted`.
     """
     n, d = x.shape
-    h = gate_up_swiglu(x, routing, _q_arrays(gate_proj), _q_arrays(up_proj))
-    y = down_weighted(h, routing, _q_arrays(down_proj))
+    h = gate_up_swiglu(x, routing, _q_arrays(gate_proj), _q_arrays(up_proj), variant=variant)
+    y = down_weighted(h, routing, _q_arrays(down_proj), variant=variant)
     k = routing.groups.top_k
     return y.reshape(n, k, d).sum(axis=1).astype(out_dtype or x.dtype)
