@@ -31,7 +31,7 @@ needs_cuda = pytest.mark.skipif(not _HAS_CUDA, reason="needs MLX's CUDA backend"
 BF16_EPS = 2.0**-8
 # vs the gather_qmm path: its bf16 quantized matmul is itself ~1.6e-2 (rel.
 # norm) from fp32 math on the dequantized weights on CPU; the tight checks are
-# against fp32 math on mx.dequantize-d weights (dense_ref).
+# against fp32 math on the weights as the kernel dequantises them (dense_ref).
 GATHER_QMM_TOL = 0.06
 
 
@@ -308,30 +308,49 @@ def test_routing_unnormalized_and_other_sizes(poison):
 # ---------------------------------------------------------------------------
 
 
-def dense_ref(x, r, gate, up, down):
-    """fp32 reference on mx.dequantize-d weights, rounding where SwitchGLU
-    does (gate, up, swiglu and down outputs to bf16). Returns (h in grouped
-    order, y [N*k, D] weighted in assignment order)."""
-    deq = lambda p: mx.dequantize(p.weight, p.scales, p.biases, group_size=64, bits=4).astype(mx.float32)  # noqa: E731
-    wg, wu, wd = deq(gate), deq(up), deq(down)
+def dequant(p, rounding):
+    """fp32 weights [E, O, K] as the kernel variant dequantises them, on the
+    GPU with MLX ops: ``bf16(bf16(s * q) + b)`` ("twice", the baseline and
+    mx.dequantize on CPU) or ``bf16(s * q + b)`` ("once", the packed variants
+    and mx.dequantize on CUDA); ``s * q`` is exact in fp32."""
+    E, O, KW = p.weight.shape
+    shifts = mx.arange(8, dtype=mx.uint32) * 4
+    q = ((p.weight[..., None] >> shifts) & 15).reshape(E, O, KW * 8).astype(mx.float32)
+    sc = mx.repeat(p.scales.astype(mx.float32), 64, axis=-1)
+    bi = mx.repeat(p.biases.astype(mx.float32), 64, axis=-1)
+    bf = lambda t: t.astype(mx.bfloat16).astype(mx.float32)  # noqa: E731
+    w = bf(bf(sc * q) + bi) if rounding == "twice" else bf(sc * q + bi)
+    mx.eval(w)
+    return w
+
+
+@pytest.mark.parametrize("rounding", ["twice", "once"])
+def test_dequant_helper_matches_host_unpack(rounding):
+    """The GPU-side test helper dequantises as the kernels' host reference."""
+    p = qproj(3, 64, 192, 11, scale=3.0)
+    got = np.asarray(dequant(p, rounding))
+    want = gg.unpack_affine_4bit(p.weight, p.scales, p.biases, rounding=rounding)
+    assert np.array_equal(got, want)
+
+
+def dense_ref(x, r, gate, up, down, rounding="twice"):
+    """fp32 reference on the weights as the kernel dequantises them
+    (:func:`dequant`), rounding where SwitchGLU does (gate, up, swiglu and
+    down outputs to bf16). Returns (h in grouped order, y [N*k, D] weighted
+    in assignment order). Per-row expert matmuls through ``mx.gather_mm``."""
+    wg, wu, wd = (dequant(p, rounding).swapaxes(-1, -2) for p in (gate, up, down))
     k = r.groups.top_k
     order = r.groups.order
-    experts = r.groups.sorted_experts
+    ex = r.groups.sorted_experts
     xr = x[order // k].astype(mx.float32)[:, None, :]  # [NK, 1, D]
     bf = lambda t: t.astype(mx.bfloat16).astype(mx.float32)  # noqa: E731
-    hs, os_ = [], []
-    for s in range(0, xr.shape[0], 128):  # bounds the [rows, out, in] weight gathers
-        ex = experts[s:s + 128]
-        g = bf((xr[s:s + 128] @ wg[ex].swapaxes(-1, -2))[:, 0])
-        u = bf((xr[s:s + 128] @ wu[ex].swapaxes(-1, -2))[:, 0])
-        hh = bf(g * mx.sigmoid(g) * u)
-        oo = bf((hh[:, None, :] @ wd[ex].swapaxes(-1, -2))[:, 0])
-        mx.eval(hh, oo)
-        hs.append(hh)
-        os_.append(oo)
-    h, o = mx.concatenate(hs), mx.concatenate(os_)
+    g = bf(mx.gather_mm(xr, wg, rhs_indices=ex, sorted_indices=True))
+    u = bf(mx.gather_mm(xr, wu, rhs_indices=ex, sorted_indices=True))
+    h = bf(g * mx.sigmoid(g) * u)
+    o = bf(mx.gather_mm(h, wd, rhs_indices=ex, sorted_indices=True))[:, 0]
     y = mx.zeros_like(o).at[order].add(o * r.scores.reshape(-1)[order][:, None])
-    return h, y
+    mx.eval(h, y)
+    return h[:, 0], y
 
 
 @cuda
@@ -354,7 +373,7 @@ def test_grouped_gemm_vs_reference(poison, D, I, E, n, variant, tile):
     assert h.shape == (n * k, I) and h.dtype == mx.bfloat16
     assert y.shape == (n * k, D) and y.dtype == mx.float32
     assert finite(h, y)  # every row written (outputs were NaN)
-    h_ref, y_ref = dense_ref(x, r, gate, up, down)
+    h_ref, y_ref = dense_ref(x, r, gate, up, down, gg.VARIANT_ROUNDING[variant])
     assert rel(h, h_ref) < 2 * BF16_EPS
     assert rel(y, y_ref) < 4 * BF16_EPS
     # the down kernel alone on the reference h: only its own rounding differs
