@@ -19,6 +19,8 @@ Modules (each exposes the wrapper of the same name and ``supports``):
                             (unverified on a GPU; opt-in, see ``ops.moe``)
 - ``moe_grouped_gemm``      fused-dequant grouped expert GEMM (gate+up SwiGLU,
                             down + routing weight; unverified on a GPU; opt-in)
+- ``moe_decode_gemv``       fused decode MoE, N <= 4 tokens: gate+up SwiGLU and
+                            down + combine + shared expert (unverified on a GPU)
 
 Import them by module path, e.g.
 ``from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan, supports``

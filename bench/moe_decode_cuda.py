@@ -1,0 +1,374 @@
+"""Build, check and time the fused decode MoE kernels (N <= 4 tokens) (device script).
+
+Run on the GPU machine (about 2 minutes):
+
+    source .mlxcuda/boot.sh && PYTHONPATH=. python3 bench/moe_decode_cuda.py --out $OUT
+
+Sections, each in its own process: build (first-use compile into an empty
+cubin cache, then a cached load; SASS summary with cuobjdump when present),
+check (fresh random weights at the model's shape, E = 256, D = 2048, I = 512,
+k = 8, N = 1..4; outputs poisoned with NaN; fp32 host reference), time
+(through MLX: stock mlx-lm ``Qwen3NextSparseMoeBlock`` vs ``moe_decode`` vs the
+two kernels on precomputed routing, N = 1 and 4, 32 calls per evaluation
+over 4 layers x 16 inputs so the weights come from HBM, not L2), raw (the same
+cubins launched through CuPy, 64 layers per CUDA graph, CUDA-event timing:
+kernel time without MLX's per-node cost; plus a device copy for the
+bandwidth ceiling).
+
+Bytes per layer: the distinct experts of the call x 3 matrices x (packed
+weights + bf16 scales + biases) + the shared expert + its gate: at N = 1 ~15.1
+MB; GB/s = bytes / time, against the measured 3,382 GB/s copy rate. Logs and
+a JSON of every number go to --out; a short table is printed last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from functools import partial
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.device_script import finite, log, rel, run_sections  # noqa: E402
+from bench.device_script import timeit as _timeit  # noqa: E402
+
+E, D, I, K = 256, 2048, 512, 8
+COPY_GBS = 3382.0  # measured device copy rate (read + write), the brief's ceiling
+MAT_BYTES = I * D // 2 + 2 * 2 * I * (D // 64)  # one 4-bit matrix + bf16 scales/biases
+GATE_BYTES = D + 2 * 2 * (D // 64)  # 8-bit shared-expert gate
+timeit = partial(_timeit, n=9, batch=32, warm=2)
+
+
+def _mx():
+    import mlx.core as mx
+
+    return mx
+
+
+def layer_bytes(n_unique: int, n: int) -> int:
+    """Bytes a layer must read: distinct experts + shared expert, 3 matrices each, + gate, x, h, y."""
+    return (n_unique + 1) * 3 * MAT_BYTES + GATE_BYTES + n * D * 2 * 2 + (K * n + n) * I * 2 * 2
+
+
+def make_block(seed):
+    """Stock Qwen3NextSparseMoeBlock at full size, 4-bit group 64 (router and shared gate 8-bit), bf16."""
+    mx = _mx()
+    import mlx.nn as nn
+    from mlx_lm.models.qwen3_next import ModelArgs, Qwen3NextSparseMoeBlock
+
+    args = ModelArgs(
+        model_type="qwen3_next", hidden_size=D, num_hidden_layers=1, intermediate_size=I,
+        num_attention_heads=16, linear_num_value_heads=32, linear_num_key_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        num_experts=E, num_experts_per_tok=K, decoder_sparse_step=1,
+        shared_expert_intermediate_size=I, mlp_only_layers=[], moe_intermediate_size=I,
+        rms_norm_eps=1e-6, vocab_size=16, num_key_value_heads=2, rope_theta=1e7,
+        partial_rotary_factor=0.25, max_position_embeddings=4096, head_dim=256, norm_topk_prob=True,
+    )
+    mx.random.seed(seed)
+    block = Qwen3NextSparseMoeBlock(args)
+    block.gate.weight = block.gate.weight * 8.0  # decisive routing
+
+    def pred(path, m):
+        if not hasattr(m, "to_quantized"):
+            return False
+        if path == "gate" or path.endswith("shared_expert_gate"):
+            return {"group_size": 64, "bits": 8}
+        return True
+
+    nn.quantize(block, group_size=64, bits=4, class_predicate=pred)
+    block.set_dtype(mx.bfloat16)
+    mx.eval(block.parameters())
+    return block
+
+
+# --------------------------------------------------------------------------
+# sections
+# --------------------------------------------------------------------------
+
+_BUILD_SNIPPET = r"""
+import json, time
+t0 = time.perf_counter()
+import mlx.core as mx
+from mlx_qwen_fast.kernels import _cuda_build as cb
+from mlx_qwen_fast.kernels import moe_decode_gemv as md
+t1 = time.perf_counter()
+res, names = {}, {}
+for n in (1, 2, 3, 4):
+    for kind in (0, 1):
+        k = md._kernel(kind, n, 8, 2048, 512, 8)
+        t = time.perf_counter(); cub = k.cubin; res[f"k{kind}_n{n}"] = time.perf_counter() - t
+        names[f"k{kind}_n{n}"] = k.name
+        open(f"{OUTDIR}/k{kind}_n{n}.cubin", "wb").write(cub)
+print("BUILDJSON" + json.dumps(dict(import_s=t1 - t0, build_s=res, names=names, compiler=cb.compiler_id())))
+"""
+
+
+def section_build(args):
+    cache = tempfile.mkdtemp(prefix="mqf_cache_")
+    cubdir = Path(args.out) / "cubins"
+    cubdir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, MLX_QWEN_FAST_CACHE=cache,
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = {}
+    snippet = _BUILD_SNIPPET.replace("{OUTDIR}", str(cubdir))
+    for label in ("first_use", "cached"):
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, "-c", snippet], env=env, capture_output=True, text=True)
+        log(f"[build:{label}] rc={r.returncode} wall={time.perf_counter() - t0:.2f}s\n{r.stdout[-1500:]}\n{r.stderr[-3000:]}")
+        rec = {"rc": r.returncode}
+        for line in r.stdout.splitlines():
+            if line.startswith("BUILDJSON"):
+                rec.update(json.loads(line[len("BUILDJSON"):]))
+        out[label] = rec
+    # SASS: registers, loads issued before the first HMMA, local memory
+    if shutil.which("cuobjdump"):
+        sass = {}
+        for f in sorted(cubdir.glob("*.cubin")):
+            r = subprocess.run(["cuobjdump", "--dump-sass", str(f)], capture_output=True, text=True)
+            lines = r.stdout.splitlines()
+            first_mma = next((i for i, l in enumerate(lines) if "HMMA" in l), len(lines))
+            sass[f.stem] = dict(
+                ldg128_before_first_hmma=sum("LDG.E.128" in l or "LDG.E.ENL2.128" in l for l in lines[:first_mma]),
+                ldg_total=sum("LDG" in l for l in lines), hmma=sum("HMMA" in l for l in lines),
+                local_mem=sum(("LDL" in l or "STL" in l) for l in lines), instructions=len(lines))
+            (cubdir / f"{f.stem}.sass").write_text(r.stdout)
+        out["sass"] = sass
+        log(f"[build] sass {json.dumps(sass)}")
+    return out
+
+
+def section_check(args):
+    mx = _mx()
+    from mlx_qwen_fast.kernels import _cuda_build as cb
+    from mlx_qwen_fast.kernels import moe_decode_gemv as md
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    import test_cuda_moe_decode as t  # noqa: E402  (array builders and routing)
+
+    cb.set_poison(True)
+    experts, shared, eg = t.make_arrays(E, D, I, seed=1)
+    checks = []
+    for n in (1, 2, 3, 4):
+        for special in (True, False):
+            x = t.x_tokens(n, D, 200 + n)
+            inds, scores = t.make_routing(n, K, E, 300 + n, special=special)
+            h, sg = md.gate_up_swiglu(x, inds, experts, shared, eg)
+            y = md.down_combine(h, inds, scores, sg, experts[2], shared[2])
+            mx.eval(h, sg, y)
+            h_ref, sg_ref, y_ref = md.reference(x, inds, scores, experts, shared, eg)
+            y2 = md.moe_decode_arrays(x, inds, scores, experts, shared, eg)
+            c = dict(n=n, dup_experts=special, finite=finite(h) and finite(sg) and finite(y),
+                     rel_h=rel(h, mx.array(h_ref)), rel_y=rel(y, mx.array(y_ref)),
+                     sgate_maxabs=float(abs(t.npa(sg) - sg_ref).max()),
+                     deterministic=bool(mx.array_equal(y, y2).item()))
+            c["ok"] = (c["finite"] and c["rel_h"] < 2 * t.BF16_EPS and c["rel_y"] < 2 * t.BF16_EPS
+                       and c["sgate_maxabs"] < 4e-3 and c["deterministic"])
+            log(f"[check] {c}")
+            checks.append(c)
+    # the whole block vs the stock block (same module, its own routing)
+    from mlx_qwen_fast.ops import moe
+
+    block = make_block(5)
+    for n in (1, 4):
+        x = t.x_tokens(n, D, 400 + n)
+        got = md.moe_decode(block, x)
+        stock = moe.sparse_moe(block, x, implementation="stock")
+        c = dict(n=n, block=True, finite=finite(got), rel_vs_stock=rel(got, stock))
+        c["ok"] = c["finite"] and c["rel_vs_stock"] < 0.12
+        log(f"[check] {c}")
+        checks.append(c)
+    cb.set_poison(False)
+    return {"checks": checks}
+
+
+def _unique(inds) -> int:
+    import numpy as np
+
+    return len(np.unique(np.asarray(inds)))
+
+
+def section_time(args):
+    mx = _mx()
+    import numpy as np
+
+    from mlx_qwen_fast.kernels import moe_decode_gemv as md
+    from mlx_qwen_fast.kernels import moe_routing as mr
+    from mlx_qwen_fast.ops import moe
+
+    L, R = 4, 16
+    blocks = [make_block(10 + i) for i in range(L)]
+    arrs = [md.block_arrays(b) for b in blocks]
+    timings = {}
+    for n in (1, 4):
+        xs = [(mx.random.normal((1, n, D), key=mx.random.key(1000 * n + r)) * 1.5).astype(mx.bfloat16) for r in range(R)]
+        routes = [mr.route(blocks[r % L].gate(xs[r].reshape(n, D)), K) for r in range(R)]
+        mx.eval(xs, routes)
+        nbytes = float(np.mean([layer_bytes(_unique(routes[r][0]), n) for r in range(R)]))
+        it = {"i": 0}
+
+        def nxt():
+            i = it["i"] = it["i"] + 1
+            return i % L, i % R
+
+        def stock():
+            b, r = nxt()
+            return moe.sparse_moe(blocks[b], xs[r], implementation="stock")
+
+        def fused():
+            b, r = nxt()
+            return md.moe_decode(blocks[b], xs[r])
+
+        def kernels_only():
+            b, r = nxt()
+            return md.moe_decode_arrays(xs[r].reshape(n, D), *routes[r], *arrs[b])
+
+        def gate_up_only():
+            b, r = nxt()
+            return md.gate_up_swiglu(xs[r].reshape(n, D), routes[r][0], *arrs[b])[0]
+
+        for name, fn in (("stock_block", stock), ("moe_decode(router+route+2 kernels)", fused),
+                         ("2 kernels (routing given)", kernels_only), ("gate_up kernel only", gate_up_only)):
+            s = timeit(fn)
+            b = nbytes * (2 / 3 if "gate_up" in name else 1.0)
+            gbs = b / s / 1e9
+            timings[f"N={n} {name}"] = {"us": s * 1e6, "GBps": gbs, "frac_copy": gbs / COPY_GBS, "bytes": b}
+            log(f"[time] N={n} {name:40s} {s * 1e6:8.1f} us  {gbs:7.0f} GB/s  {gbs / COPY_GBS:5.2f} of copy")
+    return {"timings": timings}
+
+
+def section_raw(args):
+    """Kernel-only times: the built cubins through CuPy, 64 layers per CUDA graph."""
+    import cupy as cp
+    import numpy as np
+
+    cubdir = Path(args.out) / "cubins"
+    names = json.loads((Path(args.out) / "moe_decode_build.json").read_text())["cached"]["names"]
+    rng = np.random.default_rng(0)
+
+    def bf16_bits(a):
+        return cp.asarray((np.asarray(a, np.float32).view(np.uint32) >> 16).astype(np.uint16))
+
+    def qmat(lead, O, Kd):
+        w = cp.random.randint(0, 2**31, size=(*lead, O, Kd // 8), dtype=cp.int64).astype(cp.uint32) * 2 + 1
+        s = rng.uniform(0.002, 0.02, size=(*lead, O, Kd // 64)).astype(np.float32)
+        return w, bf16_bits(s), bf16_bits(-8 * s)
+
+    L = 4
+    layers = []
+    for _ in range(L):
+        layers.append(dict(g=qmat((E,), I, D), u=qmat((E,), I, D), d=qmat((E,), D, I),
+                           sg=qmat((), I, D), su=qmat((), I, D), sd=qmat((), D, I),
+                           gw=cp.random.randint(0, 2**31, size=(1, D // 4), dtype=cp.int64).astype(cp.uint32),
+                           gs=bf16_bits(np.full((1, D // 64), 0.01)), gb=bf16_bits(np.full((1, D // 64), -1.0))))
+    res = {}
+    # copy ceiling: 1 GiB device-to-device, read + write counted
+    a = cp.empty(1 << 30, dtype=cp.uint8)
+    b2 = cp.empty_like(a)
+    for _ in range(3):
+        b2[...] = a
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    e0.record()
+    for _ in range(10):
+        b2[...] = a
+    e1.record()
+    e1.synchronize()
+    res["copy_GBps"] = 2 * a.nbytes * 10 / (cp.cuda.get_elapsed_time(e0, e1) * 1e-3) / 1e9
+    del a, b2
+    log(f"[raw] copy {res['copy_GBps']:.0f} GB/s")
+
+    for n in (1, 2, 4):
+        k0 = cp.RawModule(path=str(cubdir / f"k0_n{n}.cubin")).get_function(names[f"k0_n{n}"])
+        k1 = cp.RawModule(path=str(cubdir / f"k1_n{n}.cubin")).get_function(names[f"k1_n{n}"])
+        R = 64
+        xs = [bf16_bits(rng.standard_normal((n, D))) for _ in range(R)]
+        inds = [cp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(n)]).astype(np.int32)) for _ in range(R)]
+        sc = [cp.full((n, K), 1.0 / K, dtype=cp.float32) for _ in range(R)]
+        hs = [cp.empty((n * K + n, I), dtype=cp.uint16) for _ in range(R)]
+        sgs = [cp.empty((n,), dtype=cp.float32) for _ in range(R)]
+        ys = [cp.empty((n, D), dtype=cp.uint16) for _ in range(R)]
+        nbytes = float(np.mean([layer_bytes(len(np.unique(cp.asnumpy(i))), n) for i in inds]))
+
+        def launch(which, r):
+            ly = layers[r % L]
+            if which in ("both", "k0"):
+                k0(((I // 16), n * K + 2, 1), (256, 1, 1),
+                   (xs[r], inds[r], *ly["g"], *ly["u"], *ly["sg"], *ly["su"], ly["gw"], ly["gs"], ly["gb"], hs[r], sgs[r]))
+            if which in ("both", "k1"):
+                k1(((D // 16), 1, 1), (256, 1, 1), (hs[r], inds[r], sc[r], sgs[r], *ly["d"], *ly["sd"], ys[r]))
+
+        stream = cp.cuda.Stream(non_blocking=True)
+        for which, frac in (("both", 1.0), ("k0", 2 / 3), ("k1", 1 / 3)):
+            with stream:
+                for r in range(R):
+                    launch("both", r)  # warm-up, and h / sgate for k1 alone
+                stream.synchronize()
+                stream.begin_capture()
+                for r in range(R):
+                    launch(which, r)
+                graph = stream.end_capture()
+                graph.launch(stream)
+                stream.synchronize()
+                ts = []
+                for _ in range(7):
+                    e0.record(stream)
+                    graph.launch(stream)
+                    e1.record(stream)
+                    e1.synchronize()
+                    ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e-3 / R)
+            s = sorted(ts)[len(ts) // 2]
+            ok = bool(np.isfinite((cp.asnumpy(ys[0]).astype(np.uint32) << 16).view(np.float32)).all())
+            gbs = nbytes * frac / s / 1e9
+            res[f"N={n} {which}"] = {"us": s * 1e6, "GBps": gbs, "frac_copy": gbs / COPY_GBS, "y_finite": ok}
+            log(f"[raw] N={n} {which:5s} {s * 1e6:7.2f} us/layer  {gbs:6.0f} GB/s  {gbs / COPY_GBS:5.2f} of 3382  finite={ok}")
+    return {"raw": res}
+
+
+SECTIONS = {"build": section_build, "check": section_check, "time": section_time, "raw": section_raw}
+
+
+def main():
+    run_sections(__file__, "moe_decode", SECTIONS, summary, __doc__.splitlines()[0],
+                 "build,check,time,raw", "unused")
+
+
+def summary(results):
+    lines = ["", "=== fused decode MoE kernels: summary ==="]
+    for label, r in results.get("build", {}).items():
+        if isinstance(r, dict) and "build_s" in r:
+            lines.append(f"build {label:9s}: " + ", ".join(f"{k} {v:.2f}s" for k, v in r["build_s"].items())
+                         + f" [{r.get('compiler')}]")
+    sass = results.get("build", {}).get("sass")
+    if sass:
+        lines.append("sass: " + ", ".join(f"{k}: {v['ldg128_before_first_hmma']} LDG.128 before HMMA, "
+                                          f"{v['local_mem']} LDL/STL" for k, v in sass.items()))
+    ch = results.get("check", {}).get("checks", [])
+    bad = [c for c in ch if not c.get("ok")]
+    lines.append(f"check: {len(ch) - len(bad)}/{len(ch)} pass" + (f"  FAILED: {bad[:3]}" if bad else ""))
+    if ch:
+        lines.append("   worst rel_h %.2e rel_y %.2e; block vs stock %s" % (
+            max(c.get("rel_h", 0) for c in ch), max(c.get("rel_y", 0) for c in ch),
+            [round(c["rel_vs_stock"], 4) for c in ch if "rel_vs_stock" in c]))
+    lines.append(f"{'variant (through MLX, 32 calls/eval)':48s} {'us/layer':>9s} {'GB/s':>7s} {'of 3382':>8s}")
+    for key, v in results.get("time", {}).get("timings", {}).items():
+        lines.append(f"{key:48s} {v['us']:9.1f} {v['GBps']:7.0f} {v['frac_copy']:8.2f}")
+    raw = results.get("raw", {}).get("raw", {})
+    if raw:
+        lines.append(f"{'kernel only (CuPy graph of 64 layers)':48s} {'us/layer':>9s} {'GB/s':>7s} {'of 3382':>8s}"
+                     f"   copy here: {raw.get('copy_GBps', 0):.0f} GB/s")
+        for key, v in raw.items():
+            if isinstance(v, dict):
+                lines.append(f"{key:48s} {v['us']:9.2f} {v['GBps']:7.0f} {v['frac_copy']:8.2f}")
+    log("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

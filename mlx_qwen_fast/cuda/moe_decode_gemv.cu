@@ -1,0 +1,507 @@
+// Fused decode MoE (N <= 4 tokens): expert GEMVs with in-register 4-bit
+// dequantisation on tensor cores, two launches per layer.
+//
+// Weights: MLX affine 4-bit, group 64: W [E, O, K/8] uint32 (eight nibbles per
+// word, lowest nibble = lowest input index), bf16 scales/biases [E, O, K/64].
+// Dequantised in registers as bf16x2 w = bf16(s * q + b) (one rounding, as
+// MLX's CUDA mx.dequantize): nibbles OR-ed into the mantissa of bf16 128.0
+// (exact 128 + q), minus 128 (exact), one fma.rn.bf16x2. Never stored.
+//
+// Tensor-core GEMV: mma.sync m16n8k16 bf16 -> fp32 with A = 16 weight rows x
+// 16 inputs, B = 16 inputs x 8 token columns (tokens 0..N-1, the rest zero),
+// C = 16 rows x 8 tokens. Lane (g = lane/4, t = lane%4) loads 16 bytes (32
+// inputs) of rows g and g+8 per 128-input block u: words covering inputs
+// [128u + 32t, +32). The inputs of one mma are permuted so that every lane's
+// A registers come from its own words: in k-step (u, wd, half) lane t's
+// logical k-columns {2t, 2t+1, 2t+8, 2t+9} are nibbles (j, j+4, j+1, j+5),
+// j = 2*half, of word wd, i.e. inputs 128u + 32t + 8wd + {j, j+4, j+1, j+5};
+// B (x or h) is read in the same order (8 consecutive bf16, prmt into pairs
+// (0,4),(1,5),(2,6),(3,7)). The dot products are unchanged.
+//
+// MDG_KIND 0: gate + up + SwiGLU (+ shared expert, + shared-expert gate).
+//   grid (I/16 CTAs) x (NK + 2), NK = N*k; 256 threads = 8 warps.
+//   CTA (rb, item): rows [16 rb, +16) of both the gate and the up matrix of
+//   item's expert; item < NK: routed pair item = n*k + j (expert inds[item]);
+//   a pair whose expert already appears at a lower pair index returns at once
+//   (deduplication: the first pair of an expert computes it for every token
+//   and writes the h row of every pair that selected it); item == NK: the
+//   shared expert (all tokens); item == NK + 1, rb == 0: shared-expert gate.
+//   Warps split K: warp w takes inputs [256c, +256) for c = w, w+8, ...;
+//   partial sums meet in shared memory, summed in warp order (deterministic).
+//   inputs: x [N, D] bf16, inds [NK] int32/uint32, wg, sg, bg, wu, su, bu
+//   (routed [E, I, D/8] / [E, I, D/64]), xwg, xsg, xbg, xwu, xsu, xbu (shared
+//   [I, D/8] / [I, D/64]), gw, gs, gb (shared-expert gate, 1 x D: MDG_SGB 4 or
+//   8: packed [1, D*bits/32] uint32 + bf16 scales/biases [1, D/64]; 16:
+//   bf16 weight [1, D], gs/gb unused).
+//   outputs: h [NK + N, I] bf16: row n*k + j = bf16(silu(bf16(x.Wg)) *
+//   bf16(x.Wu)) of pair (n, j), row NK + n = the shared expert's for token n;
+//   sgate [N] float = sigmoid(bf16(x[n] . w_gate)).
+// MDG_KIND 1: down + routing weights + shared expert + combine.
+//   grid D/16 CTAs, 256 threads. CTA rb: output rows [16 rb, +16) of y for all
+//   tokens. Items = the distinct experts of inds (in order of first
+//   appearance) + the shared expert; warp w takes items w, w+8, ... (whole
+//   K = I each, double-buffered loads); per item and token
+//   coef * bf16(h . Wd) is added in fp32 (coef = score of the pair, 0 if the
+//   token did not pick the expert; sgate[n] for the shared expert), then the
+//   8 warps' sums are added in warp order (deterministic, no atomics).
+//   inputs: h [NK + N, I] bf16, inds [NK], scores [NK] float, sgate [N]
+//   float, wd, sd, bd (routed [E, D, I/8] / [E, D, I/64]), xwd, xsd, xbd
+//   (shared [D, I/8] / [D, I/64]); output y [N, D] MDG_YT.
+//
+// Build macros: KNAME, MDG_KIND, MDG_N (1..4), MDG_K (top-k, N*k <= 32),
+// MDG_D, MDG_I (D % 256 == 0, I % 128 == 0), MDG_SGB (4, 8, 16), MDG_YT.
+#include "gdn_common.cuh"
+
+#ifndef MDG_N
+#define MDG_N 1
+#endif
+#ifndef MDG_K
+#define MDG_K 8
+#endif
+#ifndef MDG_D
+#define MDG_D 2048
+#endif
+#ifndef MDG_I
+#define MDG_I 512
+#endif
+#ifndef MDG_SGB
+#define MDG_SGB 8
+#endif
+#ifndef MDG_YT
+#define MDG_YT bf16_t
+#endif
+
+constexpr int N = MDG_N;
+constexpr int TOPK = MDG_K;
+constexpr int NK = N * TOPK;
+constexpr int D = MDG_D;
+constexpr int I = MDG_I;
+constexpr int NW = 8;  // warps per CTA
+constexpr int NT = 32 * NW;
+constexpr int RB = 16;  // weight rows per CTA (one m16 tile)
+static_assert(N >= 1 && N <= 4, "1 <= N <= 4 tokens (B columns 0..3 of the m16n8 tile)");
+static_assert(NK <= 32, "N * top_k must fit one warp");
+static_assert(D % 256 == 0 && I % 128 == 0, "D % 256 == 0 and I % 128 == 0");
+typedef MDG_YT yt;
+
+// ---- small device helpers ---------------------------------------------------
+
+__device__ __forceinline__ uint4 ldg_stream16(const void* p) {
+  uint4 r;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p));
+  return r;
+}
+__device__ __forceinline__ unsigned ldg_u16(const void* p) {
+  unsigned short r;
+  asm("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
+  return r;
+}
+__device__ __forceinline__ uint4 ldg16(const void* p) {
+  uint4 r;
+  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
+  unsigned d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+__device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a1, unsigned a2,
+                                         unsigned a3, unsigned b0, unsigned b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One packed word -> 4 bf16x2: out[j] = (w of nibble j, w of nibble j + 4),
+// w = bf16(s * q + b); s2, b2 = (s, s), (b, b).
+__device__ __forceinline__ void dequant_word(unsigned word, unsigned s2, unsigned b2, unsigned* out) {
+  const unsigned magic = 0x43004300u;  // bf16x2 (128, 128)
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const unsigned m = ((word >> (4 * j)) & 0x000F000Fu) | magic;
+    unsigned q, w;
+    asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(q) : "r"(m), "r"(magic));  // exact
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(w) : "r"(q), "r"(s2), "r"(b2));
+    out[j] = w;
+  }
+}
+
+// 8 consecutive bf16 -> pairs (0,4), (1,5), (2,6), (3,7).
+__device__ __forceinline__ void b_pairs(uint4 v, unsigned* bb) {
+  bb[0] = prmt(v.x, v.z, 0x5410u);
+  bb[1] = prmt(v.x, v.z, 0x7632u);
+  bb[2] = prmt(v.y, v.w, 0x5410u);
+  bb[3] = prmt(v.y, v.w, 0x7632u);
+}
+
+// A lane's scale and bias packed as (s, b) in one u32: loaded as two u16.
+__device__ __forceinline__ unsigned load_sb(const bf16_t* s, const bf16_t* b) {
+  return ldg_u16(s) | (ldg_u16(b) << 16);
+}
+// (s, s) and (b, b) from a packed (s, b).
+__device__ __forceinline__ unsigned splat_s(unsigned sb) {
+  return prmt(sb, sb, 0x1010u);
+}
+__device__ __forceinline__ unsigned splat_b(unsigned sb) {
+  return prmt(sb, sb, 0x3232u);
+}
+
+// 16 x 8 x 16 step on one 16-row tile: words wr0 (row g) and wr1 (row g+8)
+// of k-block word wd, both halves (two mma).
+__device__ __forceinline__ void mma_word(float* acc, unsigned wr0, unsigned wr1, unsigned s0,
+                                         unsigned b0, unsigned s1, unsigned b1, const unsigned* bb) {
+  unsigned p0[4], p1[4];
+  dequant_word(wr0, s0, b0, p0);
+  dequant_word(wr1, s1, b1, p1);
+  // half 0: k-cols (2t, 2t+1) = nibbles (0, 4), (2t+8, 2t+9) = nibbles (1, 5)
+  mma_bf16(acc, p0[0], p1[0], p0[1], p1[1], bb[0], bb[1]);
+  // half 1: nibbles (2, 6), (3, 7)
+  mma_bf16(acc, p0[2], p1[2], p0[3], p1[3], bb[2], bb[3]);
+}
+
+__device__ __forceinline__ unsigned w4(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+#if MDG_KIND == 0
+// ============================================================================
+// gate + up + SwiGLU
+// ============================================================================
+constexpr int KC = 256;       // inputs per warp chunk
+constexpr int NCH = D / KC;   // chunks (warp w: c = w, w + NW, ...)
+constexpr int KW = D / 8;     // packed words per row
+constexpr int KG = D / 64;    // groups per row
+
+extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
+    const bf16_t* __restrict__ x,
+    const int* __restrict__ inds,
+    const unsigned* __restrict__ wg, const bf16_t* __restrict__ sg, const bf16_t* __restrict__ bg,
+    const unsigned* __restrict__ wu, const bf16_t* __restrict__ su, const bf16_t* __restrict__ bu,
+    const unsigned* __restrict__ xwg, const bf16_t* __restrict__ xsg, const bf16_t* __restrict__ xbg,
+    const unsigned* __restrict__ xwu, const bf16_t* __restrict__ xsu, const bf16_t* __restrict__ xbu,
+    const void* __restrict__ gw, const bf16_t* __restrict__ gs, const bf16_t* __restrict__ gb,
+    bf16_t* __restrict__ h,
+    float* __restrict__ sgate) {
+  __shared__ __align__(16) gdn_u16 xs[NW][N][KC];
+  __shared__ float red[NW][2][RB][N];
+
+  const int item = blockIdx.y;
+  const int rb = blockIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+
+  if (item == NK + 1) {
+    // ---- shared-expert gate: sigmoid(bf16(x[n] . w)) ----------------------
+    if (rb != 0) return;
+    float dot[N];
+#pragma unroll
+    for (int n = 0; n < N; ++n) dot[n] = 0.0f;
+    for (int k0 = 8 * tid; k0 < D; k0 += 8 * NT) {
+      float w[8];
+#if MDG_SGB == 16
+      load16(reinterpret_cast<const bf16_t*>(gw) + k0, w);
+#else
+      const float s = to_f(gs[k0 / 64]), b = to_f(gb[k0 / 64]);
+#if MDG_SGB == 8
+      const uint2 q = *reinterpret_cast<const uint2*>(reinterpret_cast<const unsigned*>(gw) + k0 / 4);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) w[j] = s * (float)(((j < 4 ? q.x : q.y) >> (8 * (j & 3))) & 255u) + b;
+#else
+      const unsigned q = reinterpret_cast<const unsigned*>(gw)[k0 / 8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) w[j] = s * (float)((q >> (4 * j)) & 15u) + b;
+#endif
+#endif
+#pragma unroll
+      for (int n = 0; n < N; ++n) {
+        float xv[8];
+        load16(x + (size_t)n * D + k0, xv);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) dot[n] = fmaf(xv[j], w[j], dot[n]);
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      const float v = warp_sum(dot[n]);
+      if (lane == 0) red[warp][0][0][n] = v;
+    }
+    __syncthreads();
+    if (tid < N) {
+      float v = 0.0f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) v += red[w][0][0][tid];
+      sgate[tid] = sigmoid_f(from_f_round<bf16_t>(v));
+    }
+    return;
+  }
+
+  // ---- which expert ---------------------------------------------------------
+  const bool shared = item == NK;
+  int e = 0;
+  const int my_e = lane < NK ? inds[lane] : -1;
+  if (!shared) {
+    e = __shfl_sync(0xffffffffu, my_e, item);
+    const unsigned dup = __ballot_sync(0xffffffffu, lane < item && my_e == e);
+    if (dup) return;  // a lower pair owns this expert (uniform over the CTA)
+  }
+  const unsigned* W0 = shared ? xwg : wg + (size_t)e * I * KW;
+  const unsigned* W1 = shared ? xwu : wu + (size_t)e * I * KW;
+  const bf16_t* S0 = shared ? xsg : sg + (size_t)e * I * KG;
+  const bf16_t* S1 = shared ? xsu : su + (size_t)e * I * KG;
+  const bf16_t* B0 = shared ? xbg : bg + (size_t)e * I * KG;
+  const bf16_t* B1 = shared ? xbu : bu + (size_t)e * I * KG;
+  const int row0 = rb * RB;
+
+  float acc[2][4];
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[m][c] = 0.0f;
+
+  for (int ch = warp; ch < NCH; ch += NW) {
+    const int kb = ch * KC;
+    // weights: [mat][row g / g+8][u] 16 bytes each, all in flight at once
+    uint4 A[2][2][2];
+    unsigned sb[2][2][2];  // (scale, bias) of the lane's group
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const size_t row = (size_t)(row0 + g + 8 * hh);
+        const unsigned* Wm = m ? W1 : W0;
+        const bf16_t* Sm = m ? S1 : S0;
+        const bf16_t* Bm = m ? B1 : B0;
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          A[m][hh][u] = ldg_stream16(Wm + row * KW + (kb >> 3) + 16 * u + 4 * t);
+          // the lane's 32 inputs lie in group kb/64 + 2u + t/2
+          const size_t gi = row * KG + (kb >> 6) + 2 * u + (t >> 1);
+          sb[m][hh][u] = load_sb(Sm + gi, Bm + gi);
+        }
+      }
+    // x[:, kb : kb + 256] -> this warp's shared slice
+#pragma unroll
+    for (int n = 0; n < N; ++n)
+      *reinterpret_cast<uint4*>(&xs[warp][n][8 * lane]) = ldg16(x + (size_t)n * D + kb + 8 * lane);
+    __syncwarp();
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      unsigned s2[2][2], b2[2][2];
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          s2[m][hh] = splat_s(sb[m][hh][u]);
+          b2[m][hh] = splat_b(sb[m][hh][u]);
+        }
+#pragma unroll
+      for (int wd = 0; wd < 4; ++wd) {
+        unsigned bb[4] = {0u, 0u, 0u, 0u};
+        if (g < N) b_pairs(*reinterpret_cast<const uint4*>(&xs[warp][g][128 * u + 32 * t + 8 * wd]), bb);
+#pragma unroll
+        for (int m = 0; m < 2; ++m)
+          mma_word(acc[m], w4(A[m][0][u], wd), w4(A[m][1][u], wd), s2[m][0], b2[m][0], s2[m][1],
+                   b2[m][1], bb);
+      }
+    }
+    __syncwarp();
+  }
+
+  // ---- reduce the warps' partial sums, SwiGLU, store -----------------------
+  // c0, c1: row g, tokens 2t, 2t+1; c2, c3: row g + 8.
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int tok = 2 * t + (c & 1);
+      if (tok < N) red[warp][m][g + 8 * (c >> 1)][tok] = acc[m][c];
+    }
+  __syncthreads();
+  if (tid < RB * N) {
+    const int r = tid % RB, n = tid / RB;
+    float gt = 0.0f, up = 0.0f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      gt += red[w][0][r][n];
+      up += red[w][1][r][n];
+    }
+    gt = from_f_round<bf16_t>(gt);
+    up = from_f_round<bf16_t>(up);
+    const bf16_t hv = from_f<bf16_t>(silu_f(gt) * up);
+    int dst = -1;
+    if (shared) {
+      dst = NK + n;
+    } else {
+#pragma unroll
+      for (int j = 0; j < TOPK; ++j)
+        if (inds[n * TOPK + j] == e) dst = n * TOPK + j;
+    }
+    if (dst >= 0) h[(size_t)dst * I + row0 + r] = hv;
+  }
+}
+
+#else
+// ============================================================================
+// down + routing weights + shared expert + combine
+// ============================================================================
+constexpr int NU = I / 128;  // 16-byte words per lane per row
+constexpr int KW = I / 8;
+constexpr int KG = I / 64;
+constexpr int HROWS = NK + N;
+static_assert(sizeof(gdn_u16) * HROWS * I + sizeof(float) * NW * RB * N <= 46 * 1024,
+              "h staging over the 48 KB static shared-memory limit");
+
+struct ItemRegs {
+  uint4 A[2][NU];         // rows g, g + 8
+  unsigned sb[2][NU];     // (scale, bias) of the lane's group
+};
+
+extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
+    const bf16_t* __restrict__ hin,
+    const int* __restrict__ inds,
+    const float* __restrict__ scores,
+    const float* __restrict__ sgate,
+    const unsigned* __restrict__ wd, const bf16_t* __restrict__ sd, const bf16_t* __restrict__ bd,
+    const unsigned* __restrict__ xwd, const bf16_t* __restrict__ xsd, const bf16_t* __restrict__ xbd,
+    yt* __restrict__ y) {
+  __shared__ __align__(16) gdn_u16 hs[HROWS][I];
+  __shared__ float red[NW][RB][N];
+
+  const int rb = blockIdx.x;
+  const int row0 = rb * RB;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+
+  // ---- distinct experts of inds, in order of first appearance (every warp) --
+  const int my_e = lane < NK ? inds[lane] : -1;
+  const float my_s = lane < NK ? scores[lane] : 0.0f;
+  bool first = lane < NK;
+  for (int q = 0; q < NK; ++q) {
+    const int eq = __shfl_sync(0xffffffffu, my_e, q);
+    if (q < lane && eq == my_e) first = false;
+  }
+  const unsigned fmask = __ballot_sync(0xffffffffu, first);
+  const int nitems = __popc(fmask) + 1;  // + the shared expert (last)
+
+  // item -> expert id (-1: shared)
+  auto item_expert = [&](int it) -> int {
+    if (it == nitems - 1) return -1;
+    unsigned m = fmask;
+    for (int i = 0; i < it; ++i) m &= m - 1;  // drop the lowest it set bits
+    return __shfl_sync(0xffffffffu, my_e, __ffs(m) - 1);
+  };
+  auto load_item = [&](ItemRegs& R, int e) {
+    const unsigned* Wm = e < 0 ? xwd : wd + (size_t)e * D * KW;
+    const bf16_t* Sm = e < 0 ? xsd : sd + (size_t)e * D * KG;
+    const bf16_t* Bm = e < 0 ? xbd : bd + (size_t)e * D * KG;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const size_t row = (size_t)(row0 + g + 8 * hh);
+#pragma unroll
+      for (int u = 0; u < NU; ++u) {
+        R.A[hh][u] = ldg_stream16(Wm + row * KW + 16 * u + 4 * t);
+        const size_t gi = row * KG + 2 * u + (t >> 1);
+        R.sb[hh][u] = load_sb(Sm + gi, Bm + gi);
+      }
+    }
+  };
+
+  float yacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  auto compute_item = [&](const ItemRegs& R, int e) {
+    // h row of token g and the coefficients of tokens 2t, 2t + 1
+    int hrow = -1;
+    float cf0 = 0.0f, cf1 = 0.0f;
+    if (e < 0) {
+      if (g < N) hrow = NK + g;
+      if (2 * t < N) cf0 = sgate[2 * t];
+      if (2 * t + 1 < N) cf1 = sgate[2 * t + 1];
+    } else {
+      const unsigned pm = __ballot_sync(0xffffffffu, lane < NK && my_e == e);
+#pragma unroll
+      for (int n = 0; n < N; ++n) {
+        const unsigned sub = (pm >> (n * TOPK)) & ((1u << TOPK) - 1u);
+        const int p = sub ? n * TOPK + __ffs(sub) - 1 : 0;
+        const float sc = __shfl_sync(0xffffffffu, my_s, p);
+        if (sub) {
+          if (g == n) hrow = p;
+          if (2 * t == n) cf0 = sc;
+          if (2 * t + 1 == n) cf1 = sc;
+        }
+      }
+    }
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int u = 0; u < NU; ++u) {
+      const unsigned s0 = splat_s(R.sb[0][u]), b0 = splat_b(R.sb[0][u]);
+      const unsigned s1 = splat_s(R.sb[1][u]), b1 = splat_b(R.sb[1][u]);
+#pragma unroll
+      for (int wq = 0; wq < 4; ++wq) {
+        unsigned bb[4] = {0u, 0u, 0u, 0u};
+        if (hrow >= 0) b_pairs(*reinterpret_cast<const uint4*>(&hs[hrow][128 * u + 32 * t + 8 * wq]), bb);
+        mma_word(acc, w4(R.A[0][u], wq), w4(R.A[1][u], wq), s0, b0, s1, b1, bb);
+      }
+    }
+    // expert output rounded to bf16 (as SwitchGLU / the MLP), then weighted
+    yacc[0] += from_f_round<bf16_t>(acc[0]) * cf0;
+    yacc[1] += from_f_round<bf16_t>(acc[1]) * cf1;
+    yacc[2] += from_f_round<bf16_t>(acc[2]) * cf0;
+    yacc[3] += from_f_round<bf16_t>(acc[3]) * cf1;
+  };
+
+  // first item's weights in flight before the h copy and the barrier
+  ItemRegs RA, RB_;
+  int it = warp;
+  int eA = 0, eB = 0;
+  if (it < nitems) {
+    eA = item_expert(it);
+    load_item(RA, eA);
+  }
+  if (it + NW < nitems) {
+    eB = item_expert(it + NW);
+    load_item(RB_, eB);
+  }
+  // h [NK + N, I] -> shared memory
+  for (int i = tid; i < HROWS * I / 8; i += NT)
+    *reinterpret_cast<uint4*>(&hs[0][0] + 8 * i) = ldg16(hin + 8 * i);
+  __syncthreads();
+
+  while (it < nitems) {
+    compute_item(RA, eA);
+    if (it + 2 * NW < nitems) {
+      eA = item_expert(it + 2 * NW);
+      load_item(RA, eA);
+    }
+    if (it + NW >= nitems) break;
+    compute_item(RB_, eB);
+    if (it + 3 * NW < nitems) {
+      eB = item_expert(it + 3 * NW);
+      load_item(RB_, eB);
+    }
+    it += 2 * NW;
+  }
+
+  // ---- sum the warps in order, store --------------------------------------
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int tok = 2 * t + (c & 1);
+    if (tok < N) red[warp][g + 8 * (c >> 1)][tok] = yacc[c];
+  }
+  __syncthreads();
+  if (tid < RB * N) {
+    const int r = tid % RB, n = tid / RB;
+    float v = 0.0f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) v += red[w][r][n];
+    y[(size_t)n * D + row0 + r] = from_f<yt>(v);
+  }
+}
+#endif
