@@ -166,6 +166,8 @@ def test_grouped_gemm_variant_config():
         for nk in (0, 1, 512 * 8, 2048 * 8, 4096 * 8, 100000):
             assert gg.choose_tile_rows(nk, 256, v) in gg.TILE_CHOICES
     assert gg.choose_tile_rows(4096 * 8, 256, "base") == 64
+    assert gg.choose_tile_rows(4096 * 8, 256, "pfl") == 64
+    assert gg.choose_tile_rows(512 * 8, 256, "pfl") == 32
     assert gg.choose_tile_rows(4096 * 8, 256, "big") == 128
 
 
@@ -203,6 +205,7 @@ def test_supports_arrays_shapes():
 
 def test_dispatch_by_backend_and_env(monkeypatch):
     monkeypatch.delenv(moe.MOE_KERNEL_ENV, raising=False)
+    monkeypatch.delenv(moe.MOE_DECODE_KERNEL_ENV, raising=False)
     assert "cuda-kernel" in moe.IMPLEMENTATIONS
     n = moe.MOE_KERNEL_MIN_TOKENS
     assert moe.implementation_for(4096, "cuda") == "cuda-kernel"
@@ -215,6 +218,13 @@ def test_dispatch_by_backend_and_env(monkeypatch):
     assert moe.implementation_for(4096, "cuda") == "stock"
     monkeypatch.setenv(moe.MOE_KERNEL_ENV, "1")
     assert moe.implementation_for(4096, "cuda") == "cuda-kernel"
+    # the decode kernels are opt-in
+    assert moe.implementation_for(1, "cuda") == "stock"
+    monkeypatch.setenv(moe.MOE_DECODE_KERNEL_ENV, "1")
+    assert moe.implementation_for(1, "cuda") == "cuda-decode-kernel"
+    assert moe.implementation_for(moe.MOE_DECODE_KERNEL_MAX_TOKENS, "cuda") == "cuda-decode-kernel"
+    assert moe.implementation_for(moe.MOE_DECODE_KERNEL_MAX_TOKENS + 1, "cuda") == "stock"
+    assert moe.implementation_for(1, "cpu") == "stock"
 
 
 def test_cuda_kernel_impl_falls_back_to_stock_off_cuda():
@@ -337,20 +347,28 @@ def dense_ref(x, r, gate, up, down, rounding="twice"):
     """fp32 reference on the weights as the kernel dequantises them
     (:func:`dequant`), rounding where SwitchGLU does (gate, up, swiglu and
     down outputs to bf16). Returns (h in grouped order, y [N*k, D] weighted
-    in assignment order). Per-row expert matmuls through ``mx.gather_mm``."""
-    wg, wu, wd = (dequant(p, rounding).swapaxes(-1, -2) for p in (gate, up, down))
+    in assignment order). One plain matmul per expert's rows (``gather_mm``
+    with repeated sorted indices gave wrong rows on CUDA, 2026-12-01)."""
+    wg, wu, wd = (dequant(p, rounding) for p in (gate, up, down))
     k = r.groups.top_k
     order = r.groups.order
-    ex = r.groups.sorted_experts
-    xr = x[order // k].astype(mx.float32)[:, None, :]  # [NK, 1, D]
+    off = np.asarray(r.groups.offsets).tolist()
+    xr = x[order // k].astype(mx.float32)  # [NK, D] in grouped order
     bf = lambda t: t.astype(mx.bfloat16).astype(mx.float32)  # noqa: E731
-    g = bf(mx.gather_mm(xr, wg, rhs_indices=ex, sorted_indices=True))
-    u = bf(mx.gather_mm(xr, wu, rhs_indices=ex, sorted_indices=True))
-    h = bf(g * mx.sigmoid(g) * u)
-    o = bf(mx.gather_mm(h, wd, rhs_indices=ex, sorted_indices=True))[:, 0]
+    hs, os_ = [], []
+    for e in range(len(off) - 1):
+        if off[e + 1] == off[e]:
+            continue
+        xe = xr[off[e]:off[e + 1]]
+        g = bf(xe @ wg[e].T)
+        u = bf(xe @ wu[e].T)
+        hh = bf(g * mx.sigmoid(g) * u)
+        hs.append(hh)
+        os_.append(bf(hh @ wd[e].T))
+    h, o = mx.concatenate(hs), mx.concatenate(os_)
     y = mx.zeros_like(o).at[order].add(o * r.scores.reshape(-1)[order][:, None])
     mx.eval(h, y)
-    return h[:, 0], y
+    return h, y
 
 
 @cuda
@@ -358,7 +376,7 @@ def dense_ref(x, r, gate, up, down, rounding="twice"):
 @pytest.mark.parametrize("D,I,E", [(192, 128, 32), (320, 64, 32), (2048, 512, 256)])
 @pytest.mark.parametrize("n", [1, 7, 64, 300])
 @pytest.mark.parametrize("variant,tile", [
-    ("base", 32), ("base", 64), ("deq", 64), ("pf", 32), ("pfl", 64), ("pfl", 128),
+    ("base", 32), ("base", 64), ("deq", 64), ("pf", 32), ("pfl", 32), ("pfl", 64), ("pfl", 128),
     ("big", 32), ("big", 64), ("big", 128),
 ])
 def test_grouped_gemm_vs_reference(poison, D, I, E, n, variant, tile):

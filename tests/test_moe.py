@@ -348,6 +348,7 @@ def test_block_vs_stock_bf16():
 
 def test_dispatch_stock_except_cuda_prefill(monkeypatch):
     monkeypatch.delenv(moe.MOE_KERNEL_ENV, raising=False)
+    monkeypatch.delenv(moe.MOE_DECODE_KERNEL_ENV, raising=False)
     assert {"stock", "reference", "cuda-kernel"} <= set(moe.IMPLEMENTATIONS)
     for b in ("cpu", "cuda", "metal"):
         for n in (1, 7, 2048, 65536):

@@ -76,9 +76,10 @@ BN = 64  # output columns per CTA
 NT = 128  # threads per CTA of the baseline variant
 TILE_CHOICES = (32, 64, 128)
 VARIANTS = ("base", "deq", "pf", "pfl", "big")
-#: The variant the public functions use when ``variant`` is None. Stays the
-#: measured baseline until the new variants are checked and timed on the GPU.
-DEFAULT_VARIANT = "base"
+#: The variant the public functions use when ``variant`` is None: "pfl", the
+#: fastest at T = 512, 2048 and 4096 on the H200 (1.63 ms vs 2.60 ms for
+#: "base" at T = 4096; bench/results/moe-cuda-log.md, 2026-12-01).
+DEFAULT_VARIANT = "pfl"
 #: Dequantisation rounding of each variant (``rounding`` of unpack_affine_4bit).
 VARIANT_ROUNDING = {"base": "twice", "deq": "once", "pf": "once", "pfl": "once", "big": "once"}
 _kernels: Dict[tuple, cb.CudaKernel] = {}
@@ -155,12 +156,18 @@ def _np32(a) -> np.ndarray:
 def choose_tile_rows(num_assignments: int, num_experts: int, variant: Optional[str] = None) -> int:
     """Rows per work item (one of :data:`TILE_CHOICES`) for ``variant``.
 
-    ``"base"`` (the default while :data:`DEFAULT_VARIANT` is ``"base"``): 32
-    when experts average fewer than 64 rows, else 64 (measured on the H200:
-    32 faster at T=512, 64 at T >= 2048). Other variants: also 128 once
-    experts average 128 rows or more (a guess until bench/moe_cuda.py times
-    64 against 128). ``num_assignments = N*k``. Small tiles waste fewer padded
-    rows, large tiles dequantise and reread the weights fewer times.
+    32 when experts average fewer than 64 rows, else 64; the "big" variant
+    takes 128 once experts average 128 rows or more. ``num_assignments = N*k``.
+    Measured on the H200 (E=256, D=2048, I=512, k=8, bench/moe_cuda.py,
+    2026-12-01), experts + combine, ms:
+
+    ======  =============  =============  ==============
+    T       pfl, 32 rows   pfl, 64 rows   big, 128 rows
+    ======  =============  =============  ==============
+    512     0.626          0.665          --
+    2048    --             1.076          1.186
+    4096    --             1.634          1.668
+    ======  =============  =============  ==============
     """
     if num_assignments < 0 or num_experts < 1:
         raise ValueError(
@@ -170,7 +177,7 @@ def choose_tile_rows(num_assignments: int, num_experts: int, variant: Optional[s
     variant = _check_variant("choose_tile_rows", variant)
     if num_assignments < 64 * num_experts:
         return 32
-    if variant == "base" or num_assignments < 128 * num_experts:
+    if variant != "big" or num_assignments < 128 * num_experts:
         return 64
     return 128
 

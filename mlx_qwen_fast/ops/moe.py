@@ -512,11 +512,24 @@ def _cuda_kernel(block, x: mx.array) -> mx.array:
     return y.reshape(*lead, d) + shared_expert(block, x)
 
 
+def _cuda_decode_kernel(block, x: mx.array) -> mx.array:
+    """Decode (1..4 tokens) through ``kernels.moe_decode_gemv``: router,
+    routing kernel, fused gate+up SwiGLU GEMV and fused down + routing
+    weights + shared expert + combine (4 graph nodes); the stock block where
+    the kernels do not apply (see ``moe_decode_gemv.supports``)."""
+    from ..kernels import moe_decode_gemv as _dg
+
+    if getattr(block, "sharding_group", None) is not None or not _dg.supports(block, x):
+        return _stock(block, x)
+    return _dg.moe_decode(block, x)
+
+
 #: name -> fn(block, x). Add a kernel here and pick it in ``_BY_BACKEND``.
 IMPLEMENTATIONS: Dict[str, Callable[..., mx.array]] = {
     "stock": _stock,
     "reference": sparse_moe_block,
     "cuda-kernel": _cuda_kernel,
+    "cuda-decode-kernel": _cuda_decode_kernel,
 }
 
 #: ``MLX_QWEN_FAST_MOE_KERNEL=0`` keeps the stock block on CUDA too (A/B
@@ -525,6 +538,12 @@ MOE_KERNEL_ENV = "MLX_QWEN_FAST_MOE_KERNEL"
 #: Fewest tokens per call that take the CUDA kernels (prefill); fewer tokens
 #: (decode) keep mlx-lm's block.
 MOE_KERNEL_MIN_TOKENS = 16
+
+#: Opt-in for the decode kernels (not yet run on a GPU):
+#: ``MLX_QWEN_FAST_MOE_DECODE_KERNEL=1`` selects "cuda-decode-kernel" on CUDA
+#: for calls of at most this many tokens.
+MOE_DECODE_KERNEL_ENV = "MLX_QWEN_FAST_MOE_DECODE_KERNEL"
+MOE_DECODE_KERNEL_MAX_TOKENS = 4
 
 # backend -> implementation name for calls the kernels do not take.
 _BY_BACKEND = {
@@ -544,7 +563,9 @@ def implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:
 
     ``"cuda-kernel"`` on CUDA for ``num_tokens >= MOE_KERNEL_MIN_TOKENS``
     (prefill) unless the environment sets ``MLX_QWEN_FAST_MOE_KERNEL=0``;
-    "stock" otherwise. Measured on the H200 (bench/results/moe-cuda-log.md):
+    "cuda-decode-kernel" on CUDA for 1..4 tokens only when the environment
+    sets ``MLX_QWEN_FAST_MOE_DECODE_KERNEL=1`` (opt-in until verified on a
+    GPU); "stock" otherwise. Measured on the H200 (bench/results/moe-cuda-log.md):
     the expert GEMMs take 2.67 ms at T = 4096 against 43.1 ms for mlx-lm's
     ``gather_qmm``, 1.07 ms against 5.85 ms at T = 512.
 
@@ -558,6 +579,12 @@ def implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:
         and os.environ.get(MOE_KERNEL_ENV, "") != "0"
     ):
         return "cuda-kernel"
+    if (
+        name == _backend.CUDA
+        and 0 < num_tokens <= MOE_DECODE_KERNEL_MAX_TOKENS
+        and os.environ.get(MOE_DECODE_KERNEL_ENV, "") == "1"
+    ):
+        return "cuda-decode-kernel"
     return _BY_BACKEND[name]
 
 
