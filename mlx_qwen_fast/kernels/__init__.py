@@ -16,11 +16,12 @@ Modules (each exposes the wrapper of the same name and ``supports``):
 - ``gated_rms_norm``        output gated RMSNorm with z
 - ``gated_delta_decode``    the whole GDN layer step for T = 1
 - ``moe_routing``           softmax/top-k routing + expert grouping + block map
-                            (unverified on a GPU; opt-in, see ``ops.moe``)
+                            (MoE prefill, on by default on CUDA; see ``ops.moe``)
 - ``moe_grouped_gemm``      fused-dequant grouped expert GEMM (gate+up SwiGLU,
-                            down + routing weight; unverified on a GPU; opt-in)
+                            down + routing weight; MoE prefill, on by default)
 - ``moe_decode_gemv``       fused decode MoE, N <= 4 tokens: gate+up SwiGLU and
-                            down + combine + shared expert (unverified on a GPU)
+                            down + combine + shared expert (checked on the
+                            H200; opt-in until timed)
 
 Import them by module path, e.g.
 ``from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan, supports``
