@@ -490,6 +490,8 @@ def _good(B=2, T=5, Hk=2, Hv=4, Dk=8, Dv=6):
         ("v", mx.zeros((1, 5, 4, 6)), r"v must have shape .*mismatched B/T"),
         ("v", mx.zeros((2, 5, 3, 6)), r"Hv=3 must be a positive multiple of .*Hk=2"),
         ("g", mx.zeros((2, 5, 4, 8)), r"g must have shape \[B, T, Hv\] = \(2, 5, 4\)"),
+        ("g", None, r"g must have shape \[B, T, Hv\] = \(2, 5, 4\).*got NoneType"),
+        ("beta", None, r"beta must have shape \[B, T, Hv\] = \(2, 5, 4\).*got NoneType"),
         ("beta", mx.zeros((2, 5, 2)), r"beta must have shape \[B, T, Hv\] = \(2, 5, 4\)"),
         ("state", mx.zeros((2, 4, 8, 6)), r"state must have shape \[B, Hv, Dv, Dk\] = \(2, 4, 6, 8\)"),
         ("state", mx.zeros((2, 4, 6, 8), mx.bfloat16), r"state must have dtype float32"),

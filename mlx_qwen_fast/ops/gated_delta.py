@@ -156,14 +156,16 @@ def _check_inputs(q, k, v, g, beta, state, mask):
             f"v's head count Hv={Hv} must be a positive multiple of the key "
             f"head count Hk={Hk} (v shape {_shape(v)}, q shape {_shape(q)})"
         )
-    if g is not None and _shape(g) != (B, T, Hv):
+    if not isinstance(g, mx.array) or _shape(g) != (B, T, Hv):
         raise ValueError(
             f"g must have shape [B, T, Hv] = {(B, T, Hv)} (one scalar decay per "
-            f"step and value head), got {_shape(g)}"
+            f"step and value head), got "
+            f"{_shape(g) if isinstance(g, mx.array) else type(g).__name__}"
         )
-    if _shape(beta) != (B, T, Hv):
+    if not isinstance(beta, mx.array) or _shape(beta) != (B, T, Hv):
         raise ValueError(
-            f"beta must have shape [B, T, Hv] = {(B, T, Hv)}, got {_shape(beta)}"
+            f"beta must have shape [B, T, Hv] = {(B, T, Hv)}, got "
+            f"{_shape(beta) if isinstance(beta, mx.array) else type(beta).__name__}"
         )
     if state is not None:
         if _shape(state) != (B, Hv, Dv, Dk):
