@@ -120,10 +120,10 @@ class FastGatedDeltaNet(GatedDeltaNet):
             qkv, state, **self._heads(), head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim
         ):
             return None
-        out, conv_state, state = k_decode.gated_delta_decode_compiled(
+        out, conv_state, state = k_decode.gated_delta_decode(
             qkv, self.in_proj_z(inputs), self.in_proj_a(inputs), self.in_proj_b(inputs),
             self.conv1d.weight, conv_state, self.A_log, self.dt_bias, self.norm.weight,
-            state, **self._heads(), norm_eps=self.norm.eps,
+            state, **self._heads(), norm_eps=self.norm.eps, compiled=True,
         )
         self._store(cache, conv_state, state, 1)
         return self.out_proj(out)

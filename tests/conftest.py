@@ -27,3 +27,14 @@ def demo_checkpoint(tmp_path_factory):
         seed=0,
         lm_head_scale=DEMO_LM_HEAD_SCALE,
     )
+
+
+@pytest.fixture
+def poison():
+    """Fill every CUDA kernel output with NaN before the launch (a row the
+    kernel forgets to write then fails the ``finite`` checks)."""
+    from mlx_qwen_fast.kernels import _cuda_build as cb
+
+    cb.set_poison(True)
+    yield
+    cb.set_poison(False)

@@ -17,33 +17,12 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-_HAS_CUDA = bool(getattr(mx, "cuda", None)) and mx.cuda.is_available()
+from cuda_helpers import cuda, finite, needs_cuda, rel
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not _HAS_CUDA, reason="needs MLX's CUDA backend"),
-]
+pytestmark = [cuda, needs_cuda, pytest.mark.usefixtures("poison")]
 
 D, HK, HV = 128, 16, 32
 C = (2 * HK + HV) * D
-
-
-@pytest.fixture(autouse=True)
-def _poison():
-    from mlx_qwen_fast.kernels import _cuda_build as cb
-
-    cb.set_poison(True)
-    yield
-    cb.set_poison(False)
-
-
-def rel(a, b):
-    a, b = a.astype(mx.float32), b.astype(mx.float32)
-    return (mx.linalg.norm((a - b).reshape(-1)) / mx.maximum(mx.linalg.norm(b.reshape(-1)), 1e-30)).item()
-
-
-def finite(*xs):
-    return all(bool(mx.all(mx.isfinite(x.astype(mx.float32))).item()) for x in xs)
 
 
 def reference(q, k, v, g, beta, state, mask=None):
@@ -255,10 +234,7 @@ def test_decode_matches_reference(B, dtype):
 def test_decode_compiled_equals_eager(B, dtype):
     """The mx.compile'd step is the same kernel: bit-identical results, over
     several chained steps (state and conv state carried), and None states."""
-    from mlx_qwen_fast.kernels.gated_delta_decode import (
-        gated_delta_decode,
-        gated_delta_decode_compiled,
-    )
+    from mlx_qwen_fast.kernels.gated_delta_decode import gated_delta_decode
 
     w, A_log, dt_bias = fe_params(B, dtype)
     ks = mx.random.split(mx.random.key(300 + B), 5)
@@ -272,10 +248,10 @@ def test_decode_compiled_equals_eager(B, dtype):
         a = mx.random.normal((B, 1, HV), key=kt[2]).astype(dtype)
         b = mx.random.normal((B, 1, HV), key=kt[3]).astype(dtype)
         oe, ce, se = gated_delta_decode(qkv, z, a, b, w, ce, A_log, dt_bias, wn, se, **kw)
-        oc, cc, sc = gated_delta_decode_compiled(qkv, z, a, b, w, cc, A_log, dt_bias, wn, sc, **kw)
+        oc, cc, sc = gated_delta_decode(qkv, z, a, b, w, cc, A_log, dt_bias, wn, sc, compiled=True, **kw)
         assert finite(oc, cc, sc)
         for x, y in ((oe, oc), (ce, cc), (se, sc)):
             assert x.shape == y.shape and x.dtype == y.dtype
             assert mx.array_equal(x, y).item()
     with pytest.raises(ValueError, match="state"):
-        gated_delta_decode_compiled(qkv, z, a, b, w, cc, A_log, dt_bias, wn, sc[:, :4], **kw)
+        gated_delta_decode(qkv, z, a, b, w, cc, A_log, dt_bias, wn, sc[:, :4], compiled=True, **kw)

@@ -24,37 +24,7 @@ from mlx_qwen_fast.kernels import moe_routing as mr
 from mlx_qwen_fast.ops import moe
 
 import moe_blocks  # tests/ is on sys.path
-
-_HAS_CUDA = bool(getattr(mx, "cuda", None)) and mx.cuda.is_available()
-cuda = pytest.mark.cuda
-needs_cuda = pytest.mark.skipif(not _HAS_CUDA, reason="needs MLX's CUDA backend")
-BF16_EPS = 2.0**-8
-# vs the gather_qmm path: its bf16 quantized matmul is itself ~1.6e-2 (rel.
-# norm) from fp32 math on the dequantized weights on CPU; the tight checks are
-# against fp32 math on the weights as the kernel dequantises them (dense_ref).
-GATHER_QMM_TOL = 0.06
-
-
-@pytest.fixture
-def poison():
-    from mlx_qwen_fast.kernels import _cuda_build as cb
-
-    cb.set_poison(True)
-    yield
-    cb.set_poison(False)
-
-
-def npa(a):
-    return np.asarray(a.astype(mx.float32) if a.dtype == mx.bfloat16 else a)
-
-
-def rel(a, b):
-    a, b = npa(a).astype(np.float64), npa(b).astype(np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def finite(*xs):
-    return all(bool(mx.all(mx.isfinite(x.astype(mx.float32))).item()) for x in xs)
+from cuda_helpers import BF16_EPS, GATHER_QMM_TOL, HAS_CUDA, cuda, finite, needs_cuda, npa, rel
 
 
 def qproj(E, O, K, seed, scale=1.0):
@@ -198,7 +168,7 @@ def test_supports_arrays_shapes():
     assert not gg.supports_arrays(x, arr(g), arr(u96), arr(d))  # gate/up mismatch
     d_bad = qproj(E, 256, I, 6)  # down output != D
     assert not gg.supports_arrays(x, arr(g), arr(u), arr(d_bad))
-    if not _HAS_CUDA:
+    if not HAS_CUDA:
         assert not gg.supports(x, g, u, d)
         assert not mr.supports(mx.zeros((3, 256)), 8)
 
@@ -228,7 +198,7 @@ def test_dispatch_by_backend_and_env(monkeypatch):
 
 
 def test_cuda_kernel_impl_falls_back_to_stock_off_cuda():
-    if _HAS_CUDA:
+    if HAS_CUDA:
         pytest.skip("checks the CPU fallback")
     block = make_block(D=128, H=64, E=32, k=4, dtype=mx.float32)
     x = mx.random.normal((2, 5, 128), key=mx.random.key(0))

@@ -31,36 +31,7 @@ from mlx_qwen_fast.kernels import moe_decode_gemv as md
 from mlx_qwen_fast.ops import moe
 
 import moe_blocks  # tests/ is on sys.path
-
-_HAS_CUDA = bool(getattr(mx, "cuda", None)) and mx.cuda.is_available()
-cuda = pytest.mark.cuda
-needs_cuda = pytest.mark.skipif(not _HAS_CUDA, reason="needs MLX's CUDA backend")
-BF16_EPS = 2.0**-8
-GATHER_QMM_TOL = 0.06
-
-
-@pytest.fixture
-def poison():
-    from mlx_qwen_fast.kernels import _cuda_build as cb
-
-    cb.set_poison(True)
-    yield
-    cb.set_poison(False)
-
-
-def npa(a):
-    if isinstance(a, mx.array):
-        return np.asarray(a.astype(mx.float32) if a.dtype in (mx.bfloat16, mx.float16) else a)
-    return np.asarray(a)
-
-
-def rel(a, b):
-    a, b = npa(a).astype(np.float64), npa(b).astype(np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def finite(*xs):
-    return all(bool(mx.all(mx.isfinite(x.astype(mx.float32))).item()) for x in xs)
+from cuda_helpers import BF16_EPS, GATHER_QMM_TOL, HAS_CUDA, cuda, finite, needs_cuda, npa, rel
 
 
 def quant(shape, seed, scale=1.0, bits=4):
@@ -218,7 +189,7 @@ def test_supports_shapes_and_backend():
     block.sharding_group = object()
     assert not md._supports_shapes(block, mx.zeros((1, 256), mx.bfloat16))
     block.sharding_group = None
-    if not _HAS_CUDA:
+    if not HAS_CUDA:
         assert not md.supports(block, mx.zeros((1, 256), mx.bfloat16))
 
 

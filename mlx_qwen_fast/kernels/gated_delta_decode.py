@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from . import _cuda_build as cb
 
-__all__ = ["gated_delta_decode", "gated_delta_decode_compiled", "supports"]
+__all__ = ["gated_delta_decode", "supports"]
 
 D = 128
 KW = 4
@@ -75,6 +75,7 @@ def gated_delta_decode(
     num_v_heads: int,
     norm_eps: float = 1e-6,
     qk_eps: float = 1e-6,
+    compiled: bool = False,
 ) -> Tuple[mx.array, mx.array, mx.array]:
     """One decode step of a Gated DeltaNet layer, up to ``out_proj``.
 
@@ -89,6 +90,11 @@ def gated_delta_decode(
       num_k_heads, num_v_heads: Hk, Hv.
       norm_eps: the gated RMSNorm's eps (``rms_norm_eps``).
       qk_eps: the q/k L2-norm eps (mlx-lm: 1e-6).
+      compiled: run the step traced once per shape with ``mx.compile``: the
+        same kernel and results (bit for bit), but the Python wrapper (checks,
+        casts, launch plan: ~12 us per call) runs only when a new shape is
+        traced. Measured on the H200 (bench/results/gdn-cuda-log.md): 30
+        chained steps cost 16.9 us per layer compiled vs 27.0 us eager (B=1).
 
     Returns:
       (out [B, 1, Hv*128] in qkv's dtype -- the input of ``out_proj`` --,
@@ -99,6 +105,16 @@ def gated_delta_decode(
       ValueError: shapes/dtypes outside the above (names the argument).
       RuntimeError: no CUDA compiler could build the kernel.
     """
+    if compiled:
+        B, C = qkv.shape[0], qkv.shape[-1]
+        if conv_state is None:
+            conv_state = mx.zeros((B, KW - 1, C), dtype=qkv.dtype)
+        if state is None:
+            state = mx.zeros((B, num_v_heads, D, D), dtype=mx.float32)
+        out, new_conv, new_state = _compiled_step(num_k_heads, num_v_heads, norm_eps, qk_eps)(
+            qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state
+        )
+        return out, new_conv, new_state
     sig = (
         qkv.shape, qkv.dtype, z.shape, z.dtype, a.shape, a.dtype, b.shape, b.dtype,
         conv_weight.shape, conv_weight.dtype,
@@ -134,38 +150,10 @@ _plans: Dict[tuple, tuple] = {}
 _compiled: Dict[tuple, Callable] = {}
 
 
-def gated_delta_decode_compiled(
-    qkv: mx.array,
-    z: mx.array,
-    a: mx.array,
-    b: mx.array,
-    conv_weight: mx.array,
-    conv_state: Optional[mx.array],
-    A_log: mx.array,
-    dt_bias: mx.array,
-    norm_weight: mx.array,
-    state: Optional[mx.array],
-    *,
-    num_k_heads: int,
-    num_v_heads: int,
-    norm_eps: float = 1e-6,
-    qk_eps: float = 1e-6,
-) -> Tuple[mx.array, mx.array, mx.array]:
-    """:func:`gated_delta_decode` traced once per shape with ``mx.compile``.
-
-    Same arguments, results (bit for bit) and errors. The Python wrapper
-    (signature check, casts, launch plan: ~12 us per call) then runs only
-    when a new shape/dtype is traced; each later call replays the recorded
-    graph. All layers of a model share one trace per (B, dtypes, heads, eps).
-    Measured on the H200 (bench/results/gdn-cuda-log.md): 30 chained decode
-    steps cost 16.9 us per layer compiled vs 27.0 us eager (B = 1).
-    """
-    C = qkv.shape[-1]
-    B = qkv.shape[0]
-    if conv_state is None:
-        conv_state = mx.zeros((B, KW - 1, C), dtype=qkv.dtype)
-    if state is None:
-        state = mx.zeros((B, num_v_heads, D, D), dtype=mx.float32)
+def _compiled_step(num_k_heads: int, num_v_heads: int, norm_eps: float, qk_eps: float) -> Callable:
+    """The ``mx.compile``d :func:`gated_delta_decode` for one head/eps setting
+    (all arrays passed in, nothing captured: one trace per input shape/dtype,
+    shared by every layer of a model)."""
     key = (int(num_k_heads), int(num_v_heads), float(norm_eps), float(qk_eps))
     fn = _compiled.get(key)
     if fn is None:
@@ -176,10 +164,7 @@ def gated_delta_decode_compiled(
             )
 
         fn = _compiled[key] = mx.compile(step)
-    out, new_conv, new_state = fn(
-        qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state
-    )
-    return out, new_conv, new_state
+    return fn
 
 
 def _plan(qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state, Hk, Hv):
