@@ -9,6 +9,14 @@ are left out):
   ``fn(q, k, v, g, beta, state, mask)`` (``mlx_qwen_fast.ops.gated_delta``;
   "stock-loop" = ``mlx_lm.models.gated_delta.gated_delta_ops``). Bytes: q, k,
   v, g, beta, y, state read + written; FLOPs 6 Hv Dk Dv per token.
+* ``gated_delta.decode_layer``: the whole Gated DeltaNet layer of the model
+  (projections included) for one token with a cache, ``fn(layer, x,
+  cache)``: "stock" = mlx-lm's ``GatedDeltaNet``, "patched" = the fast layer
+  (on CUDA: one ``mx.compile``-traced kernel between the projections). Each
+  timed call chains ``--layer-chain`` steps (default 30, the model's GDN
+  layers per token) in one graph, as a decode step does; ms and rates are per
+  step. Bytes: the layer's weights, conv state and recurrent state read and
+  written, x and y; FLOPs 2 x weights + 6 Hv Dk Dv.
 * ``moe.prefill`` / ``moe.decode``: the sparse MoE block of layer 0 (the real
   router, experts and shared expert, quantised as the checkpoint),
   ``fn(block, x)``. FLOPs 2 T (k + 1) 3 D I + router 2 T D (E + 1); bytes =
@@ -45,7 +53,10 @@ from . import ceilings as ceilings_mod
 from . import common
 
 FAMILIES = ("gated_delta", "moe", "attention")
-OPS = tuple(f"{f}.{p}" for f in FAMILIES for p in ("prefill", "decode"))
+OPS = tuple(f"{f}.{p}" for f in FAMILIES for p in ("prefill", "decode")) + (
+    "gated_delta.decode_layer",)
+# family key of the layer op (its implementations are the two layer classes)
+_LAYER = "gated_delta_layer"
 
 
 # ---------------------------------------------------------------------------
@@ -91,9 +102,30 @@ def _runs_on(name: str, backend: str) -> bool:
     return True
 
 
+def _layer_implementations() -> Dict[str, Callable]:
+    from mlx_lm.models.qwen3_5 import GatedDeltaNet
+
+    from mlx_qwen_fast.layers import FastGatedDeltaNet, rebind
+
+    fast = {}  # id(stock layer) -> its fast twin (same arrays), built once
+
+    def patched(m, x, cache):
+        twin = fast.get(id(m))
+        if twin is None:
+            twin = fast[id(m)] = (m, rebind(m, FastGatedDeltaNet))
+        return twin[1](x, cache=cache)
+
+    return {
+        "stock": lambda m, x, cache: GatedDeltaNet.__call__(m, x, cache=cache),
+        "patched": patched,
+    }
+
+
 def implementations(family: str, backend: Optional[str] = None) -> Dict[str, Callable]:
     """Implementations of ``family`` runnable on ``backend`` (default: the
     current one): mlx-lm's stock code first, then the ops module's table."""
+    if family == _LAYER:
+        return _layer_implementations()
     backend = backend or common.backend_name()
     name, fn = _stock_baselines()[family]
     table = {name: fn}
@@ -104,6 +136,8 @@ def implementations(family: str, backend: Optional[str] = None) -> Dict[str, Cal
 
 def default_implementation(family: str, tokens: int) -> Optional[str]:
     """The name the patched model uses for ``tokens`` tokens on this backend."""
+    if family == _LAYER:
+        return "patched"
     try:
         return _ops_module(family).implementation_for(tokens)
     except Exception:
@@ -129,6 +163,7 @@ class Case:
     call: Callable[[Callable], Any]
     bytes: float
     flops: float
+    steps: int = 1  # steps chained in one call; times and rates are per step
 
 
 def _layers(model):
@@ -156,6 +191,37 @@ def gated_delta_case(model, T: int, dtype) -> Case:
     phase = "decode" if T == 1 else "prefill"
     return Case(f"gated_delta.{phase}", {"T": T, "Hk": Hk, "Hv": Hv, "Dk": Dk, "Dv": Dv},
                 lambda fn: fn(q, k, v, g, beta, state, None), nbytes, 6.0 * Hv * Dk * Dv * T)
+
+
+def gated_delta_layer_case(model, dtype, chain: int) -> Case:
+    """One token through the first GDN layer, ``chain`` times in one graph
+    (each step reads the state the previous one wrote)."""
+    from mlx_lm.models.cache import ArraysCache
+
+    layer = next(layer.linear_attn for layer in _layers(model) if hasattr(layer, "linear_attn"))
+    s = common.ModelShape.from_config(common.text_args(model))
+    Hk, Hv, Dk, Dv = s.gdn_k_heads, s.gdn_v_heads, s.gdn_k_dim, s.gdn_v_dim
+    conv_dim = 2 * Hk * Dk + Hv * Dv
+    ks = mx.random.split(mx.random.key(1), 3)
+    x = mx.random.normal((1, 1, s.hidden), key=ks[0]).astype(dtype)
+    conv0 = mx.random.normal((1, layer.conv_kernel_size - 1, conv_dim), key=ks[1]).astype(dtype)
+    state0 = 0.1 * mx.random.normal((1, Hv, Dv, Dk), key=ks[2])
+    mx.eval(x, conv0, state0)
+
+    def call(fn):
+        cache = ArraysCache(size=2)
+        cache[0], cache[1] = conv0, state0
+        y = x
+        for _ in range(chain):
+            y = fn(layer, x, cache)
+        return y, cache[0], cache[1]
+
+    weights = _nbytes(layer)
+    nbytes = weights + 2 * (conv0.nbytes + state0.nbytes) + 2 * x.nbytes
+    proj = s.hidden * (conv_dim + Hv * Dv + 2 * Hv) + Hv * Dv * s.hidden
+    flops = 2.0 * proj + 6.0 * Hv * Dk * Dv
+    return Case("gated_delta.decode_layer", {"T": 1, "chain": chain, "Hk": Hk, "Hv": Hv},
+                call, nbytes, flops, steps=chain)
 
 
 def moe_case(model, T: int, dtype) -> Case:
@@ -218,12 +284,14 @@ def attention_case(model, T: int, context: int, dtype) -> Case:
 
 
 def cases(model, ops: List[str], prefill_tokens: List[int], decode_contexts: List[int],
-          dtype) -> List[Tuple[str, Case]]:
+          dtype, layer_chain: int = 30) -> List[Tuple[str, Case]]:
     """(family, case) for every requested op and shape."""
     out = []
     for op in ops:
         family, phase = op.split(".")
-        if family == "attention":
+        if phase == "decode_layer":
+            out.append((_LAYER, gated_delta_layer_case(model, dtype, layer_chain)))
+        elif family == "attention":
             if phase == "prefill":
                 out += [(family, attention_case(model, T, 0, dtype)) for T in prefill_tokens]
             else:
@@ -255,7 +323,7 @@ def run_case(case: Case, impl: str, fn: Callable, *, repeats: int, warmup: int,
                    ms_max=None, gbps=None, tflops=None, roofline_frac=None,
                    error=f"{type(exc).__name__}: {exc}"[:500])
         return rec
-    s = common.stats(times)
+    s = common.stats([t / case.steps for t in times])
     t = s["median"]
     gbps = case.bytes / t / common.GB
     tflops = case.flops / t / 1e12
@@ -281,6 +349,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="T of the prefill ops (default 512,2k,4k)")
     p.add_argument("--decode-context", type=common.lengths_arg, default=[4096, 32768],
                    help="KV context of attention.decode (default 4k,32k)")
+    p.add_argument("--layer-chain", type=int, default=30,
+                   help="decode steps chained per timed call of gated_delta.decode_layer "
+                        "(default 30: the model's GDN layers per token)")
     p.add_argument("--repeats", type=int, default=10, help="timed calls per point (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls first")
     p.add_argument("--max-seconds", type=float, default=60.0,
@@ -301,7 +372,7 @@ def _selected_ops(text: str) -> List[str]:
     out = []
     for part in (x.strip() for x in text.split(",") if x.strip()):
         if part in FAMILIES:
-            out += [f"{part}.prefill", f"{part}.decode"]
+            out += [op for op in OPS if op.split(".")[0] == part]
         elif part in OPS:
             out.append(part)
         else:
@@ -317,7 +388,7 @@ def main(argv=None) -> Dict:
     args = build_parser().parse_args(argv)
     if args.smoke:
         args.prefill_tokens, args.decode_context = [16], [32]
-        args.repeats, args.warmup = 2, 1
+        args.repeats, args.warmup, args.layer_chain = 2, 1, 2
         args.copy_mib, args.matmul_n = args.copy_mib or 8, args.matmul_n or 128
     t0 = time.perf_counter()
     ceil = None if args.no_ceilings else ceilings_mod.from_args(args)
@@ -328,7 +399,7 @@ def main(argv=None) -> Dict:
 
     records = []
     for family, case in cases(model, _selected_ops(args.ops), args.prefill_tokens,
-                              args.decode_context, dtype):
+                              args.decode_context, dtype, args.layer_chain):
         default = default_implementation(family, case.shape["T"])
         for impl, fn in implementations(family, backend).items():
             if wanted and impl not in wanted:
@@ -353,9 +424,9 @@ def main(argv=None) -> Dict:
         **common.result_header("ops", args),
         **common.checkpoint_fields(args),
         "ceilings": ceil,
-        "op_implementations": {op: default_implementation(op.split(".")[0],
-                                                          1 if op.endswith("decode") else 2048)
-                               for op in OPS},
+        "op_implementations": {op: default_implementation(
+            _LAYER if op.endswith("decode_layer") else op.split(".")[0],
+            1 if "decode" in op else 2048) for op in OPS},
         "ops": records,
         "wall_seconds": time.perf_counter() - t0,
     }

@@ -121,6 +121,9 @@ def test_ab_numerics_ops(tmp_path):
             assert r["status"] == "ok", r  # others may be kernels of no use here
     gd = {r["impl"] for r in res["ops"] if r["op"] == "gated_delta.prefill"}
     assert "stock-loop" in gd and "chunked" in gd
+    layer = {r["impl"]: r for r in res["ops"] if r["op"] == "gated_delta.decode_layer"}
+    assert set(layer) == {"stock", "patched"} and layer["patched"]["default"]
+    assert all(r["status"] == "ok" and r["shape"]["chain"] == 2 for r in layer.values())
 
 
 def test_roofline_matches_design_notes():
