@@ -123,7 +123,12 @@ def test_grouped_gemm_variant_config():
                 assert (bm // wm) % 16 == 0 and (c["bn"] // wn) % 8 == 0
                 assert bm * 8 % c["threads"] == 0 and c["bn"] * 8 % c["threads"] == 0
                 nmat = 2 if kind == 0 else 1
-                assert 2 * 72 * (bm + nmat * c["bn"]) + 4 * bm <= 48 * 1024  # static smem
+                if v == "async":  # dynamic shared memory: stages x (A + W + scale/bias)
+                    assert c["smem"] == d["MOE_STAGES"] * (bm * 144 + nmat * c["bn"] * 40) <= 227 * 1024
+                    assert c["source"] == "moe_grouped_gemm_async.cu" and d["MOE_WN"] * 32 * d["MOE_WM"] == c["threads"]
+                else:
+                    assert 2 * 72 * (bm + nmat * c["bn"]) + 4 * bm <= 48 * 1024  # static smem
+                    assert c.get("smem", 0) == 0
                 assert (d.get("MOE_DEQ", 0) == 1) == (gg.VARIANT_ROUNDING[v] == "once")
     assert gg.variant_config("base", 0, 64, 512)["defines"] == dict(MOE_BM=64, MOE_BN=64)
     assert gg.variant_config("big", 1, 64, 2048)["bn"] == 128
@@ -139,6 +144,77 @@ def test_grouped_gemm_variant_config():
     assert gg.choose_tile_rows(4096 * 8, 256, "pfl") == 64
     assert gg.choose_tile_rows(512 * 8, 256, "pfl") == 32
     assert gg.choose_tile_rows(4096 * 8, 256, "big") == 128
+    assert gg.choose_tile_rows(512 * 8, 256, "async") == 32
+    assert gg.choose_tile_rows(4096 * 8, 256, "async") == 64
+    assert gg.choose_tile_rows(16384 * 8, 256, "async") == 64
+    assert gg.variant_config("async", 0, 64, 512)["bn"] == 128
+    assert gg.variant_config("async", 0, 64, 64)["bn"] == 64
+    assert gg.variant_config("async", 1, 32, 2048)["bn"] == 256
+    assert gg.variant_config("async", 1, 32, 320)["bn"] == 64
+
+
+def _prmt(a, b, sel):
+    """PTX prmt.b32 (default mode) on Python ints."""
+    src = [(a >> (8 * i)) & 255 for i in range(4)] + [(b >> (8 * i)) & 255 for i in range(4)]
+    out = 0
+    for k in range(4):
+        n = (sel >> (4 * k)) & 15
+        byte = src[n & 7]
+        if n & 8:
+            byte = 255 if byte & 128 else 0
+        out |= byte << (8 * k)
+    return out
+
+
+def test_async_variant_fragment_mapping():
+    """CPU emulation of one K step of moe_grouped_gemm_async.cu for one warp
+    tile (16 rows x 8 columns): the A registers read as 16-byte chunks, the B
+    registers dequantised by dequant_pairs (prmt selectors, magic 128), fed
+    to m16n8k16 with the PTX fragment layout, must give x . w over the 64
+    natural inputs (values kept exact: small integers)."""
+    rng = np.random.default_rng(0)
+    A = rng.integers(-8, 8, size=(16, 64)).astype(np.int64)  # 16 rows, one K step
+    q = rng.integers(0, 16, size=(8, 64)).astype(np.int64)   # 8 weight rows (n), nibbles
+    words = np.zeros((8, 8), dtype=np.int64)
+    for w in range(8):
+        for j in range(8):
+            words[:, w] |= q[:, 8 * w + j] << (4 * j)
+    # thread (g, tq): dequantised pairs of words 2tq + h -> list of (k_lo, k_hi) values (q here)
+    def pairs(word):
+        v, u = word & 0x0F0F0F0F, (word >> 4) & 0x0F0F0F0F
+        out = []
+        for i in range(4):
+            sel = i | ((8 | i) << 4) | ((4 + i) << 8) | ((12 + i) << 12)
+            m = _prmt(int(v), int(u), sel) | 0x43004300
+            lo, hi = (m & 0xFFFF) - 0x4300, (m >> 16) - 0x4300  # bf16 128 + q minus 128 (exact)
+            out.append((lo, hi))
+        return out
+    C = np.zeros((16, 8), dtype=np.int64)
+    for h in range(2):
+        for half in range(2):  # kk = 2h + half
+            Am = np.zeros((16, 16), dtype=np.int64)  # logical m16 x k16 slice
+            Bm = np.zeros((16, 8), dtype=np.int64)   # logical k16 x n8
+            for lane in range(32):
+                g, tq = lane >> 2, lane & 3
+                chunk = 2 * tq + h  # 16-byte chunk (8 inputs) of rows g, g + 8
+                a_row = lambda r: [(A[r, 8 * chunk + 2 * i], A[r, 8 * chunk + 2 * i + 1]) for i in range(4)]  # noqa: E731
+                ag, ag8 = a_row(g), a_row(g + 8)
+                # kernel: kk even uses .x/.y, odd .z/.w; a0 row g, a1 row g+8, a2 row g (k+8), a3 row g+8 (k+8)
+                a0, a2 = ag[2 * half], ag[2 * half + 1]
+                a1, a3 = ag8[2 * half], ag8[2 * half + 1]
+                Am[g, 2 * tq:2 * tq + 2] = a0
+                Am[g + 8, 2 * tq:2 * tq + 2] = a1
+                Am[g, 8 + 2 * tq:8 + 2 * tq + 2] = a2
+                Am[g + 8, 8 + 2 * tq:8 + 2 * tq + 2] = a3
+                p = pairs(int(words[g, chunk]))
+                b0, b1 = p[2 * half], p[2 * half + 1]
+                Bm[2 * tq:2 * tq + 2, g] = b0
+                Bm[8 + 2 * tq:8 + 2 * tq + 2, g] = b1
+            C += Am @ Bm
+    np.testing.assert_array_equal(C, A @ q.T)
+    # scale/bias chunk selection: prmt(sb, sb, 0x1010 | 0x3232) replicates the low / high bf16
+    assert _prmt(0xBBBBAAAA, 0xBBBBAAAA, 0x1010) == 0xAAAAAAAA
+    assert _prmt(0xBBBBAAAA, 0xBBBBAAAA, 0x3232) == 0xBBBBBBBB
 
 
 def test_plan_and_tiles():
@@ -205,6 +281,9 @@ def test_cuda_kernel_impl_falls_back_to_stock_off_cuda():
     a = moe.sparse_moe(block, x, implementation="cuda-kernel")
     b = moe.sparse_moe(block, x, implementation="stock")
     assert mx.array_equal(a, b).item()
+    x1 = x[:, :1]  # decode-sized call through the decode kernels' entry
+    a1 = moe.sparse_moe(block, x1, implementation="cuda-decode-kernel")
+    assert mx.array_equal(a1, moe.sparse_moe(block, x1, implementation="stock")).item()
 
 
 # ---------------------------------------------------------------------------
@@ -348,6 +427,7 @@ def dense_ref(x, r, gate, up, down, rounding="twice"):
 @pytest.mark.parametrize("variant,tile", [
     ("base", 32), ("base", 64), ("deq", 64), ("pf", 32), ("pfl", 32), ("pfl", 64), ("pfl", 128),
     ("big", 32), ("big", 64), ("big", 128),
+    ("async", 32), ("async", 64), ("async", 128),
 ])
 def test_grouped_gemm_vs_reference(poison, D, I, E, n, variant, tile):
     k = 8
