@@ -8,10 +8,10 @@ Sections, each in its own process (a kernel fault cannot take the others
 down): build (first-use compile into an empty cubin cache, then a process
 loading from the cache), check (fresh random data, outputs poisoned with NaN,
 fp32 references; every grouped-GEMM variant of ``moe_grouped_gemm.VARIANTS``
-at tile rows 32, 64 and 128), time (T = 512, 2048, 4096 tokens, E = 256,
+at tile rows 32, 64 and 128, the unverified "async" included), time (T = 512, 2048, 4096 tokens, E = 256,
 D = 2048, I = 512, k = 8: routing and every grouped-GEMM variant against
 stock mlx-lm's ``SwitchGLU`` / ``gather_qmm``; tiles 32/64 at T = 512, 64/128
-above). FLOPs of the expert GEMMs: 2*T*k*3*D*I,
+above; a few ``ASYNC_TUNE`` settings of "async" at its own tile). FLOPs of the expert GEMMs: 2*T*k*3*D*I,
 against the 624 TFLOP/s dense bf16 ceiling. Logs and a JSON of every number
 go to --out ($OUT); a short table is printed last.
 """
@@ -243,11 +243,35 @@ def section_time(args):
                 res[f"gate_up_kernel_{v}_tile{tile}"] = timeit(
                     lambda: gg.gate_up_swiglu(x, r, arr(sm.gate_proj), arr(sm.up_proj), variant=v))
                 res[f"down_kernel_{v}_tile{tile}_f32"] = timeit(lambda: gg.down_weighted(h, r, arr(sm.down_proj), variant=v))
-                if v == "base":
+                if v in ("base", "async"):
                     res[f"down_kernel_{v}_tile{tile}_bf16"] = timeit(
                         lambda: gg.down_weighted(h, r, arr(sm.down_proj), out_dtype=mx.bfloat16, variant=v))
                 res[f"experts_kernels_{v}_tile{tile}(+combine)"] = timeit(
                     lambda: gg.moe_experts(x, r, sm.gate_proj, sm.up_proj, sm.down_proj, variant=v))
+        # "async" tunings (gg.ASYNC_TUNE) at the tile it picks: cp.async depth,
+        # column tile of gate+up (64: 100 registers, 2 CTAs/SM) and of down
+        tc = gg.choose_tile_rows(t * K, E, "async")
+        r = mr.route_and_group(logits, K, tc)
+        mx.eval(r.inds, r.scores, r.groups.order, r.block_map)
+        saved = dict(gg.ASYNC_TUNE)
+        for tune in ({"stages": 3}, {"stages": 5}, {"gate_up_bn": 64}, {"down_bn": 256}, {"down_bn_bm32": 128},
+                     {"cols_fast": True}):
+            if "down_bn_bm32" in tune and tc != 32:
+                continue
+            gg.ASYNC_TUNE.update(tune)
+            tag = "async[" + ",".join(f"{a}={b}" for a, b in tune.items()) + "]"
+            try:
+                h = gg.gate_up_swiglu(x, r, arr(sm.gate_proj), arr(sm.up_proj), variant="async")
+                mx.eval(h)
+                res[f"gate_up_kernel_{tag}_tile{tc}"] = timeit(
+                    lambda: gg.gate_up_swiglu(x, r, arr(sm.gate_proj), arr(sm.up_proj), variant="async"))
+                res[f"down_kernel_{tag}_tile{tc}_f32"] = timeit(
+                    lambda: gg.down_weighted(h, r, arr(sm.down_proj), variant="async"))
+                res[f"experts_kernels_{tag}_tile{tc}(+combine)"] = timeit(
+                    lambda: gg.moe_experts(x, r, sm.gate_proj, sm.up_proj, sm.down_proj, variant="async"))
+            finally:
+                gg.ASYNC_TUNE.clear()
+                gg.ASYNC_TUNE.update(saved)
         for v in gg.VARIANTS:  # routing + experts at the variant's own tile choice
             tc = gg.choose_tile_rows(t * K, E, v)
             res[f"route+experts_kernels_{v}_tile{tc}"] = timeit(

@@ -37,11 +37,21 @@ of the source in parentheses):
 - ``"big"``: ``pfl`` with 8 warps and 128-column tiles (MOE_BN=128,
   MOE_WM x MOE_WN = 2 x 4) where the output width allows and the 48 KB of
   static shared memory holds them (gate+up at BM 32/64, down at every BM).
+- ``"async"`` (own source, ``moe_grouped_gemm_async.cu``; **unverified: never
+  run on a GPU yet**): a :data:`ASYNC_TUNE` ``["stages"]``-deep ring of
+  ``cp.async`` copies (raw x/h rows, raw 4-bit words, scale/bias chunks) in
+  dynamic shared memory, one ``__syncthreads`` per K step, each warp
+  dequantising its own packed words from shared memory straight into mma B
+  fragments (K permuted inside each step so that every A and B register is a
+  natural input pair of one word: no ldmatrix, no shuffles); 8 warps along
+  the columns (16 at BM 128), 128-column tiles for gate+up and down where the
+  width allows (:data:`ASYNC_TUNE`). One rounding, as ``deq``.
 
 Every variant takes tile rows 32, 64 or 128 (``routing.tile_rows``); BM=128
 runs 8 warps (4 x 2).
 
-Source: ``mlx_qwen_fast/cuda/moe_grouped_gemm.cu``. Status: ``base`` checked
+Source: ``mlx_qwen_fast/cuda/moe_grouped_gemm.cu`` (``async``:
+``moe_grouped_gemm_async.cu``). Status: ``base`` checked
 and timed on the H200 (bench/results/moe-cuda-log.md); the other variants
 compiled with nvcc (no spills), not yet run.
 """
@@ -69,19 +79,29 @@ __all__ = [
     "DEFAULT_VARIANT",
     "VARIANT_ROUNDING",
     "variant_config",
+    "ASYNC_TUNE",
 ]
 
 BK = 64  # K step = quantisation group
 BN = 64  # output columns per CTA
 NT = 128  # threads per CTA of the baseline variant
 TILE_CHOICES = (32, 64, 128)
-VARIANTS = ("base", "deq", "pf", "pfl", "big")
+VARIANTS = ("base", "deq", "pf", "pfl", "big", "async")
 #: The variant the public functions use when ``variant`` is None: "pfl", the
 #: fastest at T = 512, 2048 and 4096 on the H200 (1.63 ms vs 2.60 ms for
 #: "base" at T = 4096; bench/results/moe-cuda-log.md, 2026-12-01).
 DEFAULT_VARIANT = "pfl"
 #: Dequantisation rounding of each variant (``rounding`` of unpack_affine_4bit).
-VARIANT_ROUNDING = {"base": "twice", "deq": "once", "pf": "once", "pfl": "once", "big": "once"}
+VARIANT_ROUNDING = {"base": "twice", "deq": "once", "pf": "once", "pfl": "once", "big": "once", "async": "once"}
+#: Tuning of the "async" variant (unverified guesses until timed on a GPU):
+#: cp.async ring depth, and the widest column tile per matrix for gate+up and
+#: down at BM <= 64 (narrowed to the largest of 256/128/64 dividing the
+#: output width; BM 128 uses 64 / 128 so that 512 threads fit 128 registers).
+#: nvcc 13.0 sm_90a, 0 spills: gate+up BM 64 x 128: 150 registers (1 CTA/SM),
+#: BM 64 x 64: 100; down BM 64 x 128: 101, x 256: 146 (bench/results/moe-cuda-log.md).
+#: "cols_fast": launch the column tiles of one work item next to each other
+#: (grid x = column tile) instead of all items of one column tile.
+ASYNC_TUNE = {"stages": 4, "gate_up_bn": 128, "down_bn": 128, "down_bn_bm32": 256, "cols_fast": False}
 _kernels: Dict[tuple, cb.CudaKernel] = {}
 
 
@@ -177,6 +197,8 @@ def choose_tile_rows(num_assignments: int, num_experts: int, variant: Optional[s
     variant = _check_variant("choose_tile_rows", variant)
     if num_assignments < 64 * num_experts:
         return 32
+    if variant == "async":  # 64 at every size from 64 rows/expert (unverified)
+        return 64
     if variant != "big" or num_assignments < 128 * num_experts:
         return 64
     return 128
@@ -193,10 +215,15 @@ def variant_config(variant: str, kind: int, bm: int, out_cols: int) -> dict:
     """Build macros and launch shape of one kernel: dict of ``defines``
     (MOE_* macros without MOE_KIND / MOE_YT), ``threads`` per CTA and ``bn``
     (output columns per CTA). ``kind`` 0 = gate+up, 1 = down; ``bm`` the
-    tile rows; ``out_cols`` the output width O (a multiple of 64)."""
+    tile rows; ``out_cols`` the output width O (a multiple of 64).
+    The "async" variant adds ``source`` (its .cu file) and ``smem`` (bytes of
+    dynamic shared memory per CTA); the others use static shared memory only
+    (``smem`` 0)."""
     variant = _check_variant("variant_config", variant)
     if bm not in TILE_CHOICES:
         raise ValueError(f"variant_config: bm must be one of {TILE_CHOICES}, got {bm}")
+    if variant == "async":
+        return _async_config(kind, bm, out_cols)
     d = dict(MOE_BM=bm, MOE_BN=BN)
     wm, wn = (4, 2) if bm == 128 else (2, 2)
     if variant != "base":
@@ -217,6 +244,23 @@ def variant_config(variant: str, kind: int, bm: int, out_cols: int) -> dict:
     if (wm, wn) != (2, 2):
         d["MOE_WM"], d["MOE_WN"] = wm, wn
     return dict(defines=d, threads=32 * wm * wn, bn=d["MOE_BN"])
+
+
+def _async_config(kind: int, bm: int, out_cols: int) -> dict:
+    stages = int(ASYNC_TUNE["stages"])
+    if bm == 128:
+        want, wm = (64 if kind == 0 else 128), 2
+    else:
+        want = ASYNC_TUNE["gate_up_bn"] if kind == 0 else (
+            ASYNC_TUNE["down_bn_bm32"] if bm == 32 else ASYNC_TUNE["down_bn"])
+        wm = 1
+    bn = next(b for b in (256, 128, 64) if b <= want and out_cols % b == 0)
+    nmat = 2 if kind == 0 else 1
+    d = dict(MOE_BM=bm, MOE_BN=bn, MOE_DEQ=1, MOE_WM=wm, MOE_WN=8, MOE_STAGES=stages)
+    if ASYNC_TUNE.get("cols_fast"):
+        d["MOE_COLS_FAST"] = 1
+    smem = stages * (bm * 144 + nmat * bn * 40)  # A rows (144 B) + W (32 B) + scale/bias (8 B) per row
+    return dict(defines=d, threads=32 * wm * 8, bn=bn, source="moe_grouped_gemm_async.cu", smem=smem)
 
 
 def _q_arrays(proj) -> Tuple[mx.array, mx.array, mx.array]:
@@ -284,14 +328,38 @@ def _kernel(kind: int, bm: int, yt: str = "bf16_t", variant: Optional[str] = Non
     defs = dict(cfg["defines"], MOE_KIND=kind)
     if kind == 1:
         defs["MOE_YT"] = yt
-    key = tuple(sorted(defs.items()))
+    src = cfg.get("source", "moe_grouped_gemm.cu")
+    key = (src,) + tuple(sorted(defs.items()))
     k = _kernels.get(key)
     if k is None:
         k = cb.CudaKernel(
-            "moe_grouped_gemm.cu", "mqf_moe_gate_up" if kind == 0 else "mqf_moe_down", defs
+            src, "mqf_moe_gate_up" if kind == 0 else "mqf_moe_down", defs
         )
         _kernels[key] = k
     return k, cfg
+
+
+def _grid(cfg: dict, items: int, col_tiles: int) -> Tuple[int, int, int]:
+    """Launch grid in threads: (items, column tiles), or (column tiles, items)
+    for an "async" build with MOE_COLS_FAST."""
+    nt = cfg["threads"]
+    if cfg["defines"].get("MOE_COLS_FAST"):
+        return (col_tiles * nt, items, 1)
+    return (items * nt, col_tiles, 1)
+
+
+def _smem_kw(cfg: dict) -> dict:
+    """``shared_memory=`` for variants with dynamic shared memory only, so the
+    other variants launch exactly as before (MLX raises the kernel's dynamic
+    limit itself above 48 KB: cuFuncSetAttribute in its CustomKernel)."""
+    return {"shared_memory": cfg["smem"]} if cfg.get("smem") else {}
+
+
+def _check_async_sizes(fn: str, *sizes: int) -> None:
+    # the "async" kernel keeps 32-bit element offsets (bit 31 of the A offset
+    # is a flag)
+    if max(sizes) >= 2**31:
+        raise ValueError(f"{fn}: variant 'async' needs arrays of fewer than 2**31 elements, got {max(sizes)}")
 
 
 def _check_routing(fn: str, routing: Routing, nk: int):
@@ -357,13 +425,16 @@ def gate_up_swiglu(
     mt = routing.block_map.shape[0]
     kern, cfg = _kernel(0, routing.tile_rows, variant=variant, out_cols=i_dim)
     nt = cfg["threads"]
+    if variant == "async":
+        _check_async_sizes("gate_up_swiglu", x.size, gate[0].size, up[0].size)
     (h,) = kern(
         inputs=[x, *gate, *up, routing.groups.order, routing.groups.offsets, routing.block_map],
         output_shapes=[(nk, i_dim)],
         output_dtypes=[mx.bfloat16],
-        grid=(mt * nt, i_dim // cfg["bn"], 1),
+        grid=_grid(cfg, mt, i_dim // cfg["bn"]),
         threadgroup=(nt, 1, 1),
         scalars=[d, i_dim, k],
+        **_smem_kw(cfg),
     )
     return h
 
@@ -413,13 +484,16 @@ def down_weighted(
     kern, cfg = _kernel(1, routing.tile_rows, "float" if out_dtype == mx.float32 else "bf16_t",
                         variant=variant, out_cols=d)
     nt = cfg["threads"]
+    if variant == "async":
+        _check_async_sizes("down_weighted", h.size, down[0].size)
     (y,) = kern(
         inputs=[h, *down, routing.groups.order, routing.groups.offsets, routing.block_map, scores],
         output_shapes=[(nk, d)],
         output_dtypes=[out_dtype],
-        grid=(mt * nt, d // cfg["bn"], 1),
+        grid=_grid(cfg, mt, d // cfg["bn"]),
         threadgroup=(nt, 1, 1),
         scalars=[i_dim, d, routing.groups.top_k],
+        **_smem_kw(cfg),
     )
     return y
 
