@@ -96,6 +96,7 @@ static_assert(XPT >= 1 && XPT * NT == BM * 8 && WPT >= 1 && WPT * NT == BN * 8, 
 static_assert(!MOE_LDM || NTL % 2 == 0, "ldmatrix B path loads two n-tiles at once");
 static_assert(sizeof(gdn_u16) * LDS * (BM + NMAT * BN) <= 48 * 1024, "static shared memory over 48 KB");
 typedef MOE_YT yt;
+#include "moe_gemm_common.cuh"
 
 __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
   asm volatile(
@@ -109,16 +110,6 @@ __device__ __forceinline__ void ldsm_x4(unsigned* r, const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr(p)));
-}
-
-__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
-  return (unsigned)from_f<bf16_t>(lo).x | ((unsigned)from_f<bf16_t>(hi).x << 16);
-}
-
-__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
-  unsigned d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
 }
 
 // One packed word (8 nibbles) -> 8 bf16 in shared memory.
@@ -205,33 +196,7 @@ __device__ __forceinline__ void fetch_w(
   }
 }
 
-#ifdef MOE_MINB  // optional register cap: at least MOE_MINB CTAs per SM
-#define MOE_LB __launch_bounds__(NT, MOE_MINB)
-#else
-#define MOE_LB __launch_bounds__(NT)
-#endif
-extern "C" __global__ void MOE_LB KNAME(
-    const bf16_t* __restrict__ x,
-    const unsigned* __restrict__ w0,
-    const bf16_t* __restrict__ s0,
-    const bf16_t* __restrict__ b0,
-#if MOE_KIND == 0
-    const unsigned* __restrict__ w1,
-    const bf16_t* __restrict__ s1,
-    const bf16_t* __restrict__ b1,
-#endif
-    const int* __restrict__ order,
-    const int* __restrict__ offsets,
-    const int* __restrict__ bmap,
-#if MOE_KIND == 1
-    const float* __restrict__ scores,
-    yt* __restrict__ y,
-#else
-    bf16_t* __restrict__ y,
-#endif
-    int K,
-    int O,
-    int topk) {
+extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
   __shared__ __align__(16) gdn_u16 xs[BM][LDS];
   __shared__ __align__(16) gdn_u16 ws[NMAT][BN][LDS];
   __shared__ int src[BM];

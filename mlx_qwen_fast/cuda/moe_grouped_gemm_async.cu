@@ -103,6 +103,7 @@ static_assert(S >= 2 && S <= 6, "MOE_STAGES must be 2..6");
 static_assert(STAGE_BYTES % 16 == 0, "stage must keep 16-byte alignment");
 static_assert(S * STAGE_BYTES <= 227 * 1024, "dynamic shared memory over 227 KB");
 typedef MOE_YT yt;
+#include "moe_gemm_common.cuh"
 
 __device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a1, unsigned a2, unsigned a3,
                                          unsigned b0, unsigned b1) {
@@ -111,16 +112,6 @@ __device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a1, uns
       "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
-  unsigned d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-
-__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
-  return (unsigned)from_f<bf16_t>(lo).x | ((unsigned)from_f<bf16_t>(hi).x << 16);
 }
 
 // 16-byte copy with zero fill: src_bytes 16 copies, 0 writes zeros.
@@ -163,33 +154,7 @@ __device__ __forceinline__ void store2(bf16_t* dst, float a, float b) {
   *reinterpret_cast<unsigned*>(dst) = pack_bf16(a, b);
 }
 
-#ifdef MOE_MINB
-#define MOE_LB __launch_bounds__(NT, MOE_MINB)
-#else
-#define MOE_LB __launch_bounds__(NT)
-#endif
-extern "C" __global__ void MOE_LB KNAME(
-    const bf16_t* __restrict__ x,
-    const unsigned* __restrict__ w0,
-    const bf16_t* __restrict__ s0,
-    const bf16_t* __restrict__ b0,
-#if MOE_KIND == 0
-    const unsigned* __restrict__ w1,
-    const bf16_t* __restrict__ s1,
-    const bf16_t* __restrict__ b1,
-#endif
-    const int* __restrict__ order,
-    const int* __restrict__ offsets,
-    const int* __restrict__ bmap,
-#if MOE_KIND == 1
-    const float* __restrict__ scores,
-    yt* __restrict__ y,
-#else
-    bf16_t* __restrict__ y,
-#endif
-    int K,
-    int O,
-    int topk) {
+extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
   extern __shared__ __align__(16) unsigned char smem[];
 
 #if MOE_COLS_FAST  // grid (O/BN, T): the column tiles of one item run side by side

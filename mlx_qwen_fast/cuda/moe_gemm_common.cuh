@@ -1,0 +1,39 @@
+// Shared by the two sources of the grouped expert GEMM (moe_grouped_gemm.cu,
+// moe_grouped_gemm_async.cu): one kernel contract (moe_grouped_gemm.cu's
+// header), so one parameter list, one launch-bounds macro and the small
+// bit-level helpers both use. Include after MOE_KIND, NT and the `yt` typedef
+// are defined.
+#pragma once
+#include "gdn_common.cuh"
+
+__device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+  return (unsigned)from_f<bf16_t>(lo).x | ((unsigned)from_f<bf16_t>(hi).x << 16);
+}
+
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
+  unsigned d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+#ifdef MOE_MINB  // optional register cap: at least MOE_MINB CTAs per SM
+#define MOE_LB __launch_bounds__(NT, MOE_MINB)
+#else
+#define MOE_LB __launch_bounds__(NT)
+#endif
+
+// Kernel parameters. MOE_KIND 0 (gate + up + SwiGLU): x, the gate weight
+// (w0, s0, b0) and the up weight (w1, s1, b1), bf16 output h. MOE_KIND 1
+// (down): h as x, the down weight, the routing scores and the output y (yt).
+#if MOE_KIND == 0
+#define MOE_SECOND_WEIGHT \
+  const unsigned* __restrict__ w1, const bf16_t* __restrict__ s1, const bf16_t* __restrict__ b1,
+#define MOE_OUTPUT bf16_t* __restrict__ y,
+#else
+#define MOE_SECOND_WEIGHT
+#define MOE_OUTPUT const float* __restrict__ scores, yt* __restrict__ y,
+#endif
+#define MOE_GEMM_PARAMS                                                                        \
+  const bf16_t* __restrict__ x, const unsigned* __restrict__ w0, const bf16_t* __restrict__ s0, \
+      const bf16_t* __restrict__ b0, MOE_SECOND_WEIGHT const int* __restrict__ order,          \
+      const int* __restrict__ offsets, const int* __restrict__ bmap, MOE_OUTPUT int K, int O, int topk
