@@ -481,7 +481,7 @@ def make_block(D=128, H=64, E=32, k=8, dtype=mx.bfloat16, router_scale=4.0):
 
 @cuda
 @needs_cuda
-@pytest.mark.parametrize("n", [16, 333])
+@pytest.mark.parametrize("n", [16, 128, 333])
 def test_block_cuda_kernel_vs_reference(poison, n):
     block = make_block(D=256, H=128, E=64, k=8)
     x = mx.random.normal((1, n, 256), key=mx.random.key(n)).astype(mx.bfloat16)

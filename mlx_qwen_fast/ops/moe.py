@@ -536,8 +536,13 @@ IMPLEMENTATIONS: Dict[str, Callable[..., mx.array]] = {
 #: runs, debugging); unset or any other value lets the kernels run.
 MOE_KERNEL_ENV = "MLX_QWEN_FAST_MOE_KERNEL"
 #: Fewest tokens per call that take the CUDA kernels (prefill); fewer tokens
-#: (decode) keep mlx-lm's block.
-MOE_KERNEL_MIN_TOKENS = 16
+#: (decode, small batches) keep mlx-lm's block. Measured on the H200 through
+#: bench.ops (whole block, one call per eval): at 16 tokens stock 0.84 ms vs
+#: the kernels 1.05 ms (stock faster); at 512 tokens the expert GEMMs take
+#: 0.63 ms vs 5.85 ms. The crossover in between is not measured yet; 128
+#: keeps every call that stock may win on stock (its gather_qmm cost grows
+#: ~linearly: ~1.5 ms of experts at 128 tokens against ~0.5 ms of kernels).
+MOE_KERNEL_MIN_TOKENS = 128
 
 #: Opt-in for the decode kernels (checked on the H200, not yet timed cleanly):
 #: ``MLX_QWEN_FAST_MOE_DECODE_KERNEL=1`` selects "cuda-decode-kernel" on CUDA
