@@ -14,6 +14,9 @@ def run_mlx_lm_main(main, argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     stock = "--stock" in argv
     argv = [a for a in argv if a != "--stock"]
+    if "-h" in argv or "--help" in argv:
+        print("mlx_qwen_fast: mlx-lm's own flags follow; add --stock to run stock mlx-lm "
+              "(MLX_QWEN_FAST=0 does the same).\n")
     if not stock:
         install(verbose=True)
     sys.argv = [sys.argv[0]] + argv

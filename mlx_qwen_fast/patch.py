@@ -138,17 +138,18 @@ def patch(model: nn.Module, *, warn: bool = True) -> PatchReport:
 
     Returns:
         A :class:`PatchReport`. If the model type or a layer's shape is not
-        supported, nothing is changed, ``report.patched`` is False and
+        supported, or the environment sets ``MLX_QWEN_FAST=0`` (see
+        :func:`enabled`), nothing is changed, ``report.patched`` is False and
         ``report.reason`` says why.
 
     Raises:
-        TypeError: ``model`` is not an ``mlx.nn.Module`` (e.g. a path).
+        TypeError: ``model`` is not an ``mlx.nn.Module`` (e.g. a path, or the
+            ``(model, tokenizer)`` pair ``mlx_lm.load`` returns).
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"patch expects a loaded mlx-lm model (mlx.nn.Module), got {type(model).__name__}"
-        )
+    _check_module("patch", model)
     reason = _unsupported_reason(model)
+    if reason is None and not enabled():
+        reason = f"disabled by the environment ({_ENV_SWITCH}={os.environ[_ENV_SWITCH]})"
     if reason is not None:
         if warn:
             warnings.warn(f"mlx_qwen_fast: model left on the stock path: {reason}")
@@ -164,13 +165,34 @@ def patch(model: nn.Module, *, warn: bool = True) -> PatchReport:
     )
 
 
+def _check_module(fn: str, model) -> None:
+    if isinstance(model, nn.Module):
+        return
+    hint = ""
+    if isinstance(model, tuple) and model and isinstance(model[0], nn.Module):
+        hint = " (mlx_lm.load returns (model, tokenizer): pass the model)"
+    raise TypeError(
+        f"{fn} expects a loaded mlx-lm model (mlx.nn.Module), got {type(model).__name__}{hint}"
+    )
+
+
 def unpatch(model: nn.Module) -> Dict[str, int]:
-    """Restore the stock mlx-lm modules (same arrays); returns counts per slot."""
-    return _swap(model, to_fast=False)
+    """Restore the stock mlx-lm modules (same arrays); returns counts per slot.
+
+    Raises:
+        TypeError: ``model`` is not an ``mlx.nn.Module``.
+    """
+    _check_module("unpatch", model)
+    return _swap(model, to_fast=False) if hasattr(model, "layers") else {}
 
 
 def is_patched(model: nn.Module) -> bool:
-    """True if any layer of ``model`` holds a fast-path module."""
+    """True if any layer of ``model`` holds a fast-path module.
+
+    Raises:
+        TypeError: ``model`` is not an ``mlx.nn.Module``.
+    """
+    _check_module("is_patched", model)
     fast = tuple(FAST_CLASSES.values())
     return any(
         isinstance(getattr(layer, slot, None), fast)
@@ -212,9 +234,14 @@ def patched_copy(model: nn.Module, *, warn: bool = True):
 _ENV_SWITCH = "MLX_QWEN_FAST"
 
 
+_OFF_VALUES = ("0", "false", "no", "off")
+
+
 def enabled() -> bool:
-    """False when the environment sets ``MLX_QWEN_FAST=0``."""
-    return os.environ.get(_ENV_SWITCH, "1") != "0"
+    """False when the environment sets ``MLX_QWEN_FAST`` to 0, false, no or off
+    (any case): then :func:`patch` (and so :func:`install`, the CLIs, the demo
+    and ``patched_copy``) leaves every model stock."""
+    return os.environ.get(_ENV_SWITCH, "1").strip().lower() not in _OFF_VALUES
 
 
 def install(*, verbose: bool = False) -> bool:

@@ -203,3 +203,28 @@ def test_install_is_off_when_env_says_so(monkeypatch):
     monkeypatch.setenv("MLX_QWEN_FAST", "0")
     assert mlx_qwen_fast.install() is False
     assert not getattr(mlx_lm.utils.load_model, "_mlx_qwen_fast", False)
+
+
+@pytest.mark.parametrize("bad", [None, "path/to/model", 3, [1, 2]])
+@pytest.mark.parametrize("fn", ["patch", "unpatch", "is_patched"])
+def test_non_module_input_is_a_type_error(fn, bad):
+    with pytest.raises(TypeError, match=f"{fn} expects a loaded mlx-lm model"):
+        getattr(mlx_qwen_fast, fn)(bad)
+
+
+def test_load_tuple_gets_a_hint(tiny):
+    with pytest.raises(TypeError, match=r"mlx_lm.load returns \(model, tokenizer\)"):
+        mlx_qwen_fast.patch(tiny)  # the (model, tokenizer) pair itself
+
+
+@pytest.mark.parametrize("value", ["0", "false", "OFF", " no "])
+def test_env_switch_leaves_patch_stock(tiny, monkeypatch, value):
+    tiny, _ = tiny
+    monkeypatch.setenv("MLX_QWEN_FAST", value)
+    with pytest.warns(UserWarning, match="disabled by the environment"):
+        report = mlx_qwen_fast.patch(tiny)
+    assert not report.patched and "MLX_QWEN_FAST" in report.reason
+    assert not mlx_qwen_fast.is_patched(tiny)
+    monkeypatch.setenv("MLX_QWEN_FAST", "1")
+    assert mlx_qwen_fast.patch(tiny).patched
+    mlx_qwen_fast.unpatch(tiny)
