@@ -14,6 +14,8 @@ fresh random data; references are ``ops.moe.route`` / ``group_by_expert`` /
 
 from __future__ import annotations
 
+import functools
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -27,8 +29,10 @@ import moe_blocks  # tests/ is on sys.path
 from cuda_helpers import BF16_EPS, GATHER_QMM_TOL, HAS_CUDA, cuda, finite, needs_cuda, npa, rel
 
 
+@functools.lru_cache(maxsize=None)
 def qproj(E, O, K, seed, scale=1.0):
-    """A bf16 4-bit QuantizedSwitchLinear E x (K -> O) with fresh weights."""
+    """A bf16 4-bit QuantizedSwitchLinear E x (K -> O), random weights from
+    ``seed``; built once per argument set (the tests never modify it)."""
     p = QuantizedSwitchLinear(K, O, E, bias=False, group_size=64, bits=4)
     w = mx.random.normal((E, O, K), key=mx.random.key(seed)) * (scale / K**0.5)
     p.weight, p.scales, p.biases = mx.quantize(w.astype(mx.bfloat16), group_size=64, bits=4)
@@ -367,11 +371,17 @@ def test_routing_unnormalized_and_other_sizes(poison):
 # ---------------------------------------------------------------------------
 
 
+_dequantized = {}  # (id of a cached qproj, rounding) -> weights
+
+
 def dequant(p, rounding):
     """fp32 weights [E, O, K] as the kernel variant dequantises them, on the
     GPU with MLX ops: ``bf16(bf16(s * q) + b)`` ("twice", the baseline and
     mx.dequantize on CPU) or ``bf16(s * q + b)`` ("once", the packed variants
     and mx.dequantize on CUDA); ``s * q`` is exact in fp32."""
+    key = (id(p), rounding)
+    if key in _dequantized and _dequantized[key][0] is p:
+        return _dequantized[key][1]
     E, O, KW = p.weight.shape
     shifts = mx.arange(8, dtype=mx.uint32) * 4
     q = ((p.weight[..., None] >> shifts) & 15).reshape(E, O, KW * 8).astype(mx.float32)
@@ -380,6 +390,7 @@ def dequant(p, rounding):
     bf = lambda t: t.astype(mx.bfloat16).astype(mx.float32)  # noqa: E731
     w = bf(bf(sc * q) + bi) if rounding == "twice" else bf(sc * q + bi)
     mx.eval(w)
+    _dequantized[key] = (p, w)  # the GEMM cases share their weights
     return w
 
 
