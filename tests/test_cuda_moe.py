@@ -219,6 +219,22 @@ def test_async_variant_fragment_mapping():
     # scale/bias chunk selection: prmt(sb, sb, 0x1010 | 0x3232) replicates the low / high bf16
     assert _prmt(0xBBBBAAAA, 0xBBBBAAAA, 0x1010) == 0xAAAAAAAA
     assert _prmt(0xBBBBAAAA, 0xBBBBAAAA, 0x3232) == 0xBBBBBBBB
+    # which half: the kernel copies the aligned pair (row*kg + kt) & ~1 of
+    # weight row row = e*O + n0 + wn*WNC + j*8 + g and takes its high half when
+    # ((g & kg & 1) + kt) & 1 (row_par, ssel): must be element row*kg + kt,
+    # also for odd kg = K/64 (the test shapes D = 192, 320, I = 64)
+    for kg in (1, 3, 5, 8):
+        for O, bn in ((64, 64), (192, 64), (512, 128), (2048, 256)):
+            wnc = bn // 8
+            for e in (0, 1, 3):
+                for n0 in range(0, O, bn):
+                    for wn in (0, 7):
+                        for j in range(wnc // 8):
+                            for g in range(8):
+                                row = e * O + n0 + wn * wnc + j * 8 + g
+                                for kt in range(kg):
+                                    hi = ((g & kg & 1) + kt) & 1
+                                    assert ((row * kg + kt) & ~1) + hi == row * kg + kt
 
 
 def test_plan_and_tiles():

@@ -291,6 +291,32 @@ def test_kernels_all_tokens_same_experts(poison):
 
 @cuda
 @needs_cuda
+@pytest.mark.parametrize("n,k", [(1, 32), (2, 16)])
+def test_kernels_32_pairs(poison, n, k):
+    """N*k = 32: every lane a pair; k = 32 takes the whole ballot as token 0's mask."""
+    check_kernels(n, k=k, seed=40 + n)
+
+
+@cuda
+@needs_cuda
+def test_kernels_expert_repeated_within_token(poison):
+    """A token listing one expert twice (or three times): as gather_qmm, every
+    pair counts (every h row written, the down output weighted by the sum)."""
+    experts, shared, eg = make_arrays(64, 2048, 512, seed=51)
+    x = x_tokens(2, 2048, 52)
+    inds = mx.array(np.array([[7, 3, 7, 50, 3, 3, 0, 63], [3, 9, 9, 1, 2, 4, 5, 6]], np.int32))
+    s = np.random.default_rng(53).random((2, 8)).astype(np.float32) + 0.05
+    scores = mx.array(s / s.sum(1, keepdims=True))
+    h, sgate = md.gate_up_swiglu(x, inds, experts, shared, eg)
+    y = md.down_combine(h, inds, scores, sgate, experts[2], shared[2])
+    assert finite(h, y)  # every h row written (outputs were NaN)
+    h_ref, _, y_ref = md.reference(x, inds, scores, experts, shared, eg)
+    assert rel(h, h_ref) < 2 * BF16_EPS
+    assert rel(y, y_ref) < 2 * BF16_EPS
+
+
+@cuda
+@needs_cuda
 @pytest.mark.parametrize("n", [1, 4])
 def test_moe_decode_block_vs_ops_and_stock(poison, n):
     block = moe_blocks.make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16)

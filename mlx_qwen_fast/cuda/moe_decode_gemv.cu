@@ -41,8 +41,9 @@
 //   tokens. Items = the distinct experts of inds (in order of first
 //   appearance) + the shared expert; warp w takes items w, w+8, ... (whole
 //   K = I each, double-buffered loads); per item and token
-//   coef * bf16(h . Wd) is added in fp32 (coef = score of the pair, 0 if the
-//   token did not pick the expert; sgate[n] for the shared expert), then the
+//   coef * bf16(h . Wd) is added in fp32 (coef = score of the pair, the sum
+//   of both if the token listed the expert twice, 0 if it did not pick it;
+//   sgate[n] for the shared expert), then the
 //   8 warps' sums are added in warp order (deterministic, no atomics).
 //   inputs: h [NK + N, I] bf16, inds [NK], scores [NK] float, sgate [N]
 //   float, wd, sd, bd (routed [E, D, I/8] / [E, D, I/64]), xwd, xsd, xbd
@@ -337,15 +338,15 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
     gt = from_f_round<bf16_t>(gt);
     up = from_f_round<bf16_t>(up);
     const bf16_t hv = from_f<bf16_t>(silu_f(gt) * up);
-    int dst = -1;
     if (shared) {
-      dst = NK + n;
+      h[(size_t)(NK + n) * I + row0 + r] = hv;
     } else {
+      // every pair of token n with this expert (a token listing an expert
+      // twice gets both rows: down_combine reads the first)
 #pragma unroll
       for (int j = 0; j < TOPK; ++j)
-        if (inds[n * TOPK + j] == e) dst = n * TOPK + j;
+        if (inds[n * TOPK + j] == e) h[(size_t)(n * TOPK + j) * I + row0 + r] = hv;
     }
-    if (dst >= 0) h[(size_t)dst * I + row0 + r] = hv;
   }
 }
 
@@ -428,9 +429,14 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
       const unsigned pm = __ballot_sync(0xffffffffu, lane < NK && my_e == e);
 #pragma unroll
       for (int n = 0; n < N; ++n) {
-        const unsigned sub = (pm >> (n * TOPK)) & ((1u << TOPK) - 1u);
+        // token n's pairs (TOPK == 32: 1u << 32 would be undefined)
+        const unsigned sub = (pm >> (n * TOPK)) & (TOPK >= 32 ? 0xffffffffu : (1u << (TOPK & 31)) - 1u);
         const int p = sub ? n * TOPK + __ffs(sub) - 1 : 0;
-        const float sc = __shfl_sync(0xffffffffu, my_s, p);
+        float sc = __shfl_sync(0xffffffffu, my_s, p);
+        // an expert listed twice by one token: the sum of its scores (sub is
+        // warp-uniform, so is this loop)
+        for (unsigned more = sub & (sub - 1u); more; more &= more - 1u)
+          sc += __shfl_sync(0xffffffffu, my_s, n * TOPK + __ffs(more) - 1);
         if (sub) {
           if (g == n) hrow = p;
           if (2 * t == n) cf0 = sc;

@@ -345,6 +345,8 @@ def _grid(cfg: dict, items: int, col_tiles: int) -> Tuple[int, int, int]:
     for an "async" build with MOE_COLS_FAST."""
     nt = cfg["threads"]
     if cfg["defines"].get("MOE_COLS_FAST"):
+        if items > 65535:  # CUDA's limit on gridDim.y
+            raise ValueError(f"MOE_COLS_FAST launches one work item per grid row: at most 65535, got {items}")
         return (col_tiles * nt, items, 1)
     return (items * nt, col_tiles, 1)
 
