@@ -36,7 +36,9 @@ the shared gate's sigmoid is not rounded, selection uses fp32 probabilities
 Status: compiled with nvcc 13.0 for sm_90a (no spills: gate+up 80 registers,
 3 CTAs/SM; down 136-144 registers). On the H200 (2026-12-01) the check of
 bench/moe_decode_cuda.py passed 10/10 (rel. error 4-6e-3 vs the fp32
-reference); its timing ran beside another job, so the kernels stay opt-in
+reference; the source has changed since for a token listing one expert
+twice and for k = 32, not yet rerun); its timing ran beside another job, so
+the kernels stay opt-in
 (``MLX_QWEN_FAST_MOE_DECODE_KERNEL=1``, see ``ops.moe``) until timed cleanly
 (bench/results/moe-cuda-log.md).
 """
