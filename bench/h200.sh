@@ -3,7 +3,8 @@
 #   bash bench/h200.sh prefill   # prefill sweep 256..128K, stock vs patched
 #   bash bench/h200.sh decode    # decode sweep 256..128K context
 #   bash bench/h200.sh ab        # both sweeps in one process (one stock warm-up; ~9 min)
-#   bash bench/h200.sh tests     # pytest -m cuda (all CUDA tests, ~6-8 min)
+#   bash bench/h200.sh tests     # pytest -m cuda, kernel tests (MoE first; ~5-8 min)
+#   bash bench/h200.sh layers    # tests/test_cuda_layers.py (full GDN layer vs stock; 182 s on 2026-12-01)
 #   bash bench/h200.sh checks    # numerics (stock/patched vs fp32) and per-op benchmark
 #   bash bench/h200.sh moe       # MoE kernel device scripts: grouped GEMM variants, decode GEMV
 #   bash bench/h200.sh decode-moe  # decode A/B with the opt-in fused MoE decode kernels on
@@ -32,7 +33,10 @@ ab)
   timeout 560 $AB --prefill $L --decode $L --decode-steps 32 --rounds 2 --max-seconds 30 \
     --out "$OUT/ab.json" > "$OUT/ab.log" 2>&1; tail -32 "$OUT/ab.log" ;;
 tests)
-  timeout 560 python3 -m pytest -q -m cuda tests 2>&1 | tail -30 | tee "$OUT/tests.txt" ;;
+  timeout 560 python3 -m pytest -q -m cuda tests/test_cuda_moe_decode.py tests/test_cuda_moe.py \
+    tests/test_cuda_gated_delta.py 2>&1 | tail -30 | tee "$OUT/tests.txt" ;;
+layers)
+  timeout 560 python3 -m pytest -q tests/test_cuda_layers.py 2>&1 | tail -15 | tee "$OUT/tests-layers.txt" ;;
 checks)
   timeout 300 python3 -m bench.numerics $P --out "$OUT/numerics.json" 2>&1 | tail -12
   timeout 240 python3 -m bench.ops $P --out "$OUT/ops.json" 2>&1 | tail -30 ;;
@@ -44,5 +48,5 @@ moe)  # logs and JSONs packed into one file: $OUT brings back at most 8 files
 decode-moe)
   MLX_QWEN_FAST_MOE_DECODE_KERNEL=1 timeout 560 $AB --decode 256,4k,32k --decode-steps 32 --rounds 2 \
     --out "$OUT/ab-decode-moe-kernel.json" 2>&1 | tee "$OUT/ab-decode-moe-kernel.log" | tail -12 ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|checks|moe|decode-moe}"; exit 2 ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|decode-moe}"; exit 2 ;;
 esac
