@@ -61,33 +61,9 @@ def layer_bytes(n_unique: int, n: int) -> int:
 def make_block(seed):
     """Stock Qwen3NextSparseMoeBlock at full size, 4-bit group 64 (router and shared gate 8-bit), bf16."""
     mx = _mx()
-    import mlx.nn as nn
-    from mlx_lm.models.qwen3_next import ModelArgs, Qwen3NextSparseMoeBlock
+    from tests.moe_blocks import make_block as _make
 
-    args = ModelArgs(
-        model_type="qwen3_next", hidden_size=D, num_hidden_layers=1, intermediate_size=I,
-        num_attention_heads=16, linear_num_value_heads=32, linear_num_key_heads=16,
-        linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-        num_experts=E, num_experts_per_tok=K, decoder_sparse_step=1,
-        shared_expert_intermediate_size=I, mlp_only_layers=[], moe_intermediate_size=I,
-        rms_norm_eps=1e-6, vocab_size=16, num_key_value_heads=2, rope_theta=1e7,
-        partial_rotary_factor=0.25, max_position_embeddings=4096, head_dim=256, norm_topk_prob=True,
-    )
-    mx.random.seed(seed)
-    block = Qwen3NextSparseMoeBlock(args)
-    block.gate.weight = block.gate.weight * 8.0  # decisive routing
-
-    def pred(path, m):
-        if not hasattr(m, "to_quantized"):
-            return False
-        if path == "gate" or path.endswith("shared_expert_gate"):
-            return {"group_size": 64, "bits": 8}
-        return True
-
-    nn.quantize(block, group_size=64, bits=4, class_predicate=pred)
-    block.set_dtype(mx.bfloat16)
-    mx.eval(block.parameters())
-    return block
+    return _make(D=D, H=I, E=E, k=K, dtype=mx.bfloat16, router_scale=8.0, seed=seed)
 
 
 # --------------------------------------------------------------------------

@@ -5,8 +5,11 @@ import mlx.nn as nn
 from mlx_lm.models.qwen3_next import ModelArgs, Qwen3NextSparseMoeBlock
 
 
-def make_block(D=64, H=64, E=16, k=8, dtype=mx.float32, router_scale=4.0):
-    """A quantized Qwen3NextSparseMoeBlock with the checkpoint's bit widths."""
+def make_block(D=64, H=64, E=16, k=8, dtype=mx.float32, router_scale=4.0, seed=None):
+    """A quantized Qwen3NextSparseMoeBlock with the checkpoint's bit widths
+    (experts and shared expert 4-bit, router and shared-expert gate 8-bit,
+    group 64); ``seed`` seeds MLX's global generator first. Also used by
+    bench/moe_decode_cuda.py at the full model size."""
     args = ModelArgs(
         model_type="qwen3_next",
         hidden_size=D,
@@ -33,6 +36,8 @@ def make_block(D=64, H=64, E=16, k=8, dtype=mx.float32, router_scale=4.0):
         head_dim=8,
         norm_topk_prob=True,
     )
+    if seed is not None:
+        mx.random.seed(seed)
     block = Qwen3NextSparseMoeBlock(args)
     # decisive routing: logits spread over a few units, not all near zero
     block.gate.weight = block.gate.weight * router_scale
