@@ -91,3 +91,14 @@ def timeit(fn, n=20, batch=1, warm=3) -> float:
         ts.append((time.perf_counter() - t0) / batch)
     ts.sort()
     return ts[len(ts) // 2]
+
+
+def build_lines(results: dict) -> list:
+    """Summary lines of a ``build`` section: per run (first use, cached), the
+    seconds each kernel took to build or load, and the compiler."""
+    lines = []
+    for label, r in results.get("build", {}).items():
+        if isinstance(r, dict) and "build_s" in r:
+            lines.append(f"build {label:9s}: " + ", ".join(f"{k} {v:.2f}s" for k, v in r["build_s"].items())
+                         + f" [{r.get('compiler')}]")
+    return lines

@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.device_script import finite, log, rel, run_sections  # noqa: E402
+from bench.device_script import build_lines, finite, log, rel, run_sections  # noqa: E402
 from bench.device_script import timeit as _timeit  # noqa: E402
 
 E, D, I, K = 256, 2048, 512, 8
@@ -296,10 +296,7 @@ def main():
 
 def summary(results):
     lines = ["", "=== CUDA MoE kernels: summary ==="]
-    for label, r in results.get("build", {}).items():
-        if isinstance(r, dict) and "build_s" in r:
-            lines.append(f"build {label:9s}: " + ", ".join(f"{k} {v:.2f}s" for k, v in r["build_s"].items())
-                         + f" [{r.get('compiler')}]")
+    lines += build_lines(results)
     ch = results.get("check", {}).get("checks", [])
     bad = [c for c in ch if not c.get("ok")]
     lines.append(f"check: {len(ch) - len(bad)}/{len(ch)} pass" + (f"  FAILED: {bad[:3]}" if bad else ""))
