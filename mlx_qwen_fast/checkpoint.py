@@ -850,6 +850,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         )
     except ValueError as e:
         parser.error(str(e))
+    except OSError as e:  # --out is a file, or a folder that can't be made
+        parser.error(f"--out {args.out}: {e.strerror or e}")
 
 
 if __name__ == "__main__":

@@ -521,3 +521,8 @@ def test_cli(tmp_path, tiny_checkpoint, capsys):
     assert "router_skew" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         ckpt.main(["--preset", "big", "--out", str(out)])
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    with pytest.raises(SystemExit):
+        ckpt.main(["--preset", "tiny", "--out", str(a_file)])
+    assert f"--out {a_file}" in capsys.readouterr().err
