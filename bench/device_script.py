@@ -102,3 +102,28 @@ def build_lines(results: dict) -> list:
             lines.append(f"build {label:9s}: " + ", ".join(f"{k} {v:.2f}s" for k, v in r["build_s"].items())
                          + f" [{r.get('compiler')}]")
     return lines
+
+
+def timed_builds(snippet: str, root, tail: int = 2000) -> dict:
+    """Run ``snippet`` (a Python program that prints one ``BUILDJSON{...}``
+    line) in two fresh processes sharing an empty kernel cache
+    (``MLX_QWEN_FAST_CACHE``): "first_use" compiles, "cached" loads.
+
+    Returns ``{label: {"rc", "process_wall", **BUILDJSON}}``; logs each run.
+    """
+    import tempfile
+
+    env = dict(os.environ, MLX_QWEN_FAST_CACHE=tempfile.mkdtemp(prefix="mqf_cache_"),
+               PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = {}
+    for label in ("first_use", "cached"):
+        t0 = time.perf_counter()
+        r = subprocess.run([sys.executable, "-c", snippet], env=env, capture_output=True, text=True)
+        wall = time.perf_counter() - t0
+        log(f"[build:{label}] rc={r.returncode} wall={wall:.2f}s\n{r.stdout[-tail:]}\n{r.stderr[-3000:]}")
+        rec = {"rc": r.returncode, "process_wall": wall}
+        for line in r.stdout.splitlines():
+            if line.startswith("BUILDJSON"):
+                rec.update(json.loads(line[len("BUILDJSON"):]))
+        out[label] = rec
+    return out

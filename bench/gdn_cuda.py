@@ -15,11 +15,8 @@ short table is printed last.
 
 from __future__ import annotations
 
-import json
-import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.device_script import finite, log, rel, run_sections, timeit  # noqa: E402
+from bench.device_script import finite, log, rel, run_sections, timed_builds, timeit  # noqa: E402
 
 D = 128
 HK, HV = 16, 32
@@ -134,19 +131,7 @@ print("BUILDJSON" + json.dumps(dict(import_mlx=t1 - t0, setup=t2 - t1, first_cal
 
 
 def section_build(args):
-    cache = tempfile.mkdtemp(prefix="mqf_cache_")
-    env = dict(os.environ, MLX_QWEN_FAST_CACHE=cache, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = {}
-    for label in ("first_use", "cached"):
-        t0 = time.perf_counter()
-        r = subprocess.run([sys.executable, "-c", _BUILD_SNIPPET], env=env, capture_output=True, text=True)
-        wall = time.perf_counter() - t0
-        log(f"[build:{label}] rc={r.returncode} wall={wall:.2f}s\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-        rec = {"rc": r.returncode, "process_wall": wall}
-        for line in r.stdout.splitlines():
-            if line.startswith("BUILDJSON"):
-                rec.update(json.loads(line[len("BUILDJSON"):]))
-        out[label] = rec
+    out = timed_builds(_BUILD_SNIPPET, ROOT, tail=3000)
     # mx.fast.cuda_kernel (NVRTC inside MLX, no disk cache) for comparison
     snippet = r"""
 import time, mlx.core as mx

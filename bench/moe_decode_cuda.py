@@ -24,12 +24,9 @@ a JSON of every number go to --out; a short table is printed last.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
-import time
 from functools import partial
 from pathlib import Path
 
@@ -37,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.device_script import build_lines, finite, log, rel, run_sections  # noqa: E402
+from bench.device_script import build_lines, finite, log, rel, run_sections, timed_builds  # noqa: E402
 from bench.device_script import timeit as _timeit  # noqa: E402
 
 E, D, I, K = 256, 2048, 512, 8
@@ -89,22 +86,9 @@ print("BUILDJSON" + json.dumps(dict(import_s=t1 - t0, build_s=res, names=names, 
 
 
 def section_build(args):
-    cache = tempfile.mkdtemp(prefix="mqf_cache_")
     cubdir = Path(args.out) / "cubins"
     cubdir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, MLX_QWEN_FAST_CACHE=cache,
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    out = {}
-    snippet = _BUILD_SNIPPET.replace("{OUTDIR}", str(cubdir))
-    for label in ("first_use", "cached"):
-        t0 = time.perf_counter()
-        r = subprocess.run([sys.executable, "-c", snippet], env=env, capture_output=True, text=True)
-        log(f"[build:{label}] rc={r.returncode} wall={time.perf_counter() - t0:.2f}s\n{r.stdout[-1500:]}\n{r.stderr[-3000:]}")
-        rec = {"rc": r.returncode}
-        for line in r.stdout.splitlines():
-            if line.startswith("BUILDJSON"):
-                rec.update(json.loads(line[len("BUILDJSON"):]))
-        out[label] = rec
+    out = timed_builds(_BUILD_SNIPPET.replace("{OUTDIR}", str(cubdir)), ROOT, tail=1500)
     # SASS: registers, loads issued before the first HMMA, local memory
     if shutil.which("cuobjdump"):
         sass = {}
