@@ -74,6 +74,13 @@ struct Vec16 {
   static constexpr int N = 16 / sizeof(T);
 };
 
+// PTX byte permute: bytes of {b, a} picked by the four nibbles of sel.
+__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
+  unsigned d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
 __device__ __forceinline__ void unpack_bf16x2(unsigned w, float& lo, float& hi) {
   lo = __uint_as_float(w << 16);
   hi = __uint_as_float(w & 0xffff0000u);

@@ -107,12 +107,6 @@ __device__ __forceinline__ uint4 ldg16(const void* p) {
   return r;
 }
 
-__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
-  unsigned d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-
 __device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a1, unsigned a2,
                                          unsigned a3, unsigned b0, unsigned b1) {
   asm volatile(

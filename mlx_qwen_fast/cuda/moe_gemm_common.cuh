@@ -1,19 +1,13 @@
 // Shared by the two sources of the grouped expert GEMM (moe_grouped_gemm.cu,
 // moe_grouped_gemm_async.cu): one kernel contract (moe_grouped_gemm.cu's
-// header), so one parameter list, one launch-bounds macro and the small
-// bit-level helpers both use. Include after MOE_KIND, NT and the `yt` typedef
+// header), so one parameter list, one launch-bounds macro and the bf16
+// pair packing both use (prmt lives in gdn_common.cuh). Include after MOE_KIND, NT and the `yt` typedef
 // are defined.
 #pragma once
 #include "gdn_common.cuh"
 
 __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
   return (unsigned)from_f<bf16_t>(lo).x | ((unsigned)from_f<bf16_t>(hi).x << 16);
-}
-
-__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
-  unsigned d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
 }
 
 #ifdef MOE_MINB  // optional register cap: at least MOE_MINB CTAs per SM
