@@ -59,6 +59,7 @@ __all__ = [
     "gate_up_swiglu",
     "down_combine",
     "supports",
+    "plan",
     "supports_arrays",
     "block_arrays",
     "reference",
@@ -205,32 +206,43 @@ def supports(block, x) -> bool:
     ``D % 256 == 0``, ``I % 128 == 0``, the shared expert's size equal to the
     experts', and E a multiple of 32 (<= 1024) for the routing kernel.
     """
+    return plan(block, x) is not None
+
+
+def plan(block, x) -> Optional[tuple]:
+    """The arrays :func:`moe_decode` runs ``block`` on ``x`` with
+    (:func:`block_arrays`, shapes checked), or None where :func:`supports`
+    is False. Never compiles."""
     if not cb.cuda_available():
-        return False
-    return _supports_shapes(block, x)
+        return None
+    return _plan_shapes(block, x)
 
 
 def _supports_shapes(block, x) -> bool:
     """:func:`supports` without the backend check (CPU-testable)."""
+    return _plan_shapes(block, x) is not None
+
+
+def _plan_shapes(block, x) -> Optional[tuple]:
     try:
         if getattr(block, "sharding_group", None) is not None:
-            return False
+            return None
         if not isinstance(x, mx.array) or x.ndim < 1 or x.dtype != mx.bfloat16:
-            return False
+            return None
         n = math.prod(x.shape[:-1])
         if not 1 <= n <= MAX_TOKENS:
-            return False
+            return None
         E, k = block.num_experts, block.top_k
         if E % 32 or E > 1024 or not 1 <= k <= min(32, E):
-            return False
+            return None
         arrs = block_arrays(block)
         if arrs is None:
-            return False
+            return None
         tok = mx.zeros((n, x.shape[-1]), mx.bfloat16)  # shape only, never evaluated
         inds = mx.zeros((n, k), mx.int32)
-        return supports_arrays(tok, inds, *arrs)
+        return arrs if supports_arrays(tok, inds, *arrs) else None
     except (AttributeError, TypeError, ValueError):
-        return False
+        return None
 
 
 # ---------------------------------------------------------------------------
@@ -286,6 +298,11 @@ def gate_up_swiglu(
         ValueError: a shape/dtype the kernel does not take (named).
     """
     _check("gate_up_swiglu", _shape_problem(x, inds, None, experts, shared, expert_gate))
+    return _launch_gate_up(x, inds, experts, shared, expert_gate)
+
+
+def _launch_gate_up(x, inds, experts, shared, expert_gate):
+    """:func:`gate_up_swiglu` on arguments already checked."""
     n, D = x.shape
     k = inds.shape[1]
     (wg, sg, bg), (wu, su, bu), _ = experts
@@ -347,6 +364,13 @@ def down_combine(
         raise ValueError(f"down_combine: shared_down must be uint32 [{D}, {I // 8}] + bf16 [{D}, {I // 64}] x2")
     if smem_bytes(n, k, I) > SMEM_LIMIT:
         raise ValueError(f"down_combine: (N*k + N) * I too large (N={n}, k={k}, I={I})")
+    return _launch_down(h, inds, scores, sgate, down, shared_down)
+
+
+def _launch_down(h, inds, scores, sgate, down, shared_down):
+    """:func:`down_combine` on arguments already checked."""
+    n, k = inds.shape
+    D, I = down[0].shape[1], h.shape[1]
     kern = _kernel(1, n, k, D, I)
     (y,) = kern(
         inputs=[h, inds, scores, sgate, *down, *shared_down],
@@ -371,11 +395,15 @@ def moe_decode_arrays(
         ValueError: a shape/dtype the kernels do not take (named).
     """
     _check("moe_decode_arrays", _shape_problem(x, inds, scores, experts, shared, expert_gate))
-    h, sgate = gate_up_swiglu(x, inds, experts, shared, expert_gate)
-    return down_combine(h, inds, scores, sgate, experts[2], shared[2])
+    return _launch_both(x, inds, scores, experts, shared, expert_gate)
 
 
-def moe_decode(block, x: mx.array) -> mx.array:
+def _launch_both(x, inds, scores, experts, shared, expert_gate):
+    h, sgate = _launch_gate_up(x, inds, experts, shared, expert_gate)
+    return _launch_down(h, inds, scores, sgate, experts[2], shared[2])
+
+
+def moe_decode(block, x: mx.array, arrays: Optional[tuple] = None) -> mx.array:
     """``Qwen3NextSparseMoeBlock(x)`` for 1..4 tokens: router, routing kernel, two MoE kernels.
 
     Four graph nodes: ``block.gate`` (quantised matmul), the routing kernel
@@ -386,6 +414,8 @@ def moe_decode(block, x: mx.array) -> mx.array:
     Args:
         block: a quantised ``Qwen3NextSparseMoeBlock`` (see :func:`supports`).
         x: ``[..., D]`` bfloat16, 1..4 tokens.
+        arrays: ``plan(block, x)`` when the caller has it (the checks then
+            are not repeated); None: planned here.
 
     Returns:
         ``[..., D]`` bfloat16.
@@ -396,13 +426,13 @@ def moe_decode(block, x: mx.array) -> mx.array:
     """
     from . import moe_routing as mr
 
-    arrs = block_arrays(block)
+    arrs = plan(block, x) if arrays is None else arrays
     if arrs is None:
-        raise ValueError("moe_decode: block's experts/shared expert are not 4-bit group-64 affine (see supports)")
+        raise ValueError("moe_decode: the block's modules or x do not fit the kernels (see supports)")
     lead, d = x.shape[:-1], x.shape[-1]
     tokens = x.reshape(-1, d)
     inds, scores = mr.route(block.gate(tokens), block.top_k, normalize=block.norm_topk_prob)
-    return moe_decode_arrays(tokens, inds, scores, *arrs).reshape(*lead, d)
+    return _launch_both(tokens, inds, scores, *arrs).reshape(*lead, d)
 
 
 # ---------------------------------------------------------------------------

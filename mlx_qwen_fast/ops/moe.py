@@ -519,9 +519,10 @@ def _cuda_decode_kernel(block, x: mx.array) -> mx.array:
     the kernels do not apply (see ``moe_decode_gemv.supports``)."""
     from ..kernels import moe_decode_gemv as _dg
 
-    if getattr(block, "sharding_group", None) is not None or not _dg.supports(block, x):
+    arrays = _dg.plan(block, x)  # None for a sharded or unsupported block
+    if arrays is None:
         return _stock(block, x)
-    return _dg.moe_decode(block, x)
+    return _dg.moe_decode(block, x, arrays)
 
 
 #: name -> fn(block, x). Add a kernel here and pick it in ``_BY_BACKEND``.
