@@ -52,6 +52,7 @@ import mlx.core as mx
 import numpy as np
 
 from . import _cuda_build as cb
+from .moe_grouped_gemm import bf16_round  # host reference rounding, shared
 
 __all__ = [
     "moe_decode",
@@ -444,13 +445,6 @@ def _np(a) -> np.ndarray:
     if isinstance(a, mx.array):
         return np.asarray(a.astype(mx.float32) if a.dtype in (mx.bfloat16, mx.float16) else a)
     return np.asarray(a)
-
-
-def bf16_round(a) -> np.ndarray:
-    """Round float32 to the nearest bf16 (ties to even), kept as float32."""
-    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-    u = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-    return u.view(np.float32)
 
 
 def dequant_f32(w, s, b, bits: int = 4, group_size: int = 64) -> np.ndarray:

@@ -74,6 +74,7 @@ __all__ = [
     "supports",
     "supports_arrays",
     "unpack_affine_4bit",
+    "bf16_round",
     "choose_tile_rows",
     "TILE_CHOICES",
     "VARIANTS",
@@ -144,13 +145,13 @@ def unpack_affine_4bit(w, scales, biases, group_size: int = 64, rounding: str = 
     s = np.repeat(s, group_size, axis=-1)
     b = np.repeat(b, group_size, axis=-1)
     if rounding == "twice":
-        return _bf16_round(_bf16_round(s * q) + b)
+        return bf16_round(bf16_round(s * q) + b)
     # s * q is exact in fp32 (8 x 4 significant bits); the sum is exact in
     # float64 (aligned spans far below 53 bits); one rounding to bf16.
     return _bf16_round_f64(s.astype(np.float64) * q + b)
 
 
-def _bf16_round(a: np.ndarray) -> np.ndarray:
+def bf16_round(a) -> np.ndarray:
     """Round float32 to the nearest bf16 (ties to even), kept as float32."""
     u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
     u = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
