@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -397,6 +396,8 @@ def main(argv=None) -> Dict:
     backend = common.backend_name()
     wanted = set(x.strip() for x in args.impls.split(",")) if args.impls else None
 
+    out = Path(args.out) if args.out else common.default_out("ops")
+    old = common.read_json(out) if args.append and out.exists() else None
     records = []
     for family, case in cases(model, _selected_ops(args.ops), args.prefill_tokens,
                               args.decode_context, dtype, args.layer_chain):
@@ -418,8 +419,16 @@ def main(argv=None) -> Dict:
                 print(f"{case.op:18} {shape:16} {impl:18} {rec['status']}: {rec.get('error')}",
                       flush=True)
             common.free_memory()
+            result = write_result(out, args, ceil, records, old, t0)  # a killed run keeps its rows
+    result = write_result(out, args, ceil, records, old, t0)
+    print("wrote", out, flush=True)
+    return result
 
-    out = Path(args.out) if args.out else common.default_out("ops")
+
+def write_result(out: Path, args, ceil, records: List[Dict], old: Optional[Dict],
+                 t0: float) -> Dict:
+    """Write the ops JSON with the records so far (merged into ``old`` with
+    ``--append``) and return it."""
     result = {
         **common.result_header("ops", args),
         **common.checkpoint_fields(args),
@@ -430,12 +439,10 @@ def main(argv=None) -> Dict:
         "ops": records,
         "wall_seconds": time.perf_counter() - t0,
     }
-    if args.append and out.exists():
-        old = common.read_json(out)
+    if old is not None:
         result["ops"] = common.merge_records(old.get("ops", []), records, op_key)
         result["ceilings"] = ceil or old.get("ceilings")
     common.write_json(out, result)
-    print("wrote", out, flush=True)
     return result
 
 
