@@ -154,12 +154,16 @@ mx.eval(o); print("CKJSON", time.perf_counter() - t)
 # --------------------------------------------------------------------------
 
 SCAN_VARIANTS = [
-    # (L, R, warps, TB, kqf32, U); run 2 measured more (bench/results/gdn-cuda-log.md)
-    (8, 2, 4, 32, 0, 1),
-    (8, 2, 4, 32, 1, 1),
-    (8, 2, 4, 32, 0, 2),
-    (8, 2, 4, 32, 0, 4),
-    (8, 2, 4, 32, 1, 4),
+    # (L, R, warps, TB, kqf32, U); runs 1-3 measured more (bench/results/gdn-cuda-log.md).
+    # Blocks at B = 1: 32 heads x 128 / rows per block (RB = warps * 32 / L * R).
+    (8, 2, 4, 32, 0, 1),   # RB 32: 128 blocks of 128 threads (the 2026-11-29 default)
+    (8, 1, 4, 32, 0, 1),   # RB 16: 256 blocks
+    (8, 2, 2, 32, 0, 1),   # RB 16: 256 blocks of 64 threads
+    (4, 1, 2, 32, 0, 1),   # RB 16: 256 blocks, 32 columns per lane
+    (8, 1, 2, 32, 0, 1),   # RB 8: 512 blocks of 64 threads
+    (16, 1, 4, 32, 0, 1),  # RB 8: 512 blocks of 128 threads, 8 columns per lane
+    (16, 2, 4, 32, 0, 1),  # RB 16: 256 blocks, 8 columns per lane
+    (8, 1, 4, 32, 0, 4),   # RB 16 with token groups of 4
 ]
 T_LIST = [1, 2, 3, 63, 64, 65, 1000, 4096]
 
@@ -246,7 +250,11 @@ def section_scan(args):
         mx.eval(q, k, v, g, beta, s0)
         cl = cfgs if (B, T) == (1, 4096) else cfgs[:1]
         for cfg in cl:
-            t = timeit(lambda: S.gated_delta_scan(q, k, v, g, beta, s0, config=cfg), n=15, batch=5)
+            # one call per evaluation, as the model runs it (a layer's scan
+            # waits for the previous layer): several calls in one evaluation
+            # run concurrently and time throughput, not latency (runs 1-3
+            # used batch=5: 0.74 ms at B=1, T=4096, against 1.36 ms alone)
+            t = timeit(lambda: S.gated_delta_scan(q, k, v, g, beta, s0, config=cfg), n=15, batch=1)
             res["timings"][f"scan B={B} T={T} cfg={list(cfg)}"] = t
             log(f"[scan] B={B} T={T} cfg={list(cfg)}: {t * 1e3:.3f} ms")
     # the chunkwise plain-MLX form (tensor-core matmuls) for comparison

@@ -5,9 +5,12 @@
 #   bash bench/h200.sh ab        # both sweeps in one process (one stock warm-up; ~9 min)
 #   bash bench/h200.sh tests     # pytest -m cuda, kernel tests (MoE first; ~5-8 min)
 #   bash bench/h200.sh layers    # tests/test_cuda_layers.py (full GDN layer vs stock; 182 s on 2026-12-01)
-#   bash bench/h200.sh checks    # numerics (stock/patched vs fp32) and per-op benchmark
+#   bash bench/h200.sh checks    # decode-path tests + numerics (stock/patched vs fp32), then the per-op benchmark (~9.5 min)
 #   bash bench/h200.sh moe       # MoE kernel device scripts: grouped GEMM variants, decode GEMV
 #   bash bench/h200.sh decode-moe  # decode A/B with the opt-in fused MoE decode kernels on
+#   bash bench/h200.sh kernels   # every CUDA test in parallel (untimed), then on a quiet GPU the MoE
+#                                # kernel timings and a patched-only decode with/without the MoE decode kernels (~9 min)
+#   bash bench/h200.sh scan      # GDN scan variants (check, single-call latency), prefill A/B with the fastest (~8 min)
 # Run from the repo root on the device with .mlxcuda carried; results go to $OUT.
 # A fresh process pays MLX-CUDA's first-use kernel compilation: 177-225 s for
 # the stock engine's per-token GDN loop (measured 2026-11-29 and 2026-12-01),
@@ -37,9 +40,16 @@ tests)
     tests/test_cuda_gated_delta.py 2>&1 | tail -30 | tee "$OUT/tests.txt" ;;
 layers)
   timeout 560 python3 -m pytest -q tests/test_cuda_layers.py 2>&1 | tail -15 | tee "$OUT/tests-layers.txt" ;;
-checks)
-  timeout 300 python3 -m bench.numerics $P --out "$OUT/numerics.json" 2>&1 | tail -12
-  timeout 240 python3 -m bench.ops $P --out "$OUT/ops.json" 2>&1 | tail -30 ;;
+checks)  # decode-path CUDA tests in the background (untimed) beside the numerics, then the per-op benchmark alone
+  XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 3"
+  ( timeout 280 python3 -m pytest -q $XD tests/test_cuda_layers.py tests/test_cuda_moe_decode.py \
+      tests/test_compiled_steps.py "tests/test_cuda_moe.py::test_grouped_gemm_refuses_unsupported" \
+      "tests/test_cuda_moe.py::test_dispatch_by_backend_and_env" > "$OUT/tests-decode.txt" 2>&1
+    echo "rc=$?" >> "$OUT/tests-decode.txt" ) &
+  timeout 330 python3 -m bench.numerics $P --out "$OUT/numerics.json" > "$OUT/numerics.log" 2>&1
+  wait; tail -3 "$OUT/tests-decode.txt"; tail -8 "$OUT/numerics.log"
+  timeout 220 python3 -m bench.ops $P --max-seconds 15 --out "$OUT/ops.json" > "$OUT/ops.log" 2>&1
+  tail -45 "$OUT/ops.log" ;;
 moe)  # logs and JSONs packed into one file: $OUT brings back at most 8 files
   M=/tmp/moe_out; mkdir -p $M
   timeout 300 python3 bench/moe_cuda.py --sections check,time --out $M 2>&1 | tail -45
@@ -48,5 +58,32 @@ moe)  # logs and JSONs packed into one file: $OUT brings back at most 8 files
 decode-moe)
   MLX_QWEN_FAST_MOE_DECODE_KERNEL=1 timeout 560 $AB --decode 256,4k,32k --decode-steps 32 --rounds 2 \
     --out "$OUT/ab-decode-moe-kernel.json" 2>&1 | tee "$OUT/ab-decode-moe-kernel.log" | tail -12 ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|decode-moe}"; exit 2 ;;
+kernels)  # correctness first, all at once (nothing is timed while they run), then timings alone
+  M=/tmp/k_out; mkdir -p $M; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 4"
+  ( timeout 330 python3 -m pytest -q -m cuda $XD tests/test_cuda_moe.py tests/test_cuda_moe_decode.py \
+      tests/test_cuda_gated_delta.py > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt ) &
+  ( timeout 330 python3 -m pytest -q tests/test_cuda_layers.py > $M/tests-layers.txt 2>&1; echo "rc=$?" >> $M/tests-layers.txt ) &
+  timeout 150 python3 bench/moe_cuda.py --sections build,check --out $M > $M/moe-check.txt 2>&1
+  timeout 120 python3 bench/moe_decode_cuda.py --sections build,check --out $M > $M/moe-decode-check.txt 2>&1
+  wait; date
+  timeout 120 python3 bench/moe_cuda.py --sections time --out $M > $M/moe-time.txt 2>&1
+  timeout 100 python3 bench/moe_decode_cuda.py --sections time,raw --out $M > $M/moe-decode-time.txt 2>&1
+  for f in 0 1; do MLX_QWEN_FAST_MOE_DECODE_KERNEL=$f timeout 75 $AB --engines patched --decode 4k \
+      --decode-steps 32 --rounds 2 --out $M/ab-decode-k$f.json > $M/ab-decode-k$f.txt 2>&1; done
+  tar czf "$OUT/kernels.tgz" -C $M .
+  tail -4 $M/tests.txt $M/tests-layers.txt; grep -h "check:\|per variant" $M/moe-check.txt $M/moe-decode-check.txt
+  tail -62 $M/moe-time.txt | grep -v "^ *[0-9]* route\|^$"; tail -14 $M/moe-decode-time.txt
+  grep -h "^decode" $M/ab-decode-k*.txt ;;
+scan)  # GDN scan variants (checked vs fp32, single-call latency), then a prefill A/B with the fastest checked one
+  M=/tmp/s_out; mkdir -p $M
+  timeout 200 python3 bench/gdn_cuda.py --sections scan --out $M > $M/gdn-scan.txt 2>&1
+  CFG=$(python3 bench/pick_scan_config.py $M/gdn_scan.json); echo "fastest checked scan config: $CFG"
+  SET="import sys, bench.ab as a, mlx_qwen_fast.kernels.gated_delta_scan as S; S.DEFAULT_CONFIG = S.ScanConfig(*map(int, sys.argv[1].split(','))); a.main(sys.argv[2:])"
+  timeout 300 python3 -c "$SET" "$CFG" $P --no-plots --warmup-max-seconds 300 --prefill 512,4k --rounds 2 \
+    --max-seconds 30 --out $M/ab-prefill-scan.json > $M/ab-prefill-scan.txt 2>&1
+  timeout 140 python3 -c "$SET" "$CFG" $P --no-plots --engines patched --prefill $L --rounds 2 \
+    --max-seconds 30 --out $M/ab-prefill-patched.json > $M/ab-prefill-patched.txt 2>&1
+  tar czf "$OUT/scan.tgz" -C $M .
+  grep -h "\[scan\]\|FAIL" $M/gdn-scan.txt | tail -24; grep -h "^prefill" $M/ab-prefill-*.txt ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|decode-moe|kernels|scan}"; exit 2 ;;
 esac

@@ -133,6 +133,14 @@ def implementations(family: str, backend: Optional[str] = None) -> Dict[str, Cal
     return {k: v for k, v in table.items() if _runs_on(k, backend)}
 
 
+def applies(family: str, impl: str, tokens: int) -> bool:
+    """False for an implementation that would only hand the call to another
+    one (the decode MoE kernels above their token limit run stock)."""
+    if family == "moe" and impl == "cuda-decode-kernel":
+        return tokens <= _ops_module("moe").MOE_DECODE_KERNEL_MAX_TOKENS
+    return True
+
+
 def default_implementation(family: str, tokens: int) -> Optional[str]:
     """The name the patched model uses for ``tokens`` tokens on this backend."""
     if family == _LAYER:
@@ -404,6 +412,8 @@ def main(argv=None) -> Dict:
         default = default_implementation(family, case.shape["T"])
         for impl, fn in implementations(family, backend).items():
             if wanted and impl not in wanted:
+                continue
+            if not applies(family, impl, case.shape["T"]):
                 continue
             rec = run_case(case, impl, fn, repeats=args.repeats, warmup=args.warmup,
                            budget_s=args.max_seconds, ceilings=ceil, backend=backend,

@@ -16,6 +16,7 @@ from mlx_lm.models.gated_delta import normalize_qk
 from mlx_lm.models.qwen3_5 import GatedDeltaNet
 from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextSparseMoeBlock
 
+from .compiled import StepPlans, apply_linear, linear_arrays, linear_paths
 from .kernels import gated_delta_decode as k_decode
 from .kernels import gated_delta_frontend as k_frontend
 from .kernels import gated_delta_scan as k_scan
@@ -112,10 +113,50 @@ class FastGatedDeltaNet(GatedDeltaNet):
         return self.out_proj(out.reshape(B, S, -1))
 
     def _decode_cuda(self, inputs, cache):
-        """The whole step between the projections and ``out_proj`` in one kernel
-        (traced once with ``mx.compile``: no per-call wrapper cost)."""
-        qkv = self.in_proj_qkv(inputs)
+        """The whole step, projections included, in one ``mx.compile``d call
+        (:func:`_gdn_decode_step`: the input projections, the fused kernel
+        for everything between them and ``out_proj``, ``out_proj``); the
+        eager launches where a projection is not a plain (quantised) linear
+        layer. None where the kernel does not take the call."""
         conv_state, state = self._states(cache)
+        B = inputs.shape[0]
+        if conv_state is None:
+            conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), inputs.dtype)
+        if state is None:
+            state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
+        key = (tuple(inputs.shape), inputs.dtype, conv_state.dtype, state.dtype)
+        arrays, fn = StepPlans.of(self).get(key, self, lambda: self._decode_plan(inputs, state))
+        if fn is None:
+            return None
+        if isinstance(fn, str):  # "eager"
+            return self._decode_cuda_eager(inputs, conv_state, state, cache)
+        out, conv_state, state = fn(inputs, conv_state, state, *arrays)
+        self._store(cache, conv_state, state, 1)
+        return out
+
+    _PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")
+    _STEP_ARRAYS = (("conv1d", "weight"), ("A_log",), ("dt_bias",), ("norm", "weight"))
+
+    def _decode_plan(self, inputs, state):
+        """``(paths, step)`` for :class:`StepPlans`: the compiled step, "eager"
+        (a projection of another kind) or None (the kernel does not apply)."""
+        qkv = mx.zeros((inputs.shape[0], 1, self.conv_dim), inputs.dtype)  # shape only, never evaluated
+        children = [(n,) for n in self._PROJECTIONS]
+        if not k_decode.supports(
+            qkv, state, **self._heads(), head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim
+        ):
+            return children, None
+        lins = [linear_arrays(getattr(self, n)) for n in self._PROJECTIONS]
+        if any(lin is None for lin in lins):
+            return children, "eager"
+        paths = self._STEP_ARRAYS + tuple(
+            p for n, lin in zip(self._PROJECTIONS, lins) for p in linear_paths((n,), lin))
+        statics = tuple((len(lin[0]), lin[1]) for lin in lins)
+        return paths, _gdn_decode_step(self.num_k_heads, self.num_v_heads, self.norm.eps, statics)
+
+    def _decode_cuda_eager(self, inputs, conv_state, state, cache):
+        """One kernel between the projections, the projections called as modules."""
+        qkv = self.in_proj_qkv(inputs)
         if not k_decode.supports(
             qkv, state, **self._heads(), head_k_dim=self.head_k_dim, head_v_dim=self.head_v_dim
         ):
@@ -180,6 +221,40 @@ class FastGatedDeltaNet(GatedDeltaNet):
         if self.sharding_group is not None:
             out = mx.distributed.all_sum(out, group=self.sharding_group)
         return out
+
+
+_gdn_steps = {}
+
+
+def _gdn_decode_step(num_k_heads: int, num_v_heads: int, norm_eps: float, statics: tuple):
+    """The ``mx.compile``d decode step of a Gated DeltaNet layer, projections
+    included, for one static setting (all arrays are inputs: one trace per
+    input signature, shared by every layer)::
+
+        fn(x, conv_state, state, conv_weight, A_log, dt_bias, norm_weight,
+           *in_proj_qkv, *in_proj_z, *in_proj_a, *in_proj_b, *out_proj)
+        -> (y [B, 1, D], new conv_state, new state)
+
+    ``statics``: ``(number of arrays, linear_arrays static)`` per projection.
+    """
+    key = (int(num_k_heads), int(num_v_heads), float(norm_eps), statics)
+    fn = _gdn_steps.get(key)
+    if fn is None:
+
+        def step(x, conv_state, state, conv_weight, A_log, dt_bias, norm_weight, *flat):
+            outs, i = [], 0
+            for n, static in statics[:4]:
+                outs.append(apply_linear(x, flat[i:i + n], static))
+                i += n
+            qkv, z, a, b = outs
+            out, conv_state, state = k_decode.gated_delta_decode(
+                qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
+                num_k_heads=key[0], num_v_heads=key[1], norm_eps=key[2],
+            )
+            return apply_linear(out, flat[i:], statics[4][1]), conv_state, state
+
+        fn = _gdn_steps[key] = mx.compile(step)
+    return fn
 
 
 class FastAttention(Qwen3NextAttention):

@@ -338,3 +338,37 @@ def test_moe_decode_block_vs_ops_and_stock(poison, n):
     # stock mlx-lm block (its own bf16 routing: may differ on near-ties)
     stock = moe.sparse_moe(block, x, implementation="stock")
     assert rel(got, stock) < 2 * GATHER_QMM_TOL
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_moe_decode_step_compiled_equals_eager(poison, n):
+    """The mx.compile'd step (what the patched model runs) = the eager launches,
+    bit for bit, for several layers through one trace; a replaced weight is read."""
+    blocks = [moe_blocks.make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=s) for s in (3, 4)]
+    for i, block in enumerate(blocks):
+        x = (mx.random.normal((1, n, 256), key=mx.random.key(10 * n + i)) * 1.5).astype(mx.bfloat16)
+        got = md.moe_decode_step(block, x)
+        assert got is not None and got.shape == x.shape and finite(got)
+        assert mx.array_equal(got, md.moe_decode(block, x)).item()
+        assert mx.array_equal(got, moe.sparse_moe(block, x)).item()  # the default dispatch
+    # replace the routed experts' down projection of block 0: the step must follow
+    block = blocks[0]
+    x = (mx.random.normal((1, n, 256), key=mx.random.key(99)) * 1.5).astype(mx.bfloat16)
+    before = md.moe_decode_step(block, x)
+    block.switch_mlp.down_proj.scales = block.switch_mlp.down_proj.scales * 2
+    after = md.moe_decode_step(block, x)
+    assert mx.array_equal(after, md.moe_decode(block, x)).item()
+    assert not mx.array_equal(after, before).item()
+
+
+def test_moe_decode_step_declines_unsupported():
+    """None (the caller keeps stock) where the kernels do not apply: fp32
+    activations, more than 4 tokens, or no CUDA."""
+    block = moe_blocks.make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16)
+    x = mx.zeros((1, 5, 256), mx.bfloat16)
+    assert md.moe_decode_step(block, x) is None
+    assert md.moe_decode_step(block, x[:, :1].astype(mx.float32)) is None
+    if not HAS_CUDA:
+        assert md.moe_decode_step(block, x[:, :1]) is None

@@ -346,13 +346,17 @@ def test_block_vs_stock_bf16():
 # ---------------------------------------------------------------------------
 
 
-def test_dispatch_stock_except_cuda_prefill(monkeypatch):
+def test_dispatch_stock_except_cuda(monkeypatch):
     monkeypatch.delenv(moe.MOE_KERNEL_ENV, raising=False)
     monkeypatch.delenv(moe.MOE_DECODE_KERNEL_ENV, raising=False)
-    assert {"stock", "reference", "cuda-kernel"} <= set(moe.IMPLEMENTATIONS)
+    assert {"stock", "reference", "cuda-kernel", "cuda-decode-kernel"} <= set(moe.IMPLEMENTATIONS)
     for b in ("cpu", "cuda", "metal"):
-        for n in (1, 7, 2048, 65536):
-            want = "cuda-kernel" if b == "cuda" and n >= moe.MOE_KERNEL_MIN_TOKENS else "stock"
+        for n in (1, 4, 5, 7, 2048, 65536):
+            want = "stock"
+            if b == "cuda" and n >= moe.MOE_KERNEL_MIN_TOKENS:
+                want = "cuda-kernel"
+            elif b == "cuda" and n <= moe.MOE_DECODE_KERNEL_MAX_TOKENS:
+                want = "cuda-decode-kernel"
             assert moe.implementation_for(n, b) == want
     assert moe.implementation_for(1) in moe.IMPLEMENTATIONS
     with pytest.raises(ValueError, match="backend"):

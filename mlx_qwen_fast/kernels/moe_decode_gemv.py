@@ -56,6 +56,7 @@ from .moe_grouped_gemm import bf16_round  # host reference rounding, shared
 
 __all__ = [
     "moe_decode",
+    "moe_decode_step",
     "moe_decode_arrays",
     "gate_up_swiglu",
     "down_combine",
@@ -411,6 +412,8 @@ def moe_decode(block, x: mx.array, arrays: Optional[tuple] = None) -> mx.array:
     (:func:`mlx_qwen_fast.kernels.moe_routing.route`: fp32 softmax, top-k,
     renormalised as ``block.norm_topk_prob``), :func:`gate_up_swiglu`,
     :func:`down_combine`. Call only where :func:`supports` is True.
+    :func:`moe_decode_step` is the same computation traced once with
+    ``mx.compile`` (what the patched model runs).
 
     Args:
         block: a quantised ``Qwen3NextSparseMoeBlock`` (see :func:`supports`).
@@ -434,6 +437,80 @@ def moe_decode(block, x: mx.array, arrays: Optional[tuple] = None) -> mx.array:
     tokens = x.reshape(-1, d)
     inds, scores = mr.route(block.gate(tokens), block.top_k, normalize=block.norm_topk_prob)
     return _launch_both(tokens, inds, scores, *arrs).reshape(*lead, d)
+
+
+_CHILDREN = ("gate", "shared_expert_gate", "switch_mlp", "shared_expert")
+_EXPERT_PATHS = tuple((parent, proj, leaf) for parent in ("switch_mlp", "shared_expert")
+                      for proj in ("gate_proj", "up_proj", "down_proj")
+                      for leaf in ("weight", "scales", "biases"))
+
+
+def _step_plan(block, x):
+    """``(paths, compiled step)`` of ``block`` for inputs like ``x`` (see
+    :class:`mlx_qwen_fast.compiled.StepPlans`); ``(children, None)`` where
+    :func:`plan` declines. Path order = the compiled step's array order:
+    router, routed experts gate/up/down, shared expert gate/up/down (weight,
+    scales, biases each), shared-expert gate (weight, scales, biases)."""
+    from ..compiled import linear_arrays, linear_paths
+
+    declined = [(c,) for c in _CHILDREN if c in block], None
+    router = linear_arrays(block.gate) if "gate" in block else None
+    arrs = plan(block, x)
+    if router is None or arrs is None:
+        return declined
+    bits = arrs[2][3]
+    gate = (("shared_expert_gate", "weight"),) * 3 if bits == 16 else tuple(
+        ("shared_expert_gate", n) for n in ("weight", "scales", "biases"))
+    paths = linear_paths(("gate",), router) + _EXPERT_PATHS + gate
+    return paths, _compiled_step(block.top_k, block.norm_topk_prob, router[1], len(router[0]), bits)
+
+
+_steps: Dict[tuple, object] = {}
+
+
+def _compiled_step(top_k: int, normalize: bool, router_static: tuple, n_router: int, gate_bits: int):
+    """The ``mx.compile``d decode step for one static setting (shared by all layers)."""
+    key = (top_k, bool(normalize), router_static, n_router, gate_bits)
+    fn = _steps.get(key)
+    if fn is None:
+        from ..compiled import apply_linear
+        from . import moe_routing as mr
+
+        def step(x, *arrays):
+            logits = apply_linear(x, arrays[:n_router], router_static)
+            inds, scores = mr.route(logits, top_k, normalize=normalize)
+            a = arrays[n_router:]
+            experts, shared = (a[0:3], a[3:6], a[6:9]), (a[9:12], a[12:15], a[15:18])
+            return _launch_both(x, inds, scores, experts, shared, (a[18], a[19], a[20], gate_bits))
+
+        fn = _steps[key] = mx.compile(step)
+    return fn
+
+
+def moe_decode_step(block, x: mx.array) -> Optional[mx.array]:
+    """:func:`moe_decode` traced once with ``mx.compile``, or None where it does not apply.
+
+    Same kernels and results (bit for bit) as :func:`moe_decode`; the block's
+    arrays are inputs of the compiled function, so one trace per token count
+    serves every layer. The :func:`plan` checks run once per layer and input
+    signature (cached on the block, re-run when one of its arrays is
+    replaced), so a call costs the array lookups and the compiled call.
+
+    Args:
+        block: a ``Qwen3NextSparseMoeBlock``.
+        x: ``[..., D]``, 1..4 tokens.
+
+    Returns:
+        ``[..., D]`` bfloat16, or None when :func:`supports` is False (the
+        caller runs another implementation).
+    """
+    from ..compiled import StepPlans
+
+    arrays, fn = StepPlans.of(block).get((tuple(x.shape), x.dtype), block, lambda: _step_plan(block, x))
+    if fn is None:
+        return None
+    lead, d = x.shape[:-1], x.shape[-1]
+    return fn(x.reshape(-1, d), *arrays).reshape(*lead, d)
 
 
 # ---------------------------------------------------------------------------

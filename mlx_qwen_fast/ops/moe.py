@@ -515,14 +515,13 @@ def _cuda_kernel(block, x: mx.array) -> mx.array:
 def _cuda_decode_kernel(block, x: mx.array) -> mx.array:
     """Decode (1..4 tokens) through ``kernels.moe_decode_gemv``: router,
     routing kernel, fused gate+up SwiGLU GEMV and fused down + routing
-    weights + shared expert + combine (4 graph nodes); the stock block where
-    the kernels do not apply (see ``moe_decode_gemv.supports``)."""
+    weights + shared expert + combine (4 graph nodes), traced once with
+    ``mx.compile`` (``moe_decode_step``); the stock block where the kernels
+    do not apply (see ``moe_decode_gemv.supports``)."""
     from ..kernels import moe_decode_gemv as _dg
 
-    arrays = _dg.plan(block, x)  # None for a sharded or unsupported block
-    if arrays is None:
-        return _stock(block, x)
-    return _dg.moe_decode(block, x, arrays)
+    y = _dg.moe_decode_step(block, x)  # None for a sharded or unsupported block
+    return _stock(block, x) if y is None else y
 
 
 #: name -> fn(block, x). Add a kernel here and pick it in ``_BY_BACKEND``.
@@ -545,9 +544,11 @@ MOE_KERNEL_ENV = "MLX_QWEN_FAST_MOE_KERNEL"
 #: ~linearly: ~1.5 ms of experts at 128 tokens against ~0.5 ms of kernels).
 MOE_KERNEL_MIN_TOKENS = 128
 
-#: Opt-in for the decode kernels (checked on the H200, not yet timed cleanly):
-#: ``MLX_QWEN_FAST_MOE_DECODE_KERNEL=1`` selects "cuda-decode-kernel" on CUDA
-#: for calls of at most this many tokens.
+#: The decode kernels run on CUDA for calls of at most this many tokens;
+#: ``MLX_QWEN_FAST_MOE_DECODE_KERNEL=0`` keeps the stock block there. Measured
+#: on the H200 (bench/results/moe-cuda-log.md, 2026-12-01): the two kernels
+#: take 15.4 us per layer at 1 token (CUDA graph, kernels alone), the stock
+#: block 250 us through MLX; patched decode at 4K context 43.3 -> 63.6 tok/s.
 MOE_DECODE_KERNEL_ENV = "MLX_QWEN_FAST_MOE_DECODE_KERNEL"
 MOE_DECODE_KERNEL_MAX_TOKENS = 4
 
@@ -569,9 +570,8 @@ def implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:
 
     ``"cuda-kernel"`` on CUDA for ``num_tokens >= MOE_KERNEL_MIN_TOKENS``
     (prefill) unless the environment sets ``MLX_QWEN_FAST_MOE_KERNEL=0``;
-    "cuda-decode-kernel" on CUDA for 1..4 tokens only when the environment
-    sets ``MLX_QWEN_FAST_MOE_DECODE_KERNEL=1`` (opt-in until verified on a
-    GPU); "stock" otherwise. Measured on the H200 (bench/results/moe-cuda-log.md):
+    "cuda-decode-kernel" on CUDA for 1..4 tokens unless the environment
+    sets ``MLX_QWEN_FAST_MOE_DECODE_KERNEL=0``; "stock" otherwise. Measured on the H200 (bench/results/moe-cuda-log.md):
     the expert GEMMs take 2.67 ms at T = 4096 against 43.1 ms for mlx-lm's
     ``gather_qmm``, 1.07 ms against 5.85 ms at T = 512.
 
@@ -588,7 +588,7 @@ def implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:
     if (
         name == _backend.CUDA
         and 0 < num_tokens <= MOE_DECODE_KERNEL_MAX_TOKENS
-        and os.environ.get(MOE_DECODE_KERNEL_ENV, "") == "1"
+        and os.environ.get(MOE_DECODE_KERNEL_ENV, "") != "0"
     ):
         return "cuda-decode-kernel"
     return _BY_BACKEND[name]

@@ -1,0 +1,152 @@
+"""Decode steps traced once with ``mx.compile``, every array passed in.
+
+A decode step of the model is a few hundred small graph nodes per token; on
+MLX's CUDA backend the Python that builds them (module dispatch, shape checks,
+kernel wrappers) costs as much as the GPU work (bench/results/README.md:
+~10 ms of host time per token). A layer whose decode step is one
+``mx.compile``d function pays that Python once per input signature; each
+later call replays the traced graph from C++.
+
+Rules the fast layers follow here:
+
+* Every array the step reads is an *input* of the compiled function (weights
+  included), never a closure capture: one trace serves every layer of a model
+  with the same shapes, and a weight replaced later (``model.update``,
+  ``load_weights``) is read as it is at call time.
+* The checks that decide whether a layer can take the fast step run once per
+  layer and input signature; :class:`StepPlans` keeps their outcome on the
+  layer, keyed by that signature and checked against the identity of the
+  layer's current arrays, so a replaced weight is re-checked.
+
+Linear layers are passed as :func:`linear_arrays` tuples and applied with
+:func:`apply_linear`, which computes exactly what ``nn.Linear`` /
+``nn.QuantizedLinear.__call__`` compute.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+__all__ = ["StepPlans", "apply_linear", "gather", "linear_arrays", "linear_paths"]
+
+#: (arrays, static) of one linear layer; static is hashable (part of a trace key).
+LinearArrays = Tuple[Tuple[mx.array, ...], Tuple]
+
+
+def linear_arrays(module) -> Optional[LinearArrays]:
+    """The arrays and static settings of an ``nn.Linear`` or ``nn.QuantizedLinear``.
+
+    Returns:
+        ``(arrays, static)``: ``arrays`` = (weight[, scales[, biases]][, bias])
+        as the module holds them; ``static`` = ("dense", has_bias) or
+        ("quantized", group_size, bits, mode, has_biases, has_bias). None for
+        any other module (the caller keeps the module's own call).
+    """
+    if isinstance(module, nn.QuantizedLinear):
+        arrays = [module["weight"], module["scales"]]
+        has_biases = "biases" in module
+        if has_biases:
+            arrays.append(module["biases"])
+        has_bias = "bias" in module
+        if has_bias:
+            arrays.append(module["bias"])
+        static = ("quantized", module.group_size, module.bits, module.mode, has_biases, has_bias)
+        return tuple(arrays), static
+    if type(module) is nn.Linear:
+        has_bias = "bias" in module
+        arrays = (module["weight"], module["bias"]) if has_bias else (module["weight"],)
+        return arrays, ("dense", has_bias)
+    return None
+
+
+def apply_linear(x: mx.array, arrays: Sequence[mx.array], static: Tuple) -> mx.array:
+    """``module(x)`` for the module :func:`linear_arrays` described (same ops)."""
+    if static[0] == "dense":
+        if static[1]:
+            return mx.addmm(arrays[1], x, arrays[0].T)
+        return x @ arrays[0].T
+    _, group_size, bits, mode, has_biases, has_bias = static
+    biases = arrays[2] if has_biases else None
+    y = mx.quantized_matmul(x, arrays[0], scales=arrays[1], biases=biases, transpose=True,
+                            group_size=group_size, bits=bits, mode=mode)
+    if has_bias:
+        y = y + arrays[-1]
+    return y
+
+
+Path = Tuple[str, ...]
+
+
+def gather(module, paths: Sequence[Path]) -> Tuple[Any, ...]:
+    """The objects at ``paths`` under ``module`` (plain dict lookups: modules
+    are dicts of their parameters and children). Raises KeyError, TypeError."""
+    out = []
+    for path in paths:
+        obj = module
+        for key in path:
+            obj = dict.__getitem__(obj, key)
+        out.append(obj)
+    return tuple(out)
+
+
+def linear_paths(prefix: Path, arrays_static: LinearArrays) -> Tuple[Path, ...]:
+    """Paths (under the parent) of the arrays :func:`linear_arrays` returned
+    for the child at ``prefix``, in the same order."""
+    static = arrays_static[1]
+    if static[0] == "dense":
+        names = ("weight", "bias") if static[1] else ("weight",)
+    else:
+        names = ("weight", "scales") + (("biases",) if static[4] else ()) + (("bias",) if static[5] else ())
+    return tuple(prefix + (n,) for n in names)
+
+
+class StepPlans:
+    """Per-layer cache of a fast step's plan, keyed by the input signature.
+
+    ``get(key, module, make)``: ``make()`` returns ``(paths, plan)``, the
+    paths (under ``module``) of every object the plan depends on -- the arrays
+    the step reads, or, for a plan that declines (None), the child modules
+    that decided it. A later call with the same ``key`` gathers those objects
+    with plain dict lookups (a few microseconds) and reuses the plan when each
+    is the same object as before; a replaced weight or child module (or a
+    missing one) makes it call ``make()`` again.
+
+    Returns ``(objects at paths, plan)``.
+
+    Held as a plain attribute of the layer (not a parameter), so it lives and
+    dies with the layer and never appears in ``parameters()``. The objects of
+    the last plan stay referenced (their ids cannot be reused while cached).
+    """
+
+    __slots__ = ("_plans",)
+
+    def __init__(self):
+        self._plans: Dict[Hashable, Tuple[Tuple[Path, ...], Tuple[int, ...], Tuple, Any]] = {}
+
+    def get(self, key: Hashable, module, make: Callable[[], Tuple[Sequence[Path], Any]]):
+        hit = self._plans.get(key)
+        if hit is not None:
+            paths, ids, _, plan = hit
+            try:
+                objs = gather(module, paths)
+            except (KeyError, TypeError):
+                objs = None
+            if objs is not None and tuple(map(id, objs)) == ids:
+                return objs, plan
+        paths, plan = make()
+        paths = tuple(tuple(p) for p in paths)
+        objs = gather(module, paths)
+        self._plans[key] = (paths, tuple(map(id, objs)), objs, plan)
+        return objs, plan
+
+    @staticmethod
+    def of(module) -> "StepPlans":
+        """The module's cache (created on first use)."""
+        plans = module.__dict__.get("_mqf_step_plans")
+        if plans is None:
+            plans = StepPlans()
+            object.__setattr__(module, "_mqf_step_plans", plans)
+        return plans
