@@ -7,7 +7,6 @@
 #   bash bench/h200.sh layers    # tests/test_cuda_layers.py (full GDN layer vs stock; 182 s on 2026-12-01)
 #   bash bench/h200.sh checks    # decode-path tests + numerics (stock/patched vs fp32), then the per-op benchmark (~9.5 min)
 #   bash bench/h200.sh moe       # MoE kernel device scripts: grouped GEMM variants, decode GEMV
-#   bash bench/h200.sh decode-moe  # decode A/B with the opt-in fused MoE decode kernels on
 #   bash bench/h200.sh kernels   # every CUDA test in parallel (untimed), then on a quiet GPU the MoE
 #                                # kernel timings and a patched-only decode with/without the MoE decode kernels (~9 min)
 #   bash bench/h200.sh scan      # GDN scan variants (check, single-call latency), prefill A/B with the fastest (~8 min)
@@ -55,9 +54,6 @@ moe)  # logs and JSONs packed into one file: $OUT brings back at most 8 files
   timeout 300 python3 bench/moe_cuda.py --sections check,time --out $M 2>&1 | tail -45
   timeout 200 python3 bench/moe_decode_cuda.py --out $M 2>&1 | tail -20
   tar czf "$OUT/moe.tgz" -C $M . ;;
-decode-moe)
-  MLX_QWEN_FAST_MOE_DECODE_KERNEL=1 timeout 560 $AB --decode 256,4k,32k --decode-steps 32 --rounds 2 \
-    --out "$OUT/ab-decode-moe-kernel.json" 2>&1 | tee "$OUT/ab-decode-moe-kernel.log" | tail -12 ;;
 kernels)  # correctness first, all at once (nothing is timed while they run), then timings alone
   M=/tmp/k_out; mkdir -p $M; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 4"
   ( timeout 330 python3 -m pytest -q -m cuda $XD tests/test_cuda_moe.py tests/test_cuda_moe_decode.py \
@@ -85,5 +81,5 @@ scan)  # GDN scan variants (checked vs fp32, single-call latency), then a prefil
     --max-seconds 30 --out $M/ab-prefill-patched.json > $M/ab-prefill-patched.txt 2>&1
   tar czf "$OUT/scan.tgz" -C $M .
   grep -h "\[scan\]\|FAIL" $M/gdn-scan.txt | tail -24; grep -h "^prefill" $M/ab-prefill-*.txt ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|decode-moe|kernels|scan}"; exit 2 ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan}"; exit 2 ;;
 esac

@@ -20,8 +20,8 @@ Modules (each exposes the wrapper of the same name and ``supports``):
 - ``moe_grouped_gemm``      fused-dequant grouped expert GEMM (gate+up SwiGLU,
                             down + routing weight; MoE prefill, on by default)
 - ``moe_decode_gemv``       fused decode MoE, N <= 4 tokens: gate+up SwiGLU and
-                            down + combine + shared expert (checked on the
-                            H200; opt-in until timed)
+                            down + combine + shared expert (on by default on
+                            CUDA; see ``ops.moe``)
 
 Import them by module path, e.g.
 ``from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan, supports``

@@ -44,8 +44,9 @@ class ScanConfig(tuple):
         return W * (32 // L) * R
 
 
-#: Fastest measured on the H200 (0.71-0.76 ms at B=1, T=4096, bf16; the
-#: token-grouped U=4 form was 0.81 ms): bench/results/gdn-cuda-log.md.
+#: Fastest measured on the H200: 1.29 ms at B=1, T=4096, bf16, one call
+#: (seven other layouts 1.37-1.75 ms, incl. 256/512 smaller blocks and the
+#: token-grouped U=4 form): bench/results/gdn-cuda-log.md, 2026-12-01.
 DEFAULT_CONFIG = ScanConfig(8, 2, 4, 32, 0, 1)
 
 _kernels: Dict[tuple, cb.CudaKernel] = {}

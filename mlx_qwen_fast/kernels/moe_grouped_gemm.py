@@ -53,8 +53,10 @@ runs 8 warps (4 x 2).
 Source: ``mlx_qwen_fast/cuda/moe_grouped_gemm.cu`` (``async``:
 ``moe_grouped_gemm_async.cu``). Status (bench/results/moe-cuda-log.md):
 ``base``, ``deq``, ``pf``, ``pfl`` and ``big`` checked and timed on the H200
-(2026-12-01; ``pfl`` fastest: 1.63 ms of expert GEMMs at T=4096, the
-default); ``async`` compiled with nvcc (no spills), not yet run on a GPU.
+(2026-12-01; ``pfl`` fastest: 1.87 ms of expert GEMMs at T=4096 alone,
+110 TFLOP/s, the default); ``async`` checked on the H200, slower than ``pfl``
+for gate+up (1.11 vs 0.96 ms), faster for down (0.65-0.70 vs 0.74 ms), not
+used by default.
 """
 
 from __future__ import annotations
@@ -90,12 +92,14 @@ NT = 128  # threads per CTA of the baseline variant
 TILE_CHOICES = (32, 64, 128)
 VARIANTS = ("base", "deq", "pf", "pfl", "big", "async")
 #: The variant the public functions use when ``variant`` is None: "pfl", the
-#: fastest at T = 512, 2048 and 4096 on the H200 (1.63 ms vs 2.60 ms for
-#: "base" at T = 4096; bench/results/moe-cuda-log.md, 2026-12-01).
+#: fastest at T = 512, 2048 and 4096 on the H200 (1.69 ms vs 2.64 ms for
+#: "base" at T = 4096, three calls per evaluation; 1.89 ms one call at a
+#: time: bench/results/moe-cuda-log.md, 2026-12-01).
 DEFAULT_VARIANT = "pfl"
 #: Dequantisation rounding of each variant (``rounding`` of unpack_affine_4bit).
 VARIANT_ROUNDING = {"base": "twice", "deq": "once", "pf": "once", "pfl": "once", "big": "once", "async": "once"}
-#: Tuning of the "async" variant (unverified guesses until timed on a GPU):
+#: Tuning of the "async" variant (timed on the H200, 2026-12-01: none of the
+#: swept settings beats "pfl" for the whole block; moe-cuda-log.md):
 #: cp.async ring depth, and the widest column tile per matrix for gate+up and
 #: down at BM <= 64 (narrowed to the largest of 256/128/64 dividing the
 #: output width; BM 128 uses 64 / 128 so that 512 threads fit 128 registers).
