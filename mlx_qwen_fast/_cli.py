@@ -17,7 +17,9 @@ def run_mlx_lm_main(main, argv=None) -> None:
     if "-h" in argv or "--help" in argv:
         print("mlx_qwen_fast: mlx-lm's own flags follow; add --stock to run stock mlx-lm "
               "(MLX_QWEN_FAST=0 does the same).\n")
-    if not stock:
+    if stock:
+        print("mlx_qwen_fast: --stock: running stock mlx-lm", file=sys.stderr)
+    else:
         install(verbose=True)
     sys.argv = [sys.argv[0]] + argv
     main()

@@ -818,13 +818,31 @@ def make_tokenizer(out_dir: Union[str, Path]) -> Path:
 # Command line
 
 
+def existing_checkpoint_files(out_dir: Path) -> List[str]:
+    """Names of the files in ``out_dir`` that :func:`write_checkpoint` would
+    replace or delete (``config.json``, ``model*.safetensors``); [] when the
+    directory is absent or is not a directory."""
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        return []
+    names = sorted(p.name for p in out_dir.glob("model*.safetensors"))
+    if (out_dir / "config.json").exists():
+        names.insert(0, "config.json")
+    return names
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(
         description="Write a random-weight Qwen3.5/3.6-MoE checkpoint "
         "(mlx-community 4-bit layout) that mlx_lm.load can load."
     )
     parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    parser.add_argument("--out", required=True, type=Path, help="Output directory.")
+    parser.add_argument("--out", required=True, help="Output directory.")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="Replace a checkpoint already in --out (its config.json and model*.safetensors).",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--router-skew",
@@ -840,8 +858,21 @@ def main(argv: Optional[List[str]] = None) -> None:
     )
     args = parser.parse_args(argv)
     try:
+        _check_args(args.preset, args.seed, args.router_skew, args.lm_head_scale)
+    except ValueError as e:
+        parser.error(str(e))
+    if not args.out.strip():
+        parser.error("--out must name a directory, got an empty string")
+    out = Path(args.out)
+    held = existing_checkpoint_files(out)
+    if held and not args.overwrite:
+        parser.error(
+            f"--out {out} already holds a checkpoint ({', '.join(held[:3])}"
+            f"{', ...' if len(held) > 3 else ''}); pass --overwrite to replace it"
+        )
+    try:
         write_checkpoint(
-            args.out,
+            out,
             args.preset,
             seed=args.seed,
             router_skew=args.router_skew,

@@ -38,8 +38,10 @@ def default_checkpoint_dir() -> Path:
 
 
 def ensure_demo_checkpoint(path: Path) -> Path:
-    """Write the tiny demo checkpoint to ``path`` unless it is already there."""
-    if not (path / "config.json").exists():
+    """Write the tiny demo checkpoint to ``path`` unless it is already there
+    (its config, tokenizer and weights; anything missing is rewritten)."""
+    complete = all((path / n).exists() for n in ("config.json", "tokenizer.json", "tokenizer_config.json"))
+    if not complete or not any(path.glob("model*.safetensors")):
         print(f"Creating the tiny demo checkpoint in {path} ...")
         write_checkpoint(path, preset="tiny", seed=0, lm_head_scale=DEMO_LM_HEAD_SCALE)
     return path
@@ -55,16 +57,28 @@ def run(model, tokenizer, prompt, max_tokens):
     return tokens, text, last
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, help="checkpoint path (default: tiny demo)")
+    parser.add_argument("--model", type=Path, help="checkpoint directory (default: tiny demo)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=_positive_int, default=64)
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default="float32",
         help="activation dtype (default float32: see the module docstring)",
     )
     args = parser.parse_args(argv)
+    if args.model is not None and not (args.model / "config.json").is_file():
+        parser.error(f"--model {args.model}: not a checkpoint directory (no config.json there)")
 
     path = args.model or ensure_demo_checkpoint(default_checkpoint_dir())
     stock, tokenizer = mlx_lm.load(str(path))
@@ -72,6 +86,8 @@ def main(argv=None) -> int:
         stock.set_dtype(mx.float32)  # 4-bit weights stay; scales, norms upcast
     fast, report = patched_copy(stock)
     print(report)
+    if not report.patched:
+        print(f"note: the fast path is not in use ({report.reason}): both runs below are stock mlx-lm")
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": args.prompt}], add_generation_prompt=True
     )
@@ -82,7 +98,8 @@ def main(argv=None) -> int:
     for name, model in (("stock", stock), ("patched", fast)):
         results[name] = run(model, tokenizer, prompt, args.max_tokens)
         _, text, r = results[name]
-        print(f"\n=== {name} ===\n{text}")
+        label = name if name == "stock" or report.patched else "patched (left stock)"
+        print(f"\n=== {label} ===\n{text}")
         print(
             f"[{name}] prompt {r.prompt_tokens} tokens at {r.prompt_tps:.1f} tok/s, "
             f"{r.generation_tokens} generated at {r.generation_tps:.1f} tok/s, "

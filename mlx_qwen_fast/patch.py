@@ -226,7 +226,11 @@ def patched_copy(model: nn.Module, *, warn: bool = True):
 
     Returns:
         ``(fast_model, report)``.
+
+    Raises:
+        TypeError: ``model`` is not an ``mlx.nn.Module``.
     """
+    _check_module("patched_copy", model)
     twin = clone_modules(model)
     return twin, patch(twin, warn=warn)
 
@@ -250,10 +254,14 @@ def install(*, verbose: bool = False) -> bool:
     Wraps ``mlx_lm.utils.load_model`` (which ``mlx_lm.load``, ``sharded_load``
     and so ``generate``, ``benchmark``, ``chat`` and ``server`` all call).
     Other model types pass through untouched (no warning). Idempotent.
-    ``verbose``: print each load's :class:`PatchReport` to stderr.
+    ``verbose``: print each load's :class:`PatchReport` to stderr (and, when
+    the environment switches the fast path off, one line saying so).
     Returns False (and installs nothing) when ``MLX_QWEN_FAST=0``.
     """
     if not enabled():
+        if verbose:
+            print(f"mlx_qwen_fast: not installed, the environment sets "
+                  f"{_ENV_SWITCH}={os.environ[_ENV_SWITCH]}: stock mlx-lm", file=sys.stderr)
         return False
     current = mlx_lm.utils.load_model
     if getattr(current, "_mlx_qwen_fast", False):

@@ -526,3 +526,17 @@ def test_cli(tmp_path, tiny_checkpoint, capsys):
     with pytest.raises(SystemExit):
         ckpt.main(["--preset", "tiny", "--out", str(a_file)])
     assert f"--out {a_file}" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ckpt.main(["--preset", "tiny", "--out", ""])
+    assert "empty" in capsys.readouterr().err
+
+    # an existing checkpoint is never replaced without --overwrite
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"someone else's shard")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(SystemExit):
+        ckpt.main(["--preset", "tiny", "--out", str(out), "--seed", "1"])
+    assert "--overwrite" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    ckpt.main(["--preset", "tiny", "--out", str(out), "--seed", "0", "--overwrite"])
+    assert not (out / "model-00001-of-00002.safetensors").exists()
+    assert (out / "config.json").read_bytes() == (tiny_checkpoint / "config.json").read_bytes()

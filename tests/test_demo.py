@@ -16,3 +16,27 @@ def test_demo_runs_and_tokens_match(tmp_path):
     assert "=== stock ===" in out and "=== patched ===" in out
     assert "tokens identical: True" in out
     assert (tmp_path / "mlx_qwen_fast" / "tiny-demo" / "config.json").exists()
+
+
+def test_demo_bad_arguments_are_usage_errors(tmp_path, capsys):
+    import pytest
+
+    from mlx_qwen_fast import demo
+
+    for argv, words in ((["--max-tokens", "0"], "positive integer"),
+                        (["--model", str(tmp_path / "missing")], "not a checkpoint directory")):
+        with pytest.raises(SystemExit) as e:
+            demo.main(argv)
+        assert e.value.code == 2
+        assert words in capsys.readouterr().err
+
+
+def test_demo_says_when_the_fast_path_is_off(tmp_path):
+    env = dict(os.environ, XDG_CACHE_HOME=str(tmp_path), MLX_QWEN_FAST="0")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mlx_qwen_fast.demo", "--max-tokens", "4"],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "both runs below are stock mlx-lm" in proc.stdout
+    assert "=== patched (left stock) ===" in proc.stdout

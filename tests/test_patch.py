@@ -228,3 +228,69 @@ def test_env_switch_leaves_patch_stock(tiny, monkeypatch, value):
     monkeypatch.setenv("MLX_QWEN_FAST", "1")
     assert mlx_qwen_fast.patch(tiny).patched
     mlx_qwen_fast.unpatch(tiny)
+
+
+def _with_lora(model, seed):
+    """LoRA on every linear and switch layer (mlx-lm's tuner), non-zero B so it matters."""
+    from mlx.utils import tree_map_with_path
+    from mlx_lm.tuner.utils import linear_to_lora_layers
+
+    linear_to_lora_layers(model, len(model.layers), {"rank": 4, "scale": 2.0, "dropout": 0.0})
+    key = [mx.random.key(seed)]
+
+    def fill(path, a):
+        if path.endswith("lora_b"):
+            key[0], k = mx.random.split(key[0])
+            return 0.05 * mx.random.normal(a.shape, key=k).astype(a.dtype)
+        return a
+
+    model.update(tree_map_with_path(fill, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def test_lora_adapters_before_or_after_patch(tiny_checkpoint):
+    """mlx-lm LoRA layers (what --adapter-path and fine-tuning add) work on the
+    patched model whether added before patching or after (install() patches
+    at load, before mlx-lm applies an adapter): same logits as stock + LoRA,
+    prefill and decode."""
+    tokens = mx.array(np.random.default_rng(3).integers(1, 200, size=70), dtype=mx.int32)
+
+    def load_fp32():
+        m, _ = mlx_lm.load(str(tiny_checkpoint))
+        m.set_dtype(mx.float32)
+        return m
+
+    stock = _with_lora(load_fp32(), 1)
+    ref = _prefill_logits(stock, tokens, 32)
+    before, report = patched_copy(stock)
+    assert report.patched
+    after = load_fp32()
+    patch(after)
+    after = _with_lora(after, 1)
+    after.update(stock.parameters())  # the same LoRA A (drawn at random by mlx-lm) and B
+    for model in (before, after):
+        assert mlx_qwen_fast.is_patched(model)
+        got = _prefill_logits(model, tokens, 32)  # chunks of 32, then decode-sized tails
+        assert _rel_l2(got, ref) < 1e-4
+        one = _prefill_logits(model, tokens[:3], 1)  # token by token: the decode path
+        assert _rel_l2(one, _prefill_logits(stock, tokens[:3], 1)) < 1e-4
+
+
+def test_cli_says_when_it_runs_stock(monkeypatch, capsys):
+    from mlx_qwen_fast._cli import run_mlx_lm_main
+    from mlx_qwen_fast.patch import install, uninstall
+
+    monkeypatch.setattr("sys.argv", ["prog"])  # run_mlx_lm_main rewrites sys.argv
+    seen = []
+    run_mlx_lm_main(lambda: seen.append(list(__import__("sys").argv[1:])), ["--model", "m", "--stock"])
+    assert seen == [["--model", "m"]]
+    assert "--stock: running stock mlx-lm" in capsys.readouterr().err
+    monkeypatch.setenv("MLX_QWEN_FAST", "off")
+    try:
+        assert install(verbose=True) is False
+        assert "MLX_QWEN_FAST=off: stock mlx-lm" in capsys.readouterr().err
+    finally:
+        uninstall()
+    with pytest.raises(TypeError, match="patched_copy expects"):
+        patched_copy((None, None))

@@ -419,15 +419,21 @@ def sdpa_chunked(
 # ---------------------------------------------------------------------------
 
 
-def _input_dims(linear) -> int:
+def _input_dims(linear) -> Optional[int]:
+    """Input size of a (quantised) linear layer, or of the base layer a
+    wrapper holds as ``.linear`` (mlx-lm's LoRA/DoRA layers); None when it
+    does not say (the layer then checks its input itself)."""
+    linear = getattr(linear, "linear", linear)
     if isinstance(linear, nn.QuantizedLinear):
         return linear.scales.shape[-1] * linear.group_size
-    return linear.weight.shape[-1]
+    if isinstance(linear, nn.Module) and "weight" in linear:
+        return linear.weight.shape[-1]
+    return None
 
 
 def _check_layer_input(fn: str, module, x: mx.array):
     d = _input_dims(module.q_proj)
-    if x.ndim != 3 or x.dtype not in _FLOATS or x.shape[-1] != d:
+    if x.ndim != 3 or x.dtype not in _FLOATS or (d is not None and x.shape[-1] != d):
         raise ValueError(
             f"{fn}: x must be a float32/float16/bfloat16 array of shape [B, L, {d}] "
             f"(last axis = hidden size), got shape {tuple(x.shape)} dtype {x.dtype}"

@@ -419,13 +419,21 @@ def shared_expert(block, x: mx.array) -> mx.array:
 # ---------------------------------------------------------------------------
 
 
-def _hidden_size(block) -> int:
-    return block.switch_mlp.gate_proj.input_dims
+def _hidden_size(block) -> Optional[int]:
+    """Input size of the block's experts; None where the module does not say
+    (a wrapper such as mlx-lm's ``LoRASwitchLinear`` without the wrapped
+    layer's ``input_dims``): the wrapped modules then check their input."""
+    proj = block.switch_mlp.gate_proj
+    for m in (proj, getattr(proj, "linear", None)):
+        d = getattr(m, "input_dims", None)
+        if isinstance(d, int):
+            return d
+    return None
 
 
 def _check_block_input(fn: str, block, x: mx.array):
     d = _hidden_size(block)
-    if x.ndim < 2 or x.dtype not in _FLOATS or x.shape[-1] != d:
+    if x.ndim < 2 or x.dtype not in _FLOATS or (d is not None and x.shape[-1] != d):
         raise ValueError(
             f"{fn}: x must be a float32/float16/bfloat16 array of shape [..., {d}] "
             f"(at least one token axis, last axis = hidden size {d}), "
