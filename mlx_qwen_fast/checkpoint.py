@@ -522,6 +522,10 @@ def _plan_shards(groups: List[Tuple[str, int]], max_shard_bytes: int) -> List[Li
     return shards
 
 
+#: Weight shards mlx-lm loads from a checkpoint folder (every one it finds).
+SHARD_GLOB = "model*.safetensors"
+
+
 def write_checkpoint(
     out_dir: Union[str, Path],
     preset: str = "tiny",
@@ -586,7 +590,7 @@ def write_checkpoint(
         )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in out_dir.glob("model*.safetensors"):
+    for stale in out_dir.glob(SHARD_GLOB):
         stale.unlink()
     tic = time.perf_counter()
 
@@ -825,7 +829,7 @@ def existing_checkpoint_files(out_dir: Path) -> List[str]:
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         return []
-    names = sorted(p.name for p in out_dir.glob("model*.safetensors"))
+    names = sorted(p.name for p in out_dir.glob(SHARD_GLOB))
     if (out_dir / "config.json").exists():
         names.insert(0, "config.json")
     return names

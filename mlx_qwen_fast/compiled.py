@@ -46,20 +46,20 @@ def linear_arrays(module) -> Optional[LinearArrays]:
         any other module (the caller keeps the module's own call).
     """
     if isinstance(module, nn.QuantizedLinear):
-        arrays = [module["weight"], module["scales"]]
-        has_biases = "biases" in module
-        if has_biases:
-            arrays.append(module["biases"])
-        has_bias = "bias" in module
-        if has_bias:
-            arrays.append(module["bias"])
-        static = ("quantized", module.group_size, module.bits, module.mode, has_biases, has_bias)
-        return tuple(arrays), static
-    if type(module) is nn.Linear:
-        has_bias = "bias" in module
-        arrays = (module["weight"], module["bias"]) if has_bias else (module["weight"],)
-        return arrays, ("dense", has_bias)
-    return None
+        static = ("quantized", module.group_size, module.bits, module.mode,
+                  "biases" in module, "bias" in module)
+    elif type(module) is nn.Linear:
+        static = ("dense", "bias" in module)
+    else:
+        return None
+    return tuple(module[n] for n in _linear_names(static)), static
+
+
+def _linear_names(static: Tuple) -> Tuple[str, ...]:
+    """Parameter names of a linear layer, in :func:`linear_arrays` order."""
+    if static[0] == "dense":
+        return ("weight", "bias") if static[1] else ("weight",)
+    return ("weight", "scales") + (("biases",) if static[4] else ()) + (("bias",) if static[5] else ())
 
 
 def apply_linear(x: mx.array, arrays: Sequence[mx.array], static: Tuple) -> mx.array:
@@ -95,12 +95,7 @@ def gather(module, paths: Sequence[Path]) -> Tuple[Any, ...]:
 def linear_paths(prefix: Path, arrays_static: LinearArrays) -> Tuple[Path, ...]:
     """Paths (under the parent) of the arrays :func:`linear_arrays` returned
     for the child at ``prefix``, in the same order."""
-    static = arrays_static[1]
-    if static[0] == "dense":
-        names = ("weight", "bias") if static[1] else ("weight",)
-    else:
-        names = ("weight", "scales") + (("biases",) if static[4] else ()) + (("bias",) if static[5] else ())
-    return tuple(prefix + (n,) for n in names)
+    return tuple(prefix + (n,) for n in _linear_names(arrays_static[1]))
 
 
 class StepPlans:
@@ -118,28 +113,28 @@ class StepPlans:
 
     Held as a plain attribute of the layer (not a parameter), so it lives and
     dies with the layer and never appears in ``parameters()``. The objects of
-    the last plan stay referenced (their ids cannot be reused while cached).
+    the last plan stay referenced (compared by identity on the next call).
     """
 
     __slots__ = ("_plans",)
 
     def __init__(self):
-        self._plans: Dict[Hashable, Tuple[Tuple[Path, ...], Tuple[int, ...], Tuple, Any]] = {}
+        self._plans: Dict[Hashable, Tuple[Tuple[Path, ...], Tuple, Any]] = {}
 
     def get(self, key: Hashable, module, make: Callable[[], Tuple[Sequence[Path], Any]]):
         hit = self._plans.get(key)
         if hit is not None:
-            paths, ids, _, plan = hit
+            paths, cached, plan = hit
             try:
                 objs = gather(module, paths)
             except (KeyError, TypeError):
                 objs = None
-            if objs is not None and tuple(map(id, objs)) == ids:
+            if objs is not None and all(a is b for a, b in zip(objs, cached)):
                 return objs, plan
         paths, plan = make()
         paths = tuple(tuple(p) for p in paths)
         objs = gather(module, paths)
-        self._plans[key] = (paths, tuple(map(id, objs)), objs, plan)
+        self._plans[key] = (paths, objs, plan)
         return objs, plan
 
     @staticmethod

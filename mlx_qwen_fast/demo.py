@@ -25,7 +25,7 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.generate import stream_generate
 
-from .checkpoint import DEMO_LM_HEAD_SCALE, write_checkpoint
+from .checkpoint import DEMO_LM_HEAD_SCALE, SHARD_GLOB, write_checkpoint
 from .patch import patched_copy
 
 DEFAULT_PROMPT = "Explain in one paragraph why the sky looks blue during the day."
@@ -41,7 +41,7 @@ def ensure_demo_checkpoint(path: Path) -> Path:
     """Write the tiny demo checkpoint to ``path`` unless it is already there
     (its config, tokenizer and weights; anything missing is rewritten)."""
     complete = all((path / n).exists() for n in ("config.json", "tokenizer.json", "tokenizer_config.json"))
-    if not complete or not any(path.glob("model*.safetensors")):
+    if not complete or not any(path.glob(SHARD_GLOB)):
         print(f"Creating the tiny demo checkpoint in {path} ...")
         write_checkpoint(path, preset="tiny", seed=0, lm_head_scale=DEMO_LM_HEAD_SCALE)
     return path
