@@ -9,6 +9,7 @@
 #   bash bench/h200.sh moe       # MoE kernel device scripts: grouped GEMM variants, decode GEMV
 #   bash bench/h200.sh kernels   # every CUDA test in parallel (untimed), then on a quiet GPU the MoE
 #                                # kernel timings and a patched-only decode with/without the MoE decode kernels (~9 min)
+#   bash bench/h200.sh profile   # chained-call latency of the prefill kernels + ncu --set full on them (~4 min)
 #   bash bench/h200.sh scan      # GDN scan variants (check, single-call latency), prefill A/B with the fastest (~8 min)
 # Run from the repo root on the device with .mlxcuda carried; results go to $OUT.
 # A fresh process pays MLX-CUDA's first-use kernel compilation: 177-225 s for
@@ -81,5 +82,16 @@ scan)  # GDN scan variants (checked vs fp32, single-call latency), then a prefil
     --max-seconds 30 --out $M/ab-prefill-patched.json > $M/ab-prefill-patched.txt 2>&1
   tar czf "$OUT/scan.tgz" -C $M .
   grep -h "\[scan\]\|FAIL" $M/gdn-scan.txt | tail -24; grep -h "^prefill" $M/ab-prefill-*.txt ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan}"; exit 2 ;;
+profile)  # chained (dependent) call latency of the prefill kernels, then ncu --set full on them
+  M=/tmp/p_out; mkdir -p $M
+  timeout 200 python3 bench/profile_kernels.py chain > $M/chain.txt 2>&1; cat $M/chain.txt | grep -v "^\[" | tail -12
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+  timeout 300 $NCU --clock-control none --set full -k "regex:mqf_gdn_scan|mqf_moe_gate_up|mqf_moe_down" \
+    -o $M/prof python3 bench/profile_kernels.py ncu > $M/ncu-run.txt 2>&1; tail -3 $M/ncu-run.txt
+  $NCU --import $M/prof.ncu-rep --page details > $M/details.txt 2>&1
+  $NCU --import $M/prof.ncu-rep --page raw --csv > $M/raw.csv 2>&1
+  $NCU --import $M/prof.ncu-rep --page source --print-source sass --csv > $M/sass.csv 2>&1
+  ls -la $M; tar czf "$OUT/profile.tgz" -C $M --exclude prof.ncu-rep . ; cp $M/prof.ncu-rep "$OUT/" 2>/dev/null
+  grep -E "^  [a-z_]+.*mqf_|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Issued Ipc|No Eligible|One or More" $M/details.txt | head -60 ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile}"; exit 2 ;;
 esac
