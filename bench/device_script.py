@@ -93,6 +93,23 @@ def timeit(fn, n=20, batch=1, warm=3) -> float:
     return ts[len(ts) // 2]
 
 
+def chain_latency(make, n=8, evals=10, warm=2) -> dict:
+    """Per-call latency of a kernel as a model layer sees it.
+
+    ``make(m)`` returns a function that builds ``m`` *dependent* calls (each
+    reads what the previous one wrote, as consecutive layers do) and returns
+    the last outputs. Times one evaluation of ``make(1)`` and of ``make(n)``
+    (median of ``evals``) and returns seconds: ``single`` (one call per
+    evaluation, MLX's per-evaluation cost included), ``per_call`` (n chained,
+    divided by n) and ``marginal`` ((t_n - t_1) / (n - 1): one more call in a
+    graph, neither the evaluation's fixed cost nor overlap of independent
+    launches included).
+    """
+    t1 = timeit(make(1), n=evals, warm=warm)
+    tn = timeit(make(n), n=evals, warm=warm)
+    return {"single": t1, "per_call": tn / n, "marginal": (tn - t1) / (n - 1), "n": n}
+
+
 def build_lines(results: dict) -> list:
     """Summary lines of a ``build`` section: per run (first use, cached), the
     seconds each kernel took to build or load, and the compiler."""

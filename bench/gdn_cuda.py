@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.device_script import finite, log, rel, run_sections, timed_builds, timeit  # noqa: E402
+from bench.device_script import chain_latency, finite, log, rel, run_sections, timed_builds, timeit  # noqa: E402
 
 D = 128
 HK, HV = 16, 32
@@ -154,16 +154,15 @@ mx.eval(o); print("CKJSON", time.perf_counter() - t)
 # --------------------------------------------------------------------------
 
 SCAN_VARIANTS = [
-    # (L, R, warps, TB, kqf32, U); runs 1-3 measured more (bench/results/gdn-cuda-log.md).
+    # (L, R, warps, TB, kqf32, U[, lazy]); earlier runs measured more layouts
+    # (bench/results/gdn-cuda-log.md: smaller blocks and token groups lose).
     # Blocks at B = 1: 32 heads x 128 / rows per block (RB = warps * 32 / L * R).
-    (8, 2, 4, 32, 0, 1),   # RB 32: 128 blocks of 128 threads (the 2026-11-29 default)
-    (8, 1, 4, 32, 0, 1),   # RB 16: 256 blocks
-    (8, 2, 2, 32, 0, 1),   # RB 16: 256 blocks of 64 threads
-    (4, 1, 2, 32, 0, 1),   # RB 16: 256 blocks, 32 columns per lane
-    (8, 1, 2, 32, 0, 1),   # RB 8: 512 blocks of 64 threads
-    (16, 1, 4, 32, 0, 1),  # RB 8: 512 blocks of 128 threads, 8 columns per lane
-    (16, 2, 4, 32, 0, 1),  # RB 16: 256 blocks, 8 columns per lane
-    (8, 1, 4, 32, 0, 4),   # RB 16 with token groups of 4
+    (8, 2, 4, 32, 0, 1),      # RB 32: 128 blocks of 128 threads (the default until 2026-12-01)
+    (8, 2, 4, 32, 1, 1),      # fp32 k/q copies in shared memory (no per-lane bf16 conversion)
+    (8, 2, 4, 32, 0, 1, 1),   # lazy decay: one FMA per state element and token
+    (8, 2, 4, 32, 1, 1, 1),   # both
+    (8, 2, 4, 16, 1, 1, 1),   # both, 16-token stages
+    (8, 1, 4, 32, 1, 1, 1),   # both, RB 16: 256 blocks
 ]
 T_LIST = [1, 2, 3, 63, 64, 65, 1000, 4096]
 
@@ -179,7 +178,7 @@ def section_scan(args):
     tl = [t for t in T_LIST if t <= 1000] if args.quick else list(T_LIST)
     tmax = tl[-1]
     key = mx.random.key(int(time.time()) & 0xFFFF)
-    cfgs = [S.DEFAULT_CONFIG] + [c for c in SCAN_VARIANTS if tuple(c) != tuple(S.DEFAULT_CONFIG)]
+    cfgs = [S.DEFAULT_CONFIG] + [S.ScanConfig(*c) for c in SCAN_VARIANTS if S.ScanConfig(*c) != S.DEFAULT_CONFIG]
     for B in (1, 2):
         for decay in ("strong", "weak"):
             key, k1, k2, k3 = mx.random.split(key, 4)
@@ -250,13 +249,24 @@ def section_scan(args):
         mx.eval(q, k, v, g, beta, s0)
         cl = cfgs if (B, T) == (1, 4096) else cfgs[:1]
         for cfg in cl:
-            # one call per evaluation, as the model runs it (a layer's scan
-            # waits for the previous layer): several calls in one evaluation
-            # run concurrently and time throughput, not latency (runs 1-3
-            # used batch=5: 0.74 ms at B=1, T=4096, against 1.36 ms alone)
-            t = timeit(lambda: S.gated_delta_scan(q, k, v, g, beta, s0, config=cfg), n=15, batch=1)
-            res["timings"][f"scan B={B} T={T} cfg={list(cfg)}"] = t
-            log(f"[scan] B={B} T={T} cfg={list(cfg)}: {t * 1e3:.3f} ms")
+            # latency as a layer sees it: 8 calls chained through the state in
+            # one evaluation, marginal time of one more call (several
+            # *independent* calls in one evaluation run concurrently and time
+            # throughput: runs 1-3 used batch=5, 0.74 ms at B=1, T=4096; one
+            # call per evaluation adds MLX's per-evaluation cost: 1.29-1.36 ms
+            # against 0.99 ms chained, 2026-12-01)
+            def make(m, cfg=cfg):
+                def f():
+                    st, y = s0, None
+                    for _ in range(m):
+                        y, st = S.gated_delta_scan(q, k, v, g, beta, st, config=cfg)
+                    return y, st
+                return f
+            r = chain_latency(make, n=8, evals=7)
+            res["timings"][f"scan B={B} T={T} cfg={list(cfg)}"] = r["marginal"]
+            res["timings"][f"scan single-call B={B} T={T} cfg={list(cfg)}"] = r["single"]
+            log(f"[scan] B={B} T={T} cfg={list(cfg)}: {r['marginal'] * 1e3:.3f} ms chained "
+                f"({r['single'] * 1e3:.3f} ms one call per evaluation)")
     # the chunkwise plain-MLX form (tensor-core matmuls) for comparison
     try:
         from mlx_qwen_fast.ops.gated_delta import gated_delta_chunked

@@ -10,13 +10,12 @@ Sections (one per process call, ``python3 bench/profile_kernels.py SECTION``):
   (gate+up -> down -> combine -> the next call's x) at T=4096 per variant.
   Printed: ms per call for chain lengths 1 and ``n`` (their difference / (n-1)
   is the marginal latency of one call).
-* ``ncu``: two launches of each profiled kernel (scan default config, pfl
-  gate+up and down at T=4096) for ``ncu --launch-skip/--launch-count``.
+* ``ncu``: one launch of each profiled kernel (the scan configurations of
+  ``SCAN_CONFIGS``, gate+up and down of ``MOE_VARIANTS``, at T=4096) for ncu.
 
 Run on the device (bench/h200.sh ``profile``); CUDA only.
 """
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,37 +23,27 @@ sys.path.insert(0, str(ROOT))
 
 import mlx.core as mx  # noqa: E402
 
+from bench.device_script import chain_latency  # noqa: E402
 from bench.gdn_cuda import HV, D, gates, qkv_inputs  # noqa: E402
 from bench.moe_cuda import E, K, make_inputs, make_switch  # noqa: E402
 
 
-def _time(fn, n_eval=10, warm=2):
-    for _ in range(warm):
-        mx.eval(fn())
-    mx.synchronize()
-    ts = []
-    for _ in range(n_eval):
-        t0 = time.perf_counter()
-        mx.eval(fn())
-        mx.synchronize()
-        ts.append(time.perf_counter() - t0)
-    ts.sort()
-    return ts[len(ts) // 2]
+def _report(label, make, n):
+    r = chain_latency(make, n)
+    print(f"{label:48s} 1 call/eval {r['single'] * 1e3:8.3f} ms | {n} chained {r['per_call'] * 1e3:8.3f} ms/call"
+          f" | marginal {r['marginal'] * 1e3:8.3f} ms", flush=True)
+    return r["marginal"]
 
 
-def _report(label, f1, fn_n, n):
-    t1 = _time(f1)
-    tn = _time(fn_n)
-    marg = (tn - t1) / (n - 1)
-    print(f"{label:48s} 1 call/eval {t1 * 1e3:8.3f} ms | {n} chained {tn / n * 1e3:8.3f} ms/call"
-          f" | marginal {marg * 1e3:8.3f} ms", flush=True)
-    return marg
+SCAN_CONFIGS = [None, (8, 2, 4, 32, 1, 1, 0), (8, 2, 4, 32, 0, 1, 1), (8, 2, 4, 32, 1, 1, 1)]
+MOE_VARIANTS = ("pfl", "pflv")
 
 
-def chain_scan(n=8):
+def chain_scan(n=8, configs=SCAN_CONFIGS):
     from mlx_qwen_fast.kernels import gated_delta_scan as S
 
-    for T in (16, 4096):
+    for T, cfg in [(16, None)] + [(4096, c) for c in configs]:
+        cfg = S.ScanConfig(*cfg) if cfg else S.DEFAULT_CONFIG
         key = mx.random.key(T)
         k1, k2, k3 = mx.random.split(key, 3)
         q, k, v = qkv_inputs(1, T, k1, mx.bfloat16)
@@ -66,15 +55,15 @@ def chain_scan(n=8):
             def f():
                 s, ys = s0, []
                 for _ in range(m):
-                    y, s = S.gated_delta_scan(q, k, v, g, beta, s)
+                    y, s = S.gated_delta_scan(q, k, v, g, beta, s, config=cfg)
                     ys.append(y)
                 return ys[-1], s
             return f
 
-        _report(f"gdn scan B=1 T={T} cfg={list(S.DEFAULT_CONFIG)}", run(1), run(n), n)
+        _report(f"gdn scan B=1 T={T} cfg={list(cfg)}", run, n)
 
 
-def chain_moe(n=6, variants=("pfl", "async")):
+def chain_moe(n=6, variants=MOE_VARIANTS):
     from mlx_qwen_fast.kernels import moe_grouped_gemm as gg
     from mlx_qwen_fast.kernels import moe_routing as mr
 
@@ -94,7 +83,7 @@ def chain_moe(n=6, variants=("pfl", "async")):
                 return y
             return f
 
-        marg = _report(f"moe experts+combine T={T} {v}", run(1), run(n), n)
+        marg = _report(f"moe experts+combine T={T} {v}", run, n)
         print(f"{'':48s} -> {flops / marg / 1e12:.1f} TFLOP/s (marginal)", flush=True)
         arr = lambda p: (p.weight, p.scales, p.biases)  # noqa: E731
         h = gg.gate_up_swiglu(x, r, arr(sm.gate_proj), arr(sm.up_proj), variant=v)
@@ -114,7 +103,7 @@ def chain_moe(n=6, variants=("pfl", "async")):
                 return outs[-1]
             return f
 
-        _report(f"moe down (+link) T={T} {v}", run_down(1), run_down(n), n)
+        _report(f"moe down (+link) T={T} {v}", run_down, n)
 
 
 def ncu_launches():
@@ -128,14 +117,14 @@ def ncu_launches():
     g, beta = gates(1, T, "weak", k2)
     s0 = 0.5 * mx.random.normal((1, HV, D, D), key=k3)
     mx.eval(q, k, v, g, beta, s0)
-    for _ in range(2):
-        mx.eval(S.gated_delta_scan(q, k, v, g, beta, s0))
+    for cfg in SCAN_CONFIGS:
+        mx.eval(S.gated_delta_scan(q, k, v, g, beta, s0, config=cfg))
     sm = make_switch(2)
     x, logits = make_inputs(T, seed=T)
-    r = mr.route_and_group(logits, K, gg.choose_tile_rows(T * K, E, "pfl"))
-    mx.eval(r.inds, r.scores, r.groups.order, r.block_map)
-    for _ in range(2):
-        mx.eval(gg.moe_experts(x, r, sm.gate_proj, sm.up_proj, sm.down_proj, variant="pfl"))
+    for variant in MOE_VARIANTS:
+        r = mr.route_and_group(logits, K, gg.choose_tile_rows(T * K, E, variant))
+        mx.eval(r.inds, r.scores, r.groups.order, r.block_map)
+        mx.eval(gg.moe_experts(x, r, sm.gate_proj, sm.up_proj, sm.down_proj, variant=variant))
     mx.synchronize()
 
 

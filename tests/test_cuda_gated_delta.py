@@ -43,6 +43,11 @@ def make_scan_inputs(B, T, decay, seed, dtype=mx.bfloat16):
     v = mx.random.normal((B, T, HV, D), key=ks[2])
     if decay == "strong":
         g = mx.random.uniform(0.05, 0.6, (B, T, HV), key=ks[3])
+    elif decay == "mixed":  # weak decay with gates of 0, 1e-6, 1e-3 and 1e-2 scattered in
+        g = 1.0 - mx.random.uniform(1e-4, 1e-2, (B, T, HV), key=ks[3])
+        pick = mx.random.randint(0, 40, (B, T, HV), key=mx.random.key(seed + 1))
+        for code, val in ((0, 0.0), (1, 1e-6), (2, 1e-3), (3, 1e-2), (4, 0.0099)):
+            g = mx.where(pick == code, val, g)
     else:
         g = 1.0 - mx.random.uniform(1e-4, 1e-2, (B, T, HV), key=ks[3])
     beta = mx.random.uniform(0, 1, (B, T, HV), key=ks[4])
@@ -74,8 +79,11 @@ def test_scan_matches_reference(B, T, decay, dtype):
     assert rel(y, yr) < (1e-4 if dtype == mx.float32 else 1e-2)
 
 
+LAZY_CONFIGS = [(8, 2, 4, 32, 0, 1, 1), (8, 2, 4, 32, 1, 1, 1), (8, 2, 4, 16, 1, 1, 1), (8, 1, 4, 8, 1, 1, 1)]
+
+
 @pytest.mark.parametrize(
-    "config", [(8, 2, 4, 32, 1, 1), (8, 2, 4, 32, 0, 4), (8, 2, 4, 32, 1, 2), (16, 2, 8, 16, 1, 4)]
+    "config", [(8, 2, 4, 32, 1, 1), (8, 2, 4, 32, 0, 4), (8, 2, 4, 32, 1, 2), (16, 2, 8, 16, 1, 4)] + LAZY_CONFIGS
 )
 def test_scan_other_variants(config):
     from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan
@@ -87,6 +95,22 @@ def test_scan_other_variants(config):
     assert finite(y, s, yb, sb)
     assert rel(s, sr) < 1e-4 and rel(y, yr) < 1e-4
     assert rel(sb, sr) < 1e-4 and rel(yb, yr) < 1e-2
+
+
+@pytest.mark.parametrize("config", [None] + LAZY_CONFIGS)
+@pytest.mark.parametrize("decay", ["mixed", "strong"])
+@pytest.mark.parametrize("T", [7, 8, 9, 33, 200])
+def test_scan_extreme_gates(config, decay, T):
+    """Gates of exactly 0 and far below the lazy-decay threshold (1e-2), at
+    stage and 8-token boundaries: the lazy form must fall back to explicit
+    tokens without overflow (fp32 tolerances as everywhere)."""
+    from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan
+
+    q, k, v, g, beta, s0 = make_scan_inputs(1, T, decay, seed=T * 13 + 5, dtype=mx.float32)
+    y, s = gated_delta_scan(q, k, v, g, beta, s0, config=config)
+    yr, sr = reference(q, k, v, g, beta, s0)
+    assert finite(y, s)
+    assert rel(s, sr) < 1e-4 and rel(y, yr) < 1e-4
 
 
 def test_scan_carry_over_two_calls():

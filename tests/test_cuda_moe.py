@@ -456,6 +456,7 @@ def dense_ref(x, r, gate, up, down, rounding="twice"):
 @pytest.mark.parametrize("n", [1, 7, 64, 300])
 @pytest.mark.parametrize("variant,tile", [
     ("base", 32), ("base", 64), ("deq", 64), ("pf", 32), ("pfl", 32), ("pfl", 64), ("pfl", 128),
+    ("pflv", 32), ("pflv", 64), ("pflv", 128),
     ("big", 32), ("big", 64), ("big", 128),
     ("async", 32), ("async", 64), ("async", 128),
 ])

@@ -37,14 +37,30 @@
 // Padding tokens of the last group (past T) are identities (g = 1, beta = 0,
 // k = q = 0).
 //
+// Lazy decay (GDN_LZ 1, U == 1 only): the state is kept as S = G * Sh with a
+// scalar G per block (the decay product since the last "explicit" token), so
+// a token's update is one FMA per element, Sh += (d / G_t) k^T, instead of
+// S = g S + d k^T (FMUL + FFMA):
+//   sk = G_{t-1} Sh.k, sq = G_{t-1} Sh.q,  G_t = g_t G_{t-1}
+//   d  = beta_t (v_t - G_t Sh.k),  y_t = G_t Sh.q + d (k_t . q_t)
+//   lazy token:      Sh <- Sh + (d / G_t) k^T
+//   explicit token:  Sh <- G_t Sh + d k^T, then G = 1 (Sh is the true state)
+// Explicit tokens: every 8th token of a stage (so G is a product of at most 8
+// gates), the stage's last token (Sh = S at every stage boundary, so the
+// state leaves exactly as in the plain form) and any token with g < 1e-2
+// (G >= 1e-16, 1/G <= 1e16: no overflow of Sh). G_t and 1/G_t (0 for an
+// explicit token) are computed once per stage and block in the prologue, off
+// the per-token path (the dropped 2026-11-29 "lazy" variant divided per token).
+//
 // Variants (build macros):
 //   GDN_KQF32 (0/1): convert the staged k and q rows to fp32 in shared memory
 //     once per stage instead of in every lane and token.
 //   GDN_U (1, 2, 4): tokens per group, as above.
+//   GDN_LZ (0/1): lazy decay, as above (U == 1, TB <= 32).
 //
 // Build macros: KNAME, GDN_X (bf16_t | f16_t | float), GDN_HV, GDN_HK, GDN_L,
 // GDN_R, GDN_NW (warps per block), GDN_TB (tokens per stage, a multiple of 4
-// and of GDN_U), GDN_KQF32, GDN_U.
+// and of GDN_U), GDN_KQF32, GDN_U, GDN_LZ.
 // Launch: grid = B * HV * (128 / RB) blocks of GDN_NW * 32 threads,
 // dynamic shared memory = gdn_scan_smem_bytes (see the Python wrapper).
 // Parameters: inputs q, k, v, g, beta, state_in; outputs y, state_out; int T.
@@ -55,6 +71,9 @@
 #endif
 #ifndef GDN_U
 #define GDN_U 1
+#endif
+#ifndef GDN_LZ
+#define GDN_LZ 0
 #endif
 
 typedef GDN_X xt;
@@ -89,6 +108,9 @@ static_assert(RB % XCH == 0, "v/y tile rows must be whole 16-byte chunks");
 static_assert(NT >= TB, "one thread per token for the gate copies");
 static_assert(TB % U == 0 && TB % 4 == 0, "TB must be a multiple of 4 and of U");
 static_assert(U == 1 || U == 2 || U == 4, "U must be 1, 2 or 4");
+constexpr bool LZ = GDN_LZ;
+static_assert(!LZ || (U == 1 && TB <= 32 && TB % 8 == 0), "lazy decay needs U == 1 and TB in {8, 16, 24, 32}");
+constexpr float LZ_GMIN = 1e-2f;  // gates below this make a token explicit
 constexpr int NG = TB / U;                       // groups per stage
 constexpr int NDOT = U * (U - 1) / 2 + U * (U + 1) / 2;  // KK (i<j) + KQ (i<=j)
 static_assert(NDOT <= 16, "the Gram pass reduces at most 16 dots per group");
@@ -119,7 +141,9 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
   float* gs = reinterpret_cast<float*>(ys + 2 * TB * RB);  // [2][TB]
   float* bs = gs + 2 * TB;                                 // [2][TB]
   float* kqs = bs + 2 * TB;                                // [TB]
-  float* gram = kqs + TB;                                  // [NG][16] if U > 1
+  float* gam = kqs + TB;                                   // [TB] G_t if LZ
+  float* ginv = gam + (LZ ? TB : 0);                       // [TB] 1/G_t or 0 if LZ
+  float* gram = ginv + (LZ ? TB : 0);                      // [NG][16] if U > 1
   float* kf32 = gram + (U > 1 ? NG * GSTR : 0);            // [TB][D] if KQF
   float* qf32 = kf32 + (KQF ? TB * D : 0);                 // [TB][D] if KQF
 
@@ -215,10 +239,28 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
     // entries of each group (U > 1).
     constexpr int NCONV = KQF ? TB : 0;
     constexpr int NPAD = (U > 1 && !KQF) ? U - 1 : 0;  // zero rows nt.. of the last group
-    constexpr int NDOTW = U == 1 ? TB : NG;
-    for (int w = warp; w < NPAD + NCONV + NDOTW; w += NW) {
-      if (w < NPAD) {
-        const int t = nt + w;
+    constexpr int NDOTW = U == 1 ? TB / 4 : NG;  // U == 1: 4 tokens per item
+    constexpr int NLZ = LZ ? 1 : 0;
+    for (int w = warp; w < NLZ + NPAD + NCONV + NDOTW; w += NW) {
+      if (w < NLZ) {  // lane = token: G_t and 1/G_t (0 marks an explicit token)
+        if (lane < nt) {
+          const float* gsb = gs + buf * TB;
+          const float gt = gsb[lane];
+          const bool expl = lane == nt - 1 || (lane & 7) == 7 || gt < LZ_GMIN;
+          float gm = gt;
+          for (int jj = lane - 1; jj >= (lane & ~7); --jj) {
+            const float gj = gsb[jj];
+            if (gj < LZ_GMIN) break;  // token jj was explicit: G restarts after it
+            gm *= gj;
+          }
+          gam[lane] = gm;
+          ginv[lane] = expl ? 0.0f : __frcp_rn(gm);
+        }
+        continue;
+      }
+      const int wp = w - NLZ;
+      if (wp < NPAD) {
+        const int t = nt + wp;
         if (t < ((nt + U - 1) / U) * U) {
           const float z4[4] = {0.f, 0.f, 0.f, 0.f};
           store4(ks + (buf * TB + t) * D + lane * 4, z4);
@@ -226,7 +268,7 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
         }
         continue;
       }
-      const int wi = w - NPAD;
+      const int wi = wp - NPAD;
       if (wi < NCONV) {
         const int t = wi;
         float kv4[4] = {0.f, 0.f, 0.f, 0.f}, qv4[4] = {0.f, 0.f, 0.f, 0.f};
@@ -237,19 +279,32 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
         store4(kf32 + t * D + lane * 4, kv4);
         store4(qf32 + t * D + lane * 4, qv4);
       } else if (U == 1) {
-        const int t = wi - NCONV;
-        if (t < nt) {
-          float kv4[4], qv4[4];
-          load4(ks + (buf * TB + t) * D + lane * 4, kv4);
-          load4(qs + (buf * TB + t) * D + lane * 4, qv4);
-          float acc = kv4[0] * qv4[0];
-          acc = fmaf(kv4[1], qv4[1], acc);
-          acc = fmaf(kv4[2], qv4[2], acc);
-          acc = fmaf(kv4[3], qv4[3], acc);
-          acc = warp_sum(acc);
-          if (lane == 0) {
-            kqs[t] = acc;
+        // k_t . q_t of 4 tokens: 4 independent warp reductions
+        const int t0 = (wi - NCONV) * 4;
+        float acc[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          acc[u] = 0.0f;
+          if (t0 + u < nt) {
+            float kv4[4], qv4[4];
+            load4(ks + (buf * TB + t0 + u) * D + lane * 4, kv4);
+            load4(qs + (buf * TB + t0 + u) * D + lane * 4, qv4);
+            acc[u] = kv4[0] * qv4[0];
+            acc[u] = fmaf(kv4[1], qv4[1], acc[u]);
+            acc[u] = fmaf(kv4[2], qv4[2], acc[u]);
+            acc[u] = fmaf(kv4[3], qv4[3], acc[u]);
           }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            acc[u] += __shfl_xor_sync(0xffffffffu, acc[u], o);
+          }
+        }
+        const float mine = lane == 0 ? acc[0] : lane == 1 ? acc[1] : lane == 2 ? acc[2] : acc[3];
+        if (lane < 4 && t0 + lane < nt) {
+          kqs[t0 + lane] = mine;
         }
       } else {
         // Group m: KK[i][j] (i < j) then KQ[i][j] (i <= j), NDOT <= 16 dots.
@@ -327,7 +382,12 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
           load16(kst + i * D + (c * L + j) * CH, &kf[c * CH]);
           load16(qst + i * D + (c * L + j) * CH, &qf[c * CH]);
         }
+#if GDN_LZ
+        const float gt = gam[i];   // G_t
+        const float gi = ginv[i];  // 1/G_t, 0 for an explicit token
+#else
         const float gt = gst[i];
+#endif
         const float bt = bst[i];
         const float kqt = kqs[i];
         float sk[R], sq[R];
@@ -352,16 +412,33 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
             sq[r] += __shfl_xor_sync(0xffffffffu, sq[r], o);
           }
         }
+        float dr[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           const float vr = to_f(vst[i * RB + rloc[r]]);
-          const float d = bt * (vr - gt * sk[r]);
+          dr[r] = bt * (vr - gt * sk[r]);
           if (j == 0) {
-            yst[i * RB + rloc[r]] = from_f<xt>(fmaf(gt, sq[r], d * kqt));
+            yst[i * RB + rloc[r]] = from_f<xt>(fmaf(gt, sq[r], dr[r] * kqt));
           }
+        }
+#if GDN_LZ
+        if (gi != 0.0f) {  // lazy token (uniform over the block: one head)
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const float c = dr[r] * gi;
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+              S[r][e] = fmaf(c, kf[e], S[r][e]);
+            }
+          }
+          continue;
+        }
+#endif
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
 #pragma unroll
           for (int e = 0; e < E; ++e) {
-            S[r][e] = fmaf(S[r][e], gt, d * kf[e]);
+            S[r][e] = fmaf(S[r][e], gt, dr[r] * kf[e]);
           }
         }
       }

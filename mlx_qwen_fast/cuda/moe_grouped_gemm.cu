@@ -48,6 +48,12 @@
 //               into registers before the current step's mma and stored
 //               (dequantised) after it (single shared stage, two syncs).
 //   MOE_LDM  0: 32-bit shared loads for fragments; 1: ldmatrix.x4.
+//   MOE_WV   0: each thread fetches WPT single words of different rows and
+//               their scales/biases (8 threads load the same scale); 1 (needs
+//               WPT == 4, i.e. BN == NT / 2; MOE_PF only): a thread fetches
+//               half a row of a K step (4 words, one 16-byte load) and the
+//               row's scale and bias once; down's fp32 output leaves in
+//               8-byte stores.
 //   MOE_WM, MOE_WN: warps along rows and columns (default 2 x 2); threads
 //               per CTA = 32 * MOE_WM * MOE_WN (the launch must match).
 #include "gdn_common.cuh"
@@ -69,6 +75,9 @@
 #endif
 #ifndef MOE_LDM
 #define MOE_LDM 0
+#endif
+#ifndef MOE_WV
+#define MOE_WV 0
 #endif
 #ifndef MOE_WM
 #define MOE_WM 2
@@ -93,6 +102,8 @@ static_assert(BM == 32 || BM == 64 || BM == 128, "BM must be 32, 64 or 128");
 static_assert(BN == 64 || BN == 128, "BN must be 64 or 128");
 static_assert(WM % 16 == 0 && WN % 8 == 0, "warp tile must be a multiple of 16 x 8");
 static_assert(XPT >= 1 && XPT * NT == BM * 8 && WPT >= 1 && WPT * NT == BN * 8, "loads must split evenly");
+static_assert(!MOE_WV || (WPT == 4 && MOE_PF), "MOE_WV needs 4 words per thread (BN == NT / 2) and MOE_PF");
+constexpr int SPT = MOE_WV ? 1 : WPT;  // scales (and biases) per thread per matrix per K step
 static_assert(!MOE_LDM || NTL % 2 == 0, "ldmatrix B path loads two n-tiles at once");
 static_assert(sizeof(gdn_u16) * LDS * (BM + NMAT * BN) <= 48 * 1024, "static shared memory over 48 KB");
 typedef MOE_YT yt;
@@ -178,13 +189,34 @@ __device__ __forceinline__ void load_w(
 struct Stage {
   uint4 x[XPT];
   unsigned w[NMAT][WPT];
-  gdn_u16 s[NMAT][WPT], b[NMAT][WPT];
+  gdn_u16 s[NMAT][SPT], b[NMAT][SPT];
 };
+
+// Weight row and first word (of the K step) that thread i's word u lands on.
+__device__ __forceinline__ int w_row(int u) {
+  return MOE_WV ? (threadIdx.x >> 1) : ((threadIdx.x + u * NT) >> 3);
+}
+__device__ __forceinline__ int w_word(int u) {
+  return MOE_WV ? (threadIdx.x & 1) * 4 + u : ((threadIdx.x + u * NT) & 7);
+}
 
 __device__ __forceinline__ void fetch_w(
     Stage& st, int m, const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
     const bf16_t* __restrict__ B, int e, int n0, int k0, int K, int O) {
   const int kw = K >> 3, kg = K >> 6;
+#if MOE_WV
+  {
+    const size_t row = (size_t)e * O + n0 + w_row(0);
+    const uint4 v = *reinterpret_cast<const uint4*>(W + row * kw + (k0 >> 3) + w_word(0));
+    st.w[m][0] = v.x;
+    st.w[m][1] = v.y;
+    st.w[m][2] = v.z;
+    st.w[m][3] = v.w;
+    st.s[m][0] = S[row * kg + (k0 >> 6)].x;
+    st.b[m][0] = B[row * kg + (k0 >> 6)].x;
+    return;
+  }
+#endif
 #pragma unroll
   for (int u = 0; u < WPT; ++u) {
     const int i = threadIdx.x + u * NT;
@@ -267,8 +299,8 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
     for (int m = 0; m < NMAT; ++m)
 #pragma unroll
       for (int u = 0; u < WPT; ++u) {
-        const int i = tid + u * NT;
-        *reinterpret_cast<uint4*>(&ws[m][i >> 3][(i & 7) * 8]) = dequant_word(st.w[m][u], st.s[m][u], st.b[m][u]);
+        *reinterpret_cast<uint4*>(&ws[m][w_row(u)][w_word(u) * 8]) =
+            dequant_word(st.w[m][u], st.s[m][MOE_WV ? 0 : u], st.b[m][MOE_WV ? 0 : u]);
       }
   };
 #if MOE_PF
@@ -373,8 +405,16 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
         const float v0 = from_f_round<bf16_t>(acc[0][i][j][2 * h]) * sc;
         const float v1 = from_f_round<bf16_t>(acc[0][i][j][2 * h + 1]) * sc;
         yt* dst = y + (size_t)a_id * O + col;
+#if MOE_WV
+        if constexpr (sizeof(yt) == 4) {
+          *reinterpret_cast<float2*>(dst) = make_float2(v0, v1);
+        } else {
+          *reinterpret_cast<unsigned*>(dst) = pack_bf16(v0, v1);
+        }
+#else
         dst[0] = from_f<yt>(v0);
         dst[1] = from_f<yt>(v1);
+#endif
 #endif
       }
     }

@@ -34,11 +34,16 @@ of the source in parentheses):
 - ``"pf"``: ``deq`` plus a register prefetch of the next K step's global words
   during the current step's mma (MOE_PF=1).
 - ``"pfl"``: ``pf`` plus ldmatrix.x4 fragment loads (MOE_LDM=1).
+- ``"pflv"``: ``pfl`` with 16-byte weight fetches (a thread takes half a
+  weight row of a K step, 4 packed words, and the row's scale and bias once,
+  instead of 4 single words of 4 rows and 4 scale/bias pairs that 8 threads
+  each load again) and 8-byte fp32 stores in down (MOE_WV=1; BM 32/64 only,
+  BM 128 builds as ``pfl``); gate+up at BM 64 capped at 128 registers
+  (MOE_MINB=4: 4 CTAs per SM, no spills with nvcc 13.0).
 - ``"big"``: ``pfl`` with 8 warps and 128-column tiles (MOE_BN=128,
   MOE_WM x MOE_WN = 2 x 4) where the output width allows and the 48 KB of
   static shared memory holds them (gate+up at BM 32/64, down at every BM).
-- ``"async"`` (own source, ``moe_grouped_gemm_async.cu``; **unverified: never
-  run on a GPU yet**): a :data:`ASYNC_TUNE` ``["stages"]``-deep ring of
+- ``"async"`` (own source, ``moe_grouped_gemm_async.cu``): a :data:`ASYNC_TUNE` ``["stages"]``-deep ring of
   ``cp.async`` copies (raw x/h rows, raw 4-bit words, scale/bias chunks) in
   dynamic shared memory, one ``__syncthreads`` per K step, each warp
   dequantising its own packed words from shared memory straight into mma B
@@ -90,14 +95,15 @@ BK = 64  # K step = quantisation group
 BN = 64  # output columns per CTA
 NT = 128  # threads per CTA of the baseline variant
 TILE_CHOICES = (32, 64, 128)
-VARIANTS = ("base", "deq", "pf", "pfl", "big", "async")
+VARIANTS = ("base", "deq", "pf", "pfl", "pflv", "big", "async")
 #: The variant the public functions use when ``variant`` is None: "pfl", the
 #: fastest at T = 512, 2048 and 4096 on the H200 (1.69 ms vs 2.64 ms for
 #: "base" at T = 4096, three calls per evaluation; 1.89 ms one call at a
 #: time: bench/results/moe-cuda-log.md, 2026-12-01).
 DEFAULT_VARIANT = "pfl"
 #: Dequantisation rounding of each variant (``rounding`` of unpack_affine_4bit).
-VARIANT_ROUNDING = {"base": "twice", "deq": "once", "pf": "once", "pfl": "once", "big": "once", "async": "once"}
+VARIANT_ROUNDING = {"base": "twice", "deq": "once", "pf": "once", "pfl": "once", "pflv": "once", "big": "once",
+                    "async": "once"}
 #: Tuning of the "async" variant (timed on the H200, 2026-12-01: none of the
 #: swept settings beats "pfl" for the whole block; moe-cuda-log.md):
 #: cp.async ring depth, and the widest column tile per matrix for gate+up and
@@ -234,10 +240,14 @@ def variant_config(variant: str, kind: int, bm: int, out_cols: int) -> dict:
     wm, wn = (4, 2) if bm == 128 else (2, 2)
     if variant != "base":
         d["MOE_DEQ"] = 1
-    if variant in ("pf", "pfl", "big"):
+    if variant in ("pf", "pfl", "pflv", "big"):
         d["MOE_PF"] = 1
-    if variant in ("pfl", "big"):
+    if variant in ("pfl", "pflv", "big"):
         d["MOE_LDM"] = 1
+    if variant == "pflv" and bm != 128:  # 16-byte weight fetch: BN 64 = half of 128 threads
+        d["MOE_WV"] = 1
+        if kind == 0 and bm == 64:  # 163 -> 128 registers, 0 spills: 4 CTAs/SM instead of 3
+            d["MOE_MINB"] = 4
     # 128 columns: 8 warps; gate+up holds two weight tiles, so only BM <= 64
     # fits 48 KB of static shared memory (xs BM x 72 + 2 x 128 x 72 halves)
     if variant == "big" and out_cols % 128 == 0 and (kind == 1 or bm <= 64):
