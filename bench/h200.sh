@@ -82,16 +82,20 @@ scan)  # GDN scan variants (checked vs fp32, single-call latency), then a prefil
     --max-seconds 30 --out $M/ab-prefill-patched.json > $M/ab-prefill-patched.txt 2>&1
   tar czf "$OUT/scan.tgz" -C $M .
   grep -h "\[scan\]\|FAIL" $M/gdn-scan.txt | tail -24; grep -h "^prefill" $M/ab-prefill-*.txt ;;
-profile)  # chained (dependent) call latency of the prefill kernels, then ncu --set full on them
+profile)  # optional CUDA tests first ($PTESTS: pytest args, untimed, in parallel), then the chained
+          # (dependent) call latency of the prefill kernels, then ncu --set full on them
   M=/tmp/p_out; mkdir -p $M
-  timeout 200 python3 bench/profile_kernels.py chain > $M/chain.txt 2>&1; cat $M/chain.txt | grep -v "^\[" | tail -12
+  if [ -n "${PTESTS:-}" ]; then
+    timeout 240 python3 -m pytest -q -n 4 $PTESTS > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt
+    tail -6 $M/tests.txt
+  fi
+  timeout 200 python3 bench/profile_kernels.py chain > $M/chain.txt 2>&1; grep -v "^\[" $M/chain.txt | tail -16
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
-  timeout 300 $NCU --clock-control none --set full -k "regex:mqf_gdn_scan|mqf_moe_gate_up|mqf_moe_down" \
-    -o $M/prof python3 bench/profile_kernels.py ncu > $M/ncu-run.txt 2>&1; tail -3 $M/ncu-run.txt
+  timeout 240 $NCU --clock-control none --set full -k "regex:mqf_gdn_scan|mqf_moe_gate_up|mqf_moe_down" \
+    -o $M/prof python3 bench/profile_kernels.py ncu > $M/ncu-run.txt 2>&1; tail -2 $M/ncu-run.txt
   $NCU --import $M/prof.ncu-rep --page details > $M/details.txt 2>&1
-  $NCU --import $M/prof.ncu-rep --page raw --csv > $M/raw.csv 2>&1
   $NCU --import $M/prof.ncu-rep --page source --print-source sass --csv > $M/sass.csv 2>&1
-  ls -la $M; tar czf "$OUT/profile.tgz" -C $M --exclude prof.ncu-rep . ; cp $M/prof.ncu-rep "$OUT/" 2>/dev/null
-  grep -E "^  [a-z_]+.*mqf_|Duration|Compute \(SM\) Throughput|Memory Throughput|Registers Per|Achieved Occupancy|Issued Ipc|No Eligible|One or More" $M/details.txt | head -60 ;;
+  tar czf "$OUT/profile.tgz" --exclude prof.ncu-rep -C $M .
+  grep -E "^  mqf_|Duration|Registers Per|Issued Ipc Active|  Executed Instructions  " $M/details.txt | head -64 ;;
 *) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile}"; exit 2 ;;
 esac
