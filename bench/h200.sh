@@ -86,7 +86,7 @@ profile)  # optional CUDA tests first ($PTESTS: pytest args, untimed, in paralle
           # (dependent) call latency of the prefill kernels, then ncu --set full on them
   M=/tmp/p_out; mkdir -p $M
   if [ -n "${PTESTS:-}" ]; then
-    timeout 240 python3 -m pytest -q -n 4 $PTESTS > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt
+    eval "timeout 240 python3 -m pytest -q -n 4 $PTESTS" > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt
     tail -6 $M/tests.txt
   fi
   timeout 200 python3 bench/profile_kernels.py chain > $M/chain.txt 2>&1; grep -v "^\[" $M/chain.txt | tail -16

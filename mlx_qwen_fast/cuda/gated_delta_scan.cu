@@ -44,13 +44,15 @@
 //   sk = G_{t-1} Sh.k, sq = G_{t-1} Sh.q,  G_t = g_t G_{t-1}
 //   d  = beta_t (v_t - G_t Sh.k),  y_t = G_t Sh.q + d (k_t . q_t)
 //   lazy token:      Sh <- Sh + (d / G_t) k^T
-//   explicit token:  Sh <- G_t Sh + d k^T, then G = 1 (Sh is the true state)
+//   explicit token:  Sh <- G_t Sh (a scaling pass), then Sh <- Sh + d k^T,
+//                    and G = 1 from here on (Sh is the true state)
 // Explicit tokens: every 8th token of a stage (so G is a product of at most 8
 // gates), the stage's last token (Sh = S at every stage boundary, so the
 // state leaves exactly as in the plain form) and any token with g < 1e-2
-// (G >= 1e-16, 1/G <= 1e16: no overflow of Sh). G_t and 1/G_t (0 for an
-// explicit token) are computed once per stage and block in the prologue, off
-// the per-token path (the dropped 2026-11-29 "lazy" variant divided per token).
+// (G >= 1e-16, 1/G <= 1e16: no overflow of Sh). G_t and 1/G_t (-1 marks an
+// explicit token) are computed once per stage and block in the prologue (a
+// segmented product scan over 8 lanes), off the per-token path (the dropped
+// 2026-11-29 "lazy" variant divided per token).
 //
 // Variants (build macros):
 //   GDN_KQF32 (0/1): convert the staged k and q rows to fp32 in shared memory
@@ -111,6 +113,9 @@ static_assert(U == 1 || U == 2 || U == 4, "U must be 1, 2 or 4");
 constexpr bool LZ = GDN_LZ;
 static_assert(!LZ || (U == 1 && TB <= 32 && TB % 8 == 0), "lazy decay needs U == 1 and TB in {8, 16, 24, 32}");
 constexpr float LZ_GMIN = 1e-2f;  // gates below this make a token explicit
+// token-loop unroll: 2 overlaps consecutive tokens; with lazy decay ptxas
+// (nvcc 13.0) spills at 2, so 1 there
+constexpr int UR = LZ ? 1 : 2;
 constexpr int NG = TB / U;                       // groups per stage
 constexpr int NDOT = U * (U - 1) / 2 + U * (U + 1) / 2;  // KK (i<j) + KQ (i<=j)
 static_assert(NDOT <= 16, "the Gram pass reduces at most 16 dots per group");
@@ -240,27 +245,9 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
     constexpr int NCONV = KQF ? TB : 0;
     constexpr int NPAD = (U > 1 && !KQF) ? U - 1 : 0;  // zero rows nt.. of the last group
     constexpr int NDOTW = U == 1 ? TB / 4 : NG;  // U == 1: 4 tokens per item
-    constexpr int NLZ = LZ ? 1 : 0;
-    for (int w = warp; w < NLZ + NPAD + NCONV + NDOTW; w += NW) {
-      if (w < NLZ) {  // lane = token: G_t and 1/G_t (0 marks an explicit token)
-        if (lane < nt) {
-          const float* gsb = gs + buf * TB;
-          const float gt = gsb[lane];
-          const bool expl = lane == nt - 1 || (lane & 7) == 7 || gt < LZ_GMIN;
-          float gm = gt;
-          for (int jj = lane - 1; jj >= (lane & ~7); --jj) {
-            const float gj = gsb[jj];
-            if (gj < LZ_GMIN) break;  // token jj was explicit: G restarts after it
-            gm *= gj;
-          }
-          gam[lane] = gm;
-          ginv[lane] = expl ? 0.0f : __frcp_rn(gm);
-        }
-        continue;
-      }
-      const int wp = w - NLZ;
-      if (wp < NPAD) {
-        const int t = nt + wp;
+    for (int w = warp; w < NPAD + NCONV + NDOTW; w += NW) {
+      if (w < NPAD) {
+        const int t = nt + w;
         if (t < ((nt + U - 1) / U) * U) {
           const float z4[4] = {0.f, 0.f, 0.f, 0.f};
           store4(ks + (buf * TB + t) * D + lane * 4, z4);
@@ -268,7 +255,7 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
         }
         continue;
       }
-      const int wi = wp - NPAD;
+      const int wi = w - NPAD;
       if (wi < NCONV) {
         const int t = wi;
         float kv4[4] = {0.f, 0.f, 0.f, 0.f}, qv4[4] = {0.f, 0.f, 0.f, 0.f};
@@ -305,6 +292,30 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
         const float mine = lane == 0 ? acc[0] : lane == 1 ? acc[1] : lane == 2 ? acc[2] : acc[3];
         if (lane < 4 && t0 + lane < nt) {
           kqs[t0 + lane] = mine;
+        }
+        if constexpr (LZ) {
+          // G_t of the 8-token group holding t0..t0+3: lane l < 8 takes token
+          // tg = group start + l; segmented product scan over the 8 lanes, a
+          // segment starting after each explicit token.
+          const int tg = (t0 & ~7) + (lane & 7);
+          const float gv = tg < nt ? gs[buf * TB + tg] : 1.0f;
+          const float gprev = __shfl_up_sync(0xffffffffu, gv, 1, 8);
+          float pv = gv;
+          int ph = (lane & 7) == 0 || gprev < LZ_GMIN;  // token tg - 1 was explicit
+#pragma unroll
+          for (int off = 1; off < 8; off <<= 1) {
+            const float up = __shfl_up_sync(0xffffffffu, pv, off, 8);
+            const int uh = __shfl_up_sync(0xffffffffu, ph, off, 8);
+            if ((lane & 7) >= off && !ph) {
+              pv *= up;
+              ph = uh;
+            }
+          }
+          if (lane < 8 && tg >= t0 && tg < t0 + 4 && tg < nt) {
+            const bool expl = tg == nt - 1 || (tg & 7) == 7 || gv < LZ_GMIN;
+            gam[tg] = pv;
+            ginv[tg] = expl ? -1.0f : __frcp_rn(pv);
+          }
         }
       } else {
         // Group m: KK[i][j] (i < j) then KQ[i][j] (i <= j), NDOT <= 16 dots.
@@ -374,7 +385,7 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
     const float* gst = gs + buf * TB;
     const float* bst = bs + buf * TB;
     if constexpr (U == 1) {
-#pragma unroll 2
+#pragma unroll UR
       for (int i = 0; i < nt; ++i) {
         float kf[E], qf[E];
 #pragma unroll
@@ -384,7 +395,7 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
         }
 #if GDN_LZ
         const float gt = gam[i];   // G_t
-        const float gi = ginv[i];  // 1/G_t, 0 for an explicit token
+        const float gi = ginv[i];  // 1/G_t, or -1 for an explicit token
 #else
         const float gt = gst[i];
 #endif
@@ -422,18 +433,22 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
           }
         }
 #if GDN_LZ
-        if (gi != 0.0f) {  // lazy token (uniform over the block: one head)
+        if (gi < 0.0f) {  // explicit token (uniform over the block): Sh <- G_t Sh first
 #pragma unroll
-          for (int r = 0; r < R; ++r) {
-            const float c = dr[r] * gi;
+          for (int r = 0; r < R; ++r)
 #pragma unroll
-            for (int e = 0; e < E; ++e) {
-              S[r][e] = fmaf(c, kf[e], S[r][e]);
-            }
-          }
-          continue;
+            for (int e = 0; e < E; ++e) S[r][e] *= gt;
         }
-#endif
+        const float gs1 = fabsf(gi);  // 1/G_t, or 1 after the fold
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const float c = dr[r] * gs1;
+#pragma unroll
+          for (int e = 0; e < E; ++e) {
+            S[r][e] = fmaf(c, kf[e], S[r][e]);
+          }
+        }
+#else
 #pragma unroll
         for (int r = 0; r < R; ++r) {
 #pragma unroll
@@ -441,6 +456,7 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
             S[r][e] = fmaf(S[r][e], gt, dr[r] * kf[e]);
           }
         }
+#endif
       }
     } else {
       const int ngroups = (nt + U - 1) / U;

@@ -117,6 +117,15 @@ __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Not volatile: the compiler may move it past the (volatile) ldmatrix of the
+// next slice, so shared-memory loads run ahead of the tensor cores (MOE_WV).
+__device__ __forceinline__ void mma_bf16_nv(float* c, const unsigned* a, unsigned b0, unsigned b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 __device__ __forceinline__ void ldsm_x4(unsigned* r, const void* p) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -349,6 +358,25 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
         a[i][3] = *reinterpret_cast<const unsigned*>(&xs[r + 8][c + 8]);
 #endif
       }
+#if MOE_LDM && MOE_WV
+      {  // all B fragments of this slice first, then its mma (non-volatile)
+        unsigned bfr[NMAT][NTL / 2][4];
+#pragma unroll
+        for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+          for (int j2 = 0; j2 < NTL / 2; ++j2)
+            ldsm_x4(bfr[m][j2], &ws[m][wn * WN + j2 * 16 + (lane & 7) + ((lane >> 4) << 3)][kk + ((lane >> 3) & 1) * 8]);
+#pragma unroll
+        for (int m = 0; m < NMAT; ++m)
+#pragma unroll
+          for (int j2 = 0; j2 < NTL / 2; ++j2)
+#pragma unroll
+            for (int i = 0; i < MT; ++i) {
+              mma_bf16_nv(acc[m][i][2 * j2], a[i], bfr[m][j2][0], bfr[m][j2][1]);
+              mma_bf16_nv(acc[m][i][2 * j2 + 1], a[i], bfr[m][j2][2], bfr[m][j2][3]);
+            }
+      }
+#else
 #pragma unroll
       for (int m = 0; m < NMAT; ++m) {
 #if MOE_LDM
@@ -373,6 +401,7 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
         }
 #endif
       }
+#endif  // MOE_LDM && MOE_WV
     }
     __syncthreads();
   }
