@@ -90,6 +90,7 @@ profile)  # optional CUDA tests first ($PTESTS: pytest args, untimed, in paralle
     tail -6 $M/tests.txt
   fi
   timeout 200 python3 bench/profile_kernels.py chain > $M/chain.txt 2>&1; grep -v "^\[" $M/chain.txt | tail -16
+  [ "${PNCU:-1}" = 0 ] && exit 0
   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
   timeout 240 $NCU --clock-control none --set full -k "regex:mqf_gdn_scan|mqf_moe_gate_up|mqf_moe_down" \
     -o $M/prof python3 bench/profile_kernels.py ncu > $M/ncu-run.txt 2>&1; tail -2 $M/ncu-run.txt

@@ -29,7 +29,11 @@ are left out):
   (query, key) pair.
 
 Each point: warm-up, then ``--repeats`` timed calls (``mx.eval`` of the
-outputs, ``mx.synchronize``), median ms; GB/s and TFLOP/s from the byte and
+outputs, ``mx.synchronize``), median ms; for ``gated_delta.prefill`` and
+``moe.prefill`` the ms is the marginal latency of one call in a chain of
+:data:`CHAIN` dependent calls (state or output feeding the next call: what a
+layer costs inside the model's graph; ``ms_single``, one call per evaluation,
+adds MLX's per-evaluation cost, ~0.1-0.3 ms on the H200); GB/s and TFLOP/s from the byte and
 FLOP counts; ``roofline_frac`` = max(GB/s / copy_gbps, TFLOP/s / bf16_tflops),
 the fraction of the nearer ceiling (``bw_frac`` and ``compute_frac`` apart).
 
@@ -171,6 +175,15 @@ class Case:
     bytes: float
     flops: float
     steps: int = 1  # steps chained in one call; times and rates are per step
+    #: ``chain(fn, m)``: m dependent calls in one graph (each reads what the
+    #: previous one wrote). When set, ``ms`` is the marginal latency of one
+    #: more call, (t_n - t_1) / (n - 1) with n = CHAIN, as a layer inside the
+    #: model's graph sees it (no per-evaluation cost, no overlap of
+    #: independent calls); ``ms_single`` keeps one call per evaluation.
+    chain: Optional[Callable[[Callable, int], Any]] = None
+
+
+CHAIN = 4
 
 
 def _layers(model):
@@ -196,8 +209,15 @@ def gated_delta_case(model, T: int, dtype) -> Case:
     per_token = 2 * Hk * Dk * isz + 2 * Hv * Dv * isz + Hv * 4 + Hv * isz
     nbytes = T * per_token + 2 * Hv * Dv * Dk * 4
     phase = "decode" if T == 1 else "prefill"
+    def chain(fn, m):  # the state feeds the next call
+        st, y = state, None
+        for _ in range(m):
+            y, st = fn(q, k, v, g, beta, st, None)
+        return y, st
+
     return Case(f"gated_delta.{phase}", {"T": T, "Hk": Hk, "Hv": Hv, "Dk": Dk, "Dv": Dv},
-                lambda fn: fn(q, k, v, g, beta, state, None), nbytes, 6.0 * Hv * Dk * Dv * T)
+                lambda fn: fn(q, k, v, g, beta, state, None), nbytes, 6.0 * Hv * Dk * Dv * T,
+                chain=chain if T > 1 else None)
 
 
 def gated_delta_layer_case(model, dtype, chain: int) -> Case:
@@ -244,8 +264,14 @@ def moe_case(model, T: int, dtype) -> Case:
     flops = 2.0 * T * (k * 3 * s.hidden * s.moe_inter + 3 * s.hidden * s.shared_inter)
     flops += 2.0 * T * s.hidden * (E + 1)
     phase = "decode" if T == 1 else "prefill"
+    def chain(fn, m):  # the block's output is the next call's input
+        y = x
+        for _ in range(m):
+            y = fn(block, y).astype(x.dtype)
+        return y
+
     return Case(f"moe.{phase}", {"T": T, "D": s.hidden, "E": E, "k": k, "I": s.moe_inter},
-                lambda fn: fn(block, x), nbytes, flops)
+                lambda fn: fn(block, x), nbytes, flops, chain=chain if T > 1 else None)
 
 
 def attention_case(model, T: int, context: int, dtype) -> Case:
@@ -324,6 +350,13 @@ def run_case(case: Case, impl: str, fn: Callable, *, repeats: int, warmup: int,
     try:
         times = common.measure(lambda: case.call(fn), warmup=warmup, repeats=repeats,
                                budget_s=budget_s)
+        if case.chain is not None:
+            t_n = common.measure(lambda: case.chain(fn, CHAIN), warmup=warmup, repeats=repeats,
+                                 budget_s=budget_s)
+            t1 = common.stats(times)["median"]
+            rec["ms_single"] = t1 * 1e3
+            rec["chain"] = CHAIN
+            times = [(t - t1) / (CHAIN - 1) for t in t_n]
     except Exception as exc:
         common.free_memory()
         rec.update(status="oom" if common.is_oom(exc) else "error", ms=None, ms_min=None,

@@ -35,8 +35,9 @@ def _report(label, make, n):
     return r["marginal"]
 
 
-SCAN_CONFIGS = [None, (8, 2, 4, 32, 0, 1, 1), (8, 2, 4, 16, 0, 1, 1)]
-MOE_VARIANTS = ("pfl", "pflv")
+SCAN_CONFIGS = [None, (8, 2, 4, 32, 0, 1, 0, 4), (8, 2, 4, 32, 0, 1, 0, 1), (8, 2, 4, 32, 0, 1, 1, 2),
+                (8, 2, 4, 32, 0, 1, 1, 4)]
+MOE_VARIANTS = ("pflv",)
 
 
 def chain_scan(n=8, configs=SCAN_CONFIGS):

@@ -79,7 +79,8 @@ def test_scan_matches_reference(B, T, decay, dtype):
     assert rel(y, yr) < (1e-4 if dtype == mx.float32 else 1e-2)
 
 
-LAZY_CONFIGS = [(8, 2, 4, 32, 0, 1, 1), (8, 2, 4, 32, 1, 1, 1), (8, 2, 4, 16, 1, 1, 1), (8, 1, 4, 8, 1, 1, 1)]
+LAZY_CONFIGS = [(8, 2, 4, 32, 0, 1, 1), (8, 2, 4, 32, 1, 1, 1), (8, 2, 4, 16, 1, 1, 1), (8, 1, 4, 8, 1, 1, 1),
+                (8, 2, 4, 32, 0, 1, 1, 4), (8, 2, 4, 32, 0, 1, 0, 4), (8, 2, 4, 32, 0, 1, 0, 1)]
 
 
 @pytest.mark.parametrize(

@@ -59,10 +59,11 @@
 //     once per stage instead of in every lane and token.
 //   GDN_U (1, 2, 4): tokens per group, as above.
 //   GDN_LZ (0/1): lazy decay, as above (U == 1, TB <= 32).
+//   GDN_UR (1, 2, 4): unroll of the per-token loop (U == 1).
 //
 // Build macros: KNAME, GDN_X (bf16_t | f16_t | float), GDN_HV, GDN_HK, GDN_L,
 // GDN_R, GDN_NW (warps per block), GDN_TB (tokens per stage, a multiple of 4
-// and of GDN_U), GDN_KQF32, GDN_U, GDN_LZ.
+// and of GDN_U), GDN_KQF32, GDN_U, GDN_LZ, GDN_UR.
 // Launch: grid = B * HV * (128 / RB) blocks of GDN_NW * 32 threads,
 // dynamic shared memory = gdn_scan_smem_bytes (see the Python wrapper).
 // Parameters: inputs q, k, v, g, beta, state_in; outputs y, state_out; int T.
@@ -76,6 +77,9 @@
 #endif
 #ifndef GDN_LZ
 #define GDN_LZ 0
+#endif
+#ifndef GDN_UR
+#define GDN_UR 2
 #endif
 
 typedef GDN_X xt;
@@ -113,9 +117,7 @@ static_assert(U == 1 || U == 2 || U == 4, "U must be 1, 2 or 4");
 constexpr bool LZ = GDN_LZ;
 static_assert(!LZ || (U == 1 && TB <= 32 && TB % 8 == 0), "lazy decay needs U == 1 and TB in {8, 16, 24, 32}");
 constexpr float LZ_GMIN = 1e-2f;  // gates below this make a token explicit
-// token-loop unroll: 2 overlaps consecutive tokens; with lazy decay ptxas
-// (nvcc 13.0) spills at 2, so 1 there
-constexpr int UR = LZ ? 1 : 2;
+constexpr int UR = GDN_UR;  // token-loop unroll (U == 1): lets a token's loads overlap the last one's shuffles
 constexpr int NG = TB / U;                       // groups per stage
 constexpr int NDOT = U * (U - 1) / 2 + U * (U + 1) / 2;  // KK (i<j) + KQ (i<=j)
 static_assert(NDOT <= 16, "the Gram pass reduces at most 16 dots per group");
