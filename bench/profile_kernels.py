@@ -35,8 +35,7 @@ def _report(label, make, n):
     return r["marginal"]
 
 
-SCAN_CONFIGS = [None, (8, 2, 4, 32, 0, 1, 0, 4), (8, 2, 4, 32, 0, 1, 0, 1), (8, 2, 4, 32, 0, 1, 1, 2),
-                (8, 2, 4, 32, 0, 1, 1, 4)]
+SCAN_CONFIGS = [None, (8, 2, 4, 64, 0, 1), (8, 2, 4, 16, 0, 1)]
 MOE_VARIANTS = ("pflv",)
 
 

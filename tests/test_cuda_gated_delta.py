@@ -79,12 +79,12 @@ def test_scan_matches_reference(B, T, decay, dtype):
     assert rel(y, yr) < (1e-4 if dtype == mx.float32 else 1e-2)
 
 
-LAZY_CONFIGS = [(8, 2, 4, 32, 0, 1, 1), (8, 2, 4, 32, 1, 1, 1), (8, 2, 4, 16, 1, 1, 1), (8, 1, 4, 8, 1, 1, 1),
-                (8, 2, 4, 32, 0, 1, 1, 4), (8, 2, 4, 32, 0, 1, 0, 4), (8, 2, 4, 32, 0, 1, 0, 1)]
+EXTRA_CONFIGS = [(8, 2, 4, 32, 1, 1), (8, 2, 4, 64, 0, 1), (8, 2, 4, 32, 0, 4)]
 
 
 @pytest.mark.parametrize(
-    "config", [(8, 2, 4, 32, 1, 1), (8, 2, 4, 32, 0, 4), (8, 2, 4, 32, 1, 2), (16, 2, 8, 16, 1, 4)] + LAZY_CONFIGS
+    "config", [(8, 2, 4, 32, 1, 1), (8, 2, 4, 32, 0, 4), (8, 2, 4, 32, 1, 2), (16, 2, 8, 16, 1, 4),
+               (8, 2, 4, 64, 0, 1), (8, 1, 4, 8, 0, 1)]
 )
 def test_scan_other_variants(config):
     from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan
@@ -98,13 +98,12 @@ def test_scan_other_variants(config):
     assert rel(sb, sr) < 1e-4 and rel(yb, yr) < 1e-2
 
 
-@pytest.mark.parametrize("config", [None] + LAZY_CONFIGS)
+@pytest.mark.parametrize("config", [None] + EXTRA_CONFIGS)
 @pytest.mark.parametrize("decay", ["mixed", "strong"])
 @pytest.mark.parametrize("T", [7, 8, 9, 33, 200])
 def test_scan_extreme_gates(config, decay, T):
-    """Gates of exactly 0 and far below the lazy-decay threshold (1e-2), at
-    stage and 8-token boundaries: the lazy form must fall back to explicit
-    tokens without overflow (fp32 tolerances as everywhere)."""
+    """Gates of exactly 0, 1e-6 and 1e-3 among weak ones, at stage and
+    8-token boundaries (fp32 tolerances as everywhere)."""
     from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan
 
     q, k, v, g, beta, s0 = make_scan_inputs(1, T, decay, seed=T * 13 + 5, dtype=mx.float32)

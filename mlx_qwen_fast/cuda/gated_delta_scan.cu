@@ -12,7 +12,8 @@
 //   d  = beta_t * (v_t - g_t sk)
 //   y_t = g_t sq + d (k_t . q_t)
 //   S  <- g_t S_old + d k_t^T
-// k_t . q_t is computed once per token and block, off the critical path.
+// k_t . q_t is computed once per token and block, off the critical path (per
+// stage, 8 tokens per warp).
 //
 // Layout: a block owns RB consecutive value rows of one (b, h) and keeps them in
 // registers for the whole call: L consecutive lanes share one row (each holds
@@ -37,33 +38,14 @@
 // Padding tokens of the last group (past T) are identities (g = 1, beta = 0,
 // k = q = 0).
 //
-// Lazy decay (GDN_LZ 1, U == 1 only): the state is kept as S = G * Sh with a
-// scalar G per block (the decay product since the last "explicit" token), so
-// a token's update is one FMA per element, Sh += (d / G_t) k^T, instead of
-// S = g S + d k^T (FMUL + FFMA):
-//   sk = G_{t-1} Sh.k, sq = G_{t-1} Sh.q,  G_t = g_t G_{t-1}
-//   d  = beta_t (v_t - G_t Sh.k),  y_t = G_t Sh.q + d (k_t . q_t)
-//   lazy token:      Sh <- Sh + (d / G_t) k^T
-//   explicit token:  Sh <- G_t Sh (a scaling pass), then Sh <- Sh + d k^T,
-//                    and G = 1 from here on (Sh is the true state)
-// Explicit tokens: every 8th token of a stage (so G is a product of at most 8
-// gates), the stage's last token (Sh = S at every stage boundary, so the
-// state leaves exactly as in the plain form) and any token with g < 1e-2
-// (G >= 1e-16, 1/G <= 1e16: no overflow of Sh). G_t and 1/G_t (-1 marks an
-// explicit token) are computed once per stage and block in the prologue (a
-// segmented product scan over 8 lanes), off the per-token path (the dropped
-// 2026-11-29 "lazy" variant divided per token).
-//
 // Variants (build macros):
 //   GDN_KQF32 (0/1): convert the staged k and q rows to fp32 in shared memory
 //     once per stage instead of in every lane and token.
 //   GDN_U (1, 2, 4): tokens per group, as above.
-//   GDN_LZ (0/1): lazy decay, as above (U == 1, TB <= 32).
-//   GDN_UR (1, 2, 4): unroll of the per-token loop (U == 1).
 //
 // Build macros: KNAME, GDN_X (bf16_t | f16_t | float), GDN_HV, GDN_HK, GDN_L,
 // GDN_R, GDN_NW (warps per block), GDN_TB (tokens per stage, a multiple of 4
-// and of GDN_U), GDN_KQF32, GDN_U, GDN_LZ, GDN_UR.
+// and of GDN_U; of 8 when GDN_U == 1), GDN_KQF32, GDN_U.
 // Launch: grid = B * HV * (128 / RB) blocks of GDN_NW * 32 threads,
 // dynamic shared memory = gdn_scan_smem_bytes (see the Python wrapper).
 // Parameters: inputs q, k, v, g, beta, state_in; outputs y, state_out; int T.
@@ -74,12 +56,6 @@
 #endif
 #ifndef GDN_U
 #define GDN_U 1
-#endif
-#ifndef GDN_LZ
-#define GDN_LZ 0
-#endif
-#ifndef GDN_UR
-#define GDN_UR 2
 #endif
 
 typedef GDN_X xt;
@@ -113,11 +89,8 @@ static_assert(D % RB == 0, "a block must stay inside one value head");
 static_assert(RB % XCH == 0, "v/y tile rows must be whole 16-byte chunks");
 static_assert(NT >= TB, "one thread per token for the gate copies");
 static_assert(TB % U == 0 && TB % 4 == 0, "TB must be a multiple of 4 and of U");
+static_assert(U != 1 || TB % 8 == 0, "U == 1 needs TB a multiple of 8 (k.q of 8 tokens per warp)");
 static_assert(U == 1 || U == 2 || U == 4, "U must be 1, 2 or 4");
-constexpr bool LZ = GDN_LZ;
-static_assert(!LZ || (U == 1 && TB <= 32 && TB % 8 == 0), "lazy decay needs U == 1 and TB in {8, 16, 24, 32}");
-constexpr float LZ_GMIN = 1e-2f;  // gates below this make a token explicit
-constexpr int UR = GDN_UR;  // token-loop unroll (U == 1): lets a token's loads overlap the last one's shuffles
 constexpr int NG = TB / U;                       // groups per stage
 constexpr int NDOT = U * (U - 1) / 2 + U * (U + 1) / 2;  // KK (i<j) + KQ (i<=j)
 static_assert(NDOT <= 16, "the Gram pass reduces at most 16 dots per group");
@@ -148,9 +121,7 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
   float* gs = reinterpret_cast<float*>(ys + 2 * TB * RB);  // [2][TB]
   float* bs = gs + 2 * TB;                                 // [2][TB]
   float* kqs = bs + 2 * TB;                                // [TB]
-  float* gam = kqs + TB;                                   // [TB] G_t if LZ
-  float* ginv = gam + (LZ ? TB : 0);                       // [TB] 1/G_t or 0 if LZ
-  float* gram = ginv + (LZ ? TB : 0);                      // [NG][16] if U > 1
+  float* gram = kqs + TB;                                  // [NG][16] if U > 1
   float* kf32 = gram + (U > 1 ? NG * GSTR : 0);            // [TB][D] if KQF
   float* qf32 = kf32 + (KQF ? TB * D : 0);                 // [TB][D] if KQF
 
@@ -246,7 +217,7 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
     // entries of each group (U > 1).
     constexpr int NCONV = KQF ? TB : 0;
     constexpr int NPAD = (U > 1 && !KQF) ? U - 1 : 0;  // zero rows nt.. of the last group
-    constexpr int NDOTW = U == 1 ? TB / 4 : NG;  // U == 1: 4 tokens per item
+    constexpr int NDOTW = U == 1 ? TB / 8 : NG;  // U == 1: 8 tokens per item
     for (int w = warp; w < NPAD + NCONV + NDOTW; w += NW) {
       if (w < NPAD) {
         const int t = nt + w;
@@ -268,56 +239,30 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
         store4(kf32 + t * D + lane * 4, kv4);
         store4(qf32 + t * D + lane * 4, qv4);
       } else if (U == 1) {
-        // k_t . q_t of 4 tokens: 4 independent warp reductions
-        const int t0 = (wi - NCONV) * 4;
-        float acc[4];
+        // k_t . q_t of 8 tokens: lanes 4i..4i+3 share token t0 + i, each
+        // summing 32 of its 128 products (16-byte chunks c*4 + j of the row),
+        // then two shuffle levels (was: one token per warp, five levels each)
+        const int t = (wi - NCONV) * 8 + (lane >> 2);
+        const int jq = lane & 3;
+        float acc0 = 0.0f, acc1 = 0.0f;
+        if (t < nt) {
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          acc[u] = 0.0f;
-          if (t0 + u < nt) {
-            float kv4[4], qv4[4];
-            load4(ks + (buf * TB + t0 + u) * D + lane * 4, kv4);
-            load4(qs + (buf * TB + t0 + u) * D + lane * 4, qv4);
-            acc[u] = kv4[0] * qv4[0];
-            acc[u] = fmaf(kv4[1], qv4[1], acc[u]);
-            acc[u] = fmaf(kv4[2], qv4[2], acc[u]);
-            acc[u] = fmaf(kv4[3], qv4[3], acc[u]);
-          }
-        }
+          for (int c = 0; c < D / (4 * XCH); ++c) {
+            float kv[XCH], qv[XCH];
+            load16(ks + (buf * TB + t) * D + (c * 4 + jq) * XCH, kv);
+            load16(qs + (buf * TB + t) * D + (c * 4 + jq) * XCH, qv);
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-#pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            acc[u] += __shfl_xor_sync(0xffffffffu, acc[u], o);
-          }
-        }
-        const float mine = lane == 0 ? acc[0] : lane == 1 ? acc[1] : lane == 2 ? acc[2] : acc[3];
-        if (lane < 4 && t0 + lane < nt) {
-          kqs[t0 + lane] = mine;
-        }
-        if constexpr (LZ) {
-          // G_t of the 8-token group holding t0..t0+3: lane l < 8 takes token
-          // tg = group start + l; segmented product scan over the 8 lanes, a
-          // segment starting after each explicit token.
-          const int tg = (t0 & ~7) + (lane & 7);
-          const float gv = tg < nt ? gs[buf * TB + tg] : 1.0f;
-          const float gprev = __shfl_up_sync(0xffffffffu, gv, 1, 8);
-          float pv = gv;
-          int ph = (lane & 7) == 0 || gprev < LZ_GMIN;  // token tg - 1 was explicit
-#pragma unroll
-          for (int off = 1; off < 8; off <<= 1) {
-            const float up = __shfl_up_sync(0xffffffffu, pv, off, 8);
-            const int uh = __shfl_up_sync(0xffffffffu, ph, off, 8);
-            if ((lane & 7) >= off && !ph) {
-              pv *= up;
-              ph = uh;
+            for (int e = 0; e < XCH; e += 2) {
+              acc0 = fmaf(kv[e], qv[e], acc0);
+              acc1 = fmaf(kv[e + 1], qv[e + 1], acc1);
             }
           }
-          if (lane < 8 && tg >= t0 && tg < t0 + 4 && tg < nt) {
-            const bool expl = tg == nt - 1 || (tg & 7) == 7 || gv < LZ_GMIN;
-            gam[tg] = pv;
-            ginv[tg] = expl ? -1.0f : __frcp_rn(pv);
-          }
+        }
+        float acc = acc0 + acc1;
+        acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+        acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+        if (jq == 0 && t < nt) {
+          kqs[t] = acc;
         }
       } else {
         // Group m: KK[i][j] (i < j) then KQ[i][j] (i <= j), NDOT <= 16 dots.
@@ -387,7 +332,7 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
     const float* gst = gs + buf * TB;
     const float* bst = bs + buf * TB;
     if constexpr (U == 1) {
-#pragma unroll UR
+#pragma unroll 2
       for (int i = 0; i < nt; ++i) {
         float kf[E], qf[E];
 #pragma unroll
@@ -395,12 +340,7 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
           load16(kst + i * D + (c * L + j) * CH, &kf[c * CH]);
           load16(qst + i * D + (c * L + j) * CH, &qf[c * CH]);
         }
-#if GDN_LZ
-        const float gt = gam[i];   // G_t
-        const float gi = ginv[i];  // 1/G_t, or -1 for an explicit token
-#else
         const float gt = gst[i];
-#endif
         const float bt = bst[i];
         const float kqt = kqs[i];
         float sk[R], sq[R];
@@ -425,40 +365,18 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
             sq[r] += __shfl_xor_sync(0xffffffffu, sq[r], o);
           }
         }
-        float dr[R];
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           const float vr = to_f(vst[i * RB + rloc[r]]);
-          dr[r] = bt * (vr - gt * sk[r]);
+          const float d = bt * (vr - gt * sk[r]);
           if (j == 0) {
-            yst[i * RB + rloc[r]] = from_f<xt>(fmaf(gt, sq[r], dr[r] * kqt));
+            yst[i * RB + rloc[r]] = from_f<xt>(fmaf(gt, sq[r], d * kqt));
           }
-        }
-#if GDN_LZ
-        if (gi < 0.0f) {  // explicit token (uniform over the block): Sh <- G_t Sh first
-#pragma unroll
-          for (int r = 0; r < R; ++r)
-#pragma unroll
-            for (int e = 0; e < E; ++e) S[r][e] *= gt;
-        }
-        const float gs1 = fabsf(gi);  // 1/G_t, or 1 after the fold
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const float c = dr[r] * gs1;
 #pragma unroll
           for (int e = 0; e < E; ++e) {
-            S[r][e] = fmaf(c, kf[e], S[r][e]);
+            S[r][e] = fmaf(S[r][e], gt, d * kf[e]);
           }
         }
-#else
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-#pragma unroll
-          for (int e = 0; e < E; ++e) {
-            S[r][e] = fmaf(S[r][e], gt, dr[r] * kf[e]);
-          }
-        }
-#endif
       }
     } else {
       const int ngroups = (nt + U - 1) / U;

@@ -30,15 +30,14 @@ D = 128
 class ScanConfig(tuple):
     """Kernel variant: (L lanes per state row, R rows per lane, warps per
     block, TB tokens per shared-memory stage, fp32 k/q copies 0/1, U tokens
-    per group 1/2/4, lazy decay 0/1, unroll of the token loop) -- see
-    gated_delta_scan.cu.  Constraints: L divides 32, warps * (32 / L) * R
-    divides 128, TB a multiple of 4 and of U; lazy decay needs U = 1 and TB
-    in {8, 16, 24, 32}."""
+    per group 1/2/4) -- see gated_delta_scan.cu.  Constraints: L divides 32,
+    warps * (32 / L) * R divides 128, TB a multiple of 4 and of U (of 8
+    when U = 1)."""
 
     __slots__ = ()
 
-    def __new__(cls, L=8, R=2, warps=4, tb=32, kqf32=0, u=1, lazy=0, unroll=2):
-        return super().__new__(cls, (L, R, warps, tb, kqf32, u, lazy, unroll))
+    def __new__(cls, L=8, R=2, warps=4, tb=32, kqf32=0, u=1):
+        return super().__new__(cls, (L, R, warps, tb, kqf32, u))
 
     @property
     def rows_per_block(self) -> int:
@@ -58,13 +57,13 @@ def _kernel(dtype, Hv: int, Hk: int, cfg: ScanConfig) -> cb.CudaKernel:
     key = (dtype, Hv, Hk, tuple(cfg))
     kern = _kernels.get(key)
     if kern is None:
-        L, R, W, TB, KQF, U, LZ, UR = cfg
+        L, R, W, TB, KQF, U = cfg
         kern = cb.CudaKernel(
             "gated_delta_scan.cu",
             "mqf_gdn_scan",
             dict(
                 GDN_X=cb.dtype_macro(dtype), GDN_HV=Hv, GDN_HK=Hk, GDN_L=L,
-                GDN_R=R, GDN_NW=W, GDN_TB=TB, GDN_KQF32=KQF, GDN_U=U, GDN_LZ=LZ, GDN_UR=UR,
+                GDN_R=R, GDN_NW=W, GDN_TB=TB, GDN_KQF32=KQF, GDN_U=U,
             ),
         )
         _kernels[key] = kern
@@ -73,13 +72,11 @@ def _kernel(dtype, Hv: int, Hk: int, cfg: ScanConfig) -> cb.CudaKernel:
 
 def _smem_bytes(dtype, cfg: ScanConfig) -> int:
     """Dynamic shared memory of one block (the layout in the .cu file)."""
-    L, R, W, TB, KQF, U, LZ, _ = cfg
+    L, R, W, TB, KQF, U = cfg
     RB = cfg.rows_per_block
     xs = dtype.size
     n = xs * (2 * TB * D * 2 + 2 * TB * RB * 2)  # k, q, v, y tiles
     n += 4 * (2 * TB * 2 + TB)  # g, beta, k.q
-    if LZ:
-        n += 4 * 2 * TB  # decay products and their reciprocals
     if U > 1:
         n += 4 * (TB // U) * 16  # Gram entries per group
     if KQF and xs != 4:
