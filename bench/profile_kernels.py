@@ -63,6 +63,35 @@ def chain_scan(n=8, configs=SCAN_CONFIGS):
         _report(f"gdn scan B=1 T={T} cfg={list(cfg)}", run, n)
 
 
+def chain_prefill_gdn(n=8):
+    """Front end (conv + SiLU + norms + gates) then scan, as the layer runs
+    them: the conv state and the recurrent state feed the next call."""
+    from bench.gdn_cuda import HK, fe_params
+    from mlx_qwen_fast.kernels import gated_delta_scan as S
+    from mlx_qwen_fast.kernels.gated_delta_frontend import gated_delta_frontend
+
+    T, C = 4096, (2 * HK + HV) * D
+    k1, k2, k3, k4 = mx.random.split(mx.random.key(7), 4)
+    w, A_log, dt_bias = fe_params(k4, mx.bfloat16)
+    qkv = mx.random.normal((1, T, C), key=k1).astype(mx.bfloat16)
+    a = mx.random.normal((1, T, HV), key=k2).astype(mx.bfloat16)
+    cs0 = mx.random.normal((1, 3, C), key=k3).astype(mx.bfloat16)
+    s0 = 0.1 * mx.random.normal((1, HV, D, D), key=k3)
+    mx.eval(qkv, a, cs0, s0, w, A_log, dt_bias)
+
+    def run(m):
+        def f():
+            cs, st, y = cs0, s0, None
+            for _ in range(m):
+                q, k, v, g, beta, cs = gated_delta_frontend(qkv, a, a, w, cs, A_log, dt_bias,
+                                                            num_k_heads=HK, num_v_heads=HV)
+                y, st = S.gated_delta_scan(q, k, v, g, beta, st)
+            return y, st, cs
+        return f
+
+    _report(f"gdn front end + scan B=1 T={T}", run, n)
+
+
 def chain_moe(n=6, variants=MOE_VARIANTS):
     from mlx_qwen_fast.kernels import moe_grouped_gemm as gg
     from mlx_qwen_fast.kernels import moe_routing as mr
@@ -145,6 +174,7 @@ if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "chain"
     if what == "chain":
         chain_scan()
+        chain_prefill_gdn()
         chain_moe()
     elif what == "ncu":
         ncu_launches()

@@ -147,6 +147,14 @@ def test_grouped_gemm_variant_config():
     assert gg.choose_tile_rows(4096 * 8, 256, "base") == 64
     assert gg.choose_tile_rows(4096 * 8, 256, "pfl") == 64
     assert gg.choose_tile_rows(512 * 8, 256, "pfl") == 32
+    assert gg.choose_tile_rows(4096 * 8, 256, "pflv") == 64
+    # pflv: 16-byte weight fetches need BN = threads / 2 (BM 32/64, 128 threads);
+    # gate+up at BM 64 capped at 128 registers; BM 128 (256 threads) builds as pfl
+    d = gg.variant_config("pflv", 0, 64, 512)["defines"]
+    assert d["MOE_WV"] == 1 and d["MOE_MINB"] == 4 and d["MOE_LDM"] == 1
+    assert gg.variant_config("pflv", 1, 32, 2048)["defines"]["MOE_WV"] == 1
+    assert "MOE_MINB" not in gg.variant_config("pflv", 1, 64, 2048)["defines"]
+    assert gg.variant_config("pflv", 0, 128, 512)["defines"] == gg.variant_config("pfl", 0, 128, 512)["defines"]
     assert gg.choose_tile_rows(4096 * 8, 256, "big") == 128
     assert gg.choose_tile_rows(512 * 8, 256, "async") == 32
     assert gg.choose_tile_rows(4096 * 8, 256, "async") == 64

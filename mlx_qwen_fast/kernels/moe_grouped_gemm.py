@@ -96,11 +96,12 @@ BN = 64  # output columns per CTA
 NT = 128  # threads per CTA of the baseline variant
 TILE_CHOICES = (32, 64, 128)
 VARIANTS = ("base", "deq", "pf", "pfl", "pflv", "big", "async")
-#: The variant the public functions use when ``variant`` is None: "pfl", the
-#: fastest at T = 512, 2048 and 4096 on the H200 (1.69 ms vs 2.64 ms for
-#: "base" at T = 4096, three calls per evaluation; 1.89 ms one call at a
-#: time: bench/results/moe-cuda-log.md, 2026-12-01).
-DEFAULT_VARIANT = "pfl"
+#: The variant the public functions use when ``variant`` is None: "pflv".
+#: H200, T = 4096, experts + combine as the marginal latency of one call in a
+#: chain of dependent calls: pflv 1.40-1.44 ms against pfl 1.55-1.61 ms in the
+#: same runs; ncu GPU time gate+up 0.72 vs 0.79 ms, down 0.50 vs 0.60 ms
+#: (bench/results/moe-cuda-log.md, 2026-12-01, third session).
+DEFAULT_VARIANT = "pflv"
 #: Dequantisation rounding of each variant (``rounding`` of unpack_affine_4bit).
 VARIANT_ROUNDING = {"base": "twice", "deq": "once", "pf": "once", "pfl": "once", "pflv": "once", "big": "once",
                     "async": "once"}
