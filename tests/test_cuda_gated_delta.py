@@ -64,7 +64,7 @@ def make_scan_inputs(B, T, decay, seed, dtype=mx.bfloat16):
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("decay", ["strong", "weak"])
-@pytest.mark.parametrize("B,T", [(1, 1), (1, 3), (2, 64), (1, 65), (2, 300)])
+@pytest.mark.parametrize("B,T", [(1, 1), (1, 3), (2, 64), (1, 65), (2, 300), (1, 4096)])
 def test_scan_matches_reference(B, T, decay, dtype):
     from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan, supports
 
