@@ -99,18 +99,18 @@ profile)  # optional CUDA tests first ($PTESTS: pytest args, untimed, in paralle
   $NCU --import $M/prof.ncu-rep --page source --print-source sass --csv > $M/sass.csv 2>&1
   tar czf "$OUT/profile.tgz" --exclude prof.ncu-rep -C $M .
   grep -E "^  mqf_|Duration|Registers Per|Issued Ipc Active|  Executed Instructions  " $M/details.txt | head -64 ;;
-prefill-check)  # prefill kernels: CUDA tests (GDN + MoE kernels with the default GEMM variant, layers; untimed, in parallel), then on a quiet GPU
-                # chained latencies, bench.ops prefill rows at 4K and a patched-only prefill A/B (~8 min)
-  M=/tmp/pc_out; mkdir -p $M; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 4"
-  ( timeout 250 python3 -m pytest -q $XD tests/test_cuda_moe.py tests/test_cuda_gated_delta.py \
+prefill-check)  # prefill kernels: CUDA tests (GDN + MoE kernels with the default GEMM variant, layers; untimed,
+                # in parallel), then on a quiet GPU chained latencies, bench.ops prefill rows at 4K and a
+                # patched-only prefill A/B (~7 min); files straight to $OUT (7 + gpu.txt), so a cut run keeps them
+  M=$OUT; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 4"
+  ( timeout 200 python3 -m pytest -q $XD tests/test_cuda_moe.py tests/test_cuda_gated_delta.py \
       -k "pflv or not grouped_gemm_vs_reference" > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt ) &
-  ( timeout 250 python3 -m pytest -q tests/test_cuda_layers.py > $M/tests-layers.txt 2>&1; echo "rc=$?" >> $M/tests-layers.txt ) &
+  ( timeout 200 python3 -m pytest -q tests/test_cuda_layers.py > $M/tests-layers.txt 2>&1; echo "rc=$?" >> $M/tests-layers.txt ) &
   wait; tail -3 $M/tests.txt $M/tests-layers.txt
-  timeout 120 python3 bench/profile_kernels.py chain > $M/chain.txt 2>&1; grep -v "^\[" $M/chain.txt
-  timeout 150 python3 -m bench.ops $P --ops gated_delta.prefill,moe.prefill --prefill-tokens 4k \
-    --impls stock-loop,stock,cuda-kernel --max-seconds 10 --out $M/ops.json > $M/ops.log 2>&1; grep -E "^(gated|moe)" $M/ops.log
-  timeout 120 $AB --engines patched --prefill 512,4k --rounds 2 --max-seconds 20 --out $M/ab-prefill.json \
-    > $M/ab-prefill.txt 2>&1; grep -h "^prefill" $M/ab-prefill.txt
-  tar czf "$OUT/prefill-check.tgz" -C $M . ;;
+  timeout 90 python3 bench/profile_kernels.py chain > $M/chain.txt 2>&1; grep -v "^\[" $M/chain.txt
+  timeout 100 python3 -m bench.ops $P --ops gated_delta.prefill,moe.prefill --prefill-tokens 4k \
+    --impls stock-loop,stock,cuda-kernel --max-seconds 8 --out $M/ops.json > $M/ops.log 2>&1; grep -E "^(gated|moe)" $M/ops.log
+  timeout 90 $AB --engines patched --prefill 512,4k --rounds 2 --max-seconds 15 --out $M/ab-prefill.json \
+    > $M/ab-prefill.txt 2>&1; grep -h "^prefill" $M/ab-prefill.txt ;;
 *) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check}"; exit 2 ;;
 esac
