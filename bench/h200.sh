@@ -5,13 +5,13 @@
 #   bash bench/h200.sh ab        # both sweeps in one process (one stock warm-up; ~9 min)
 #   bash bench/h200.sh tests     # pytest -m cuda, kernel tests (MoE first; ~5-8 min)
 #   bash bench/h200.sh layers    # tests/test_cuda_layers.py (full GDN layer vs stock; 182 s on 2026-12-01)
-#   bash bench/h200.sh checks    # decode-path tests + numerics (stock/patched vs fp32), then the per-op benchmark (~9.5 min)
+#   bash bench/h200.sh checks    # decode-path tests + numerics (stock/patched vs fp32), then the per-op benchmark (300 s on 2026-12-01)
 #   bash bench/h200.sh moe       # MoE kernel device scripts: grouped GEMM variants, decode GEMV
 #   bash bench/h200.sh kernels   # every CUDA test in parallel (untimed), then on a quiet GPU the MoE
 #                                # kernel timings and a patched-only decode with/without the MoE decode kernels (~9 min)
 #   bash bench/h200.sh profile   # chained-call latency of the prefill kernels + ncu --set full on them (~4 min)
-#   bash bench/h200.sh prefill-check  # prefill kernel + layer tests, chained latencies, ops rows at 4K, patched prefill A/B (~8 min)
-#   bash bench/h200.sh scan      # GDN scan variants (check, single-call latency), prefill A/B with the fastest (~8 min)
+#   bash bench/h200.sh prefill-check  # prefill kernel + layer tests, chained latencies, ops rows at 4K, patched prefill A/B (~5 min)
+#   bash bench/h200.sh scan      # GDN scan variants (check, chained latency), prefill A/B with the fastest (~8 min)
 # Run from the repo root on the device with .mlxcuda carried; results go to $OUT.
 # A fresh process pays MLX-CUDA's first-use kernel compilation: 177-225 s for
 # the stock engine's per-token GDN loop (measured 2026-11-29 and 2026-12-01),
@@ -72,7 +72,7 @@ kernels)  # correctness first, all at once (nothing is timed while they run), th
   tail -4 $M/tests.txt $M/tests-layers.txt; grep -h "check:\|per variant" $M/moe-check.txt $M/moe-decode-check.txt
   tail -62 $M/moe-time.txt | grep -v "^ *[0-9]* route\|^$"; tail -14 $M/moe-decode-time.txt
   grep -h "^decode" $M/ab-decode-k*.txt ;;
-scan)  # GDN scan variants (checked vs fp32, single-call latency), then a prefill A/B with the fastest checked one
+scan)  # GDN scan variants (checked vs fp32, chained latency), then a prefill A/B with the fastest checked one
   M=/tmp/s_out; mkdir -p $M
   timeout 200 python3 bench/gdn_cuda.py --sections scan --out $M > $M/gdn-scan.txt 2>&1
   CFG=$(python3 bench/pick_scan_config.py $M/gdn_scan.json); echo "fastest checked scan config: $CFG"
@@ -101,7 +101,7 @@ profile)  # optional CUDA tests first ($PTESTS: pytest args, untimed, in paralle
   grep -E "^  mqf_|Duration|Registers Per|Issued Ipc Active|  Executed Instructions  " $M/details.txt | head -64 ;;
 prefill-check)  # prefill kernels: CUDA tests (GDN + MoE kernels with the default GEMM variant, layers; untimed,
                 # in parallel), then on a quiet GPU chained latencies, bench.ops prefill rows at 4K and a
-                # patched-only prefill A/B (~7 min); files straight to $OUT (7 + gpu.txt), so a cut run keeps them
+                # patched-only prefill A/B (296 s on 2026-12-01); files straight to $OUT (7 + gpu.txt), so a cut run keeps them
   M=$OUT; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 4"
   ( timeout 200 python3 -m pytest -q $XD tests/test_cuda_moe.py tests/test_cuda_gated_delta.py \
       -k "pflv or not grouped_gemm_vs_reference" > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt ) &

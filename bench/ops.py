@@ -386,7 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impls", default=None,
                    help="comma list of implementation names to run (default: all available)")
     p.add_argument("--prefill-tokens", type=common.lengths_arg, default=[512, 2048, 4096],
-                   help="T of the prefill ops (default 512,2k,4k)")
+                   help="T of the prefill ops (default 512,2k,4k; T=1 is recorded as the decode op)")
     p.add_argument("--decode-context", type=common.lengths_arg, default=[4096, 32768],
                    help="KV context of attention.decode (default 4k,32k)")
     p.add_argument("--layer-chain", type=int, default=30,
@@ -398,7 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop repeating a point after this much timed time (default %(default)s)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes for CI: prefill T=16, decode context 32, 2 repeats, "
-                        "1 warm-up, small ceilings")
+                        "1 warm-up, layer chain 2, small ceilings (these override the "
+                        "corresponding flags)")
     p.add_argument("--no-ceilings", action="store_true", help="skip the ceilings (fractions null)")
     ceilings_mod.add_ceiling_args(p)
     p.add_argument("--out", default=None,
@@ -425,7 +426,11 @@ def op_key(rec: Dict):
 
 
 def main(argv=None) -> Dict:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 0 or args.layer_chain < 1:
+        parser.error(f"--repeats and --layer-chain must be >= 1 and --warmup >= 0, got "
+                     f"{args.repeats}, {args.layer_chain}, {args.warmup}")
     if args.smoke:
         args.prefill_tokens, args.decode_context = [16], [32]
         args.repeats, args.warmup, args.layer_chain = 2, 1, 2
@@ -436,6 +441,10 @@ def main(argv=None) -> Dict:
     dtype = mx.bfloat16 if args.dtype == "bfloat16" or args.model else mx.float32
     backend = common.backend_name()
     wanted = set(x.strip() for x in args.impls.split(",")) if args.impls else None
+    if wanted:
+        known = {impl for fam in FAMILIES + (_LAYER,) for impl in implementations(fam, backend)}
+        if not wanted & known:
+            parser.error(f"--impls: none of {sorted(wanted)} runs here; available: {sorted(known)}")
 
     out = Path(args.out) if args.out else common.default_out("ops")
     old = common.read_json(out) if args.append and out.exists() else None

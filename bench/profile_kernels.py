@@ -6,7 +6,9 @@ Sections (one per process call, ``python3 bench/profile_kernels.py SECTION``):
   previous one wrote, as consecutive layers do), so neither MLX's per-evaluation
   cost nor overlap of independent launches enters the per-call time:
   the GDN scan (state feeds the next call) at B=1, T=4096 and T=16 (the
-  per-call cost with almost no GPU work), and the MoE expert GEMMs
+  per-call cost with almost no GPU work), the GDN front end + scan as the
+  layer runs them (conv state and state feed the next call), and the MoE
+  expert GEMMs
   (gate+up -> down -> combine -> the next call's x) at T=4096 per variant.
   Printed: ms per call for chain lengths 1 and ``n`` (their difference / (n-1)
   is the marginal latency of one call).
@@ -172,11 +174,15 @@ def ncu_launches():
 
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "chain"
+    if what not in ("chain", "ncu"):
+        raise SystemExit(f"usage: {sys.argv[0]} chain|ncu")
+    from mlx_qwen_fast.kernels import _cuda_build as cb
+
+    if not cb.cuda_available():
+        raise SystemExit(f"{sys.argv[0]}: needs MLX's CUDA backend and an NVIDIA GPU (none here)")
     if what == "chain":
         chain_scan()
         chain_prefill_gdn()
         chain_moe()
-    elif what == "ncu":
-        ncu_launches()
     else:
-        raise SystemExit(f"usage: {sys.argv[0]} chain|ncu")
+        ncu_launches()

@@ -143,3 +143,36 @@ def test_chunking_matches_generate_step():
     assert ab.chunk_sizes(4096, 2048) == [2048, 2047, 1]
     assert ab.warmup_length(131072, 2048) == 4096
     assert common.parse_lengths("256,1k,128K") == [256, 1024, 131072]
+
+
+def test_pick_scan_config(tmp_path):
+    """bench/pick_scan_config.py: the fastest configuration whose checks all
+    passed; stale (other-length) configurations, missing times and failed
+    checks are skipped; bad files give a message, not a traceback."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "pick_scan_config.py"
+    res = {
+        "checks": [{"cfg": [8, 2, 4, 32, 0, 1], "ok": True}, {"cfg": [8, 2, 4, 64, 0, 1], "ok": True},
+                   {"cfg": [8, 1, 4, 32, 0, 1], "ok": False}, {"cfg": [8, 2, 4, 64, 0, 1, 0, 4], "ok": True},
+                   {"cfg": [8, 2, 4, 16, 0, 1], "ok": True}],
+        "timings": {"scan B=1 T=4096 cfg=[8, 2, 4, 32, 0, 1]": 0.9e-3,
+                    "scan B=1 T=4096 cfg=[8, 2, 4, 64, 0, 1]": 0.8e-3,
+                    "scan B=1 T=4096 cfg=[8, 1, 4, 32, 0, 1]": 0.1e-3,  # failed a check
+                    "scan B=1 T=4096 cfg=[8, 2, 4, 64, 0, 1, 0, 4]": 0.05e-3,  # another kernel version
+                    "scan B=1 T=4096 cfg=[8, 2, 4, 16, 0, 1]": None,
+                    "scan single-call B=1 T=4096 cfg=[8, 2, 4, 32, 0, 1]": 0.01e-3},
+    }
+    p = tmp_path / "scan.json"
+    p.write_text(json.dumps(res))
+    run = lambda *a: subprocess.run([sys.executable, str(script), *a], capture_output=True, text=True)  # noqa: E731
+    r = run(str(p))
+    assert r.returncode == 0 and r.stdout.strip() == "8,2,4,64,0,1"
+    p.write_text("{}")
+    assert run(str(p)).stdout.strip() == "8,2,4,32,0,1"
+    for bad in ("[]", "not json"):
+        p.write_text(bad)
+        r = run(str(p))
+        assert r.returncode != 0 and "Traceback" not in r.stderr and str(p) in r.stderr
+    r = run()
+    assert r.returncode != 0 and "usage" in r.stderr

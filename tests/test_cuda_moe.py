@@ -155,6 +155,15 @@ def test_grouped_gemm_variant_config():
     assert gg.variant_config("pflv", 1, 32, 2048)["defines"]["MOE_WV"] == 1
     assert "MOE_MINB" not in gg.variant_config("pflv", 1, 64, 2048)["defines"]
     assert gg.variant_config("pflv", 0, 128, 512)["defines"] == gg.variant_config("pfl", 0, 128, 512)["defines"]
+    for args, what in (((0, 64.0, 512), "bm"), ((2, 64, 512), "kind"), ((-1, 64, 512), "kind"),
+                       ((0, 64, 100), "out_cols"), ((1, 64, 0), "out_cols")):
+        with pytest.raises(ValueError, match=what):
+            gg.variant_config("pflv", *args)
+    with pytest.raises(ValueError, match="out_cols"):
+        gg.variant_config("async", 0, 64, 100)
+    for bad in ("100", None, 1.5, True):
+        with pytest.raises(ValueError, match="num_assignments"):
+            gg.choose_tile_rows(bad, 256)
     assert gg.choose_tile_rows(4096 * 8, 256, "big") == 128
     assert gg.choose_tile_rows(512 * 8, 256, "async") == 32
     assert gg.choose_tile_rows(4096 * 8, 256, "async") == 64

@@ -523,3 +523,20 @@ def test_validation_update_and_chunk_size():
             args["q"], args["k"], args["v"], a, mx.zeros((2, 5, 3)),
             mx.zeros((4,)), mx.zeros((4,)),
         )
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(L=0), "L"), (dict(L=3), "L"), (dict(L=8.0), "L"), (dict(R=-1), "R"),
+    (dict(warps=3), "rows per block"), (dict(tb=7), "tb"), (dict(tb=4), "tb"), (dict(tb=256), "tb"),
+    (dict(u=3), "u"), (dict(kqf32=5), "kqf32"),
+])
+def test_scan_config_rejects_bad_fields(bad, field):
+    """The CUDA scan's configuration is checked where it is built (CPU), with
+    the field named, instead of failing in the compiler on a GPU."""
+    from mlx_qwen_fast.kernels.gated_delta_scan import DEFAULT_CONFIG, ScanConfig
+
+    with pytest.raises(ValueError, match=field):
+        ScanConfig(**bad)
+    assert ScanConfig() == DEFAULT_CONFIG == (8, 2, 4, 32, 0, 1)
+    assert ScanConfig(8, 2, 4, 64, 0, 1).rows_per_block == 32
+    assert ScanConfig(16, 2, 8, 16, 1, 4).rows_per_block == 32

@@ -120,7 +120,10 @@ def gpu_arch() -> Tuple[int, int]:
     """(major, minor) compute capability of CUDA device 0 (MLX's GPU)."""
     global _arch
     if _arch is None:
-        lib = ctypes.CDLL("libcuda.so.1")
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            raise RuntimeError(f"no CUDA driver (libcuda.so.1): the CUDA kernels need an NVIDIA GPU ({exc})") from exc
         if lib.cuInit(0) != 0:
             raise RuntimeError("cuInit failed: no usable CUDA driver")
         dev = ctypes.c_int()

@@ -30,13 +30,33 @@ D = 128
 class ScanConfig(tuple):
     """Kernel variant: (L lanes per state row, R rows per lane, warps per
     block, TB tokens per shared-memory stage, fp32 k/q copies 0/1, U tokens
-    per group 1/2/4) -- see gated_delta_scan.cu.  Constraints: L divides 32,
+    per group 1/2/4; keywords L, R, warps, tb, kqf32, u) -- see
+    gated_delta_scan.cu.  Constraints: L divides 32,
     warps * (32 / L) * R divides 128, TB a multiple of 4 and of U (of 8
     when U = 1)."""
 
     __slots__ = ()
 
     def __new__(cls, L=8, R=2, warps=4, tb=32, kqf32=0, u=1):
+        """Raises ValueError (naming the field) when the constraints above fail."""
+        vals = dict(L=L, R=R, warps=warps, tb=tb, kqf32=kqf32, u=u)
+        for name, v in vals.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"ScanConfig: {name} must be a non-negative int, got {v!r}")
+        if L < 1 or 32 % L:
+            raise ValueError(f"ScanConfig: L must divide 32, got {L}")
+        if R < 1 or warps < 1 or D % (warps * (32 // L) * R):
+            raise ValueError(
+                f"ScanConfig: rows per block warps * (32 / L) * R = {warps * (32 // L) * R} "
+                f"must divide {D} (R >= 1, warps >= 1)"
+            )
+        if u not in (1, 2, 4) or kqf32 not in (0, 1):
+            raise ValueError(f"ScanConfig: u must be 1, 2 or 4 and kqf32 0 or 1, got u={u}, kqf32={kqf32}")
+        if tb < 4 or tb % 4 or tb % u or (u == 1 and tb % 8) or tb > warps * 32:
+            raise ValueError(
+                f"ScanConfig: tb must be a multiple of 4 and of u (of 8 when u = 1), at most "
+                f"warps * 32 = {warps * 32}, got tb={tb}"
+            )
         return super().__new__(cls, (L, R, warps, tb, kqf32, u))
 
     @property
@@ -45,9 +65,10 @@ class ScanConfig(tuple):
         return W * (32 // L) * R
 
 
-#: Fastest measured on the H200: 1.29 ms at B=1, T=4096, bf16, one call
-#: (seven other layouts 1.37-1.75 ms, incl. 256/512 smaller blocks and the
-#: token-grouped U=4 form): bench/results/gdn-cuda-log.md, 2026-12-01.
+#: Fastest measured on the H200 at B=1, T=4096, bf16: 0.88 ms as the latency
+#: of one call in a chain of dependent calls (64-token stages within noise,
+#: 16-token stages 1.0 ms; smaller blocks, token groups, fp32 k/q copies and
+#: lazy decay slower): bench/results/gdn-cuda-log.md, 2026-12-01.
 DEFAULT_CONFIG = ScanConfig(8, 2, 4, 32, 0, 1)
 
 _kernels: Dict[tuple, cb.CudaKernel] = {}

@@ -57,11 +57,11 @@ runs 8 warps (4 x 2).
 
 Source: ``mlx_qwen_fast/cuda/moe_grouped_gemm.cu`` (``async``:
 ``moe_grouped_gemm_async.cu``). Status (bench/results/moe-cuda-log.md):
-``base``, ``deq``, ``pf``, ``pfl`` and ``big`` checked and timed on the H200
-(2026-12-01; ``pfl`` fastest: 1.87 ms of expert GEMMs at T=4096 alone,
-110 TFLOP/s, the default); ``async`` checked on the H200, slower than ``pfl``
-for gate+up (1.11 vs 0.96 ms), faster for down (0.65-0.70 vs 0.74 ms), not
-used by default.
+every variant checked and timed on the H200 (2026-12-01). ``pflv`` is the
+default: experts + combine at T=4096 1.40-1.44 ms as the latency of one call
+in a chain of dependent calls (143-147 TFLOP/s) against 1.55-1.61 ms for
+``pfl`` in the same runs; ``async`` is slower than ``pfl`` for gate+up and
+faster for down, not used by default.
 """
 
 from __future__ import annotations
@@ -201,7 +201,19 @@ def choose_tile_rows(num_assignments: int, num_experts: int, variant: Optional[s
     2048    --             1.076          1.186
     4096    --             1.634          1.668
     ======  =============  =============  ==============
+
+    (three independent calls per evaluation, i.e. throughput: the ratios
+    between tile sizes hold, the absolute times are below one call's latency.)
+
+    Raises:
+        ValueError: a negative or non-integer ``num_assignments``, fewer than
+            one expert, or an unknown ``variant``.
     """
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (num_assignments, num_experts)):
+        raise ValueError(
+            f"choose_tile_rows: num_assignments and num_experts must be ints, got "
+            f"{num_assignments!r}, {num_experts!r}"
+        )
     if num_assignments < 0 or num_experts < 1:
         raise ValueError(
             f"choose_tile_rows: need num_assignments >= 0 and num_experts >= 1, "
@@ -231,10 +243,18 @@ def variant_config(variant: str, kind: int, bm: int, out_cols: int) -> dict:
     tile rows; ``out_cols`` the output width O (a multiple of 64).
     The "async" variant adds ``source`` (its .cu file) and ``smem`` (bytes of
     dynamic shared memory per CTA); the others use static shared memory only
-    (``smem`` 0)."""
+    (no ``smem`` key).
+
+    Raises:
+        ValueError: an unknown ``variant``, ``kind`` not 0/1, ``bm`` not in
+            :data:`TILE_CHOICES`, ``out_cols`` not a positive multiple of 64."""
     variant = _check_variant("variant_config", variant)
-    if bm not in TILE_CHOICES:
-        raise ValueError(f"variant_config: bm must be one of {TILE_CHOICES}, got {bm}")
+    if not isinstance(bm, int) or bm not in TILE_CHOICES:
+        raise ValueError(f"variant_config: bm must be one of {TILE_CHOICES}, got {bm!r}")
+    if kind not in (0, 1):
+        raise ValueError(f"variant_config: kind must be 0 (gate+up) or 1 (down), got {kind!r}")
+    if not isinstance(out_cols, int) or out_cols <= 0 or out_cols % 64:
+        raise ValueError(f"variant_config: out_cols must be a positive multiple of 64, got {out_cols!r}")
     if variant == "async":
         return _async_config(kind, bm, out_cols)
     d = dict(MOE_BM=bm, MOE_BN=BN)
