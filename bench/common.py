@@ -496,7 +496,7 @@ class Roofline:
     row), the fp32 Gated DeltaNet state (read + write), the conv state (read +
     write), and the KV cache of the context (read) plus the new token's K/V
     (write). For Qwen3.6-35B-A3B 4-bit this is ~1.80 GB at short context, +
-    20,480 B per context token (../shared/docs/DESIGN-NOTES.md (outside this repository) section 4).
+    20,480 B per context token (DESIGN-NOTES section 4: ../shared/docs/, outside this repository).
 
     Prefill FLOPs per token of a ``T``-token prompt: 2 x active parameters
     except the lm_head, + the lm_head once per prompt (``generate_step``

@@ -166,6 +166,21 @@ SCAN_VARIANTS = [
 T_LIST = [1, 2, 3, 63, 64, 65, 1000, 4096]
 
 
+def scan_chain(q, k, v, g, beta, s0, cfg=None):
+    """``make(m)`` for :func:`device_script.chain_latency`: m scans over the
+    same tokens, each starting from the state the previous one left."""
+    from mlx_qwen_fast.kernels import gated_delta_scan as S
+
+    def make(m):
+        def f():
+            st, y = s0, None
+            for _ in range(m):
+                y, st = S.gated_delta_scan(q, k, v, g, beta, st, config=cfg)
+            return y, st
+        return f
+    return make
+
+
 def section_scan(args):
     mx = _mx()
     from mlx_qwen_fast.kernels import _cuda_build as cb
@@ -254,14 +269,7 @@ def section_scan(args):
             # throughput: runs 1-3 used batch=5, 0.74 ms at B=1, T=4096; one
             # call per evaluation adds MLX's per-evaluation cost: 1.29-1.36 ms
             # against 0.99 ms chained, 2026-12-01)
-            def make(m, cfg=cfg):
-                def f():
-                    st, y = s0, None
-                    for _ in range(m):
-                        y, st = S.gated_delta_scan(q, k, v, g, beta, st, config=cfg)
-                    return y, st
-                return f
-            r = chain_latency(make, n=8, evals=7)
+            r = chain_latency(scan_chain(q, k, v, g, beta, s0, cfg), n=8, evals=7)
             res["timings"][f"scan B={B} T={T} cfg={list(cfg)}"] = r["marginal"]
             res["timings"][f"scan single-call B={B} T={T} cfg={list(cfg)}"] = r["single"]
             log(f"[scan] B={B} T={T} cfg={list(cfg)}: {r['marginal'] * 1e3:.3f} ms chained "

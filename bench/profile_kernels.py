@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 import mlx.core as mx  # noqa: E402
 
 from bench.device_script import chain_latency  # noqa: E402
-from bench.gdn_cuda import HV, D, gates, qkv_inputs  # noqa: E402
+from bench.gdn_cuda import HV, D, gates, qkv_inputs, scan_chain  # noqa: E402
 from bench.moe_cuda import E, K, make_inputs, make_switch  # noqa: E402
 
 
@@ -52,17 +52,7 @@ def chain_scan(n=8, configs=SCAN_CONFIGS):
         g, beta = gates(1, T, "weak", k2)
         s0 = 0.5 * mx.random.normal((1, HV, D, D), key=k3)
         mx.eval(q, k, v, g, beta, s0)
-
-        def run(m):
-            def f():
-                s, ys = s0, []
-                for _ in range(m):
-                    y, s = S.gated_delta_scan(q, k, v, g, beta, s, config=cfg)
-                    ys.append(y)
-                return ys[-1], s
-            return f
-
-        _report(f"gdn scan B=1 T={T} cfg={list(cfg)}", run, n)
+        _report(f"gdn scan B=1 T={T} cfg={list(cfg)}", scan_chain(q, k, v, g, beta, s0, cfg), n)
 
 
 def chain_prefill_gdn(n=8):
@@ -130,11 +120,9 @@ def chain_moe(n=6, variants=MOE_VARIANTS):
 
         marg = _report(f"moe experts+combine, bf16 y, T={T} {v}", run_bf16y, n)
         print(f"{'':48s} -> {flops / marg / 1e12:.1f} TFLOP/s (marginal)", flush=True)
+        # down alone on a fixed h (gate+up's time = experts above minus this)
         h = gg.gate_up_swiglu(x, r, arr(sm.gate_proj), arr(sm.up_proj), variant=v)
         mx.eval(h)
-        # gate+up alone, chained through its output's first D columns is not a
-        # real dependency; time the three pieces by difference instead:
-        # experts (gate+up + down + combine) above, down + combine here.
 
         def run_down(m):
             def f():

@@ -5,7 +5,7 @@ fp32, eager attention), saves it the way mlx-lm can read it, loads it back in
 mlx-lm, and computes teacher-forced logits on both sides plus the error
 metrics the tests report.
 
-Facts this relies on (../shared/docs/DESIGN-NOTES.md (outside this repository) section 8):
+Facts this relies on (DESIGN-NOTES section 8, ../shared/docs/ outside this repository):
 - ``save_pretrained(..., save_original_format=False)``: the default writes one
   key per expert, which mlx-lm's ``sanitize`` does not read.
 - a causal-LM config says ``model_type: qwen3_5_moe_text``; mlx-lm loads it with

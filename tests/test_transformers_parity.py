@@ -7,7 +7,7 @@ twice: stock, and patched with ``mlx_qwen_fast.patch.patch``. Teacher-forced
 logits over a fixed random token sequence longer than one GDN chunk (64) are
 compared with the HF logits.
 
-Correctness gate (fp32 only, see ../shared/docs/DESIGN-NOTES.md (outside this repository) section 8):
+Correctness gate (fp32 only, see DESIGN-NOTES section 8, ../shared/docs/ outside this repository):
 relative L2 <= 1e-4 for stock vs HF and patched vs HF, one-shot and
 prefill-then-decode through an mlx-lm cache. bf16 only checks noise: the
 patched model's bf16 error vs HF fp32 must stay within 1.25x (+1e-3) of the
