@@ -11,6 +11,7 @@
 #                                # kernel timings and a patched-only decode with/without the MoE decode kernels (~9 min)
 #   bash bench/h200.sh profile   # chained-call latency of the prefill kernels + ncu --set full on them (~4 min)
 #   bash bench/h200.sh prefill-check  # prefill kernel + layer tests, chained latencies, ops rows at 4K, patched prefill A/B (~5 min)
+#   bash bench/h200.sh diag      # chained latencies, GDN decode-step ops, per-kernel GPU time of a 4K prefill (ncu)
 #   bash bench/h200.sh scan      # GDN scan variants (check, chained latency), prefill A/B with the fastest (~8 min)
 # Run from the repo root on the device with .mlxcuda carried; results go to $OUT.
 # A fresh process pays MLX-CUDA's first-use kernel compilation: 177-225 s for
@@ -112,5 +113,21 @@ prefill-check)  # prefill kernels: CUDA tests (GDN + MoE kernels with the defaul
     --impls stock-loop,stock,cuda-kernel --max-seconds 8 --out $M/ops.json > $M/ops.log 2>&1; grep -E "^(gated|moe)" $M/ops.log
   timeout 90 $AB --engines patched --prefill 512,4k --rounds 2 --max-seconds 15 --out $M/ab-prefill.json \
     > $M/ab-prefill.txt 2>&1; grep -h "^prefill" $M/ab-prefill.txt ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check}"; exit 2 ;;
+diag)  # where the time goes: chained latencies (GDN front end alone / + scan, MoE pflv with and without
+       # its register cap, stock dense qmm vs bf16 at the projection shapes), the GDN decode-step and
+       # decode-layer ops, the per-kernel GPU time of one patched 4K prefill (ncu), ncu --set full of
+       # the GDN front end; files straight to $OUT (8 with gpu.txt)
+  M=$OUT; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+  timeout 170 python3 bench/profile_kernels.py chain gdn,moe,qmm > $M/chain.txt 2>&1; grep -v "^\[" $M/chain.txt
+  timeout 120 python3 -m bench.ops $P --ops gated_delta.decode_step,gated_delta.decode_layer --max-seconds 10 \
+    --out $M/ops-decode.json > $M/ops-decode.log 2>&1; grep "^gated" $M/ops-decode.log
+  timeout 200 $NCU --profile-from-start off --metrics gpu__time_duration.sum --csv \
+    python3 bench/prefill_profile.py run $P --tokens 4k > $M/prefill-kernels.csv 2> $M/prefill-profile.err
+  tail -2 $M/prefill-profile.err; python3 bench/prefill_profile.py summary $M/prefill-kernels.csv > $M/prefill-breakdown.txt 2>&1
+  cat $M/prefill-breakdown.txt
+  timeout 100 $NCU --clock-control none --set full -k "regex:mqf_gdn_frontend" -o /tmp/fe \
+    python3 bench/profile_kernels.py ncu > /dev/null 2>&1
+  $NCU --import /tmp/fe.ncu-rep --page details > $M/ncu-frontend.txt 2>&1
+  grep -E "Duration|Registers Per|Issued Ipc A|Memory Throughput|DRAM Throughput|Achieved Occupancy|Theoretical Occ" $M/ncu-frontend.txt ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag}"; exit 2 ;;
 esac

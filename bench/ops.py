@@ -9,6 +9,15 @@ are left out):
   ``fn(q, k, v, g, beta, state, mask)`` (``mlx_qwen_fast.ops.gated_delta``;
   "stock-loop" = ``mlx_lm.models.gated_delta.gated_delta_ops``). Bytes: q, k,
   v, g, beta, y, state read + written; FLOPs 6 Hv Dk Dv per token.
+* ``gated_delta.decode_step``: the work of one Gated DeltaNet layer between
+  its input projections and ``out_proj`` for one token (conv state update,
+  conv + SiLU, q/k L2 norm, gates, state update and readout, gated RMSNorm:
+  the scope of the fused CUDA decode kernel), ``fn(layer, qkv, z, a, b,
+  conv_state, state)``: "stock" = mlx-lm's functions in the order its
+  ``GatedDeltaNet.__call__`` runs them, "cuda-kernel" = the fused kernel
+  (``kernels.gated_delta_decode``, compiled step). Chained ``--layer-chain``
+  steps per timed call (conv state and state feed the next step); ms per
+  step. Bytes: conv state and state read + written, qkv, z, a, b, out.
 * ``gated_delta.decode_layer``: the whole Gated DeltaNet layer of the model
   (projections included) for one token with a cache, ``fn(layer, x,
   cache)``: "stock" = mlx-lm's ``GatedDeltaNet``, "patched" = the fast layer
@@ -57,9 +66,11 @@ from . import common
 
 FAMILIES = ("gated_delta", "moe", "attention")
 OPS = tuple(f"{f}.{p}" for f in FAMILIES for p in ("prefill", "decode")) + (
-    "gated_delta.decode_layer",)
+    "gated_delta.decode_step", "gated_delta.decode_layer")
 # family key of the layer op (its implementations are the two layer classes)
 _LAYER = "gated_delta_layer"
+# family key of the decode-step op (mlx-lm's functions vs the fused kernel)
+_STEP = "gated_delta_step"
 
 
 # ---------------------------------------------------------------------------
@@ -124,12 +135,50 @@ def _layer_implementations() -> Dict[str, Callable]:
     }
 
 
+def _stock_decode_step(m, qkv, z, a, b, conv_state, state):
+    """mlx-lm's decode step between the projections: its own modules and
+    functions (``conv1d``, ``normalize_qk``, ``gated_delta_update``, ``norm``)
+    in the order ``qwen3_5.GatedDeltaNet.__call__`` applies them (B, T=1)."""
+    import mlx.nn as nn
+    from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+
+    B = qkv.shape[0]
+    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+    new_conv = mx.contiguous(conv_input[:, -(m.conv_kernel_size - 1):, :])
+    conv_out = nn.silu(m.conv1d(conv_input))
+    q, k, v = [t.reshape(B, 1, h, d) for t, h, d in zip(
+        mx.split(conv_out, [m.key_dim, 2 * m.key_dim], -1),
+        [m.num_k_heads, m.num_k_heads, m.num_v_heads],
+        [m.head_k_dim, m.head_k_dim, m.head_v_dim])]
+    q, k = normalize_qk(q, k, inv_scale=m.head_k_dim**-0.5, eps=1e-6)
+    out, state = gated_delta_update(q, k, v, a, b, m.A_log, m.dt_bias, state)
+    out = m.norm(out, z.reshape(B, 1, m.num_v_heads, m.head_v_dim))
+    return out.reshape(B, 1, -1), new_conv, state
+
+
+def _step_implementations(backend: str) -> Dict[str, Callable]:
+    impls = {"stock": _stock_decode_step}
+    if backend == "cuda":
+        from mlx_qwen_fast.kernels import gated_delta_decode as k_decode
+
+        def fused(m, qkv, z, a, b, conv_state, state):
+            return k_decode.gated_delta_decode(
+                qkv, z, a, b, m.conv1d.weight, conv_state, m.A_log, m.dt_bias, m.norm.weight,
+                state, num_k_heads=m.num_k_heads, num_v_heads=m.num_v_heads,
+                norm_eps=m.norm.eps, compiled=True)
+
+        impls["cuda-kernel"] = fused
+    return impls
+
+
 def implementations(family: str, backend: Optional[str] = None) -> Dict[str, Callable]:
     """Implementations of ``family`` runnable on ``backend`` (default: the
     current one): mlx-lm's stock code first, then the ops module's table."""
     if family == _LAYER:
         return _layer_implementations()
     backend = backend or common.backend_name()
+    if family == _STEP:
+        return _step_implementations(backend)
     name, fn = _stock_baselines()[family]
     table = {name: fn}
     for k, v in dispatch_table(family).items():
@@ -149,6 +198,8 @@ def default_implementation(family: str, tokens: int) -> Optional[str]:
     """The name the patched model uses for ``tokens`` tokens on this backend."""
     if family == _LAYER:
         return "patched"
+    if family == _STEP:
+        return "cuda-kernel" if common.backend_name() == "cuda" else "stock"
     try:
         return _ops_module(family).implementation_for(tokens)
     except Exception:
@@ -251,6 +302,32 @@ def gated_delta_layer_case(model, dtype, chain: int) -> Case:
                 call, nbytes, flops, steps=chain)
 
 
+def gated_delta_step_case(model, dtype, chain: int) -> Case:
+    """The first GDN layer's decode step between its projections, ``chain``
+    steps in one graph (conv state and state feed the next step)."""
+    layer = next(layer.linear_attn for layer in _layers(model) if hasattr(layer, "linear_attn"))
+    Hv, Dv = layer.num_v_heads, layer.head_v_dim
+    ks = mx.random.split(mx.random.key(2), 6)
+    qkv = mx.random.normal((1, 1, layer.conv_dim), key=ks[0]).astype(dtype)
+    z = mx.random.normal((1, 1, Hv * Dv), key=ks[1]).astype(dtype)
+    a = mx.random.normal((1, 1, Hv), key=ks[2]).astype(dtype)
+    b = mx.random.normal((1, 1, Hv), key=ks[3]).astype(dtype)
+    conv0 = mx.random.normal((1, layer.conv_kernel_size - 1, layer.conv_dim), key=ks[4]).astype(dtype)
+    state0 = 0.1 * mx.random.normal((1, Hv, Dv, layer.head_k_dim), key=ks[5])
+    mx.eval(qkv, z, a, b, conv0, state0)
+
+    def call(fn):
+        cs, st, out = conv0, state0, None
+        for _ in range(chain):
+            out, cs, st = fn(layer, qkv, z, a, b, cs, st)
+        return out, cs, st
+
+    nbytes = 2 * (conv0.nbytes + state0.nbytes) + qkv.nbytes + 2 * z.nbytes + a.nbytes + b.nbytes
+    flops = 6.0 * Hv * layer.head_k_dim * Dv
+    return Case("gated_delta.decode_step", {"T": 1, "chain": chain, "Hk": layer.num_k_heads, "Hv": Hv},
+                call, nbytes, flops, steps=chain)
+
+
 def moe_case(model, T: int, dtype) -> Case:
     block = _layers(model)[0].mlp
     s = common.ModelShape.from_config(common.text_args(model))
@@ -324,6 +401,8 @@ def cases(model, ops: List[str], prefill_tokens: List[int], decode_contexts: Lis
         family, phase = op.split(".")
         if phase == "decode_layer":
             out.append((_LAYER, gated_delta_layer_case(model, dtype, layer_chain)))
+        elif phase == "decode_step":
+            out.append((_STEP, gated_delta_step_case(model, dtype, layer_chain)))
         elif family == "attention":
             if phase == "prefill":
                 out += [(family, attention_case(model, T, 0, dtype)) for T in prefill_tokens]
@@ -390,7 +469,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-context", type=common.lengths_arg, default=[4096, 32768],
                    help="KV context of attention.decode (default 4k,32k)")
     p.add_argument("--layer-chain", type=int, default=30,
-                   help="decode steps chained per timed call of gated_delta.decode_layer "
+                   help="decode steps chained per timed call of gated_delta.decode_step and decode_layer "
                         "(default 30: the model's GDN layers per token)")
     p.add_argument("--repeats", type=int, default=10, help="timed calls per point (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls first")
@@ -442,7 +521,7 @@ def main(argv=None) -> Dict:
     backend = common.backend_name()
     wanted = set(x.strip() for x in args.impls.split(",")) if args.impls else None
     if wanted:
-        known = {impl for fam in FAMILIES + (_LAYER,) for impl in implementations(fam, backend)}
+        known = {impl for fam in FAMILIES + (_LAYER, _STEP) for impl in implementations(fam, backend)}
         if not wanted & known:
             parser.error(f"--impls: none of {sorted(wanted)} runs here; available: {sorted(known)}")
 
@@ -486,8 +565,8 @@ def write_result(out: Path, args, ceil, records: List[Dict], old: Optional[Dict]
         **common.checkpoint_fields(args),
         "ceilings": ceil,
         "op_implementations": {op: default_implementation(
-            _LAYER if op.endswith("decode_layer") else op.split(".")[0],
-            1 if "decode" in op else 2048) for op in OPS},
+            _LAYER if op.endswith("decode_layer") else _STEP if op.endswith("decode_step")
+            else op.split(".")[0], 1 if "decode" in op else 2048) for op in OPS},
         "ops": records,
         "wall_seconds": time.perf_counter() - t0,
     }

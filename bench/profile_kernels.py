@@ -1,19 +1,22 @@
 """Latency of the prefill kernels as the model sees them, and launches for ncu.
 
-Sections (one per process call, ``python3 bench/profile_kernels.py SECTION``):
+Sections (one per process call, ``python3 bench/profile_kernels.py SECTION``;
+``chain`` takes an optional comma list of parts: scan, gdn, moe, qmm):
 
 * ``chain``: ``n`` *dependent* calls in one evaluation (each call reads what the
   previous one wrote, as consecutive layers do), so neither MLX's per-evaluation
   cost nor overlap of independent launches enters the per-call time:
   the GDN scan (state feeds the next call) at B=1, T=4096 and T=16 (the
   per-call cost with almost no GPU work), the GDN front end + scan as the
-  layer runs them (conv state and state feed the next call), and the MoE
-  expert GEMMs
-  (gate+up -> down -> combine -> the next call's x) at T=4096 per variant.
-  Printed: ms per call for chain lengths 1 and ``n`` (their difference / (n-1)
+  layer runs them (conv state and state feed the next call) and the front
+  end alone, the MoE expert GEMMs (gate+up -> down -> combine -> the next
+  call's x) at T=4096 per variant and pflv without its register cap, and
+  (part ``qmm``) stock dense 4-bit ``quantized_matmul`` vs bf16 ``matmul`` at
+  the model's projection shapes, M=4096. Printed: ms per call for chain lengths 1 and ``n`` (their difference / (n-1)
   is the marginal latency of one call).
-* ``ncu``: one launch of each profiled kernel (the scan configurations of
-  ``SCAN_CONFIGS``, gate+up and down of ``MOE_VARIANTS``, at T=4096) for ncu.
+* ``ncu``: one launch of each profiled kernel (the GDN front end, the scan
+  configurations of ``SCAN_CONFIGS``, gate+up and down of ``MOE_VARIANTS``,
+  at T=4096) for ncu.
 
 Run on the device (bench/h200.sh ``profile``); CUDA only.
 """
@@ -39,6 +42,16 @@ def _report(label, make, n):
 
 SCAN_CONFIGS = [None, (8, 2, 4, 64, 0, 1), (8, 2, 4, 16, 0, 1)]
 MOE_VARIANTS = ("pflv",)
+
+
+def _uncapped(variant_config):
+    """``variant_config`` without the MOE_MINB register cap (an experiment:
+    pflv's 16-byte fetches at the uncapped register count)."""
+    def cfg(*args, **kw):
+        d = dict(variant_config(*args, **kw))
+        d.pop("MOE_MINB", None)
+        return d
+    return cfg
 
 
 def chain_scan(n=8, configs=SCAN_CONFIGS):
@@ -82,6 +95,17 @@ def chain_prefill_gdn(n=8):
         return f
 
     _report(f"gdn front end + scan B=1 T={T}", run, n)
+
+    def run_fe(m):  # the front end alone, the conv state carried
+        def f():
+            cs, outs = cs0, None
+            for _ in range(m):
+                *outs, cs = gated_delta_frontend(qkv, a, a, w, cs, A_log, dt_bias,
+                                                 num_k_heads=HK, num_v_heads=HV)
+            return (*outs, cs)
+        return f
+
+    _report(f"gdn front end alone B=1 T={T}", run_fe, n)
 
 
 def chain_moe(n=6, variants=MOE_VARIANTS):
@@ -137,6 +161,67 @@ def chain_moe(n=6, variants=MOE_VARIANTS):
 
         _report(f"moe down (+link) T={T} {v}", run_down, n)
 
+    # experiment: pflv without the 128-register cap of gate+up (MOE_MINB)
+    capped = gg.variant_config
+    gg.variant_config = _uncapped(capped)
+    try:
+        r = mr.route_and_group(logits, K, gg.choose_tile_rows(T * K, E, "pflv"))
+
+        def run_nc(m):
+            def f():
+                y = x
+                for _ in range(m):
+                    y = gg.moe_experts(y, r, sm.gate_proj, sm.up_proj, sm.down_proj, variant="pflv")
+                return y
+            return f
+
+        ref = gg.moe_experts(x, r, sm.gate_proj, sm.up_proj, sm.down_proj, variant="pflv")
+        gg.variant_config = capped
+        want = gg.moe_experts(x, r, sm.gate_proj, sm.up_proj, sm.down_proj, variant="pflv")
+        gg.variant_config = _uncapped(capped)
+        diff = mx.abs(ref.astype(mx.float32) - want.astype(mx.float32)).max().item()
+        print(f"{'':48s} pflv uncapped vs capped: max |diff| {diff:.3g}", flush=True)
+        marg = _report(f"moe experts+combine T={T} pflv uncapped", run_nc, n)
+        print(f"{'':48s} -> {flops / marg / 1e12:.1f} TFLOP/s (marginal)", flush=True)
+    finally:
+        gg.variant_config = capped
+
+
+def chain_dense_qmm(n=6, M=4096):
+    """Stock ``mx.quantized_matmul`` (4-bit, group 64, as the checkpoint's
+    dense projections) at the model's prefill shapes, against bf16
+    ``mx.matmul``: pairs K->N->K chained (each output feeds the next call),
+    marginal ms per pair and TFLOP/s."""
+    for K_, N_ in ((2048, 8192), (2048, 4096), (2048, 512)):
+        ks = mx.random.split(mx.random.key(N_), 3)
+        x = mx.random.normal((M, K_), key=ks[0]).astype(mx.bfloat16)
+        w1 = (0.02 * mx.random.normal((N_, K_), key=ks[1])).astype(mx.bfloat16)
+        w2 = (0.02 * mx.random.normal((K_, N_), key=ks[2])).astype(mx.bfloat16)
+        q1, q2 = mx.quantize(w1, 64, 4), mx.quantize(w2, 64, 4)
+        mx.eval(x, w1, w2, *q1, *q2)
+        flops = 2 * 2 * M * K_ * N_
+
+        def run_q(m):
+            def f():
+                y = x
+                for _ in range(m):
+                    h = mx.quantized_matmul(y, *q1, transpose=True, group_size=64, bits=4)
+                    y = mx.quantized_matmul(h, *q2, transpose=True, group_size=64, bits=4)
+                return y
+            return f
+
+        def run_b(m):
+            def f():
+                y = x
+                for _ in range(m):
+                    y = (y @ w1.T) @ w2.T
+                return y
+            return f
+
+        for label, run in (("qmm 4-bit", run_q), ("bf16 matmul", run_b)):
+            marg = _report(f"dense {label} M={M} {K_}->{N_}->{K_}", run, n)
+            print(f"{'':48s} -> {flops / marg / 1e12:.1f} TFLOP/s (marginal)", flush=True)
+
 
 def ncu_launches():
     from mlx_qwen_fast.kernels import gated_delta_scan as S
@@ -149,6 +234,14 @@ def ncu_launches():
     g, beta = gates(1, T, "weak", k2)
     s0 = 0.5 * mx.random.normal((1, HV, D, D), key=k3)
     mx.eval(q, k, v, g, beta, s0)
+    from bench.gdn_cuda import HK, fe_params
+    from mlx_qwen_fast.kernels.gated_delta_frontend import gated_delta_frontend
+
+    w, A_log, dt_bias = fe_params(k1, mx.bfloat16)
+    qkv = mx.random.normal((1, T, (2 * HK + HV) * D), key=k2).astype(mx.bfloat16)
+    ab = mx.random.normal((1, T, HV), key=k3).astype(mx.bfloat16)
+    mx.eval(qkv, ab, w, A_log, dt_bias)
+    mx.eval(gated_delta_frontend(qkv, ab, ab, w, None, A_log, dt_bias, num_k_heads=HK, num_v_heads=HV))
     for cfg in SCAN_CONFIGS:
         mx.eval(S.gated_delta_scan(q, k, v, g, beta, s0, config=cfg))
     sm = make_switch(2)
@@ -163,14 +256,15 @@ def ncu_launches():
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "chain"
     if what not in ("chain", "ncu"):
-        raise SystemExit(f"usage: {sys.argv[0]} chain|ncu")
+        raise SystemExit(f"usage: {sys.argv[0]} chain [scan,gdn,moe,qmm] | ncu")
     from mlx_qwen_fast.kernels import _cuda_build as cb
 
     if not cb.cuda_available():
         raise SystemExit(f"{sys.argv[0]}: needs MLX's CUDA backend and an NVIDIA GPU (none here)")
     if what == "chain":
-        chain_scan()
-        chain_prefill_gdn()
-        chain_moe()
+        sections = sys.argv[2].split(",") if len(sys.argv) > 2 else ["scan", "gdn", "moe"]
+        for name in sections:
+            {"scan": chain_scan, "gdn": chain_prefill_gdn, "moe": chain_moe,
+             "qmm": chain_dense_qmm}[name]()
     else:
         ncu_launches()
