@@ -113,21 +113,23 @@ prefill-check)  # prefill kernels: CUDA tests (GDN + MoE kernels with the defaul
     --impls stock-loop,stock,cuda-kernel --max-seconds 8 --out $M/ops.json > $M/ops.log 2>&1; grep -E "^(gated|moe)" $M/ops.log
   timeout 90 $AB --engines patched --prefill 512,4k --rounds 2 --max-seconds 15 --out $M/ab-prefill.json \
     > $M/ab-prefill.txt 2>&1; grep -h "^prefill" $M/ab-prefill.txt ;;
-diag)  # where the time goes: chained latencies (GDN front end alone / + scan, MoE pflv with and without
-       # its register cap, stock dense qmm vs bf16 at the projection shapes), the GDN decode-step and
-       # decode-layer ops, the per-kernel GPU time of one patched 4K prefill (ncu), ncu --set full of
-       # the GDN front end; files straight to $OUT (8 with gpu.txt)
+diag)  # GDN kernel + layer tests (untimed, in parallel), then where the time goes: chained latencies
+       # (GDN front end alone / + scan / fused, MoE pflv with and without its register cap, stock dense
+       # qmm vs bf16 at the projection shapes), the GDN decode-step and decode-layer ops, the per-kernel
+       # GPU time of one patched 4K prefill (ncu); files straight to $OUT (7 with gpu.txt)
   M=$OUT; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
-  timeout 170 python3 bench/profile_kernels.py chain gdn,moe,qmm > $M/chain.txt 2>&1; grep -v "^\[" $M/chain.txt
-  timeout 120 python3 -m bench.ops $P --ops gated_delta.decode_step,gated_delta.decode_layer --max-seconds 10 \
+  XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 4"
+  ( timeout 170 python3 -m pytest -q $XD tests/test_cuda_gated_delta.py -k "fused or frontend or decode" \
+      > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt ) &
+  ( timeout 170 python3 -m pytest -q tests/test_cuda_layers.py -k fused_layer > $M/tests-layers.txt 2>&1
+    echo "rc=$?" >> $M/tests-layers.txt ) &
+  wait; tail -3 $M/tests.txt $M/tests-layers.txt
+  timeout 150 python3 bench/profile_kernels.py chain gdn,moe,qmm > $M/chain.txt 2>&1; grep -v "^\[" $M/chain.txt
+  timeout 80 python3 -m bench.ops $P --ops gated_delta.decode_step,gated_delta.decode_layer --max-seconds 8 \
     --out $M/ops-decode.json > $M/ops-decode.log 2>&1; grep "^gated" $M/ops-decode.log
-  timeout 200 $NCU --profile-from-start off --metrics gpu__time_duration.sum --csv \
-    python3 bench/prefill_profile.py run $P --tokens 4k > $M/prefill-kernels.csv 2> $M/prefill-profile.err
-  tail -2 $M/prefill-profile.err; python3 bench/prefill_profile.py summary $M/prefill-kernels.csv > $M/prefill-breakdown.txt 2>&1
-  cat $M/prefill-breakdown.txt
-  timeout 100 $NCU --clock-control none --set full -k "regex:mqf_gdn_frontend" -o /tmp/fe \
-    python3 bench/profile_kernels.py ncu > /dev/null 2>&1
-  $NCU --import /tmp/fe.ncu-rep --page details > $M/ncu-frontend.txt 2>&1
-  grep -E "Duration|Registers Per|Issued Ipc A|Memory Throughput|DRAM Throughput|Achieved Occupancy|Theoretical Occ" $M/ncu-frontend.txt ;;
+  timeout 160 $NCU --profile-from-start off --metrics gpu__time_duration.sum --csv \
+    python3 bench/prefill_profile.py run $P --tokens 4k > /tmp/prefill-kernels.csv 2> $M/prefill-profile.err
+  tail -2 $M/prefill-profile.err; python3 bench/prefill_profile.py summary /tmp/prefill-kernels.csv > $M/prefill-breakdown.txt 2>&1
+  gzip -c /tmp/prefill-kernels.csv > $M/prefill-kernels.csv.gz; cat $M/prefill-breakdown.txt ;;
 *) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag}"; exit 2 ;;
 esac

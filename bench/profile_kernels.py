@@ -8,8 +8,8 @@ Sections (one per process call, ``python3 bench/profile_kernels.py SECTION``;
   cost nor overlap of independent launches enters the per-call time:
   the GDN scan (state feeds the next call) at B=1, T=4096 and T=16 (the
   per-call cost with almost no GPU work), the GDN front end + scan as the
-  layer runs them (conv state and state feed the next call) and the front
-  end alone, the MoE expert GEMMs (gate+up -> down -> combine -> the next
+  layer runs them (conv state and state feed the next call), the fused
+  front end + scan kernel, the front end alone, the MoE expert GEMMs (gate+up -> down -> combine -> the next
   call's x) at T=4096 per variant and pflv without its register cap, and
   (part ``qmm``) stock dense 4-bit ``quantized_matmul`` vs bf16 ``matmul`` at
   the model's projection shapes, M=4096. Printed: ms per call for chain lengths 1 and ``n`` (their difference / (n-1)
@@ -106,6 +106,19 @@ def chain_prefill_gdn(n=8):
         return f
 
     _report(f"gdn front end alone B=1 T={T}", run_fe, n)
+
+    from mlx_qwen_fast.kernels.gated_delta_prefill import gated_delta_prefill
+
+    def run_fused(m):  # front end + scan in one launch
+        def f():
+            cs, st, y = cs0, s0, None
+            for _ in range(m):
+                y, st, cs = gated_delta_prefill(qkv, a, a, w, cs, A_log, dt_bias, st,
+                                                num_k_heads=HK, num_v_heads=HV)
+            return y, st, cs
+        return f
+
+    _report(f"gdn fused front end + scan B=1 T={T}", run_fused, n)
 
 
 def chain_moe(n=6, variants=MOE_VARIANTS):

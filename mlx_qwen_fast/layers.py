@@ -7,6 +7,7 @@ so ``model.parameters()``, saving, ``load_weights`` and sharding are unchanged.
 copying anything; :mod:`mlx_qwen_fast.patch` uses it in both directions.
 """
 
+import os
 from typing import Any, Optional
 
 import mlx.core as mx
@@ -19,11 +20,17 @@ from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextSparseMoeBlock
 from .compiled import StepPlans, apply_linear, linear_arrays, linear_paths
 from .kernels import gated_delta_decode as k_decode
 from .kernels import gated_delta_frontend as k_frontend
+from .kernels import gated_delta_prefill as k_prefill
 from .kernels import gated_delta_scan as k_scan
 from .kernels import gated_rms_norm as k_norm
 from .ops import attention as attention_ops
 from .ops import gated_delta as gated_delta_ops
 from .ops import moe as moe_ops
+
+
+#: ``MLX_QWEN_FAST_GDN_FUSED=0`` runs the GDN prefill front end and scan as
+#: two kernels instead of the fused one (A/B runs, debugging).
+GDN_FUSED_ENV = "MLX_QWEN_FAST_GDN_FUSED"
 
 
 def rebind(module: nn.Module, cls: type) -> nn.Module:
@@ -88,7 +95,8 @@ class FastGatedDeltaNet(GatedDeltaNet):
             cache.advance(S)
 
     def _prefill_cuda(self, inputs, cache):
-        """Front end + scan + gated norm kernels; None if a kernel can't take the call."""
+        """Front end + scan (one fused kernel where it applies, else two) + gated
+        norm kernels; None if a kernel can't take the call."""
         B, S, _ = inputs.shape
         qkv = self.in_proj_qkv(inputs)
         conv_state, state = self._states(cache)
@@ -98,13 +106,21 @@ class FastGatedDeltaNet(GatedDeltaNet):
         if not k_frontend.supports(qkv, conv_state, self.conv1d.weight, **self._heads(), **dims):
             return None
         z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
-        q, k, v, g, beta, conv_state = k_frontend.gated_delta_frontend(
-            qkv, self.in_proj_a(inputs), self.in_proj_b(inputs), self.conv1d.weight,
-            conv_state, self.A_log, self.dt_bias, **self._heads(),
-        )
-        if not k_scan.supports(q, k, v, g, beta, state):
-            return None
-        y, state = k_scan.gated_delta_scan(q, k, v, g, beta, state)
+        a, b = self.in_proj_a(inputs), self.in_proj_b(inputs)
+        if os.environ.get(GDN_FUSED_ENV, "") != "0" and k_prefill.supports(
+            qkv, conv_state, self.conv1d.weight, state, **self._heads(), **dims
+        ):
+            y, state, conv_state = k_prefill.gated_delta_prefill(
+                qkv, a, b, self.conv1d.weight, conv_state, self.A_log, self.dt_bias, state,
+                **self._heads(),
+            )
+        else:
+            q, k, v, g, beta, conv_state = k_frontend.gated_delta_frontend(
+                qkv, a, b, self.conv1d.weight, conv_state, self.A_log, self.dt_bias, **self._heads(),
+            )
+            if not k_scan.supports(q, k, v, g, beta, state):
+                return None
+            y, state = k_scan.gated_delta_scan(q, k, v, g, beta, state)
         self._store(cache, conv_state, state, S)
         if k_norm.supports(y, z, self.norm.weight):
             out = k_norm.gated_rms_norm(y, z, self.norm.weight, self.norm.eps)

@@ -200,6 +200,56 @@ def test_frontend_matches_reference(B, T, dtype):
     assert rel(out[5], ref[5]) == 0.0
 
 
+# T: one token, one front-end tile (16) and its edges, a scan stage (32) and
+# its edges, many stages with a ragged end, the model's 4K prompt.
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("T", [1, 2, 15, 16, 17, 31, 33, 64, 65, 1000, 4096])
+def test_fused_prefill_equals_two_kernels(T, dtype):
+    """Front end + scan in one launch: bit-identical to the two kernels (the
+    same device code), over two chained calls (conv state and state carried),
+    with None states first."""
+    from mlx_qwen_fast.kernels.gated_delta_frontend import gated_delta_frontend
+    from mlx_qwen_fast.kernels.gated_delta_prefill import gated_delta_prefill, supports
+    from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan
+
+    w, A_log, dt_bias = fe_params(400 + T, dtype)
+    kw = dict(num_k_heads=HK, num_v_heads=HV)
+    cs2 = st2 = cs1 = st1 = None
+    for call in range(2):
+        ks = mx.random.split(mx.random.key(500 + 7 * T + call), 3)
+        qkv = mx.random.normal((1, T, C), key=ks[0]).astype(dtype)
+        a = mx.random.normal((1, T, HV), key=ks[1]).astype(dtype)
+        b = mx.random.normal((1, T, HV), key=ks[2]).astype(dtype)
+        assert supports(qkv, cs1, w, st1, **kw)
+        y1, st1, cs1 = gated_delta_prefill(qkv, a, b, w, cs1, A_log, dt_bias, st1, **kw)
+        q, k, v, g, beta, cs2 = gated_delta_frontend(qkv, a, b, w, cs2, A_log, dt_bias, **kw)
+        y2, st2 = gated_delta_scan(q, k, v, g, beta, st2)
+        assert finite(y1, st1, cs1)
+        for name, x, y in (("y", y1, y2), ("state", st1, st2), ("conv_state", cs1, cs2)):
+            assert x.shape == y.shape and x.dtype == y.dtype, name
+            assert mx.array_equal(x, y).item(), name
+
+
+def test_fused_prefill_refuses_what_it_cannot_take():
+    from mlx_qwen_fast.kernels import _cuda_build as cb
+    from mlx_qwen_fast.kernels.gated_delta_prefill import gated_delta_prefill, supports
+
+    w, A_log, dt_bias = fe_params(1, mx.bfloat16)
+    kw = dict(num_k_heads=HK, num_v_heads=HV)
+    B = cb.sm_count() // 128 + 1  # more scan blocks (128 per sequence) than SMs
+    qkv = mx.zeros((B, 8, C), mx.bfloat16)
+    ab = mx.zeros((B, 8, HV), mx.bfloat16)
+    assert not supports(qkv, None, w, None, **kw)
+    with pytest.raises(ValueError, match="SMs"):
+        gated_delta_prefill(qkv, ab, ab, w, None, A_log, dt_bias, None, **kw)
+    one = qkv[:1]
+    assert not supports(one, None, w, mx.zeros((1, HV, D, D), mx.bfloat16), **kw)
+    with pytest.raises(ValueError, match="state"):
+        gated_delta_prefill(one, ab[:1], ab[:1], w, None, A_log, dt_bias, mx.zeros((1, HV, D, 64)), **kw)
+    with pytest.raises(ValueError, match="qkv"):
+        gated_delta_prefill(one[..., :64], ab[:1], ab[:1], w, None, A_log, dt_bias, None, **kw)
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_gated_rms_norm_matches_mlx_lm(dtype):
     from mlx_lm.models.qwen3_next import Qwen3NextRMSNormGated

@@ -188,6 +188,19 @@ __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
 
+// ---- cross-block progress flags -----------------------------------------------
+
+// Load with acquire semantics at GPU scope: reads after it (in this thread,
+// and in the block after a barrier) see what the releasing writer wrote.
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void sleep_ns(unsigned ns) {
+  asm volatile("nanosleep.u32 %0;\n" ::"r"(ns));
+}
+
 // ---- activation helpers -----------------------------------------------------
 
 __device__ __forceinline__ float silu_f(float x) {

@@ -68,6 +68,7 @@ __all__ = [
     "cache_dir",
     "cuda_available",
     "gpu_arch",
+    "sm_count",
     "set_poison",
 ]
 
@@ -114,11 +115,16 @@ def cache_dir() -> Path:
 # ---------------------------------------------------------------------------
 
 _arch: Optional[Tuple[int, int]] = None
+_sms: Optional[int] = None
 
 
 def gpu_arch() -> Tuple[int, int]:
-    """(major, minor) compute capability of CUDA device 0 (MLX's GPU)."""
-    global _arch
+    """(major, minor) compute capability of CUDA device 0 (MLX's GPU).
+
+    Raises:
+      RuntimeError: no usable CUDA driver or device.
+    """
+    global _arch, _sms
     if _arch is None:
         try:
             lib = ctypes.CDLL("libcuda.so.1")
@@ -133,8 +139,20 @@ def gpu_arch() -> Tuple[int, int]:
         # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR / _MINOR
         lib.cuDeviceGetAttribute(ctypes.byref(major), 75, dev)
         lib.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev)
-        _arch = (major.value, minor.value)
+        sms = ctypes.c_int()
+        lib.cuDeviceGetAttribute(ctypes.byref(sms), 16, dev)  # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+        _arch, _sms = (major.value, minor.value), sms.value
     return _arch
+
+
+def sm_count() -> int:
+    """Number of SMs of CUDA device 0 (132 on the H200).
+
+    Raises:
+      RuntimeError: as :func:`gpu_arch`.
+    """
+    gpu_arch()
+    return _sms
 
 
 def _arch_option() -> str:

@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from . import _cuda_build as cb
 
-__all__ = ["gated_delta_frontend", "supports"]
+__all__ = ["gated_delta_frontend", "supports", "prepare", "defines"]
 
 D = 128
 KW = 4
@@ -28,19 +28,22 @@ _FLOAT = (mx.bfloat16, mx.float16, mx.float32)
 _kernels: Dict[tuple, cb.CudaKernel] = {}
 
 
+def defines(x, w, A_log, dt_bias, Hv, Hk) -> dict:
+    """Build macros of the front end (``gdn_frontend.cuh``) for these dtypes
+    and head counts; the fused prefill kernel takes them too."""
+    return dict(
+        GDN_X=cb.dtype_macro(x), GDN_W=cb.dtype_macro(w),
+        GDN_A=cb.dtype_macro(A_log), GDN_DT=cb.dtype_macro(dt_bias),
+        GDN_HV=Hv, GDN_HK=Hk, GDN_TT=TT,
+    )
+
+
 def _kernel(x, w, A_log, dt_bias, Hv, Hk) -> cb.CudaKernel:
     key = (x, w, A_log, dt_bias, Hv, Hk)
     kern = _kernels.get(key)
     if kern is None:
-        kern = cb.CudaKernel(
-            "gated_delta_frontend.cu",
-            "mqf_gdn_frontend",
-            dict(
-                GDN_X=cb.dtype_macro(x), GDN_W=cb.dtype_macro(w),
-                GDN_A=cb.dtype_macro(A_log), GDN_DT=cb.dtype_macro(dt_bias),
-                GDN_HV=Hv, GDN_HK=Hk, GDN_TT=TT,
-            ),
-        )
+        kern = cb.CudaKernel("gated_delta_frontend.cu", "mqf_gdn_frontend",
+                             defines(x, w, A_log, dt_bias, Hv, Hk))
         _kernels[key] = kern
     return kern
 
@@ -121,6 +124,30 @@ def gated_delta_frontend(
       RuntimeError: no CUDA compiler could build the kernel.
     """
     Hk, Hv = num_k_heads, num_v_heads
+    B, T, C, a, b, conv_state = prepare(qkv, a, b, conv_weight, conv_state, A_log, dt_bias, Hk, Hv)
+    kern = _kernel(qkv.dtype, conv_weight.dtype, A_log.dtype, dt_bias.dtype, Hv, Hk)
+    nwarps = B * (-(-T // TT)) * (2 * Hk + Hv)
+    nblocks = -(-nwarps // 4)
+    f32 = mx.float32
+    q, k, v, g, beta, new_conv = kern(
+        inputs=[qkv, a, b, conv_weight.reshape(C, KW), conv_state, A_log, dt_bias],
+        output_shapes=[(B, T, Hk, D), (B, T, Hk, D), (B, T, Hv, D), (B, T, Hv), (B, T, Hv), (B, KW - 1, C)],
+        output_dtypes=[qkv.dtype, qkv.dtype, qkv.dtype, f32, f32, qkv.dtype],
+        grid=(nblocks * 128, 1, 1),
+        threadgroup=(128, 1, 1),
+        scalars=[B, T, eps],
+    )
+    return q, k, v, g, beta, new_conv
+
+
+def prepare(qkv, a, b, conv_weight, conv_state, A_log, dt_bias, Hk: int, Hv: int):
+    """Check the front end's arguments (as :func:`gated_delta_frontend`
+    documents them) and return ``(B, T, C, a, b, conv_state)`` with a, b and
+    the conv state (zeros for None) in qkv's dtype.
+
+    Raises:
+      ValueError: a shape or dtype outside the contract (names the argument).
+    """
     if Hk <= 0 or Hv % Hk:
         raise ValueError(f"num_v_heads ({Hv}) must be a multiple of num_k_heads ({Hk})")
     C = (2 * Hk + Hv) * D
@@ -148,18 +175,4 @@ def gated_delta_frontend(
         )
     elif conv_state.dtype != qkv.dtype:
         conv_state = conv_state.astype(qkv.dtype)
-    a = a.astype(qkv.dtype)
-    b = b.astype(qkv.dtype)
-    kern = _kernel(qkv.dtype, conv_weight.dtype, A_log.dtype, dt_bias.dtype, Hv, Hk)
-    nwarps = B * (-(-T // TT)) * (2 * Hk + Hv)
-    nblocks = -(-nwarps // 4)
-    f32 = mx.float32
-    q, k, v, g, beta, new_conv = kern(
-        inputs=[qkv, a, b, conv_weight.reshape(C, KW), conv_state, A_log, dt_bias],
-        output_shapes=[(B, T, Hk, D), (B, T, Hk, D), (B, T, Hv, D), (B, T, Hv), (B, T, Hv), (B, KW - 1, C)],
-        output_dtypes=[qkv.dtype, qkv.dtype, qkv.dtype, f32, f32, qkv.dtype],
-        grid=(nblocks * 128, 1, 1),
-        threadgroup=(128, 1, 1),
-        scalars=[B, T, eps],
-    )
-    return q, k, v, g, beta, new_conv
+    return B, T, C, a.astype(qkv.dtype), b.astype(qkv.dtype), conv_state

@@ -74,24 +74,27 @@ DEFAULT_CONFIG = ScanConfig(8, 2, 4, 32, 0, 1)
 _kernels: Dict[tuple, cb.CudaKernel] = {}
 
 
-def _kernel(dtype, Hv: int, Hk: int, cfg: ScanConfig) -> cb.CudaKernel:
-    key = (dtype, Hv, Hk, tuple(cfg))
+def kernel(dtype, Hv: int, Hk: int, cfg: ScanConfig, fused: Optional[dict] = None) -> cb.CudaKernel:
+    """The scan kernel for these dtypes/heads/config, built once per process
+    (and cached on disk); ``fused``: the front end's build macros
+    (``gated_delta_frontend.defines``) for the fused front end + scan kernel
+    (GDN_FUSED, see ``kernels/gated_delta_prefill``)."""
+    key = (dtype, Hv, Hk, tuple(cfg), tuple(sorted((fused or {}).items())))
     kern = _kernels.get(key)
     if kern is None:
         L, R, W, TB, KQF, U = cfg
-        kern = cb.CudaKernel(
-            "gated_delta_scan.cu",
-            "mqf_gdn_scan",
-            dict(
-                GDN_X=cb.dtype_macro(dtype), GDN_HV=Hv, GDN_HK=Hk, GDN_L=L,
-                GDN_R=R, GDN_NW=W, GDN_TB=TB, GDN_KQF32=KQF, GDN_U=U,
-            ),
+        defs = dict(
+            GDN_X=cb.dtype_macro(dtype), GDN_HV=Hv, GDN_HK=Hk, GDN_L=L,
+            GDN_R=R, GDN_NW=W, GDN_TB=TB, GDN_KQF32=KQF, GDN_U=U,
         )
+        if fused:
+            defs.update(fused, GDN_FUSED=1)
+        kern = cb.CudaKernel("gated_delta_scan.cu", "mqf_gdn_prefill" if fused else "mqf_gdn_scan", defs)
         _kernels[key] = kern
     return kern
 
 
-def _smem_bytes(dtype, cfg: ScanConfig) -> int:
+def smem_bytes(dtype, cfg: ScanConfig) -> int:
     """Dynamic shared memory of one block (the layout in the .cu file)."""
     L, R, W, TB, KQF, U = cfg
     RB = cfg.rows_per_block
@@ -228,7 +231,7 @@ def gated_delta_scan(
         beta = mx.where(m, beta, 0.0)
     if T == 0:
         return mx.zeros((B, 0, Hv, D), dtype=q.dtype), state
-    kern = _kernel(q.dtype, Hv, Hk, cfg)
+    kern = kernel(q.dtype, Hv, Hk, cfg)
     nthreads = cfg[2] * 32
     nblocks = B * Hv * (D // cfg.rows_per_block)
     y, new_state = kern(
@@ -238,7 +241,7 @@ def gated_delta_scan(
         grid=(nblocks * nthreads, 1, 1),
         threadgroup=(nthreads, 1, 1),
         scalars=[T],
-        shared_memory=_smem_bytes(q.dtype, cfg),
+        shared_memory=smem_bytes(q.dtype, cfg),
     )
     if mask is not None:
         y = mx.where(m[..., None], y, 0)
