@@ -125,8 +125,9 @@ diag)  # GDN kernel + layer tests (untimed, in parallel), then where the time go
     echo "rc=$?" >> $M/tests-layers.txt ) &
   wait; tail -3 $M/tests.txt $M/tests-layers.txt
   timeout 150 python3 bench/profile_kernels.py chain gdn,moe,qmm > $M/chain.txt 2>&1; grep -v "^\[" $M/chain.txt
-  timeout 80 python3 -m bench.ops $P --ops gated_delta.decode_step,gated_delta.decode_layer --max-seconds 8 \
-    --out $M/ops-decode.json > $M/ops-decode.log 2>&1; grep "^gated" $M/ops-decode.log
+  timeout 90 python3 -m bench.ops $P --ops gated_delta.prefill_step,gated_delta.decode_step,gated_delta.decode_layer \
+    --prefill-tokens 4k --impls cuda-kernel,cuda-fused,stock,patched --max-seconds 6 \
+    --out $M/ops-gdn.json > $M/ops-gdn.log 2>&1; grep "^gated" $M/ops-gdn.log
   timeout 160 $NCU --profile-from-start off --metrics gpu__time_duration.sum --csv \
     python3 bench/prefill_profile.py run $P --tokens 4k > /tmp/prefill-kernels.csv 2> $M/prefill-profile.err
   tail -2 $M/prefill-profile.err; python3 bench/prefill_profile.py summary /tmp/prefill-kernels.csv > $M/prefill-breakdown.txt 2>&1

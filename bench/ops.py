@@ -9,6 +9,17 @@ are left out):
   ``fn(q, k, v, g, beta, state, mask)`` (``mlx_qwen_fast.ops.gated_delta``;
   "stock-loop" = ``mlx_lm.models.gated_delta.gated_delta_ops``). Bytes: q, k,
   v, g, beta, y, state read + written; FLOPs 6 Hv Dk Dv per token.
+* ``gated_delta.prefill_step``: the work of one Gated DeltaNet layer between
+  its input projections and the gated norm for T tokens (conv state + conv +
+  SiLU + q/k L2 norm + gates, then the recurrence), ``fn(layer, qkv, a, b,
+  conv_state, state)``: "stock" = mlx-lm's functions in the order its
+  ``GatedDeltaNet.__call__`` runs them (the recurrence: its per-token
+  ``gated_delta_ops`` on CUDA), "cuda-kernel" = the front-end kernel then
+  the scan kernel, "cuda-fused" = the two in one launch
+  (``kernels.gated_delta_prefill``). Chained as ``gated_delta.prefill``
+  (conv state and state feed the next call). Bytes: qkv, a, b read, q, k,
+  v, g, beta written and read (the two-kernel form's round trip), y
+  written, states read + written; FLOPs 6 Hv Dk Dv per token.
 * ``gated_delta.decode_step``: the work of one Gated DeltaNet layer between
   its input projections and ``out_proj`` for one token (conv state update,
   conv + SiLU, q/k L2 norm, gates, state update and readout, gated RMSNorm:
@@ -38,8 +49,8 @@ are left out):
   (query, key) pair.
 
 Each point: warm-up, then ``--repeats`` timed calls (``mx.eval`` of the
-outputs, ``mx.synchronize``), median ms; for ``gated_delta.prefill`` and
-``moe.prefill`` the ms is the marginal latency of one call in a chain of
+outputs, ``mx.synchronize``), median ms; for ``gated_delta.prefill``,
+``gated_delta.prefill_step`` and ``moe.prefill`` the ms is the marginal latency of one call in a chain of
 :data:`CHAIN` dependent calls (state or output feeding the next call: what a
 layer costs inside the model's graph; ``ms_single``, one call per evaluation,
 adds MLX's per-evaluation cost, ~0.1-0.3 ms on the H200); GB/s and TFLOP/s from the byte and
@@ -66,11 +77,12 @@ from . import common
 
 FAMILIES = ("gated_delta", "moe", "attention")
 OPS = tuple(f"{f}.{p}" for f in FAMILIES for p in ("prefill", "decode")) + (
-    "gated_delta.decode_step", "gated_delta.decode_layer")
+    "gated_delta.prefill_step", "gated_delta.decode_step", "gated_delta.decode_layer")
 # family key of the layer op (its implementations are the two layer classes)
 _LAYER = "gated_delta_layer"
-# family key of the decode-step op (mlx-lm's functions vs the fused kernel)
+# family keys of the step ops (mlx-lm's functions vs the fused kernels)
 _STEP = "gated_delta_step"
+_PSTEP = "gated_delta_prefill_step"
 
 
 # ---------------------------------------------------------------------------
@@ -156,6 +168,50 @@ def _stock_decode_step(m, qkv, z, a, b, conv_state, state):
     return out.reshape(B, 1, -1), new_conv, state
 
 
+def _stock_prefill_step(m, qkv, a, b, conv_state, state):
+    """mlx-lm's prefill between the projections and the gated norm: its own
+    modules and functions in the order ``qwen3_5.GatedDeltaNet.__call__``
+    applies them (no mask). Returns (y, state, conv state)."""
+    import mlx.nn as nn
+    from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
+
+    B, T, _ = qkv.shape
+    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+    new_conv = mx.contiguous(conv_input[:, -(m.conv_kernel_size - 1):, :])
+    conv_out = nn.silu(m.conv1d(conv_input))
+    q, k, v = [t.reshape(B, T, h, d) for t, h, d in zip(
+        mx.split(conv_out, [m.key_dim, 2 * m.key_dim], -1),
+        [m.num_k_heads, m.num_k_heads, m.num_v_heads],
+        [m.head_k_dim, m.head_k_dim, m.head_v_dim])]
+    q, k = normalize_qk(q, k, inv_scale=m.head_k_dim**-0.5, eps=1e-6)
+    y, state = gated_delta_update(q, k, v, a, b, m.A_log, m.dt_bias, state)
+    return y, state, new_conv
+
+
+def _prefill_step_implementations(backend: str) -> Dict[str, Callable]:
+    impls = {"stock": _stock_prefill_step}
+    if backend == "cuda":
+        from mlx_qwen_fast.kernels import gated_delta_frontend as k_fe
+        from mlx_qwen_fast.kernels import gated_delta_prefill as k_prefill
+        from mlx_qwen_fast.kernels import gated_delta_scan as k_scan
+
+        def two_kernels(m, qkv, a, b, conv_state, state):
+            q, k, v, g, beta, cs = k_fe.gated_delta_frontend(
+                qkv, a, b, m.conv1d.weight, conv_state, m.A_log, m.dt_bias,
+                num_k_heads=m.num_k_heads, num_v_heads=m.num_v_heads)
+            y, st = k_scan.gated_delta_scan(q, k, v, g, beta, state)
+            return y, st, cs
+
+        def fused(m, qkv, a, b, conv_state, state):
+            return k_prefill.gated_delta_prefill(
+                qkv, a, b, m.conv1d.weight, conv_state, m.A_log, m.dt_bias, state,
+                num_k_heads=m.num_k_heads, num_v_heads=m.num_v_heads)
+
+        impls["cuda-kernel"] = two_kernels
+        impls["cuda-fused"] = fused
+    return impls
+
+
 def _step_implementations(backend: str) -> Dict[str, Callable]:
     impls = {"stock": _stock_decode_step}
     if backend == "cuda":
@@ -179,6 +235,8 @@ def implementations(family: str, backend: Optional[str] = None) -> Dict[str, Cal
     backend = backend or common.backend_name()
     if family == _STEP:
         return _step_implementations(backend)
+    if family == _PSTEP:
+        return _prefill_step_implementations(backend)
     name, fn = _stock_baselines()[family]
     table = {name: fn}
     for k, v in dispatch_table(family).items():
@@ -200,6 +258,13 @@ def default_implementation(family: str, tokens: int) -> Optional[str]:
         return "patched"
     if family == _STEP:
         return "cuda-kernel" if common.backend_name() == "cuda" else "stock"
+    if family == _PSTEP:
+        if common.backend_name() != "cuda":
+            return "stock"
+        import os
+
+        from mlx_qwen_fast.layers import GDN_FUSED_ENV
+        return "cuda-kernel" if os.environ.get(GDN_FUSED_ENV, "") == "0" else "cuda-fused"
     try:
         return _ops_module(family).implementation_for(tokens)
     except Exception:
@@ -300,6 +365,33 @@ def gated_delta_layer_case(model, dtype, chain: int) -> Case:
     flops = 2.0 * proj + 6.0 * Hv * Dk * Dv
     return Case("gated_delta.decode_layer", {"T": 1, "chain": chain, "Hk": Hk, "Hv": Hv},
                 call, nbytes, flops, steps=chain)
+
+
+def gated_delta_prefill_step_case(model, T: int, dtype) -> Case:
+    """The first GDN layer's prefill between its projections and the gated
+    norm for T tokens, from a random conv state and state."""
+    layer = next(layer.linear_attn for layer in _layers(model) if hasattr(layer, "linear_attn"))
+    Hk, Hv, Dk, Dv = layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim
+    ks = mx.random.split(mx.random.key(3 + T), 5)
+    qkv = mx.random.normal((1, T, layer.conv_dim), key=ks[0]).astype(dtype)
+    a = mx.random.normal((1, T, Hv), key=ks[1]).astype(dtype)
+    b = mx.random.normal((1, T, Hv), key=ks[2]).astype(dtype)
+    conv0 = mx.random.normal((1, layer.conv_kernel_size - 1, layer.conv_dim), key=ks[3]).astype(dtype)
+    state0 = 0.1 * mx.random.normal((1, Hv, Dv, Dk), key=ks[4])
+    mx.eval(qkv, a, b, conv0, state0)
+
+    def chain(fn, m):  # the conv state and state feed the next call
+        cs, st, y = conv0, state0, None
+        for _ in range(m):
+            y, st, cs = fn(layer, qkv, a, b, cs, st)
+        return y, st, cs
+
+    isz = qkv.dtype.size
+    per_token = layer.conv_dim * isz * 3 + 2 * Hv * isz + 2 * Hv * 4 * 2 + Hv * Dv * isz
+    nbytes = T * per_token + 2 * (state0.nbytes + conv0.nbytes)
+    return Case("gated_delta.prefill_step", {"T": T, "Hk": Hk, "Hv": Hv, "Dk": Dk, "Dv": Dv},
+                lambda fn: fn(layer, qkv, a, b, conv0, state0), nbytes, 6.0 * Hv * Dk * Dv * T,
+                chain=chain)
 
 
 def gated_delta_step_case(model, dtype, chain: int) -> Case:
@@ -403,6 +495,8 @@ def cases(model, ops: List[str], prefill_tokens: List[int], decode_contexts: Lis
             out.append((_LAYER, gated_delta_layer_case(model, dtype, layer_chain)))
         elif phase == "decode_step":
             out.append((_STEP, gated_delta_step_case(model, dtype, layer_chain)))
+        elif phase == "prefill_step":
+            out += [(_PSTEP, gated_delta_prefill_step_case(model, T, dtype)) for T in prefill_tokens]
         elif family == "attention":
             if phase == "prefill":
                 out += [(family, attention_case(model, T, 0, dtype)) for T in prefill_tokens]
@@ -521,7 +615,8 @@ def main(argv=None) -> Dict:
     backend = common.backend_name()
     wanted = set(x.strip() for x in args.impls.split(",")) if args.impls else None
     if wanted:
-        known = {impl for fam in FAMILIES + (_LAYER, _STEP) for impl in implementations(fam, backend)}
+        known = {impl for fam in FAMILIES + (_LAYER, _STEP, _PSTEP)
+                 for impl in implementations(fam, backend)}
         if not wanted & known:
             parser.error(f"--impls: none of {sorted(wanted)} runs here; available: {sorted(known)}")
 
@@ -566,7 +661,8 @@ def write_result(out: Path, args, ceil, records: List[Dict], old: Optional[Dict]
         "ceilings": ceil,
         "op_implementations": {op: default_implementation(
             _LAYER if op.endswith("decode_layer") else _STEP if op.endswith("decode_step")
-            else op.split(".")[0], 1 if "decode" in op else 2048) for op in OPS},
+            else _PSTEP if op.endswith("prefill_step") else op.split(".")[0],
+            1 if "decode" in op else 2048) for op in OPS},
         "ops": records,
         "wall_seconds": time.perf_counter() - t0,
     }

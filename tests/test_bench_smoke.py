@@ -124,6 +124,8 @@ def test_ab_numerics_ops(tmp_path):
     layer = {r["impl"]: r for r in res["ops"] if r["op"] == "gated_delta.decode_layer"}
     assert set(layer) == {"stock", "patched"} and layer["patched"]["default"]
     assert all(r["status"] == "ok" and r["shape"]["chain"] == 2 for r in layer.values())
+    pstep = {r["impl"]: r for r in res["ops"] if r["op"] == "gated_delta.prefill_step"}
+    assert pstep["stock"]["status"] == "ok" and pstep["stock"]["chain"] == ops.CHAIN
     step = {r["impl"]: r for r in res["ops"] if r["op"] == "gated_delta.decode_step"}
     assert "stock" in step and all(r["status"] == "ok" and r["shape"]["chain"] == 2
                                    for r in step.values())
