@@ -114,9 +114,9 @@ prefill-check)  # prefill kernels: CUDA tests (GDN + MoE kernels with the defaul
   timeout 90 $AB --engines patched --prefill 512,4k --rounds 2 --max-seconds 15 --out $M/ab-prefill.json \
     > $M/ab-prefill.txt 2>&1; grep -h "^prefill" $M/ab-prefill.txt ;;
 diag)  # GDN kernel + layer tests (untimed, in parallel), then where the time goes: chained latencies
-       # (GDN front end alone / + scan / fused, MoE pflv with and without its register cap, stock dense
-       # qmm vs bf16 at the projection shapes), the GDN decode-step and decode-layer ops, the per-kernel
-       # GPU time of one patched 4K prefill (ncu); files straight to $OUT (7 with gpu.txt)
+       # of the GDN front end alone / + scan / fused, the GDN prefill-step, decode-step and decode-layer
+       # ops, MoE pflv with and without its register cap, the per-kernel GPU time of one patched 4K
+       # prefill (ncu), stock dense qmm vs bf16 at the projection shapes; files straight to $OUT (8)
   M=$OUT; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
   XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 4"
   ( timeout 170 python3 -m pytest -q $XD tests/test_cuda_gated_delta.py -k "fused or frontend or decode" \
@@ -124,13 +124,16 @@ diag)  # GDN kernel + layer tests (untimed, in parallel), then where the time go
   ( timeout 170 python3 -m pytest -q tests/test_cuda_layers.py -k fused_layer > $M/tests-layers.txt 2>&1
     echo "rc=$?" >> $M/tests-layers.txt ) &
   wait; tail -3 $M/tests.txt $M/tests-layers.txt
-  timeout 150 python3 bench/profile_kernels.py chain gdn,moe,qmm > $M/chain.txt 2>&1; grep -v "^\[" $M/chain.txt
+  timeout 60 python3 bench/profile_kernels.py chain gdn > $M/chain.txt 2>&1; grep -v "^\[" $M/chain.txt
   timeout 90 python3 -m bench.ops $P --ops gated_delta.prefill_step,gated_delta.decode_step,gated_delta.decode_layer \
     --prefill-tokens 4k --impls cuda-kernel,cuda-fused,stock,patched --max-seconds 6 \
     --out $M/ops-gdn.json > $M/ops-gdn.log 2>&1; grep "^gated" $M/ops-gdn.log
-  timeout 160 $NCU --profile-from-start off --metrics gpu__time_duration.sum --csv \
-    python3 bench/prefill_profile.py run $P --tokens 4k > /tmp/prefill-kernels.csv 2> $M/prefill-profile.err
-  tail -2 $M/prefill-profile.err; python3 bench/prefill_profile.py summary /tmp/prefill-kernels.csv > $M/prefill-breakdown.txt 2>&1
-  gzip -c /tmp/prefill-kernels.csv > $M/prefill-kernels.csv.gz; cat $M/prefill-breakdown.txt ;;
+  timeout 90 python3 bench/profile_kernels.py chain moe >> $M/chain.txt 2>&1; grep -v "^\[" $M/chain.txt | grep moe -A1
+  timeout 150 $NCU --profile-from-start off --metrics gpu__time_duration.sum --csv \
+    python3 bench/prefill_profile.py run $P --tokens 4k > /tmp/prefill-kernels.csv 2> /tmp/pp.err
+  tail -3 /tmp/pp.err > $M/prefill-breakdown.txt
+  python3 bench/prefill_profile.py summary /tmp/prefill-kernels.csv >> $M/prefill-breakdown.txt 2>&1
+  gzip -c /tmp/prefill-kernels.csv > $M/prefill-kernels.csv.gz; cat $M/prefill-breakdown.txt
+  timeout 60 python3 bench/profile_kernels.py chain qmm >> $M/chain.txt 2>&1; grep -A1 "^dense" $M/chain.txt ;;
 *) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag}"; exit 2 ;;
 esac
