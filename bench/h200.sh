@@ -12,6 +12,7 @@
 #   bash bench/h200.sh profile   # chained-call latency of the prefill kernels + ncu --set full on them (~4 min)
 #   bash bench/h200.sh prefill-check  # prefill kernel + layer tests, chained latencies, ops rows at 4K, patched prefill A/B (~5 min)
 #   bash bench/h200.sh diag      # chained latencies, GDN decode-step ops, per-kernel GPU time of a 4K prefill (ncu)
+#   bash bench/h200.sh final     # A/B at 4K (stock vs patched), patched prefill with the fused GDN kernel on/off
 #   bash bench/h200.sh scan      # GDN scan variants (check, chained latency), prefill A/B with the fastest (~8 min)
 # Run from the repo root on the device with .mlxcuda carried; results go to $OUT.
 # A fresh process pays MLX-CUDA's first-use kernel compilation: 177-225 s for
@@ -135,5 +136,11 @@ diag)  # GDN kernel + layer tests (untimed, in parallel), then where the time go
   python3 bench/prefill_profile.py summary /tmp/prefill-kernels.csv >> $M/prefill-breakdown.txt 2>&1
   gzip -c /tmp/prefill-kernels.csv > $M/prefill-kernels.csv.gz; cat $M/prefill-breakdown.txt
   timeout 60 python3 bench/profile_kernels.py chain qmm >> $M/chain.txt 2>&1; grep -A1 "^dense" $M/chain.txt ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag}"; exit 2 ;;
+final)  # end-to-end A/B at 4K (stock vs patched, prefill and decode, alternating), then patched-only
+        # prefill with the fused GDN prefill kernel on / off / on; files straight to $OUT
+  timeout 420 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
+    --out $OUT/ab-final.json > $OUT/ab-final.log 2>&1; tail -14 $OUT/ab-final.log
+  for f in 1 0 1; do MLX_QWEN_FAST_GDN_FUSED=$f timeout 45 $AB --engines patched --prefill 4k --rounds 2 \
+      --max-seconds 15 --out /tmp/abf$f.json >> $OUT/ab-fused.log 2>&1; echo "fused=$f: $(grep -h "^prefill" $OUT/ab-fused.log | tail -1)"; done ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|final}"; exit 2 ;;
 esac
