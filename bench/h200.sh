@@ -12,6 +12,7 @@
 #   bash bench/h200.sh profile   # chained-call latency of the prefill kernels + ncu --set full on them (~4 min)
 #   bash bench/h200.sh prefill-check  # prefill kernel + layer tests, chained latencies, ops rows at 4K, patched prefill A/B (~5 min)
 #   bash bench/h200.sh diag      # chained latencies, GDN decode-step ops, per-kernel GPU time of a 4K prefill (ncu)
+#   bash bench/h200.sh fused     # fused GDN prefill kernel: tests, chained latencies, prefill-step op (~3 min)
 #   bash bench/h200.sh final     # A/B at 4K (stock vs patched), patched prefill with the fused GDN kernel on/off
 #   bash bench/h200.sh scan      # GDN scan variants (check, chained latency), prefill A/B with the fastest (~8 min)
 # Run from the repo root on the device with .mlxcuda carried; results go to $OUT.
@@ -136,11 +137,19 @@ diag)  # GDN kernel + layer tests (untimed, in parallel), then where the time go
   python3 bench/prefill_profile.py summary /tmp/prefill-kernels.csv >> $M/prefill-breakdown.txt 2>&1
   gzip -c /tmp/prefill-kernels.csv > $M/prefill-kernels.csv.gz; cat $M/prefill-breakdown.txt
   timeout 60 python3 bench/profile_kernels.py chain qmm >> $M/chain.txt 2>&1; grep -A1 "^dense" $M/chain.txt ;;
+fused)  # fused GDN prefill kernel: its tests (vs the two kernels, bit for bit), then chained latencies
+        # (scan alone, two kernels, fused with 1 and 2 front-end blocks per SM) and the prefill-step op
+  M=$OUT; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 4"
+  timeout 120 python3 -m pytest -q $XD tests/test_cuda_gated_delta.py -k "fused" > $M/tests-fused.txt 2>&1
+  echo "rc=$?" >> $M/tests-fused.txt; tail -n 3 $M/tests-fused.txt
+  timeout 100 python3 bench/profile_kernels.py chain scan,gdn > $M/chain-fused.txt 2>&1; grep -v "^\[" $M/chain-fused.txt
+  timeout 60 python3 -m bench.ops $P --ops gated_delta.prefill_step --prefill-tokens 4k --impls cuda-kernel,cuda-fused \
+    --max-seconds 6 --out $M/ops-prefill-step.json > $M/ops-prefill-step.log 2>&1; grep "^gated" $M/ops-prefill-step.log ;;
 final)  # end-to-end A/B at 4K (stock vs patched, prefill and decode, alternating), then patched-only
         # prefill with the fused GDN prefill kernel off, then on; files straight to $OUT
   timeout 420 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
     --out $OUT/ab-final.json > $OUT/ab-final.log 2>&1; tail -14 $OUT/ab-final.log
   for f in 0 1; do MLX_QWEN_FAST_GDN_FUSED=$f timeout 60 $AB --engines patched --prefill 4k --rounds 2 \
       --max-seconds 15 --out /tmp/abf$f.json >> $OUT/ab-fused.log 2>&1; echo "fused=$f: $(grep -h "^prefill" $OUT/ab-fused.log | tail -1)"; done ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|final}"; exit 2 ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final}"; exit 2 ;;
 esac

@@ -109,16 +109,19 @@ def chain_prefill_gdn(n=8):
 
     from mlx_qwen_fast.kernels.gated_delta_prefill import gated_delta_prefill
 
-    def run_fused(m):  # front end + scan in one launch
-        def f():
-            cs, st, y = cs0, s0, None
-            for _ in range(m):
-                y, st, cs = gated_delta_prefill(qkv, a, a, w, cs, A_log, dt_bias, st,
-                                                num_k_heads=HK, num_v_heads=HV)
-            return y, st, cs
-        return f
+    def run_fused(per_sm):  # front end + scan in one launch
+        def make(m):
+            def f():
+                cs, st, y = cs0, s0, None
+                for _ in range(m):
+                    y, st, cs = gated_delta_prefill(qkv, a, a, w, cs, A_log, dt_bias, st, num_k_heads=HK,
+                                                    num_v_heads=HV, fe_blocks_per_sm=per_sm)
+                return y, st, cs
+            return f
+        return make
 
-    _report(f"gdn fused front end + scan B=1 T={T}", run_fused, n)
+    for per_sm in (1, 2):
+        _report(f"gdn fused front end + scan B=1 T={T} fe/SM={per_sm}", run_fused(per_sm), n)
 
 
 def chain_moe(n=6, variants=MOE_VARIANTS):

@@ -116,10 +116,11 @@ __device__ __forceinline__ int col_of(int j, int e) {
 
 #if GDN_FUSED
 // Fused front end + scan: blocks [0, NSCAN) scan (as below), blocks after them
-// run the front end (gdn_frontend.cuh), NW warps each, token tiles in order.
-// A front-end warp stores its outputs, fences and bumps flags[b * ntiles +
-// tile]; a scan block waits (one thread, acquire, then a barrier) until every
-// tile of a stage has all NHC slices done before it copies the stage in. The
+// run the front end (gdn_frontend.cuh), NW warps each looping over the work
+// items in token order. A front-end warp stores its outputs, fences and bumps
+// flags[b * ntiles + tile]; a scan block waits (warp 0, acquire loads of 32
+// tiles' flags at a time, then a barrier) until every tile of a stage has all
+// NHC slices done before it copies the stage in. The
 // front end never waits, so the grid cannot deadlock whatever the order in
 // which blocks become resident; scan blocks come first in the grid, so they
 // start while the front end is still running and overlap it.
@@ -153,8 +154,13 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
   const int ntiles_fe = (T + gdnfe::TT - 1) / gdnfe::TT;
   const int nscan = B * HV * (D / RB);
   if ((int)blockIdx.x >= nscan) {
-    const int gw = ((int)blockIdx.x - nscan) * NW + (int)(threadIdx.x >> 5);
-    if (gw < B * ntiles_fe * gdnfe::NHC) {
+    // Front-end blocks are persistent (the wrapper launches about one per
+    // SM): each warp walks the work items in token order, so the front end
+    // shares each SM with one scan block instead of crowding it out.
+    const int nfe_warps = ((int)gridDim.x - nscan) * NW;
+    const int nitems = B * ntiles_fe * gdnfe::NHC;
+    for (int gw = ((int)blockIdx.x - nscan) * NW + (int)(threadIdx.x >> 5); gw < nitems;
+         gw += nfe_warps) {
       gdnfe::frontend_warp(gw, threadIdx.x & 31, qkv, a_in, b_in, conv_w, conv_state, A_log,
                            dt_bias, q_mut, k_mut, v_mut, g_mut, beta_mut, conv_state_out, B, T, eps);
       __threadfence();
@@ -268,16 +274,22 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
     }
   };
 
-  // Fused: thread 0 waits until the front end has finished every token tile
-  // of stage s (the barrier after it orders the block's copies after that).
+  // Fused: warp 0 waits until the front end has finished every token tile up
+  // to stage s (the barrier after it orders the block's copies after that).
+  // horizon: tiles [0, horizon) seen complete; one poll reads 32 tiles' flags
+  // (acquire), so once the front end is ahead a stage costs no global load.
+  int horizon = 0;
   auto wait_ready = [&](int s) {
 #if GDN_FUSED
-    if (tid == 0) {
-      const int t0 = s * TB;
-      const int last = min(T, t0 + TB) - 1;
-      for (int tile = t0 / gdnfe::TT; tile <= last / gdnfe::TT; ++tile) {
-        while (ld_acquire_gpu(flags + b * ntiles_fe + tile) < gdnfe::NHC) {
-          sleep_ns(64);
+    if (warp == 0) {
+      const int need = (min(T, s * TB + TB) - 1) / gdnfe::TT + 1;
+      while (horizon < need) {
+        const int tile = horizon + lane;
+        const bool ok = tile >= ntiles_fe || ld_acquire_gpu(flags + b * ntiles_fe + tile) >= gdnfe::NHC;
+        const unsigned late = __ballot_sync(0xffffffffu, !ok);
+        horizon += late ? __ffs(late) - 1 : 32;
+        if (horizon < need) {
+          sleep_ns(128);
         }
       }
     }

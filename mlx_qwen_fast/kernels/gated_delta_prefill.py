@@ -4,8 +4,9 @@ Fuses the two prefill kernels -- the front end (``gated_delta_frontend``:
 conv state + depthwise causal conv1d + SiLU + q/k L2 norm + gates) and the
 register-resident scan (``gated_delta_scan``) -- into one grid. The scan
 blocks come first; the blocks after them run the front end over token tiles
-in order and count finished tiles in progress flags; a scan block waits for
-a stage's tiles before it copies them into shared memory. The front end thus
+in order (persistent blocks, :data:`FE_BLOCKS_PER_SM` per SM, each warp
+walking the work items) and count finished tiles in progress flags; a scan
+block waits for a stage's tiles before it copies them into shared memory. The front end thus
 runs beside the scan's first stages instead of before it (one launch, no
 dependency wait between two kernels). q, k, v, g and beta still go through
 global memory (mostly L2): they are outputs of the call, as the two kernels'.
@@ -36,6 +37,8 @@ from . import gated_delta_scan as scan
 __all__ = ["gated_delta_prefill", "supports"]
 
 D = fe.D
+#: Persistent front-end blocks per SM (beside each SM's one scan block).
+FE_BLOCKS_PER_SM = 1
 
 
 def supports(
@@ -78,6 +81,7 @@ def gated_delta_prefill(
     num_v_heads: int,
     eps: float = 1e-6,
     config: Optional[scan.ScanConfig] = None,
+    fe_blocks_per_sm: int = FE_BLOCKS_PER_SM,
 ) -> Tuple[mx.array, mx.array, mx.array]:
     """Front end and gated delta rule over T tokens, one CUDA launch.
 
@@ -89,6 +93,8 @@ def gated_delta_prefill(
       state: [B, Hv, 128, 128] float32 recurrent state, or None for zeros.
       config: scan variant (``gated_delta_scan.ScanConfig``); default
         ``gated_delta_scan.DEFAULT_CONFIG``.
+      fe_blocks_per_sm: persistent front-end blocks per SM (>= 1; each warp
+        walks the work items in token order).
 
     Returns:
       (y [B, T, Hv, 128] in qkv's dtype, new state [B, Hv, 128, 128] float32,
@@ -114,7 +120,10 @@ def gated_delta_prefill(
     nthreads = cfg[2] * 32
     ntiles = -(-T // fe.TT)
     n_scan = B * Hv * (D // cfg.rows_per_block)
-    n_fe = -(-(B * ntiles * (2 * Hk + Hv)) // cfg[2])  # one front-end work item per warp
+    if not isinstance(fe_blocks_per_sm, int) or fe_blocks_per_sm < 1:
+        raise ValueError(f"fe_blocks_per_sm must be an int >= 1, got {fe_blocks_per_sm!r}")
+    items = B * ntiles * (2 * Hk + Hv)  # front-end work items (one warp each)
+    n_fe = min(-(-items // cfg[2]), fe_blocks_per_sm * cb.sm_count())
     flags = mx.zeros((B * ntiles,), dtype=mx.int32)  # scratch the kernel counts in
     x, f32 = qkv.dtype, mx.float32
     outs = kern(
