@@ -13,7 +13,7 @@
 #   bash bench/h200.sh prefill-check  # prefill kernel + layer tests, chained latencies, ops rows at 4K, patched prefill A/B (~5 min)
 #   bash bench/h200.sh diag      # chained latencies, GDN decode-step ops, per-kernel GPU time of a 4K prefill (ncu)
 #   bash bench/h200.sh fused     # fused GDN prefill kernel: tests, chained latencies, prefill-step op (~3 min)
-#   bash bench/h200.sh final     # A/B at 4K (stock vs patched), patched prefill with the fused GDN kernel on/off
+#   bash bench/h200.sh final     # GDN prefill linked chains, patched prefill with the fused GDN kernel off/on, A/B at 4K
 #   bash bench/h200.sh scan      # GDN scan variants (check, chained latency), prefill A/B with the fastest (~8 min)
 # Run from the repo root on the device with .mlxcuda carried; results go to $OUT.
 # A fresh process pays MLX-CUDA's first-use kernel compilation: 177-225 s for
@@ -145,11 +145,15 @@ fused)  # fused GDN prefill kernel: its tests (vs the two kernels, bit for bit),
   timeout 100 python3 bench/profile_kernels.py chain scan,gdn > $M/chain-fused.txt 2>&1; grep -v "^\[" $M/chain-fused.txt
   timeout 60 python3 -m bench.ops $P --ops gated_delta.prefill_step --prefill-tokens 4k --impls cuda-kernel,cuda-fused \
     --max-seconds 6 --out $M/ops-prefill-step.json > $M/ops-prefill-step.log 2>&1; grep "^gated" $M/ops-prefill-step.log ;;
-final)  # end-to-end A/B at 4K (stock vs patched, prefill and decode, alternating), then patched-only
-        # prefill with the fused GDN prefill kernel off, then on; files straight to $OUT
-  timeout 420 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
-    --out $OUT/ab-final.json > $OUT/ab-final.log 2>&1; tail -14 $OUT/ab-final.log
-  for f in 0 1; do MLX_QWEN_FAST_GDN_FUSED=$f timeout 60 $AB --engines patched --prefill 4k --rounds 2 \
-      --max-seconds 15 --out /tmp/abf$f.json >> $OUT/ab-fused.log 2>&1; echo "fused=$f: $(grep -h "^prefill" $OUT/ab-fused.log | tail -1)"; done ;;
+final)  # linked chains of the GDN prefill (two kernels vs fused), patched-only 4K prefill with the fused
+        # kernel off then on, then the end-to-end A/B at 4K (stock vs patched, prefill and decode,
+        # alternating); files straight to $OUT
+  timeout 60 python3 bench/profile_kernels.py chain gdn > $OUT/chain-final.txt 2>&1; grep -v "^\[" $OUT/chain-final.txt
+  timeout 50 python3 -m bench.ops $P --ops gated_delta.prefill_step --prefill-tokens 4k --impls cuda-kernel,cuda-fused \
+    --max-seconds 5 --out $OUT/ops-prefill-step.json > $OUT/ops-prefill-step.log 2>&1; grep "^gated" $OUT/ops-prefill-step.log
+  for f in 0 1; do MLX_QWEN_FAST_GDN_FUSED=$f timeout 55 $AB --engines patched --prefill 4k --rounds 2 \
+      --max-seconds 15 --out /tmp/abf$f.json >> $OUT/ab-fused.log 2>&1; echo "fused=$f: $(grep -h "^prefill" $OUT/ab-fused.log | tail -1)"; done
+  timeout 330 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
+    --out $OUT/ab-final.json > $OUT/ab-final.log 2>&1; tail -14 $OUT/ab-final.log ;;
 *) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final}"; exit 2 ;;
 esac

@@ -17,7 +17,9 @@ are left out):
   ``gated_delta_ops`` on CUDA), "cuda-kernel" = the front-end kernel then
   the scan kernel, "cuda-fused" = the two in one launch
   (``kernels.gated_delta_prefill``). Chained as ``gated_delta.prefill``
-  (conv state and state feed the next call). Bytes: qkv, a, b read, q, k,
+  (conv state and state feed the next call; the next conv state also waits
+  for this call's y through a 3-element link, so that, as between the
+  model's layers, the next front end cannot overlap this recurrence). Bytes: qkv, a, b read, q, k,
   v, g, beta written and read (the two-kernel form's round trip), y
   written, states read + written; FLOPs 6 Hv Dk Dv per token.
 * ``gated_delta.decode_step``: the work of one Gated DeltaNet layer between
@@ -380,9 +382,15 @@ def gated_delta_prefill_step_case(model, T: int, dtype) -> Case:
     state0 = 0.1 * mx.random.normal((1, Hv, Dv, Dk), key=ks[4])
     mx.eval(qkv, a, b, conv0, state0)
 
-    def chain(fn, m):  # the conv state and state feed the next call
+    def chain(fn, m):
+        # the conv state and state feed the next call, and the next call's
+        # conv state also waits for this call's y (a 3-element link), as the
+        # next layer's input waits for this layer's output in the model: the
+        # next front end cannot overlap this call's recurrence.
         cs, st, y = conv0, state0, None
         for _ in range(m):
+            if y is not None:
+                cs = cs + (y[:, -3:, 0, :1] * 0).astype(cs.dtype)
             y, st, cs = fn(layer, qkv, a, b, cs, st)
         return y, st, cs
 
