@@ -13,6 +13,7 @@
 #   bash bench/h200.sh prefill-check  # prefill kernel + layer tests, chained latencies, ops rows at 4K, patched prefill A/B (~5 min)
 #   bash bench/h200.sh diag      # chained latencies, GDN decode-step ops, per-kernel GPU time of a 4K prefill (ncu)
 #   bash bench/h200.sh fused     # fused GDN prefill kernel: tests, chained latencies, prefill-step op (~3 min)
+#   bash bench/h200.sh check     # GDN kernel + layer tests in parallel, ncu of the front end (~3 min)
 #   bash bench/h200.sh final     # GDN prefill linked chains, patched prefill with the fused GDN kernel off/on, A/B at 4K
 #   bash bench/h200.sh scan      # GDN scan variants (check, chained latency), prefill A/B with the fastest (~8 min)
 # Run from the repo root on the device with .mlxcuda carried; results go to $OUT.
@@ -145,6 +146,16 @@ fused)  # fused GDN prefill kernel: its tests (vs the two kernels, bit for bit),
   timeout 100 python3 bench/profile_kernels.py chain scan,gdn > $M/chain-fused.txt 2>&1; grep -v "^\[" $M/chain-fused.txt
   timeout 60 python3 -m bench.ops $P --ops gated_delta.prefill_step --prefill-tokens 4k --impls cuda-kernel,cuda-fused \
     --max-seconds 6 --out $M/ops-prefill-step.json > $M/ops-prefill-step.log 2>&1; grep "^gated" $M/ops-prefill-step.log ;;
+check)  # the GDN kernel tests (but T=4096) and the GDN layer tests (both prefill paths), in parallel, then
+        # ncu --set full of the front-end kernel; files straight to $OUT
+  M=$OUT; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+  XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 6"
+  timeout 150 python3 -m pytest -q $XD tests/test_cuda_gated_delta.py tests/test_cuda_layers.py \
+    -k "not compiled_decode_step and not 4096" > $M/tests-check.txt 2>&1; echo "rc=$?" >> $M/tests-check.txt; tail -n 3 $M/tests-check.txt
+  timeout 45 $NCU --clock-control none --set full -k "regex:mqf_gdn_frontend" -o /tmp/fe \
+    python3 bench/profile_kernels.py ncu > /dev/null 2>&1
+  $NCU --import /tmp/fe.ncu-rep --page details > $M/ncu-frontend.txt 2>&1
+  grep -E "Duration|Registers Per|Issued Ipc A|Memory Throughput|DRAM Throughput|Achieved Occupancy|Theoretical Occ" $M/ncu-frontend.txt ;;
 final)  # linked chains of the GDN prefill (two kernels vs fused), patched-only 4K prefill with the fused
         # kernel off then on, then the end-to-end A/B at 4K (stock vs patched, prefill and decode,
         # alternating); files straight to $OUT
@@ -155,5 +166,5 @@ final)  # linked chains of the GDN prefill (two kernels vs fused), patched-only 
       --max-seconds 15 --out /tmp/abf$f.json >> $OUT/ab-fused.log 2>&1; echo "fused=$f: $(grep -h "^prefill" $OUT/ab-fused.log | tail -1)"; done
   timeout 330 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
     --out $OUT/ab-final.json > $OUT/ab-final.log 2>&1; tail -14 $OUT/ab-final.log ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final}"; exit 2 ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check}"; exit 2 ;;
 esac

@@ -266,7 +266,7 @@ def default_implementation(family: str, tokens: int) -> Optional[str]:
         import os
 
         from mlx_qwen_fast.layers import GDN_FUSED_ENV
-        return "cuda-kernel" if os.environ.get(GDN_FUSED_ENV, "") == "0" else "cuda-fused"
+        return "cuda-fused" if os.environ.get(GDN_FUSED_ENV, "") == "1" else "cuda-kernel"
     try:
         return _ops_module(family).implementation_for(tokens)
     except Exception:

@@ -28,8 +28,12 @@ from .ops import gated_delta as gated_delta_ops
 from .ops import moe as moe_ops
 
 
-#: ``MLX_QWEN_FAST_GDN_FUSED=0`` runs the GDN prefill front end and scan as
-#: two kernels instead of the fused one (A/B runs, debugging).
+#: ``MLX_QWEN_FAST_GDN_FUSED=1`` runs the GDN prefill front end and scan as
+#: one fused kernel (``kernels/gated_delta_prefill``, B = 1) instead of two.
+#: Off by default: measured on the H200 (bench/results/gdn-cuda-log.md,
+#: 2026-12-01), the fused kernel is faster as a kernel (0.98 vs 1.06 ms per
+#: 4K call, chained as layers) but the patched model's 4K prefill is slower
+#: with it (12,657-13,295 vs 13,539-14,179 tok/s, alternating runs).
 GDN_FUSED_ENV = "MLX_QWEN_FAST_GDN_FUSED"
 
 
@@ -95,8 +99,9 @@ class FastGatedDeltaNet(GatedDeltaNet):
             cache.advance(S)
 
     def _prefill_cuda(self, inputs, cache):
-        """Front end + scan (one fused kernel where it applies, else two) + gated
-        norm kernels; None if a kernel can't take the call."""
+        """Front end + scan (two kernels, or one fused kernel with
+        ``MLX_QWEN_FAST_GDN_FUSED=1``) + gated norm kernels; None if a kernel
+        can't take the call."""
         B, S, _ = inputs.shape
         qkv = self.in_proj_qkv(inputs)
         conv_state, state = self._states(cache)
@@ -107,7 +112,7 @@ class FastGatedDeltaNet(GatedDeltaNet):
             return None
         z = self.in_proj_z(inputs).reshape(B, S, self.num_v_heads, self.head_v_dim)
         a, b = self.in_proj_a(inputs), self.in_proj_b(inputs)
-        if os.environ.get(GDN_FUSED_ENV, "") != "0" and k_prefill.supports(
+        if os.environ.get(GDN_FUSED_ENV, "") == "1" and k_prefill.supports(
             qkv, conv_state, self.conv1d.weight, state, **self._heads(), **dims
         ):
             y, state, conv_state = k_prefill.gated_delta_prefill(

@@ -89,6 +89,20 @@ def test_fused_layer_matches_stock(dtype, B, pieces):
     assert c_fast[1].dtype == mx.float32
 
 
+@pytest.mark.parametrize("pieces", [[65, 2, 1, 1], [2048, 1, 1]])
+def test_fused_prefill_layer_matches_stock(pieces, monkeypatch):
+    """The layer with the opt-in fused front end + scan kernel (B = 1)."""
+    from mlx_qwen_fast.kernels import gated_delta_prefill as k_prefill
+    from mlx_qwen_fast.layers import GDN_FUSED_ENV
+
+    calls = []
+    real = k_prefill.gated_delta_prefill
+    monkeypatch.setattr(k_prefill, "gated_delta_prefill", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setenv(GDN_FUSED_ENV, "1")
+    test_fused_layer_matches_stock(mx.bfloat16, 1, pieces)
+    assert len(calls) == sum(n > 1 for n in pieces)  # every prefill piece took the fused kernel
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("B", [1, 2])
 def test_compiled_decode_step_equals_eager(dtype, B):
