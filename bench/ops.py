@@ -598,8 +598,15 @@ def _selected_ops(text: str) -> List[str]:
         elif part in OPS:
             out.append(part)
         else:
-            raise SystemExit(f"--ops: unknown {part!r}; use {FAMILIES} or {OPS}")
+            raise ValueError(f"--ops: unknown {part!r}; use one of {FAMILIES} or {OPS}")
     return list(dict.fromkeys(out))
+
+
+def _family_of(op: str) -> str:
+    """Key of ``implementations`` for an op name."""
+    phase = op.split(".")[1]
+    return {"decode_layer": _LAYER, "decode_step": _STEP, "prefill_step": _PSTEP}.get(
+        phase, op.split(".")[0])
 
 
 def op_key(rec: Dict):
@@ -616,22 +623,29 @@ def main(argv=None) -> Dict:
         args.prefill_tokens, args.decode_context = [16], [32]
         args.repeats, args.warmup, args.layer_chain = 2, 1, 2
         args.copy_mib, args.matmul_n = args.copy_mib or 8, args.matmul_n or 128
+    # argument checks first: the ceilings and the checkpoint take minutes on the full preset
+    try:
+        selected = _selected_ops(args.ops)
+    except ValueError as exc:
+        parser.error(str(exc))
+    backend = common.backend_name()
+    wanted = set(x.strip() for x in args.impls.split(",") if x.strip()) if args.impls else None
+    if wanted:
+        known = {impl for fam in dict.fromkeys(map(_family_of, selected))
+                 for impl in implementations(fam, backend)}
+        unknown = sorted(wanted - known)
+        if unknown:
+            parser.error(f"--impls: {unknown} run for none of the selected ops here; "
+                         f"available: {sorted(known)}")
     t0 = time.perf_counter()
     ceil = None if args.no_ceilings else ceilings_mod.from_args(args)
     model, config, _ = common.load_checkpoint(args)
     dtype = mx.bfloat16 if args.dtype == "bfloat16" or args.model else mx.float32
-    backend = common.backend_name()
-    wanted = set(x.strip() for x in args.impls.split(",")) if args.impls else None
-    if wanted:
-        known = {impl for fam in FAMILIES + (_LAYER, _STEP, _PSTEP)
-                 for impl in implementations(fam, backend)}
-        if not wanted & known:
-            parser.error(f"--impls: none of {sorted(wanted)} runs here; available: {sorted(known)}")
 
     out = Path(args.out) if args.out else common.default_out("ops")
     old = common.read_json(out) if args.append and out.exists() else None
     records = []
-    for family, case in cases(model, _selected_ops(args.ops), args.prefill_tokens,
+    for family, case in cases(model, selected, args.prefill_tokens,
                               args.decode_context, dtype, args.layer_chain):
         default = default_implementation(family, case.shape["T"])
         for impl, fn in implementations(family, backend).items():
@@ -645,12 +659,12 @@ def main(argv=None) -> Dict:
             records.append(rec)
             shape = ",".join(f"{k}={v}" for k, v in case.shape.items() if k in ("T", "context"))
             if rec["status"] == "ok":
-                print(f"{case.op:18} {shape:16} {impl:18} {rec['ms']:10.3f} ms "
+                print(f"{case.op:24} {shape:16} {impl:18} {rec['ms']:10.3f} ms "
                       f"{rec['gbps']:9.1f} GB/s {rec['tflops']:8.3f} TFLOP/s"
                       + (f"  roofline {rec['roofline_frac']:.3f}" if rec["roofline_frac"] else ""),
                       flush=True)
             else:
-                print(f"{case.op:18} {shape:16} {impl:18} {rec['status']}: {rec.get('error')}",
+                print(f"{case.op:24} {shape:16} {impl:18} {rec['status']}: {rec.get('error')}",
                       flush=True)
             common.free_memory()
             result = write_result(out, args, ceil, records, old, t0)  # a killed run keeps its rows
@@ -668,9 +682,7 @@ def write_result(out: Path, args, ceil, records: List[Dict], old: Optional[Dict]
         **common.checkpoint_fields(args),
         "ceilings": ceil,
         "op_implementations": {op: default_implementation(
-            _LAYER if op.endswith("decode_layer") else _STEP if op.endswith("decode_step")
-            else _PSTEP if op.endswith("prefill_step") else op.split(".")[0],
-            1 if "decode" in op else 2048) for op in OPS},
+            _family_of(op), 1 if "decode" in op else 2048) for op in OPS},
         "ops": records,
         "wall_seconds": time.perf_counter() - t0,
     }

@@ -11,7 +11,8 @@ Two steps (CUDA only; ncu, not nsys, which does not run on our H200 host):
    only its kernels are measured (each one serialised, caches warm).
 2. ``summary CSV``: reads that ncu CSV and prints the GPU time per kernel
    family (names matched by :data:`FAMILIES`, first match wins), its share,
-   kernel count, and the total against the prompt's wall time.
+   kernel count, the serialised total and the top kernels (``run`` prints
+   the profiled prompt's wall time on stderr).
 
     ncu --profile-from-start off --metrics gpu__time_duration.sum --csv \\
         python3 bench/prefill_profile.py run --preset qwen3.6-35b-a3b --tokens 4096 > k.csv
@@ -34,24 +35,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-#: (family, regex on the kernel name), first match wins.
+#: (family, regex on the kernel name), first match wins. Our kernels are
+#: named ``mqf_<base>_<hash>`` (kernels/_cuda_build.py).
 FAMILIES = (
-    ("moe grouped GEMM (ours)", r"mqf_moe_(gate_up|down)"),
-    ("moe routing (ours)", r"mqf_moe_(route|hist|scan|scatter|block|topk)|mqf_moe_rout"),
-    ("moe decode GEMV (ours)", r"mqf_moe_dec"),
-    ("gdn scan (ours)", r"mqf_gdn_scan"),
-    ("gdn front end (ours)", r"mqf_gdn_frontend"),
-    ("gated rms norm (ours)", r"mqf_.*norm"),
+    ("moe grouped GEMM (ours)", r"^mqf_moe_(gate_up|down)_"),
+    ("moe routing (ours)", r"^mqf_moe_(route|group|hist|scan|scatter|block|topk)"),
+    ("moe decode GEMV (ours)", r"^mqf_moe_dec"),
+    ("gdn prefill, fused front end + scan (ours)", r"^mqf_gdn_prefill_"),
+    ("gdn scan (ours)", r"^mqf_gdn_scan_"),
+    ("gdn front end (ours)", r"^mqf_gdn_frontend_"),
+    ("gdn decode (ours)", r"^mqf_gdn_decode"),
+    ("gated rms norm (ours)", r"^mqf_.*norm"),
     ("other ours", r"^mqf_"),
-    ("quantized matmul (MLX)", r"qmm|quantized|qmv|affine_q"),
-    ("gather qmm (MLX)", r"gather"),
+    ("quantized matmul / GEMV / dequantize (MLX)", r"qmm|qmv|quantized|affine_(q|deq)|gemv"),
     ("attention (MLX sdpa)", r"sdpa|attention|flash"),
     ("dense GEMM (cuBLAS/CUTLASS)", r"gemm|cutlass|sm90_xmma|cublas|nvjet"),
-    ("copy / concat / slice", r"copy|Copy|concat|slice"),
+    ("copy / concat / slice / gather", r"copy|Copy|concat|slice|gather|scatter"),
     ("elementwise / unary / binary", r"unary|binary|ternary|elementwise|compiled|fused"),
     ("reductions / softmax / norms", r"reduce|softmax|rms|layer_norm|norm|arg"),
     ("sort / top-k", r"sort|topk|partition"),
 )
+
+#: ncu's time units (short and long names) in milliseconds.
+_UNIT_MS = {"ns": 1e-6, "nsecond": 1e-6, "us": 1e-3, "usecond": 1e-3, "ms": 1.0,
+            "msecond": 1.0, "s": 1e3, "second": 1e3}
 
 
 def _profiler(on: bool) -> None:
@@ -78,6 +85,10 @@ def run(argv) -> None:
     p.add_argument("--engine", choices=("patched", "stock"), default="patched")
     p.add_argument("--step", type=int, default=2048, help="prefill_step_size (mlx-lm default 2048)")
     args = p.parse_args(argv)
+    from mlx_qwen_fast.kernels import _cuda_build as cb
+
+    if not cb.cuda_available():
+        raise SystemExit("prefill_profile.py run: needs MLX's CUDA backend and an NVIDIA GPU (none here)")
     model, _, _ = common.load_checkpoint(args)
     if args.engine == "patched":
         from mlx_qwen_fast.patch import patched_copy
@@ -99,15 +110,19 @@ def run(argv) -> None:
 
 def summary(path: str) -> None:
     rows = []
-    with open(path, newline="") as f:
-        lines = [ln for ln in f if ln.startswith('"')]
+    try:
+        with open(path, newline="") as f:
+            lines = [ln for ln in f if ln.startswith('"')]
+    except OSError as exc:
+        raise SystemExit(f"prefill_profile.py summary: cannot read {path!r}: {exc.strerror}")
     for rec in csv.DictReader(lines):
         if rec.get("Metric Name") != "gpu__time_duration.sum":
             continue
         value = float(rec["Metric Value"].replace(",", ""))
-        unit = rec.get("Metric Unit", "nsecond")
-        scale = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3}.get(unit, 1e-6)
-        rows.append((rec["Kernel Name"], value * scale))
+        unit = rec.get("Metric Unit", "")
+        if unit not in _UNIT_MS:
+            raise SystemExit(f"{path}: unknown time unit {unit!r} (known: {sorted(_UNIT_MS)})")
+        rows.append((rec["Kernel Name"], value * _UNIT_MS[unit]))
     if not rows:
         raise SystemExit(f"{path}: no gpu__time_duration.sum rows (was it ncu --csv output?)")
     fam_ms, fam_n = defaultdict(float), defaultdict(int)
@@ -118,10 +133,10 @@ def summary(path: str) -> None:
         fam_n[fam] += 1
         names[name[:90]] += ms
     total = sum(fam_ms.values())
-    print(f"{'family':34s} {'GPU ms':>9s} {'share':>6s} {'kernels':>7s}")
+    print(f"{'family':44s} {'GPU ms':>9s} {'share':>6s} {'kernels':>7s}")
     for fam, ms in sorted(fam_ms.items(), key=lambda kv: -kv[1]):
-        print(f"{fam:34s} {ms:9.2f} {ms / total:6.1%} {fam_n[fam]:7d}")
-    print(f"{'total (serialised)':34s} {total:9.2f}        {len(rows):7d}")
+        print(f"{fam:44s} {ms:9.2f} {ms / total:6.1%} {fam_n[fam]:7d}")
+    print(f"{'total (serialised)':44s} {total:9.2f}        {len(rows):7d}")
     print("\ntop kernels by GPU time:")
     for name, ms in sorted(names.items(), key=lambda kv: -kv[1])[:15]:
         print(f"  {ms:8.2f} ms  {name}")
@@ -133,6 +148,6 @@ if __name__ == "__main__":
     if sys.argv[1] == "run":
         run(sys.argv[2:])
     else:
-        if len(sys.argv) != 3:
+        if len(sys.argv) != 3 or sys.argv[2].startswith("-"):
             raise SystemExit(f"usage: {sys.argv[0]} summary CSV")
         summary(sys.argv[2])

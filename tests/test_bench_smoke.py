@@ -181,3 +181,49 @@ def test_pick_scan_config(tmp_path):
         assert r.returncode != 0 and "Traceback" not in r.stderr and str(p) in r.stderr
     r = run()
     assert r.returncode != 0 and "usage" in r.stderr
+
+
+def test_ops_rejects_bad_arguments_before_building(tmp_path, capsys, monkeypatch):
+    """--ops / --impls / --repeats errors name the argument and come before
+    the ceilings and the checkpoint are built (minutes on the full preset)."""
+    def no_build(*a, **k):
+        raise AssertionError("built a checkpoint before checking the arguments")
+
+    monkeypatch.setattr(common, "load_checkpoint", no_build)
+    monkeypatch.setattr(ops.ceilings_mod, "from_args", no_build)
+    out = str(tmp_path / "o.json")
+    for argv, needle in (
+        (["--ops", "gated_delta.nonsense"], "--ops: unknown 'gated_delta.nonsense'"),
+        (["--ops", "gated_delta.prefill_step", "--impls", "stock,typo"], "--impls: ['typo']"),
+        (["--ops", "gated_delta.prefill_step", "--impls", "chunked"], "--impls: ['chunked']"),
+        (["--repeats", "0"], "--repeats"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            ops.main(TINY + argv + ["--out", out])
+        assert e.value.code == 2
+        assert needle in capsys.readouterr().err
+
+
+def test_prefill_profile_summary(tmp_path, capsys):
+    """ncu CSV -> GPU ms per kernel family; units converted, unknown ones refused."""
+    from bench import prefill_profile as pp
+
+    head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
+    rows = [("mqf_moe_gate_up_abc", "us", "1,500"), ("void mlx::qmm_sm80_kernel<64>", "ms", "0.3"),
+            ("mqf_gdn_prefill_0f", "ns", "150000"), ("foo", "usecond", "50")]
+    csv_path = tmp_path / "k.csv"
+    csv_path.write_text("==PROF== Connected\n" + head + "".join(
+        f'"{i}","{n}","gpu__time_duration.sum","{u}","{v}"\n' for i, (n, u, v) in enumerate(rows)))
+    pp.summary(str(csv_path))
+    out = capsys.readouterr().out
+    lines = {ln[:44].strip(): ln[44:].split() for ln in out.splitlines() if ln[:44].strip()}
+    assert lines["moe grouped GEMM (ours)"][:2] == ["1.50", "75.0%"]
+    assert lines["quantized matmul / GEMV / dequantize (MLX)"][:2] == ["0.30", "15.0%"]
+    assert lines["gdn prefill, fused front end + scan (ours)"][:2] == ["0.15", "7.5%"]
+    assert lines["other"][:2] == ["0.05", "2.5%"]
+    assert lines["total (serialised)"][:2] == ["2.00", "4"]
+    csv_path.write_text(head + '"0","x","gpu__time_duration.sum","parsec","1"\n')
+    with pytest.raises(SystemExit, match="unknown time unit"):
+        pp.summary(str(csv_path))
+    with pytest.raises(SystemExit, match="cannot read"):
+        pp.summary(str(tmp_path / "missing.csv"))

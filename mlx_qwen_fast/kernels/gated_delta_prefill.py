@@ -104,6 +104,8 @@ def gated_delta_prefill(
       ValueError: shapes or dtypes outside the above (names the argument).
       RuntimeError: no CUDA compiler could build the kernel.
     """
+    if not isinstance(fe_blocks_per_sm, int) or isinstance(fe_blocks_per_sm, bool) or fe_blocks_per_sm < 1:
+        raise ValueError(f"fe_blocks_per_sm must be an int >= 1, got {fe_blocks_per_sm!r}")
     Hk, Hv = num_k_heads, num_v_heads
     B, T, C, a, b, conv_state = fe.prepare(qkv, a, b, conv_weight, conv_state, A_log, dt_bias, Hk, Hv)
     if state is None:
@@ -120,8 +122,6 @@ def gated_delta_prefill(
     nthreads = cfg[2] * 32
     ntiles = -(-T // fe.TT)
     n_scan = B * Hv * (D // cfg.rows_per_block)
-    if not isinstance(fe_blocks_per_sm, int) or fe_blocks_per_sm < 1:
-        raise ValueError(f"fe_blocks_per_sm must be an int >= 1, got {fe_blocks_per_sm!r}")
     items = B * ntiles * (2 * Hk + Hv)  # front-end work items (one warp each)
     n_fe = min(-(-items // cfg[2]), fe_blocks_per_sm * cb.sm_count())
     flags = mx.zeros((B * ntiles,), dtype=mx.int32)  # scratch the kernel counts in
