@@ -294,3 +294,20 @@ def test_cli_says_when_it_runs_stock(monkeypatch, capsys):
         uninstall()
     with pytest.raises(TypeError, match="patched_copy expects"):
         patched_copy((None, None))
+
+
+def test_cli_names_a_missing_local_model(monkeypatch, tmp_path):
+    from mlx_qwen_fast._cli import run_mlx_lm_main
+
+    monkeypatch.setattr("sys.argv", ["prog"])
+    seen = []
+    main = lambda: seen.append(1)  # noqa: E731
+    for argv in (["--model", str(tmp_path / "nope")], [f"--model={tmp_path}/nope", "--stock"],
+                 ["-m", "5", "--model", "./no/such/dir", "--prompt", "hi"]):
+        with pytest.raises(SystemExit, match="no such file or directory"):
+            run_mlx_lm_main(main, argv)
+    assert not seen  # mlx-lm's main never ran
+    run_mlx_lm_main(main, ["--model", str(tmp_path), "--stock"])  # an existing folder passes
+    run_mlx_lm_main(main, ["--model", "mlx-community/some-model", "--stock"])  # a repo id passes
+    run_mlx_lm_main(main, ["-m", "/x", "--stock"])  # -m is mlx-lm's --max-tokens, not a model
+    assert seen == [1, 1, 1]
