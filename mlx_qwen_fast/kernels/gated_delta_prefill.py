@@ -6,10 +6,16 @@ register-resident scan (``gated_delta_scan``) -- into one grid. The scan
 blocks come first; the blocks after them run the front end over token tiles
 in order (persistent blocks, :data:`FE_BLOCKS_PER_SM` per SM, each warp
 walking the work items) and count finished tiles in progress flags; a scan
-block waits for a stage's tiles before it copies them into shared memory. The front end thus
-runs beside the scan's first stages instead of before it (one launch, no
-dependency wait between two kernels). q, k, v, g and beta still go through
-global memory (mostly L2): they are outputs of the call, as the two kernels'.
+block waits for a stage's tiles before it copies them into shared memory.
+The front end thus runs beside the scan's first stages instead of before it
+(one launch, no dependency wait between two kernels). q, k, v, g and beta
+still go through global memory (mostly L2): they are outputs of the call, as
+the two kernels'.
+
+Measured on the H200 (bench/results/gdn-cuda-log.md, 2026-12-01): 0.98-1.07
+ms per 4K call chained as layers (two kernels 1.06), but the patched model's
+4K prefill is 2-11% slower with it, so the layer uses it only with
+``MLX_QWEN_FAST_GDN_FUSED=1`` (``layers.GDN_FUSED_ENV``).
 
 Scan blocks wait on front-end blocks, never the other way round; the grid
 cannot deadlock as long as some front-end block can become resident while
