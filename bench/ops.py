@@ -149,27 +149,6 @@ def _layer_implementations() -> Dict[str, Callable]:
     }
 
 
-def _stock_decode_step(m, qkv, z, a, b, conv_state, state):
-    """mlx-lm's decode step between the projections: its own modules and
-    functions (``conv1d``, ``normalize_qk``, ``gated_delta_update``, ``norm``)
-    in the order ``qwen3_5.GatedDeltaNet.__call__`` applies them (B, T=1)."""
-    import mlx.nn as nn
-    from mlx_lm.models.gated_delta import gated_delta_update, normalize_qk
-
-    B = qkv.shape[0]
-    conv_input = mx.concatenate([conv_state, qkv], axis=1)
-    new_conv = mx.contiguous(conv_input[:, -(m.conv_kernel_size - 1):, :])
-    conv_out = nn.silu(m.conv1d(conv_input))
-    q, k, v = [t.reshape(B, 1, h, d) for t, h, d in zip(
-        mx.split(conv_out, [m.key_dim, 2 * m.key_dim], -1),
-        [m.num_k_heads, m.num_k_heads, m.num_v_heads],
-        [m.head_k_dim, m.head_k_dim, m.head_v_dim])]
-    q, k = normalize_qk(q, k, inv_scale=m.head_k_dim**-0.5, eps=1e-6)
-    out, state = gated_delta_update(q, k, v, a, b, m.A_log, m.dt_bias, state)
-    out = m.norm(out, z.reshape(B, 1, m.num_v_heads, m.head_v_dim))
-    return out.reshape(B, 1, -1), new_conv, state
-
-
 def _stock_prefill_step(m, qkv, a, b, conv_state, state):
     """mlx-lm's prefill between the projections and the gated norm: its own
     modules and functions in the order ``qwen3_5.GatedDeltaNet.__call__``
@@ -188,6 +167,15 @@ def _stock_prefill_step(m, qkv, a, b, conv_state, state):
     q, k = normalize_qk(q, k, inv_scale=m.head_k_dim**-0.5, eps=1e-6)
     y, state = gated_delta_update(q, k, v, a, b, m.A_log, m.dt_bias, state)
     return y, state, new_conv
+
+
+def _stock_decode_step(m, qkv, z, a, b, conv_state, state):
+    """mlx-lm's decode step between the projections: :func:`_stock_prefill_step`
+    for T=1, then the layer's gated ``norm`` with z, as ``qwen3_5.GatedDeltaNet.__call__``."""
+    B = qkv.shape[0]
+    y, state, new_conv = _stock_prefill_step(m, qkv, a, b, conv_state, state)
+    out = m.norm(y, z.reshape(B, 1, m.num_v_heads, m.head_v_dim))
+    return out.reshape(B, 1, -1), new_conv, state
 
 
 def _prefill_step_implementations(backend: str) -> Dict[str, Callable]:

@@ -127,8 +127,7 @@ def chain_prefill_gdn(n=8):
             return f
         return make
 
-    for per_sm in (1,):
-        _report(f"gdn fused front end + scan B=1 T={T} fe/SM={per_sm}", run_fused(per_sm), n)
+    _report(f"gdn fused front end + scan B=1 T={T} fe/SM=1", run_fused(1), n)
 
 
 def chain_moe(n=6, variants=MOE_VARIANTS):

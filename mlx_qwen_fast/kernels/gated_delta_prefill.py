@@ -47,6 +47,11 @@ D = fe.D
 FE_BLOCKS_PER_SM = 1
 
 
+def _scan_blocks(B: int, Hv: int, cfg: scan.ScanConfig) -> int:
+    """Scan blocks of a call: one per (sequence, value head, row block)."""
+    return B * Hv * (D // cfg.rows_per_block)
+
+
 def supports(
     qkv: mx.array,
     conv_state: Optional[mx.array],
@@ -68,7 +73,7 @@ def supports(
                        head_v_dim=head_v_dim, mask=mask):
         return False
     B = qkv.shape[0]
-    if B * num_v_heads * (D // scan.DEFAULT_CONFIG.rows_per_block) > cb.sm_count():
+    if _scan_blocks(B, num_v_heads, scan.DEFAULT_CONFIG) > cb.sm_count():
         return False
     return state is None or (state.shape == (B, num_v_heads, D, D) and state.dtype == mx.float32)
 
@@ -120,14 +125,14 @@ def gated_delta_prefill(
         raise ValueError(f"state must be float32 of shape [{B}, {Hv}, {D}, {D}], got "
                          f"{state.dtype} {tuple(state.shape)}")
     cfg = scan.ScanConfig(*config) if config is not None else scan.DEFAULT_CONFIG
-    if B * Hv * (D // cfg.rows_per_block) > cb.sm_count():
-        raise ValueError(f"gated_delta_prefill: {B * Hv * (D // cfg.rows_per_block)} scan blocks "
-                         f"(B={B}) exceed the {cb.sm_count()} SMs (see supports())")
+    n_scan = _scan_blocks(B, Hv, cfg)
+    if n_scan > cb.sm_count():
+        raise ValueError(f"gated_delta_prefill: {n_scan} scan blocks (B={B}) exceed the "
+                         f"{cb.sm_count()} SMs (see supports())")
     kern = scan.kernel(qkv.dtype, Hv, Hk, cfg,
                        fused=fe.defines(qkv.dtype, conv_weight.dtype, A_log.dtype, dt_bias.dtype, Hv, Hk))
     nthreads = cfg[2] * 32
     ntiles = -(-T // fe.TT)
-    n_scan = B * Hv * (D // cfg.rows_per_block)
     items = B * ntiles * (2 * Hk + Hv)  # front-end work items (one warp each)
     n_fe = min(-(-items // cfg[2]), fe_blocks_per_sm * cb.sm_count())
     flags = mx.zeros((B * ntiles,), dtype=mx.int32)  # scratch the kernel counts in
