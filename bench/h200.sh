@@ -15,6 +15,7 @@
 #   bash bench/h200.sh fused     # fused GDN prefill kernel: tests, chained latencies, prefill-step op (~3 min)
 #   bash bench/h200.sh check     # GDN kernel + layer tests in parallel, ncu of the front end (~3 min)
 #   bash bench/h200.sh final     # GDN prefill linked chains, patched prefill with the fused GDN kernel off/on, A/B at 4K
+#   bash bench/h200.sh frontend  # GDN front end (16-byte weight loads): tests, chains at 16/8 tokens per warp, decode-step split, ncu (~6 min)
 #   bash bench/h200.sh scan      # GDN scan variants (check, chained latency), prefill A/B with the fastest (~8 min)
 # Run from the repo root on the device with .mlxcuda carried; results go to $OUT.
 # A fresh process pays MLX-CUDA's first-use kernel compilation: 177-225 s for
@@ -166,5 +167,20 @@ final)  # linked chains of the GDN prefill (two kernels vs fused), patched-only 
       --max-seconds 15 --out /tmp/abf$f.json >> $OUT/ab-fused.log 2>&1; echo "fused=$f: $(grep -h "^prefill" $OUT/ab-fused.log | tail -1)"; done
   timeout 330 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
     --out $OUT/ab-final.json > $OUT/ab-final.log 2>&1; tail -14 $OUT/ab-final.log ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check}"; exit 2 ;;
+frontend)  # GDN front end with 16-byte weight loads: GDN kernel + layer tests (untimed, in parallel), then chained
+           # latencies (front end at 16 and 8 tokens per warp, alone and + scan linked; fused), the decode step split
+           # into graph building and evaluation beside one-op MLX chains, bench.ops prefill-step and decode-step,
+           # ncu --set full of the front-end and decode kernels; files straight to $OUT
+  M=$OUT; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+  XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 6"
+  timeout 200 python3 -m pytest -q $XD tests/test_cuda_gated_delta.py tests/test_cuda_layers.py \
+    -k "not compiled_decode_step and (not 4096 or fused)" > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt; tail -n 3 $M/tests.txt
+  timeout 120 python3 bench/profile_kernels.py chain gdn,decode > $M/chain.txt 2>&1; grep -v "^\[" $M/chain.txt
+  timeout 70 python3 -m bench.ops $P --ops gated_delta.prefill_step,gated_delta.decode_step --prefill-tokens 4k \
+    --impls cuda-kernel,cuda-fused --max-seconds 6 --out $M/ops.json > $M/ops.log 2>&1; grep "^gated" $M/ops.log
+  timeout 60 $NCU --clock-control none --set full -k "regex:mqf_gdn_frontend|mqf_gdn_decode" -c 4 -o /tmp/fd \
+    python3 bench/profile_kernels.py ncu > /dev/null 2>&1
+  $NCU --import /tmp/fd.ncu-rep --page details > $M/ncu-details.txt 2>&1
+  grep -E "^  mqf_|Duration|Registers Per|DRAM Throughput|Achieved Occupancy|Theoretical Occ|Sectors/Req|L1/TEX Hit" $M/ncu-details.txt | head -40 ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend}"; exit 2 ;;
 esac

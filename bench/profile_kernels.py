@@ -1,7 +1,8 @@
 """Latency of the prefill kernels as the model sees them, and launches for ncu.
 
 Sections (one per process call, ``python3 bench/profile_kernels.py SECTION``;
-``chain`` takes an optional comma list of parts: scan, gdn, moe, qmm):
+``chain`` takes an optional comma list of parts: scan, gdn, moe, qmm,
+decode):
 
 * ``chain``: ``n`` *dependent* calls in one evaluation (each call reads what the
   previous one wrote, as consecutive layers do), so neither MLX's per-evaluation
@@ -12,9 +13,12 @@ Sections (one per process call, ``python3 bench/profile_kernels.py SECTION``;
   front end + scan kernel, the front end alone, the MoE expert GEMMs (gate+up -> down -> combine -> the next
   call's x) at T=4096 per variant and pflv without its register cap, and
   (part ``qmm``) stock dense 4-bit ``quantized_matmul`` vs bf16 ``matmul`` at
-  the model's projection shapes, M=4096. Printed: ms per call for chain lengths 1 and ``n`` (their difference / (n-1)
+  the model's projection shapes, M=4096; (part ``decode``) the GDN decode
+  step in 30 dependent steps, graph building and evaluation apart, beside
+  one-op MLX chains (MLX's cost per graph node). Printed: ms per call for chain lengths 1 and ``n`` (their difference / (n-1)
   is the marginal latency of one call).
-* ``ncu``: one launch of each profiled kernel (the GDN front end, the scan
+* ``ncu``: one launch of each profiled kernel (the GDN front end, three GDN
+  decode steps, the scan
   configurations of ``SCAN_CONFIGS``, gate+up and down of ``MOE_VARIANTS``,
   at T=4096) for ncu.
 
@@ -68,9 +72,10 @@ def chain_scan(n=8, configs=SCAN_CONFIGS):
         _report(f"gdn scan B=1 T={T} cfg={list(cfg)}", scan_chain(q, k, v, g, beta, s0, cfg), n)
 
 
-def chain_prefill_gdn(n=8):
+def chain_prefill_gdn(n=8, fe_tokens_per_warp=(16, 8)):
     """Front end (conv + SiLU + norms + gates) then scan, as the layer runs
-    them: the conv state and the recurrent state feed the next call."""
+    them: the conv state and the recurrent state feed the next call; the
+    front end also alone, and both at each of ``fe_tokens_per_warp``."""
     from bench.gdn_cuda import HK, fe_params
     from mlx_qwen_fast.kernels import gated_delta_scan as S
     from mlx_qwen_fast.kernels.gated_delta_frontend import gated_delta_frontend
@@ -100,9 +105,6 @@ def chain_prefill_gdn(n=8):
             return f
         return make
 
-    _report(f"gdn front end + scan B=1 T={T}", two_kernels(False), n)
-    _report(f"gdn front end + scan, linked, B=1 T={T}", two_kernels(True), n)
-
     def run_fe(m):  # the front end alone, the conv state carried
         def f():
             cs, outs = cs0, None
@@ -112,7 +114,19 @@ def chain_prefill_gdn(n=8):
             return (*outs, cs)
         return f
 
-    _report(f"gdn front end alone B=1 T={T}", run_fe, n)
+    from mlx_qwen_fast.kernels import gated_delta_frontend as FE
+
+    default_tt = FE.TT
+    for tt in (default_tt,) + tuple(t for t in fe_tokens_per_warp if t != default_tt):
+        FE.TT = tt  # the front end's tokens per warp (a build macro); default first
+        FE._kernels.clear()
+        tag = "" if tt == default_tt else f" [front end TT={tt}]"
+        if tt == default_tt:
+            _report(f"gdn front end + scan B=1 T={T}", two_kernels(False), n)
+        _report(f"gdn front end + scan, linked, B=1 T={T}{tag}", two_kernels(True), n)
+        _report(f"gdn front end alone B=1 T={T}{tag}", run_fe, n)
+    FE.TT = default_tt
+    FE._kernels.clear()
 
     from mlx_qwen_fast.kernels.gated_delta_prefill import gated_delta_prefill
 
@@ -245,6 +259,84 @@ def chain_dense_qmm(n=6, M=4096):
             print(f"{'':48s} -> {flops / marg / 1e12:.1f} TFLOP/s (marginal)", flush=True)
 
 
+def _build_eval(build, evals=10, warm=3):
+    """Median seconds of building ``build()``'s graph (Python and MLX graph
+    construction, nothing evaluated) and of evaluating it (``mx.eval`` +
+    ``mx.synchronize``)."""
+    import time
+
+    for _ in range(warm):
+        mx.eval(build())
+    mx.synchronize()
+    tb, te = [], []
+    for _ in range(evals):
+        t0 = time.perf_counter()
+        out = build()
+        t1 = time.perf_counter()
+        mx.eval(out)
+        mx.synchronize()
+        tb.append(t1 - t0)
+        te.append(time.perf_counter() - t1)
+    return sorted(tb)[evals // 2], sorted(te)[evals // 2]
+
+
+def chain_decode_gdn(n=30):
+    """Where a GDN decode step's time goes: ``n`` dependent steps (conv state
+    and state feed the next, as consecutive tokens) in one evaluation, split
+    into graph building and evaluation, for the fused decode kernel compiled
+    (as the layer runs it) and eager, and for one-op MLX chains (an add on an
+    array of the state's size, and on a 32-element one: MLX's own cost per
+    graph node). Printed per step, in microseconds."""
+    from bench.gdn_cuda import HK, fe_params
+    from mlx_qwen_fast.kernels.gated_delta_decode import gated_delta_decode
+
+    C = (2 * HK + HV) * D
+    ks = mx.random.split(mx.random.key(11), 7)
+    w, A_log, dt_bias = fe_params(ks[0], mx.bfloat16)
+    qkv = mx.random.normal((1, 1, C), key=ks[1]).astype(mx.bfloat16)
+    z = mx.random.normal((1, 1, HV * D), key=ks[2]).astype(mx.bfloat16)
+    ab = mx.random.normal((1, 1, HV), key=ks[3]).astype(mx.bfloat16)
+    nw = (1.0 + 0.1 * mx.random.normal((D,), key=ks[4])).astype(mx.bfloat16)
+    cs0 = mx.random.normal((1, 3, C), key=ks[5]).astype(mx.bfloat16)
+    s0 = 0.1 * mx.random.normal((1, HV, D, D), key=ks[6])
+    small = mx.zeros((1, 32))
+    mx.eval(w, A_log, dt_bias, qkv, z, ab, nw, cs0, s0, small)
+
+    def steps(compiled):
+        def build():
+            cs, st, out = cs0, s0, None
+            for _ in range(n):
+                out, cs, st = gated_delta_decode(qkv, z, ab, ab, w, cs, A_log, dt_bias, nw, st,
+                                                 num_k_heads=HK, num_v_heads=HV, compiled=compiled)
+            return out, cs, st
+        return build
+
+    def adds(x0):
+        def build():
+            x = x0
+            for _ in range(n):
+                x = x + 1.0
+            return x
+        return build
+
+    add1 = mx.compile(lambda x: x + 1.0)
+
+    def compiled_adds():
+        x = s0
+        for _ in range(n):
+            x = add1(x)
+        return x
+
+    for label, build in (("gdn decode step, compiled (the layer's path)", steps(True)),
+                         ("gdn decode step, eager", steps(False)),
+                         ("mlx add on the state's size (2 MB fp32)", adds(s0)),
+                         ("mlx add on the state's size, mx.compile'd", compiled_adds),
+                         ("mlx add on 32 floats", adds(small))):
+        tb, te = _build_eval(build)
+        print(f"decode {label:48s} per step: build {tb / n * 1e6:7.1f} us + eval {te / n * 1e6:7.1f} us"
+              f" = {(tb + te) / n * 1e6:7.1f} us  ({n} chained)", flush=True)
+
+
 def ncu_launches():
     from mlx_qwen_fast.kernels import gated_delta_scan as S
     from mlx_qwen_fast.kernels import moe_grouped_gemm as gg
@@ -264,6 +356,14 @@ def ncu_launches():
     ab = mx.random.normal((1, T, HV), key=k3).astype(mx.bfloat16)
     mx.eval(qkv, ab, w, A_log, dt_bias)
     mx.eval(gated_delta_frontend(qkv, ab, ab, w, None, A_log, dt_bias, num_k_heads=HK, num_v_heads=HV))
+    from mlx_qwen_fast.kernels.gated_delta_decode import gated_delta_decode
+
+    nw = mx.ones((D,), mx.bfloat16)
+    st = s0
+    for _ in range(3):  # the decode kernel, a few dependent steps
+        st = gated_delta_decode(qkv[:, :1], qkv[:, 1, : HV * D], ab[:, :1], ab[:, :1], w, None, A_log,
+                                dt_bias, nw, st, num_k_heads=HK, num_v_heads=HV)[2]
+    mx.eval(st)
     for cfg in SCAN_CONFIGS:
         mx.eval(S.gated_delta_scan(q, k, v, g, beta, s0, config=cfg))
     sm = make_switch(2)
@@ -278,15 +378,19 @@ def ncu_launches():
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "chain"
     if what not in ("chain", "ncu"):
-        raise SystemExit(f"usage: {sys.argv[0]} chain [scan,gdn,moe,qmm] | ncu")
+        raise SystemExit(f"usage: {sys.argv[0]} chain [scan,gdn,moe,qmm,decode] | ncu")
     from mlx_qwen_fast.kernels import _cuda_build as cb
 
     if not cb.cuda_available():
         raise SystemExit(f"{sys.argv[0]}: needs MLX's CUDA backend and an NVIDIA GPU (none here)")
     if what == "chain":
+        parts = {"scan": chain_scan, "gdn": chain_prefill_gdn, "moe": chain_moe,
+                 "qmm": chain_dense_qmm, "decode": chain_decode_gdn}
         sections = sys.argv[2].split(",") if len(sys.argv) > 2 else ["scan", "gdn", "moe"]
+        unknown = [s for s in sections if s not in parts]
+        if unknown:
+            raise SystemExit(f"{sys.argv[0]}: unknown chain part(s) {unknown}; choose from {list(parts)}")
         for name in sections:
-            {"scan": chain_scan, "gdn": chain_prefill_gdn, "moe": chain_moe,
-             "qmm": chain_dense_qmm}[name]()
+            parts[name]()
     else:
         ncu_launches()

@@ -177,11 +177,16 @@ def ref_frontend(qkv, a, b, w, cs, A_log, dt_bias, eps=1e-6):
     return q, k, v, g, mx.sigmoid(b.astype(f)), x[:, -3:]
 
 
+# T: one token, a few, the edges of a 16- and an 8-token tile, ragged ends.
+@pytest.mark.parametrize("tt", [16, 8])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("B,T", [(1, 1), (2, 2), (1, 3), (2, 65)])
-def test_frontend_matches_reference(B, T, dtype):
+@pytest.mark.parametrize("B,T", [(1, 1), (2, 2), (1, 3), (1, 7), (1, 8), (1, 9), (1, 15), (1, 16),
+                                 (1, 17), (2, 65), (1, 1000)])
+def test_frontend_matches_reference(B, T, dtype, tt, monkeypatch):
+    from mlx_qwen_fast.kernels import gated_delta_frontend as fe
     from mlx_qwen_fast.kernels.gated_delta_frontend import gated_delta_frontend, supports
 
+    monkeypatch.setattr(fe, "TT", tt)  # tokens per warp (kernels are keyed by it)
     w, A_log, dt_bias = fe_params(T, dtype)
     ks = mx.random.split(mx.random.key(100 + T), 4)
     qkv = mx.random.normal((B, T, C), key=ks[0]).astype(dtype)
@@ -198,6 +203,39 @@ def test_frontend_matches_reference(B, T, dtype):
         assert rel(o, r) < tol, name
     assert rel(out[3], ref[3]) < 1e-5 and rel(out[4], ref[4]) < 1e-5
     assert rel(out[5], ref[5]) == 0.0
+
+
+@pytest.mark.parametrize("layout", ["fp32 weight", "unaligned weight"])
+def test_frontend_weight_layouts(layout):
+    """The conv weight read with 16-byte loads (fp32 taps beside bf16
+    activations) and with the scalar fallback (a row-contiguous view 8 bytes
+    past a 16-byte boundary): both equal the reference, and the fallback is
+    bit-identical to the vector path on the same values."""
+    from mlx_qwen_fast.kernels.gated_delta_frontend import gated_delta_frontend
+
+    T, dtype = 37, mx.bfloat16
+    w, A_log, dt_bias = fe_params(900, dtype)
+    ks = mx.random.split(mx.random.key(901), 4)
+    qkv = mx.random.normal((1, T, C), key=ks[0]).astype(dtype)
+    a = mx.random.normal((1, T, HV), key=ks[1]).astype(dtype)
+    b = mx.random.normal((1, T, HV), key=ks[2]).astype(dtype)
+    cs = mx.random.normal((1, 3, C), key=ks[3]).astype(dtype)
+    kw = dict(num_k_heads=HK, num_v_heads=HV)
+    if layout == "fp32 weight":
+        w_test = w.astype(mx.float32)
+    else:
+        padded = mx.concatenate([mx.zeros((1, 4, 1), dtype), w])
+        mx.eval(padded)
+        w_test = padded[1:]  # a row-contiguous view 8 bytes past the buffer's start
+    out = gated_delta_frontend(qkv, a, b, w_test, cs, A_log, dt_bias, **kw)
+    ref = ref_frontend(qkv, a, b, w, cs, A_log, dt_bias)
+    assert finite(*out)
+    for name, o, r in zip(("q", "k", "v"), out[:3], ref[:3]):
+        assert rel(o, r) < 1e-2, name
+    if layout == "unaligned weight":
+        base = gated_delta_frontend(qkv, a, b, w, cs, A_log, dt_bias, **kw)
+        for i, (o, r) in enumerate(zip(out, base)):
+            assert mx.array_equal(o, r).item(), i
 
 
 # T: one token, one front-end tile (16) and its edges, a scan stage (32) and

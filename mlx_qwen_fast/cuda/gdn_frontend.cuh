@@ -24,6 +24,40 @@ constexpr int TT = GDN_TT;        // tokens per warp
 constexpr int KW = 4;             // conv kernel width
 static_assert(TT <= 32, "gate lanes: one token per lane");
 
+// Four consecutive elements of T kept as loaded (one 8-byte load for a
+// 2-byte type, 16 bytes for float), unpacked to fp32 when used.
+template <typename T>
+struct Raw4 {
+  uint2 u;
+  __device__ __forceinline__ void load(const T* p) {
+    u = *reinterpret_cast<const uint2*>(p);
+  }
+  __device__ __forceinline__ void get(float* o) const;
+};
+template <>
+__device__ __forceinline__ void Raw4<bf16_t>::get(float* o) const {
+  unpack_bf16x2(u.x, o[0], o[1]);
+  unpack_bf16x2(u.y, o[2], o[3]);
+}
+template <>
+__device__ __forceinline__ void Raw4<f16_t>::get(float* o) const {
+  unpack_f16x2(u.x, o[0], o[1]);
+  unpack_f16x2(u.y, o[2], o[3]);
+}
+template <>
+struct Raw4<float> {
+  float4 u;
+  __device__ __forceinline__ void load(const float* p) {
+    u = *reinterpret_cast<const float4*>(p);
+  }
+  __device__ __forceinline__ void get(float* o) const {
+    o[0] = u.x;
+    o[1] = u.y;
+    o[2] = u.z;
+    o[3] = u.w;
+  }
+};
+
 __device__ __forceinline__ void frontend_warp(
     int gw, int lane,
     const xt* __restrict__ qkv,
@@ -66,37 +100,49 @@ __device__ __forceinline__ void frontend_warp(
     }
   }
 
+  // Conv taps of the lane's 4 channels: 4 x KW contiguous elements, read
+  // with 16-byte loads when the weight array is 16-byte aligned (2 loads for
+  // a 2-byte type instead of 16 scalar ones, each of which touched a sector
+  // of its own per lane).
   float w[4][KW];  // [channel][tap]
+  {
+    const wt* wp = conv_w + (size_t)c0 * KW;
+    float* wf = &w[0][0];
+    if ((reinterpret_cast<size_t>(conv_w) & 15) == 0) {
+      constexpr int N = Vec16<wt>::N;
 #pragma unroll
-  for (int c = 0; c < 4; ++c) {
+      for (int j = 0; j < 4 * KW; j += N) {
+        load16(wp + j, wf + j);
+      }
+    } else {
 #pragma unroll
-    for (int i = 0; i < KW; ++i) {
-      w[c][i] = to_f(conv_w[(c0 + c) * KW + i]);
+      for (int j = 0; j < 4 * KW; ++j) {
+        wf[j] = to_f(wp[j]);
+      }
     }
   }
 
   // Row u of conv_input (u = t + 3 for token t); rows u < 3 come from the state.
   const xt* xb = qkv + (size_t)b * T * C + c0;
   const xt* sb = conv_state + (size_t)b * (KW - 1) * C + c0;
-  auto row = [&](int u, float* o) {
-    if (u < KW - 1) {
-      load4(sb + (size_t)u * C, o);
-    } else {
-      load4(xb + (size_t)(u - (KW - 1)) * C, o);
-    }
+  auto row_ptr = [&](int u) {
+    return u < KW - 1 ? sb + (size_t)u * C : xb + (size_t)(u - (KW - 1)) * C;
   };
+  auto row = [&](int u, float* o) { load4(row_ptr(u), o); };
 
-  // Issue every load of the tile first (3 halo rows + TT rows).
+  // Issue every load of the tile first (3 halo rows + TT rows). The tile's
+  // rows stay as loaded (Raw4: 2 registers per row for a 2-byte type) until
+  // used, so the warp keeps all TT + 3 loads in flight in fewer registers.
   float win[KW - 1][4];  // rows t-3, t-2, t-1
 #pragma unroll
   for (int i = 0; i < KW - 1; ++i) {
     row(t0 + i, win[i]);
   }
-  float xs[TT][4];
+  Raw4<xt> xs[TT];
 #pragma unroll
   for (int i = 0; i < TT; ++i) {
     if (t0 + i < t1) {
-      row(t0 + i + KW - 1, xs[i]);
+      xs[i].load(row_ptr(t0 + i + KW - 1));
     }
   }
 
@@ -119,17 +165,18 @@ __device__ __forceinline__ void frontend_warp(
 #pragma unroll
   for (int i = 0; i < TT; ++i) {
     if (t0 + i < t1) {  // warp-uniform
-      float o[4];
+      float o[4], x[4];
+      xs[i].get(x);
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         float acc = win[0][c] * w[c][0];
         acc = fmaf(win[1][c], w[c][1], acc);
         acc = fmaf(win[2][c], w[c][2], acc);
-        acc = fmaf(xs[i][c], w[c][3], acc);
+        acc = fmaf(x[c], w[c][3], acc);
         o[c] = silu_fast(acc);
         win[0][c] = win[1][c];
         win[1][c] = win[2][c];
-        win[2][c] = xs[i][c];
+        win[2][c] = x[c];
       }
       if (is_q || is_k) {
         float ss = o[0] * o[0];

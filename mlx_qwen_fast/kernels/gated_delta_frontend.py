@@ -23,7 +23,7 @@ __all__ = ["gated_delta_frontend", "supports", "prepare", "defines"]
 
 D = 128
 KW = 4
-TT = 16  # tokens per warp
+TT = 16  # tokens per warp (a build macro; read at each call, so benches can try others)
 _FLOAT = (mx.bfloat16, mx.float16, mx.float32)
 _kernels: Dict[tuple, cb.CudaKernel] = {}
 
@@ -39,7 +39,7 @@ def defines(x, w, A_log, dt_bias, Hv, Hk) -> dict:
 
 
 def _kernel(x, w, A_log, dt_bias, Hv, Hk) -> cb.CudaKernel:
-    key = (x, w, A_log, dt_bias, Hv, Hk)
+    key = (x, w, A_log, dt_bias, Hv, Hk, TT)
     kern = _kernels.get(key)
     if kern is None:
         kern = cb.CudaKernel("gated_delta_frontend.cu", "mqf_gdn_frontend",
