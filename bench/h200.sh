@@ -178,9 +178,9 @@ frontend)  # GDN front end with 16-byte weight loads: GDN kernel + layer tests (
   timeout 120 python3 bench/profile_kernels.py chain gdn,decode > $M/chain.txt 2>&1; grep -v "^\[" $M/chain.txt
   timeout 70 python3 -m bench.ops $P --ops gated_delta.prefill_step,gated_delta.decode_step --prefill-tokens 4k \
     --impls cuda-kernel,cuda-fused --max-seconds 6 --out $M/ops.json > $M/ops.log 2>&1; grep "^gated" $M/ops.log
-  timeout 60 $NCU --clock-control none --set full -k "regex:mqf_gdn_frontend|mqf_gdn_decode" -c 4 -o /tmp/fd \
+  timeout 90 $NCU --clock-control none --set full -k "regex:mqf_gdn_frontend|mqf_gdn_decode|mqf_moe_dec" -c 6 -o /tmp/fd \
     python3 bench/profile_kernels.py ncu > /dev/null 2>&1
   $NCU --import /tmp/fd.ncu-rep --page details > $M/ncu-details.txt 2>&1
-  grep -E "^  mqf_|Duration|Registers Per|DRAM Throughput|Achieved Occupancy|Theoretical Occ|Sectors/Req|L1/TEX Hit" $M/ncu-details.txt | head -40 ;;
+  grep -E "^  mqf_|Duration|Registers Per|DRAM Throughput|Achieved Occupancy|Theoretical Occ|Sectors/Req|L1/TEX Hit" $M/ncu-details.txt | head -64 ;;
 *) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend}"; exit 2 ;;
 esac

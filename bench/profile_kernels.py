@@ -18,7 +18,7 @@ decode):
   one-op MLX chains (MLX's cost per graph node). Printed: ms per call for chain lengths 1 and ``n`` (their difference / (n-1)
   is the marginal latency of one call).
 * ``ncu``: one launch of each profiled kernel (the GDN front end, three GDN
-  decode steps, the scan
+  decode steps, the MoE decode kernels at one token, the scan
   configurations of ``SCAN_CONFIGS``, gate+up and down of ``MOE_VARIANTS``,
   at T=4096) for ncu.
 
@@ -364,6 +364,14 @@ def ncu_launches():
         st = gated_delta_decode(qkv[:, :1], qkv[:, 1, : HV * D], ab[:, :1], ab[:, :1], w, None, A_log,
                                 dt_bias, nw, st, num_k_heads=HK, num_v_heads=HV)[2]
     mx.eval(st)
+    from bench.moe_decode_cuda import D as DM
+    from bench.moe_decode_cuda import make_block
+    from mlx_qwen_fast.kernels import moe_decode_gemv as md
+
+    blk = make_block(3)  # the MoE decode kernels at one token
+    xd = mx.random.normal((1, DM), key=k1).astype(mx.bfloat16)
+    inds, scores = mr.route(blk.gate(xd), K)
+    mx.eval(md.moe_decode_arrays(xd, inds, scores, *md.block_arrays(blk)))
     for cfg in SCAN_CONFIGS:
         mx.eval(S.gated_delta_scan(q, k, v, g, beta, s0, config=cfg))
     sm = make_switch(2)
