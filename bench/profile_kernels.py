@@ -319,6 +319,27 @@ def chain_decode_gdn(n=30):
             return x
         return build
 
+    @mx.compile
+    def step_with_reshapes(qkv, z, a, b, w, cs, A_log, dt_bias, nw, st):
+        # the compiled step as it was through 2026-12-01: 5 reshapes (graph
+        # nodes without a kernel) before the kernel
+        B = qkv.shape[0]
+        return gated_delta_decode(qkv.reshape(B, C), z.reshape(B, HV * D), a.reshape(B, HV),
+                                  b.reshape(B, HV), w.reshape(C, 4), cs, A_log, dt_bias, nw, st,
+                                  num_k_heads=HK, num_v_heads=HV)
+
+    def steps_with_reshapes():
+        cs, st, out = cs0, s0, None
+        for _ in range(n):
+            out, cs, st = step_with_reshapes(qkv, z, ab, ab, w, cs, A_log, dt_bias, nw, st)
+        return out, cs, st
+
+    def reshapes():
+        x = s0
+        for i in range(n):
+            x = x.reshape((1, HV * D, D) if i % 2 == 0 else (1, HV, D, D))
+        return x
+
     add1 = mx.compile(lambda x: x + 1.0)
 
     def compiled_adds():
@@ -328,7 +349,9 @@ def chain_decode_gdn(n=30):
         return x
 
     for label, build in (("gdn decode step, compiled (the layer's path)", steps(True)),
+                         ("gdn decode step, compiled, 5 reshapes first", steps_with_reshapes),
                          ("gdn decode step, eager", steps(False)),
+                         ("mlx reshape (no kernel) on the state", reshapes),
                          ("mlx add on the state's size (2 MB fp32)", adds(s0)),
                          ("mlx add on the state's size, mx.compile'd", compiled_adds),
                          ("mlx add on 32 floats", adds(small))):

@@ -136,11 +136,10 @@ def gated_delta_decode(
         state = mx.zeros((B, Hv, D, D), dtype=mx.float32)
     if cast:  # the kernel reads these in the activation dtype
         z, a, b, conv_state = (t.astype(x) for t in (z, a, b, conv_state))
+    # passed in their own shapes: the kernel reads row-contiguous memory
+    # (sizes checked in _plan), and a reshape would be one more graph node
     out, new_conv, new_state = kern(
-        [
-            qkv.reshape(B, C), z.reshape(B, Hv * D), a.reshape(B, Hv), b.reshape(B, Hv),
-            conv_weight.reshape(C, KW), conv_state, A_log, dt_bias, norm_weight, state,
-        ],
+        [qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state],
         out_shapes, out_dtypes, grid, (512, 1, 1), (qk_eps, norm_eps),
     )
     return out, new_conv, new_state
