@@ -93,7 +93,7 @@ def timeit(fn, n=20, batch=1, warm=3) -> float:
     return ts[len(ts) // 2]
 
 
-def chain_latency(make, n=8, evals=10, warm=2) -> dict:
+def chain_latency(make, n=8, evals=10, warm=2, steady=(16, 48)) -> dict:
     """Per-call latency of a kernel as a model layer sees it.
 
     ``make(m)`` returns a function that builds ``m`` *dependent* calls (each
@@ -103,11 +103,21 @@ def chain_latency(make, n=8, evals=10, warm=2) -> dict:
     evaluation, MLX's per-evaluation cost included), ``per_call`` (n chained,
     divided by n) and ``marginal`` ((t_n - t_1) / (n - 1): one more call in a
     graph, neither the evaluation's fixed cost nor overlap of independent
-    launches included).
+    launches included; a short chain is one CUDA graph, launched once all of
+    it is encoded, so one call's host cost is included); with ``steady =
+    (n1, n2)`` also ``steady`` = (t_n2 - t_n1) / (n2 - n1), both chains long
+    enough to span several of MLX's graph commits, so host work overlaps GPU
+    work as in the model's prefill (see bench/ops.py, CHAIN_STEADY).
     """
     t1 = timeit(make(1), n=evals, warm=warm)
     tn = timeit(make(n), n=evals, warm=warm)
-    return {"single": t1, "per_call": tn / n, "marginal": (tn - t1) / (n - 1), "n": n}
+    r = {"single": t1, "per_call": tn / n, "marginal": (tn - t1) / (n - 1), "n": n}
+    if steady:
+        n1, n2 = steady
+        t_n1 = timeit(make(n1), n=evals, warm=warm)
+        t_n2 = timeit(make(n2), n=evals, warm=warm)
+        r["steady"] = (t_n2 - t_n1) / (n2 - n1)
+    return r
 
 
 def build_lines(results: dict) -> list:

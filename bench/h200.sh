@@ -16,6 +16,7 @@
 #   bash bench/h200.sh check     # GDN kernel + layer tests in parallel, ncu of the front end (~3 min)
 #   bash bench/h200.sh final     # GDN prefill linked chains, patched prefill with the fused GDN kernel off/on, A/B at 4K
 #   bash bench/h200.sh frontend  # GDN front end (16-byte weight loads): tests, chains at 16/8 tokens per warp, decode-step split, ncu (~6 min)
+#   bash bench/h200.sh steady    # steady-state chained latencies, bench.ops prefill rows, ncu GPU times, fused GDN off/on (~6 min)
 #   bash bench/h200.sh scan      # GDN scan variants (check, chained latency), prefill A/B with the fastest (~8 min)
 # Run from the repo root on the device with .mlxcuda carried; results go to $OUT.
 # A fresh process pays MLX-CUDA's first-use kernel compilation: 177-225 s for
@@ -182,5 +183,17 @@ frontend)  # GDN front end with 16-byte weight loads: GDN kernel + layer tests (
     python3 bench/profile_kernels.py ncu > /dev/null 2>&1
   $NCU --import /tmp/fd.ncu-rep --page details > $M/ncu-details.txt 2>&1
   grep -E "^  mqf_|Duration|Registers Per|DRAM Throughput|Achieved Occupancy|Theoretical Occ|Sectors/Req|L1/TEX Hit" $M/ncu-details.txt | head -64 ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend}"; exit 2 ;;
+steady)  # steady-state chained latencies (chains of 16 and 48: host work overlaps GPU work, as in the model's
+         # prefill) of the GDN prefill kernels and the MoE experts, bench.ops prefill rows at 4K, the kernels' GPU
+         # time in ncu, patched-only 4K prefill with the fused GDN kernel off, on, off, on; files straight to $OUT
+  M=$OUT; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+  timeout 150 python3 bench/profile_kernels.py chain scan,gdn,moe > $M/chain.txt 2>&1; grep -v "^\[" $M/chain.txt
+  timeout 150 python3 -m bench.ops $P --ops gated_delta.prefill,gated_delta.prefill_step,moe.prefill --prefill-tokens 4k \
+    --impls cuda-kernel,cuda-fused --max-seconds 8 --out $M/ops.json > $M/ops.log 2>&1; grep -E "^(gated|moe)" $M/ops.log
+  timeout 90 $NCU --metrics gpu__time_duration.sum --csv -k "regex:mqf_gdn|mqf_moe_gate|mqf_moe_down" \
+    python3 bench/profile_kernels.py ncu > $M/ncu-times.csv 2>/dev/null
+  python3 -c "import csv,sys; [print(r['Kernel Name'][:40], r['Metric Value'], r['Metric Unit']) for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('\"'))]" $M/ncu-times.csv
+  for f in 0 1 0 1; do MLX_QWEN_FAST_GDN_FUSED=$f timeout 60 $AB --engines patched --prefill 4k --rounds 2 \
+      --max-seconds 15 --no-ceilings --out /tmp/abf.json >> $M/ab-fused.log 2>&1; echo "fused=$f: $(grep -h "^prefill" $M/ab-fused.log | tail -1)"; done ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady}"; exit 2 ;;
 esac

@@ -52,10 +52,14 @@ are left out):
 
 Each point: warm-up, then ``--repeats`` timed calls (``mx.eval`` of the
 outputs, ``mx.synchronize``), median ms; for ``gated_delta.prefill``,
-``gated_delta.prefill_step`` and ``moe.prefill`` the ms is the marginal latency of one call in a chain of
-:data:`CHAIN` dependent calls (state or output feeding the next call: what a
-layer costs inside the model's graph; ``ms_single``, one call per evaluation,
-adds MLX's per-evaluation cost, ~0.1-0.3 ms on the H200); GB/s and TFLOP/s from the byte and
+``gated_delta.prefill_step`` and ``moe.prefill`` the ms is the steady-state
+marginal latency of one call in chains of dependent calls (state or output
+feeding the next call: what a layer costs inside the model's prefill graph),
+(t_48 - t_16) / 32 (:data:`CHAIN_STEADY`: both chains span several of the CUDA
+graphs MLX launches per evaluation, so host work overlaps GPU work as in the
+model); ``ms_chain_short``, (t_4 - t_1) / 3, also holds one call's host cost
+(all of a 4-call chain is one graph, launched after it is all encoded), and
+``ms_single``, one call per evaluation, adds MLX's per-evaluation cost, ~0.1-0.3 ms on the H200; GB/s and TFLOP/s from the byte and
 FLOP counts; ``roofline_frac`` = max(GB/s / copy_gbps, TFLOP/s / bf16_tflops),
 the fraction of the nearer ceiling (``bw_frac`` and ``compute_frac`` apart).
 
@@ -282,14 +286,27 @@ class Case:
     flops: float
     steps: int = 1  # steps chained in one call; times and rates are per step
     #: ``chain(fn, m)``: m dependent calls in one graph (each reads what the
-    #: previous one wrote). When set, ``ms`` is the marginal latency of one
-    #: more call, (t_n - t_1) / (n - 1) with n = CHAIN, as a layer inside the
-    #: model's graph sees it (no per-evaluation cost, no overlap of
-    #: independent calls); ``ms_single`` keeps one call per evaluation.
+    #: previous one wrote). When set, ``ms`` is the steady-state marginal
+    #: latency of one more call, (t_n2 - t_n1) / (n2 - n1) with (n1, n2) =
+    #: CHAIN_STEADY, as a layer inside the model's prefill graph sees it (no
+    #: per-evaluation cost, no overlap of independent calls, the host's graph
+    #: building overlapped with the GPU's work); ``ms_chain_short`` keeps the
+    #: short-chain figure (t_n - t_1) / (n - 1), n = CHAIN, in which the
+    #: host's cost of one call adds to the GPU's; ``ms_single`` one call per
+    #: evaluation.
     chain: Optional[Callable[[Callable, int], Any]] = None
 
 
+#: Short chain: every call in one CUDA graph, which MLX launches only once the
+#: whole evaluation is encoded, so a call's host cost (graph building and
+#: encoding, ~40-60 us per kernel on the H200) adds to its GPU time.
 CHAIN = 4
+#: Steady-state chains: both long enough that MLX commits several CUDA graphs
+#: per evaluation (on the H200 a graph is launched every 100 nodes or 1,000 MB
+#: of inputs), so the host encodes commit i+1 while the GPU runs commit i, as
+#: in the model's prefill (GPU-bound: 4K-prompt wall time ~ its GPU time); the
+#: difference cancels the first commit's host time.
+CHAIN_STEADY = (16, 48)
 
 
 def _layers(model):
@@ -512,7 +529,7 @@ def cases(model, ops: List[str], prefill_tokens: List[int], decode_contexts: Lis
 
 def run_case(case: Case, impl: str, fn: Callable, *, repeats: int, warmup: int,
              budget_s: Optional[float], ceilings: Optional[Dict], backend: str,
-             default: Optional[str]) -> Dict:
+             default: Optional[str], chain_steady: Tuple[int, int] = CHAIN_STEADY) -> Dict:
     rec: Dict[str, Any] = {"op": case.op, "backend": backend, "impl": impl,
                            "default": impl == default, "shape": case.shape,
                            "bytes": case.bytes, "flops": case.flops}
@@ -520,12 +537,19 @@ def run_case(case: Case, impl: str, fn: Callable, *, repeats: int, warmup: int,
         times = common.measure(lambda: case.call(fn), warmup=warmup, repeats=repeats,
                                budget_s=budget_s)
         if case.chain is not None:
-            t_n = common.measure(lambda: case.chain(fn, CHAIN), warmup=warmup, repeats=repeats,
-                                 budget_s=budget_s)
+            def chained(m):
+                return common.measure(lambda: case.chain(fn, m), warmup=warmup, repeats=repeats,
+                                      budget_s=budget_s)
+
             t1 = common.stats(times)["median"]
+            t_short = common.stats(chained(CHAIN))["median"]
+            n1, n2 = chain_steady
+            t_n1 = common.stats(chained(n1))["median"]
             rec["ms_single"] = t1 * 1e3
+            rec["ms_chain_short"] = (t_short - t1) / (CHAIN - 1) * 1e3
             rec["chain"] = CHAIN
-            times = [(t - t1) / (CHAIN - 1) for t in t_n]
+            rec["chain_steady"] = [n1, n2]
+            times = [(t - t_n1) / (n2 - n1) for t in chained(n2)]
     except Exception as exc:
         common.free_memory()
         rec.update(status="oom" if common.is_oom(exc) else "error", ms=None, ms_min=None,
@@ -561,13 +585,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--layer-chain", type=int, default=30,
                    help="decode steps chained per timed call of gated_delta.decode_step and decode_layer "
                         "(default 30: the model's GDN layers per token)")
+    p.add_argument("--chain-steady", type=common.lengths_arg, default=list(CHAIN_STEADY),
+                   help="the two chain lengths n1 < n2 of the chained prefill ops' steady-state "
+                        "marginal latency (t_n2 - t_n1) / (n2 - n1) (default 16,48)")
     p.add_argument("--repeats", type=int, default=10, help="timed calls per point (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls first")
     p.add_argument("--max-seconds", type=float, default=60.0,
                    help="stop repeating a point after this much timed time (default %(default)s)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes for CI: prefill T=16, decode context 32, 2 repeats, "
-                        "1 warm-up, layer chain 2, small ceilings (these override the "
+                        "1 warm-up, layer chain 2, steady chains 2,3, small ceilings (these override the "
                         "corresponding flags)")
     p.add_argument("--no-ceilings", action="store_true", help="skip the ceilings (fractions null)")
     ceilings_mod.add_ceiling_args(p)
@@ -607,9 +634,12 @@ def main(argv=None) -> Dict:
     if args.repeats < 1 or args.warmup < 0 or args.layer_chain < 1:
         parser.error(f"--repeats and --layer-chain must be >= 1 and --warmup >= 0, got "
                      f"{args.repeats}, {args.layer_chain}, {args.warmup}")
+    if len(args.chain_steady) != 2 or not 1 <= args.chain_steady[0] < args.chain_steady[1]:
+        parser.error(f"--chain-steady must be two lengths 1 <= n1 < n2, got {args.chain_steady}")
     if args.smoke:
         args.prefill_tokens, args.decode_context = [16], [32]
         args.repeats, args.warmup, args.layer_chain = 2, 1, 2
+        args.chain_steady = [2, 3]
         args.copy_mib, args.matmul_n = args.copy_mib or 8, args.matmul_n or 128
     # argument checks first: the ceilings and the checkpoint take minutes on the full preset
     try:
@@ -643,7 +673,7 @@ def main(argv=None) -> Dict:
                 continue
             rec = run_case(case, impl, fn, repeats=args.repeats, warmup=args.warmup,
                            budget_s=args.max_seconds, ceilings=ceil, backend=backend,
-                           default=default)
+                           default=default, chain_steady=tuple(args.chain_steady))
             records.append(rec)
             shape = ",".join(f"{k}={v}" for k, v in case.shape.items() if k in ("T", "context"))
             if rec["status"] == "ok":

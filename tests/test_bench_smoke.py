@@ -126,6 +126,7 @@ def test_ab_numerics_ops(tmp_path):
     assert all(r["status"] == "ok" and r["shape"]["chain"] == 2 for r in layer.values())
     pstep = {r["impl"]: r for r in res["ops"] if r["op"] == "gated_delta.prefill_step"}
     assert pstep["stock"]["status"] == "ok" and pstep["stock"]["chain"] == ops.CHAIN
+    assert pstep["stock"]["chain_steady"] == [2, 3] and pstep["stock"]["ms_chain_short"] is not None
     step = {r["impl"]: r for r in res["ops"] if r["op"] == "gated_delta.decode_step"}
     assert "stock" in step and all(r["status"] == "ok" and r["shape"]["chain"] == 2
                                    for r in step.values())
