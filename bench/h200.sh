@@ -190,10 +190,10 @@ steady)  # steady-state chained latencies (chains of 16 and 48: host work overla
   timeout 150 python3 bench/profile_kernels.py chain scan,gdn,moe > $M/chain.txt 2>&1; grep -v "^\[" $M/chain.txt
   timeout 150 python3 -m bench.ops $P --ops gated_delta.prefill,gated_delta.prefill_step,moe.prefill --prefill-tokens 4k \
     --impls cuda-kernel,cuda-fused --max-seconds 8 --out $M/ops.json > $M/ops.log 2>&1; grep -E "^(gated|moe)" $M/ops.log
-  timeout 90 $NCU --metrics gpu__time_duration.sum --csv -k "regex:mqf_gdn|mqf_moe_gate|mqf_moe_down" \
+  timeout 90 $NCU --clock-control none --metrics gpu__time_duration.sum --csv -k "regex:mqf_gdn|mqf_moe_gate|mqf_moe_down" \
     python3 bench/profile_kernels.py ncu > $M/ncu-times.csv 2>/dev/null
   python3 -c "import csv,sys; [print(r['Kernel Name'][:40], r['Metric Value'], r['Metric Unit']) for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('\"'))]" $M/ncu-times.csv
   for f in 0 1 0 1; do MLX_QWEN_FAST_GDN_FUSED=$f timeout 60 $AB --engines patched --prefill 4k --rounds 2 \
-      --max-seconds 15 --no-ceilings --out /tmp/abf.json >> $M/ab-fused.log 2>&1; echo "fused=$f: $(grep -h "^prefill" $M/ab-fused.log | tail -1)"; done ;;
+      --max-seconds 15 --no-ceilings --out /tmp/abf.json >> $M/ab-fused.log 2>&1; echo "fused=$f: $(grep -h "^prefill .*patched ok" $M/ab-fused.log | tail -1)"; done ;;
 *) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady}"; exit 2 ;;
 esac
