@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["StepPlans", "apply_linear", "gather", "linear_arrays", "linear_paths"]
+__all__ = ["StepPlans", "apply_linear", "concat_linears", "gather", "linear_arrays", "linear_paths"]
 
 #: (arrays, static) of one linear layer; static is hashable (part of a trace key).
 LinearArrays = Tuple[Tuple[mx.array, ...], Tuple]
@@ -53,6 +53,40 @@ def linear_arrays(module) -> Optional[LinearArrays]:
     else:
         return None
     return tuple(module[n] for n in _linear_names(static)), static
+
+
+def concat_linears(linears: Sequence[LinearArrays]) -> Optional[LinearArrays]:
+    """One linear layer computing several that read the same input: their
+    outputs concatenated along the last axis.
+
+    ``apply_linear(x, *concat_linears([a, b]))`` equals
+    ``concatenate([apply_linear(x, *a), apply_linear(x, *b)], -1)``: weights
+    (packed 4-bit rows included: quantisation groups run along the input
+    axis), scales, biases and bias are stacked along the output axis, so
+    every output row is computed from the same numbers. The arrays are new
+    (evaluated here, the sources are left as they are).
+
+    Args:
+        linears: :func:`linear_arrays` tuples of layers with the same static
+            settings (quantisation, bias) and the same input size.
+
+    Returns:
+        ``(arrays, static)``, or None when the settings or input sizes differ.
+    """
+    if not linears:
+        return None
+    static = linears[0][1]
+    if any(lin[1] != static for lin in linears):
+        return None
+    shapes = [tuple(a.shape[1:]) for a in linears[0][0]]
+    for lin in linears:
+        if [tuple(a.shape[1:]) for a in lin[0]] != shapes or any(
+            a.dtype != b.dtype for a, b in zip(lin[0], linears[0][0])
+        ):
+            return None
+    arrays = tuple(mx.concatenate([lin[0][i] for lin in linears], axis=0) for i in range(len(shapes)))
+    mx.eval(arrays)
+    return arrays, static
 
 
 def _linear_names(static: Tuple) -> Tuple[str, ...]:

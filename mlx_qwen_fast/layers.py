@@ -17,7 +17,7 @@ from mlx_lm.models.gated_delta import normalize_qk
 from mlx_lm.models.qwen3_5 import GatedDeltaNet
 from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextSparseMoeBlock
 
-from .compiled import StepPlans, apply_linear, linear_arrays, linear_paths
+from .compiled import StepPlans, apply_linear, concat_linears, linear_arrays, linear_paths
 from .kernels import gated_delta_decode as k_decode
 from .kernels import gated_delta_frontend as k_frontend
 from .kernels import gated_delta_prefill as k_prefill
@@ -35,6 +35,14 @@ from .ops import moe as moe_ops
 #: 4K call, chained as layers) but the patched model's 4K prefill is slower
 #: with it (12,657-13,295 vs 13,539-14,179 tok/s, alternating runs).
 GDN_FUSED_ENV = "MLX_QWEN_FAST_GDN_FUSED"
+
+#: ``MLX_QWEN_FAST_GDN_PACKED_DECODE=0`` keeps the GDN decode step's four input
+#: projections as four quantised matmuls. By default (on CUDA) they run as
+#: one, over the four layers' weights concatenated once per layer (one graph
+#: node instead of four per token: each costs ~10 us of MLX host work; the
+#: copy costs ~14 MB of GPU memory per layer, 0.4 GB for the 30 layers of
+#: Qwen3.6-35B-A3B), and the decode kernel reads the pieces at their offsets.
+GDN_PACKED_ENV = "MLX_QWEN_FAST_GDN_PACKED_DECODE"
 
 
 def rebind(module: nn.Module, cls: type) -> nn.Module:
@@ -145,22 +153,30 @@ class FastGatedDeltaNet(GatedDeltaNet):
             conv_state = mx.zeros((B, self.conv_kernel_size - 1, self.conv_dim), inputs.dtype)
         if state is None:
             state = mx.zeros((B, self.num_v_heads, self.head_v_dim, self.head_k_dim), mx.float32)
-        key = (tuple(inputs.shape), inputs.dtype, conv_state.dtype, state.dtype)
-        arrays, fn = StepPlans.of(self).get(key, self, lambda: self._decode_plan(inputs, state))
-        if fn is None:
+        packed = os.environ.get(GDN_PACKED_ENV, "1") != "0"
+        key = (tuple(inputs.shape), inputs.dtype, conv_state.dtype, state.dtype, packed)
+        arrays, plan = StepPlans.of(self).get(key, self, lambda: self._decode_plan(inputs, state, packed))
+        if plan is None:
             return None
-        if isinstance(fn, str):  # "eager"
+        if isinstance(plan, str):  # "eager"
             return self._decode_cuda_eager(inputs, conv_state, state, cache)
-        out, conv_state, state = fn(inputs, conv_state, state, *arrays)
+        fn, n_used, extra = plan
+        out, conv_state, state = fn(inputs, conv_state, state, *arrays[:n_used], *extra)
         self._store(cache, conv_state, state, 1)
         return out
 
     _PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")
     _STEP_ARRAYS = (("conv1d", "weight"), ("A_log",), ("dt_bias",), ("norm", "weight"))
 
-    def _decode_plan(self, inputs, state):
-        """``(paths, step)`` for :class:`StepPlans`: the compiled step, "eager"
-        (a projection of another kind) or None (the kernel does not apply)."""
+    def _decode_plan(self, inputs, state, packed: bool):
+        """``(paths, plan)`` for :class:`StepPlans`: plan = ``(compiled step,
+        number of the gathered arrays it takes, extra arrays)``, "eager" (a
+        projection of another kind) or None (the kernel does not apply).
+
+        With ``packed``, and the four input projections alike (same
+        quantisation), the step takes out_proj's arrays and one concatenated
+        input projection (:func:`concat_linears`, the extra arrays); the
+        sources stay in the paths, so replacing one rebuilds the plan."""
         qkv = mx.zeros((inputs.shape[0], 1, self.conv_dim), inputs.dtype)  # shape only, never evaluated
         children = [(n,) for n in self._PROJECTIONS]
         if not k_decode.supports(
@@ -170,10 +186,19 @@ class FastGatedDeltaNet(GatedDeltaNet):
         lins = [linear_arrays(getattr(self, n)) for n in self._PROJECTIONS]
         if any(lin is None for lin in lins):
             return children, "eager"
+        in_proj = concat_linears(lins[:4]) if packed else None
+        if in_proj is not None:
+            paths = self._STEP_ARRAYS + linear_paths(("out_proj",), lins[4])
+            n_used = len(paths)
+            paths += tuple(p for n, lin in zip(self._PROJECTIONS[:4], lins) for p in linear_paths((n,), lin))
+            fn = _gdn_decode_step_packed(self.num_k_heads, self.num_v_heads, self.norm.eps,
+                                         (len(lins[4][0]), lins[4][1]), (len(in_proj[0]), in_proj[1]))
+            return paths, (fn, n_used, in_proj[0])
         paths = self._STEP_ARRAYS + tuple(
             p for n, lin in zip(self._PROJECTIONS, lins) for p in linear_paths((n,), lin))
         statics = tuple((len(lin[0]), lin[1]) for lin in lins)
-        return paths, _gdn_decode_step(self.num_k_heads, self.num_v_heads, self.norm.eps, statics)
+        return paths, (_gdn_decode_step(self.num_k_heads, self.num_v_heads, self.norm.eps, statics),
+                       len(paths), ())
 
     def _decode_cuda_eager(self, inputs, conv_state, state, cache):
         """One kernel between the projections, the projections called as modules."""
@@ -273,6 +298,34 @@ def _gdn_decode_step(num_k_heads: int, num_v_heads: int, norm_eps: float, static
                 num_k_heads=key[0], num_v_heads=key[1], norm_eps=key[2],
             )
             return apply_linear(out, flat[i:], statics[4][1]), conv_state, state
+
+        fn = _gdn_steps[key] = mx.compile(step)
+    return fn
+
+
+def _gdn_decode_step_packed(num_k_heads: int, num_v_heads: int, norm_eps: float, out_static: tuple,
+                            in_static: tuple):
+    """:func:`_gdn_decode_step` with the four input projections as one
+    (:func:`concat_linears`) and the kernel reading its output in place
+    (``gated_delta_decode_packed``)::
+
+        fn(x, conv_state, state, conv_weight, A_log, dt_bias, norm_weight,
+           *out_proj, *in_proj_concatenated) -> (y [B, 1, D], conv_state, state)
+
+    ``out_static`` / ``in_static``: ``(number of arrays, linear_arrays static)``.
+    """
+    key = ("packed", int(num_k_heads), int(num_v_heads), float(norm_eps), out_static, in_static)
+    fn = _gdn_steps.get(key)
+    if fn is None:
+        n_out = out_static[0]
+
+        def step(x, conv_state, state, conv_weight, A_log, dt_bias, norm_weight, *flat):
+            proj = apply_linear(x, flat[n_out:], in_static[1])
+            out, conv_state, state = k_decode.gated_delta_decode_packed(
+                proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
+                num_k_heads=key[1], num_v_heads=key[2], norm_eps=key[3],
+            )
+            return apply_linear(out, flat[:n_out], out_static[1]), conv_state, state
 
         fn = _gdn_steps[key] = mx.compile(step)
     return fn

@@ -16,7 +16,7 @@ from mlx_lm.models.qwen3_5 import GatedDeltaNet, TextModelArgs
 
 import moe_blocks  # tests/ is on sys.path
 from mlx_qwen_fast import layers
-from mlx_qwen_fast.compiled import StepPlans, apply_linear, gather, linear_arrays, linear_paths
+from mlx_qwen_fast.compiled import StepPlans, apply_linear, concat_linears, gather, linear_arrays, linear_paths
 from mlx_qwen_fast.kernels import gated_delta_decode as k_decode
 from mlx_qwen_fast.kernels import moe_decode_gemv as md
 from mlx_qwen_fast.ops import gated_delta as gated_delta_ops
@@ -33,6 +33,32 @@ def test_apply_linear_equals_module(kind):
     assert mx.array_equal(apply_linear(x, arrays, static), m(x)).item()
     assert gather(m, [p[1:] for p in linear_paths(("m",), (arrays, static))]) == arrays
     assert linear_arrays(nn.RMSNorm(8)) is None
+
+
+@pytest.mark.parametrize("kind", ["linear", "linear-bias", "q4", "q8-bias"])
+def test_concat_linears_equals_concatenated_outputs(kind):
+    """One layer over the stacked weights gives every layer's output, bit for
+    bit (each output row is computed from the same numbers); layers with
+    other settings are refused."""
+    mods = []
+    for out in (96, 32, 64):
+        m = nn.Linear(128, out, bias=kind.endswith("bias"))
+        if kind.startswith("q"):
+            m = nn.QuantizedLinear.from_linear(m, group_size=64, bits=int(kind[1]))
+        mods.append(m)
+    x = mx.random.normal((2, 1, 128))
+    arrays, static = concat_linears([linear_arrays(m) for m in mods])
+    assert static == linear_arrays(mods[0])[1]
+    y = apply_linear(x, arrays, static)
+    assert y.shape == (2, 1, 192)
+    assert mx.array_equal(y, mx.concatenate([m(x) for m in mods], axis=-1)).item()
+    other = nn.Linear(128, 32, bias=not kind.endswith("bias"))
+    assert concat_linears([linear_arrays(mods[0]), linear_arrays(other)]) is None
+    wider = nn.Linear(256, 32, bias=kind.endswith("bias"))
+    if kind.startswith("q"):
+        wider = nn.QuantizedLinear.from_linear(wider, group_size=64, bits=int(kind[1]))
+    assert concat_linears([linear_arrays(mods[0]), linear_arrays(wider)]) is None  # another input size
+    assert concat_linears([]) is None
 
 
 def test_step_plans_reuse_and_replan():
@@ -83,11 +109,23 @@ def fake_decode_kernel(qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, no
     return out.reshape(B, 1, hv), new_conv, new_state
 
 
+def fake_decode_kernel_packed(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
+                              *, num_k_heads, num_v_heads, norm_eps=1e-6, qk_eps=1e-6):
+    """Stands in for the packed CUDA kernel: the four pieces at their offsets."""
+    C, hv = (2 * num_k_heads + num_v_heads) * 128, num_v_heads * 128
+    assert proj.shape[-1] == C + hv + 2 * num_v_heads
+    qkv, z = proj[..., :C], proj[..., C:C + hv]
+    a, b = proj[..., C + hv:C + hv + num_v_heads], proj[..., C + hv + num_v_heads:]
+    return fake_decode_kernel(qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
+                              num_k_heads=num_k_heads, num_v_heads=num_v_heads, norm_eps=norm_eps)
+
+
 @pytest.fixture
 def cpu_fused(monkeypatch):
     monkeypatch.setattr(gated_delta_ops, "implementation_for", lambda *_a, **_k: gated_delta_ops.CUDA_KERNEL)
     monkeypatch.setattr(k_decode, "supports", lambda *_a, **_k: True)
     monkeypatch.setattr(k_decode, "gated_delta_decode", fake_decode_kernel)
+    monkeypatch.setattr(k_decode, "gated_delta_decode_packed", fake_decode_kernel_packed)
 
 
 def gdn_layer(seed, quantize):
@@ -100,9 +138,13 @@ def gdn_layer(seed, quantize):
     return layers.rebind(layer, layers.FastGatedDeltaNet)
 
 
+@pytest.mark.parametrize("packed", ["1", "0"])
 @pytest.mark.parametrize("quantize", [False, True])
-def test_gdn_compiled_step_equals_eager(cpu_fused, quantize):
-    """Two layers through one trace, state carried over three steps."""
+def test_gdn_compiled_step_equals_eager(cpu_fused, quantize, packed, monkeypatch):
+    """Two layers through one trace, state carried over three steps. Packed
+    (the default): the four input projections as one where they are alike
+    (dense here; quantised, in_proj_a/b stay dense, so the step keeps four)."""
+    monkeypatch.setenv(layers.GDN_PACKED_ENV, packed)
     for seed in (1, 2):
         layer = gdn_layer(seed, quantize)
         c_step, c_eager = ArraysCache(size=2), ArraysCache(size=2)
@@ -115,6 +157,8 @@ def test_gdn_compiled_step_equals_eager(cpu_fused, quantize):
             assert mx.allclose(y, y_ref, rtol=1e-5, atol=1e-5).item()
             assert mx.allclose(c_step[1], c_eager[1], rtol=1e-5, atol=1e-5).item()
             assert mx.array_equal(c_step[0], c_eager[0]).item()
+    plan = next(iter(layers.StepPlans.of(layer)._plans.values()))[2]
+    assert len(plan[2]) == (1 if packed == "1" and not quantize else 0)  # the concatenated weight
     # a replaced weight is read by the next call
     x = mx.random.normal((2, 1, ARGS.hidden_size))
     y0 = layer(x, cache=ArraysCache(size=2))
@@ -124,6 +168,11 @@ def test_gdn_compiled_step_equals_eager(cpu_fused, quantize):
     c = ArraysCache(size=2)
     y_ref = layer._decode_cuda_eager(x, mx.zeros((2, 3, layer.conv_dim)), mx.zeros((2, 4, 128, 128)), c)
     assert mx.allclose(y1, y_ref, rtol=1e-5, atol=1e-5).item()
+    layer.in_proj_z.weight = layer.in_proj_z.weight * 2  # an input projection too
+    y2 = layer(x, cache=ArraysCache(size=2))
+    y_ref = layer._decode_cuda_eager(x, mx.zeros((2, 3, layer.conv_dim)), mx.zeros((2, 4, 128, 128)),
+                                     ArraysCache(size=2))
+    assert not mx.allclose(y1, y2).item() and mx.allclose(y2, y_ref, rtol=1e-5, atol=1e-5).item()
 
 
 def test_gdn_other_projection_kind_runs_eager(cpu_fused):
@@ -150,7 +199,7 @@ def fake_launch_both(x, inds, scores, experts, shared, expert_gate):
 
     arrays = [t for q in (*experts, *shared) for t in q] + list(expert_gate[:3])
     total = sum(mean(t) * (j + 1) for j, t in enumerate(arrays))
-    mix = (scores[..., None] * inds[..., None].astype(mx.float32)).sum(1)
+    mix = (scores[..., None] * inds[..., None].astype(mx.float32)).sum(-2)  # over the k slots
     return (x.astype(mx.float32) * mix + total).astype(x.dtype)
 
 

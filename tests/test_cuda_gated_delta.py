@@ -343,6 +343,34 @@ def test_decode_matches_reference(B, dtype):
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("B", [1, 2])
+def test_decode_packed_equals_separate(B, dtype):
+    """qkv, z, a, b read from one concatenated row (the packed input
+    projection): bit for bit the kernel on the four arrays, over two steps
+    with the states carried; wrong proj widths are refused by name."""
+    from mlx_qwen_fast.kernels.gated_delta_decode import (
+        gated_delta_decode, gated_delta_decode_packed, packed_width)
+
+    w, A_log, dt_bias = fe_params(70 + B, dtype)
+    nw = (1.0 + 0.1 * mx.random.normal((D,), key=mx.random.key(71))).astype(dtype)
+    kw = dict(num_k_heads=HK, num_v_heads=HV)
+    assert packed_width(HK, HV) == C + HV * D + 2 * HV
+    cs1 = cs2 = st1 = st2 = None
+    for step in range(2):
+        proj = mx.random.normal((B, 1, packed_width(HK, HV)), key=mx.random.key(72 + 10 * B + step)).astype(dtype)
+        qkv, z = proj[..., :C], proj[..., C:C + HV * D]
+        a, b = proj[..., C + HV * D:C + HV * D + HV], proj[..., C + HV * D + HV:]
+        o1, cs1, st1 = gated_delta_decode_packed(proj, w, cs1, A_log, dt_bias, nw, st1, **kw)
+        o2, cs2, st2 = gated_delta_decode(qkv, z, a, b, w, cs2, A_log, dt_bias, nw, st2, **kw)
+        assert finite(o1, cs1, st1)
+        for name, u, v in (("out", o1, o2), ("conv_state", cs1, cs2), ("state", st1, st2)):
+            assert u.shape == v.shape and u.dtype == v.dtype, name
+            assert mx.array_equal(u, v).item(), name
+    with pytest.raises(ValueError, match="proj"):
+        gated_delta_decode_packed(proj[..., 1:], w, None, A_log, dt_bias, nw, None, **kw)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("B", [1, 2])
 def test_decode_compiled_equals_eager(B, dtype):
     """The mx.compile'd step is the same kernel: bit-identical results, over
     several chained steps (state and conv state carried), and None states."""

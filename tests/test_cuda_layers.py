@@ -103,12 +103,18 @@ def test_fused_prefill_layer_matches_stock(pieces, monkeypatch):
     assert len(calls) == sum(n > 1 for n in pieces)  # every prefill piece took the fused kernel
 
 
+@pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("B", [1, 2])
-def test_compiled_decode_step_equals_eager(dtype, B):
-    """The layer's mx.compile'd decode step (projections + kernel + out_proj)
-    gives the eager launches' results bit for bit, two layers through one
+def test_compiled_decode_step_equals_eager(dtype, B, packed, monkeypatch):
+    """The layer's mx.compile'd decode step (projections + kernel + out_proj;
+    packed: the four input projections as one concatenated projection read
+    in place by the kernel) gives the eager launches' results (four
+    projections, the unpacked kernel) bit for bit, two layers through one
     trace, state carried over steps; a replaced weight is read."""
+    from mlx_qwen_fast.layers import GDN_PACKED_ENV
+
+    monkeypatch.setenv(GDN_PACKED_ENV, "1" if packed else "0")
     seed = int(np.random.default_rng().integers(1 << 30))
     layers = [rebind(_layer(seed + i, dtype), FastGatedDeltaNet) for i in range(2)]
     xs = (mx.random.normal((3, B, 1, ARGS.hidden_size)) * 0.5).astype(dtype)
@@ -131,3 +137,12 @@ def test_compiled_decode_step_equals_eager(dtype, B):
     y1 = layer(x, cache=ArraysCache(size=2))
     mx.eval(y0, y1)
     assert mx.array_equal(y1, 2 * y0).item()
+    # an input projection replaced: the packed plan re-concatenates it
+    layer.in_proj_z.scales = layer.in_proj_z.scales * 2
+    layer.in_proj_z.biases = layer.in_proj_z.biases * 2
+    zero_conv = mx.zeros((B, 3, layer.conv_dim), dtype)
+    zero_state = mx.zeros((B, 32, 128, 128), mx.float32)
+    y2 = layer(x, cache=ArraysCache(size=2))
+    y2_ref = layer._decode_cuda_eager(x, zero_conv, zero_state, ArraysCache(size=2))
+    mx.eval(y2, y2_ref)
+    assert mx.array_equal(y2, y2_ref).item() and not mx.array_equal(y2, y1).item()

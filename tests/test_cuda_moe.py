@@ -331,6 +331,18 @@ def test_cuda_kernel_impl_falls_back_to_stock_off_cuda():
 # ---------------------------------------------------------------------------
 
 
+def test_route_takes_leading_axes(poison):
+    """route on [B, L, E] logits: the [B*L, E] result in [B, L, k] (no
+    reshape node in the decode step); an empty leading axis gives empty."""
+    logits = mx.random.normal((2, 3, 256), key=mx.random.key(31))
+    i3, s3 = mr.route(logits, 8)
+    i2, s2 = mr.route(logits.reshape(6, 256), 8)
+    assert i3.shape == (2, 3, 8) and s3.shape == (2, 3, 8)
+    assert mx.array_equal(i3.reshape(6, 8), i2).item() and mx.array_equal(s3.reshape(6, 8), s2).item()
+    e_i, e_s = mr.route(mx.zeros((1, 0, 256)), 8)
+    assert e_i.shape == (1, 0, 8) and e_s.shape == (1, 0, 8)
+
+
 def check_routing(logits, k, tile, normalize=True):
     E = logits.shape[1]
     r = mr.route_and_group(logits, k, tile, normalize=normalize)

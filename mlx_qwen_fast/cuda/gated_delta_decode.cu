@@ -20,7 +20,10 @@
 // runs over the head's 128 outputs.
 //
 // Build macros: KNAME, GDN_X (qkv, z, a, b, conv state, out), GDN_W (conv
-// weight), GDN_A (A_log), GDN_DT (dt_bias), GDN_N (norm weight), GDN_HV, GDN_HK.
+// weight), GDN_A (A_log), GDN_DT (dt_bias), GDN_N (norm weight), GDN_HV, GDN_HK;
+// GDN_PACKED (0/1): qkv, z, a and b are one array, the output of the four
+// input projections concatenated, [B, C + HV*D + 2*HV] = [qkv | z | a | b]
+// (the same array passed in all four slots; each row read at its offset).
 // Parameters: inputs qkv [B,C], z [B,HV*D], a [B,HV], b [B,HV], conv_w [C,4],
 // conv_state [B,3,C], A_log [HV], dt_bias [HV], norm_w [D], state [B,HV,D,D];
 // outputs out [B,HV*D], conv_state_out [B,3,C], state_out [B,HV,D,D];
@@ -40,6 +43,17 @@ constexpr int HK = GDN_HK;
 constexpr int GQA = HV / HK;
 constexpr int C = (2 * HK + HV) * D;
 constexpr int KW = 4;
+#ifndef GDN_PACKED
+#define GDN_PACKED 0
+#endif
+// Row strides and offsets (elements) of qkv, z, a, b in their arrays.
+constexpr int P = C + HV * D + 2 * HV;  // packed row
+constexpr int RS_QKV = GDN_PACKED ? P : C;
+constexpr int RS_Z = GDN_PACKED ? P : HV * D;
+constexpr int RS_AB = GDN_PACKED ? P : HV;
+constexpr int OFF_Z = GDN_PACKED ? C : 0;
+constexpr int OFF_A = GDN_PACKED ? C + HV * D : 0;
+constexpr int OFF_B = GDN_PACKED ? C + HV * D + HV : 0;
 constexpr int NT = 512;
 constexpr int L = 4;       // lanes per state row
 constexpr int E = D / L;   // 32 columns per lane
@@ -114,7 +128,7 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
   }
   float zv = 0.0f;
   if (tid < D) {
-    zv = to_f(z[(size_t)b * HV * D + h * D + tid]);
+    zv = to_f(z[(size_t)b * RS_Z + OFF_Z + h * D + tid]);
   }
 
   // 2. Front end for the channels of this head.
@@ -122,8 +136,8 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
   if (tid < D) {
     const int cq = hk * D + tid;
     const int ck = HK * D + hk * D + tid;
-    const float xq = to_f(qkv[(size_t)b * C + cq]);
-    const float xk = to_f(qkv[(size_t)b * C + ck]);
+    const float xq = to_f(qkv[(size_t)b * RS_QKV + cq]);
+    const float xk = to_f(qkv[(size_t)b * RS_QKV + ck]);
     float sq_[KW - 1], sk_[KW - 1];
     qv = conv_silu(conv_state, conv_w, b, cq, xq, sq_);
     kv = conv_silu(conv_state, conv_w, b, ck, xk, sk_);
@@ -139,16 +153,16 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
     }
   } else if (tid < 2 * D) {
     const int cv = 2 * HK * D + h * D + (tid - D);
-    const float xv = to_f(qkv[(size_t)b * C + cv]);
+    const float xv = to_f(qkv[(size_t)b * RS_QKV + cv]);
     float sv_[KW - 1];
     const float vv = conv_silu(conv_state, conv_w, b, cv, xv, sv_);
     write_conv_state(conv_state_out, b, cv, sv_, xv);
     vsh[tid - D] = from_f_round<xt>(vv);
   } else if (tid == 2 * D) {
     const float A = expf(to_f(A_log[h]));
-    const float sp = softplus_f(to_f(a_in[(size_t)b * HV + h]) + to_f(dt_bias[h]));
+    const float sp = softplus_f(to_f(a_in[(size_t)b * RS_AB + OFF_A + h]) + to_f(dt_bias[h]));
     gate[0] = expf(-A * sp);
-    gate[1] = sigmoid_f(to_f(b_in[(size_t)b * HV + h]));
+    gate[1] = sigmoid_f(to_f(b_in[(size_t)b * RS_AB + OFF_B + h]));
   }
   __syncthreads();
   if (tid < D) {

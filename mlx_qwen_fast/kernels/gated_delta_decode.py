@@ -17,7 +17,7 @@ import mlx.core as mx
 
 from . import _cuda_build as cb
 
-__all__ = ["gated_delta_decode", "supports"]
+__all__ = ["gated_delta_decode", "gated_delta_decode_packed", "packed_width", "supports"]
 
 D = 128
 KW = 4
@@ -182,6 +182,16 @@ def _plan(qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, st
     for name, t in (("a", a), ("b", b)):
         if t.size != B * Hv:
             raise ValueError(f"{name} must have shape [{B}, 1, {Hv}], got {tuple(t.shape)}")
+    _check_params(conv_weight, conv_state, A_log, dt_bias, norm_weight, state, B, C, Hv)
+    cast = any(t.dtype != x for t in (z, a, b)) or (conv_state is not None and conv_state.dtype != x)
+    kern = _kernel(x, conv_weight.dtype, A_log.dtype, dt_bias.dtype, norm_weight.dtype, Hv, Hk, False)
+    out_shapes = [(B, 1, Hv * D), (B, KW - 1, C), (B, Hv, D, D)]
+    out_dtypes = [x, x, mx.float32]
+    return kern, B, C, Hv, x, out_shapes, out_dtypes, (B * Hv * 512, 1, 1), cast
+
+
+def _check_params(conv_weight, conv_state, A_log, dt_bias, norm_weight, state, B, C, Hv):
+    """Raise ValueError (naming the argument) for a parameter or state outside the contract."""
     if conv_weight.size != C * KW or conv_weight.dtype not in _FLOAT:
         raise ValueError(f"conv_weight must have shape [{C}, {KW}, 1] (float), got {tuple(conv_weight.shape)}")
     for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
@@ -195,19 +205,89 @@ def _plan(qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, st
         raise ValueError(
             f"state must be float32 of shape [{B}, {Hv}, {D}, {D}], got {state.dtype} {tuple(state.shape)}"
         )
-    cast = any(t.dtype != x for t in (z, a, b)) or (conv_state is not None and conv_state.dtype != x)
-    key = (x, conv_weight.dtype, A_log.dtype, dt_bias.dtype, norm_weight.dtype, Hv, Hk)
+
+
+def _kernel(x, w, A_log, dt_bias, norm_w, Hv: int, Hk: int, packed: bool) -> cb.CudaKernel:
+    key = (x, w, A_log, dt_bias, norm_w, Hv, Hk, packed)
     kern = _kernels.get(key)
     if kern is None:
         kern = cb.CudaKernel(
             "gated_delta_decode.cu", "mqf_gdn_decode",
             dict(
-                GDN_X=cb.dtype_macro(x), GDN_W=cb.dtype_macro(conv_weight.dtype),
-                GDN_A=cb.dtype_macro(A_log.dtype), GDN_DT=cb.dtype_macro(dt_bias.dtype),
-                GDN_N=cb.dtype_macro(norm_weight.dtype), GDN_HV=Hv, GDN_HK=Hk,
+                GDN_X=cb.dtype_macro(x), GDN_W=cb.dtype_macro(w), GDN_A=cb.dtype_macro(A_log),
+                GDN_DT=cb.dtype_macro(dt_bias), GDN_N=cb.dtype_macro(norm_w), GDN_HV=Hv, GDN_HK=Hk,
+                GDN_PACKED=int(packed),
             ),
         )
         _kernels[key] = kern
-    out_shapes = [(B, 1, Hv * D), (B, KW - 1, C), (B, Hv, D, D)]
-    out_dtypes = [x, x, mx.float32]
-    return kern, B, C, Hv, x, out_shapes, out_dtypes, (B * Hv * 512, 1, 1), cast
+    return kern
+
+
+def packed_width(num_k_heads: int, num_v_heads: int) -> int:
+    """Last-axis size of :func:`gated_delta_decode_packed`'s ``proj``:
+    (2 Hk + Hv) * 128 + Hv * 128 + 2 Hv (qkv | z | a | b)."""
+    return (2 * num_k_heads + num_v_heads) * D + num_v_heads * D + 2 * num_v_heads
+
+
+def gated_delta_decode_packed(
+    proj: mx.array,
+    conv_weight: mx.array,
+    conv_state: Optional[mx.array],
+    A_log: mx.array,
+    dt_bias: mx.array,
+    norm_weight: mx.array,
+    state: Optional[mx.array],
+    *,
+    num_k_heads: int,
+    num_v_heads: int,
+    norm_eps: float = 1e-6,
+    qk_eps: float = 1e-6,
+) -> Tuple[mx.array, mx.array, mx.array]:
+    """:func:`gated_delta_decode` reading qkv, z, a and b from one array.
+
+    The same kernel and results as :func:`gated_delta_decode` on the four
+    pieces (bit for bit), for a layer whose four input projections run as one
+    concatenated projection (one quantised matmul instead of four in the
+    decode graph: ``compiled.concat_linears``). The kernel reads each piece
+    at its offset in ``proj``'s rows, so no slice enters the graph.
+
+    Args:
+      proj: [B, 1, P] (or [B, P]) in bfloat16/float16/float32, P =
+        :func:`packed_width` = C + Hv*128 + 2*Hv, each row = concat(qkv, z,
+        a, b) as ``in_proj_qkv``, ``in_proj_z``, ``in_proj_a``,
+        ``in_proj_b`` give them; C = (2 Hk + Hv) * 128.
+      conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
+      num_k_heads, num_v_heads, norm_eps, qk_eps: as :func:`gated_delta_decode`
+        (a conv state of another dtype is cast to proj's).
+
+    Returns:
+      (out [B, 1, Hv*128] in proj's dtype, new conv state [B, 3, C], new
+       state [B, Hv, 128, 128] float32).
+
+    Raises:
+      ValueError: shapes/dtypes outside the above (names the argument).
+      RuntimeError: no CUDA compiler could build the kernel.
+    """
+    Hk, Hv = num_k_heads, num_v_heads
+    if Hk <= 0 or Hv % Hk:
+        raise ValueError(f"num_v_heads ({Hv}) must be a multiple of num_k_heads ({Hk})")
+    C, P = (2 * Hk + Hv) * D, packed_width(Hk, Hv)
+    if proj.dtype not in _FLOAT or proj.shape[-1] != P or not (
+        proj.ndim == 2 or (proj.ndim == 3 and proj.shape[1] == 1)
+    ):
+        raise ValueError(f"proj must be a float array of shape [B, 1, {P}], got {proj.dtype} {tuple(proj.shape)}")
+    B, x = proj.shape[0], proj.dtype
+    _check_params(conv_weight, conv_state, A_log, dt_bias, norm_weight, state, B, C, Hv)
+    if conv_state is None:
+        conv_state = mx.zeros((B, KW - 1, C), dtype=x)
+    elif conv_state.dtype != x:  # the kernel reads it in the activation dtype
+        conv_state = conv_state.astype(x)
+    if state is None:
+        state = mx.zeros((B, Hv, D, D), dtype=mx.float32)
+    kern = _kernel(x, conv_weight.dtype, A_log.dtype, dt_bias.dtype, norm_weight.dtype, Hv, Hk, True)
+    out, new_conv, new_state = kern(
+        [proj, proj, proj, proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state],
+        [(B, 1, Hv * D), (B, KW - 1, C), (B, Hv, D, D)], [x, x, mx.float32],
+        (B * Hv * 512, 1, 1), (512, 1, 1), (qk_eps, norm_eps),
+    )
+    return out, new_conv, new_state

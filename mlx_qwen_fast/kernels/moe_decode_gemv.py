@@ -304,9 +304,10 @@ def gate_up_swiglu(
 
 
 def _launch_gate_up(x, inds, experts, shared, expert_gate):
-    """:func:`gate_up_swiglu` on arguments already checked."""
-    n, D = x.shape
-    k = inds.shape[1]
+    """:func:`gate_up_swiglu` on arguments already checked (x ``[..., D]``,
+    inds ``[..., k]``: the kernel reads them as ``[N, D]``, ``[N, k]``)."""
+    D = x.shape[-1]
+    n, k = x.size // D, inds.shape[-1]
     (wg, sg, bg), (wu, su, bu), _ = experts
     I = wg.shape[1]
     (xwg, xsg, xbg), (xwu, xsu, xbu), _ = shared
@@ -370,13 +371,15 @@ def down_combine(
 
 
 def _launch_down(h, inds, scores, sgate, down, shared_down):
-    """:func:`down_combine` on arguments already checked."""
-    n, k = inds.shape
+    """:func:`down_combine` on arguments already checked; y is shaped
+    ``inds.shape[:-1] + (D,)`` (``[N, D]`` for ``[N, k]`` inds)."""
+    k = inds.shape[-1]
+    n = inds.size // k
     D, I = down[0].shape[1], h.shape[1]
     kern = _kernel(1, n, k, D, I)
     (y,) = kern(
         inputs=[h, inds, scores, sgate, *down, *shared_down],
-        output_shapes=[(n, D)],
+        output_shapes=[(*inds.shape[:-1], D)],
         output_dtypes=[mx.bfloat16],
         grid=((D // RB) * NT, 1, 1),
         threadgroup=(NT, 1, 1),
@@ -509,8 +512,7 @@ def moe_decode_step(block, x: mx.array) -> Optional[mx.array]:
     arrays, fn = StepPlans.of(block).get((tuple(x.shape), x.dtype), block, lambda: _step_plan(block, x))
     if fn is None:
         return None
-    lead, d = x.shape[:-1], x.shape[-1]
-    return fn(x.reshape(-1, d), *arrays).reshape(*lead, d)
+    return fn(x, *arrays)  # [..., D] in and out: the kernels need no reshape node
 
 
 # ---------------------------------------------------------------------------

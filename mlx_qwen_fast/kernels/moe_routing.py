@@ -98,7 +98,7 @@ def _shape_ok(logits, top_k) -> bool:
     try:
         e = logits.shape[-1]
         return (
-            logits.ndim == 2 and logits.dtype in _LOGIT and e % 32 == 0
+            logits.ndim >= 1 and logits.dtype in _LOGIT and e % 32 == 0
             and 32 <= e <= 1024 and 1 <= top_k <= min(32, e)
         )
     except AttributeError:
@@ -121,13 +121,15 @@ def route(logits: mx.array, top_k: int, *, normalize: bool = True) -> Tuple[mx.a
     """Top-k experts per token (the contract of :func:`ops.moe.route`).
 
     Args:
-        logits: ``[N, E]`` float32/bfloat16/float16 router outputs; E a
-            multiple of 32, at most 1024.
+        logits: ``[N, E]`` (or ``[..., E]``: every leading index is a token)
+            float32/bfloat16/float16 router outputs; E a multiple of 32, at
+            most 1024.
         top_k: experts per token, ``1 <= top_k <= min(32, E)``.
         normalize: divide the k probabilities by their sum.
 
     Returns:
-        ``(inds [N, k] int32, scores [N, k] float32)``, slots in decreasing
+        ``(inds [N, k] int32, scores [N, k] float32)`` (``[..., k]`` for
+        ``[..., E]`` logits: no reshape node), slots in decreasing
         probability (ties: lower expert id first).
 
     Raises:
@@ -135,18 +137,20 @@ def route(logits: mx.array, top_k: int, *, normalize: bool = True) -> Tuple[mx.a
     """
     if not _shape_ok(logits, top_k):
         raise ValueError(
-            "route: logits must be [N, E] float32/bfloat16/float16 with E a multiple of 32 "
+            "route: logits must be [..., E] float32/bfloat16/float16 with E a multiple of 32 "
             f"(<= 1024) and top_k in [1, min(32, E)], got logits {logits.dtype} "
             f"{tuple(logits.shape)}, top_k={top_k}"
         )
-    n, e = logits.shape
+    e = logits.shape[-1]
+    n = logits.size // e
+    lead = tuple(logits.shape[:-1])
     if n == 0:
-        return mx.zeros((0, top_k), mx.int32), mx.zeros((0, top_k), mx.float32)
+        return mx.zeros((*lead, top_k), mx.int32), mx.zeros((*lead, top_k), mx.float32)
     p = plan(n, top_k, e, 1)
     kern = _kernel(1, MOE_E=e, MOE_K=top_k, MOE_LT=cb.dtype_macro(logits.dtype))
     inds, scores = kern(
         inputs=[logits],
-        output_shapes=[(n, top_k), (n, top_k)],
+        output_shapes=[(*lead, top_k), (*lead, top_k)],
         output_dtypes=[mx.int32, mx.float32],
         grid=p["route_grid"],
         threadgroup=p["route_block"],
