@@ -331,6 +331,8 @@ def test_cuda_kernel_impl_falls_back_to_stock_off_cuda():
 # ---------------------------------------------------------------------------
 
 
+@cuda
+@needs_cuda
 def test_route_takes_leading_axes(poison):
     """route on [B, L, E] logits: the [B*L, E] result in [B, L, k] (no
     reshape node in the decode step); an empty leading axis gives empty."""
