@@ -17,6 +17,8 @@
 #   bash bench/h200.sh final     # GDN prefill linked chains, patched prefill with the fused GDN kernel off/on, A/B at 4K
 #   bash bench/h200.sh frontend  # GDN front end (16-byte weight loads): tests, chains at 16/8 tokens per warp, decode-step split, ncu (~6 min)
 #   bash bench/h200.sh steady    # steady-state chained latencies, bench.ops prefill rows, ncu GPU times, fused GDN off/on (~6 min)
+#   bash bench/h200.sh decodecheck  # decode-path tests, decode split, bench.ops decode rows, packed projection off/on (~7 min)
+#   bash bench/h200.sh ab4k      # end-to-end A/B at 4K, stock vs patched (~3.5 min)
 #   bash bench/h200.sh scan      # GDN scan variants (check, chained latency), prefill A/B with the fastest (~8 min)
 # Run from the repo root on the device with .mlxcuda carried; results go to $OUT.
 # A fresh process pays MLX-CUDA's first-use kernel compilation: 177-225 s for
@@ -195,5 +197,22 @@ steady)  # steady-state chained latencies (chains of 16 and 48: host work overla
   python3 -c "import csv,sys; [print(r['Kernel Name'][:40], r['Metric Value'], r['Metric Unit']) for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('\"'))]" $M/ncu-times.csv
   for f in 0 1 0 1; do MLX_QWEN_FAST_GDN_FUSED=$f timeout 60 $AB --engines patched --prefill 4k --rounds 2 \
       --max-seconds 15 --no-ceilings --out /tmp/abf.json >> $M/ab-fused.log 2>&1; echo "fused=$f: $(grep -h "^prefill .*patched ok" $M/ab-fused.log | tail -1)"; done ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady}"; exit 2 ;;
+decodecheck)  # the decode paths changed on 2026-12-02 (packed GDN input projection, MoE step without reshapes):
+              # their CUDA tests (untimed, in parallel), then on a quiet GPU the decode split, bench.ops decode rows,
+              # patched-only decode at 4K context with the packed projection off, on, off, on; files straight to $OUT
+  M=$OUT; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 6"
+  timeout 230 python3 -m pytest -q $XD tests/test_cuda_gated_delta.py tests/test_cuda_layers.py tests/test_cuda_moe_decode.py \
+    tests/test_cuda_moe.py -k "decode or rout or dispatch or block_cuda or fused_layer or compiled" \
+    > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt; tail -n 3 $M/tests.txt
+  timeout 60 python3 bench/profile_kernels.py chain decode > $M/chain.txt 2>&1; grep -v "^\[" $M/chain.txt
+  timeout 100 python3 -m bench.ops $P --ops gated_delta.decode_layer,gated_delta.decode_step,moe.decode \
+    --impls stock,patched,cuda-kernel,cuda-decode-kernel --max-seconds 5 --out $M/ops.json > $M/ops.log 2>&1
+  grep -E "^(gated|moe)" $M/ops.log
+  for f in 0 1 0 1; do MLX_QWEN_FAST_GDN_PACKED_DECODE=$f timeout 70 $AB --engines patched --decode 4k --decode-steps 32 \
+      --rounds 2 --no-ceilings --out /tmp/abd.json >> $M/ab-packed.log 2>&1
+    echo "packed=$f: $(grep -h "^decode .*patched ok" $M/ab-packed.log | tail -1)"; done ;;
+ab4k)  # the end-to-end A/B at 4K: stock vs patched, prefill and decode, alternating (187 s on 2026-12-01)
+  timeout 330 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
+    --out $OUT/ab-4k.json > $OUT/ab-4k.log 2>&1; tail -14 $OUT/ab-4k.log ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k}"; exit 2 ;;
 esac
