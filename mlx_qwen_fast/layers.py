@@ -30,10 +30,11 @@ from .ops import moe as moe_ops
 
 #: ``MLX_QWEN_FAST_GDN_FUSED=1`` runs the GDN prefill front end and scan as
 #: one fused kernel (``kernels/gated_delta_prefill``, B = 1) instead of two.
-#: Off by default: measured on the H200 (bench/results/gdn-cuda-log.md,
-#: 2026-12-01), the fused kernel is faster as a kernel (0.98 vs 1.06 ms per
-#: 4K call, chained as layers) but the patched model's 4K prefill is slower
-#: with it (12,657-13,295 vs 13,539-14,179 tok/s, alternating runs).
+#: Off by default: measured on the H200 (bench/results/gdn-cuda-log.md), the
+#: fused kernel is at most 1-2% faster as a kernel (0.983 vs 0.993-1.001 ms
+#: per 4K call at steady state, chained as layers), and the patched model's
+#: 4K prefill is not faster with it (2026-12-01: 12,657-13,295 vs
+#: 13,539-14,179 tok/s; 2026-12-02: 12,496-12,697 vs 12,601-12,722).
 GDN_FUSED_ENV = "MLX_QWEN_FAST_GDN_FUSED"
 
 #: ``MLX_QWEN_FAST_GDN_PACKED_DECODE=0`` keeps the GDN decode step's four input

@@ -12,10 +12,12 @@ The front end thus runs beside the scan's first stages instead of before it
 still go through global memory (mostly L2): they are outputs of the call, as
 the two kernels'.
 
-Measured on the H200 (bench/results/gdn-cuda-log.md, 2026-12-01): 0.98-1.07
-ms per 4K call chained as layers (two kernels 1.06), but the patched model's
-4K prefill is 2-11% slower with it, so the layer uses it only with
-``MLX_QWEN_FAST_GDN_FUSED=1`` (``layers.GDN_FUSED_ENV``).
+Measured on the H200 (bench/results/gdn-cuda-log.md): 0.983-0.989 ms per
+4K call at steady state in a chain of layers, the two kernels 0.993-1.001
+(2026-12-02); the patched model's 4K prefill was 2-11% slower with it on
+2026-12-01 and equal within noise on 2026-12-02 (front end at 123 instead of
+149 registers), so the layer uses it only with ``MLX_QWEN_FAST_GDN_FUSED=1``
+(``layers.GDN_FUSED_ENV``).
 
 Scan blocks wait on front-end blocks, never the other way round; the grid
 cannot deadlock as long as some front-end block can become resident while
