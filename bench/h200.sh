@@ -19,7 +19,6 @@
 #   bash bench/h200.sh steady    # steady-state chained latencies, bench.ops prefill rows, ncu GPU times, fused GDN off/on (~6 min)
 #   bash bench/h200.sh decodecheck  # decode-path tests, decode split, bench.ops decode rows, packed projection off/on (~7 min)
 #   bash bench/h200.sh ab4k      # end-to-end A/B at 4K, stock vs patched (~3.5 min)
-#   bash bench/h200.sh down2     # MoE down v2: decode tests with both down kernels, kernels alone in CUDA graphs (~3 min)
 #   bash bench/h200.sh scan      # GDN scan variants (check, chained latency), prefill A/B with the fastest (~8 min)
 # Run from the repo root on the device with .mlxcuda carried; results go to $OUT.
 # A fresh process pays MLX-CUDA's first-use kernel compilation: 177-225 s for
@@ -215,12 +214,5 @@ decodecheck)  # the decode paths changed on 2026-12-02 (packed GDN input project
 ab4k)  # the end-to-end A/B at 4K: stock vs patched, prefill and decode, alternating (187 s on 2026-12-01)
   timeout 330 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
     --out $OUT/ab-4k.json > $OUT/ab-4k.log 2>&1; tail -14 $OUT/ab-4k.log ;;
-down2)  # MoE down v2 (each expert's K split over the warps): the MoE decode tests with both down kernels
-        # (untimed, in parallel), then the kernels alone in CuPy CUDA graphs of 64 layers, v1 and v2 (~3 min)
-  M=$OUT; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 6"
-  timeout 100 python3 -m pytest -q $XD tests/test_cuda_moe_decode.py > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt
-  tail -n 3 $M/tests.txt
-  timeout 120 python3 bench/moe_decode_cuda.py --sections build,raw --out /tmp/md > $M/md.txt 2>&1
-  cp /tmp/md/*.json $M/ 2>/dev/null; grep -h "\[raw\]\|Error\|error" $M/md.txt | tail -16 ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|down2}"; exit 2 ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k}"; exit 2 ;;
 esac

@@ -76,9 +76,7 @@ from mlx_qwen_fast.kernels import moe_decode_gemv as md
 t1 = time.perf_counter()
 res, names = {}, {}
 for n in (1, 2, 3, 4):
-    for kind in (0, 1, 2):
-        if kind == 2 and md.smem_bytes_v2(n, 8, 512) > md.SMEM_LIMIT:
-            continue  # down v2 takes N <= 3 at I = 512
+    for kind in (0, 1):
         k = md._kernel(kind, n, 8, 2048, 512, 8)
         t = time.perf_counter(); cub = k.cubin; res[f"k{kind}_n{n}"] = time.perf_counter() - t
         names[f"k{kind}_n{n}"] = k.name
@@ -250,9 +248,6 @@ def section_raw(args):
     for n in (1, 2, 4):
         k0 = cp.RawModule(path=str(cubdir / f"k0_n{n}.cubin")).get_function(names[f"k0_n{n}"])
         k1 = cp.RawModule(path=str(cubdir / f"k1_n{n}.cubin")).get_function(names[f"k1_n{n}"])
-        k2 = None  # down v2 (MDG_KIND 2), where built
-        if f"k2_n{n}" in names:
-            k2 = cp.RawModule(path=str(cubdir / f"k2_n{n}.cubin")).get_function(names[f"k2_n{n}"])
         R = 64
         xs = [bf16_bits(rng.standard_normal((n, D))) for _ in range(R)]
         inds = [cp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(n)]).astype(np.int32)) for _ in range(R)]
@@ -269,28 +264,16 @@ def section_raw(args):
                    (xs[r], inds[r], *ly["g"], *ly["u"], *ly["sg"], *ly["su"], ly["gw"], ly["gs"], ly["gb"], hs[r], sgs[r]))
             if which in ("both", "k1"):
                 k1(((D // 16), 1, 1), (256, 1, 1), (hs[r], inds[r], sc[r], sgs[r], *ly["d"], *ly["sd"], ys[r]))
-            if which == "k2":
-                k2(((D // 16), 1, 1), (256, 1, 1), (hs[r], inds[r], sc[r], sgs[r], *ly["d"], *ly["sd"], ys[r]))
-
-        def launch_pair(which, r):
-            if which == "both2":  # gate+up, then down v2
-                launch("k0", r)
-                launch("k2", r)
-            else:
-                launch(which, r)
 
         stream = cp.cuda.Stream(non_blocking=True)
-        runs = [("both", 1.0), ("k0", 2 / 3), ("k1", 1 / 3)]
-        if k2 is not None:
-            runs += [("both2", 1.0), ("k2", 1 / 3)]
-        for which, frac in runs:
+        for which, frac in (("both", 1.0), ("k0", 2 / 3), ("k1", 1 / 3)):
             with stream:
                 for r in range(R):
                     launch("both", r)  # warm-up, and h / sgate for k1 alone
                 stream.synchronize()
                 stream.begin_capture()
                 for r in range(R):
-                    launch_pair(which, r)
+                    launch(which, r)
                 graph = stream.end_capture()
                 graph.launch(stream)
                 stream.synchronize()

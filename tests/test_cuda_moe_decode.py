@@ -228,13 +228,6 @@ def test_shape_errors_raise_before_compiling():
 # ---------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["v1", "v2"])
-def down(request, monkeypatch):
-    """Both down kernels (MDG_KIND 1, and 2 where its shared memory fits)."""
-    monkeypatch.setenv(md.DOWN_ENV, request.param)
-    return request.param
-
-
 def check_kernels(n, E=64, D=2048, I=512, k=8, seed=0, gate_bits=8):
     experts, shared, eg = make_arrays(E, D, I, seed=seed, gate_bits=gate_bits)
     x = x_tokens(n, D, seed + 100)
@@ -264,62 +257,28 @@ def check_kernels(n, E=64, D=2048, I=512, k=8, seed=0, gate_bits=8):
 
 @cuda
 @needs_cuda
-@pytest.mark.parametrize("n", [1, 2, 3])
-def test_down_v2_equals_v1_within_rounding(poison, monkeypatch, n):
-    """The two down kernels on the same h: each within 2 bf16 eps of the fp32
-    reference's output and of each other (they add in another fp32 order);
-    v2 is the one taken for N <= 3, v1 for N = 4 (shared memory)."""
-    experts, shared, eg = make_arrays(64, 2048, 512, seed=60 + n)
-    x = x_tokens(n, 2048, 61 + n)
-    inds, scores = make_routing(n, 8, 64, 62 + n)
-    h, sgate = md.gate_up_swiglu(x, inds, experts, shared, eg)
-    ys = {}
-    for v in ("v1", "v2"):
-        monkeypatch.setenv(md.DOWN_ENV, v)
-        ys[v] = md.down_combine(h, inds, scores, sgate, experts[2], shared[2])
-        mx.eval(ys[v])
-    assert md.down_kind(n, 8, 512) == 2
-    assert finite(ys["v2"]) and rel(ys["v2"], ys["v1"]) < 2 * BF16_EPS
-    y_ref = md.reference(x, inds, scores, experts, shared, eg)[2]
-    assert rel(ys["v2"], y_ref) < 2 * BF16_EPS
-
-
-def test_down_kind_selection(monkeypatch):
-    """v1 unless asked; v2 only where its static shared memory fits."""
-    monkeypatch.delenv(md.DOWN_ENV, raising=False)
-    assert md.down_kind(1, 8, 512) == 1
-    monkeypatch.setenv(md.DOWN_ENV, "v2")
-    assert [md.down_kind(n, 8, 512) for n in (1, 2, 3, 4)] == [2, 2, 2, 1]
-    assert md.smem_bytes_v2(3, 8, 512) <= md.SMEM_LIMIT < md.smem_bytes_v2(4, 8, 512)
-    monkeypatch.setenv(md.DOWN_ENV, "v3")
-    with pytest.raises(ValueError, match="MLX_QWEN_FAST_MOE_DOWN"):
-        md.down_kind(1, 8, 512)
-
-
-@cuda
-@needs_cuda
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_kernels_vs_reference(poison, down, n):
+def test_kernels_vs_reference(poison, n):
     check_kernels(n, seed=10 * n)
 
 
 @cuda
 @needs_cuda
 @pytest.mark.parametrize("gate_bits", [4, 16])
-def test_kernels_shared_gate_variants(poison, down, gate_bits):
+def test_kernels_shared_gate_variants(poison, gate_bits):
     check_kernels(2, seed=7, gate_bits=gate_bits)
 
 
 @cuda
 @needs_cuda
-def test_kernels_full_expert_count_and_small_shape(poison, down):
+def test_kernels_full_expert_count_and_small_shape(poison):
     check_kernels(4, E=256, seed=3)
     check_kernels(3, E=32, D=256, I=128, seed=4)
 
 
 @cuda
 @needs_cuda
-def test_kernels_all_tokens_same_experts(poison, down):
+def test_kernels_all_tokens_same_experts(poison):
     """Every token picks the same 8 experts: each expert computed once for all tokens."""
     experts, shared, eg = make_arrays(64, 2048, 512, seed=21)
     x = x_tokens(4, 2048, 22)
@@ -333,14 +292,14 @@ def test_kernels_all_tokens_same_experts(poison, down):
 @cuda
 @needs_cuda
 @pytest.mark.parametrize("n,k", [(1, 32), (2, 16)])
-def test_kernels_32_pairs(poison, down, n, k):
+def test_kernels_32_pairs(poison, n, k):
     """N*k = 32: every lane a pair; k = 32 takes the whole ballot as token 0's mask."""
     check_kernels(n, k=k, seed=40 + n)
 
 
 @cuda
 @needs_cuda
-def test_kernels_expert_repeated_within_token(poison, down):
+def test_kernels_expert_repeated_within_token(poison):
     """A token listing one expert twice (or three times): as gather_qmm, every
     pair counts (every h row written, the down output weighted by the sum)."""
     experts, shared, eg = make_arrays(64, 2048, 512, seed=51)

@@ -49,13 +49,8 @@
 //   float, wd, sd, bd (routed [E, D, I/8] / [E, D, I/64]), xwd, xsd, xbd
 //   (shared [D, I/8] / [D, I/64]); output y [N, D] MDG_YT.
 //
-// MDG_KIND 2: down v2, the same contract as MDG_KIND 1 with each expert's K
-//   split over warps (see the kernel): no warp idles while another finishes
-//   its second item. N <= 3 at I = 512 (shared memory).
-//
 // Build macros: KNAME, MDG_KIND, MDG_N (1..4), MDG_K (top-k, N*k <= 32),
-// MDG_D, MDG_I (D % 256 == 0, I % 128 == 0), MDG_SGB (4, 8, 16), MDG_YT,
-// MDG_UB (MDG_KIND 2: work units in flight per warp, default 5).
+// MDG_D, MDG_I (D % 256 == 0, I % 128 == 0), MDG_SGB (4, 8, 16), MDG_YT.
 #include "gdn_common.cuh"
 
 #ifndef MDG_N
@@ -349,7 +344,7 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
   }
 }
 
-#elif MDG_KIND == 1
+#else
 // ============================================================================
 // down + routing weights + shared expert + combine
 // ============================================================================
@@ -506,163 +501,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     float v = 0.0f;
 #pragma unroll
     for (int w = 0; w < NW; ++w) v += red[w][r][n];
-    y[(size_t)n * D + row0 + r] = from_f<yt>(v);
-  }
-}
-#elif MDG_KIND == 2
-// ============================================================================
-// down v2: as MDG_KIND 1, with each item's K split over warps
-// ============================================================================
-// Work unit = (item, 128-input block kb): nitems * NU units, warp w takes
-// units w, w + NW, ... (for NW % NU == 0 a warp keeps one kb), UB units' loads
-// in flight at once (all of a warp's units at N = 1). Each unit's 16 x N
-// partial sum goes to shared memory; after the barrier thread (r, n) adds, per
-// item in item order, coef * bf16(sum over kb of the partials): the same
-// roundings as MDG_KIND 1 (expert output rounded to bf16, then weighted, fp32
-// sums), the fp32 summation order differs. No warp waits for another's second
-// item, and every load of a unit is issued before any mma.
-#ifndef MDG_UB
-#define MDG_UB 5
-#endif
-constexpr int NU = I / 128;  // 128-input blocks per row
-constexpr int KW = I / 8;
-constexpr int KG = I / 64;
-constexpr int HROWS = NK + N;
-constexpr int MAXIT = NK + 1;  // distinct experts + the shared one
-constexpr int UB = MDG_UB;
-static_assert(sizeof(gdn_u16) * HROWS * I + sizeof(float) * MAXIT * NU * RB * N + 4 * 64 <= 46 * 1024,
-              "h staging + partial sums over the 48 KB static shared-memory limit (use MDG_KIND 1)");
-
-extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
-    const bf16_t* __restrict__ hin,
-    const int* __restrict__ inds,
-    const float* __restrict__ scores,
-    const float* __restrict__ sgate,
-    const unsigned* __restrict__ wd, const bf16_t* __restrict__ sd, const bf16_t* __restrict__ bd,
-    const unsigned* __restrict__ xwd, const bf16_t* __restrict__ xsd, const bf16_t* __restrict__ xbd,
-    yt* __restrict__ y) {
-  __shared__ __align__(16) gdn_u16 hs[HROWS][I];
-  __shared__ float part[MAXIT][NU][RB][N];
-  __shared__ int item_e[MAXIT];
-
-  const int rb = blockIdx.x;
-  const int row0 = rb * RB;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
-
-  // ---- distinct experts of inds, in order of first appearance (every warp) --
-  const int my_e = lane < NK ? inds[lane] : -1;
-  bool first = lane < NK;
-  for (int q = 0; q < NK; ++q) {
-    const int eq = __shfl_sync(0xffffffffu, my_e, q);
-    if (q < lane && eq == my_e) first = false;
-  }
-  const unsigned fmask = __ballot_sync(0xffffffffu, first);
-  const int nitems = __popc(fmask) + 1;  // + the shared expert (last)
-  const int nunits = nitems * NU;
-  if (warp == 0) {
-    if (first) item_e[__popc(fmask & ((1u << lane) - 1u))] = my_e;
-    if (lane == 0) item_e[nitems - 1] = -1;
-  }
-  auto item_expert = [&](int it) -> int {  // warp-uniform it
-    if (it == nitems - 1) return -1;
-    unsigned m = fmask;
-    for (int i = 0; i < it; ++i) m &= m - 1;
-    return __shfl_sync(0xffffffffu, my_e, __ffs(m) - 1);
-  };
-
-  uint4 A[UB][2];
-  unsigned sbv[UB][2];
-  int ue[UB];
-  auto load_batch = [&](int base) {
-#pragma unroll
-    for (int j = 0; j < UB; ++j) {
-      const int u = base + j * NW;
-      if (u < nunits) {  // warp-uniform
-        const int it = u / NU, kb = u % NU;
-        const int e = item_expert(it);
-        ue[j] = e;
-        const unsigned* Wm = e < 0 ? xwd : wd + (size_t)e * D * KW;
-        const bf16_t* Sm = e < 0 ? xsd : sd + (size_t)e * D * KG;
-        const bf16_t* Bm = e < 0 ? xbd : bd + (size_t)e * D * KG;
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const size_t row = (size_t)(row0 + g + 8 * hh);
-          A[j][hh] = ldg_stream16(Wm + row * KW + 16 * kb + 4 * t);
-          const size_t gi = row * KG + 2 * kb + (t >> 1);
-          sbv[j][hh] = load_sb(Sm + gi, Bm + gi);
-        }
-      }
-    }
-  };
-
-  int base = warp;
-  load_batch(base);
-  // h [NK + N, I] -> shared memory while the first batch is in flight
-  for (int i = tid; i < HROWS * I / 8; i += NT)
-    *reinterpret_cast<uint4*>(&hs[0][0] + 8 * i) = ldg16(hin + 8 * i);
-  __syncthreads();
-
-  while (base < nunits) {
-#pragma unroll
-    for (int j = 0; j < UB; ++j) {
-      const int u = base + j * NW;
-      if (u < nunits) {
-        const int it = u / NU, kb = u % NU;
-        const int e = ue[j];
-        // the h row of token g for this item (-1: token g did not pick it)
-        int hrow = -1;
-        if (e < 0) {
-          if (g < N) hrow = NK + g;
-        } else {
-          const unsigned pm = __ballot_sync(0xffffffffu, lane < NK && my_e == e);
-          if (g < N) {
-            const unsigned sub =
-                (pm >> (g * TOPK)) & (TOPK >= 32 ? 0xffffffffu : (1u << (TOPK & 31)) - 1u);
-            if (sub) hrow = g * TOPK + __ffs(sub) - 1;
-          }
-        }
-        const unsigned s0 = splat_s(sbv[j][0]), b0 = splat_b(sbv[j][0]);
-        const unsigned s1 = splat_s(sbv[j][1]), b1 = splat_b(sbv[j][1]);
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int wq = 0; wq < 4; ++wq) {
-          unsigned bb[4] = {0u, 0u, 0u, 0u};
-          if (hrow >= 0) b_pairs(*reinterpret_cast<const uint4*>(&hs[hrow][128 * kb + 32 * t + 8 * wq]), bb);
-          mma_word(acc, w4(A[j][0], wq), w4(A[j][1], wq), s0, b0, s1, b1, bb);
-        }
-        // c0, c1: row g, tokens 2t, 2t + 1; c2, c3: row g + 8
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int tok = 2 * t + (c & 1);
-          if (tok < N) part[it][kb][g + 8 * (c >> 1)][tok] = acc[c];
-        }
-      }
-    }
-    base += NW * UB;
-    if (base < nunits) load_batch(base);
-  }
-  __syncthreads();
-
-  // ---- per output (row, token): items in order, coef * bf16(expert out) ----
-  if (tid < RB * N) {
-    const int r = tid % RB, n = tid / RB;
-    float v = 0.0f;
-    for (int it = 0; it < nitems; ++it) {
-      const int e = item_e[it];
-      float cf = 0.0f;
-      if (e < 0) {
-        cf = sgate[n];
-      } else {
-        // the sum of token n's scores for e (an expert listed twice counts twice)
-        for (int j = 0; j < TOPK; ++j)
-          if (inds[n * TOPK + j] == e) cf += scores[n * TOPK + j];
-      }
-      float p = 0.0f;
-#pragma unroll
-      for (int kb = 0; kb < NU; ++kb) p += part[it][kb][r][n];
-      v += from_f_round<bf16_t>(p) * cf;
-    }
     y[(size_t)n * D + row0 + r] = from_f<yt>(v);
   }
 }

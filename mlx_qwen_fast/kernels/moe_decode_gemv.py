@@ -46,7 +46,6 @@ bench/results/moe-cuda-log.md).
 from __future__ import annotations
 
 import math
-import os
 from typing import Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -66,7 +65,6 @@ __all__ = [
     "supports_arrays",
     "block_arrays",
     "reference",
-    "down_kind",
     "MAX_TOKENS",
 ]
 
@@ -115,29 +113,6 @@ def _gate_bits(expert_gate, D: int) -> int:
 def smem_bytes(n: int, k: int, I: int) -> int:
     """Static shared memory of the down kernel: h rows + the warps' sums."""
     return 2 * (n * k + n) * I + 4 * 8 * RB * n
-
-
-def smem_bytes_v2(n: int, k: int, I: int) -> int:
-    """Static shared memory of the down kernel v2 (MDG_KIND 2): h rows, the
-    partial sums of every (item, 128-input block), the item list."""
-    return 2 * (n * k + n) * I + 4 * (n * k + 1) * (I // 128) * RB * n + 4 * 64
-
-
-#: ``MLX_QWEN_FAST_MOE_DOWN=v2`` runs the down GEMVs with each expert's K
-#: split over the warps (``moe_decode_gemv.cu`` MDG_KIND 2) where its shared
-#: memory fits (N <= 3 at I = 512); ``v1`` (MDG_KIND 1: a warp per expert).
-#: Read when a call is traced (the compiled decode step keeps its choice).
-DOWN_ENV = "MLX_QWEN_FAST_MOE_DOWN"
-DOWN_DEFAULT = "v1"
-
-
-def down_kind(n: int, k: int, I: int) -> int:
-    """The down kernel (MDG_KIND 1 or 2) a call of n tokens, top-k k,
-    intermediate size I runs (see :data:`DOWN_ENV`)."""
-    v = os.environ.get(DOWN_ENV, DOWN_DEFAULT)
-    if v not in ("v1", "v2"):
-        raise ValueError(f"{DOWN_ENV} must be v1 or v2, got {v!r}")
-    return 2 if v == "v2" and smem_bytes_v2(n, k, I) <= SMEM_LIMIT else 1
 
 
 def _shape_problem(x, inds, scores, experts, shared, expert_gate) -> Optional[str]:
@@ -286,8 +261,9 @@ def _kernel(kind: int, n: int, k: int, D: int, I: int, sgb: int = 8, yt: str = "
             defs["MDG_SGB"] = sgb
         else:
             defs["MDG_YT"] = yt
-        name = ("mqf_moe_dec_gate_up", "mqf_moe_dec_down", "mqf_moe_dec_down2")[kind]
-        kern = cb.CudaKernel("moe_decode_gemv.cu", name, defs)
+        kern = cb.CudaKernel(
+            "moe_decode_gemv.cu", "mqf_moe_dec_gate_up" if kind == 0 else "mqf_moe_dec_down", defs
+        )
         _kernels[key] = kern
     return kern
 
@@ -400,7 +376,7 @@ def _launch_down(h, inds, scores, sgate, down, shared_down):
     k = inds.shape[-1]
     n = inds.size // k
     D, I = down[0].shape[1], h.shape[1]
-    kern = _kernel(down_kind(n, k, I), n, k, D, I)
+    kern = _kernel(1, n, k, D, I)
     (y,) = kern(
         inputs=[h, inds, scores, sgate, *down, *shared_down],
         output_shapes=[(*inds.shape[:-1], D)],
