@@ -93,6 +93,27 @@ def timeit(fn, n=20, batch=1, warm=3) -> float:
     return ts[len(ts) // 2]
 
 
+def build_eval_times(build, evals=10, warm=3):
+    """Median seconds of building ``build()``'s graph (Python and MLX graph
+    construction, nothing evaluated) and of evaluating it (``mx.eval`` +
+    ``mx.synchronize``), as ``(build_s, eval_s)``."""
+    import mlx.core as mx
+
+    for _ in range(warm):
+        mx.eval(build())
+    mx.synchronize()
+    tb, te = [], []
+    for _ in range(evals):
+        t0 = time.perf_counter()
+        out = build()
+        t1 = time.perf_counter()
+        mx.eval(out)
+        mx.synchronize()
+        tb.append(t1 - t0)
+        te.append(time.perf_counter() - t1)
+    return sorted(tb)[evals // 2], sorted(te)[evals // 2]
+
+
 def chain_latency(make, n=8, evals=10, warm=2, steady=(16, 48)) -> dict:
     """Per-call latency of a kernel as a model layer sees it.
 

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.device_script import chain_latency, finite, log, rel, run_sections, timed_builds, timeit  # noqa: E402
+from bench.device_script import (  # noqa: E402
+    build_eval_times, chain_latency, finite, log, rel, run_sections, timed_builds, timeit)
 
 D = 128
 HK, HV = 16, 32
@@ -533,19 +534,9 @@ def section_decode(args):
         res["timings"][f"decode B={B}: 50 chained steps (per step)"] = timeit(chain, n=10) / 50
 
         # where the time goes: graph building (Python + node creation) vs eval
-        tb_, te_ = [], []
-        for _ in range(15):
-            t0 = time.perf_counter()
-            outs = token()
-            t1 = time.perf_counter()
-            mx.eval(outs)
-            mx.synchronize()
-            tb_.append(t1 - t0)
-            te_.append(time.perf_counter() - t1)
-        tb_.sort()
-        te_.sort()
-        res["timings"][f"decode B={B}: graph building only (per layer)"] = tb_[7] / NL
-        res["timings"][f"decode B={B}: eval only (per layer)"] = te_[7] / NL
+        tb_, te_ = build_eval_times(token, evals=15, warm=0)
+        res["timings"][f"decode B={B}: graph building only (per layer)"] = tb_ / NL
+        res["timings"][f"decode B={B}: eval only (per layer)"] = te_ / NL
 
         def token_fn(qkv_, z_, a_, *sc):
             outs = []

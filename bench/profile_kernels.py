@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 import mlx.core as mx  # noqa: E402
 
-from bench.device_script import chain_latency  # noqa: E402
+from bench.device_script import build_eval_times, chain_latency  # noqa: E402
 from bench.gdn_cuda import HV, D, gates, qkv_inputs, scan_chain  # noqa: E402
 from bench.moe_cuda import E, K, make_inputs, make_switch  # noqa: E402
 
@@ -262,27 +262,6 @@ def chain_dense_qmm(n=6, M=4096):
             print(f"{'':48s} -> {flops / marg / 1e12:.1f} TFLOP/s (marginal)", flush=True)
 
 
-def _build_eval(build, evals=10, warm=3):
-    """Median seconds of building ``build()``'s graph (Python and MLX graph
-    construction, nothing evaluated) and of evaluating it (``mx.eval`` +
-    ``mx.synchronize``)."""
-    import time
-
-    for _ in range(warm):
-        mx.eval(build())
-    mx.synchronize()
-    tb, te = [], []
-    for _ in range(evals):
-        t0 = time.perf_counter()
-        out = build()
-        t1 = time.perf_counter()
-        mx.eval(out)
-        mx.synchronize()
-        tb.append(t1 - t0)
-        te.append(time.perf_counter() - t1)
-    return sorted(tb)[evals // 2], sorted(te)[evals // 2]
-
-
 def chain_decode_gdn(n=30):
     """Where a GDN decode step's time goes: ``n`` dependent steps (conv state
     and state feed the next, as consecutive tokens) in one evaluation, split
@@ -358,7 +337,7 @@ def chain_decode_gdn(n=30):
                          ("mlx add on the state's size (2 MB fp32)", adds(s0)),
                          ("mlx add on the state's size, mx.compile'd", compiled_adds),
                          ("mlx add on 32 floats", adds(small))):
-        tb, te = _build_eval(build)
+        tb, te = build_eval_times(build)
         print(f"decode {label:48s} per step: build {tb / n * 1e6:7.1f} us + eval {te / n * 1e6:7.1f} us"
               f" = {(tb + te) / n * 1e6:7.1f} us  ({n} chained)", flush=True)
 
