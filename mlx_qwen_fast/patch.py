@@ -65,8 +65,20 @@ class PatchReport:
 
 
 def op_implementations(backend_name: Optional[str] = None) -> Dict[str, str]:
-    """Implementation of each op family for prefill and decode on a backend."""
-    b = backend_name or backend.current()
+    """Implementation of each op family for prefill and decode on a backend.
+
+    Args:
+        backend_name: ``"cpu" | "cuda" | "metal"`` (the implementations that
+            would run there on this machine: a GPU backend without its device
+            falls back as the ops do), or None for the current backend.
+
+    Returns:
+        ``{"<family>.prefill" | "<family>.decode": implementation name}``.
+
+    Raises:
+        ValueError: an unknown backend name (the empty string included).
+    """
+    b = backend.current() if backend_name is None else backend_name
     table = {}
     for name, module in (
         ("gated_delta", gated_delta_ops),
@@ -152,7 +164,7 @@ def patch(model: nn.Module, *, warn: bool = True) -> PatchReport:
         reason = f"disabled by the environment ({_ENV_SWITCH}={os.environ[_ENV_SWITCH]})"
     if reason is not None:
         if warn:
-            warnings.warn(f"mlx_qwen_fast: model left on the stock path: {reason}")
+            warnings.warn(f"mlx_qwen_fast: model left on the stock path: {reason}", stacklevel=2)
         return PatchReport(False, reason, _model_type(model), backend.current())
     swapped = _swap(model, to_fast=True)
     return PatchReport(

@@ -287,8 +287,13 @@ def test_supports_arrays_shapes():
 
 
 def test_dispatch_by_backend_and_env(monkeypatch):
+    from mlx_qwen_fast.kernels import _cuda_build as cb
+
     monkeypatch.delenv(moe.MOE_KERNEL_ENV, raising=False)
     monkeypatch.delenv(moe.MOE_DECODE_KERNEL_ENV, raising=False)
+    monkeypatch.setattr(cb, "cuda_available", lambda: False)  # "cuda" asked for without a CUDA device
+    assert moe.implementation_for(4096, "cuda") == "stock" and moe.implementation_for(1, "cuda") == "stock"
+    monkeypatch.setattr(cb, "cuda_available", lambda: True)
     assert "cuda-kernel" in moe.IMPLEMENTATIONS
     n = moe.MOE_KERNEL_MIN_TOKENS
     assert moe.implementation_for(4096, "cuda") == "cuda-kernel"

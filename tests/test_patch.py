@@ -296,18 +296,52 @@ def test_cli_says_when_it_runs_stock(monkeypatch, capsys):
         patched_copy((None, None))
 
 
-def test_cli_names_a_missing_local_model(monkeypatch, tmp_path):
+def test_cli_names_a_missing_local_model(monkeypatch, tmp_path, capsys):
     from mlx_qwen_fast._cli import run_mlx_lm_main
 
     monkeypatch.setattr("sys.argv", ["prog"])
     seen = []
     main = lambda: seen.append(1)  # noqa: E731
-    for argv in (["--model", str(tmp_path / "nope")], [f"--model={tmp_path}/nope", "--stock"],
-                 ["-m", "5", "--model", "./no/such/dir", "--prompt", "hi"]):
-        with pytest.raises(SystemExit, match="no such file or directory"):
+    for argv, what in (([ "--model", str(tmp_path / "nope")], "no such file or directory"),
+                       ([f"--model={tmp_path}/nope", "--stock"], "no such file or directory"),
+                       (["-m", "5", "--model", "./no/such/dir", "--prompt", "hi"], "no such file or directory"),
+                       (["--model", str(tmp_path), "--stock"], "no config.json")):
+        with pytest.raises(SystemExit) as exc:
             run_mlx_lm_main(main, argv)
+        assert exc.value.code == 2 and what in capsys.readouterr().err
     assert not seen  # mlx-lm's main never ran
-    run_mlx_lm_main(main, ["--model", str(tmp_path), "--stock"])  # an existing folder passes
+    (tmp_path / "config.json").write_text("{}")
+    run_mlx_lm_main(main, ["--model", str(tmp_path), "--stock"])  # a checkpoint folder passes
     run_mlx_lm_main(main, ["--model", "mlx-community/some-model", "--stock"])  # a repo id passes
     run_mlx_lm_main(main, ["-m", "/x", "--stock"])  # -m is mlx-lm's --max-tokens, not a model
     assert seen == [1, 1, 1]
+
+
+def test_cli_needs_a_known_subcommand(capsys):
+    from mlx_qwen_fast._cli import check_subcommand
+
+    for argv, what in (([], "a subcommand is needed"), (["bogus", "--x"], "unknown subcommand 'bogus'"),
+                       (["--model", "m"], "unknown subcommand")):
+        with pytest.raises(SystemExit) as exc:
+            check_subcommand(argv)
+        assert exc.value.code == 2 and what in capsys.readouterr().err
+    for argv in (["generate", "--prompt", "hi"], ["server"], ["dwq"], ["--help"], ["--version"]):
+        check_subcommand(argv)  # mlx-lm's CLI modules (mlx_lm.quant's too) and its own flags pass
+
+
+def test_op_implementations_per_backend():
+    from mlx_qwen_fast import op_implementations
+    from mlx_qwen_fast.kernels import _cuda_build as cb
+
+    cur = op_implementations()
+    assert set(cur) == {f"{f}.{p}" for f in ("gated_delta", "attention", "moe") for p in ("prefill", "decode")}
+    cpu = op_implementations("cpu")
+    assert cpu["moe.prefill"] == cpu["moe.decode"] == "stock"
+    assert cpu["gated_delta.prefill"] == "chunked"
+    if not cb.cuda_available():
+        # "cuda" asked for where MLX has no CUDA device: what would run here, every family alike
+        assert op_implementations("cuda") == cpu
+        assert cur == cpu
+    for bad in ("", "gpu", "CUDA"):
+        with pytest.raises(ValueError, match="backend"):
+            op_implementations(bad)

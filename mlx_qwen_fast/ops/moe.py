@@ -579,7 +579,8 @@ def implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:
     ``"cuda-kernel"`` on CUDA for ``num_tokens >= MOE_KERNEL_MIN_TOKENS``
     (prefill) unless the environment sets ``MLX_QWEN_FAST_MOE_KERNEL=0``;
     "cuda-decode-kernel" on CUDA for 1..4 tokens unless the environment
-    sets ``MLX_QWEN_FAST_MOE_DECODE_KERNEL=0``; "stock" otherwise. Measured on the H200 (bench/results/moe-cuda-log.md):
+    sets ``MLX_QWEN_FAST_MOE_DECODE_KERNEL=0``; "stock" otherwise, and for
+    ``"cuda"`` where MLX has no CUDA device (as ``ops.gated_delta``). Measured on the H200 (bench/results/moe-cuda-log.md):
     the expert GEMMs take 2.67 ms at T = 4096 against 43.1 ms for mlx-lm's
     ``gather_qmm``, 1.07 ms against 5.85 ms at T = 512.
 
@@ -587,6 +588,10 @@ def implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:
         ValueError: unknown backend.
     """
     name = _backend.resolve(backend)
+    from ..kernels import _cuda_build  # CUDA-free module (ctypes only)
+
+    if name == _backend.CUDA and not _cuda_build.cuda_available():
+        return _BY_BACKEND[name]  # "cuda" asked for where MLX has no CUDA device: stock
     if (
         name == _backend.CUDA
         and num_tokens >= MOE_KERNEL_MIN_TOKENS
