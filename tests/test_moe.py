@@ -347,8 +347,11 @@ def test_block_vs_stock_bf16():
 
 
 def test_dispatch_stock_except_cuda(monkeypatch):
+    from mlx_qwen_fast.kernels import _cuda_build as cb
+
     monkeypatch.delenv(moe.MOE_KERNEL_ENV, raising=False)
     monkeypatch.delenv(moe.MOE_DECODE_KERNEL_ENV, raising=False)
+    monkeypatch.setattr(cb, "cuda_available", lambda: True)  # the table for a machine with a CUDA device
     assert {"stock", "reference", "cuda-kernel", "cuda-decode-kernel"} <= set(moe.IMPLEMENTATIONS)
     for b in ("cpu", "cuda", "metal"):
         for n in (1, 4, 5, 7, 2048, 65536):
