@@ -24,40 +24,6 @@ constexpr int TT = GDN_TT;        // tokens per warp
 constexpr int KW = 4;             // conv kernel width
 static_assert(TT <= 32, "gate lanes: one token per lane");
 
-// Four consecutive elements of T kept as loaded (one 8-byte load for a
-// 2-byte type, 16 bytes for float), unpacked to fp32 when used.
-template <typename T>
-struct Raw4 {
-  uint2 u;
-  __device__ __forceinline__ void load(const T* p) {
-    u = *reinterpret_cast<const uint2*>(p);
-  }
-  __device__ __forceinline__ void get(float* o) const;
-};
-template <>
-__device__ __forceinline__ void Raw4<bf16_t>::get(float* o) const {
-  unpack_bf16x2(u.x, o[0], o[1]);
-  unpack_bf16x2(u.y, o[2], o[3]);
-}
-template <>
-__device__ __forceinline__ void Raw4<f16_t>::get(float* o) const {
-  unpack_f16x2(u.x, o[0], o[1]);
-  unpack_f16x2(u.y, o[2], o[3]);
-}
-template <>
-struct Raw4<float> {
-  float4 u;
-  __device__ __forceinline__ void load(const float* p) {
-    u = *reinterpret_cast<const float4*>(p);
-  }
-  __device__ __forceinline__ void get(float* o) const {
-    o[0] = u.x;
-    o[1] = u.y;
-    o[2] = u.z;
-    o[3] = u.w;
-  }
-};
-
 __device__ __forceinline__ void frontend_warp(
     int gw, int lane,
     const xt* __restrict__ qkv,

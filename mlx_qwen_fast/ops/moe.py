@@ -43,6 +43,7 @@ from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from .. import backend as _backend
+from ..kernels import _cuda_build
 
 __all__ = [
     "ExpertGroups",
@@ -588,8 +589,6 @@ def implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:
         ValueError: unknown backend.
     """
     name = _backend.resolve(backend)
-    from ..kernels import _cuda_build  # CUDA-free module (ctypes only)
-
     if name == _backend.CUDA and not _cuda_build.cuda_available():
         return _BY_BACKEND[name]  # "cuda" asked for where MLX has no CUDA device: stock
     if (
