@@ -117,6 +117,8 @@ def test_unpack_once_matches_cuda_dequantize():
 def test_grouped_gemm_variant_config():
     assert gg.DEFAULT_VARIANT in gg.VARIANTS and set(gg.VARIANT_ROUNDING) == set(gg.VARIANTS)
     for v in gg.VARIANTS:
+        if v == "wg":  # own layout: test_wg_variant_config
+            continue
         for kind, o in ((0, 512), (1, 2048), (0, 192), (1, 320)):
             for bm in gg.TILE_CHOICES:
                 c = gg.variant_config(v, kind, bm, o)
@@ -252,6 +254,97 @@ def test_async_variant_fragment_mapping():
                                 for kt in range(kg):
                                     hi = ((g & kg & 1) + kt) & 1
                                     assert ((row * kg + kt) & ~1) + hi == row * kg + kt
+
+
+def test_wg_variant_config():
+    """The "wg" variant: 256 threads, 128 (gate+up) / 256 (down) features per
+    CTA, dynamic shared memory = max(cp.async ring, epilogue staging) + 1024
+    (alignment), within the 227 KB an SM grants one block."""
+    for kind, feat in ((0, 128), (1, 256)):
+        for bm in gg.TILE_CHOICES:
+            c = gg.variant_config("wg", kind, bm, 2048)
+            st = c["defines"]["MOE_STAGES"]
+            assert c["threads"] == 256 and c["bn"] == feat and c["source"] == "moe_grouped_gemm_wgmma.cu"
+            assert c["defines"]["MOE_BM"] == bm and 3 <= st <= 6
+            staging = bm * ((feat + 8) * 2 if kind == 0 else (feat + 4) * 4)
+            assert c["smem"] == max(st * bm * 256, staging) + 1024 <= 227 * 1024
+    with pytest.raises(ValueError, match="multiple of 128"):
+        gg.variant_config("wg", 0, 64, 192)
+    with pytest.raises(ValueError, match="multiple of 256"):
+        gg.variant_config("wg", 1, 64, 384)
+    assert gg.wg_shapes_ok(2048, 512) and gg.wg_shapes_ok(256, 128)
+    for d, i in ((192, 128), (320, 64), (384, 128), (2048, 64), (2048, 192)):
+        assert not gg.wg_shapes_ok(d, i)
+    assert gg.choose_tile_rows(512 * 8, 256, "wg") == 32
+    assert gg.choose_tile_rows(4096 * 8, 256, "wg") in (64, 128)
+
+
+@pytest.mark.parametrize("lead", [(), (3,), (2, 5)])
+def test_permute_k_is_the_kernel_order(lead):
+    """permute_k puts natural input 32q + 8(s//2) + 2(s%2) + hs + 4j of each
+    128-chunk at position 16s + 8hs + 2q + j (the fragment slot of thread q,
+    k16 step s, register half hs, element j in moe_grouped_gemm_wgmma.cu),
+    and unpermute_k undoes it."""
+    K = 384
+    a = mx.arange(int(np.prod(lead, dtype=np.int64)) * K).reshape(*lead, K)
+    p = gg.permute_k(a)
+    assert p.shape == a.shape
+    want = np.empty(K, dtype=np.int64)
+    for c in range(K // 128):
+        for s in range(8):
+            for hs in range(2):
+                for q in range(4):
+                    for j in range(2):
+                        want[128 * c + 16 * s + 8 * hs + 2 * q + j] = (
+                            128 * c + 32 * q + 8 * (s // 2) + 2 * (s % 2) + hs + 4 * j)
+    assert sorted(want.tolist()) == list(range(K))
+    np.testing.assert_array_equal(np.asarray(p).reshape(-1, K) % K, np.broadcast_to(want, (max(1, a.size // K), K)))
+    assert mx.array_equal(gg.unpermute_k(p), a).item()
+    assert not mx.array_equal(p, a).item()
+    for bad in (mx.zeros((4, 64)), mx.zeros((200,)), mx.zeros(())):
+        with pytest.raises(ValueError, match="multiple of 128"):
+            gg.permute_k(bad)
+        with pytest.raises(ValueError, match="multiple of 128"):
+            gg.unpermute_k(bad)
+
+
+def test_wg_variant_fragment_mapping():
+    """CPU emulation of one 128-input chunk of moe_grouped_gemm_wgmma.cu for
+    one warp's 16 weight rows: A registers dequantised as dq_pair does (nibble
+    pair (a, a+4) of word s//2 of the thread's four, a = 2(s%2) + hs; magic
+    128 subtracted exactly), placed by the wgmma m64nNk16 A-fragment layout;
+    B read as wgmma reads the K-major tile (row n, positions 16s..16s+15) of
+    the permute_k-ed activations. The sum over the 8 k16 steps must be
+    W . x over the natural inputs (small integers: exact)."""
+    rng = np.random.default_rng(1)
+    N = 8
+    q = rng.integers(0, 16, size=(16, 128)).astype(np.int64)  # 16 weight rows, nibble values
+    x = rng.integers(-8, 8, size=(N, 128)).astype(np.int64)
+    words = np.zeros((16, 16), dtype=np.int64)
+    for w in range(16):
+        for j in range(8):
+            words[:, w] |= q[:, 8 * w + j] << (4 * j)
+    xp = np.asarray(gg.permute_k(mx.array(x.astype(np.int32))))
+
+    def dq_pair(word, a):
+        m = ((int(word) >> (4 * a)) & 0x000F000F) | 0x43004300
+        return (m & 0xFFFF) - 0x4300, (m >> 16) - 0x4300
+
+    C = np.zeros((16, N), dtype=np.int64)
+    for s in range(8):
+        Am = np.full((16, 16), -999, dtype=np.int64)
+        for lane in range(32):
+            g, qq = lane >> 2, lane & 3
+            wl, wh = words[g, 4 * qq + s // 2], words[g + 8, 4 * qq + s // 2]
+            a = 2 * (s % 2)
+            regs = [dq_pair(wl, a), dq_pair(wh, a), dq_pair(wl, a + 1), dq_pair(wh, a + 1)]
+            # reg 0: (row g, slots 2q, 2q+1); 1: (g+8, 2q..); 2: (g, 2q+8..); 3: (g+8, 2q+8..)
+            for r, (row, col) in enumerate(((g, 2 * qq), (g + 8, 2 * qq), (g, 2 * qq + 8), (g + 8, 2 * qq + 8))):
+                Am[row, col:col + 2] = regs[r]
+        assert (Am != -999).all()
+        Bm = xp[:, 16 * s:16 * s + 16].T  # [k16, N]
+        C += Am @ Bm
+    np.testing.assert_array_equal(C, q @ x.T)
 
 
 def test_plan_and_tiles():
@@ -495,6 +588,7 @@ def dense_ref(x, r, gate, up, down, rounding="twice"):
     ("pflv", 32), ("pflv", 64), ("pflv", 128),
     ("big", 32), ("big", 64), ("big", 128),
     ("async", 32), ("async", 64), ("async", 128),
+    ("wg", 32), ("wg", 64), ("wg", 128),
 ])
 def test_grouped_gemm_vs_reference(poison, D, I, E, n, variant, tile):
     k = 8
@@ -503,6 +597,12 @@ def test_grouped_gemm_vs_reference(poison, D, I, E, n, variant, tile):
     logits = make_logits(n, E, "skewed", seed=n, dtype=mx.float32)
     r = mr.route_and_group(logits, k, tile)
     arr = lambda p: (p.weight, p.scales, p.biases)  # noqa: E731
+    if variant == "wg" and not gg.wg_shapes_ok(D, I):  # refused with a clear error, never run
+        with pytest.raises(ValueError, match="variant 'wg' needs D % 256 == 0 and I % 128 == 0"):
+            gg.gate_up_swiglu(x, r, arr(gate), arr(up), variant=variant)
+        with pytest.raises(ValueError, match="variant 'wg' needs"):
+            gg.moe_experts(x, r, gate, up, down, variant=variant)
+        return
     h = gg.gate_up_swiglu(x, r, arr(gate), arr(up), variant=variant)
     y = gg.down_weighted(h, r, arr(down), variant=variant)
     assert h.shape == (n * k, I) and h.dtype == mx.bfloat16
@@ -520,6 +620,42 @@ def test_grouped_gemm_vs_reference(poison, D, I, E, n, variant, tile):
     got = gg.moe_experts(x, r, gate, up, down, out_dtype=mx.float32, variant=variant)
     # gather_qmm's own error is not bf16-tight (1.6e-2 per projection on CPU)
     assert rel(got, ref) < GATHER_QMM_TOL
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("D,I,E", [(256, 128, 32), (512, 256, 64), (2048, 512, 256)])
+@pytest.mark.parametrize("n,kind", [(1, "random"), (2, "random"), (4, "skewed"), (64, "empty"), (300, "one"),
+                                    (2049, "skewed"), (4099, "skewed")])
+@pytest.mark.parametrize("tile", [32, 64, 128])
+def test_wg_grouped_gemm_vs_reference(poison, D, I, E, n, kind, tile):
+    """The wgmma kernels on shapes they take (K chunks of 128, 128 / 256
+    features per CTA): ragged item ends (n*k not a multiple of the tile),
+    empty experts, all rows on one expert, n*k > 32,768 and not a multiple of
+    64 (n = 4099); h in natural order from the public function, the down
+    kernel alone on the reference h, both output dtypes."""
+    k = 8
+    gate, up, down = qproj(E, I, D, 11), qproj(E, I, D, 12), qproj(E, D, I, 13)
+    x = mx.random.normal((n, D), key=mx.random.key(7 * n + D)).astype(mx.bfloat16)
+    r = mr.route_and_group(make_logits(n, E, kind, seed=n + 3, dtype=mx.float32), k, tile)
+    arr = lambda p: (p.weight, p.scales, p.biases)  # noqa: E731
+    h = gg.gate_up_swiglu(x, r, arr(gate), arr(up), variant="wg")
+    y = gg.down_weighted(h, r, arr(down), variant="wg")
+    assert h.shape == (n * k, I) and h.dtype == mx.bfloat16
+    assert y.shape == (n * k, D) and y.dtype == mx.float32
+    assert finite(h, y)
+    h_ref, y_ref = dense_ref(x, r, gate, up, down, "once")
+    assert rel(h, h_ref) < 2 * BF16_EPS
+    assert rel(y, y_ref) < 4 * BF16_EPS
+    y2 = gg.down_weighted(h_ref.astype(mx.bfloat16), r, arr(down), variant="wg")
+    assert rel(y2, y_ref) < 2 * BF16_EPS
+    y3 = gg.down_weighted(h_ref.astype(mx.bfloat16), r, arr(down), out_dtype=mx.bfloat16, variant="wg")
+    assert y3.dtype == mx.bfloat16 and finite(y3) and rel(y3, y_ref) < 2 * BF16_EPS
+    got = gg.moe_experts(x, r, gate, up, down, out_dtype=mx.float32, variant="wg")
+    want = y_ref.reshape(n, k, D).sum(axis=1)
+    assert rel(got, want) < 4 * BF16_EPS
+    # the same function as the checked mma.sync kernel (same one-rounding dequantisation)
+    assert rel(got, gg.moe_experts(x, r, gate, up, down, out_dtype=mx.float32, variant="pflv")) < 4 * BF16_EPS
 
 
 @cuda

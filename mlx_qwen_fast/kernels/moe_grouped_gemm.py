@@ -43,6 +43,18 @@ of the source in parentheses):
 - ``"big"``: ``pfl`` with 8 warps and 128-column tiles (MOE_BN=128,
   MOE_WM x MOE_WN = 2 x 4) where the output width allows and the 48 KB of
   static shared memory holds them (gate+up at BM 32/64, down at every BM).
+- ``"wg"`` (own source, ``moe_grouped_gemm_wgmma.cu``): Hopper warpgroup
+  MMA (``wgmma``, sm_90a) on the transposed problem: the 4-bit weights are
+  the A operand, dequantised by each thread straight into its own A
+  fragment registers (a shift, lop3, sub and fma per two weights), the
+  activation rows the B operand, copied with ``cp.async`` into a ring of
+  128-byte-swizzled shared-memory slots (:data:`WG_TUNE` ``["stages"]``);
+  256 threads = two warpgroups per CTA, 128 (gate+up) or 256 (down) output
+  features per CTA. Needs K a multiple of 128 and the activations in the
+  kernel's K order within each 128 inputs (:func:`permute_k`): the wrappers
+  permute ``x`` once and the gate+up kernel writes ``h`` in that order for the
+  down kernel (the public functions take and return natural order). One
+  rounding, as ``deq``. Only on GPUs with compute capability 9.0.
 - ``"async"`` (own source, ``moe_grouped_gemm_async.cu``): a :data:`ASYNC_TUNE` ``["stages"]``-deep ring of
   ``cp.async`` copies (raw x/h rows, raw 4-bit words, scale/bias chunks) in
   dynamic shared memory, one ``__syncthreads`` per K step, each warp
@@ -89,13 +101,17 @@ __all__ = [
     "VARIANT_ROUNDING",
     "variant_config",
     "ASYNC_TUNE",
+    "WG_TUNE",
+    "permute_k",
+    "unpermute_k",
+    "wg_shapes_ok",
 ]
 
 BK = 64  # K step = quantisation group
 BN = 64  # output columns per CTA
 NT = 128  # threads per CTA of the baseline variant
 TILE_CHOICES = (32, 64, 128)
-VARIANTS = ("base", "deq", "pf", "pfl", "pflv", "big", "async")
+VARIANTS = ("base", "deq", "pf", "pfl", "pflv", "big", "async", "wg")
 #: The variant the public functions use when ``variant`` is None: "pflv".
 #: H200, T = 4096, experts + combine as the marginal latency of one call in a
 #: chain of dependent calls: pflv 1.40-1.44 ms against pfl 1.55-1.61 ms in the
@@ -104,7 +120,7 @@ VARIANTS = ("base", "deq", "pf", "pfl", "pflv", "big", "async")
 DEFAULT_VARIANT = "pflv"
 #: Dequantisation rounding of each variant (``rounding`` of unpack_affine_4bit).
 VARIANT_ROUNDING = {"base": "twice", "deq": "once", "pf": "once", "pfl": "once", "pflv": "once", "big": "once",
-                    "async": "once"}
+                    "async": "once", "wg": "once"}
 #: Tuning of the "async" variant (timed on the H200, 2026-12-01: none of the
 #: swept settings beats "pfl" for the whole block; moe-cuda-log.md):
 #: cp.async ring depth, and the widest column tile per matrix for gate+up and
@@ -115,6 +131,13 @@ VARIANT_ROUNDING = {"base": "twice", "deq": "once", "pf": "once", "pfl": "once",
 #: "cols_fast": launch the column tiles of one work item next to each other
 #: (grid x = column tile) instead of all items of one column tile.
 ASYNC_TUNE = {"stages": 4, "gate_up_bn": 128, "down_bn": 128, "down_bn_bm32": 256, "cols_fast": False}
+#: Tuning of the "wg" variant: cp.async ring depth (K chunks of 128 inputs
+#: in flight: stages - 2 ahead of the one being multiplied).
+WG_TUNE = {"stages": 4, "rows128_from": None}
+#: Output features per CTA of the "wg" kernels: gate+up (two warpgroups x 64
+#: features of both matrices), down (two warpgroups x two 64-row tiles).
+WG_FEAT = {0: 128, 1: 256}
+WG_KC = 128  # inputs per K chunk of the "wg" kernels (the K-order period)
 _kernels: Dict[tuple, cb.CudaKernel] = {}
 
 
@@ -180,6 +203,48 @@ def _bf16_round_f64(a: np.ndarray) -> np.ndarray:
     return u.view(np.float64).astype(np.float32)  # exact: 8 significant bits
 
 
+def permute_k(a: mx.array) -> mx.array:
+    """The "wg" kernels' activation K order: ``[..., K]`` -> ``[..., K]``.
+
+    Within each chunk of 128 inputs, position ``P = 32w + 16u + 8hs + 2q + j``
+    holds natural input ``k = 32q + 8w + 4j + 2u + hs`` (q, w in 0..3; j, u, hs
+    in 0..1): k16 step ``s = 2w + u`` of thread ``q`` of a quad reads nibbles
+    ``2u + hs`` and ``2u + hs + 4`` of its packed word ``w``
+    (``cuda/moe_grouped_gemm_wgmma.cu``). A pure permutation (exact, any
+    dtype); :func:`unpermute_k` is its inverse.
+
+    Raises:
+        ValueError: ``a`` has no last axis or it is not a multiple of 128.
+    """
+    if a.ndim < 1 or a.shape[-1] % WG_KC:
+        raise ValueError(f"permute_k: the last axis must be a multiple of {WG_KC}, got shape {tuple(a.shape)}")
+    lead, k = a.shape[:-1], a.shape[-1]
+    nl = len(lead) + 1
+    t = a.reshape(*lead, k // WG_KC, 4, 4, 2, 2, 2)  # natural (q, w, j, u, hs)
+    return t.transpose(*range(nl), *(nl + i for i in (1, 3, 4, 0, 2))).reshape(*lead, k)
+
+
+def unpermute_k(a: mx.array) -> mx.array:
+    """Inverse of :func:`permute_k` (kernel K order -> natural order).
+
+    Raises:
+        ValueError: as :func:`permute_k`.
+    """
+    if a.ndim < 1 or a.shape[-1] % WG_KC:
+        raise ValueError(f"unpermute_k: the last axis must be a multiple of {WG_KC}, got shape {tuple(a.shape)}")
+    lead, k = a.shape[:-1], a.shape[-1]
+    nl = len(lead) + 1
+    t = a.reshape(*lead, k // WG_KC, 4, 2, 2, 4, 2)  # kernel order (w, u, hs, q, j)
+    return t.transpose(*range(nl), *(nl + i for i in (3, 0, 4, 1, 2))).reshape(*lead, k)
+
+
+def wg_shapes_ok(d: int, i: int) -> bool:
+    """True when the "wg" kernels take hidden size ``d`` and expert size ``i``:
+    both multiples of 128 (the K chunk), ``i`` of 128 (gate+up features per
+    CTA) and ``d`` of 256 (down features per CTA)."""
+    return d % WG_KC == 0 and i % WG_KC == 0 and i % WG_FEAT[0] == 0 and d % WG_FEAT[1] == 0
+
+
 def _np32(a) -> np.ndarray:
     if isinstance(a, mx.array):
         return np.asarray(a.astype(mx.float32))
@@ -224,6 +289,9 @@ def choose_tile_rows(num_assignments: int, num_experts: int, variant: Optional[s
         return 32
     if variant == "async":  # 64 at every size from 64 rows/expert (unverified)
         return 64
+    if variant == "wg":
+        r128 = WG_TUNE.get("rows128_from")  # rows per expert on average from which 128-row tiles
+        return 128 if r128 and num_assignments >= r128 * num_experts else 64
     if variant != "big" or num_assignments < 128 * num_experts:
         return 64
     return 128
@@ -257,6 +325,8 @@ def variant_config(variant: str, kind: int, bm: int, out_cols: int) -> dict:
         raise ValueError(f"variant_config: out_cols must be a positive multiple of 64, got {out_cols!r}")
     if variant == "async":
         return _async_config(kind, bm, out_cols)
+    if variant == "wg":
+        return _wg_config(kind, bm, out_cols)
     d = dict(MOE_BM=bm, MOE_BN=BN)
     wm, wn = (4, 2) if bm == 128 else (2, 2)
     if variant != "base":
@@ -298,6 +368,18 @@ def _async_config(kind: int, bm: int, out_cols: int) -> dict:
         d["MOE_COLS_FAST"] = 1
     smem = stages * (bm * 144 + nmat * bn * 40)  # A rows (144 B) + W (32 B) + scale/bias (8 B) per row
     return dict(defines=d, threads=32 * wm * 8, bn=bn, source="moe_grouped_gemm_async.cu", smem=smem)
+
+
+def _wg_config(kind: int, bm: int, out_cols: int) -> dict:
+    feat = WG_FEAT[kind]
+    if out_cols % feat:
+        raise ValueError(f"variant_config: variant 'wg' needs out_cols a multiple of {feat} for kind {kind}, got {out_cols}")
+    stages = int(WG_TUNE["stages"])
+    ring = stages * bm * 2 * WG_KC
+    staging = bm * ((feat + 8) * 2 if kind == 0 else (feat + 4) * 4)
+    d = dict(MOE_BM=bm, MOE_STAGES=stages)
+    return dict(defines=d, threads=256, bn=feat, source="moe_grouped_gemm_wgmma.cu",
+                smem=max(ring, staging) + 1024)
 
 
 def _q_arrays(proj) -> Tuple[mx.array, mx.array, mx.array]:
@@ -401,6 +483,17 @@ def _check_async_sizes(fn: str, *sizes: int) -> None:
         raise ValueError(f"{fn}: variant 'async' needs arrays of fewer than 2**31 elements, got {max(sizes)}")
 
 
+def _check_wg(fn: str, d: int, i_dim: int, *sizes: int) -> None:
+    if not wg_shapes_ok(d, i_dim):
+        raise ValueError(
+            f"{fn}: variant 'wg' needs D % 256 == 0 and I % 128 == 0, got D={d}, I={i_dim}"
+        )
+    if max(sizes) >= 2**31:  # 32-bit element offsets in the kernel
+        raise ValueError(f"{fn}: variant 'wg' needs arrays of fewer than 2**31 elements, got {max(sizes)}")
+    if cb.gpu_arch() != (9, 0):
+        raise ValueError(f"{fn}: variant 'wg' needs a GPU of compute capability 9.0 (wgmma), got {cb.gpu_arch()}")
+
+
 def _check_routing(fn: str, routing: Routing, nk: int):
     if routing.tile_rows not in TILE_CHOICES:
         raise ValueError(f"{fn}: routing.tile_rows must be one of {TILE_CHOICES}, got {routing.tile_rows}")
@@ -439,7 +532,14 @@ def gate_up_swiglu(
     Raises:
         ValueError: bad shape/dtype of an argument (named in the message).
     """
-    variant = _check_variant("gate_up_swiglu", variant)
+    v = _check_variant("gate_up_swiglu", variant)
+    h = _gate_up(x, routing, gate, up, v)
+    return unpermute_k(h) if v == "wg" else h
+
+
+def _gate_up(x: mx.array, routing: Routing, gate: Sequence, up: Sequence, variant: str) -> mx.array:
+    """:func:`gate_up_swiglu` with ``h`` as the kernel writes it (for "wg":
+    columns in :func:`permute_k` order)."""
     if x.ndim != 2 or x.dtype != mx.bfloat16 or x.shape[1] % BK:
         raise ValueError(f"gate_up_swiglu: x must be bfloat16 [N, D] with D % 64 == 0, got {x.dtype} {tuple(x.shape)}")
     n, d = x.shape
@@ -459,6 +559,8 @@ def gate_up_swiglu(
     _check_routing("gate_up_swiglu", routing, nk)
     if routing.groups.counts.shape[0] != e:
         raise ValueError(f"gate_up_swiglu: routing has {routing.groups.counts.shape[0]} experts, weights have {e}")
+    if variant == "wg":
+        _check_wg("gate_up_swiglu", d, i_dim, x.size, gate[0].size, up[0].size)
     if nk == 0:
         return mx.zeros((0, i_dim), mx.bfloat16)
     mt = routing.block_map.shape[0]
@@ -466,6 +568,8 @@ def gate_up_swiglu(
     nt = cfg["threads"]
     if variant == "async":
         _check_async_sizes("gate_up_swiglu", x.size, gate[0].size, up[0].size)
+    if variant == "wg":
+        x = permute_k(x)
     (h,) = kern(
         inputs=[x, *gate, *up, routing.groups.order, routing.groups.offsets, routing.block_map],
         output_shapes=[(nk, i_dim)],
@@ -499,7 +603,15 @@ def down_weighted(
     Raises:
         ValueError: bad shape/dtype of an argument (named in the message).
     """
-    variant = _check_variant("down_weighted", variant)
+    v = _check_variant("down_weighted", variant)
+    if v == "wg" and h.ndim == 2 and h.shape[-1] % WG_KC == 0:
+        h = permute_k(h)
+    return _down(h, routing, down, out_dtype, v)
+
+
+def _down(h: mx.array, routing: Routing, down: Sequence, out_dtype: mx.Dtype, variant: str) -> mx.array:
+    """:func:`down_weighted` on ``h`` as the gate+up kernel wrote it (for
+    "wg": columns in :func:`permute_k` order)."""
     if h.ndim != 2 or h.dtype != mx.bfloat16 or h.shape[1] % BK:
         raise ValueError(f"down_weighted: h must be bfloat16 [N*k, I] with I % 64 == 0, got {h.dtype} {tuple(h.shape)}")
     nk, i_dim = h.shape
@@ -517,6 +629,8 @@ def down_weighted(
     e, d = down[0].shape[0], down[0].shape[1]
     if routing.groups.counts.shape[0] != e:
         raise ValueError(f"down_weighted: routing has {routing.groups.counts.shape[0]} experts, weights have {e}")
+    if variant == "wg":
+        _check_wg("down_weighted", d, i_dim, h.size, down[0].size)
     if nk == 0:
         return mx.zeros((0, d), out_dtype)
     mt = routing.block_map.shape[0]
@@ -552,8 +666,9 @@ def moe_experts(
     Raises:
         ValueError: as :func:`gate_up_swiglu` / :func:`down_weighted`.
     """
+    v = _check_variant("moe_experts", variant)
     n, d = x.shape
-    h = gate_up_swiglu(x, routing, _q_arrays(gate_proj), _q_arrays(up_proj), variant=variant)
-    y = down_weighted(h, routing, _q_arrays(down_proj), variant=variant)
+    h = _gate_up(x, routing, _q_arrays(gate_proj), _q_arrays(up_proj), v)
+    y = _down(h, routing, _q_arrays(down_proj), mx.float32, v)
     k = routing.groups.top_k
     return y.reshape(n, k, d).sum(axis=1).astype(out_dtype or x.dtype)

@@ -1,0 +1,429 @@
+// Grouped expert GEMM with fused 4-bit dequantisation on Hopper's warpgroup
+// tensor-core instructions (wgmma): the "wg" variant of the prefill MoE
+// kernels (moe_grouped_gemm.cu holds the mma.sync variants and the contract).
+//
+// The GEMM is computed transposed, out^T[features, rows] = W[features, K] .
+// A^T[K, rows], so that the quantised weights are wgmma's A operand, taken
+// from registers: each thread dequantises only the weight elements of its
+// own A fragments (no dequantised tile is ever stored anywhere), and the
+// activation rows (x or h) are wgmma's B operand, copied with cp.async into a
+// ring of shared-memory slots in the 128-byte-swizzled K-major layout that
+// wgmma reads through a matrix descriptor. Rows of a work item are wgmma's N
+// (MOE_BM = 32, 64 or 128 = the routing's tile rows).
+//
+// K order. A thread's A fragment of one k16 step holds, for weight rows g and
+// g+8 of its warp's 16, the inputs at fragment slots 2q, 2q+1 (reg 0 / 1) and
+// 2q+8, 2q+9 (reg 2 / 3), q = lane % 4. Within each K chunk of 128 inputs
+// (two quantisation groups) thread q owns packed words 4q..4q+3 of each of its
+// rows (natural inputs 32q..32q+31: one 16-byte load per row and chunk) and
+// k16 step s (0..7) uses word s/2: slot 2q + 8hs + j holds the nibble
+// 2(s%2) + hs + 4j of that word (j = 0, 1 the bf16 halves of the register),
+// so one register is one nibble pair (a, a+4) of one word: a shift, one lop3
+// (OR into the mantissa of bf16 128), one sub.bf16x2 and one fma.bf16x2
+// (w = bf16(s * q + b), one rounding, as MLX's CUDA mx.dequantize). That
+// fixes the activation's K order: chunk position P = 16s + 8hs + 2q + j holds
+// natural input 32q + 8(s/2) + 2(s%2) + hs + 4j. The caller passes x in that
+// order (kernels/moe_grouped_gemm.py: permute_k), and the gate+up kernel
+// writes h in that order for the down kernel. Dot products are those of the
+// natural order (only the fp32 summation order differs).
+//
+// MOE_KIND 0 (gate + up + SwiGLU): inputs xp [N, K] bf16 (K-permuted),
+//   wg, sg, bg, wu, su, bu [E, O, K/8] / [E, O, K/64], order [NK], offsets
+//   [E+1], bmap [items, 2]; output h [NK, O] bf16, grouped row order, columns
+//   K-permuted per 128: h[r] = bf16(silu(bf16(x[order[r]/k] . Wg[e])) *
+//   bf16(x . Wu[e])). CTA = (item, 128 output features); warpgroup w takes
+//   features [64w, 64w+64) of both matrices (two wgmma per k16 step, the
+//   SwiGLU in registers).
+// MOE_KIND 1 (down, routing weight): inputs hp [NK, K] bf16 (grouped rows,
+//   K-permuted), wd, sd, bd, order, offsets, bmap, scores [NK] f32; output y
+//   [NK, O] MOE_YT in assignment order, natural columns: y[order[r]] =
+//   scores[order[r]] * bf16(h[r] . Wd[e]). CTA = (item, 256 output features);
+//   warpgroup w takes features [128w, 128w+128) as two 64-row wgmma tiles.
+// The caller sums y over the k assignments of each token.
+//
+// Pipeline: MOE_STAGES ring slots, one K chunk each (BM rows x 256 bytes: two
+// 64-input swizzle atoms). Chunk c+S-2 is copied while chunk c is multiplied;
+// the weight words of chunk c+1 are loaded into registers meanwhile. Per
+// k16 step: dequantise, wgmma.fence, two wgmma, commit, wait until at most
+// this step's group is in flight (the A registers of the previous step are
+// free again). Epilogue through shared memory (the ring's space): 16-byte
+// coalesced row stores.
+//
+// Requirements (the wrapper checks): K % 128 == 0, O % 128 == 0 (gate+up) or
+// % 256 == 0 (down), every weight array < 2^31 elements, dynamic shared
+// memory >= SMEM_BYTES (checked here: trap). Launch: grid (items * 256,
+// O / FEAT, 1) threads, 256 threads per CTA.
+//
+// Build macros: KNAME, MOE_KIND, MOE_BM (32/64/128), MOE_STAGES (3..6),
+// MOE_YT (down output type), MOE_MINB (optional minimum CTAs per SM).
+#include "gdn_common.cuh"
+
+#ifndef MOE_BM
+#define MOE_BM 64
+#endif
+#ifndef MOE_STAGES
+#define MOE_STAGES 4
+#endif
+#ifndef MOE_YT
+#define MOE_YT float
+#endif
+
+constexpr int BM = MOE_BM;  // rows of a work item = wgmma N
+constexpr int S = MOE_STAGES;
+constexpr int NT = 256;  // two warpgroups
+constexpr int KC = 128;  // inputs per ring slot (8 k16 steps, 2 quantisation groups)
+constexpr int FEAT = MOE_KIND == 0 ? 128 : 256;  // output features per CTA
+constexpr int ATOM = BM * 128;  // bytes of one 64-input swizzle atom
+constexpr int SLOT = 2 * ATOM;
+constexpr int RING = S * SLOT;
+constexpr int OUT_LD = MOE_KIND == 0 ? (FEAT + 8) * 2 : (FEAT + 4) * 4;  // staging row, bytes
+constexpr int STAGING = BM * OUT_LD;
+constexpr int SMEM_BYTES = (RING > STAGING ? RING : STAGING) + 1024;  // + alignment to 1024
+constexpr int CPT = BM * 16 / NT;  // 16-byte copies per thread per chunk
+constexpr int NACC = BM / 2;       // fp32 accumulators per thread per 64-row tile
+static_assert(BM == 32 || BM == 64 || BM == 128, "MOE_BM must be 32, 64 or 128");
+static_assert(S >= 3 && S <= 6, "MOE_STAGES must be 3..6");
+static_assert(CPT * NT == BM * 16, "copies must split evenly");
+static_assert(OUT_LD % 16 == 0, "staging rows must stay 16-byte aligned");
+typedef MOE_YT yt;
+#include "moe_gemm_common.cuh"
+
+// ---- wgmma -------------------------------------------------------------------
+
+// D[64 x N] += A[64 x 16] (registers) * B[16 x N] (shared memory, K-major,
+// 128-byte swizzle); N = 32, 64, 128.
+__device__ __forceinline__ void wgmma_n32(float* d, const unsigned* a, unsigned long long desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+__device__ __forceinline__ void wgmma_n64(float* d, const unsigned* a, unsigned long long desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+__device__ __forceinline__ void wgmma_n128(float* d, const unsigned* a, unsigned long long desc_b) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+}
+
+__device__ __forceinline__ void wgmma_tile(float* d, const unsigned* a, unsigned long long desc_b) {
+  if constexpr (BM == 32) {
+    wgmma_n32(d, a, desc_b);
+  } else if constexpr (BM == 64) {
+    wgmma_n64(d, a, desc_b);
+  } else {
+    wgmma_n128(d, a, desc_b);
+  }
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from touching an accumulator across an asynchronous wgmma.
+__device__ __forceinline__ void fence_acc(float& v) {
+  asm volatile("" : "+f"(v)::"memory");
+}
+// Generic-proxy shared-memory writes (cp.async) made visible to wgmma reads.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Descriptor of a K-major, 128-byte-swizzled operand tile at shared address
+// `addr` (the swizzle atom's base 1024-aligned; a k16 step inside the atom
+// adds 32 bytes): start >> 4, leading offset 16 B (unused), stride 1024 B
+// between 8-row groups, layout 1 = 128-byte swizzle.
+__device__ __forceinline__ unsigned long long sw128_desc(unsigned addr) {
+  return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void cp_async16_zfill(unsigned dst, const void* src, unsigned src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// One bf16x2 A register: nibbles (a, a + 4) of `word` -> bf16(s * q + b).
+template <int A>
+__device__ __forceinline__ unsigned dq_pair(unsigned word, unsigned s2, unsigned b2) {
+  const unsigned magic = 0x43004300u;  // bf16x2 (128, 128)
+  const unsigned m = ((word >> (4 * A)) & 0x000F000Fu) | magic;  // 128 + q, exact
+  unsigned q, r;
+  asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(q) : "r"(m), "r"(magic));
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(q), "r"(s2), "r"(b2));
+  return r;
+}
+
+template <int I>
+__device__ __forceinline__ unsigned word_of(const uint4& v) {
+  return I == 0 ? v.x : I == 1 ? v.y : I == 2 ? v.z : v.w;
+}
+
+// K-permuted position (within a 128 chunk) of natural input k (0..127).
+__device__ __forceinline__ int perm_pos(int k) {
+  const int q = k >> 5, w = (k >> 3) & 3, j = (k >> 2) & 1, u = (k >> 1) & 1, hs = k & 1;
+  return 32 * w + 16 * u + 8 * hs + 2 * q + j;
+}
+
+// Weight registers of one K chunk: [matrix / 64-row tile m][row g, g+8].
+struct WChunk {
+  uint4 w[2][2];
+  unsigned s2[2][2], b2[2][2];  // (scale, scale), (bias, bias) bf16x2
+};
+
+extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ int s_src[BM];  // source row of each tile row (-1: past the item's end)
+#if MOE_KIND == 1
+  __shared__ int s_aid[BM];
+  __shared__ float s_score[BM];
+#endif
+
+  const int item = blockIdx.x;
+  const int e = bmap[2 * item];
+  if (e < 0) return;
+  {
+    unsigned dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    if (dyn < (unsigned)SMEM_BYTES) __trap();  // launched with too little shared memory
+  }
+  const int row0 = offsets[e] + bmap[2 * item + 1] * BM;
+  const int rows = min(BM, offsets[e + 1] - row0);
+  const int f0 = blockIdx.y * FEAT;
+  const int tid = threadIdx.x;
+  if (tid < BM) {
+    const bool ok = tid < rows;
+    const int r = row0 + tid;
+#if MOE_KIND == 0
+    s_src[tid] = ok ? order[r] / topk : -1;  // token of the row
+#else
+    s_src[tid] = ok ? r : -1;  // h is in grouped order already
+    const int a = ok ? order[r] : 0;
+    s_aid[tid] = a;
+    s_score[tid] = ok ? scores[a] : 0.0f;
+#endif
+  }
+  __syncthreads();
+
+  const unsigned raw = smem_addr(smem_raw);
+  const unsigned base = (raw + 1023u) & ~1023u;  // swizzle atoms need 1024-byte alignment
+  unsigned char* const sm = smem_raw + (base - raw);
+  const int nch = K / KC;
+
+  // ---- activation copies: thread's 16-byte pieces of a chunk (fixed rows) ----
+  unsigned cp_dst[CPT], cp_src[CPT], cp_n[CPT];
+#pragma unroll
+  for (int u = 0; u < CPT; ++u) {
+    const int i = tid + u * NT;
+    const int r = i >> 4, j = i & 15;
+    cp_dst[u] = (unsigned)((j >> 3) * ATOM + r * 128 + (((j & 7) ^ (r & 7)) << 4));
+    const int sr = s_src[r];
+    cp_src[u] = (unsigned)(sr >= 0 ? sr : 0) * (unsigned)K + (unsigned)(j * 8);
+    cp_n[u] = sr >= 0 ? 16u : 0u;  // 0: zero fill
+  }
+  auto issue = [&](int c) {
+    const unsigned slot = base + (unsigned)((c % S) * SLOT);
+#pragma unroll
+    for (int u = 0; u < CPT; ++u) cp_async16_zfill(slot + cp_dst[u], x + cp_src[u] + c * KC, cp_n[u]);
+  };
+
+  // ---- weight rows of this thread ----
+  const int lane = tid & 31, warp = (tid >> 5) & 3, wgi = tid >> 7;
+  const int g = lane >> 2, q = lane & 3;
+  const int kw = K >> 3, kg = K >> 6;
+  unsigned w_off[2][2], s_off[2][2];
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+#if MOE_KIND == 0
+      const int row = f0 + 64 * wgi + 16 * warp + g + 8 * rh;  // same row of gate (m 0) and up (m 1)
+#else
+      const int row = f0 + 128 * wgi + 64 * m + 16 * warp + g + 8 * rh;
+#endif
+      const unsigned grow = (unsigned)e * (unsigned)O + (unsigned)row;
+      w_off[m][rh] = grow * (unsigned)kw + 4u * q;
+      s_off[m][rh] = grow * (unsigned)kg + (q >> 1);
+    }
+  auto load_w = [&](WChunk& wc, int c) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh) {
+#if MOE_KIND == 0
+        const unsigned* W = m == 0 ? w0 : w1;
+        const bf16_t* Sc = m == 0 ? s0 : s1;
+        const bf16_t* Bi = m == 0 ? b0 : b1;
+#else
+        const unsigned* W = w0;
+        const bf16_t* Sc = s0;
+        const bf16_t* Bi = b0;
+#endif
+        wc.w[m][rh] = *reinterpret_cast<const uint4*>(W + w_off[m][rh] + 16 * c);
+        const unsigned sv = Sc[s_off[m][rh] + 2 * c].x, bv = Bi[s_off[m][rh] + 2 * c].x;
+        wc.s2[m][rh] = sv | (sv << 16);
+        wc.b2[m][rh] = bv | (bv << 16);
+      }
+  };
+
+  float acc[2][NACC];
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) acc[m][i] = 0.0f;
+
+#pragma unroll
+  for (int p = 0; p < S - 2; ++p) {
+    if (p < nch) issue(p);
+    cp_async_commit();
+  }
+  WChunk cur, nxt;
+  load_w(cur, 0);
+
+  for (int c = 0; c < nch; ++c) {
+    cp_async_wait<S - 3>();  // this thread's copies of chunk c have landed
+    fence_proxy_async();     // ... and are visible to the tensor cores
+    __syncthreads();         // everyone's; and every wgmma of chunk c-2 is done
+    if (c + S - 2 < nch) issue(c + S - 2);  // into chunk c-2's slot
+    cp_async_commit();
+    if (c + 1 < nch) load_w(nxt, c + 1);
+    const unsigned slot = base + (unsigned)((c % S) * SLOT);
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      unsigned a[2][4];
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        // k16 step s: word s/2 of each row, nibble pairs 2(s%2) (slots 2q, 2q+1) and 2(s%2)+1 (2q+8, 2q+9)
+        unsigned w_lo = 0, w_hi = 0;
+        switch (s >> 1) {
+          case 0: w_lo = word_of<0>(cur.w[m][0]); w_hi = word_of<0>(cur.w[m][1]); break;
+          case 1: w_lo = word_of<1>(cur.w[m][0]); w_hi = word_of<1>(cur.w[m][1]); break;
+          case 2: w_lo = word_of<2>(cur.w[m][0]); w_hi = word_of<2>(cur.w[m][1]); break;
+          default: w_lo = word_of<3>(cur.w[m][0]); w_hi = word_of<3>(cur.w[m][1]); break;
+        }
+        if (s & 1) {
+          a[m][0] = dq_pair<2>(w_lo, cur.s2[m][0], cur.b2[m][0]);
+          a[m][1] = dq_pair<2>(w_hi, cur.s2[m][1], cur.b2[m][1]);
+          a[m][2] = dq_pair<3>(w_lo, cur.s2[m][0], cur.b2[m][0]);
+          a[m][3] = dq_pair<3>(w_hi, cur.s2[m][1], cur.b2[m][1]);
+        } else {
+          a[m][0] = dq_pair<0>(w_lo, cur.s2[m][0], cur.b2[m][0]);
+          a[m][1] = dq_pair<0>(w_hi, cur.s2[m][1], cur.b2[m][1]);
+          a[m][2] = dq_pair<1>(w_lo, cur.s2[m][0], cur.b2[m][0]);
+          a[m][3] = dq_pair<1>(w_hi, cur.s2[m][1], cur.b2[m][1]);
+        }
+      }
+      const unsigned long long desc = sw128_desc(slot + (unsigned)((s >> 2) * ATOM + (s & 3) * 32));
+      wgmma_fence();
+      wgmma_tile(acc[0], a[0], desc);
+      wgmma_tile(acc[1], a[1], desc);
+      wgmma_commit();
+      wgmma_wait<1>();
+    }
+    if (c + 1 < nch) cur = nxt;
+  }
+  wgmma_wait<0>();
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int i = 0; i < NACC; ++i) fence_acc(acc[m][i]);
+  cp_async_wait<0>();
+  __syncthreads();  // the ring is free: the epilogue stages its rows there
+
+  // ---- epilogue: accumulator (m, 4j + 2rh + e2) = feature 16 warp + g + 8 rh of tile m, row 8j + 2q + e2
+#if MOE_KIND == 0
+  gdn_u16* hs = reinterpret_cast<gdn_u16*>(sm);
+  constexpr int LD = FEAT + 8;
+#pragma unroll
+  for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh)
+#pragma unroll
+      for (int e2 = 0; e2 < 2; ++e2) {
+        const int i = 4 * j + 2 * rh + e2;
+        const float gt = from_f_round<bf16_t>(acc[0][i]);
+        const float up = from_f_round<bf16_t>(acc[1][i]);
+        const int n = 8 * j + 2 * q + e2;
+        const int fl = 64 * wgi + 16 * warp + g + 8 * rh;
+        hs[n * LD + perm_pos(fl)] = from_f<bf16_t>(silu_f(gt) * up).x;
+      }
+  __syncthreads();
+  // row n: FEAT bf16 = 16 pieces of 16 bytes
+  for (int i = tid; i < BM * 16; i += NT) {
+    const int n = i >> 4, pc = i & 15;
+    if (n < rows)
+      *reinterpret_cast<uint4*>(y + (size_t)(row0 + n) * O + f0 + pc * 8) =
+          *reinterpret_cast<const uint4*>(hs + n * LD + pc * 8);
+  }
+#else
+  float* ys = reinterpret_cast<float*>(sm);
+  constexpr int LD = FEAT + 4;
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh)
+#pragma unroll
+        for (int e2 = 0; e2 < 2; ++e2) {
+          const int n = 8 * j + 2 * q + e2;
+          const int fl = 128 * wgi + 64 * m + 16 * warp + g + 8 * rh;
+          ys[n * LD + fl] = from_f_round<bf16_t>(acc[m][4 * j + 2 * rh + e2]) * s_score[n];
+        }
+  __syncthreads();
+  constexpr int PER = 16 / sizeof(yt);  // outputs per 16-byte store
+  for (int i = tid; i < BM * (FEAT / PER); i += NT) {
+    const int n = i / (FEAT / PER), pc = i % (FEAT / PER);
+    if (n >= rows) continue;
+    const float* src = ys + n * LD + pc * PER;
+    yt* dst = y + (size_t)s_aid[n] * O + f0 + pc * PER;
+    if constexpr (sizeof(yt) == 4) {
+      *reinterpret_cast<float4*>(dst) = *reinterpret_cast<const float4*>(src);
+    } else {
+      const float4 lo = *reinterpret_cast<const float4*>(src);
+      const float4 hi = *reinterpret_cast<const float4*>(src + 4);
+      *reinterpret_cast<uint4*>(dst) = make_uint4(pack_bf16(lo.x, lo.y), pack_bf16(lo.z, lo.w),
+                                                  pack_bf16(hi.x, hi.y), pack_bf16(hi.z, hi.w));
+    }
+  }
+#endif
+}
