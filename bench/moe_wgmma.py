@@ -142,16 +142,25 @@ def section_time(args):
     for t in ((512, 2048) if args.quick else (512, 2048, 4096)):
         x, logits = make_inputs(t, seed=t)
         flops = 2 * t * K * 3 * D * I
-        specs = [("pflv", gg.choose_tile_rows(t * K, E, "pflv"))]
-        specs += [("wg", tile) for tile in ((32, 64) if t <= 512 else (64, 128))]
-        for v, tile in specs:
-            r = mr.route_and_group(logits, K, tile)
-            mx.eval(r.inds, r.scores, r.groups.order, r.block_map)
-            res = chain_latency(_chain_experts(gg, sm, r, x, v), n=6)
-            h = gg._gate_up(x, r, _arr(sm.gate_proj), _arr(sm.up_proj), v)
-            mx.eval(h)
-            rd = chain_latency(_chain_down(gg, sm, r, h, v), n=6)
-            row = dict(t=t, variant=v, tile=tile, experts_steady_ms=res["steady"] * 1e3,
+        specs = [("pflv", gg.choose_tile_rows(t * K, E, "pflv"), {})]
+        specs += [("wg", tile, tune) for tile, tune in (
+            ((32, {}), (32, {"minb": 2}), (64, {})) if t <= 512 else
+            ((64, {}), (64, {"minb": 2}), (128, {}), (32, {"minb": 2})))]
+        for v, tile, tune in specs:
+            saved = dict(gg.WG_TUNE)
+            gg.WG_TUNE.update(tune)
+            try:
+                r = mr.route_and_group(logits, K, tile)
+                mx.eval(r.inds, r.scores, r.groups.order, r.block_map)
+                res = chain_latency(_chain_experts(gg, sm, r, x, v), n=6)
+                h = gg._gate_up(x, r, _arr(sm.gate_proj), _arr(sm.up_proj), v)
+                mx.eval(h)
+                rd = chain_latency(_chain_down(gg, sm, r, h, v), n=6)
+            finally:
+                gg.WG_TUNE.clear()
+                gg.WG_TUNE.update(saved)
+            name = v + "".join(f",{a}={b}" for a, b in tune.items())
+            row = dict(t=t, variant=name, tile=tile, experts_steady_ms=res["steady"] * 1e3,
                        experts_marginal_ms=res["marginal"] * 1e3, down_steady_ms=rd["steady"] * 1e3,
                        tflops=flops / res["steady"] / 1e12)
             log(f"[time] {row}")
@@ -192,9 +201,9 @@ def summary(results):
             c.get("error", "")[:120]))
     tm = results.get("time", {}).get("rows", [])
     if tm:
-        lines.append(f"{'T':>5s} {'variant':8s} {'tile':>4s} {'experts ms':>10s} {'TFLOP/s':>8s} {'down ms':>8s}")
+        lines.append(f"{'T':>5s} {'variant':14s} {'tile':>4s} {'experts ms':>10s} {'TFLOP/s':>8s} {'down ms':>8s}")
         for r in tm:
-            lines.append(f"{r['t']:5d} {r['variant']:8s} {r['tile']:4d} {r['experts_steady_ms']:10.3f} "
+            lines.append(f"{r['t']:5d} {r['variant']:14s} {r['tile']:4d} {r['experts_steady_ms']:10.3f} "
                          f"{r['tflops']:8.1f} {r['down_steady_ms']:8.3f}")
     log("\n".join(lines))
 

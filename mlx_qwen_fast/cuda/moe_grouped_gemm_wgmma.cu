@@ -193,9 +193,8 @@ __device__ __forceinline__ unsigned dq_pair(unsigned word, unsigned s2, unsigned
   return r;
 }
 
-template <int I>
-__device__ __forceinline__ unsigned word_of(const uint4& v) {
-  return I == 0 ? v.x : I == 1 ? v.y : I == 2 ? v.z : v.w;
+__device__ __forceinline__ unsigned word_of_rt(const uint4& v, int i) {  // i a compile-time constant after unrolling
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
 // K-permuted position (within a 128 chunk) of natural input k (0..127).
@@ -204,10 +203,12 @@ __device__ __forceinline__ int perm_pos(int k) {
   return 32 * w + 16 * u + 8 * hs + 2 * q + j;
 }
 
-// Weight registers of one K chunk: [matrix / 64-row tile m][row g, g+8].
+// Weight registers of one K chunk: [matrix / 64-row tile m][row g, g+8],
+// kept as loaded (no arithmetic on them until the chunk is multiplied, so a
+// load in flight never stalls the chunk before).
 struct WChunk {
   uint4 w[2][2];
-  unsigned s2[2][2], b2[2][2];  // (scale, scale), (bias, bias) bf16x2
+  unsigned short s[2][2], b[2][2];  // the rows' scale and bias (bf16 bits)
 };
 
 extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
@@ -299,9 +300,8 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
         const bf16_t* Bi = b0;
 #endif
         wc.w[m][rh] = *reinterpret_cast<const uint4*>(W + w_off[m][rh] + 16 * c);
-        const unsigned sv = Sc[s_off[m][rh] + 2 * c].x, bv = Bi[s_off[m][rh] + 2 * c].x;
-        wc.s2[m][rh] = sv | (sv << 16);
-        wc.b2[m][rh] = bv | (bv << 16);
+        wc.s[m][rh] = Sc[s_off[m][rh] + 2 * c].x;
+        wc.b[m][rh] = Bi[s_off[m][rh] + 2 * c].x;
       }
   };
 
@@ -316,50 +316,59 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
     if (p < nch) issue(p);
     cp_async_commit();
   }
-  WChunk cur, nxt;
-  load_w(cur, 0);
-
-  for (int c = 0; c < nch; ++c) {
+  // One K chunk: wait for its activation slot, refill the slot of chunk c-2,
+  // load the next chunk's weights into `fill`, multiply with `use`.
+  auto chunk = [&](int c, const WChunk& use, WChunk& fill) {
     cp_async_wait<S - 3>();  // this thread's copies of chunk c have landed
     fence_proxy_async();     // ... and are visible to the tensor cores
     __syncthreads();         // everyone's; and every wgmma of chunk c-2 is done
     if (c + S - 2 < nch) issue(c + S - 2);  // into chunk c-2's slot
     cp_async_commit();
-    if (c + 1 < nch) load_w(nxt, c + 1);
+    if (c + 1 < nch) load_w(fill, c + 1);
+    unsigned s2[2][2], b2[2][2];
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int rh = 0; rh < 2; ++rh) {
+        const unsigned sv = use.s[m][rh], bv = use.b[m][rh];
+        s2[m][rh] = sv | (sv << 16);
+        b2[m][rh] = bv | (bv << 16);
+      }
     const unsigned slot = base + (unsigned)((c % S) * SLOT);
 #pragma unroll
-    for (int s = 0; s < 8; ++s) {
+    for (int st = 0; st < 8; ++st) {
       unsigned a[2][4];
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
-        // k16 step s: word s/2 of each row, nibble pairs 2(s%2) (slots 2q, 2q+1) and 2(s%2)+1 (2q+8, 2q+9)
-        unsigned w_lo = 0, w_hi = 0;
-        switch (s >> 1) {
-          case 0: w_lo = word_of<0>(cur.w[m][0]); w_hi = word_of<0>(cur.w[m][1]); break;
-          case 1: w_lo = word_of<1>(cur.w[m][0]); w_hi = word_of<1>(cur.w[m][1]); break;
-          case 2: w_lo = word_of<2>(cur.w[m][0]); w_hi = word_of<2>(cur.w[m][1]); break;
-          default: w_lo = word_of<3>(cur.w[m][0]); w_hi = word_of<3>(cur.w[m][1]); break;
-        }
-        if (s & 1) {
-          a[m][0] = dq_pair<2>(w_lo, cur.s2[m][0], cur.b2[m][0]);
-          a[m][1] = dq_pair<2>(w_hi, cur.s2[m][1], cur.b2[m][1]);
-          a[m][2] = dq_pair<3>(w_lo, cur.s2[m][0], cur.b2[m][0]);
-          a[m][3] = dq_pair<3>(w_hi, cur.s2[m][1], cur.b2[m][1]);
+        // k16 step st: word st/2 of each row, nibble pairs 2(st%2) (slots 2q, 2q+1) and 2(st%2)+1 (2q+8, 2q+9)
+        const unsigned w_lo = word_of_rt(use.w[m][0], st >> 1), w_hi = word_of_rt(use.w[m][1], st >> 1);
+        if (st & 1) {
+          a[m][0] = dq_pair<2>(w_lo, s2[m][0], b2[m][0]);
+          a[m][1] = dq_pair<2>(w_hi, s2[m][1], b2[m][1]);
+          a[m][2] = dq_pair<3>(w_lo, s2[m][0], b2[m][0]);
+          a[m][3] = dq_pair<3>(w_hi, s2[m][1], b2[m][1]);
         } else {
-          a[m][0] = dq_pair<0>(w_lo, cur.s2[m][0], cur.b2[m][0]);
-          a[m][1] = dq_pair<0>(w_hi, cur.s2[m][1], cur.b2[m][1]);
-          a[m][2] = dq_pair<1>(w_lo, cur.s2[m][0], cur.b2[m][0]);
-          a[m][3] = dq_pair<1>(w_hi, cur.s2[m][1], cur.b2[m][1]);
+          a[m][0] = dq_pair<0>(w_lo, s2[m][0], b2[m][0]);
+          a[m][1] = dq_pair<0>(w_hi, s2[m][1], b2[m][1]);
+          a[m][2] = dq_pair<1>(w_lo, s2[m][0], b2[m][0]);
+          a[m][3] = dq_pair<1>(w_hi, s2[m][1], b2[m][1]);
         }
       }
-      const unsigned long long desc = sw128_desc(slot + (unsigned)((s >> 2) * ATOM + (s & 3) * 32));
+      const unsigned long long desc = sw128_desc(slot + (unsigned)((st >> 2) * ATOM + (st & 3) * 32));
       wgmma_fence();
       wgmma_tile(acc[0], a[0], desc);
       wgmma_tile(acc[1], a[1], desc);
       wgmma_commit();
       wgmma_wait<1>();
     }
-    if (c + 1 < nch) cur = nxt;
+  };
+
+  // Two weight buffers in turn (no register copies between chunks).
+  WChunk wa, wb;
+  load_w(wa, 0);
+  for (int c = 0; c < nch; c += 2) {
+    chunk(c, wa, wb);
+    if (c + 1 < nch) chunk(c + 1, wb, wa);
   }
   wgmma_wait<0>();
 #pragma unroll

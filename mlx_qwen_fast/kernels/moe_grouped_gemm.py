@@ -132,8 +132,10 @@ VARIANT_ROUNDING = {"base": "twice", "deq": "once", "pf": "once", "pfl": "once",
 #: (grid x = column tile) instead of all items of one column tile.
 ASYNC_TUNE = {"stages": 4, "gate_up_bn": 128, "down_bn": 128, "down_bn_bm32": 256, "cols_fast": False}
 #: Tuning of the "wg" variant: cp.async ring depth (K chunks of 128 inputs
-#: in flight: stages - 2 ahead of the one being multiplied).
-WG_TUNE = {"stages": 4, "rows128_from": None}
+#: in flight: stages - 2 ahead of the one being multiplied); "rows128_from":
+#: rows per expert on average from which work items take 128 rows (None:
+#: never); "minb": a register cap for that many CTAs per SM (None: none).
+WG_TUNE = {"stages": 4, "rows128_from": None, "minb": None}
 #: Output features per CTA of the "wg" kernels: gate+up (two warpgroups x 64
 #: features of both matrices), down (two warpgroups x two 64-row tiles).
 WG_FEAT = {0: 128, 1: 256}
@@ -378,6 +380,8 @@ def _wg_config(kind: int, bm: int, out_cols: int) -> dict:
     ring = stages * bm * 2 * WG_KC
     staging = bm * ((feat + 8) * 2 if kind == 0 else (feat + 4) * 4)
     d = dict(MOE_BM=bm, MOE_STAGES=stages)
+    if WG_TUNE.get("minb"):
+        d["MOE_MINB"] = int(WG_TUNE["minb"])
     return dict(defines=d, threads=256, bn=feat, source="moe_grouped_gemm_wgmma.cu",
                 smem=max(ring, staging) + 1024)
 
