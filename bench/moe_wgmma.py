@@ -144,8 +144,9 @@ def section_time(args):
         flops = 2 * t * K * 3 * D * I
         specs = [("pflv", gg.choose_tile_rows(t * K, E, "pflv"), {})]
         specs += [("wg", tile, tune) for tile, tune in (
-            ((32, {}), (32, {"minb": 2}), (64, {})) if t <= 512 else
-            ((64, {}), (64, {"minb": 2}), (128, {}), (32, {"minb": 2})))]
+            ((32, {}), (32, {"down_ft": 8}), (64, {}), (64, {"down_ft": 4})) if t <= 512 else
+            ((64, {}), (64, {"waitn": 2}), (64, {"down_ft": 4}), (64, {"down_ft": 8}),
+             (64, {"down_ft": 4, "waitn": 2}), (128, {}), (128, {"down_ft": 2}), (32, {"down_ft": 8})))]
         for v, tile, tune in specs:
             saved = dict(gg.WG_TUNE)
             gg.WG_TUNE.update(tune)

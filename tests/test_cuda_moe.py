@@ -266,8 +266,20 @@ def test_wg_variant_config():
             st = c["defines"]["MOE_STAGES"]
             assert c["threads"] == 256 and c["bn"] == feat and c["source"] == "moe_grouped_gemm_wgmma.cu"
             assert c["defines"]["MOE_BM"] == bm and 3 <= st <= 6
-            staging = bm * ((feat + 8) * 2 if kind == 0 else (feat + 4) * 4)
+            staging = bm * (feat + 8) * 2 if kind == 0 else 0  # down stores from registers
             assert c["smem"] == max(st * bm * 256, staging) + 1024 <= 227 * 1024
+            assert "MOE_FT" not in c["defines"]  # down_ft 1 by default
+    saved = dict(gg.WG_TUNE)
+    try:  # several feature tiles per down CTA only where h fits the ring and D splits evenly
+        gg.WG_TUNE["down_ft"] = 4
+        assert gg.variant_config("wg", 1, 64, 2048, 512)["bn"] == 1024
+        assert gg.variant_config("wg", 1, 64, 2048, 512)["defines"]["MOE_FT"] == 4
+        assert "MOE_FT" not in gg.variant_config("wg", 1, 64, 2048, 1024)["defines"]  # K > 128 * stages
+        assert "MOE_FT" not in gg.variant_config("wg", 1, 64, 512, 512)["defines"]  # 512 % 1024
+        assert "MOE_FT" not in gg.variant_config("wg", 0, 64, 512, 2048)["defines"]
+    finally:
+        gg.WG_TUNE.clear()
+        gg.WG_TUNE.update(saved)
     with pytest.raises(ValueError, match="multiple of 128"):
         gg.variant_config("wg", 0, 64, 192)
     with pytest.raises(ValueError, match="multiple of 256"):
@@ -656,6 +668,35 @@ def test_wg_grouped_gemm_vs_reference(poison, D, I, E, n, kind, tile):
     assert rel(got, want) < 4 * BF16_EPS
     # the same function as the checked mma.sync kernel (same one-rounding dequantisation)
     assert rel(got, gg.moe_experts(x, r, gate, up, down, out_dtype=mx.float32, variant="pflv")) < 4 * BF16_EPS
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("tune", [{"down_ft": 2}, {"down_ft": 4}, {"down_ft": 8}, {"waitn": 2},
+                                  {"down_ft": 4, "waitn": 2}])
+@pytest.mark.parametrize("D,I,E,n,tile", [(2048, 512, 256, 300, 64), (2048, 512, 256, 4099, 128),
+                                          (512, 256, 64, 77, 32), (1024, 640, 32, 40, 64)])
+def test_wg_tunings_vs_reference(poison, tune, D, I, E, n, tile):
+    """The "wg" build options (several feature tiles per down CTA with h
+    resident, where I fits the ring and D splits evenly, else one; two wgmma
+    groups in flight) compute the same function."""
+    saved = dict(gg.WG_TUNE)
+    gg.WG_TUNE.update(tune)
+    try:
+        k = 8
+        gate, up, down = qproj(E, I, D, 21), qproj(E, I, D, 22), qproj(E, D, I, 23)
+        x = mx.random.normal((n, D), key=mx.random.key(n + 5)).astype(mx.bfloat16)
+        r = mr.route_and_group(make_logits(n, E, "skewed", seed=n, dtype=mx.float32), k, tile)
+        h_ref, y_ref = dense_ref(x, r, gate, up, down, "once")
+        for out_dtype in (mx.float32, mx.bfloat16):
+            y = gg.down_weighted(h_ref.astype(mx.bfloat16), r, (down.weight, down.scales, down.biases),
+                                 out_dtype=out_dtype, variant="wg")
+            assert y.dtype == out_dtype and finite(y) and rel(y, y_ref) < 2 * BF16_EPS
+        got = gg.moe_experts(x, r, gate, up, down, out_dtype=mx.float32, variant="wg")
+        assert finite(got) and rel(got, y_ref.reshape(n, k, D).sum(axis=1)) < 4 * BF16_EPS
+    finally:
+        gg.WG_TUNE.clear()
+        gg.WG_TUNE.update(saved)
 
 
 @cuda

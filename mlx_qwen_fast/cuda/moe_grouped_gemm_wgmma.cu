@@ -46,16 +46,22 @@
 // the weight words of chunk c+1 are loaded into registers meanwhile. Per
 // k16 step: dequantise, wgmma.fence, two wgmma, commit, wait until at most
 // this step's group is in flight (the A registers of the previous step are
-// free again). Epilogue through shared memory (the ring's space): 16-byte
-// coalesced row stores.
+// free again; MOE_WAITN 2: two groups stay in flight). Gate+up epilogue
+// through shared memory (the ring's space): 16-byte coalesced row stores.
+// Down: stores straight from the accumulators (each warp store covers 8
+// consecutive features of 4 rows: whole 32-byte sectors in fp32); with
+// MOE_FT > 1 a CTA keeps its item's whole h tile in the ring (K <= 128 *
+// MOE_STAGES) and computes MOE_FT feature tiles of 256 in turn, the weight
+// loads running on across tile boundaries.
 //
 // Requirements (the wrapper checks): K % 128 == 0, O % 128 == 0 (gate+up) or
-// % 256 == 0 (down), every weight array < 2^31 elements, dynamic shared
+// % (256 * MOE_FT) == 0 (down), K <= 128 * MOE_STAGES when MOE_FT > 1, every weight array < 2^31 elements, dynamic shared
 // memory >= SMEM_BYTES (checked here: trap). Launch: grid (items * 256,
 // O / FEAT, 1) threads, 256 threads per CTA.
 //
 // Build macros: KNAME, MOE_KIND, MOE_BM (32/64/128), MOE_STAGES (3..6),
-// MOE_YT (down output type), MOE_MINB (optional minimum CTAs per SM).
+// MOE_YT (down output type), MOE_MINB (optional minimum CTAs per SM),
+// MOE_WAITN (1/2), MOE_FT (down: feature tiles per CTA).
 #include "gdn_common.cuh"
 
 #ifndef MOE_BM
@@ -67,6 +73,12 @@
 #ifndef MOE_YT
 #define MOE_YT float
 #endif
+#ifndef MOE_WAITN
+#define MOE_WAITN 1  // wgmma groups left in flight after each k16 step
+#endif
+#ifndef MOE_FT
+#define MOE_FT 1  // down: feature tiles of FEAT per CTA, h resident (needs K / 128 <= MOE_STAGES)
+#endif
 
 constexpr int BM = MOE_BM;  // rows of a work item = wgmma N
 constexpr int S = MOE_STAGES;
@@ -77,7 +89,7 @@ constexpr int ATOM = BM * 128;  // bytes of one 64-input swizzle atom
 constexpr int SLOT = 2 * ATOM;
 constexpr int RING = S * SLOT;
 constexpr int OUT_LD = MOE_KIND == 0 ? (FEAT + 8) * 2 : (FEAT + 4) * 4;  // staging row, bytes
-constexpr int STAGING = BM * OUT_LD;
+constexpr int STAGING = MOE_KIND == 0 ? BM * OUT_LD : 0;  // down stores straight from registers
 constexpr int SMEM_BYTES = (RING > STAGING ? RING : STAGING) + 1024;  // + alignment to 1024
 constexpr int CPT = BM * 16 / NT;  // 16-byte copies per thread per chunk
 constexpr int NACC = BM / 2;       // fp32 accumulators per thread per 64-row tile
@@ -85,6 +97,8 @@ static_assert(BM == 32 || BM == 64 || BM == 128, "MOE_BM must be 32, 64 or 128")
 static_assert(S >= 3 && S <= 6, "MOE_STAGES must be 3..6");
 static_assert(CPT * NT == BM * 16, "copies must split evenly");
 static_assert(OUT_LD % 16 == 0, "staging rows must stay 16-byte aligned");
+static_assert(MOE_WAITN == 1 || MOE_WAITN == 2, "MOE_WAITN must be 1 or 2");
+static_assert(MOE_FT >= 1 && (MOE_KIND == 1 || MOE_FT == 1), "MOE_FT > 1 is for the down kernel");
 typedef MOE_YT yt;
 #include "moe_gemm_common.cuh"
 
@@ -229,7 +243,7 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
   }
   const int row0 = offsets[e] + bmap[2 * item + 1] * BM;
   const int rows = min(BM, offsets[e + 1] - row0);
-  const int f0 = blockIdx.y * FEAT;
+  const int f0 = blockIdx.y * FEAT * MOE_FT;
   const int tid = threadIdx.x;
   if (tid < BM) {
     const bool ok = tid < rows;
@@ -247,7 +261,9 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
 
   const unsigned raw = smem_addr(smem_raw);
   const unsigned base = (raw + 1023u) & ~1023u;  // swizzle atoms need 1024-byte alignment
-  unsigned char* const sm = smem_raw + (base - raw);
+#if MOE_KIND == 0
+  unsigned char* const sm = smem_raw + (base - raw);  // the epilogue's staging area
+#endif
   const int nch = K / KC;
 
   // ---- activation copies: thread's 16-byte pieces of a chunk (fixed rows) ----
@@ -285,7 +301,9 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
       w_off[m][rh] = grow * (unsigned)kw + 4u * q;
       s_off[m][rh] = grow * (unsigned)kg + (q >> 1);
     }
-  auto load_w = [&](WChunk& wc, int c) {
+  // Weights of unit u: K chunk u % nch of feature tile u / nch (MOE_FT > 1).
+  auto load_w = [&](WChunk& wc, int u) {
+    const int c = u % nch, ft = u / nch;
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
@@ -299,32 +317,32 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
         const bf16_t* Sc = s0;
         const bf16_t* Bi = b0;
 #endif
-        wc.w[m][rh] = *reinterpret_cast<const uint4*>(W + w_off[m][rh] + 16 * c);
-        wc.s[m][rh] = Sc[s_off[m][rh] + 2 * c].x;
-        wc.b[m][rh] = Bi[s_off[m][rh] + 2 * c].x;
+        const unsigned wo = w_off[m][rh] + (unsigned)(ft * FEAT * kw) + 16u * c;
+        const unsigned so = s_off[m][rh] + (unsigned)(ft * FEAT * kg) + 2u * c;
+        wc.w[m][rh] = *reinterpret_cast<const uint4*>(W + wo);
+        wc.s[m][rh] = Sc[so].x;
+        wc.b[m][rh] = Bi[so].x;
       }
   };
 
   float acc[2][NACC];
+  auto zero_acc = [&]() {
 #pragma unroll
-  for (int m = 0; m < 2; ++m)
+    for (int m = 0; m < 2; ++m)
 #pragma unroll
-    for (int i = 0; i < NACC; ++i) acc[m][i] = 0.0f;
+      for (int i = 0; i < NACC; ++i) acc[m][i] = 0.0f;
+  };
+  auto drain = [&]() {  // every wgmma done, accumulators final
+    wgmma_wait<0>();
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int i = 0; i < NACC; ++i) fence_acc(acc[m][i]);
+  };
 
-#pragma unroll
-  for (int p = 0; p < S - 2; ++p) {
-    if (p < nch) issue(p);
-    cp_async_commit();
-  }
-  // One K chunk: wait for its activation slot, refill the slot of chunk c-2,
-  // load the next chunk's weights into `fill`, multiply with `use`.
-  auto chunk = [&](int c, const WChunk& use, WChunk& fill) {
-    cp_async_wait<S - 3>();  // this thread's copies of chunk c have landed
-    fence_proxy_async();     // ... and are visible to the tensor cores
-    __syncthreads();         // everyone's; and every wgmma of chunk c-2 is done
-    if (c + S - 2 < nch) issue(c + S - 2);  // into chunk c-2's slot
-    cp_async_commit();
-    if (c + 1 < nch) load_w(fill, c + 1);
+  // The 8 k16 steps of one K chunk: activations from ring slot `slot`,
+  // weights from `use`.
+  auto mma_chunk = [&](const WChunk& use, unsigned slot) {
     unsigned s2[2][2], b2[2][2];
 #pragma unroll
     for (int m = 0; m < 2; ++m)
@@ -334,7 +352,6 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
         s2[m][rh] = sv | (sv << 16);
         b2[m][rh] = bv | (bv << 16);
       }
-    const unsigned slot = base + (unsigned)((c % S) * SLOT);
 #pragma unroll
     for (int st = 0; st < 8; ++st) {
       unsigned a[2][4];
@@ -359,10 +376,74 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
       wgmma_tile(acc[0], a[0], desc);
       wgmma_tile(acc[1], a[1], desc);
       wgmma_commit();
-      wgmma_wait<1>();
+      wgmma_wait<MOE_WAITN>();
     }
   };
 
+#if MOE_KIND == 1
+  // y[order[r]] = score * bf16(acc), features f of tile ft, straight from the accumulators.
+  auto store_down = [&](int ft) {
+#pragma unroll
+    for (int m = 0; m < 2; ++m)
+#pragma unroll
+      for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+        for (int e2 = 0; e2 < 2; ++e2) {
+          const int n = 8 * j + 2 * q + e2;
+          if (n >= rows) continue;
+          const float sc = s_score[n];
+          yt* dst = y + (size_t)s_aid[n] * O + f0 + ft * FEAT + 128 * wgi + 64 * m + 16 * warp + g;
+#pragma unroll
+          for (int rh = 0; rh < 2; ++rh)
+            dst[8 * rh] = from_f<yt>(from_f_round<bf16_t>(acc[m][4 * j + 2 * rh + e2]) * sc);
+        }
+  };
+#endif
+
+#if MOE_KIND == 1 && MOE_FT > 1
+  // ---- down, h resident: copy all of the item's h once, then MOE_FT feature tiles ----
+  if (nch > S) __trap();  // the wrapper sends such K to MOE_FT 1 builds
+  for (int c = 0; c < nch; ++c) issue(c);
+  cp_async_commit();
+  cp_async_wait<0>();
+  fence_proxy_async();
+  __syncthreads();
+  const int units = MOE_FT * nch;
+  auto unit = [&](int u, const WChunk& use, WChunk& fill) {
+    const int c = u % nch;
+    if (c == 0) zero_acc();
+    if (u + 1 < units) load_w(fill, u + 1);
+    mma_chunk(use, base + (unsigned)(c * SLOT));
+    if (c == nch - 1) {
+      drain();
+      store_down(u / nch);
+    }
+  };
+  WChunk wa, wb;
+  load_w(wa, 0);
+  for (int u = 0; u < units; u += 2) {
+    unit(u, wa, wb);
+    if (u + 1 < units) unit(u + 1, wb, wa);
+  }
+#else
+  // ---- ring: chunk c+S-2 is copied while chunk c is multiplied ----
+  zero_acc();
+#pragma unroll
+  for (int p = 0; p < S - 2; ++p) {
+    if (p < nch) issue(p);
+    cp_async_commit();
+  }
+  // One K chunk: wait for its activation slot, refill the slot of chunk c-2,
+  // load the next chunk's weights into `fill`, multiply with `use`.
+  auto chunk = [&](int c, const WChunk& use, WChunk& fill) {
+    cp_async_wait<S - 3>();  // this thread's copies of chunk c have landed
+    fence_proxy_async();     // ... and are visible to the tensor cores
+    __syncthreads();         // everyone's; and every wgmma of chunk c-2 is done
+    if (c + S - 2 < nch) issue(c + S - 2);  // into chunk c-2's slot
+    cp_async_commit();
+    if (c + 1 < nch) load_w(fill, c + 1);
+    mma_chunk(use, base + (unsigned)((c % S) * SLOT));
+  };
   // Two weight buffers in turn (no register copies between chunks).
   WChunk wa, wb;
   load_w(wa, 0);
@@ -370,16 +451,12 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
     chunk(c, wa, wb);
     if (c + 1 < nch) chunk(c + 1, wb, wa);
   }
-  wgmma_wait<0>();
-#pragma unroll
-  for (int m = 0; m < 2; ++m)
-#pragma unroll
-    for (int i = 0; i < NACC; ++i) fence_acc(acc[m][i]);
+  drain();
   cp_async_wait<0>();
-  __syncthreads();  // the ring is free: the epilogue stages its rows there
 
-  // ---- epilogue: accumulator (m, 4j + 2rh + e2) = feature 16 warp + g + 8 rh of tile m, row 8j + 2q + e2
 #if MOE_KIND == 0
+  // ---- gate+up epilogue: accumulator (m, 4j + 2rh + e2) = feature 16 warp + g + 8 rh, row 8j + 2q + e2
+  __syncthreads();  // the ring is free: the epilogue stages its rows there
   gdn_u16* hs = reinterpret_cast<gdn_u16*>(sm);
   constexpr int LD = FEAT + 8;
 #pragma unroll
@@ -404,35 +481,7 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
           *reinterpret_cast<const uint4*>(hs + n * LD + pc * 8);
   }
 #else
-  float* ys = reinterpret_cast<float*>(sm);
-  constexpr int LD = FEAT + 4;
-#pragma unroll
-  for (int m = 0; m < 2; ++m)
-#pragma unroll
-    for (int j = 0; j < BM / 8; ++j)
-#pragma unroll
-      for (int rh = 0; rh < 2; ++rh)
-#pragma unroll
-        for (int e2 = 0; e2 < 2; ++e2) {
-          const int n = 8 * j + 2 * q + e2;
-          const int fl = 128 * wgi + 64 * m + 16 * warp + g + 8 * rh;
-          ys[n * LD + fl] = from_f_round<bf16_t>(acc[m][4 * j + 2 * rh + e2]) * s_score[n];
-        }
-  __syncthreads();
-  constexpr int PER = 16 / sizeof(yt);  // outputs per 16-byte store
-  for (int i = tid; i < BM * (FEAT / PER); i += NT) {
-    const int n = i / (FEAT / PER), pc = i % (FEAT / PER);
-    if (n >= rows) continue;
-    const float* src = ys + n * LD + pc * PER;
-    yt* dst = y + (size_t)s_aid[n] * O + f0 + pc * PER;
-    if constexpr (sizeof(yt) == 4) {
-      *reinterpret_cast<float4*>(dst) = *reinterpret_cast<const float4*>(src);
-    } else {
-      const float4 lo = *reinterpret_cast<const float4*>(src);
-      const float4 hi = *reinterpret_cast<const float4*>(src + 4);
-      *reinterpret_cast<uint4*>(dst) = make_uint4(pack_bf16(lo.x, lo.y), pack_bf16(lo.z, lo.w),
-                                                  pack_bf16(hi.x, hi.y), pack_bf16(hi.z, hi.w));
-    }
-  }
+  store_down(0);
+#endif
 #endif
 }

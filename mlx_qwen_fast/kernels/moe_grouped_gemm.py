@@ -134,8 +134,11 @@ ASYNC_TUNE = {"stages": 4, "gate_up_bn": 128, "down_bn": 128, "down_bn_bm32": 25
 #: Tuning of the "wg" variant: cp.async ring depth (K chunks of 128 inputs
 #: in flight: stages - 2 ahead of the one being multiplied); "rows128_from":
 #: rows per expert on average from which work items take 128 rows (None:
-#: never); "minb": a register cap for that many CTAs per SM (None: none).
-WG_TUNE = {"stages": 4, "rows128_from": None, "minb": None}
+#: never); "minb": a register cap for that many CTAs per SM (None: none);
+#: "waitn": wgmma groups left in flight after each k16 step (1 or 2);
+#: "down_ft": feature tiles of 256 per down CTA with the item's h resident
+#: in shared memory (used where I <= 128 * stages and D % (256 * down_ft) == 0).
+WG_TUNE = {"stages": 4, "rows128_from": None, "minb": None, "waitn": 1, "down_ft": 1}
 #: Output features per CTA of the "wg" kernels: gate+up (two warpgroups x 64
 #: features of both matrices), down (two warpgroups x two 64-row tiles).
 WG_FEAT = {0: 128, 1: 256}
@@ -306,14 +309,16 @@ def _check_variant(fn: str, variant: Optional[str]) -> str:
     return v
 
 
-def variant_config(variant: str, kind: int, bm: int, out_cols: int) -> dict:
+def variant_config(variant: str, kind: int, bm: int, out_cols: int, in_cols: Optional[int] = None) -> dict:
     """Build macros and launch shape of one kernel: dict of ``defines``
     (MOE_* macros without MOE_KIND / MOE_YT), ``threads`` per CTA and ``bn``
     (output columns per CTA). ``kind`` 0 = gate+up, 1 = down; ``bm`` the
     tile rows; ``out_cols`` the output width O (a multiple of 64).
     The "async" variant adds ``source`` (its .cu file) and ``smem`` (bytes of
     dynamic shared memory per CTA); the others use static shared memory only
-    (no ``smem`` key).
+    (no ``smem`` key). ``in_cols`` (K) is used by "wg" only: its down kernel
+    keeps the whole h tile resident (several feature tiles per CTA) when K
+    fits the ring.
 
     Raises:
         ValueError: an unknown ``variant``, ``kind`` not 0/1, ``bm`` not in
@@ -328,7 +333,7 @@ def variant_config(variant: str, kind: int, bm: int, out_cols: int) -> dict:
     if variant == "async":
         return _async_config(kind, bm, out_cols)
     if variant == "wg":
-        return _wg_config(kind, bm, out_cols)
+        return _wg_config(kind, bm, out_cols, in_cols)
     d = dict(MOE_BM=bm, MOE_BN=BN)
     wm, wn = (4, 2) if bm == 128 else (2, 2)
     if variant != "base":
@@ -372,16 +377,22 @@ def _async_config(kind: int, bm: int, out_cols: int) -> dict:
     return dict(defines=d, threads=32 * wm * 8, bn=bn, source="moe_grouped_gemm_async.cu", smem=smem)
 
 
-def _wg_config(kind: int, bm: int, out_cols: int) -> dict:
+def _wg_config(kind: int, bm: int, out_cols: int, in_cols: Optional[int] = None) -> dict:
     feat = WG_FEAT[kind]
     if out_cols % feat:
         raise ValueError(f"variant_config: variant 'wg' needs out_cols a multiple of {feat} for kind {kind}, got {out_cols}")
     stages = int(WG_TUNE["stages"])
     ring = stages * bm * 2 * WG_KC
-    staging = bm * ((feat + 8) * 2 if kind == 0 else (feat + 4) * 4)
     d = dict(MOE_BM=bm, MOE_STAGES=stages)
     if WG_TUNE.get("minb"):
         d["MOE_MINB"] = int(WG_TUNE["minb"])
+    if int(WG_TUNE.get("waitn", 1)) != 1:
+        d["MOE_WAITN"] = int(WG_TUNE["waitn"])
+    ft = int(WG_TUNE.get("down_ft", 1))
+    if kind == 1 and ft > 1 and in_cols is not None and in_cols <= WG_KC * stages and out_cols % (feat * ft) == 0:
+        d["MOE_FT"] = ft
+        feat *= ft
+    staging = bm * (feat + 8) * 2 if kind == 0 else 0  # down stores from registers
     return dict(defines=d, threads=256, bn=feat, source="moe_grouped_gemm_wgmma.cu",
                 smem=max(ring, staging) + 1024)
 
@@ -445,9 +456,9 @@ def supports(x: mx.array, gate_proj, up_proj, down_proj) -> bool:
 
 
 def _kernel(kind: int, bm: int, yt: str = "bf16_t", variant: Optional[str] = None,
-            out_cols: int = 512) -> Tuple[cb.CudaKernel, dict]:
+            out_cols: int = 512, in_cols: Optional[int] = None) -> Tuple[cb.CudaKernel, dict]:
     """(kernel, variant_config) of one build; cached per configuration."""
-    cfg = variant_config(_check_variant("_kernel", variant), kind, bm, out_cols)
+    cfg = variant_config(_check_variant("_kernel", variant), kind, bm, out_cols, in_cols)
     defs = dict(cfg["defines"], MOE_KIND=kind)
     if kind == 1:
         defs["MOE_YT"] = yt
@@ -568,7 +579,7 @@ def _gate_up(x: mx.array, routing: Routing, gate: Sequence, up: Sequence, varian
     if nk == 0:
         return mx.zeros((0, i_dim), mx.bfloat16)
     mt = routing.block_map.shape[0]
-    kern, cfg = _kernel(0, routing.tile_rows, variant=variant, out_cols=i_dim)
+    kern, cfg = _kernel(0, routing.tile_rows, variant=variant, out_cols=i_dim, in_cols=d)
     nt = cfg["threads"]
     if variant == "async":
         _check_async_sizes("gate_up_swiglu", x.size, gate[0].size, up[0].size)
@@ -639,7 +650,7 @@ def _down(h: mx.array, routing: Routing, down: Sequence, out_dtype: mx.Dtype, va
         return mx.zeros((0, d), out_dtype)
     mt = routing.block_map.shape[0]
     kern, cfg = _kernel(1, routing.tile_rows, "float" if out_dtype == mx.float32 else "bf16_t",
-                        variant=variant, out_cols=d)
+                        variant=variant, out_cols=d, in_cols=i_dim)
     nt = cfg["threads"]
     if variant == "async":
         _check_async_sizes("down_weighted", h.size, down[0].size)
