@@ -143,10 +143,10 @@ def section_time(args):
         x, logits = make_inputs(t, seed=t)
         flops = 2 * t * K * 3 * D * I
         specs = [("pflv", gg.choose_tile_rows(t * K, E, "pflv"), {})]
+        auto = gg.choose_tile_rows(t * K, E, "wg")
         specs += [("wg", tile, tune) for tile, tune in (
-            ((32, {}), (32, {"down_ft": 8}), (64, {}), (64, {"down_ft": 4})) if t <= 512 else
-            ((64, {}), (64, {"waitn": 2}), (64, {"down_ft": 4}), (64, {"down_ft": 8}),
-             (64, {"down_ft": 4, "waitn": 2}), (128, {}), (128, {"down_ft": 2}), (32, {"down_ft": 8})))]
+            ((auto, {}), (auto, {"spg": 2})) if t <= 512 else
+            ((auto, {}), (auto, {"spg": 2}), (64 if auto == 32 else 32, {}), (128, {"spg": 2})))]
         for v, tile, tune in specs:
             saved = dict(gg.WG_TUNE)
             gg.WG_TUNE.update(tune)

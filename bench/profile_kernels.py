@@ -48,7 +48,7 @@ def _report(label, make, n, steady=(16, 48)):
 
 
 SCAN_CONFIGS = [None, (8, 2, 4, 64, 0, 1), (8, 2, 4, 16, 0, 1)]
-MOE_VARIANTS = ("pflv",)
+MOE_VARIANTS = ("pflv", "wg")
 
 
 def _uncapped(variant_config):

@@ -269,14 +269,18 @@ def test_wg_variant_config():
             staging = bm * (feat + 8) * 2 if kind == 0 else 0  # down stores from registers
             assert c["smem"] == max(st * bm * 256, staging) + 1024 <= 227 * 1024
             assert "MOE_FT" not in c["defines"]  # down_ft 1 by default
+    # several feature tiles per down CTA only where h fits the ring and D splits evenly
+    assert gg.variant_config("wg", 1, 64, 2048, 512, down_ft=4)["bn"] == 1024
+    assert gg.variant_config("wg", 1, 64, 2048, 512, down_ft=4)["defines"]["MOE_FT"] == 4
+    assert "MOE_FT" not in gg.variant_config("wg", 1, 64, 2048, 1024, down_ft=4)["defines"]  # K > 128 * stages
+    assert "MOE_FT" not in gg.variant_config("wg", 1, 64, 512, 512, down_ft=4)["defines"]  # 512 % 1024
+    assert "MOE_FT" not in gg.variant_config("wg", 0, 64, 512, 2048, down_ft=4)["defines"]
+    assert gg.wg_down_ft(4096 * 8, 256) == 8 and gg.wg_down_ft(512 * 8, 256) == 1
     saved = dict(gg.WG_TUNE)
-    try:  # several feature tiles per down CTA only where h fits the ring and D splits evenly
-        gg.WG_TUNE["down_ft"] = 4
-        assert gg.variant_config("wg", 1, 64, 2048, 512)["bn"] == 1024
-        assert gg.variant_config("wg", 1, 64, 2048, 512)["defines"]["MOE_FT"] == 4
-        assert "MOE_FT" not in gg.variant_config("wg", 1, 64, 2048, 1024)["defines"]  # K > 128 * stages
-        assert "MOE_FT" not in gg.variant_config("wg", 1, 64, 512, 512)["defines"]  # 512 % 1024
-        assert "MOE_FT" not in gg.variant_config("wg", 0, 64, 512, 2048)["defines"]
+    try:
+        gg.WG_TUNE["down_ft"] = 2
+        assert gg.wg_down_ft(512 * 8, 256) == 2
+        assert gg.variant_config("wg", 1, 64, 2048, 512)["defines"]["MOE_FT"] == 2
     finally:
         gg.WG_TUNE.clear()
         gg.WG_TUNE.update(saved)
@@ -288,7 +292,28 @@ def test_wg_variant_config():
     for d, i in ((192, 128), (320, 64), (384, 128), (2048, 64), (2048, 192)):
         assert not gg.wg_shapes_ok(d, i)
     assert gg.choose_tile_rows(512 * 8, 256, "wg") == 32
-    assert gg.choose_tile_rows(4096 * 8, 256, "wg") in (64, 128)
+    assert gg.choose_tile_rows(2048 * 8, 256, "wg") == 32
+    assert gg.choose_tile_rows(4096 * 8, 256, "wg") == 64
+
+
+def test_default_variant_falls_back(monkeypatch):
+    """The default ("wg") only where it runs: compute capability 9.0 and the
+    shapes it takes; elsewhere the fallback (never an error)."""
+    from mlx_qwen_fast.kernels import _cuda_build as cb
+
+    assert gg.DEFAULT_VARIANT == "wg" and gg.FALLBACK_VARIANT in gg.VARIANTS
+    monkeypatch.setattr(cb, "gpu_arch", lambda: (9, 0))
+    assert gg.default_variant(2048, 512) == "wg"
+    assert gg.default_variant(192, 128) == gg.FALLBACK_VARIANT
+    assert gg.default_variant(2048, 64) == gg.FALLBACK_VARIANT
+    monkeypatch.setattr(cb, "gpu_arch", lambda: (8, 0))
+    assert gg.default_variant(2048, 512) == gg.FALLBACK_VARIANT
+
+    def no_gpu():
+        raise RuntimeError("no CUDA driver")
+
+    monkeypatch.setattr(cb, "gpu_arch", no_gpu)
+    assert gg.default_variant(2048, 512) == gg.FALLBACK_VARIANT
 
 
 @pytest.mark.parametrize("lead", [(), (3,), (2, 5)])
@@ -672,8 +697,8 @@ def test_wg_grouped_gemm_vs_reference(poison, D, I, E, n, kind, tile):
 
 @cuda
 @needs_cuda
-@pytest.mark.parametrize("tune", [{"down_ft": 2}, {"down_ft": 4}, {"down_ft": 8}, {"waitn": 2},
-                                  {"down_ft": 4, "waitn": 2}])
+@pytest.mark.parametrize("tune", [{"down_ft": 1}, {"down_ft": 2}, {"down_ft": 4}, {"down_ft": 8}, {"spg": 2},
+                                  {"down_ft": 8, "spg": 2}])
 @pytest.mark.parametrize("D,I,E,n,tile", [(2048, 512, 256, 300, 64), (2048, 512, 256, 4099, 128),
                                           (512, 256, 64, 77, 32), (1024, 640, 32, 40, 64)])
 def test_wg_tunings_vs_reference(poison, tune, D, I, E, n, tile):

@@ -98,6 +98,8 @@ __all__ = [
     "TILE_CHOICES",
     "VARIANTS",
     "DEFAULT_VARIANT",
+    "FALLBACK_VARIANT",
+    "default_variant",
     "VARIANT_ROUNDING",
     "variant_config",
     "ASYNC_TUNE",
@@ -105,6 +107,7 @@ __all__ = [
     "permute_k",
     "unpermute_k",
     "wg_shapes_ok",
+    "wg_down_ft",
 ]
 
 BK = 64  # K step = quantisation group
@@ -112,12 +115,17 @@ BN = 64  # output columns per CTA
 NT = 128  # threads per CTA of the baseline variant
 TILE_CHOICES = (32, 64, 128)
 VARIANTS = ("base", "deq", "pf", "pfl", "pflv", "big", "async", "wg")
-#: The variant the public functions use when ``variant`` is None: "pflv".
-#: H200, T = 4096, experts + combine as the marginal latency of one call in a
-#: chain of dependent calls: pflv 1.40-1.44 ms against pfl 1.55-1.61 ms in the
-#: same runs; ncu GPU time gate+up 0.72 vs 0.79 ms, down 0.50 vs 0.60 ms
-#: (bench/results/moe-cuda-log.md, 2026-12-01, third session).
-DEFAULT_VARIANT = "pflv"
+#: The variant the public functions use when ``variant`` is None (see
+#: :func:`default_variant`): "wg". H200, experts + combine as the steady
+#: latency of one call in a chain of dependent calls, same runs
+#: (bench/results/moe-cuda-log.md, 2026-12-02, sixth session): T=4096 wg 1.108
+#: ms against pflv 1.346 ms; T=2048 0.661 vs 0.864; T=512 0.340 vs 0.49.
+#: Before it, "pflv" (1.40-1.44 ms against pfl's 1.55-1.61 ms, third session).
+DEFAULT_VARIANT = "wg"
+#: The variant used instead of :data:`DEFAULT_VARIANT` where that one cannot
+#: run (:func:`default_variant`): "wg" needs compute capability 9.0 and the
+#: shapes of :func:`wg_shapes_ok`.
+FALLBACK_VARIANT = "pflv"
 #: Dequantisation rounding of each variant (``rounding`` of unpack_affine_4bit).
 VARIANT_ROUNDING = {"base": "twice", "deq": "once", "pf": "once", "pfl": "once", "pflv": "once", "big": "once",
                     "async": "once", "wg": "once"}
@@ -132,13 +140,19 @@ VARIANT_ROUNDING = {"base": "twice", "deq": "once", "pf": "once", "pfl": "once",
 #: (grid x = column tile) instead of all items of one column tile.
 ASYNC_TUNE = {"stages": 4, "gate_up_bn": 128, "down_bn": 128, "down_bn_bm32": 256, "cols_fast": False}
 #: Tuning of the "wg" variant: cp.async ring depth (K chunks of 128 inputs
-#: in flight: stages - 2 ahead of the one being multiplied); "rows128_from":
-#: rows per expert on average from which work items take 128 rows (None:
-#: never); "minb": a register cap for that many CTAs per SM (None: none);
-#: "waitn": wgmma groups left in flight after each k16 step (1 or 2);
+#: in flight: stages - 2 ahead of the one being multiplied); "rows64_from" /
+#: "rows128_from": rows per expert on average from which work items take 64 /
+#: 128 rows (None: never; below: 32); "minb": a register cap for that many
+#: CTAs per SM (None: none); "spg": k16 steps per wgmma group (1 or 2);
 #: "down_ft": feature tiles of 256 per down CTA with the item's h resident
-#: in shared memory (used where I <= 128 * stages and D % (256 * down_ft) == 0).
-WG_TUNE = {"stages": 4, "rows128_from": None, "minb": None, "waitn": 1, "down_ft": 1}
+#: in shared memory (used where I <= 128 * stages and D % (256 * down_ft) ==
+#: 0), or "auto": 8 from 64 rows per expert on average, else 1.
+#: Measured on the H200 (bench/results/moe-cuda-log.md, 2026-12-02, sixth
+#: session), experts + combine, steady chained latency, ms: T=512 tile 32
+#: 0.340 (down_ft 8: 0.361); T=2048 tile 32 down_ft 8 0.661, tile 64 0.793,
+#: tile 64 down_ft 4 0.761; T=4096 tile 64 down_ft 8 1.108, tile 64 1.205,
+#: tile 128 1.146, tile 32 down_ft 8 1.143.
+WG_TUNE = {"stages": 4, "rows64_from": 128, "rows128_from": None, "minb": None, "spg": 1, "down_ft": "auto"}
 #: Output features per CTA of the "wg" kernels: gate+up (two warpgroups x 64
 #: features of both matrices), down (two warpgroups x two 64-row tiles).
 WG_FEAT = {0: 128, 1: 256}
@@ -243,6 +257,17 @@ def unpermute_k(a: mx.array) -> mx.array:
     return t.transpose(*range(nl), *(nl + i for i in (3, 0, 4, 1, 2))).reshape(*lead, k)
 
 
+def wg_down_ft(num_assignments: int, num_experts: int) -> int:
+    """Feature tiles per down CTA of the "wg" variant for a call:
+    ``WG_TUNE["down_ft"]`` when it is an int, else ("auto") 8 once experts
+    average 64 rows or more (few CTAs otherwise: T=512 measured slower with
+    8), else 1."""
+    ft = WG_TUNE.get("down_ft", "auto")
+    if isinstance(ft, int):
+        return ft
+    return 8 if num_assignments >= 64 * num_experts else 1
+
+
 def wg_shapes_ok(d: int, i: int) -> bool:
     """True when the "wg" kernels take hidden size ``d`` and expert size ``i``:
     both multiples of 128 (the K chunk), ``i`` of 128 (gate+up features per
@@ -295,30 +320,53 @@ def choose_tile_rows(num_assignments: int, num_experts: int, variant: Optional[s
     if variant == "async":  # 64 at every size from 64 rows/expert (unverified)
         return 64
     if variant == "wg":
-        r128 = WG_TUNE.get("rows128_from")  # rows per expert on average from which 128-row tiles
-        return 128 if r128 and num_assignments >= r128 * num_experts else 64
+        r128, r64 = WG_TUNE.get("rows128_from"), WG_TUNE.get("rows64_from")
+        if r128 and num_assignments >= r128 * num_experts:
+            return 128
+        return 64 if r64 is None or num_assignments >= r64 * num_experts else 32
     if variant != "big" or num_assignments < 128 * num_experts:
         return 64
     return 128
 
 
-def _check_variant(fn: str, variant: Optional[str]) -> str:
+def _is_sm90() -> bool:
+    try:
+        return cb.gpu_arch() == (9, 0)
+    except RuntimeError:
+        return False
+
+
+def default_variant(d: int, i: int) -> str:
+    """The variant the public functions run when ``variant`` is None, for
+    hidden size ``d`` and expert size ``i``: :data:`DEFAULT_VARIANT` where it
+    runs (for "wg": a GPU of compute capability 9.0 and :func:`wg_shapes_ok`),
+    else :data:`FALLBACK_VARIANT`. Never compiles."""
+    if DEFAULT_VARIANT == "wg" and not (wg_shapes_ok(d, i) and _is_sm90()):
+        return FALLBACK_VARIANT
+    return DEFAULT_VARIANT
+
+
+def _check_variant(fn: str, variant: Optional[str], d: Optional[int] = None, i: Optional[int] = None) -> str:
+    if variant is None and d is not None and i is not None:
+        return default_variant(d, i)
     v = DEFAULT_VARIANT if variant is None else variant
     if v not in VARIANTS:
         raise ValueError(f"{fn}: variant must be one of {VARIANTS}, got {variant!r}")
     return v
 
 
-def variant_config(variant: str, kind: int, bm: int, out_cols: int, in_cols: Optional[int] = None) -> dict:
+def variant_config(variant: str, kind: int, bm: int, out_cols: int, in_cols: Optional[int] = None,
+                   down_ft: Optional[int] = None) -> dict:
     """Build macros and launch shape of one kernel: dict of ``defines``
     (MOE_* macros without MOE_KIND / MOE_YT), ``threads`` per CTA and ``bn``
     (output columns per CTA). ``kind`` 0 = gate+up, 1 = down; ``bm`` the
     tile rows; ``out_cols`` the output width O (a multiple of 64).
     The "async" variant adds ``source`` (its .cu file) and ``smem`` (bytes of
     dynamic shared memory per CTA); the others use static shared memory only
-    (no ``smem`` key). ``in_cols`` (K) is used by "wg" only: its down kernel
-    keeps the whole h tile resident (several feature tiles per CTA) when K
-    fits the ring.
+    (no ``smem`` key). ``in_cols`` (K) and ``down_ft`` are used by "wg"
+    only: its down kernel keeps the whole h tile resident and computes
+    ``down_ft`` feature tiles per CTA (None: ``WG_TUNE["down_ft"]`` when it
+    is an int, else 1) when K fits the ring and the width splits evenly.
 
     Raises:
         ValueError: an unknown ``variant``, ``kind`` not 0/1, ``bm`` not in
@@ -333,7 +381,7 @@ def variant_config(variant: str, kind: int, bm: int, out_cols: int, in_cols: Opt
     if variant == "async":
         return _async_config(kind, bm, out_cols)
     if variant == "wg":
-        return _wg_config(kind, bm, out_cols, in_cols)
+        return _wg_config(kind, bm, out_cols, in_cols, down_ft)
     d = dict(MOE_BM=bm, MOE_BN=BN)
     wm, wn = (4, 2) if bm == 128 else (2, 2)
     if variant != "base":
@@ -377,7 +425,8 @@ def _async_config(kind: int, bm: int, out_cols: int) -> dict:
     return dict(defines=d, threads=32 * wm * 8, bn=bn, source="moe_grouped_gemm_async.cu", smem=smem)
 
 
-def _wg_config(kind: int, bm: int, out_cols: int, in_cols: Optional[int] = None) -> dict:
+def _wg_config(kind: int, bm: int, out_cols: int, in_cols: Optional[int] = None,
+               down_ft: Optional[int] = None) -> dict:
     feat = WG_FEAT[kind]
     if out_cols % feat:
         raise ValueError(f"variant_config: variant 'wg' needs out_cols a multiple of {feat} for kind {kind}, got {out_cols}")
@@ -386,9 +435,12 @@ def _wg_config(kind: int, bm: int, out_cols: int, in_cols: Optional[int] = None)
     d = dict(MOE_BM=bm, MOE_STAGES=stages)
     if WG_TUNE.get("minb"):
         d["MOE_MINB"] = int(WG_TUNE["minb"])
-    if int(WG_TUNE.get("waitn", 1)) != 1:
-        d["MOE_WAITN"] = int(WG_TUNE["waitn"])
-    ft = int(WG_TUNE.get("down_ft", 1))
+    if int(WG_TUNE.get("spg", 1)) != 1:
+        d["MOE_SPG"] = int(WG_TUNE["spg"])
+    if down_ft is None:
+        down_ft = WG_TUNE.get("down_ft", 1)
+        down_ft = down_ft if isinstance(down_ft, int) else 1
+    ft = int(down_ft)
     if kind == 1 and ft > 1 and in_cols is not None and in_cols <= WG_KC * stages and out_cols % (feat * ft) == 0:
         d["MOE_FT"] = ft
         feat *= ft
@@ -456,9 +508,10 @@ def supports(x: mx.array, gate_proj, up_proj, down_proj) -> bool:
 
 
 def _kernel(kind: int, bm: int, yt: str = "bf16_t", variant: Optional[str] = None,
-            out_cols: int = 512, in_cols: Optional[int] = None) -> Tuple[cb.CudaKernel, dict]:
+            out_cols: int = 512, in_cols: Optional[int] = None,
+            down_ft: Optional[int] = None) -> Tuple[cb.CudaKernel, dict]:
     """(kernel, variant_config) of one build; cached per configuration."""
-    cfg = variant_config(_check_variant("_kernel", variant), kind, bm, out_cols, in_cols)
+    cfg = variant_config(_check_variant("_kernel", variant), kind, bm, out_cols, in_cols, down_ft)
     defs = dict(cfg["defines"], MOE_KIND=kind)
     if kind == 1:
         defs["MOE_YT"] = yt
@@ -509,6 +562,16 @@ def _check_wg(fn: str, d: int, i_dim: int, *sizes: int) -> None:
         raise ValueError(f"{fn}: variant 'wg' needs a GPU of compute capability 9.0 (wgmma), got {cb.gpu_arch()}")
 
 
+def _dims(get) -> Tuple[Optional[int], Optional[int]]:
+    """(D, I) from ``get()``, or (None, None) where the arguments are too
+    malformed to tell (the shape checks that follow name the argument)."""
+    try:
+        d, i = get()
+        return int(d), int(i)
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return None, None
+
+
 def _check_routing(fn: str, routing: Routing, nk: int):
     if routing.tile_rows not in TILE_CHOICES:
         raise ValueError(f"{fn}: routing.tile_rows must be one of {TILE_CHOICES}, got {routing.tile_rows}")
@@ -538,7 +601,7 @@ def gate_up_swiglu(
             ``routing.groups.top_k``).
         gate, up: ``(weight [E, I, D/8] uint32, scales [E, I, D/64] bf16,
             biases [E, I, D/64] bf16)``, I a multiple of 64.
-        variant: one of :data:`VARIANTS` (None: :data:`DEFAULT_VARIANT`).
+        variant: one of :data:`VARIANTS` (None: :func:`default_variant`).
 
     Returns:
         ``[N*k, I]`` bfloat16; row ``r`` belongs to assignment
@@ -547,7 +610,7 @@ def gate_up_swiglu(
     Raises:
         ValueError: bad shape/dtype of an argument (named in the message).
     """
-    v = _check_variant("gate_up_swiglu", variant)
+    v = _check_variant("gate_up_swiglu", variant, *_dims(lambda: (x.shape[-1], gate[0].shape[1])))
     h = _gate_up(x, routing, gate, up, v)
     return unpermute_k(h) if v == "wg" else h
 
@@ -608,7 +671,7 @@ def down_weighted(
         routing: the same routing.
         down: ``(weight [E, D, I/8] uint32, scales [E, D, I/64] bf16, biases)``.
         out_dtype: float32 (default) or bfloat16.
-        variant: one of :data:`VARIANTS` (None: :data:`DEFAULT_VARIANT`).
+        variant: one of :data:`VARIANTS` (None: :func:`default_variant`).
 
     Returns:
         ``[N*k, D]`` in ``out_dtype``, assignment order (``a = n*k + j``);
@@ -618,7 +681,7 @@ def down_weighted(
     Raises:
         ValueError: bad shape/dtype of an argument (named in the message).
     """
-    v = _check_variant("down_weighted", variant)
+    v = _check_variant("down_weighted", variant, *_dims(lambda: (down[0].shape[1], h.shape[-1])))
     if v == "wg" and h.ndim == 2 and h.shape[-1] % WG_KC == 0:
         h = permute_k(h)
     return _down(h, routing, down, out_dtype, v)
@@ -650,7 +713,8 @@ def _down(h: mx.array, routing: Routing, down: Sequence, out_dtype: mx.Dtype, va
         return mx.zeros((0, d), out_dtype)
     mt = routing.block_map.shape[0]
     kern, cfg = _kernel(1, routing.tile_rows, "float" if out_dtype == mx.float32 else "bf16_t",
-                        variant=variant, out_cols=d, in_cols=i_dim)
+                        variant=variant, out_cols=d, in_cols=i_dim,
+                        down_ft=wg_down_ft(nk, e) if variant == "wg" else None)
     nt = cfg["threads"]
     if variant == "async":
         _check_async_sizes("down_weighted", h.size, down[0].size)
@@ -676,12 +740,12 @@ def moe_experts(
     ``QuantizedSwitchLinear`` of a ``SwitchGLU`` (see :func:`supports`),
     combined in fp32 and returned in ``out_dtype`` (default ``x.dtype``).
     ``variant``: one of :data:`VARIANTS` for both kernels (None:
-    :data:`DEFAULT_VARIANT`).
+    :func:`default_variant`).
 
     Raises:
         ValueError: as :func:`gate_up_swiglu` / :func:`down_weighted`.
     """
-    v = _check_variant("moe_experts", variant)
+    v = _check_variant("moe_experts", variant, *_dims(lambda: (x.shape[-1], gate_proj["weight"].shape[1])))
     n, d = x.shape
     h = _gate_up(x, routing, _q_arrays(gate_proj), _q_arrays(up_proj), v)
     y = _down(h, routing, _q_arrays(down_proj), mx.float32, v)

@@ -515,9 +515,10 @@ def _cuda_kernel(block, x: mx.array) -> mx.array:
     logits = block.gate(tokens)
     if not _mr.supports(logits, block.top_k):
         return _stock(block, x)
-    tile = _gg.choose_tile_rows(tokens.shape[0] * block.top_k, block.num_experts)
+    variant = _gg.default_variant(d, sm.gate_proj["weight"].shape[1])
+    tile = _gg.choose_tile_rows(tokens.shape[0] * block.top_k, block.num_experts, variant)
     routing = _mr.route_and_group(logits, block.top_k, tile, normalize=block.norm_topk_prob)
-    y = _gg.moe_experts(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj)
+    y = _gg.moe_experts(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj, variant=variant)
     return y.reshape(*lead, d) + shared_expert(block, x)
 
 
