@@ -145,8 +145,7 @@ def section_time(args):
         specs = [("pflv", gg.choose_tile_rows(t * K, E, "pflv"), {})]
         auto = gg.choose_tile_rows(t * K, E, "wg")
         specs += [("wg", tile, tune) for tile, tune in (
-            ((auto, {}), (auto, {"spg": 2})) if t <= 512 else
-            ((auto, {}), (auto, {"spg": 2}), (64 if auto == 32 else 32, {}), (128, {"spg": 2})))]
+            ((auto, {}), (64, {})) if t <= 512 else ((auto, {}), (64 if auto == 32 else 32, {}), (128, {})))]
         for v, tile, tune in specs:
             saved = dict(gg.WG_TUNE)
             gg.WG_TUNE.update(tune)

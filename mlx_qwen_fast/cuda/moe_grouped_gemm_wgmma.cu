@@ -46,7 +46,7 @@
 // the weight words of chunk c+1 are loaded into registers meanwhile. Per
 // k16 step: dequantise, wgmma.fence, two wgmma, commit, wait until at most
 // this step's group is in flight (the A registers of the previous step are
-// free again; MOE_SPG 2: two k16 steps per group, half the waits). Gate+up epilogue
+// free again). Gate+up epilogue
 // through shared memory (the ring's space): 16-byte coalesced row stores.
 // Down: stores straight from the accumulators (each warp store covers 8
 // consecutive features of 4 rows: whole 32-byte sectors in fp32); with
@@ -61,7 +61,7 @@
 //
 // Build macros: KNAME, MOE_KIND, MOE_BM (32/64/128), MOE_STAGES (3..6),
 // MOE_YT (down output type), MOE_MINB (optional minimum CTAs per SM),
-// MOE_SPG (1/2), MOE_FT (down: feature tiles per CTA).
+// MOE_FT (down: feature tiles per CTA; tile rows 32/64 only).
 #include "gdn_common.cuh"
 
 #ifndef MOE_BM
@@ -72,9 +72,6 @@
 #endif
 #ifndef MOE_YT
 #define MOE_YT float
-#endif
-#ifndef MOE_SPG
-#define MOE_SPG 1  // k16 steps per wgmma group (1 or 2)
 #endif
 #ifndef MOE_FT
 #define MOE_FT 1  // down: feature tiles of FEAT per CTA, h resident (needs K / 128 <= MOE_STAGES)
@@ -97,8 +94,8 @@ static_assert(BM == 32 || BM == 64 || BM == 128, "MOE_BM must be 32, 64 or 128")
 static_assert(S >= 3 && S <= 6, "MOE_STAGES must be 3..6");
 static_assert(CPT * NT == BM * 16, "copies must split evenly");
 static_assert(OUT_LD % 16 == 0, "staging rows must stay 16-byte aligned");
-static_assert(MOE_SPG == 1 || MOE_SPG == 2, "MOE_SPG must be 1 or 2");
 static_assert(MOE_FT >= 1 && (MOE_KIND == 1 || MOE_FT == 1), "MOE_FT > 1 is for the down kernel");
+static_assert(MOE_FT == 1 || BM <= 64, "MOE_FT > 1 only at 32/64 rows (wrong results seen at 128: moe-cuda-log.md)");
 typedef MOE_YT yt;
 #include "moe_gemm_common.cuh"
 
@@ -353,36 +350,28 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
         b2[m][rh] = bv | (bv << 16);
       }
 #pragma unroll
-    for (int s0 = 0; s0 < 8; s0 += MOE_SPG) {
-      unsigned a[MOE_SPG][2][4];
+    for (int st = 0; st < 8; ++st) {
+      unsigned a[2][4];
 #pragma unroll
-      for (int d = 0; d < MOE_SPG; ++d) {
-        const int st = s0 + d;
-#pragma unroll
-        for (int m = 0; m < 2; ++m) {
-          // k16 step st: word st/2 of each row, nibble pairs 2(st%2) (slots 2q, 2q+1) and 2(st%2)+1 (2q+8, 2q+9)
-          const unsigned w_lo = word_of_rt(use.w[m][0], st >> 1), w_hi = word_of_rt(use.w[m][1], st >> 1);
-          if (st & 1) {
-            a[d][m][0] = dq_pair<2>(w_lo, s2[m][0], b2[m][0]);
-            a[d][m][1] = dq_pair<2>(w_hi, s2[m][1], b2[m][1]);
-            a[d][m][2] = dq_pair<3>(w_lo, s2[m][0], b2[m][0]);
-            a[d][m][3] = dq_pair<3>(w_hi, s2[m][1], b2[m][1]);
-          } else {
-            a[d][m][0] = dq_pair<0>(w_lo, s2[m][0], b2[m][0]);
-            a[d][m][1] = dq_pair<0>(w_hi, s2[m][1], b2[m][1]);
-            a[d][m][2] = dq_pair<1>(w_lo, s2[m][0], b2[m][0]);
-            a[d][m][3] = dq_pair<1>(w_hi, s2[m][1], b2[m][1]);
-          }
+      for (int m = 0; m < 2; ++m) {
+        // k16 step st: word st/2 of each row, nibble pairs 2(st%2) (slots 2q, 2q+1) and 2(st%2)+1 (2q+8, 2q+9)
+        const unsigned w_lo = word_of_rt(use.w[m][0], st >> 1), w_hi = word_of_rt(use.w[m][1], st >> 1);
+        if (st & 1) {
+          a[m][0] = dq_pair<2>(w_lo, s2[m][0], b2[m][0]);
+          a[m][1] = dq_pair<2>(w_hi, s2[m][1], b2[m][1]);
+          a[m][2] = dq_pair<3>(w_lo, s2[m][0], b2[m][0]);
+          a[m][3] = dq_pair<3>(w_hi, s2[m][1], b2[m][1]);
+        } else {
+          a[m][0] = dq_pair<0>(w_lo, s2[m][0], b2[m][0]);
+          a[m][1] = dq_pair<0>(w_hi, s2[m][1], b2[m][1]);
+          a[m][2] = dq_pair<1>(w_lo, s2[m][0], b2[m][0]);
+          a[m][3] = dq_pair<1>(w_hi, s2[m][1], b2[m][1]);
         }
       }
+      const unsigned long long desc = sw128_desc(slot + (unsigned)((st >> 2) * ATOM + (st & 3) * 32));
       wgmma_fence();
-#pragma unroll
-      for (int d = 0; d < MOE_SPG; ++d) {
-        const int st = s0 + d;
-        const unsigned long long desc = sw128_desc(slot + (unsigned)((st >> 2) * ATOM + (st & 3) * 32));
-        wgmma_tile(acc[0], a[d][0], desc);
-        wgmma_tile(acc[1], a[d][1], desc);
-      }
+      wgmma_tile(acc[0], a[0], desc);
+      wgmma_tile(acc[1], a[1], desc);
       wgmma_commit();
       wgmma_wait<1>();
     }

@@ -143,16 +143,17 @@ ASYNC_TUNE = {"stages": 4, "gate_up_bn": 128, "down_bn": 128, "down_bn_bm32": 25
 #: in flight: stages - 2 ahead of the one being multiplied); "rows64_from" /
 #: "rows128_from": rows per expert on average from which work items take 64 /
 #: 128 rows (None: never; below: 32); "minb": a register cap for that many
-#: CTAs per SM (None: none); "spg": k16 steps per wgmma group (1 or 2);
-#: "down_ft": feature tiles of 256 per down CTA with the item's h resident
-#: in shared memory (used where I <= 128 * stages and D % (256 * down_ft) ==
-#: 0), or "auto": 8 from 64 rows per expert on average, else 1.
+#: CTAs per SM (None: none); "down_ft": feature tiles of 256 per down CTA
+#: with the item's h resident in shared memory (used at tile rows 32/64 where
+#: I <= 128 * stages and D % (256 * down_ft) == 0; tile 128 builds take one:
+#: with several, 2 of 2 test cases gave wrong rows, not understood), or
+#: "auto": 8 from 64 rows per expert on average, else 1.
 #: Measured on the H200 (bench/results/moe-cuda-log.md, 2026-12-02, sixth
 #: session), experts + combine, steady chained latency, ms: T=512 tile 32
 #: 0.340 (down_ft 8: 0.361); T=2048 tile 32 down_ft 8 0.661, tile 64 0.793,
 #: tile 64 down_ft 4 0.761; T=4096 tile 64 down_ft 8 1.108, tile 64 1.205,
 #: tile 128 1.146, tile 32 down_ft 8 1.143.
-WG_TUNE = {"stages": 4, "rows64_from": 128, "rows128_from": None, "minb": None, "spg": 1, "down_ft": "auto"}
+WG_TUNE = {"stages": 4, "rows64_from": 128, "rows128_from": None, "minb": None, "down_ft": "auto"}
 #: Output features per CTA of the "wg" kernels: gate+up (two warpgroups x 64
 #: features of both matrices), down (two warpgroups x two 64-row tiles).
 WG_FEAT = {0: 128, 1: 256}
@@ -435,13 +436,12 @@ def _wg_config(kind: int, bm: int, out_cols: int, in_cols: Optional[int] = None,
     d = dict(MOE_BM=bm, MOE_STAGES=stages)
     if WG_TUNE.get("minb"):
         d["MOE_MINB"] = int(WG_TUNE["minb"])
-    if int(WG_TUNE.get("spg", 1)) != 1:
-        d["MOE_SPG"] = int(WG_TUNE["spg"])
     if down_ft is None:
         down_ft = WG_TUNE.get("down_ft", 1)
         down_ft = down_ft if isinstance(down_ft, int) else 1
     ft = int(down_ft)
-    if kind == 1 and ft > 1 and in_cols is not None and in_cols <= WG_KC * stages and out_cols % (feat * ft) == 0:
+    if (kind == 1 and ft > 1 and bm <= 64 and in_cols is not None and in_cols <= WG_KC * stages
+            and out_cols % (feat * ft) == 0):
         d["MOE_FT"] = ft
         feat *= ft
     staging = bm * (feat + 8) * 2 if kind == 0 else 0  # down stores from registers
