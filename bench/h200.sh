@@ -19,6 +19,7 @@
 #   bash bench/h200.sh steady    # steady-state chained latencies, bench.ops prefill rows, ncu GPU times, fused GDN off/on (~6 min)
 #   bash bench/h200.sh decodecheck  # decode-path tests, decode split, bench.ops decode rows, packed projection off/on (~7 min)
 #   bash bench/h200.sh ab4k      # end-to-end A/B at 4K, stock vs patched (~3.5 min)
+#   bash bench/h200.sh wgmma     # wgmma MoE GEMM: its CUDA tests, chained timings vs pflv, patched 4K prefill pflv/wg (~7 min)
 #   bash bench/h200.sh scan      # GDN scan variants (check, chained latency), prefill A/B with the fastest (~8 min)
 # Run from the repo root on the device with .mlxcuda carried; results go to $OUT.
 # A fresh process pays MLX-CUDA's first-use kernel compilation: 177-225 s for
@@ -211,8 +212,17 @@ decodecheck)  # the decode paths changed on 2026-12-02 (packed GDN input project
   for f in 0 1 0 1; do MLX_QWEN_FAST_GDN_PACKED_DECODE=$f timeout 70 $AB --engines patched --decode 4k --decode-steps 32 \
       --rounds 2 --no-ceilings --out /tmp/abd.json >> $M/ab-packed.log 2>&1
     echo "packed=$f: $(grep -h "^decode .*patched ok" $M/ab-packed.log | tail -1)"; done ;;
+wgmma)  # the "wg" grouped GEMM (2026-12-02): its CUDA tests (untimed), then steady chained timings against pflv
+         # (bench/moe_wgmma.py), then patched-only 4K prefill with the default GEMM variant pflv / wg / pflv / wg
+  M=$OUT; timeout 200 python3 -m pytest -q -n 6 tests/test_cuda_moe.py -k "wg or block_cuda or dispatch or default" \
+    > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt; tail -n 2 $M/tests.txt
+  timeout 150 python3 bench/moe_wgmma.py --sections time --out $M > $M/time.txt 2>&1; tail -12 $M/time.txt
+  SET="import sys, bench.ab as a, mlx_qwen_fast.kernels.moe_grouped_gemm as G; G.DEFAULT_VARIANT = sys.argv[1]; a.main(sys.argv[2:])"
+  for v in pflv wg pflv wg; do timeout 90 python3 -c "$SET" $v $P --no-plots --engines patched --prefill 4k --rounds 2 \
+      --max-seconds 15 --no-ceilings --out /tmp/abv.json >> $M/ab-variant.log 2>&1
+    echo "$v: $(grep -h '^prefill .*patched ok' $M/ab-variant.log | tail -1)"; done ;;
 ab4k)  # the end-to-end A/B at 4K: stock vs patched, prefill and decode, alternating (187 s on 2026-12-01)
   timeout 330 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
     --out $OUT/ab-4k.json > $OUT/ab-4k.log 2>&1; tail -14 $OUT/ab-4k.log ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k}"; exit 2 ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma}"; exit 2 ;;
 esac

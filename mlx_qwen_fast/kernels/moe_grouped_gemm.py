@@ -65,15 +65,16 @@ of the source in parentheses):
   width allows (:data:`ASYNC_TUNE`). One rounding, as ``deq``.
 
 Every variant takes tile rows 32, 64 or 128 (``routing.tile_rows``); BM=128
-runs 8 warps (4 x 2).
+runs 8 warps (4 x 2) in the mma.sync variants.
 
 Source: ``mlx_qwen_fast/cuda/moe_grouped_gemm.cu`` (``async``:
-``moe_grouped_gemm_async.cu``). Status (bench/results/moe-cuda-log.md):
-every variant checked and timed on the H200 (2026-12-01). ``pflv`` is the
-default: experts + combine at T=4096 1.40-1.44 ms as the latency of one call
-in a chain of dependent calls (143-147 TFLOP/s) against 1.55-1.61 ms for
-``pfl`` in the same runs; ``async`` is slower than ``pfl`` for gate+up and
-faster for down, not used by default.
+``moe_grouped_gemm_async.cu``, ``wg``: ``moe_grouped_gemm_wgmma.cu``).
+Status (bench/results/moe-cuda-log.md): every variant checked and timed on
+the H200. ``wg`` is the default where it runs (:func:`default_variant`;
+elsewhere ``pflv``): experts + combine at T=4096 1.11-1.16 ms as the steady
+latency of one call in a chain of dependent calls (178-186 TFLOP/s) against
+1.35-1.38 ms for ``pflv`` in the same runs (2026-12-02); ``async`` is slower
+than ``pfl`` for gate+up and faster for down, not used by default.
 """
 
 from __future__ import annotations
