@@ -61,6 +61,22 @@ def make_switch(seed=0, e=E, d=D, i=I):
     return sm
 
 
+def experts_chain(sm, r, x, variant):
+    """``make(m)`` for ``device_script.chain_latency``: ``m`` dependent
+    ``moe_experts`` calls (each one's output is the next one's x), as
+    consecutive layers run them."""
+    from mlx_qwen_fast.kernels import moe_grouped_gemm as gg
+
+    def make(m):
+        def f():
+            y = x
+            for _ in range(m):
+                y = gg.moe_experts(y, r, sm.gate_proj, sm.up_proj, sm.down_proj, variant=variant)
+            return y
+        return f
+    return make
+
+
 def make_inputs(t, seed, e=E, d=D, skew=1.0):
     mx = _mx()
     ks = mx.random.split(mx.random.key(seed), 3)

@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.device_script import chain_latency, finite, log, rel, run_sections  # noqa: E402
-from bench.moe_cuda import D, E, I, K, dense_reference, make_inputs, make_switch  # noqa: E402
+from bench.moe_cuda import D, E, I, K, dense_reference, experts_chain, make_inputs, make_switch  # noqa: E402
 
 
 def _arr(p):
@@ -102,33 +102,20 @@ def section_check(args):
     return {"checks": checks}
 
 
-def _chain_experts(gg, sm, r, x, variant):
-    def make(m):
-        def f():
-            y = x
-            for _ in range(m):
-                y = gg.moe_experts(y, r, sm.gate_proj, sm.up_proj, sm.down_proj, variant=variant)
-            return y
-        return f
-    return make
-
-
 def _chain_down(gg, sm, r, h, variant):
+    """make(m): m dependent down-kernel calls (a cheap elementwise link makes
+    the next h wait for this y)."""
+    import mlx.core as mx
+
     def make(m):
         def f():
             hh, y = h, None
             for _ in range(m):
-                y = gg._down(hh, r, _arr(sm.down_proj), _f32(), variant)
-                hh = (hh + y[:, : hh.shape[1]].astype(hh.dtype) * 0).astype(hh.dtype)  # dependent link
+                y = gg._down(hh, r, _arr(sm.down_proj), mx.float32, variant)
+                hh = (hh + y[:, : hh.shape[1]].astype(hh.dtype) * 0).astype(hh.dtype)
             return y
         return f
     return make
-
-
-def _f32():
-    import mlx.core as mx
-
-    return mx.float32
 
 
 def section_time(args):
@@ -152,7 +139,7 @@ def section_time(args):
             try:
                 r = mr.route_and_group(logits, K, tile)
                 mx.eval(r.inds, r.scores, r.groups.order, r.block_map)
-                res = chain_latency(_chain_experts(gg, sm, r, x, v), n=6)
+                res = chain_latency(experts_chain(sm, r, x, v), n=6)
                 h = gg._gate_up(x, r, _arr(sm.gate_proj), _arr(sm.up_proj), v)
                 mx.eval(h)
                 rd = chain_latency(_chain_down(gg, sm, r, h, v), n=6)

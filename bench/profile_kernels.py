@@ -34,7 +34,7 @@ import mlx.core as mx  # noqa: E402
 
 from bench.device_script import build_eval_times, chain_latency  # noqa: E402
 from bench.gdn_cuda import HV, D, gates, qkv_inputs, scan_chain  # noqa: E402
-from bench.moe_cuda import E, K, make_inputs, make_switch  # noqa: E402
+from bench.moe_cuda import E, K, experts_chain, make_inputs, make_switch  # noqa: E402
 
 
 def _report(label, make, n, steady=(16, 48)):
@@ -159,15 +159,7 @@ def chain_moe(n=6, variants=MOE_VARIANTS):
         r = mr.route_and_group(logits, K, gg.choose_tile_rows(T * K, E, v))
         mx.eval(r.inds, r.scores, r.groups.order, r.block_map)
 
-        def run(m):
-            def f():
-                y = x
-                for _ in range(m):
-                    y = gg.moe_experts(y, r, sm.gate_proj, sm.up_proj, sm.down_proj, variant=v)
-                return y
-            return f
-
-        marg = _report(f"moe experts+combine T={T} {v}", run, n)
+        marg = _report(f"moe experts+combine T={T} {v}", experts_chain(sm, r, x, v), n)
         print(f"{'':48s} -> {flops / marg / 1e12:.1f} TFLOP/s (marginal)", flush=True)
         arr = lambda p: (p.weight, p.scales, p.biases)  # noqa: E731
 
@@ -206,21 +198,13 @@ def chain_moe(n=6, variants=MOE_VARIANTS):
     try:
         r = mr.route_and_group(logits, K, gg.choose_tile_rows(T * K, E, "pflv"))
 
-        def run_nc(m):
-            def f():
-                y = x
-                for _ in range(m):
-                    y = gg.moe_experts(y, r, sm.gate_proj, sm.up_proj, sm.down_proj, variant="pflv")
-                return y
-            return f
-
         ref = gg.moe_experts(x, r, sm.gate_proj, sm.up_proj, sm.down_proj, variant="pflv")
         gg.variant_config = capped
         want = gg.moe_experts(x, r, sm.gate_proj, sm.up_proj, sm.down_proj, variant="pflv")
         gg.variant_config = _uncapped(capped)
         diff = mx.abs(ref.astype(mx.float32) - want.astype(mx.float32)).max().item()
         print(f"{'':48s} pflv uncapped vs capped: max |diff| {diff:.3g}", flush=True)
-        marg = _report(f"moe experts+combine T={T} pflv uncapped", run_nc, n)
+        marg = _report(f"moe experts+combine T={T} pflv uncapped", experts_chain(sm, r, x, "pflv"), n)
         print(f"{'':48s} -> {flops / marg / 1e12:.1f} TFLOP/s (marginal)", flush=True)
     finally:
         gg.variant_config = capped

@@ -114,19 +114,11 @@ __device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a1, uns
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-// 16-byte copy with zero fill: src_bytes 16 copies, 0 writes zeros.
-__device__ __forceinline__ void cp_async16_zfill(unsigned dst, const void* src, unsigned src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
 __device__ __forceinline__ void cp_async16_s(unsigned dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
 __device__ __forceinline__ void cp_async4_s(unsigned dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // One packed word (nibble j = input j) -> 4 bf16x2 registers, natural pairs

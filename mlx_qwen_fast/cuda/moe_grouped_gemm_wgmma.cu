@@ -85,7 +85,7 @@ constexpr int FEAT = MOE_KIND == 0 ? 128 : 256;  // output features per CTA
 constexpr int ATOM = BM * 128;  // bytes of one 64-input swizzle atom
 constexpr int SLOT = 2 * ATOM;
 constexpr int RING = S * SLOT;
-constexpr int OUT_LD = MOE_KIND == 0 ? (FEAT + 8) * 2 : (FEAT + 4) * 4;  // staging row, bytes
+constexpr int OUT_LD = (FEAT + 8) * 2;  // gate+up epilogue staging row (bf16), bytes
 constexpr int STAGING = MOE_KIND == 0 ? BM * OUT_LD : 0;  // down stores straight from registers
 constexpr int SMEM_BYTES = (RING > STAGING ? RING : STAGING) + 1024;  // + alignment to 1024
 constexpr int CPT = BM * 16 / NT;  // 16-byte copies per thread per chunk
@@ -183,14 +183,6 @@ __device__ __forceinline__ void fence_proxy_async() {
 // between 8-row groups, layout 1 = 128-byte swizzle.
 __device__ __forceinline__ unsigned long long sw128_desc(unsigned addr) {
   return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
-}
-
-__device__ __forceinline__ void cp_async16_zfill(unsigned dst, const void* src, unsigned src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
 // One bf16x2 A register: nibbles (a, a + 4) of `word` -> bf16(s * q + b).
@@ -455,7 +447,7 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
   // ---- gate+up epilogue: accumulator (m, 4j + 2rh + e2) = feature 16 warp + g + 8 rh, row 8j + 2q + e2
   __syncthreads();  // the ring is free: the epilogue stages its rows there
   gdn_u16* hs = reinterpret_cast<gdn_u16*>(sm);
-  constexpr int LD = FEAT + 8;
+  constexpr int LD = OUT_LD / 2;
 #pragma unroll
   for (int j = 0; j < BM / 8; ++j)
 #pragma unroll

@@ -224,6 +224,17 @@ def _bf16_round_f64(a: np.ndarray) -> np.ndarray:
     return u.view(np.float64).astype(np.float32)  # exact: 8 significant bits
 
 
+def _k_chunks(fn: str, a: mx.array, dims: Tuple[int, ...], order: Tuple[int, ...]) -> mx.array:
+    """``a [..., K]`` with each chunk of 128 inputs viewed as ``dims`` and its
+    axes put in ``order``."""
+    if a.ndim < 1 or a.shape[-1] % WG_KC:
+        raise ValueError(f"{fn}: the last axis must be a multiple of {WG_KC}, got shape {tuple(a.shape)}")
+    lead, k = a.shape[:-1], a.shape[-1]
+    nl = len(lead) + 1
+    t = a.reshape(*lead, k // WG_KC, *dims)
+    return t.transpose(*range(nl), *(nl + i for i in order)).reshape(*lead, k)
+
+
 def permute_k(a: mx.array) -> mx.array:
     """The "wg" kernels' activation K order: ``[..., K]`` -> ``[..., K]``.
 
@@ -237,12 +248,8 @@ def permute_k(a: mx.array) -> mx.array:
     Raises:
         ValueError: ``a`` has no last axis or it is not a multiple of 128.
     """
-    if a.ndim < 1 or a.shape[-1] % WG_KC:
-        raise ValueError(f"permute_k: the last axis must be a multiple of {WG_KC}, got shape {tuple(a.shape)}")
-    lead, k = a.shape[:-1], a.shape[-1]
-    nl = len(lead) + 1
-    t = a.reshape(*lead, k // WG_KC, 4, 4, 2, 2, 2)  # natural (q, w, j, u, hs)
-    return t.transpose(*range(nl), *(nl + i for i in (1, 3, 4, 0, 2))).reshape(*lead, k)
+    # natural (q, w, j, u, hs) -> kernel (w, u, hs, q, j)
+    return _k_chunks("permute_k", a, (4, 4, 2, 2, 2), (1, 3, 4, 0, 2))
 
 
 def unpermute_k(a: mx.array) -> mx.array:
@@ -251,12 +258,8 @@ def unpermute_k(a: mx.array) -> mx.array:
     Raises:
         ValueError: as :func:`permute_k`.
     """
-    if a.ndim < 1 or a.shape[-1] % WG_KC:
-        raise ValueError(f"unpermute_k: the last axis must be a multiple of {WG_KC}, got shape {tuple(a.shape)}")
-    lead, k = a.shape[:-1], a.shape[-1]
-    nl = len(lead) + 1
-    t = a.reshape(*lead, k // WG_KC, 4, 2, 2, 4, 2)  # kernel order (w, u, hs, q, j)
-    return t.transpose(*range(nl), *(nl + i for i in (3, 0, 4, 1, 2))).reshape(*lead, k)
+    # kernel (w, u, hs, q, j) -> natural (q, w, j, u, hs)
+    return _k_chunks("unpermute_k", a, (4, 2, 2, 4, 2), (3, 0, 4, 1, 2))
 
 
 def wg_down_ft(num_assignments: int, num_experts: int) -> int:
@@ -272,9 +275,10 @@ def wg_down_ft(num_assignments: int, num_experts: int) -> int:
 
 def wg_shapes_ok(d: int, i: int) -> bool:
     """True when the "wg" kernels take hidden size ``d`` and expert size ``i``:
-    both multiples of 128 (the K chunk), ``i`` of 128 (gate+up features per
-    CTA) and ``d`` of 256 (down features per CTA)."""
-    return d % WG_KC == 0 and i % WG_KC == 0 and i % WG_FEAT[0] == 0 and d % WG_FEAT[1] == 0
+    ``i`` a multiple of 128 (gate+up features per CTA; also the K chunk of
+    down) and ``d`` of 256 (down features per CTA; a whole number of K chunks
+    of gate+up)."""
+    return i % WG_FEAT[0] == 0 and d % WG_FEAT[1] == 0
 
 
 def _np32(a) -> np.ndarray:
@@ -559,8 +563,8 @@ def _check_wg(fn: str, d: int, i_dim: int, *sizes: int) -> None:
         )
     if max(sizes) >= 2**31:  # 32-bit element offsets in the kernel
         raise ValueError(f"{fn}: variant 'wg' needs arrays of fewer than 2**31 elements, got {max(sizes)}")
-    if cb.gpu_arch() != (9, 0):
-        raise ValueError(f"{fn}: variant 'wg' needs a GPU of compute capability 9.0 (wgmma), got {cb.gpu_arch()}")
+    if not _is_sm90():
+        raise ValueError(f"{fn}: variant 'wg' needs a GPU of compute capability 9.0 (wgmma)")
 
 
 def _dims(get) -> Tuple[Optional[int], Optional[int]]:
