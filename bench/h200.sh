@@ -19,6 +19,7 @@
 #   bash bench/h200.sh steady    # steady-state chained latencies, bench.ops prefill rows, ncu GPU times, fused GDN off/on (~6 min)
 #   bash bench/h200.sh decodecheck  # decode-path tests, decode split, bench.ops decode rows, packed projection off/on (~7 min)
 #   bash bench/h200.sh ab4k      # end-to-end A/B at 4K, stock vs patched (~3.5 min)
+#   bash bench/h200.sh moedecode # one-launch decode MoE: tests, bench/moe_decode_cuda.py, FUSED_AB="0 1" decode off/on (~5-9 min)
 #   bash bench/h200.sh wgmma     # wgmma MoE GEMM: its CUDA tests, chained timings vs pflv, patched 4K prefill pflv/wg (~7 min)
 #   bash bench/h200.sh scan      # GDN scan variants (check, chained latency), prefill A/B with the fastest (~8 min)
 # Run from the repo root on the device with .mlxcuda carried; results go to $OUT.
@@ -221,8 +222,16 @@ wgmma)  # the "wg" grouped GEMM (2026-12-02): its CUDA tests (untimed), then ste
   for v in pflv wg pflv wg; do timeout 90 python3 -c "$SET" $v $P --no-plots --engines patched --prefill 4k --rounds 2 \
       --max-seconds 15 --no-ceilings --out /tmp/abv.json >> $M/ab-variant.log 2>&1
     echo "$v: $(grep -h '^prefill .*patched ok' $M/ab-variant.log | tail -1)"; done ;;
+moedecode)  # the one-launch decode MoE kernel (2026-12-02): decode MoE tests (untimed), then build/check/time/raw
+             # of bench/moe_decode_cuda.py alone on the GPU, then patched-only 4K decode with it off/on/off/on
+  M=$OUT; timeout 240 python3 -m pytest -q -n 6 tests/test_cuda_moe_decode_fused.py tests/test_cuda_moe_decode.py \
+    > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt; tail -n 3 $M/tests.txt
+  timeout 240 python3 bench/moe_decode_cuda.py --out $M > $M/moe-decode.txt 2>&1; tail -32 $M/moe-decode.txt
+  for f in ${FUSED_AB:-}; do MLX_QWEN_FAST_MOE_DECODE_FUSED=$f timeout 90 $AB --engines patched --decode 4k \
+      --decode-steps 32 --rounds 2 --no-ceilings --out $M/ab-decode-f$f.json >> $M/ab-decode.log 2>&1
+    echo "fused=$f: $(grep -h '^decode .*patched ok' $M/ab-decode.log | tail -1)"; done ;;
 ab4k)  # the end-to-end A/B at 4K: stock vs patched, prefill and decode, alternating (187 s on 2026-12-01)
   timeout 330 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
     --out $OUT/ab-4k.json > $OUT/ab-4k.log 2>&1; tail -14 $OUT/ab-4k.log ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma}"; exit 2 ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode}"; exit 2 ;;
 esac

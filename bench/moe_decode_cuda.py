@@ -24,6 +24,7 @@ a JSON of every number go to --out; a short table is printed last.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -41,6 +42,7 @@ E, D, I, K = 256, 2048, 512, 8
 COPY_GBS = 3382.0  # measured device copy rate (read + write), the brief's ceiling
 MAT_BYTES = I * D // 2 + 2 * 2 * I * (D // 64)  # one 4-bit matrix + bf16 scales/biases
 GATE_BYTES = D + 2 * 2 * (D // 64)  # 8-bit shared-expert gate
+ROUTER_BYTES = E * D + 2 * 2 * E * (D // 64)  # 8-bit router
 timeit = partial(_timeit, n=9, batch=32, warm=2)
 
 
@@ -81,6 +83,12 @@ for n in (1, 2, 3, 4):
         t = time.perf_counter(); cub = k.cubin; res[f"k{kind}_n{n}"] = time.perf_counter() - t
         names[f"k{kind}_n{n}"] = k.name
         open(f"{OUTDIR}/k{kind}_n{n}.cubin", "wb").write(cub)
+from mlx_qwen_fast.kernels import moe_decode_fused as mf
+for n in (1, 2, 4):
+    k = mf._kernel(n, 8, 256, 2048, 512, 8, 8, True)
+    t = time.perf_counter(); cub = k.cubin; res[f"fused_n{n}"] = time.perf_counter() - t
+    names[f"fused_n{n}"] = k.name
+    open(f"{OUTDIR}/fused_n{n}.cubin", "wb").write(cub)
 print("BUILDJSON" + json.dumps(dict(import_s=t1 - t0, build_s=res, names=names, compiler=cb.compiler_id())))
 """
 
@@ -146,6 +154,18 @@ def section_check(args):
         c["ok"] = c["finite"] and c["rel_vs_stock"] < 0.12
         log(f"[check] {c}")
         checks.append(c)
+    # the one-launch kernel (kernels/moe_decode_fused.py) at full size, its own routing
+    import test_cuda_moe_decode_fused as tf  # noqa: E402
+
+    for n in (1, 2, 3, 4):
+        c = dict(n=n, fused=True)
+        try:
+            tf.check_fused(n, E=E, seed=500 + n)  # asserts: bits vs the two kernels, rel vs fp32
+            c["ok"] = True
+        except AssertionError as e:
+            c.update(ok=False, error=str(e)[:300])
+        log(f"[check] {c}")
+        checks.append(c)
     cb.set_poison(False)
     return {"checks": checks}
 
@@ -160,6 +180,7 @@ def section_time(args):
     mx = _mx()
     import numpy as np
 
+    from mlx_qwen_fast.kernels import moe_decode_fused as mf
     from mlx_qwen_fast.kernels import moe_decode_gemv as md
     from mlx_qwen_fast.kernels import moe_routing as mr
     from mlx_qwen_fast.ops import moe
@@ -195,10 +216,20 @@ def section_time(args):
             b, r = nxt()
             return md.gate_up_swiglu(xs[r].reshape(n, D), routes[r][0], *arrs[b])[0]
 
+        def step(env):
+            def fn():
+                os.environ[mf.FUSED_ENV] = env
+                b, r = nxt()
+                return md.moe_decode_step(blocks[b], xs[r])
+            return fn
+
         for name, fn in (("stock_block", stock), ("moe_decode(router+route+2 kernels)", fused),
-                         ("2 kernels (routing given)", kernels_only), ("gate_up kernel only", gate_up_only)):
+                         ("2 kernels (routing given)", kernels_only), ("gate_up kernel only", gate_up_only),
+                         ("step: 4 nodes, compiled", step("0")), ("step: 1 launch (fused), compiled", step("1")),
+                         ("step: 4 nodes, compiled (again)", step("0")),
+                         ("step: 1 launch (fused), compiled (again)", step("1"))):
             s = timeit(fn)
-            b = nbytes * (2 / 3 if "gate_up" in name else 1.0)
+            b = nbytes * (2 / 3 if "gate_up" in name else 1.0) + (ROUTER_BYTES if ("step" in name or "router" in name) else 0)
             gbs = b / s / 1e9
             timings[f"N={n} {name}"] = {"us": s * 1e6, "GBps": gbs, "frac_copy": gbs / COPY_GBS, "bytes": b}
             log(f"[time] N={n} {name:40s} {s * 1e6:8.1f} us  {gbs:7.0f} GB/s  {gbs / COPY_GBS:5.2f} of copy")
@@ -245,9 +276,14 @@ def section_raw(args):
     del a, b2
     log(f"[raw] copy {res['copy_GBps']:.0f} GB/s")
 
+    G = cp.cuda.Device().attributes["MultiProcessorCount"]
+    for ly in layers:  # 8-bit router [E, D/4]
+        ly["r"] = (cp.random.randint(0, 2**31, size=(E, D // 4), dtype=cp.int64).astype(cp.uint32),
+                   bf16_bits(rng.uniform(0.002, 0.02, size=(E, D // 64))), bf16_bits(np.full((E, D // 64), -0.5)))
     for n in (1, 2, 4):
         k0 = cp.RawModule(path=str(cubdir / f"k0_n{n}.cubin")).get_function(names[f"k0_n{n}"])
         k1 = cp.RawModule(path=str(cubdir / f"k1_n{n}.cubin")).get_function(names[f"k1_n{n}"])
+        kf = cp.RawModule(path=str(cubdir / f"fused_n{n}.cubin")).get_function(names[f"fused_n{n}"])
         R = 64
         xs = [bf16_bits(rng.standard_normal((n, D))) for _ in range(R)]
         inds = [cp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(n)]).astype(np.int32)) for _ in range(R)]
@@ -255,6 +291,9 @@ def section_raw(args):
         hs = [cp.empty((n * K + n, I), dtype=cp.uint16) for _ in range(R)]
         sgs = [cp.empty((n,), dtype=cp.float32) for _ in range(R)]
         ys = [cp.empty((n, D), dtype=cp.uint16) for _ in range(R)]
+        sync = cp.zeros((2,), dtype=cp.uint32)
+        fo = [(cp.empty((n, E), dtype=cp.float32), cp.empty((n, K), dtype=cp.int32), cp.empty((n, K), dtype=cp.float32))
+              for _ in range(R)]
         nbytes = float(np.mean([layer_bytes(len(np.unique(cp.asnumpy(i))), n) for i in inds]))
 
         def launch(which, r):
@@ -264,9 +303,12 @@ def section_raw(args):
                    (xs[r], inds[r], *ly["g"], *ly["u"], *ly["sg"], *ly["su"], ly["gw"], ly["gs"], ly["gb"], hs[r], sgs[r]))
             if which in ("both", "k1"):
                 k1(((D // 16), 1, 1), (256, 1, 1), (hs[r], inds[r], sc[r], sgs[r], *ly["d"], *ly["sd"], ys[r]))
+            if which == "fused":
+                kf((G, 1, 1), (256, 1, 1), (xs[r], *ly["r"], *ly["g"], *ly["u"], *ly["d"], *ly["sg"], *ly["su"],
+                                            *ly["sd"], ly["gw"], ly["gs"], ly["gb"], sync, ys[r], *fo[r], hs[r], sgs[r]))
 
         stream = cp.cuda.Stream(non_blocking=True)
-        for which, frac in (("both", 1.0), ("k0", 2 / 3), ("k1", 1 / 3)):
+        for which, frac in (("both", 1.0), ("k0", 2 / 3), ("k1", 1 / 3), ("fused", 1.0), ("both", 1.0)):
             with stream:
                 for r in range(R):
                     launch("both", r)  # warm-up, and h / sgate for k1 alone
@@ -286,9 +328,16 @@ def section_raw(args):
                     ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e-3 / R)
             s = sorted(ts)[len(ts) // 2]
             ok = bool(np.isfinite((cp.asnumpy(ys[0]).astype(np.uint32) << 16).view(np.float32)).all())
-            gbs = nbytes * frac / s / 1e9
-            res[f"N={n} {which}"] = {"us": s * 1e6, "GBps": gbs, "frac_copy": gbs / COPY_GBS, "y_finite": ok}
-            log(f"[raw] N={n} {which:5s} {s * 1e6:7.2f} us/layer  {gbs:6.0f} GB/s  {gbs / COPY_GBS:5.2f} of 3382  finite={ok}")
+            b = nbytes * frac + (ROUTER_BYTES if which == "fused" else 0)
+            gbs = b / s / 1e9
+            key = f"N={n} {which}" + (" (again)" if f"N={n} {which}" in res else "")
+            res[key] = {"us": s * 1e6, "GBps": gbs, "frac_copy": gbs / COPY_GBS, "y_finite": ok,
+                        "frac_copy_here": gbs / res["copy_GBps"]}
+            if which == "fused":
+                st = cp.asnumpy(sync)
+                res[key]["sync_count_zero"] = bool(st[0] == 0)
+            log(f"[raw] N={n} {which:5s} {s * 1e6:7.2f} us/layer  {gbs:6.0f} GB/s  {gbs / COPY_GBS:5.2f} of 3382  "
+                f"{gbs / res['copy_GBps']:5.2f} of copy here  finite={ok}")
     return {"raw": res}
 
 

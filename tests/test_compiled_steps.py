@@ -18,6 +18,7 @@ import moe_blocks  # tests/ is on sys.path
 from mlx_qwen_fast import layers
 from mlx_qwen_fast.compiled import StepPlans, apply_linear, concat_linears, gather, linear_arrays, linear_paths
 from mlx_qwen_fast.kernels import gated_delta_decode as k_decode
+from mlx_qwen_fast.kernels import moe_decode_fused as mf
 from mlx_qwen_fast.kernels import moe_decode_gemv as md
 from mlx_qwen_fast.ops import gated_delta as gated_delta_ops
 from mlx_qwen_fast.ops import moe
@@ -211,6 +212,53 @@ def cpu_moe(monkeypatch):
     monkeypatch.setattr(cb, "cuda_available", lambda: True)
     monkeypatch.setattr(md, "_launch_both", fake_launch_both)
     monkeypatch.setattr(mr, "route", lambda logits, k, normalize=True: moe.route(logits, k, normalize=normalize))
+    monkeypatch.setenv(mf.FUSED_ENV, "0")  # the four-node step; the one-launch step: cpu_moe_fused
+    monkeypatch.setattr(md, "_steps", {})  # traces of the fakes stay out of the real cache
+
+
+def fake_launch_fused(x, router, experts, shared, expert_gate, top_k, normalize, sync, ctas):
+    """Stands in for the one-launch kernel: the router through MLX's quantised
+    matmul, ops.moe's routing, then fake_launch_both; sync and ctas recorded."""
+    FUSED_CALLS.append((sync, ctas))
+    logits = mx.quantized_matmul(x, *router, transpose=True, group_size=64, bits=router[0].shape[-1] * 32 // x.shape[-1])
+    inds, scores = moe.route(logits, top_k, normalize=normalize)
+    y = fake_launch_both(x, inds, scores, experts, shared, expert_gate)
+    return y, logits, inds, scores, None, None
+
+
+FUSED_CALLS = []
+
+
+@pytest.fixture
+def cpu_moe_fused(cpu_moe, monkeypatch):
+    from mlx_qwen_fast.kernels import _cuda_build as cb
+
+    monkeypatch.setenv(mf.FUSED_ENV, "1")
+    monkeypatch.setattr(cb, "sm_count", lambda: 132)
+    monkeypatch.setattr(mf, "_launch", fake_launch_fused)
+    FUSED_CALLS.clear()
+
+
+def test_moe_fused_step_plumbing(cpu_moe_fused):
+    """The one-launch step: traced once, the block's router and expert arrays
+    in, the block's own barrier buffer appended, the SM count as the grid;
+    MLX_QWEN_FAST_MOE_DECODE_FUSED=0 switches a block back to four nodes."""
+    import os
+
+    blocks = [moe_blocks.make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=s) for s in (5, 6)]
+    for i, block in enumerate(blocks):
+        x = mx.random.normal((1, 2, 256), key=mx.random.key(3 + i)).astype(mx.bfloat16)
+        got = md.moe_decode_step(block, x)
+        want = fake_launch_fused(x, mf.router_arrays(block.gate), *md.block_arrays(block), 8, True, None, None)[0]
+        assert mx.array_equal(got, want).item()
+    syncs = [c[0] for c in FUSED_CALLS if c[1] == 132]
+    assert syncs and all(s.dtype == mx.uint32 and s.shape == (2,) for s in syncs)
+    assert md.block_sync(blocks[0]) is not md.block_sync(blocks[1])  # one buffer per block
+    os.environ[mf.FUSED_ENV] = "0"
+    x = mx.random.normal((1, 1, 256)).astype(mx.bfloat16)
+    n = len(FUSED_CALLS)
+    assert mx.array_equal(md.moe_decode_step(blocks[0], x), md.moe_decode(blocks[0], x)).item()
+    assert len(FUSED_CALLS) == n
 
 
 def test_moe_compiled_step_equals_eager(cpu_moe):

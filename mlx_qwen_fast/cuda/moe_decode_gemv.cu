@@ -51,7 +51,7 @@
 //
 // Build macros: KNAME, MDG_KIND, MDG_N (1..4), MDG_K (top-k, N*k <= 32),
 // MDG_D, MDG_I (D % 256 == 0, I % 128 == 0), MDG_SGB (4, 8, 16), MDG_YT.
-#include "gdn_common.cuh"
+#include "moe_decode_common.cuh"
 
 #ifndef MDG_N
 #define MDG_N 1
@@ -84,88 +84,6 @@ static_assert(N >= 1 && N <= 4, "1 <= N <= 4 tokens (B columns 0..3 of the m16n8
 static_assert(NK <= 32, "N * top_k must fit one warp");
 static_assert(D % 256 == 0 && I % 128 == 0, "D % 256 == 0 and I % 128 == 0");
 typedef MDG_YT yt;
-
-// ---- small device helpers ---------------------------------------------------
-
-__device__ __forceinline__ uint4 ldg_stream16(const void* p) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p));
-  return r;
-}
-__device__ __forceinline__ unsigned ldg_u16(const void* p) {
-  unsigned short r;
-  asm("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
-  return r;
-}
-__device__ __forceinline__ uint4 ldg16(const void* p) {
-  uint4 r;
-  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p));
-  return r;
-}
-
-__device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a1, unsigned a2,
-                                         unsigned a3, unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// One packed word -> 4 bf16x2: out[j] = (w of nibble j, w of nibble j + 4),
-// w = bf16(s * q + b); s2, b2 = (s, s), (b, b).
-__device__ __forceinline__ void dequant_word(unsigned word, unsigned s2, unsigned b2, unsigned* out) {
-  const unsigned magic = 0x43004300u;  // bf16x2 (128, 128)
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const unsigned m = ((word >> (4 * j)) & 0x000F000Fu) | magic;
-    unsigned q, w;
-    asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(q) : "r"(m), "r"(magic));  // exact
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(w) : "r"(q), "r"(s2), "r"(b2));
-    out[j] = w;
-  }
-}
-
-// 8 consecutive bf16 -> pairs (0,4), (1,5), (2,6), (3,7).
-__device__ __forceinline__ void b_pairs(uint4 v, unsigned* bb) {
-  bb[0] = prmt(v.x, v.z, 0x5410u);
-  bb[1] = prmt(v.x, v.z, 0x7632u);
-  bb[2] = prmt(v.y, v.w, 0x5410u);
-  bb[3] = prmt(v.y, v.w, 0x7632u);
-}
-
-// A lane's scale and bias packed as (s, b) in one u32: loaded as two u16.
-__device__ __forceinline__ unsigned load_sb(const bf16_t* s, const bf16_t* b) {
-  return ldg_u16(s) | (ldg_u16(b) << 16);
-}
-// (s, s) and (b, b) from a packed (s, b).
-__device__ __forceinline__ unsigned splat_s(unsigned sb) {
-  return prmt(sb, sb, 0x1010u);
-}
-__device__ __forceinline__ unsigned splat_b(unsigned sb) {
-  return prmt(sb, sb, 0x3232u);
-}
-
-// 16 x 8 x 16 step on one 16-row tile: words wr0 (row g) and wr1 (row g+8)
-// of k-block word wd, both halves (two mma).
-__device__ __forceinline__ void mma_word(float* acc, unsigned wr0, unsigned wr1, unsigned s0,
-                                         unsigned b0, unsigned s1, unsigned b1, const unsigned* bb) {
-  unsigned p0[4], p1[4];
-  dequant_word(wr0, s0, b0, p0);
-  dequant_word(wr1, s1, b1, p1);
-  // half 0: k-cols (2t, 2t+1) = nibbles (0, 4), (2t+8, 2t+9) = nibbles (1, 5)
-  mma_bf16(acc, p0[0], p1[0], p0[1], p1[1], bb[0], bb[1]);
-  // half 1: nibbles (2, 6), (3, 7)
-  mma_bf16(acc, p0[2], p1[2], p0[3], p1[3], bb[2], bb[3]);
-}
-
-__device__ __forceinline__ unsigned w4(const uint4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
 
 #if MDG_KIND == 0
 // ============================================================================

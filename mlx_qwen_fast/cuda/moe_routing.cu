@@ -32,7 +32,7 @@
 //
 // Build macros: KNAME, MOE_STAGE, MOE_E (experts, multiple of 32, <= 1024),
 // MOE_K (top-k, stage 1), MOE_LT (logit type, stage 1).
-#include "gdn_common.cuh"
+#include "moe_route_common.cuh"
 
 #ifndef MOE_E
 #define MOE_E 256
@@ -44,8 +44,6 @@ typedef MOE_LT lt;
 constexpr int E = MOE_E;
 constexpr int K = MOE_K;
 constexpr int EPL = E / 32;  // logits per lane
-static_assert(E % 32 == 0, "E must be a multiple of 32");
-static_assert(K >= 1 && K <= 32 && K <= E, "1 <= K <= min(32, E)");
 
 extern "C" __global__ void __launch_bounds__(256) KNAME(
     const lt* __restrict__ logits,
@@ -60,63 +58,13 @@ extern "C" __global__ void __launch_bounds__(256) KNAME(
   }
   const lt* row = logits + (size_t)n * E;
   float p[EPL];
-  float m = __int_as_float(0xff800000);  // -inf
 #pragma unroll
   for (int i = 0; i < EPL; ++i) {
     p[i] = to_f(row[i * 32 + lane]);
-    m = fmaxf(m, p[i]);
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-  }
-  float s = 0.0f;
-#pragma unroll
-  for (int i = 0; i < EPL; ++i) {
-    p[i] = expf(p[i] - m);
-    s += p[i];
-  }
-  s = warp_sum(s);
-  const float inv = 1.0f / s;
-#pragma unroll
-  for (int i = 0; i < EPL; ++i) {
-    p[i] = p[i] * inv;  // >= 0; taken entries become -1
-  }
-  float my_p = 0.0f, tot = 0.0f;
-  int my_i = 0;
-#pragma unroll
-  for (int j = 0; j < K; ++j) {
-    float bp = p[0];
-    int bi = lane;
-#pragma unroll
-    for (int i = 1; i < EPL; ++i) {
-      if (p[i] > bp) {  // strict: the lower id wins ties within a lane
-        bp = p[i];
-        bi = i * 32 + lane;
-      }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      const float op = __shfl_xor_sync(0xffffffffu, bp, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (op > bp || (op == bp && oi < bi)) {
-        bp = op;
-        bi = oi;
-      }
-    }
-    // every lane now holds the same (bp, bi)
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      if (bi == i * 32 + lane) {
-        p[i] = -1.0f;
-      }
-    }
-    tot += bp;
-    if (lane == j) {
-      my_p = bp;
-      my_i = bi;
-    }
-  }
+  int my_i;
+  float my_p, tot;
+  route_warp<E, K>(p, my_i, my_p, tot);
   if (lane < K) {
     inds[(size_t)n * K + lane] = my_i;
     scores[(size_t)n * K + lane] = normalize ? my_p / tot : my_p;

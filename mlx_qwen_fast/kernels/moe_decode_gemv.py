@@ -449,12 +449,17 @@ _EXPERT_PATHS = tuple((parent, proj, leaf) for parent in ("switch_mlp", "shared_
 
 
 def _step_plan(block, x):
-    """``(paths, compiled step)`` of ``block`` for inputs like ``x`` (see
-    :class:`mlx_qwen_fast.compiled.StepPlans`); ``(children, None)`` where
-    :func:`plan` declines. Path order = the compiled step's array order:
+    """``(paths, (compiled step, fused))`` of ``block`` for inputs like ``x``
+    (see :class:`mlx_qwen_fast.compiled.StepPlans`); ``(children, None)``
+    where :func:`plan` declines. Path order = the compiled step's array order:
     router, routed experts gate/up/down, shared expert gate/up/down (weight,
-    scales, biases each), shared-expert gate (weight, scales, biases)."""
+    scales, biases each), shared-expert gate (weight, scales, biases).
+    ``fused``: the step is :func:`.moe_decode_fused.moe_decode_fused` (one
+    launch; the caller appends the block's barrier buffer), chosen where the
+    router is 4/8-bit group 64 and ``MLX_QWEN_FAST_MOE_DECODE_FUSED`` is not
+    ``0``; else router matmul, routing kernel and the two kernels here."""
     from ..compiled import linear_arrays, linear_paths
+    from . import moe_decode_fused as mf
 
     declined = [(c,) for c in _CHILDREN if c in block], None
     router = linear_arrays(block.gate) if "gate" in block else None
@@ -464,8 +469,12 @@ def _step_plan(block, x):
     bits = arrs[2][3]
     gate = (("shared_expert_gate", "weight"),) * 3 if bits == 16 else tuple(
         ("shared_expert_gate", n) for n in ("weight", "scales", "biases"))
+    rq = mf.router_arrays(block.gate)
+    if rq is not None and mf.fused_enabled() and mf.router_problem(x, rq, *arrs, block.top_k) is None:
+        paths = tuple(("gate", n) for n in ("weight", "scales", "biases")) + _EXPERT_PATHS + gate
+        return paths, (_compiled_fused_step(block.top_k, block.norm_topk_prob, bits, cb.sm_count()), True)
     paths = linear_paths(("gate",), router) + _EXPERT_PATHS + gate
-    return paths, _compiled_step(block.top_k, block.norm_topk_prob, router[1], len(router[0]), bits)
+    return paths, (_compiled_step(block.top_k, block.norm_topk_prob, router[1], len(router[0]), bits), False)
 
 
 _steps: Dict[tuple, object] = {}
@@ -490,14 +499,44 @@ def _compiled_step(top_k: int, normalize: bool, router_static: tuple, n_router: 
     return fn
 
 
-def moe_decode_step(block, x: mx.array) -> Optional[mx.array]:
-    """:func:`moe_decode` traced once with ``mx.compile``, or None where it does not apply.
+def _compiled_fused_step(top_k: int, normalize: bool, gate_bits: int, ctas: int):
+    """The ``mx.compile``d one-launch step (:mod:`.moe_decode_fused`) for one static setting."""
+    key = ("fused", top_k, bool(normalize), gate_bits, ctas)
+    fn = _steps.get(key)
+    if fn is None:
+        from . import moe_decode_fused as mf
 
-    Same kernels and results (bit for bit) as :func:`moe_decode`; the block's
-    arrays are inputs of the compiled function, so one trace per token count
-    serves every layer. The :func:`plan` checks run once per layer and input
-    signature (cached on the block, re-run when one of its arrays is
-    replaced), so a call costs the array lookups and the compiled call.
+        def step(x, *a):
+            experts, shared = (a[3:6], a[6:9], a[9:12]), (a[12:15], a[15:18], a[18:21])
+            return mf._launch(x, a[0:3], experts, shared, (a[21], a[22], a[23], gate_bits), top_k,
+                              normalize, a[24], ctas)[0]
+
+        fn = _steps[key] = mx.compile(step)
+    return fn
+
+
+def block_sync(block) -> mx.array:
+    """The block's own barrier buffer for the one-launch step (created on first use)."""
+    sync = block.__dict__.get("_mqf_moe_sync")
+    if sync is None:
+        from . import moe_decode_fused as mf
+
+        sync = mf.new_sync()
+        object.__setattr__(block, "_mqf_moe_sync", sync)
+    return sync
+
+
+def moe_decode_step(block, x: mx.array) -> Optional[mx.array]:
+    """The block's decode step traced once with ``mx.compile``, or None where it does not apply.
+
+    One launch (:func:`.moe_decode_fused.moe_decode_fused`) where the router
+    is 4/8-bit group 64 and ``MLX_QWEN_FAST_MOE_DECODE_FUSED`` is not ``0``;
+    otherwise the computation of :func:`moe_decode` (same kernels, bit for
+    bit). The block's arrays are inputs of the compiled function, so one trace
+    per token count serves every layer. The :func:`plan` checks run once per
+    layer and input signature (cached on the block, re-run when one of its
+    arrays is replaced), so a call costs the array lookups and the compiled
+    call.
 
     Args:
         block: a ``Qwen3NextSparseMoeBlock``.
@@ -508,10 +547,15 @@ def moe_decode_step(block, x: mx.array) -> Optional[mx.array]:
         caller runs another implementation).
     """
     from ..compiled import StepPlans
+    from . import moe_decode_fused as mf
 
-    arrays, fn = StepPlans.of(block).get((tuple(x.shape), x.dtype), block, lambda: _step_plan(block, x))
-    if fn is None:
+    key = (tuple(x.shape), x.dtype, mf.fused_enabled())
+    arrays, p = StepPlans.of(block).get(key, block, lambda: _step_plan(block, x))
+    if p is None:
         return None
+    fn, fused = p
+    if fused:
+        return fn(x, *arrays, block_sync(block))
     return fn(x, *arrays)  # [..., D] in and out: the kernels need no reshape node
 
 

@@ -1,0 +1,252 @@
+"""The whole decode MoE block (1..4 tokens) in one CUDA launch.
+
+Fuses, for decode-sized calls of ``Qwen3NextSparseMoeBlock``, the router's
+quantised matmul, the routing (fp32 softmax, top-k, renormalisation), the gate
+and up GEMVs with SwiGLU of the selected experts and of the shared expert, the
+shared expert's sigmoid gate, the down GEMVs, the routing weights and the
+combine: one graph node instead of four (router, routing kernel and the two
+kernels of :mod:`.moe_decode_gemv`), and the expert weights stream from memory
+as soon as the routing is known instead of after two kernel boundaries.
+
+Source ``mlx_qwen_fast/cuda/moe_decode_fused.cu``: a persistent grid of one
+CTA per SM with two grid-wide barriers (router logits -> every CTA routes and
+computes its gate+up tiles, prefetching its down rows into L2 -> down and
+combine). The barriers need every CTA resident at once, so the grid is at
+most the GPU's SM count (:func:`mlx_qwen_fast.kernels._cuda_build.sm_count`);
+a CTA that waits about a second traps (the launch fails instead of hanging).
+The barrier state is a persistent ``uint32 [2]`` buffer (:func:`new_sync`)
+that every launch leaves as it found it (count 0); concurrent launches must
+not share one (the patched model keeps one per MoE block).
+
+Numerics: the gate+up and down tiles are those of :mod:`.moe_decode_gemv`
+(same dequantisation, roundings and per-tile summation order): given the same
+``inds`` and ``scores`` the output is the same. The router logits are fp32
+dot products of ``x`` with ``s * q + b`` rounded to bf16 (the router's bf16
+quantised matmul), and the selection is the routing kernel's own code
+(:func:`.moe_routing.route` on these logits gives the same ``inds`` and
+``scores``).
+
+Status (2026-12-02): compiled with nvcc 13.0 for sm_90a, 0 spills (143 / 148 /
+202 registers at N = 1 / 2 / 4, one CTA per SM). H200 results:
+bench/results/moe-cuda-log.md ("seventh session").
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Optional, Sequence, Tuple
+
+import mlx.core as mx
+import numpy as np
+
+from . import _cuda_build as cb
+from . import moe_decode_gemv as md
+
+__all__ = [
+    "moe_decode_fused",
+    "new_sync",
+    "router_arrays",
+    "router_problem",
+    "reference",
+    "FUSED_ENV",
+]
+
+NT = 256  # threads per CTA
+#: ``MLX_QWEN_FAST_MOE_DECODE_FUSED=0`` keeps the two-kernel decode path
+#: (router matmul, routing kernel, :mod:`.moe_decode_gemv`) on CUDA.
+FUSED_ENV = "MLX_QWEN_FAST_MOE_DECODE_FUSED"
+_kernels: Dict[tuple, cb.CudaKernel] = {}
+_default_sync: Optional[mx.array] = None
+
+
+def new_sync() -> mx.array:
+    """A fresh barrier buffer for :func:`moe_decode_fused`: ``uint32 [2]`` zeros, evaluated."""
+    s = mx.zeros((2,), mx.uint32)
+    mx.eval(s)
+    return s
+
+
+def router_arrays(module) -> Optional[Tuple[mx.array, mx.array, mx.array]]:
+    """``(weight, scales, biases)`` of a router the kernel reads, else None.
+
+    The kernel takes ``nn.QuantizedLinear`` routers, affine 4- or 8-bit,
+    group 64, bf16 scales and biases, no bias (the mlx-community Qwen3.5/3.6
+    checkpoints quantise the router to 8 bits).
+    """
+    if not (
+        type(module).__name__ == "QuantizedLinear"
+        and getattr(module, "bits", None) in (4, 8) and getattr(module, "group_size", None) == 64
+        and getattr(module, "mode", "affine") in ("affine", None)
+        and "biases" in module and "bias" not in module
+        and module["scales"].dtype == mx.bfloat16
+    ):
+        return None
+    return module["weight"], module["scales"], module["biases"]
+
+
+def _router_bits(router, D: int) -> int:
+    """4 or 8 when ``router`` is ``(uint32 [E, D*bits/32], bf16 [E, D/64] x2)``, else 0."""
+    try:
+        w, s, b = router
+        E = w.shape[0]
+        if w.dtype != mx.uint32 or w.ndim != 2 or s.dtype != mx.bfloat16 or b.dtype != mx.bfloat16:
+            return 0
+        if tuple(s.shape) != (E, D // 64) or tuple(b.shape) != (E, D // 64):
+            return 0
+        return next((bits for bits in (4, 8) if w.shape[1] * 32 == D * bits), 0)
+    except (TypeError, ValueError, AttributeError):
+        return 0
+
+
+def router_problem(x, router, experts, shared, expert_gate, top_k) -> Optional[str]:
+    """None when :func:`moe_decode_fused` takes these arrays, else what is wrong (one line)."""
+    if not isinstance(x, mx.array) or x.ndim < 1 or x.dtype != mx.bfloat16:
+        return f"x must be bfloat16 [..., D], got {getattr(x, 'dtype', type(x))}"
+    D = x.shape[-1]
+    n = x.size // D if D else 0
+    if not isinstance(top_k, int) or top_k < 1:
+        return f"top_k must be a positive int, got {top_k!r}"
+    tok = mx.zeros((max(n, 1), D), mx.bfloat16)  # shapes only, never evaluated
+    inds = mx.zeros((max(n, 1), top_k), mx.int32)
+    problem = md._shape_problem(tok if n >= 1 else x, inds, None, experts, shared, expert_gate)
+    if problem is not None:
+        return problem
+    if not _router_bits(router, D):
+        return (f"router must be (weight uint32 [E, D*bits/32], scales, biases bf16 [E, {D // 64}]) "
+                f"with bits 4 or 8, group 64")
+    E = router[0].shape[0]
+    if E % 32 or E > 1024 or E != experts[0][0].shape[0]:
+        return f"the router's E must equal the experts' and be a multiple of 32 <= 1024, got {E}"
+    if top_k > E:
+        return f"top_k must be <= E = {E}, got {top_k}"
+    I = experts[0][0].shape[1]
+    hrows = n * top_k + n
+    if 2 * max(n * D, hrows * I) + 4 * 2 * 8 * 16 * n + 8 * 33 > 46 * 1024:
+        return f"N * D or (N*k + N) * I too large for the kernel's shared memory (N={n}, k={top_k}, I={I})"
+    return None
+
+
+def _kernel(n, k, E, D, I, rbits, sgb, normalize) -> cb.CudaKernel:
+    key = (n, k, E, D, I, rbits, sgb, bool(normalize))
+    kern = _kernels.get(key)
+    if kern is None:
+        defs = dict(MDG_N=n, MDG_K=k, MDG_E=E, MDG_D=D, MDG_I=I, MDG_RBITS=rbits, MDG_SGB=sgb,
+                    MDG_NORM=int(bool(normalize)))
+        kern = _kernels[key] = cb.CudaKernel("moe_decode_fused.cu", "mqf_moe_dec_fused", defs)
+    return kern
+
+
+def moe_decode_fused(
+    x: mx.array,
+    router: Sequence[mx.array],
+    experts: Sequence,
+    shared: Sequence,
+    expert_gate: Sequence,
+    top_k: int,
+    normalize: bool = True,
+    *,
+    sync: Optional[mx.array] = None,
+    ctas: Optional[int] = None,
+    return_all: bool = False,
+):
+    """The decode MoE block's output in one launch: ``[..., D]`` bfloat16.
+
+    ``y[n] = sum_j scores[n, j] * expert_{inds[n, j]}(x[n])
+    + sigmoid(bf16(x[n] . w_gate)) * shared_expert(x[n])``, with
+    ``(inds, scores)`` = top-``top_k`` of ``softmax(bf16(x[n] W_router^T))``
+    (fp32; ties to the lower expert id; renormalised over the k when
+    ``normalize``).
+
+    Args:
+        x: ``[..., D]`` bfloat16, 1..4 tokens, D % 256 == 0.
+        router: ``(weight uint32 [E, D*bits/32], scales, biases bf16 [E, D/64])``,
+            bits 4 or 8, group 64 (:func:`router_arrays`).
+        experts, shared, expert_gate: as :func:`.moe_decode_gemv.gate_up_swiglu`
+            (routed experts ``[E, I, D/8]`` ..., 4-bit group 64).
+        top_k: experts per token (N * top_k <= 32).
+        normalize: renormalise the k probabilities (``norm_topk_prob``).
+        sync: the barrier buffer (:func:`new_sync`); default one module-wide
+            buffer (fine while launches run one after another on one stream).
+        ctas: grid size; default the SM count. Must not exceed it (the
+            barriers need every CTA resident; more traps after ~1 s).
+        return_all: also return the router logits ``[N, E]`` float32 (bf16
+            values), ``inds [N, k]`` int32, ``scores [N, k]`` float32 and
+            the intermediates ``h [N*k + N, I]`` bfloat16 (row ``n*k + j`` of
+            pair (n, j), row ``N*k + n`` the shared expert's) and
+            ``sgate [N]`` float32, as :func:`.moe_decode_gemv.gate_up_swiglu`.
+
+    Returns:
+        ``y`` shaped like ``x``, or ``(y, logits, inds, scores, h, sgate)``.
+
+    Raises:
+        ValueError: a shape/dtype the kernel does not take (named), or
+            ``ctas`` outside ``[1, SM count]``.
+    """
+    problem = router_problem(x, router, experts, shared, expert_gate, top_k)
+    if problem is not None:
+        raise ValueError(f"moe_decode_fused: {problem}")
+    sms = cb.sm_count()
+    if ctas is not None and not (isinstance(ctas, int) and 1 <= ctas <= sms):
+        raise ValueError(f"moe_decode_fused: ctas must be an int in [1, {sms}] (the SM count), got {ctas!r}")
+    if sync is None:
+        global _default_sync
+        if _default_sync is None:
+            _default_sync = new_sync()
+        sync = _default_sync
+    elif not isinstance(sync, mx.array) or sync.dtype != mx.uint32 or tuple(sync.shape) != (2,):
+        raise ValueError("moe_decode_fused: sync must be the uint32 [2] buffer of new_sync()")
+    out = _launch(x, router, experts, shared, expert_gate, top_k, normalize, sync, ctas or sms)
+    return out if return_all else out[0]
+
+
+def _launch(x, router, experts, shared, expert_gate, top_k, normalize, sync, ctas):
+    """:func:`moe_decode_fused` on checked arguments; returns ``(y, logits, inds, scores, h, sgate)``."""
+    D = x.shape[-1]
+    n = x.size // D
+    E, I = router[0].shape[0], experts[0][0].shape[1]
+    gw, gs, gb, bits = expert_gate
+    kern = _kernel(n, top_k, E, D, I, _router_bits(router, D), int(bits), normalize)
+    nk = n * top_k
+    return kern(
+        inputs=[x, *router, *(a for m in experts for a in m), *(a for m in shared for a in m), gw, gs, gb, sync],
+        output_shapes=[x.shape, (n, E), (n, top_k), (n, top_k), (nk + n, I), (n,)],
+        output_dtypes=[mx.bfloat16, mx.float32, mx.int32, mx.float32, mx.bfloat16, mx.float32],
+        grid=(ctas * NT, 1, 1),
+        threadgroup=(NT, 1, 1),
+    )
+
+
+def fused_enabled() -> bool:
+    """False when the environment sets ``MLX_QWEN_FAST_MOE_DECODE_FUSED=0``."""
+    return os.environ.get(FUSED_ENV, "") != "0"
+
+
+# ---------------------------------------------------------------------------
+# host reference (numpy fp32)
+# ---------------------------------------------------------------------------
+
+
+def reference(x, router, top_k, normalize, experts, shared, expert_gate):
+    """fp32 host reference of :func:`moe_decode_fused` (numpy).
+
+    Router logits ``bf16(x . (s * q + b))`` (fp32 dot); fp32 softmax, top-k
+    (ties to the lower id), renormalised when ``normalize``; then
+    :func:`.moe_decode_gemv.reference` on that routing.
+
+    Returns:
+        ``(logits [N, E], inds [N, k], scores [N, k], y [N, D])`` numpy arrays
+        (y fp32, not rounded).
+    """
+    w, s, b = router
+    D = x.shape[-1]
+    xf = md._np(x).reshape(-1, D).astype(np.float32)
+    bits = _router_bits(router, D)
+    logits = md.bf16_round(xf @ md.dequant_f32(w, s, b, bits=bits).T)
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p = p / p.sum(-1, keepdims=True)
+    inds = np.argsort(-p, axis=-1, kind="stable")[:, :top_k].astype(np.int32)
+    sc = np.take_along_axis(p, inds, -1)
+    if normalize:
+        sc = sc / sc.sum(-1, keepdims=True)
+    _, _, y = md.reference(xf, inds, sc.astype(np.float32), experts, shared, expert_gate)
+    return logits, inds, sc.astype(np.float32), y
