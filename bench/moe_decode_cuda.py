@@ -89,6 +89,10 @@ for n in (1, 2, 4):
     t = time.perf_counter(); cub = k.cubin; res[f"fused_n{n}"] = time.perf_counter() - t
     names[f"fused_n{n}"] = k.name
     open(f"{OUTDIR}/fused_n{n}.cubin", "wb").write(cub)
+    for tag, extra in (("fusedt", dict(MDG_TIMING=1)), ("fusednp", dict(MDG_PREFETCH=0))):
+        kx = cb.CudaKernel("moe_decode_fused.cu", "mqf_moe_dec_" + tag, dict(k.defines, **extra))
+        names[f"{tag}_n{n}"] = kx.name
+        open(f"{OUTDIR}/{tag}_n{n}.cubin", "wb").write(kx.cubin)
 print("BUILDJSON" + json.dumps(dict(import_s=t1 - t0, build_s=res, names=names, compiler=cb.compiler_id())))
 """
 
@@ -284,6 +288,7 @@ def section_raw(args):
         k0 = cp.RawModule(path=str(cubdir / f"k0_n{n}.cubin")).get_function(names[f"k0_n{n}"])
         k1 = cp.RawModule(path=str(cubdir / f"k1_n{n}.cubin")).get_function(names[f"k1_n{n}"])
         kf = cp.RawModule(path=str(cubdir / f"fused_n{n}.cubin")).get_function(names[f"fused_n{n}"])
+        kfn = cp.RawModule(path=str(cubdir / f"fusednp_n{n}.cubin")).get_function(names[f"fusednp_n{n}"])
         R = 64
         xs = [bf16_bits(rng.standard_normal((n, D))) for _ in range(R)]
         inds = [cp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(n)]).astype(np.int32)) for _ in range(R)]
@@ -291,7 +296,7 @@ def section_raw(args):
         hs = [cp.empty((n * K + n, I), dtype=cp.uint16) for _ in range(R)]
         sgs = [cp.empty((n,), dtype=cp.float32) for _ in range(R)]
         ys = [cp.empty((n, D), dtype=cp.uint16) for _ in range(R)]
-        sync = cp.zeros((2,), dtype=cp.uint32)
+        sync = cp.zeros((64,), dtype=cp.uint32)
         fo = [(cp.empty((n, E), dtype=cp.float32), cp.empty((n, K), dtype=cp.int32), cp.empty((n, K), dtype=cp.float32))
               for _ in range(R)]
         nbytes = float(np.mean([layer_bytes(len(np.unique(cp.asnumpy(i))), n) for i in inds]))
@@ -303,12 +308,13 @@ def section_raw(args):
                    (xs[r], inds[r], *ly["g"], *ly["u"], *ly["sg"], *ly["su"], ly["gw"], ly["gs"], ly["gb"], hs[r], sgs[r]))
             if which in ("both", "k1"):
                 k1(((D // 16), 1, 1), (256, 1, 1), (hs[r], inds[r], sc[r], sgs[r], *ly["d"], *ly["sd"], ys[r]))
-            if which == "fused":
-                kf((G, 1, 1), (256, 1, 1), (xs[r], *ly["r"], *ly["g"], *ly["u"], *ly["d"], *ly["sg"], *ly["su"],
+            if which in ("fused", "fused-nopf"):
+                (kf if which == "fused" else kfn)((G, 1, 1), (256, 1, 1), (xs[r], *ly["r"], *ly["g"], *ly["u"], *ly["d"], *ly["sg"], *ly["su"],
                                             *ly["sd"], ly["gw"], ly["gs"], ly["gb"], sync, ys[r], *fo[r], hs[r], sgs[r]))
 
         stream = cp.cuda.Stream(non_blocking=True)
-        for which, frac in (("both", 1.0), ("k0", 2 / 3), ("k1", 1 / 3), ("fused", 1.0), ("both", 1.0)):
+        for which, frac in (("both", 1.0), ("k0", 2 / 3), ("k1", 1 / 3), ("fused", 1.0), ("fused-nopf", 1.0),
+                            ("both", 1.0), ("fused", 1.0)):
             with stream:
                 for r in range(R):
                     launch("both", r)  # warm-up, and h / sgate for k1 alone
@@ -328,16 +334,38 @@ def section_raw(args):
                     ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e-3 / R)
             s = sorted(ts)[len(ts) // 2]
             ok = bool(np.isfinite((cp.asnumpy(ys[0]).astype(np.uint32) << 16).view(np.float32)).all())
-            b = nbytes * frac + (ROUTER_BYTES if which == "fused" else 0)
+            b = nbytes * frac + (ROUTER_BYTES if which.startswith("fused") else 0)
             gbs = b / s / 1e9
             key = f"N={n} {which}" + (" (again)" if f"N={n} {which}" in res else "")
             res[key] = {"us": s * 1e6, "GBps": gbs, "frac_copy": gbs / COPY_GBS, "y_finite": ok,
                         "frac_copy_here": gbs / res["copy_GBps"]}
-            if which == "fused":
+            if which.startswith("fused"):
                 st = cp.asnumpy(sync)
                 res[key]["sync_count_zero"] = bool(st[0] == 0)
-            log(f"[raw] N={n} {which:5s} {s * 1e6:7.2f} us/layer  {gbs:6.0f} GB/s  {gbs / COPY_GBS:5.2f} of 3382  "
+            log(f"[raw] N={n} {which:10s} {s * 1e6:7.2f} us/layer  {gbs:6.0f} GB/s  {gbs / COPY_GBS:5.2f} of 3382  "
                 f"{gbs / res['copy_GBps']:5.2f} of copy here  finite={ok}")
+        # phase times of the one-launch kernel (timing build: %globaltimer at 8 points per CTA)
+        kt = cp.RawModule(path=str(cubdir / f"fusedt_n{n}.cubin")).get_function(names[f"fusedt_n{n}"])
+        tim = cp.zeros((R, G, 8), dtype=cp.uint64)
+        with stream:
+            for rep in range(2):
+                for r in range(R):
+                    ly = layers[r % L]
+                    kt((G, 1, 1), (256, 1, 1), (xs[r], *ly["r"], *ly["g"], *ly["u"], *ly["d"], *ly["sg"], *ly["su"],
+                                                *ly["sd"], ly["gw"], ly["gs"], ly["gb"], sync, ys[r], *fo[r], hs[r],
+                                                sgs[r], tim[r]))
+            stream.synchronize()
+        t = cp.asnumpy(tim).astype(np.int64)
+        t = t - t[:, :, 0].min(axis=1)[:, None, None]  # ns from the first CTA's start, per launch
+        names_p = ["start", "x staged", "phase A done", "barrier 1", "routed", "gate+up done", "barrier 2", "end"]
+        ph = {}
+        for i, nm in enumerate(names_p):
+            ti = t[:, : D // 16, i] if i == 7 else t[:, :, i]  # CTAs past D/16 stop after barrier 2
+            ph[nm] = {"min_us": float(np.median(ti.min(1))) / 1e3, "median_us": float(np.median(np.median(ti, 1))) / 1e3,
+                      "max_us": float(np.median(ti.max(1))) / 1e3}
+        res[f"N={n} fused phases"] = ph
+        log(f"[raw] N={n} fused phases (median over {R} launches of min/median/max over CTAs, us): "
+            + "; ".join(f"{k} {v['min_us']:.2f}/{v['median_us']:.2f}/{v['max_us']:.2f}" for k, v in ph.items()))
     return {"raw": res}
 
 
@@ -371,8 +399,10 @@ def summary(results):
         lines.append(f"{'kernel only (CuPy graph of 64 layers)':48s} {'us/layer':>9s} {'GB/s':>7s} {'of 3382':>8s}"
                      f"   copy here: {raw.get('copy_GBps', 0):.0f} GB/s")
         for key, v in raw.items():
-            if isinstance(v, dict):
+            if isinstance(v, dict) and "us" in v:
                 lines.append(f"{key:48s} {v['us']:9.2f} {v['GBps']:7.0f} {v['frac_copy']:8.2f}")
+            elif isinstance(v, dict):
+                lines.append(f"{key}: " + "; ".join(f"{k} {p['median_us']:.2f} (max {p['max_us']:.2f})" for k, p in v.items()))
     log("\n".join(lines))
 
 

@@ -252,7 +252,7 @@ def test_moe_fused_step_plumbing(cpu_moe_fused):
         want = fake_launch_fused(x, mf.router_arrays(block.gate), *md.block_arrays(block), 8, True, None, None)[0]
         assert mx.array_equal(got, want).item()
     syncs = [c[0] for c in FUSED_CALLS if c[1] == 132]
-    assert syncs and all(s.dtype == mx.uint32 and s.shape == (2,) for s in syncs)
+    assert syncs and all(s.dtype == mx.uint32 and s.shape == (mf.SYNC_WORDS,) for s in syncs)
     assert md.block_sync(blocks[0]) is not md.block_sync(blocks[1])  # one buffer per block
     os.environ[mf.FUSED_ENV] = "0"
     x = mx.random.normal((1, 1, 256)).astype(mx.bfloat16)

@@ -4,8 +4,10 @@
 //
 // One persistent grid of G CTAs (G <= the number of SMs, so that every CTA is
 // resident at once) runs three phases separated by two grid-wide barriers
-// (a counter and a generation word in `sync`, a persistent uint32[2] buffer
-// that starts at zero and that every launch leaves with count 0):
+// (a counter and a generation word in `sync`, a persistent uint32[64] buffer
+// that starts at zero and that every launch leaves with count 0; 256 bytes,
+// so that MLX's allocator gives it device memory, not its managed pool for
+// allocations of <= 8 bytes, where the barrier's atomics crawl):
 //
 //   A  router logits (one warp per expert row, the row's weights loaded while
 //      x is staged in shared memory; logit = bf16(fp32 dot), as the router's
@@ -42,7 +44,7 @@
 //   [E, D/64] x2); wg, sg, bg, wu, su, bu ([E, I, D/8], [E, I, D/64]); wd, sd,
 //   bd ([E, D, I/8], [E, D, I/64]); xwg, xsg, xbg, xwu, xsu, xbu, xwd, xsd, xbd
 //   (shared expert, the same without E); gw, gs, gb (shared-expert gate, as in
-//   moe_decode_gemv.cu, MDG_SGB 4/8/16); sync uint32 [2] (written).
+//   moe_decode_gemv.cu, MDG_SGB 4/8/16); sync uint32 [64] (written).
 // outputs: y [N, D] bf16; logits [N, E] float (bf16 values); inds [N, K]
 //   int32; scores [N, K] float; h [N*K + N, I] bf16 (scratch); sgate [N] float.
 // Launch: G * 256 threads, 256 per CTA, G <= number of SMs.
@@ -77,6 +79,9 @@
 #ifndef MDG_NORM
 #define MDG_NORM 1
 #endif
+#ifndef MDG_PREFETCH
+#define MDG_PREFETCH 1  // 0: no L2 bulk prefetches (measurement builds)
+#endif
 
 constexpr int N = MDG_N;
 constexpr int TOPK = MDG_K;
@@ -110,23 +115,24 @@ __device__ __forceinline__ unsigned ld_acquire_u32(const unsigned* p) {
   return v;
 }
 
-// All G CTAs meet; writes before it (any thread) are visible after it. sync[0]
-// counts arrivals, sync[1] is the generation; the last arrival resets the
-// count, then bumps the generation.
+// All G CTAs meet; writes before it (any thread) are visible after it.
+// sync[0] counts arrivals, sync[GEN] (another 128-byte line) is the
+// generation; the last arrival resets the count, then bumps the generation.
+constexpr int GEN = 32;
 __device__ void grid_barrier(unsigned* sync) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    const unsigned gen = ld_acquire_u32(sync + 1);
+    const unsigned gen = ld_acquire_u32(sync + GEN);
     __threadfence();
     const unsigned arrived = atomicAdd(sync, 1u);
     if (arrived == gridDim.x - 1) {
       atomicExch(sync, 0u);
       __threadfence();
-      atomicAdd(sync + 1, 1u);
+      atomicAdd(sync + GEN, 1u);
     } else {
       unsigned spins = 0;
-      while (ld_acquire_u32(sync + 1) == gen) {
-        if (++spins > 2048u) sleep_ns(256);
+      while (ld_acquire_u32(sync + GEN) == gen) {
+        if (++spins > 4096u) sleep_ns(256);
         if (spins > (1u << 22)) __trap();  // ~1 s: the grid is not co-resident
       }
     }
@@ -151,7 +157,7 @@ __device__ __forceinline__ uint4 ldcg16(const void* p) {
 }
 // bytes: a multiple of 16, p 16-byte aligned.
 __device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+  if (MDG_PREFETCH) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 }
 
 // ---- shared memory ----------------------------------------------------------------
@@ -403,8 +409,19 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     int* __restrict__ inds_out,
     float* __restrict__ scores_out,
     bf16_t* hbuf,
-    float* sgate) {
+    float* sgate
+#ifdef MDG_TIMING
+    , unsigned long long* tim  // [G, 8] %globaltimer (ns) at the phase points, thread 0
+#endif
+    ) {
   __shared__ __align__(16) Smem sm;
+#ifdef MDG_TIMING
+#define STAMP(i) \
+  if (threadIdx.x == 0) { unsigned long long t_; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)); tim[blockIdx.x * 8 + (i)] = t_; }
+#else
+#define STAMP(i)
+#endif
+  STAMP(0);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int c = blockIdx.x, G = gridDim.x;
   constexpr int SU = I / RB;  // shared-expert gate+up tiles
@@ -438,6 +455,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     for (int i = tid; i < N * D / 8; i += NT)
       *reinterpret_cast<uint4*>(&sm.u.x[0][0] + 8 * i) = ldg16(x + 8 * i);
     __syncthreads();
+    STAMP(1);
     for (int r = r0; r <= E; r += RC * NW) {
       float out[N];
       if (r < E) {
@@ -465,7 +483,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
       }
     }
   }
+  STAMP(2);
   grid_barrier(sync);
+  STAMP(3);
 
   // ======================= phase B ===========================================
   if (warp < N) {
@@ -502,6 +522,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     }
   }
   __syncthreads();
+  STAMP(4);
   const int nitems = sm.nitems, nrouted = nitems - 1;
   const int ntiles = nrouted * UT;
   auto tile_ptr = [&](int u) -> GUPtr {
@@ -573,6 +594,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
       W = wd + (size_t)e * D * DKW; S = sd + (size_t)e * D * DKG; B = bd + (size_t)e * D * DKG;
     }
   };
+  STAMP(5);
   DownRegs RA, RB2;
   const unsigned* W;
   const bf16_t *S, *B;
@@ -582,10 +604,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     if (warp + NW < nitems) { item_ptrs(warp + NW, W, S, B); RB2.load(W, S, B, rbk * RB); }
   }
   grid_barrier(sync);
+  STAMP(6);
   if (rbk >= D / RB) return;
   const int g = lane >> 2, t = lane & 3;
-  for (int i = tid; i < HROWS * I / 8; i += NT)
-    *reinterpret_cast<uint4*>(&sm.u.h[0][0] + 8 * i) = ldcg16(hbuf + 8 * i);
+  for (int i = tid; i < HROWS * I / 8; i += NT) cp_async16(&sm.u.h[0][0] + 8 * i, hbuf + 8 * i);  // L2, all in flight
+  cp_async_commit();
+  cp_async_wait_all();
   float sgv[N];
 #pragma unroll
   for (int n = 0; n < N; ++n) sgv[n] = ldcg_f(sgate + n);
@@ -664,4 +688,5 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     }
     __syncthreads();
   }
+  STAMP(7);
 }

@@ -14,7 +14,7 @@ computes its gate+up tiles, prefetching its down rows into L2 -> down and
 combine). The barriers need every CTA resident at once, so the grid is at
 most the GPU's SM count (:func:`mlx_qwen_fast.kernels._cuda_build.sm_count`);
 a CTA that waits about a second traps (the launch fails instead of hanging).
-The barrier state is a persistent ``uint32 [2]`` buffer (:func:`new_sync`)
+The barrier state is a persistent ``uint32 [64]`` buffer (:func:`new_sync`)
 that every launch leaves as it found it (count 0); concurrent launches must
 not share one (the patched model keeps one per MoE block).
 
@@ -59,9 +59,18 @@ _kernels: Dict[tuple, cb.CudaKernel] = {}
 _default_sync: Optional[mx.array] = None
 
 
+SYNC_WORDS = 64  # 256 bytes: MLX keeps allocations of <= 8 bytes in managed memory
+
+
 def new_sync() -> mx.array:
-    """A fresh barrier buffer for :func:`moe_decode_fused`: ``uint32 [2]`` zeros, evaluated."""
-    s = mx.zeros((2,), mx.uint32)
+    """A fresh barrier buffer for :func:`moe_decode_fused`: ``uint32 [64]`` zeros, evaluated.
+
+    Word 0 counts the CTAs at a barrier, word 32 is the barrier generation
+    (two per launch). 256 bytes, not 8: MLX's CUDA allocator serves
+    allocations of at most 8 bytes from a managed-memory pool, where the
+    barrier's atomics took ~0.4 ms each (H200, 2026-12-02).
+    """
+    s = mx.zeros((SYNC_WORDS,), mx.uint32)
     mx.eval(s)
     return s
 
@@ -193,8 +202,8 @@ def moe_decode_fused(
         if _default_sync is None:
             _default_sync = new_sync()
         sync = _default_sync
-    elif not isinstance(sync, mx.array) or sync.dtype != mx.uint32 or tuple(sync.shape) != (2,):
-        raise ValueError("moe_decode_fused: sync must be the uint32 [2] buffer of new_sync()")
+    elif not isinstance(sync, mx.array) or sync.dtype != mx.uint32 or tuple(sync.shape) != (SYNC_WORDS,):
+        raise ValueError(f"moe_decode_fused: sync must be the uint32 [{SYNC_WORDS}] buffer of new_sync()")
     out = _launch(x, router, experts, shared, expert_gate, top_k, normalize, sync, ctas or sms)
     return out if return_all else out[0]
 
