@@ -89,7 +89,7 @@ for n in (1, 2, 4):
     t = time.perf_counter(); cub = k.cubin; res[f"fused_n{n}"] = time.perf_counter() - t
     names[f"fused_n{n}"] = k.name
     open(f"{OUTDIR}/fused_n{n}.cubin", "wb").write(cub)
-    for tag, extra in (("fusedt", dict(MDG_TIMING=1)), ("fusednp", dict(MDG_PREFETCH=0))):
+    for tag, extra in (("fusedt", dict(MDG_TIMING=1)),):
         kx = cb.CudaKernel("moe_decode_fused.cu", "mqf_moe_dec_" + tag, dict(k.defines, **extra))
         names[f"{tag}_n{n}"] = kx.name
         open(f"{OUTDIR}/{tag}_n{n}.cubin", "wb").write(kx.cubin)
@@ -240,10 +240,20 @@ def section_time(args):
     return {"timings": timings}
 
 
+def _set_smem(cp, fn, nbytes):
+    """Let a CuPy-loaded kernel take ``nbytes`` (> 48 KB) of dynamic shared memory."""
+    try:
+        fn.max_dynamic_shared_size_bytes = nbytes
+    except AttributeError:
+        cp.cuda.driver.funcSetAttribute(fn.ptr, 8, nbytes)  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
 def section_raw(args):
     """Kernel-only times: the built cubins through CuPy, 64 layers per CUDA graph."""
     import cupy as cp
     import numpy as np
+
+    from mlx_qwen_fast.kernels import moe_decode_fused as mf
 
     cubdir = Path(args.out) / "cubins"
     names = json.loads((Path(args.out) / "moe_decode_build.json").read_text())["cached"]["names"]
@@ -288,7 +298,9 @@ def section_raw(args):
         k0 = cp.RawModule(path=str(cubdir / f"k0_n{n}.cubin")).get_function(names[f"k0_n{n}"])
         k1 = cp.RawModule(path=str(cubdir / f"k1_n{n}.cubin")).get_function(names[f"k1_n{n}"])
         kf = cp.RawModule(path=str(cubdir / f"fused_n{n}.cubin")).get_function(names[f"fused_n{n}"])
-        kfn = cp.RawModule(path=str(cubdir / f"fusednp_n{n}.cubin")).get_function(names[f"fusednp_n{n}"])
+        smf = mf.smem_bytes(n, K, D, I)
+        for fn in (kf,):
+            _set_smem(cp, fn, smf)
         R = 64
         xs = [bf16_bits(rng.standard_normal((n, D))) for _ in range(R)]
         inds = [cp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(n)]).astype(np.int32)) for _ in range(R)]
@@ -308,13 +320,13 @@ def section_raw(args):
                    (xs[r], inds[r], *ly["g"], *ly["u"], *ly["sg"], *ly["su"], ly["gw"], ly["gs"], ly["gb"], hs[r], sgs[r]))
             if which in ("both", "k1"):
                 k1(((D // 16), 1, 1), (256, 1, 1), (hs[r], inds[r], sc[r], sgs[r], *ly["d"], *ly["sd"], ys[r]))
-            if which in ("fused", "fused-nopf"):
-                (kf if which == "fused" else kfn)((G, 1, 1), (256, 1, 1), (xs[r], *ly["r"], *ly["g"], *ly["u"], *ly["d"], *ly["sg"], *ly["su"],
-                                            *ly["sd"], ly["gw"], ly["gs"], ly["gb"], sync, ys[r], *fo[r], hs[r], sgs[r]))
+            if which == "fused":
+                kf((G, 1, 1), (256, 1, 1), (xs[r], *ly["r"], *ly["g"], *ly["u"], *ly["d"], *ly["sg"], *ly["su"],
+                                            *ly["sd"], ly["gw"], ly["gs"], ly["gb"], sync, ys[r], *fo[r], hs[r], sgs[r]),
+                   shared_mem=smf)
 
         stream = cp.cuda.Stream(non_blocking=True)
-        for which, frac in (("both", 1.0), ("k0", 2 / 3), ("k1", 1 / 3), ("fused", 1.0), ("fused-nopf", 1.0),
-                            ("both", 1.0), ("fused", 1.0)):
+        for which, frac in (("both", 1.0), ("k0", 2 / 3), ("k1", 1 / 3), ("fused", 1.0), ("both", 1.0), ("fused", 1.0)):
             with stream:
                 for r in range(R):
                     launch("both", r)  # warm-up, and h / sgate for k1 alone
@@ -346,6 +358,7 @@ def section_raw(args):
                 f"{gbs / res['copy_GBps']:5.2f} of copy here  finite={ok}")
         # phase times of the one-launch kernel (timing build: %globaltimer at 8 points per CTA)
         kt = cp.RawModule(path=str(cubdir / f"fusedt_n{n}.cubin")).get_function(names[f"fusedt_n{n}"])
+        _set_smem(cp, kt, smf)
         tim = cp.zeros((R, G, 8), dtype=cp.uint64)
         with stream:
             for rep in range(2):
@@ -353,7 +366,7 @@ def section_raw(args):
                     ly = layers[r % L]
                     kt((G, 1, 1), (256, 1, 1), (xs[r], *ly["r"], *ly["g"], *ly["u"], *ly["d"], *ly["sg"], *ly["su"],
                                                 *ly["sd"], ly["gw"], ly["gs"], ly["gb"], sync, ys[r], *fo[r], hs[r],
-                                                sgs[r], tim[r]))
+                                                sgs[r], tim[r]), shared_mem=smf)
             stream.synchronize()
         t = cp.asnumpy(tim).astype(np.int64)
         t = t - t[:, :, 0].min(axis=1)[:, None, None]  # ns from the first CTA's start, per launch

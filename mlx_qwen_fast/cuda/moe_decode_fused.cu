@@ -3,42 +3,45 @@
 // down + routing weights + shared-expert gate + combine.
 //
 // One persistent grid of G CTAs (G <= the number of SMs, so that every CTA is
-// resident at once) runs three phases separated by two grid-wide barriers
-// (a counter and a generation word in `sync`, a persistent uint32[64] buffer
-// that starts at zero and that every launch leaves with count 0; 256 bytes,
-// so that MLX's allocator gives it device memory, not its managed pool for
-// allocations of <= 8 bytes, where the barrier's atomics crawl):
+// resident at once) runs three phases separated by two grid-wide barriers:
 //
 //   A  router logits (one warp per expert row, the row's weights loaded while
 //      x is staged in shared memory; logit = bf16(fp32 dot), as the router's
 //      bf16 quantised matmul); the shared-expert gate's logit (the same dot on
 //      row "E"): sgate = sigmoid(bf16(x . w)); the shared expert's gate + up
-//      (it does not depend on the routing). CTAs [0, RC) take the router rows,
-//      the last I/16 CTAs the shared expert's row tiles.
+//      tiles (they do not depend on the routing). CTAs [0, RC) take the router
+//      rows, the last I/16 CTAs the shared expert's tiles.
 //   -- barrier 1 --
 //   B  every CTA reads the N x E logits back (L2) and routes each token with
-//      one warp (route_warp: the routing kernel's own softmax and top-k, so
-//      the selection is the same as moe_routing.route on these logits); the
-//      distinct experts in order of first appearance are the items. Each CTA
-//      issues L2 bulk prefetches (cp.async.bulk.prefetch) of its phase-C down
-//      rows of every item and of its later gate+up tiles, then computes its
-//      gate + up tiles (item, 16 rows) u = c, c + G, ... with the next tile's
-//      weights loaded while the current one is multiplied; h rows go to global
-//      memory. Before barrier 2 each warp loads its first two down items into
-//      registers (the down weights do not depend on h).
+//      one warp (route_warp: the routing kernel's own code, so the selection
+//      is the same as moe_routing.route on these logits); the distinct experts
+//      in order of first appearance are the items. Its gate + up tiles (item,
+//      16 rows) u = c, c + G, ... and its phase-C down rows of every item are
+//      requested at once with bulk copies (TMA, cp.async.bulk) into shared
+//      memory rings; the gate + up tiles are computed as they land, the h rows
+//      written to global memory.
 //   -- barrier 2 --
 //   C  CTA c < D/16: output rows [16c, +16) of y: h staged in shared memory,
-//      the down GEMVs of every item, coef * bf16(out) summed in fp32 in a
-//      fixed order (deterministic, no atomics), stored as bf16.
+//      the down GEMVs of every item from the ring, coef * bf16(out) summed in
+//      fp32 in a fixed order (deterministic, no atomics), stored as bf16.
 //
-// The gate+up and down tile arithmetic is that of moe_decode_gemv.cu (same
-// dequantisation, mma.sync m16n8k16 with permuted k order, same roundings and
-// summation order per tile), so y equals the two-kernel path's given the same
-// inds and scores. Reads of data written by other CTAs in this launch (logits,
-// h, sgate) use ld.global.cg (L2); the barriers fence at GPU scope.
+// Weights stream by TMA into shared-memory slots (one mbarrier each): a gate +
+// up slot holds one tile (16 rows of gate and of up, their scales and biases:
+// 36 KB at D = 2048), GU_SLOTS slots in flight; a down slot holds one item's 16
+// rows (4.5 KB at I = 512), DN_SLOTS slots. The tile arithmetic is that of
+// moe_decode_gemv.cu (same dequantisation, mma.sync m16n8k16 with permuted k
+// order, same roundings and summation order), so h and y equal the two-kernel
+// path's given the same inds and scores.
 //
-// A CTA that waits on a barrier for ~1 s (a grid that is not resident at once)
-// traps: the launch fails instead of hanging.
+// Grid barrier: a 64-bit arrival counter in `sync` (persistent uint32[64],
+// zero at first use: 256 bytes so that MLX's allocator gives device memory,
+// not its managed pool for allocations of <= 8 bytes). Every launch adds
+// exactly 2 * BARW (CTA 0 arrives with weight 1 + BARW - G), so each CTA reads
+// the launch's base (a multiple of 2 * BARW) before its first arrival, arrives
+// with red.release.gpu and waits with ld.acquire.gpu for base + b * BARW. A
+// CTA that waits ~1 s (a grid that is not resident at once) traps: the launch
+// fails instead of hanging. Reads of data written by other CTAs in this launch
+// (logits, h, sgate) go through L2 (ld.global.cg / cp.async.cg).
 //
 // inputs: x [N, D] bf16; rw, rs, rb (router: uint32 [E, D*RBITS/32], bf16
 //   [E, D/64] x2); wg, sg, bg, wu, su, bu ([E, I, D/8], [E, I, D/64]); wd, sd,
@@ -47,11 +50,14 @@
 //   moe_decode_gemv.cu, MDG_SGB 4/8/16); sync uint32 [64] (written).
 // outputs: y [N, D] bf16; logits [N, E] float (bf16 values); inds [N, K]
 //   int32; scores [N, K] float; h [N*K + N, I] bf16 (scratch); sgate [N] float.
-// Launch: G * 256 threads, 256 per CTA, G <= number of SMs.
+// Launch: G * 256 threads, 256 per CTA, G <= min(SM count, BARW); dynamic
+// shared memory smem_bytes() of kernels/moe_decode_fused.py.
 //
 // Build macros: KNAME, MDG_N (1..4), MDG_K, MDG_E (multiple of 32, <= 1024),
 // MDG_D (% 256), MDG_I (% 128), MDG_RBITS (4, 8), MDG_SGB (4, 8, 16),
-// MDG_NORM (1: scores renormalised over the K selected).
+// MDG_NORM (1: scores renormalised over the K selected), MDG_GU_SLOTS,
+// MDG_DN_SLOTS; MDG_TIMING: an extra output [G, 8] uint64 of %globaltimer
+// stamps at the phase points (bench builds).
 #include "moe_decode_common.cuh"
 #include "moe_route_common.cuh"
 
@@ -79,8 +85,11 @@
 #ifndef MDG_NORM
 #define MDG_NORM 1
 #endif
-#ifndef MDG_PREFETCH
-#define MDG_PREFETCH 1  // 0: no L2 bulk prefetches (measurement builds)
+#ifndef MDG_GU_SLOTS
+#define MDG_GU_SLOTS 3
+#endif
+#ifndef MDG_DN_SLOTS
+#define MDG_DN_SLOTS 9
 #endif
 
 constexpr int N = MDG_N;
@@ -96,69 +105,24 @@ constexpr int HROWS = NK + N;
 constexpr int KW = D / 8, KG = D / 64;     // gate/up row: packed words, groups
 constexpr int DKW = I / 8, DKG = I / 64;   // down row
 constexpr int NCH = D / 256;               // gate/up K chunks of 256 inputs
-constexpr int CPW = (NCH + NW - 1) / NW;   // chunks per warp
 constexpr int NU = I / 128;                // down: 16-byte words per lane per row
 constexpr int UT = I / RB;                 // gate/up tiles per expert
+constexpr int SU = I / RB;                 // shared-expert gate/up tiles
+constexpr int BARW = 1024;                 // counter units per barrier (>= G)
+constexpr int GU_SLOTS = MDG_GU_SLOTS;
+constexpr int DN_SLOTS = MDG_DN_SLOTS < NK + 1 ? MDG_DN_SLOTS : NK + 1;
+// slot layouts (bytes): gate rows | up rows | gate scales | gate biases | up scales | up biases
+constexpr int GU_W = RB * KW * 4, GU_S = RB * KG * 2;
+constexpr int GU_SLOT = 2 * GU_W + 4 * GU_S;
+// down: rows | scales | biases
+constexpr int DN_W = RB * DKW * 4, DN_S = RB * DKG * 2;
+constexpr int DN_SLOT = DN_W + 2 * DN_S;
 static_assert(N >= 1 && N <= 4, "1 <= N <= 4 tokens");
 static_assert(NK <= 32, "N * top_k must fit one warp");
 static_assert(D % 256 == 0 && I % 128 == 0, "D % 256 == 0 and I % 128 == 0");
 static_assert(E % 32 == 0 && E <= 1024, "E must be a multiple of 32, <= 1024");
 static_assert(MDG_RBITS == 4 || MDG_RBITS == 8, "router bits 4 or 8");
-static_assert(2 * (N * D > HROWS * I ? N * D : HROWS * I) + 4 * 2 * NW * RB * N + 8 * 33 <= 46 * 1024,
-              "tokens / h rows over the 48 KB static shared-memory limit");
-
-// ---- grid barrier ----------------------------------------------------------------
-
-__device__ __forceinline__ unsigned ld_acquire_u32(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-
-// All G CTAs meet; writes before it (any thread) are visible after it.
-// sync[0] counts arrivals, sync[GEN] (another 128-byte line) is the
-// generation; the last arrival resets the count, then bumps the generation.
-constexpr int GEN = 32;
-__device__ void grid_barrier(unsigned* sync) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned gen = ld_acquire_u32(sync + GEN);
-    __threadfence();
-    const unsigned arrived = atomicAdd(sync, 1u);
-    if (arrived == gridDim.x - 1) {
-      atomicExch(sync, 0u);
-      __threadfence();
-      atomicAdd(sync + GEN, 1u);
-    } else {
-      unsigned spins = 0;
-      while (ld_acquire_u32(sync + GEN) == gen) {
-        if (++spins > 4096u) sleep_ns(256);
-        if (spins > (1u << 22)) __trap();  // ~1 s: the grid is not co-resident
-      }
-    }
-    __threadfence();
-  }
-  __syncthreads();
-}
-
-// ---- L2-coherent loads and bulk L2 prefetch ----------------------------------------
-
-__device__ __forceinline__ float ldcg_f(const float* p) {
-  float v;
-  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-  return v;
-}
-__device__ __forceinline__ uint4 ldcg16(const void* p) {
-  uint4 r;
-  asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
-}
-// bytes: a multiple of 16, p 16-byte aligned.
-__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
-  if (MDG_PREFETCH) asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
+static_assert(GU_SLOT % 128 == 0 && DN_SLOT % 128 == 0, "slots stay 128-byte aligned");
 
 // ---- shared memory ----------------------------------------------------------------
 
@@ -173,6 +137,74 @@ struct Smem {
   int items[NK + 1];          // distinct routed experts, then -1 (shared)
   int nitems;
 };
+// dynamic shared memory: [gate+up slots][down slots][mbarriers][Smem]
+constexpr int OFF_DN = GU_SLOTS * GU_SLOT;
+constexpr int OFF_BAR = OFF_DN + DN_SLOTS * DN_SLOT;
+constexpr int OFF_SM = (OFF_BAR + 8 * (GU_SLOTS + DN_SLOTS) + 127) / 128 * 128;
+constexpr unsigned SMEM_BYTES = OFF_SM + (unsigned)sizeof(Smem);  // = smem_bytes() of the wrapper
+
+// ---- grid barrier, L2 loads --------------------------------------------------------
+
+__device__ __forceinline__ unsigned long long ld_acquire_u64(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ unsigned long long ld_relaxed_u64(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+// Arrive (after the CTA's writes): CTA-wide barrier, then thread 0 adds with release.
+__device__ __forceinline__ void grid_arrive(unsigned long long* ctr) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned long long w = blockIdx.x == 0 ? 1ull + BARW - gridDim.x : 1ull;
+    asm volatile("red.release.gpu.global.add.u64 [%0], %1;\n" ::"l"(ctr), "l"(w) : "memory");
+  }
+}
+// Wait until every CTA arrived `target` (base + b * BARW); thread 0 polls.
+__device__ __forceinline__ void grid_wait(const unsigned long long* ctr, unsigned long long target) {
+  if (threadIdx.x == 0) {
+    unsigned spins = 0;
+    while (ld_acquire_u64(ctr) < target) {
+      if (++spins > 4096u) sleep_ns(128);
+      if (spins > (1u << 23)) __trap();  // ~1 s: the grid is not co-resident
+    }
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ float ldcg_f(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
+}
+
+// ---- TMA bulk copies into shared memory, mbarriers ---------------------------------
+
+__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n WAIT_%=:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+// bytes: a multiple of 16; both addresses 16-byte aligned.
+__device__ __forceinline__ void bulk_g2s(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+// Order earlier generic-proxy reads of a slot before the async-proxy refill.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
 
 // ---- router / shared-gate row dot ---------------------------------------------------
 
@@ -273,47 +305,30 @@ struct RowRegsBf16 {
 };
 typedef Pick<MDG_SGB == 16, RowRegsBf16, RowRegs<(MDG_SGB == 16 ? 8 : MDG_SGB)>>::type GateRegs;
 
-// ---- gate + up tile (16 rows of both matrices, one expert) ------------------------
+// ---- gate + up tile from a slot (16 rows of both matrices, one expert) --------------
 
 struct GUPtr {
   const unsigned *W0, *W1;
   const bf16_t *S0, *S1, *B0, *B1;
 };
 
-struct GURegs {
-  uint4 A[CPW][2][2][2];     // [chunk][mat][row g / g+8][u]
-  unsigned sb[CPW][2][2][2];
-  __device__ __forceinline__ void load(const GUPtr& p, int row0) {
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int cc = 0; cc < CPW; ++cc) {
-      const int ch = warp + NW * cc;
-      if (ch >= NCH) break;
-      const int kb = ch * 256;
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const size_t row = (size_t)(row0 + g + 8 * hh);
-          const unsigned* Wm = m ? p.W1 : p.W0;
-          const bf16_t* Sm = m ? p.S1 : p.S0;
-          const bf16_t* Bm = m ? p.B1 : p.B0;
-#pragma unroll
-          for (int u = 0; u < 2; ++u) {
-            A[cc][m][hh][u] = ldg_stream16(Wm + row * KW + (kb >> 3) + 16 * u + 4 * t);
-            const size_t gi = row * KG + (kb >> 6) + 2 * u + (t >> 1);
-            sb[cc][m][hh][u] = load_sb(Sm + gi, Bm + gi);
-          }
-        }
-    }
-  }
-};
+// Thread 0: one tile (gate and up rows [row0, +16) of p) into slot `dst`.
+__device__ __forceinline__ void issue_tile(unsigned dst, unsigned bar, const GUPtr& p, int row0) {
+  fence_proxy_async();
+  mbar_expect_tx(bar, GU_SLOT);
+  bulk_g2s(dst, p.W0 + (size_t)row0 * KW, GU_W, bar);
+  bulk_g2s(dst + GU_W, p.W1 + (size_t)row0 * KW, GU_W, bar);
+  bulk_g2s(dst + 2 * GU_W, p.S0 + (size_t)row0 * KG, GU_S, bar);
+  bulk_g2s(dst + 2 * GU_W + GU_S, p.B0 + (size_t)row0 * KG, GU_S, bar);
+  bulk_g2s(dst + 2 * GU_W + 2 * GU_S, p.S1 + (size_t)row0 * KG, GU_S, bar);
+  bulk_g2s(dst + 2 * GU_W + 3 * GU_S, p.B1 + (size_t)row0 * KG, GU_S, bar);
+}
 
-// The tile's gate and up dot products for every token; the warps' partial sums
-// meet in sm.red and thread (r, n) < RB * N gets h = bf16(silu(bf16 g) * bf16 u)
-// of row r, token n (moe_decode_gemv.cu's order and roundings).
-__device__ __forceinline__ float gate_up_tile(const GURegs& R, Smem& sm) {
+// The tile's gate and up dot products for every token (weights from the
+// slot); the warps' partial sums meet in sm.red and thread (r, n) < RB * N gets
+// h = silu(bf16 g) * bf16 u of row r, token n (moe_decode_gemv.cu's order and
+// roundings; the caller rounds to bf16).
+__device__ __forceinline__ float gate_up_tile(const unsigned char* slot, Smem& sm) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   float acc[2][4];
@@ -321,20 +336,25 @@ __device__ __forceinline__ float gate_up_tile(const GURegs& R, Smem& sm) {
   for (int m = 0; m < 2; ++m)
 #pragma unroll
     for (int c = 0; c < 4; ++c) acc[m][c] = 0.0f;
-#pragma unroll
-  for (int cc = 0; cc < CPW; ++cc) {
-    const int ch = warp + NW * cc;
-    if (ch >= NCH) break;
+#pragma unroll 1
+  for (int ch = warp; ch < NCH; ch += NW) {
     const int kb = ch * 256;
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
+      uint4 A[2][2];
       unsigned s2[2][2], b2[2][2];
 #pragma unroll
       for (int m = 0; m < 2; ++m)
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          s2[m][hh] = splat_s(R.sb[cc][m][hh][u]);
-          b2[m][hh] = splat_b(R.sb[cc][m][hh][u]);
+          const int row = g + 8 * hh;
+          A[m][hh] = *reinterpret_cast<const uint4*>(slot + m * GU_W + row * (KW * 4) + (kb >> 1) + 64 * u + 16 * t);
+          const int gi = row * KG + (kb >> 6) + 2 * u + (t >> 1);
+          const gdn_u16* sc = reinterpret_cast<const gdn_u16*>(slot + 2 * GU_W + 2 * m * GU_S);
+          const gdn_u16* bi = reinterpret_cast<const gdn_u16*>(slot + 2 * GU_W + (2 * m + 1) * GU_S);
+          const unsigned sb = (unsigned)sc[gi] | ((unsigned)bi[gi] << 16);
+          s2[m][hh] = splat_s(sb);
+          b2[m][hh] = splat_b(sb);
         }
 #pragma unroll
       for (int wd = 0; wd < 4; ++wd) {
@@ -342,8 +362,7 @@ __device__ __forceinline__ float gate_up_tile(const GURegs& R, Smem& sm) {
         if (g < N) b_pairs(*reinterpret_cast<const uint4*>(&sm.u.x[g][kb + 128 * u + 32 * t + 8 * wd]), bb);
 #pragma unroll
         for (int m = 0; m < 2; ++m)
-          mma_word(acc[m], w4(R.A[cc][m][0][u], wd), w4(R.A[cc][m][1][u], wd), s2[m][0], b2[m][0],
-                   s2[m][1], b2[m][1], bb);
+          mma_word(acc[m], w4(A[m][0], wd), w4(A[m][1], wd), s2[m][0], b2[m][0], s2[m][1], b2[m][1], bb);
       }
     }
   }
@@ -368,30 +387,20 @@ __device__ __forceinline__ float gate_up_tile(const GURegs& R, Smem& sm) {
     up = from_f_round<bf16_t>(up);
     hv = silu_f(gt) * up;
   }
-  __syncthreads();  // sm.red is reused by the next tile
+  __syncthreads();  // sm.red and the slot are free again
   return hv;
 }
 
-// ---- down tile (16 output rows, one item) -------------------------------------------
+// ---- down item from a slot (16 output rows, one item) ------------------------------
 
-struct DownRegs {
-  uint4 A[2][NU];
-  unsigned sb[2][NU];
-  __device__ __forceinline__ void load(const unsigned* W, const bf16_t* S, const bf16_t* B, int row0) {
-    const int lane = threadIdx.x & 31;
-    const int g = lane >> 2, t = lane & 3;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const size_t row = (size_t)(row0 + g + 8 * hh);
-#pragma unroll
-      for (int u = 0; u < NU; ++u) {
-        A[hh][u] = ldg_stream16(W + row * DKW + 16 * u + 4 * t);
-        const size_t gi = row * DKG + 2 * u + (t >> 1);
-        sb[hh][u] = load_sb(S + gi, B + gi);
-      }
-    }
-  }
-};
+__device__ __forceinline__ void issue_down(unsigned dst, unsigned bar, const unsigned* W, const bf16_t* S,
+                                           const bf16_t* B, int row0) {
+  fence_proxy_async();
+  mbar_expect_tx(bar, DN_SLOT);
+  bulk_g2s(dst, W + (size_t)row0 * DKW, DN_W, bar);
+  bulk_g2s(dst + DN_W, S + (size_t)row0 * DKG, DN_S, bar);
+  bulk_g2s(dst + DN_W + DN_S, B + (size_t)row0 * DKG, DN_S, bar);
+}
 
 extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     const bf16_t* __restrict__ x,
@@ -414,7 +423,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     , unsigned long long* tim  // [G, 8] %globaltimer (ns) at the phase points, thread 0
 #endif
     ) {
-  __shared__ __align__(16) Smem sm;
+  extern __shared__ __align__(128) unsigned char dsm[];
+  Smem& sm = *reinterpret_cast<Smem*>(dsm + OFF_SM);
+  const unsigned sbase = smem_addr(dsm);
+  const unsigned gu_bar = sbase + OFF_BAR, dn_bar = gu_bar + 8 * GU_SLOTS;
 #ifdef MDG_TIMING
 #define STAMP(i) \
   if (threadIdx.x == 0) { unsigned long long t_; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)); tim[blockIdx.x * 8 + (i)] = t_; }
@@ -422,40 +434,51 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
 #define STAMP(i)
 #endif
   STAMP(0);
+  {
+    unsigned dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    if (dyn < SMEM_BYTES) __trap();  // launched with too little dynamic shared memory
+  }
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int c = blockIdx.x, G = gridDim.x;
-  constexpr int SU = I / RB;  // shared-expert gate+up tiles
+  unsigned long long* ctr = reinterpret_cast<unsigned long long*>(sync);
   // CTAs [0, RC): router rows (E of them, + row E = the shared gate); the last
   // SU CTAs: the shared expert's tiles (everything on every CTA when G is small)
   const int RC = G >= 2 * SU ? G - SU : G;
+  const int sfirst = G >= 2 * SU ? G - 1 - c : c;   // this CTA's shared tiles: sfirst, + G, ...
+  const int nsh = sfirst < SU ? (SU - 1 - sfirst) / G + 1 : 0;
+  auto shared_tile = [&](int j, GUPtr& p) {  // j-th shared tile -> pointers, first row
+    p = GUPtr{xwg, xwu, xsg, xsu, xbg, xbu};
+    return (sfirst + j * G) * RB;
+  };
+
+  unsigned long long base = 0;
+  if (tid == 0) {
+#pragma unroll 1
+    for (int i = 0; i < GU_SLOTS + DN_SLOTS; ++i) mbar_init(gu_bar + 8 * i, 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    base = ld_relaxed_u64(ctr);
+    base -= base % (2ull * BARW);
+#pragma unroll 1
+    for (int j = 0; j < nsh && j < GU_SLOTS; ++j) {
+      GUPtr p;
+      const int row0 = shared_tile(j, p);
+      issue_tile(sbase + j * GU_SLOT, gu_bar + 8 * j, p, row0);
+    }
+  }
 
   // ======================= phase A ===========================================
   {
-    // router / shared-gate row of this warp: loads first
     const int r0 = c < RC ? c + RC * warp : E + 1;
     RowRegs<MDG_RBITS> rr;
     GateRegs gr;
     if (r0 < E) rr.load(rw, rs, rbias, r0);
     else if (r0 == E) gr.load(gw, gs, gb, 0);
-    // the shared expert's first tile
-    const int s0 = G - 1 - c;
-    GURegs sr;
-    const GUPtr sp{xwg, xwu, xsg, xsu, xbg, xbu};
-    const bool sh = G >= 2 * SU ? s0 < SU : true;
-    const int sfirst = G >= 2 * SU ? s0 : c;
-    if (sh && sfirst < SU) sr.load(sp, sfirst * RB);
-    // this CTA's shared-expert down rows (phase C) into L2
-    if (tid == 0) {
-      for (int rb = c; rb < D / RB; rb += G) {
-        prefetch_l2(xwd + (size_t)rb * RB * DKW, RB * DKW * 4);
-        prefetch_l2(xsd + (size_t)rb * RB * DKG, RB * DKG * 2);
-        prefetch_l2(xbd + (size_t)rb * RB * DKG, RB * DKG * 2);
-      }
-    }
     for (int i = tid; i < N * D / 8; i += NT)
       *reinterpret_cast<uint4*>(&sm.u.x[0][0] + 8 * i) = ldg16(x + 8 * i);
-    __syncthreads();
+    __syncthreads();  // x staged; the mbarriers initialised
     STAMP(1);
+#pragma unroll 1
     for (int r = r0; r <= E; r += RC * NW) {
       float out[N];
       if (r < E) {
@@ -472,19 +495,25 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
           if (lane == n) sgate[n] = sigmoid_f(from_f_round<bf16_t>(out[n]));
       }
     }
-    if (sh) {
-      for (int s = sfirst; s < SU; s += G) {
-        if (s != sfirst) sr.load(sp, s * RB);
-        const float hv = gate_up_tile(sr, sm);
-        if (tid < RB * N) {
-          const int r = tid % RB, n = tid / RB;
-          hbuf[(size_t)(NK + n) * I + s * RB + r] = from_f<bf16_t>(hv);
-        }
-      }
+  }
+  // the shared expert's tiles (job j of the gate+up ring)
+#pragma unroll 1
+  for (int j = 0; j < nsh; ++j) {
+    mbar_wait(gu_bar + 8 * (j % GU_SLOTS), (j / GU_SLOTS) & 1);
+    const float hv = gate_up_tile(dsm + (j % GU_SLOTS) * GU_SLOT, sm);
+    if (tid < RB * N) {
+      const int r = tid % RB, n = tid / RB;
+      hbuf[(size_t)(NK + n) * I + (sfirst + j * G) * RB + r] = from_f<bf16_t>(hv);
+    }
+    if (tid == 0 && j + GU_SLOTS < nsh) {
+      GUPtr p;
+      const int row0 = shared_tile(j + GU_SLOTS, p);
+      issue_tile(sbase + (j % GU_SLOTS) * GU_SLOT, gu_bar + 8 * (j % GU_SLOTS), p, row0);
     }
   }
   STAMP(2);
-  grid_barrier(sync);
+  grid_arrive(ctr);
+  grid_wait(ctr, base + BARW);
   STAMP(3);
 
   // ======================= phase B ===========================================
@@ -525,68 +554,15 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
   STAMP(4);
   const int nitems = sm.nitems, nrouted = nitems - 1;
   const int ntiles = nrouted * UT;
-  auto tile_ptr = [&](int u) -> GUPtr {
+  const int nmine = c < ntiles ? (ntiles - 1 - c) / G + 1 : 0;  // routed tiles c, c + G, ...
+  auto routed_tile = [&](int i, GUPtr& p) {  // i-th routed tile of this CTA -> pointers, first row
+    const int u = c + i * G;
     const int e = sm.items[u / UT];
     const size_t ow = (size_t)e * I * KW, og = (size_t)e * I * KG;
-    return GUPtr{wg + ow, wu + ow, sg + og, su + og, bg + og, bu + og};
+    p = GUPtr{wg + ow, wu + ow, sg + og, su + og, bg + og, bu + og};
+    return (u % UT) * RB;
   };
-  if (tid == 0) {
-    // phase C's down rows of every routed item, then the gate+up tiles after the first two
-    for (int rb = c; rb < D / RB; rb += G)
-      for (int it = 0; it < nrouted; ++it) {
-        const size_t e = (size_t)sm.items[it];
-        prefetch_l2(wd + (e * D + (size_t)rb * RB) * DKW, RB * DKW * 4);
-        prefetch_l2(sd + (e * D + (size_t)rb * RB) * DKG, RB * DKG * 2);
-        prefetch_l2(bd + (e * D + (size_t)rb * RB) * DKG, RB * DKG * 2);
-      }
-    for (int u = c + 2 * G; u < ntiles; u += G) {
-      const GUPtr p = tile_ptr(u);
-      const size_t r0 = (size_t)(u % UT) * RB;
-      prefetch_l2(p.W0 + r0 * KW, RB * KW * 4);
-      prefetch_l2(p.W1 + r0 * KW, RB * KW * 4);
-      prefetch_l2(p.S0 + r0 * KG, RB * KG * 2);
-      prefetch_l2(p.S1 + r0 * KG, RB * KG * 2);
-      prefetch_l2(p.B0 + r0 * KG, RB * KG * 2);
-      prefetch_l2(p.B1 + r0 * KG, RB * KG * 2);
-    }
-  }
-  {
-    GURegs ra, rb_;
-    int u = c;
-    if (u < ntiles) ra.load(tile_ptr(u), (u % UT) * RB);
-    while (u < ntiles) {
-      if (u + G < ntiles) rb_.load(tile_ptr(u + G), ((u + G) % UT) * RB);
-      {
-        const int e = sm.items[u / UT], row0 = (u % UT) * RB;
-        const float hv = gate_up_tile(ra, sm);
-        if (tid < RB * N) {
-          const int r = tid % RB, n = tid / RB;
-          const bf16_t hb = from_f<bf16_t>(hv);
-#pragma unroll
-          for (int j = 0; j < TOPK; ++j)
-            if (sm.inds[n * TOPK + j] == e) hbuf[(size_t)(n * TOPK + j) * I + row0 + r] = hb;
-        }
-      }
-      u += G;
-      if (u >= ntiles) break;
-      if (u + G < ntiles) ra.load(tile_ptr(u + G), ((u + G) % UT) * RB);
-      {
-        const int e = sm.items[u / UT], row0 = (u % UT) * RB;
-        const float hv = gate_up_tile(rb_, sm);
-        if (tid < RB * N) {
-          const int r = tid % RB, n = tid / RB;
-          const bf16_t hb = from_f<bf16_t>(hv);
-#pragma unroll
-          for (int j = 0; j < TOPK; ++j)
-            if (sm.inds[n * TOPK + j] == e) hbuf[(size_t)(n * TOPK + j) * I + row0 + r] = hb;
-        }
-      }
-      u += G;
-    }
-  }
-
-  // ======================= phase C (weights first, then barrier 2) ==============
-  auto item_ptrs = [&](int it, const unsigned*& W, const bf16_t*& S, const bf16_t*& B) {
+  auto down_ptrs = [&](int it, const unsigned*& W, const bf16_t*& S, const bf16_t*& B) {
     const int e = sm.items[it];
     if (e < 0) {
       W = xwd; S = xsd; B = xbd;
@@ -594,84 +570,146 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
       W = wd + (size_t)e * D * DKW; S = sd + (size_t)e * D * DKG; B = bd + (size_t)e * D * DKG;
     }
   };
-  STAMP(5);
-  DownRegs RA, RB2;
-  const unsigned* W;
-  const bf16_t *S, *B;
-  int rbk = c;
-  if (rbk < D / RB) {
-    if (warp < nitems) { item_ptrs(warp, W, S, B); RA.load(W, S, B, rbk * RB); }
-    if (warp + NW < nitems) { item_ptrs(warp + NW, W, S, B); RB2.load(W, S, B, rbk * RB); }
+  if (tid == 0) {
+    // every slot is free: the first routed tiles, then this CTA's first down items
+#pragma unroll 1
+    for (int i = 0; i < nmine && i < GU_SLOTS; ++i) {
+      const int j = nsh + i;
+      GUPtr p;
+      const int row0 = routed_tile(i, p);
+      issue_tile(sbase + (j % GU_SLOTS) * GU_SLOT, gu_bar + 8 * (j % GU_SLOTS), p, row0);
+    }
+    if (c < D / RB) {
+#pragma unroll 1
+      for (int it = 0; it < nitems && it < DN_SLOTS; ++it) {
+        const unsigned* W;
+        const bf16_t *S, *B;
+        down_ptrs(it, W, S, B);
+        issue_down(sbase + OFF_DN + it * DN_SLOT, dn_bar + 8 * it, W, S, B, c * RB);
+      }
+    }
   }
-  grid_barrier(sync);
+#pragma unroll 1
+  for (int i = 0; i < nmine; ++i) {
+    const int j = nsh + i;
+    mbar_wait(gu_bar + 8 * (j % GU_SLOTS), (j / GU_SLOTS) & 1);
+    const int u = c + i * G;
+    const int e = sm.items[u / UT], row0 = (u % UT) * RB;
+    const float hv = gate_up_tile(dsm + (j % GU_SLOTS) * GU_SLOT, sm);
+    if (tid < RB * N) {
+      const int r = tid % RB, n = tid / RB;
+      const bf16_t hb = from_f<bf16_t>(hv);
+#pragma unroll
+      for (int q = 0; q < TOPK; ++q)
+        if (sm.inds[n * TOPK + q] == e) hbuf[(size_t)(n * TOPK + q) * I + row0 + r] = hb;
+    }
+    if (tid == 0 && i + GU_SLOTS < nmine) {
+      GUPtr p;
+      const int r0 = routed_tile(i + GU_SLOTS, p);
+      issue_tile(sbase + (j % GU_SLOTS) * GU_SLOT, gu_bar + 8 * (j % GU_SLOTS), p, r0);
+    }
+  }
+  STAMP(5);
+  grid_arrive(ctr);
+  grid_wait(ctr, base + 2 * BARW);
   STAMP(6);
-  if (rbk >= D / RB) return;
+
+  // ======================= phase C ===========================================
+  if (c >= D / RB) return;
   const int g = lane >> 2, t = lane & 3;
   for (int i = tid; i < HROWS * I / 8; i += NT) cp_async16(&sm.u.h[0][0] + 8 * i, hbuf + 8 * i);  // L2, all in flight
   cp_async_commit();
-  cp_async_wait_all();
   float sgv[N];
 #pragma unroll
   for (int n = 0; n < N; ++n) sgv[n] = ldcg_f(sgate + n);
+  cp_async_wait_all();
   __syncthreads();
 
-  for (; rbk < D / RB; rbk += G) {
-    const int row0 = rbk * RB;
-    if (rbk != c) {  // a further row block (G < D / 16): its first items now
-      if (warp < nitems) { item_ptrs(warp, W, S, B); RA.load(W, S, B, row0); }
-      if (warp + NW < nitems) { item_ptrs(warp + NW, W, S, B); RB2.load(W, S, B, row0); }
+#pragma unroll 1
+  for (int rbk = c; rbk < D / RB; rbk += G) {
+    const int rbi = (rbk - c) / G, row0 = rbk * RB;
+    if (rbi > 0 && tid == 0) {  // a further row block (G < D / 16): its first items
+#pragma unroll 1
+      for (int it = 0; it < nitems && it < DN_SLOTS; ++it) {
+        const unsigned* W;
+        const bf16_t *S, *B;
+        down_ptrs(it, W, S, B);
+        issue_down(sbase + OFF_DN + it * DN_SLOT, dn_bar + 8 * it, W, S, B, row0);
+      }
     }
     float yacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    auto compute_item = [&](const DownRegs& R, int it) {
-      const int e = sm.items[it];
-      int hrow = -1;
-      float cf0 = 0.0f, cf1 = 0.0f;
+#pragma unroll 1
+    for (int w0 = 0; w0 < nitems; w0 += DN_SLOTS) {  // rounds of DN_SLOTS items
+      const int wend = min(w0 + DN_SLOTS, nitems);
+#pragma unroll 1
+      for (int it = w0 + warp; it < wend; it += NW) {
+        const int slot = it % DN_SLOTS;
+        // fills of this slot before item it: per row block, items slot, slot + DN_SLOTS, ...
+        const int fills = rbi * ((nitems - 1 - slot) / DN_SLOTS + 1) + it / DN_SLOTS;
+        mbar_wait(dn_bar + 8 * slot, fills & 1);
+        const unsigned char* sl = dsm + OFF_DN + slot * DN_SLOT;
+        const int e = sm.items[it];
+        int hrow = -1;
+        float cf0 = 0.0f, cf1 = 0.0f;
 #pragma unroll
-      for (int n = 0; n < N; ++n) {
-        int p = -1;
-        float sc = 0.0f;
-        if (e < 0) {
-          p = NK + n;
-          sc = sgv[n];
-        } else {
+        for (int n = 0; n < N; ++n) {
+          int p = -1;
+          float sc = 0.0f;
+          if (e < 0) {
+            p = NK + n;
+            sc = sgv[n];
+          } else {
 #pragma unroll
-          for (int j = 0; j < TOPK; ++j)
-            if (sm.inds[n * TOPK + j] == e) {
-              if (p < 0) p = n * TOPK + j;
-              sc += sm.scores[n * TOPK + j];
-            }
+            for (int q = 0; q < TOPK; ++q)
+              if (sm.inds[n * TOPK + q] == e) {
+                if (p < 0) p = n * TOPK + q;
+                sc += sm.scores[n * TOPK + q];
+              }
+          }
+          if (p >= 0) {
+            if (g == n) hrow = p;
+            if (2 * t == n) cf0 = sc;
+            if (2 * t + 1 == n) cf1 = sc;
+          }
         }
-        if (p >= 0) {
-          if (g == n) hrow = p;
-          if (2 * t == n) cf0 = sc;
-          if (2 * t + 1 == n) cf1 = sc;
+        const gdn_u16* scl = reinterpret_cast<const gdn_u16*>(sl + DN_W);
+        const gdn_u16* bis = reinterpret_cast<const gdn_u16*>(sl + DN_W + DN_S);
+        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int u = 0; u < NU; ++u) {
+          uint4 A[2];
+          unsigned s2[2], b2[2];
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int row = g + 8 * hh;
+            A[hh] = *reinterpret_cast<const uint4*>(sl + row * (DKW * 4) + 64 * u + 16 * t);
+            const int gi = row * DKG + 2 * u + (t >> 1);
+            const unsigned sb = (unsigned)scl[gi] | ((unsigned)bis[gi] << 16);
+            s2[hh] = splat_s(sb);
+            b2[hh] = splat_b(sb);
+          }
+#pragma unroll
+          for (int wq = 0; wq < 4; ++wq) {
+            unsigned bb[4] = {0u, 0u, 0u, 0u};
+            if (hrow >= 0) b_pairs(*reinterpret_cast<const uint4*>(&sm.u.h[hrow][128 * u + 32 * t + 8 * wq]), bb);
+            mma_word(acc, w4(A[0], wq), w4(A[1], wq), s2[0], b2[0], s2[1], b2[1], bb);
+          }
+        }
+        yacc[0] += from_f_round<bf16_t>(acc[0]) * cf0;
+        yacc[1] += from_f_round<bf16_t>(acc[1]) * cf1;
+        yacc[2] += from_f_round<bf16_t>(acc[2]) * cf0;
+        yacc[3] += from_f_round<bf16_t>(acc[3]) * cf1;
+      }
+      __syncthreads();  // this round's slots are read
+      if (tid == 0) {
+#pragma unroll 1
+        for (int it = w0 + DN_SLOTS; it < nitems && it < w0 + 2 * DN_SLOTS; ++it) {
+          const unsigned* W;
+          const bf16_t *S, *B;
+          down_ptrs(it, W, S, B);
+          issue_down(sbase + OFF_DN + (it % DN_SLOTS) * DN_SLOT, dn_bar + 8 * (it % DN_SLOTS), W, S, B, row0);
         }
       }
-      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-      for (int u = 0; u < NU; ++u) {
-        const unsigned s0 = splat_s(R.sb[0][u]), b0 = splat_b(R.sb[0][u]);
-        const unsigned s1 = splat_s(R.sb[1][u]), b1 = splat_b(R.sb[1][u]);
-#pragma unroll
-        for (int wq = 0; wq < 4; ++wq) {
-          unsigned bb[4] = {0u, 0u, 0u, 0u};
-          if (hrow >= 0) b_pairs(*reinterpret_cast<const uint4*>(&sm.u.h[hrow][128 * u + 32 * t + 8 * wq]), bb);
-          mma_word(acc, w4(R.A[0][u], wq), w4(R.A[1][u], wq), s0, b0, s1, b1, bb);
-        }
-      }
-      yacc[0] += from_f_round<bf16_t>(acc[0]) * cf0;
-      yacc[1] += from_f_round<bf16_t>(acc[1]) * cf1;
-      yacc[2] += from_f_round<bf16_t>(acc[2]) * cf0;
-      yacc[3] += from_f_round<bf16_t>(acc[3]) * cf1;
-    };
-    int it = warp;
-    while (it < nitems) {
-      compute_item(RA, it);
-      if (it + 2 * NW < nitems) { item_ptrs(it + 2 * NW, W, S, B); RA.load(W, S, B, row0); }
-      if (it + NW >= nitems) break;
-      compute_item(RB2, it + NW);
-      if (it + 3 * NW < nitems) { item_ptrs(it + 3 * NW, W, S, B); RB2.load(W, S, B, row0); }
-      it += 2 * NW;
     }
 #pragma unroll
     for (int cc = 0; cc < 4; ++cc) {

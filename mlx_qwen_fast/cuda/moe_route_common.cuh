@@ -5,7 +5,8 @@
 
 // p: the lane's logits, p[i] = logit of expert i * 32 + lane (E % 32 == 0).
 // fp32 softmax over the E logits (max-subtracted expf, one division), then K
-// rounds of a warp arg-max (ties: lower expert id first). On return lane j < K
+// rounds of a warp arg-max (ties: lower expert id first; sm_80+: two redux.sync
+// per round on (probability bits, expert id)). On return lane j < K
 // holds slot j (decreasing probability): expert my_i, probability my_p; tot
 // (every lane) is the sum of the K probabilities. p is overwritten.
 template <int E, int K>
@@ -38,6 +39,45 @@ __device__ __forceinline__ void route_warp(float (&p)[E / 32], int& my_i, float&
   my_p = 0.0f;
   tot = 0.0f;
   my_i = 0;
+#if __CUDA_ARCH__ >= 800
+  // keys: probability bits + 1 (p >= 0: the bits order as the values), 0 once taken
+  unsigned key[EPL];
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) key[i] = __float_as_uint(p[i]) + 1u;
+  unsigned bk = key[0];
+  int bi = 0;  // the lane's best: the lowest i among its largest keys
+#pragma unroll
+  for (int i = 1; i < EPL; ++i)
+    if (key[i] > bk) {
+      bk = key[i];
+      bi = i;
+    }
+#pragma unroll 1
+  for (int j = 0; j < K; ++j) {
+    const unsigned m = __reduce_max_sync(0xffffffffu, bk);
+    // the lowest expert id (i * 32 + lane) among the lanes holding the maximum
+    const unsigned id = __reduce_min_sync(0xffffffffu, bk == m ? (unsigned)(bi * 32 + lane) : 0xffffffffu);
+    const float bp = __uint_as_float(m - 1u);
+    tot += bp;
+    if (lane == j) {
+      my_p = bp;
+      my_i = (int)id;
+    }
+    if (lane == (int)(id & 31u)) {
+#pragma unroll
+      for (int i = 0; i < EPL; ++i)
+        if (i == (int)(id >> 5)) key[i] = 0u;
+      bk = key[0];
+      bi = 0;
+#pragma unroll
+      for (int i = 1; i < EPL; ++i)
+        if (key[i] > bk) {
+          bk = key[i];
+          bi = i;
+        }
+    }
+  }
+#else
 #pragma unroll
   for (int j = 0; j < K; ++j) {
     float bp = p[0];
@@ -71,4 +111,5 @@ __device__ __forceinline__ void route_warp(float (&p)[E / 32], int& my_i, float&
       my_i = bi;
     }
   }
+#endif
 }

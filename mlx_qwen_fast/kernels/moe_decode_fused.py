@@ -62,13 +62,18 @@ _default_sync: Optional[mx.array] = None
 SYNC_WORDS = 64  # 256 bytes: MLX keeps allocations of <= 8 bytes in managed memory
 
 
+BARW = 1024  # barrier counter units per barrier (the kernel's BARW; >= the grid)
+GU_SLOTS, DN_SLOTS = 3, 9  # shared-memory slots: gate+up tiles, down items (MDG_GU_SLOTS / MDG_DN_SLOTS)
+SMEM_MAX = 227 * 1024  # dynamic shared memory one CTA may use on sm_90
+
+
 def new_sync() -> mx.array:
     """A fresh barrier buffer for :func:`moe_decode_fused`: ``uint32 [64]`` zeros, evaluated.
 
-    Word 0 counts the CTAs at a barrier, word 32 is the barrier generation
-    (two per launch). 256 bytes, not 8: MLX's CUDA allocator serves
-    allocations of at most 8 bytes from a managed-memory pool, where the
-    barrier's atomics took ~0.4 ms each (H200, 2026-12-02).
+    Words 0-1 hold a 64-bit arrival counter that grows by ``2 * BARW`` per
+    launch. 256 bytes, not 8: MLX's CUDA allocator serves allocations of at
+    most 8 bytes from a managed-memory pool, where the barrier's atomics took
+    ~0.4 ms each (H200, 2026-12-02).
     """
     s = mx.zeros((SYNC_WORDS,), mx.uint32)
     mx.eval(s)
@@ -129,10 +134,24 @@ def router_problem(x, router, experts, shared, expert_gate, top_k) -> Optional[s
     if top_k > E:
         return f"top_k must be <= E = {E}, got {top_k}"
     I = experts[0][0].shape[1]
-    hrows = n * top_k + n
-    if 2 * max(n * D, hrows * I) + 4 * 2 * 8 * 16 * n + 8 * 33 > 46 * 1024:
-        return f"N * D or (N*k + N) * I too large for the kernel's shared memory (N={n}, k={top_k}, I={I})"
+    if smem_bytes(n, top_k, D, I) > SMEM_MAX:
+        return (f"D, I or (N*k + N) * I too large for the kernel's shared memory "
+                f"({smem_bytes(n, top_k, D, I)} > {SMEM_MAX} bytes; N={n}, k={top_k}, D={D}, I={I})")
     return None
+
+
+def smem_bytes(n: int, k: int, D: int, I: int) -> int:
+    """Dynamic shared memory of the kernel (bytes): its layout, computed as
+    the source does (the kernel traps when launched with less)."""
+    rb, nw = 16, 8
+    gu_slot = 2 * rb * (D // 8) * 4 + 4 * rb * (D // 64) * 2
+    dn_slot = rb * (I // 8) * 4 + 2 * rb * (I // 64) * 2
+    ds = min(DN_SLOTS, n * k + 1)
+    off_bar = GU_SLOTS * gu_slot + ds * dn_slot
+    off_sm = -(-(off_bar + 8 * (GU_SLOTS + ds)) // 128) * 128
+    nk = n * k
+    sm = 2 * max(n * D, (nk + n) * I) + 4 * (nw * 2 * rb * n + nk + nk + nk + 1 + 1)
+    return off_sm + sm
 
 
 def _kernel(n, k, E, D, I, rbits, sgb, normalize) -> cb.CudaKernel:
@@ -177,7 +196,7 @@ def moe_decode_fused(
         sync: the barrier buffer (:func:`new_sync`); default one module-wide
             buffer (fine while launches run one after another on one stream).
         ctas: grid size; default the SM count. Must not exceed it (the
-            barriers need every CTA resident; more traps after ~1 s).
+            barriers need every CTA resident; more traps after ~1 s) nor 1024.
         return_all: also return the router logits ``[N, E]`` float32 (bf16
             values), ``inds [N, k]`` int32, ``scores [N, k]`` float32 and
             the intermediates ``h [N*k + N, I]`` bfloat16 (row ``n*k + j`` of
@@ -194,7 +213,7 @@ def moe_decode_fused(
     problem = router_problem(x, router, experts, shared, expert_gate, top_k)
     if problem is not None:
         raise ValueError(f"moe_decode_fused: {problem}")
-    sms = cb.sm_count()
+    sms = min(cb.sm_count(), BARW)
     if ctas is not None and not (isinstance(ctas, int) and 1 <= ctas <= sms):
         raise ValueError(f"moe_decode_fused: ctas must be an int in [1, {sms}] (the SM count), got {ctas!r}")
     if sync is None:
@@ -222,6 +241,7 @@ def _launch(x, router, experts, shared, expert_gate, top_k, normalize, sync, cta
         output_dtypes=[mx.bfloat16, mx.float32, mx.int32, mx.float32, mx.bfloat16, mx.float32],
         grid=(ctas * NT, 1, 1),
         threadgroup=(NT, 1, 1),
+        shared_memory=smem_bytes(n, top_k, D, I),
     )
 
 
