@@ -452,13 +452,13 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     return (sfirst + j * G) * RB;
   };
 
-  unsigned long long base = 0;
+  unsigned long long base = 0;  // thread 0: the counter at entry (a multiple of 2 * BARW once rounded)
   if (tid == 0) {
 #pragma unroll 1
     for (int i = 0; i < GU_SLOTS + DN_SLOTS; ++i) mbar_init(gu_bar + 8 * i, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    base = ld_relaxed_u64(ctr);
-    base -= base % (2ull * BARW);
+    base = ld_relaxed_u64(ctr);  // used at the first barrier: its latency hides behind phase A
+    // the shared expert's tiles do not depend on the routing: requested now, computed in phase B
 #pragma unroll 1
     for (int j = 0; j < nsh && j < GU_SLOTS; ++j) {
       GUPtr p;
@@ -496,23 +496,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
       }
     }
   }
-  // the shared expert's tiles (job j of the gate+up ring)
-#pragma unroll 1
-  for (int j = 0; j < nsh; ++j) {
-    mbar_wait(gu_bar + 8 * (j % GU_SLOTS), (j / GU_SLOTS) & 1);
-    const float hv = gate_up_tile(dsm + (j % GU_SLOTS) * GU_SLOT, sm);
-    if (tid < RB * N) {
-      const int r = tid % RB, n = tid / RB;
-      hbuf[(size_t)(NK + n) * I + (sfirst + j * G) * RB + r] = from_f<bf16_t>(hv);
-    }
-    if (tid == 0 && j + GU_SLOTS < nsh) {
-      GUPtr p;
-      const int row0 = shared_tile(j + GU_SLOTS, p);
-      issue_tile(sbase + (j % GU_SLOTS) * GU_SLOT, gu_bar + 8 * (j % GU_SLOTS), p, row0);
-    }
-  }
   STAMP(2);
   grid_arrive(ctr);
+  base -= base % (2ull * BARW);
   grid_wait(ctr, base + BARW);
   STAMP(3);
 
@@ -570,16 +556,17 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
       W = wd + (size_t)e * D * DKW; S = sd + (size_t)e * D * DKG; B = bd + (size_t)e * D * DKG;
     }
   };
+  // gate+up jobs of this CTA: j < nsh its shared tiles (already requested), then its routed tiles
+  const int njobs = nsh + nmine;
+  auto issue_job = [&](int j) {
+    GUPtr p;
+    const int row0 = j < nsh ? shared_tile(j, p) : routed_tile(j - nsh, p);
+    issue_tile(sbase + (j % GU_SLOTS) * GU_SLOT, gu_bar + 8 * (j % GU_SLOTS), p, row0);
+  };
   if (tid == 0) {
-    // every slot is free: the first routed tiles, then this CTA's first down items
 #pragma unroll 1
-    for (int i = 0; i < nmine && i < GU_SLOTS; ++i) {
-      const int j = nsh + i;
-      GUPtr p;
-      const int row0 = routed_tile(i, p);
-      issue_tile(sbase + (j % GU_SLOTS) * GU_SLOT, gu_bar + 8 * (j % GU_SLOTS), p, row0);
-    }
-    if (c < D / RB) {
+    for (int j = min(nsh, GU_SLOTS); j < njobs && j < GU_SLOTS; ++j) issue_job(j);
+    if (c < D / RB) {  // this CTA's first down items
 #pragma unroll 1
       for (int it = 0; it < nitems && it < DN_SLOTS; ++it) {
         const unsigned* W;
@@ -590,24 +577,23 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     }
   }
 #pragma unroll 1
-  for (int i = 0; i < nmine; ++i) {
-    const int j = nsh + i;
+  for (int j = 0; j < njobs; ++j) {
     mbar_wait(gu_bar + 8 * (j % GU_SLOTS), (j / GU_SLOTS) & 1);
-    const int u = c + i * G;
-    const int e = sm.items[u / UT], row0 = (u % UT) * RB;
     const float hv = gate_up_tile(dsm + (j % GU_SLOTS) * GU_SLOT, sm);
     if (tid < RB * N) {
       const int r = tid % RB, n = tid / RB;
       const bf16_t hb = from_f<bf16_t>(hv);
+      if (j < nsh) {
+        hbuf[(size_t)(NK + n) * I + (sfirst + j * G) * RB + r] = hb;
+      } else {
+        const int u = c + (j - nsh) * G;
+        const int e = sm.items[u / UT], row0 = (u % UT) * RB;
 #pragma unroll
-      for (int q = 0; q < TOPK; ++q)
-        if (sm.inds[n * TOPK + q] == e) hbuf[(size_t)(n * TOPK + q) * I + row0 + r] = hb;
+        for (int q = 0; q < TOPK; ++q)
+          if (sm.inds[n * TOPK + q] == e) hbuf[(size_t)(n * TOPK + q) * I + row0 + r] = hb;
+      }
     }
-    if (tid == 0 && i + GU_SLOTS < nmine) {
-      GUPtr p;
-      const int r0 = routed_tile(i + GU_SLOTS, p);
-      issue_tile(sbase + (j % GU_SLOTS) * GU_SLOT, gu_bar + 8 * (j % GU_SLOTS), p, r0);
-    }
+    if (tid == 0 && j + GU_SLOTS < njobs) issue_job(j + GU_SLOTS);
   }
   STAMP(5);
   grid_arrive(ctr);
@@ -642,7 +628,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     for (int w0 = 0; w0 < nitems; w0 += DN_SLOTS) {  // rounds of DN_SLOTS items
       const int wend = min(w0 + DN_SLOTS, nitems);
 #pragma unroll 1
-      for (int it = w0 + warp; it < wend; it += NW) {
+      // warp w takes the round's items it with it % NW == w: the same warp and
+      // order per item as the down kernel of moe_decode_gemv.cu (same sums)
+      for (int it = w0 + (warp - w0 % NW + NW) % NW; it < wend; it += NW) {
         const int slot = it % DN_SLOTS;
         // fills of this slot before item it: per row block, items slot, slot + DN_SLOTS, ...
         const int fills = rbi * ((nitems - 1 - slot) / DN_SLOTS + 1) + it / DN_SLOTS;
@@ -674,7 +662,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
         }
         const gdn_u16* scl = reinterpret_cast<const gdn_u16*>(sl + DN_W);
         const gdn_u16* bis = reinterpret_cast<const gdn_u16*>(sl + DN_W + DN_S);
-        float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        float acc[NU][4];  // one independent mma chain per 128-input block (as moe_decode_gemv.cu)
+#pragma unroll
+        for (int u = 0; u < NU; ++u)
+#pragma unroll
+          for (int cc = 0; cc < 4; ++cc) acc[u][cc] = 0.0f;
 #pragma unroll
         for (int u = 0; u < NU; ++u) {
           uint4 A[2];
@@ -692,13 +684,17 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
           for (int wq = 0; wq < 4; ++wq) {
             unsigned bb[4] = {0u, 0u, 0u, 0u};
             if (hrow >= 0) b_pairs(*reinterpret_cast<const uint4*>(&sm.u.h[hrow][128 * u + 32 * t + 8 * wq]), bb);
-            mma_word(acc, w4(A[0], wq), w4(A[1], wq), s2[0], b2[0], s2[1], b2[1], bb);
+            mma_word(acc[u], w4(A[0], wq), w4(A[1], wq), s2[0], b2[0], s2[1], b2[1], bb);
           }
         }
-        yacc[0] += from_f_round<bf16_t>(acc[0]) * cf0;
-        yacc[1] += from_f_round<bf16_t>(acc[1]) * cf1;
-        yacc[2] += from_f_round<bf16_t>(acc[2]) * cf0;
-        yacc[3] += from_f_round<bf16_t>(acc[3]) * cf1;
+#pragma unroll
+        for (int u = 1; u < NU; ++u)
+#pragma unroll
+          for (int cc = 0; cc < 4; ++cc) acc[0][cc] += acc[u][cc];
+        yacc[0] += from_f_round<bf16_t>(acc[0][0]) * cf0;
+        yacc[1] += from_f_round<bf16_t>(acc[0][1]) * cf1;
+        yacc[2] += from_f_round<bf16_t>(acc[0][2]) * cf0;
+        yacc[3] += from_f_round<bf16_t>(acc[0][3]) * cf1;
       }
       __syncthreads();  // this round's slots are read
       if (tid == 0) {
