@@ -20,6 +20,7 @@
 #   bash bench/h200.sh decodecheck  # decode-path tests, decode split, bench.ops decode rows, packed projection off/on (~7 min)
 #   bash bench/h200.sh ab4k      # end-to-end A/B at 4K, stock vs patched (~3.5 min)
 #   bash bench/h200.sh moedecode # one-launch decode MoE: tests, bench/moe_decode_cuda.py, FUSED_AB="0 1" decode off/on (~5-9 min)
+#   bash bench/h200.sh gemmncu   # ncu GPU time of each MoE-block kernel at T=4096 (pflv, wg), then ab4k (~6 min)
 #   bash bench/h200.sh wgmma     # wgmma MoE GEMM: its CUDA tests, chained timings vs pflv, patched 4K prefill pflv/wg (~7 min)
 #   bash bench/h200.sh scan      # GDN scan variants (check, chained latency), prefill A/B with the fastest (~8 min)
 # Run from the repo root on the device with .mlxcuda carried; results go to $OUT.
@@ -230,8 +231,16 @@ moedecode)  # the one-launch decode MoE kernel (2026-12-02): decode MoE tests (u
   for f in ${FUSED_AB:-}; do MLX_QWEN_FAST_MOE_DECODE_FUSED=$f timeout 90 $AB --engines patched --decode 4k \
       --decode-steps 32 --rounds 2 --no-ceilings --out $M/ab-decode-f$f.json >> $M/ab-decode.log 2>&1
     echo "fused=$f: $(grep -h '^decode .*patched ok' $M/ab-decode.log | tail -1)"; done ;;
+gemmncu)  # GPU time (ncu, boost clocks) of every kernel of the MoE block at T=4096 with pflv and wg
+          # (bench/moe_wgmma.py --sections ncu: routing, x permutation, gate+up, down, combine), then ab4k
+  M=$OUT; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+  timeout 200 $NCU --clock-control none --metrics gpu__time_duration.sum --csv \
+    python3 bench/moe_wgmma.py --sections ncu --out /tmp/wgn > $M/ncu-moe.csv 2>/dev/null
+  python3 -c "import csv,sys; rows=[r for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('\"'))]; [print(r['ID'], r['Kernel Name'][:60], r['Metric Value']) for r in rows[-24:]]" $M/ncu-moe.csv
+  timeout 330 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
+    --out $OUT/ab-4k.json > $OUT/ab-4k.log 2>&1; tail -14 $OUT/ab-4k.log ;;
 ab4k)  # the end-to-end A/B at 4K: stock vs patched, prefill and decode, alternating (187 s on 2026-12-01)
   timeout 330 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
     --out $OUT/ab-4k.json > $OUT/ab-4k.log 2>&1; tail -14 $OUT/ab-4k.log ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode}"; exit 2 ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu}"; exit 2 ;;
 esac

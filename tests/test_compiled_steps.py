@@ -242,7 +242,7 @@ def cpu_moe_fused(cpu_moe, monkeypatch):
 def test_moe_fused_step_plumbing(cpu_moe_fused):
     """The one-launch step: traced once, the block's router and expert arrays
     in, the block's own barrier buffer appended, the SM count as the grid;
-    MLX_QWEN_FAST_MOE_DECODE_FUSED=0 switches a block back to four nodes."""
+    without MLX_QWEN_FAST_MOE_DECODE_FUSED=1 a block takes the four nodes."""
     import os
 
     blocks = [moe_blocks.make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=s) for s in (5, 6)]

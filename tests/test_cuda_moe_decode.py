@@ -344,12 +344,12 @@ def test_moe_decode_block_vs_ops_and_stock(poison, n):
 @needs_cuda
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_moe_decode_step_compiled_equals_eager(poison, n, monkeypatch):
-    """The mx.compile'd four-node step (MLX_QWEN_FAST_MOE_DECODE_FUSED=0) = the
-    eager launches, bit for bit, for several layers through one trace; a
-    replaced weight is read. (The one-launch step: test_cuda_moe_decode_fused.py.)"""
+    """The mx.compile'd four-node step (the default) = the eager launches, bit
+    for bit, for several layers through one trace; a replaced weight is read.
+    (The opt-in one-launch step: test_cuda_moe_decode_fused.py.)"""
     from mlx_qwen_fast.kernels import moe_decode_fused as mf
 
-    monkeypatch.setenv(mf.FUSED_ENV, "0")
+    monkeypatch.delenv(mf.FUSED_ENV, raising=False)
     blocks = [moe_blocks.make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=s) for s in (3, 4)]
     for i, block in enumerate(blocks):
         x = (mx.random.normal((1, n, 256), key=mx.random.key(10 * n + i)) * 1.5).astype(mx.bfloat16)

@@ -207,10 +207,11 @@ def test_fused_grid_size_does_not_change_bits(poison):
 @cuda
 @needs_cuda
 @pytest.mark.parametrize("n", [1, 4])
-def test_fused_step_is_the_default_and_equals_eager(poison, n, monkeypatch):
-    """moe_decode_step (what the patched model runs) takes the one-launch
-    kernel: equal to the eager launch, close to the two-kernel path and to
-    stock; MLX_QWEN_FAST_MOE_DECODE_FUSED=0 gives the two-kernel path back."""
+def test_fused_step_opt_in_equals_eager(poison, n, monkeypatch):
+    """With MLX_QWEN_FAST_MOE_DECODE_FUSED=1, moe_decode_step (what the patched
+    model runs) takes the one-launch kernel: equal to the eager launch, close
+    to the two-kernel path and to stock; unset, the two-kernel path."""
+    monkeypatch.setenv(mf.FUSED_ENV, "1")
     block = moe_blocks.make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=5)
     x = (mx.random.normal((1, n, 256), key=mx.random.key(n)) * 1.5).astype(mx.bfloat16)
     got = md.moe_decode_step(block, x)
@@ -227,5 +228,5 @@ def test_fused_step_is_the_default_and_equals_eager(poison, n, monkeypatch):
     if mx.array_equal(inds, mr.route(block.gate(x.reshape(n, 256)), 8)[0]).item():
         assert rel(got, two) < 2 * BF16_EPS  # same experts: close (router logits may round apart)
     assert rel(got, moe.sparse_moe(block, x, implementation="stock")) < 2 * GATHER_QMM_TOL
-    monkeypatch.setenv(mf.FUSED_ENV, "0")
+    monkeypatch.delenv(mf.FUSED_ENV)
     assert mx.array_equal(md.moe_decode_step(block, x), two).item()

@@ -52,8 +52,13 @@ __all__ = [
 ]
 
 NT = 256  # threads per CTA
-#: ``MLX_QWEN_FAST_MOE_DECODE_FUSED=0`` keeps the two-kernel decode path
-#: (router matmul, routing kernel, :mod:`.moe_decode_gemv`) on CUDA.
+#: ``MLX_QWEN_FAST_MOE_DECODE_FUSED=1`` makes the patched model's decode step
+#: this one launch; unset (the default) keeps the four-node step (router
+#: matmul, routing kernel, the two kernels of :mod:`.moe_decode_gemv`). Not
+#: the default: on the H200 (2026-12-02) the one launch takes 18.5 us per layer
+#: at one token in a CUDA graph, about what the four nodes take, and through
+#: MLX the step is host-bound at the same ~100 us per call
+#: (bench/results/moe-cuda-log.md, "seventh session").
 FUSED_ENV = "MLX_QWEN_FAST_MOE_DECODE_FUSED"
 _kernels: Dict[tuple, cb.CudaKernel] = {}
 _default_sync: Optional[mx.array] = None
@@ -246,8 +251,8 @@ def _launch(x, router, experts, shared, expert_gate, top_k, normalize, sync, cta
 
 
 def fused_enabled() -> bool:
-    """False when the environment sets ``MLX_QWEN_FAST_MOE_DECODE_FUSED=0``."""
-    return os.environ.get(FUSED_ENV, "") != "0"
+    """True when the environment sets ``MLX_QWEN_FAST_MOE_DECODE_FUSED=1`` (opt-in)."""
+    return os.environ.get(FUSED_ENV, "") == "1"
 
 
 # ---------------------------------------------------------------------------

@@ -456,8 +456,8 @@ def _step_plan(block, x):
     scales, biases each), shared-expert gate (weight, scales, biases).
     ``fused``: the step is :func:`.moe_decode_fused.moe_decode_fused` (one
     launch; the caller appends the block's barrier buffer), chosen where the
-    router is 4/8-bit group 64 and ``MLX_QWEN_FAST_MOE_DECODE_FUSED`` is not
-    ``0``; else router matmul, routing kernel and the two kernels here."""
+    router is 4/8-bit group 64 and ``MLX_QWEN_FAST_MOE_DECODE_FUSED=1``; else
+    router matmul, routing kernel and the two kernels here (the default)."""
     from ..compiled import linear_arrays, linear_paths
     from . import moe_decode_fused as mf
 
@@ -529,10 +529,10 @@ def block_sync(block) -> mx.array:
 def moe_decode_step(block, x: mx.array) -> Optional[mx.array]:
     """The block's decode step traced once with ``mx.compile``, or None where it does not apply.
 
-    One launch (:func:`.moe_decode_fused.moe_decode_fused`) where the router
-    is 4/8-bit group 64 and ``MLX_QWEN_FAST_MOE_DECODE_FUSED`` is not ``0``;
-    otherwise the computation of :func:`moe_decode` (same kernels, bit for
-    bit). The block's arrays are inputs of the compiled function, so one trace
+    By default the computation of :func:`moe_decode` (same kernels, bit for
+    bit); with ``MLX_QWEN_FAST_MOE_DECODE_FUSED=1`` one launch
+    (:func:`.moe_decode_fused.moe_decode_fused`) where the router is 4/8-bit
+    group 64. The block's arrays are inputs of the compiled function, so one trace
     per token count serves every layer. The :func:`plan` checks run once per
     layer and input signature (cached on the block, re-run when one of its
     arrays is replaced), so a call costs the array lookups and the compiled
