@@ -20,8 +20,7 @@
 //   offsets [E+1]; tiles per expert ceil(count/tile) and their scan -> the
 //   block map [max_tiles, 2] of (expert, tile), (-1, -1) past the end; then
 //   the scatter: each assignment takes the next slot of its expert with a
-//   shared atomic (warp-aggregated: one atomic per expert per warp, lanes in
-//   lane order after it), so `order` groups assignments by expert but is NOT stable
+//   shared atomic, so `order` groups assignments by expert but is NOT stable
 //   within an expert (the order of one expert's assignments is whatever the
 //   atomics give; the set is exact). Also writes sorted_experts [N*K] and
 //   inverse [N*K] (grouped row of each assignment).
@@ -121,14 +120,7 @@ extern "C" __global__ void __launch_bounds__(1024) KNAME(
   const int tid = threadIdx.x;
   for (int e = tid; e < E; e += NT) hist[e] = 0;
   __syncthreads();
-  // warp-aggregated: the lanes holding one expert add once (a skewed router
-  // sends most assignments to a few experts; one shared atomic per lane
-  // serialised on them)
-  for (int a = tid; a < NK; a += NT) {
-    const int e = inds[a];
-    const unsigned peers = __match_any_sync(__activemask(), e);
-    if ((threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&hist[e], __popc(peers));
-  }
+  for (int a = tid; a < NK; a += NT) atomicAdd(&hist[inds[a]], 1);
   __syncthreads();
 
   const int c = tid < E ? hist[tid] : 0;
@@ -164,12 +156,7 @@ extern "C" __global__ void __launch_bounds__(1024) KNAME(
 
   for (int a = tid; a < NK; a += NT) {
     const int e = inds[a];
-    const int lane = threadIdx.x & 31;
-    const unsigned peers = __match_any_sync(__activemask(), e);
-    const int leader = __ffs(peers) - 1;
-    int first = 0;
-    if (lane == leader) first = atomicAdd(&cursor[e], __popc(peers));
-    const int pos = __shfl_sync(peers, first, leader) + __popc(peers & ((1u << lane) - 1u));
+    const int pos = atomicAdd(&cursor[e], 1);
     order[pos] = a;
     sorted_experts[pos] = e;
     inverse[a] = pos;
