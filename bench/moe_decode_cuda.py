@@ -5,15 +5,19 @@ Run on the GPU machine (about 2 minutes):
     source .mlxcuda/boot.sh && PYTHONPATH=. python3 bench/moe_decode_cuda.py --out $OUT
 
 Sections, each in its own process: build (first-use compile into an empty
-cubin cache, then a cached load; SASS summary with cuobjdump when present),
-check (fresh random weights at the model's shape, E = 256, D = 2048, I = 512,
-k = 8, N = 1..4; outputs poisoned with NaN; fp32 host reference), time
+cubin cache, then a cached load; SASS summary with cuobjdump when present;
+the two kernels of ``kernels/moe_decode_gemv.py`` and the one-launch kernel
+of ``kernels/moe_decode_fused.py``, plus its timing build), check (fresh
+random weights at the model's shape, E = 256, D = 2048, I = 512, k = 8,
+N = 1..4; outputs poisoned with NaN; fp32 host reference; the one-launch
+kernel through ``tests/test_cuda_moe_decode_fused.check_fused``), time
 (through MLX: stock mlx-lm ``Qwen3NextSparseMoeBlock`` vs ``moe_decode`` vs the
-two kernels on precomputed routing, N = 1 and 4, 32 calls per evaluation
-over 4 layers x 16 inputs so the weights come from HBM, not L2), raw (the same
-cubins launched through CuPy, 64 layers per CUDA graph, CUDA-event timing:
-kernel time without MLX's per-node cost; plus a device copy for the
-bandwidth ceiling).
+two kernels on precomputed routing vs the compiled four-node and one-launch
+steps, N = 1 and 4, 32 calls per evaluation over 4 layers x 16 inputs so the
+weights come from HBM, not L2), raw (the same cubins launched through CuPy,
+64 layers per CUDA graph, CUDA-event timing: kernel time without MLX's
+per-node cost; the one-launch kernel's %globaltimer stamps at its phase
+points; plus a device copy for the bandwidth ceiling).
 
 Bytes per layer: the distinct experts of the call x 3 matrices x (packed
 weights + bf16 scales + biases) + the shared expert + its gate: at N = 1 ~15.1

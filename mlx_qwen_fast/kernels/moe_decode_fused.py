@@ -10,25 +10,32 @@ as soon as the routing is known instead of after two kernel boundaries.
 
 Source ``mlx_qwen_fast/cuda/moe_decode_fused.cu``: a persistent grid of one
 CTA per SM with two grid-wide barriers (router logits -> every CTA routes and
-computes its gate+up tiles, prefetching its down rows into L2 -> down and
-combine). The barriers need every CTA resident at once, so the grid is at
-most the GPU's SM count (:func:`mlx_qwen_fast.kernels._cuda_build.sm_count`);
-a CTA that waits about a second traps (the launch fails instead of hanging).
-The barrier state is a persistent ``uint32 [64]`` buffer (:func:`new_sync`)
-that every launch leaves as it found it (count 0); concurrent launches must
-not share one (the patched model keeps one per MoE block).
+computes its gate+up tiles -> down and combine). The expert weights stream by
+TMA bulk copies into shared-memory rings (gate+up tiles of 36 KB, down items
+of 4.5 KB), requested as soon as the routing is known. The barriers need
+every CTA resident at once, so the grid is at most the GPU's SM count
+(:func:`mlx_qwen_fast.kernels._cuda_build.sm_count`); a CTA that waits about
+a second traps (the launch fails instead of hanging). The barrier state is a
+persistent ``uint32 [64]`` buffer (:func:`new_sync`) holding a 64-bit arrival
+counter; concurrent launches must not share one (the patched model keeps one
+per MoE block).
 
 Numerics: the gate+up and down tiles are those of :mod:`.moe_decode_gemv`
-(same dequantisation, roundings and per-tile summation order): given the same
-``inds`` and ``scores`` the output is the same. The router logits are fp32
-dot products of ``x`` with ``s * q + b`` rounded to bf16 (the router's bf16
-quantised matmul), and the selection is the routing kernel's own code
-(:func:`.moe_routing.route` on these logits gives the same ``inds`` and
-``scores``).
+(same dequantisation, roundings and summation order): given the same
+``inds`` and ``scores``, ``h`` and ``y`` are bit-identical. The router logits
+are fp32 dot products of ``x`` with ``s * q + b`` rounded to bf16 (the
+router's bf16 quantised matmul), and the selection is the routing kernel's
+own code (:func:`.moe_routing.route` on these logits gives the same ``inds``
+and ``scores``).
 
-Status (2026-12-02): compiled with nvcc 13.0 for sm_90a, 0 spills (143 / 148 /
-202 registers at N = 1 / 2 / 4, one CTA per SM). H200 results:
-bench/results/moe-cuda-log.md ("seventh session").
+Status (2026-12-02, H200): correct (tests/test_cuda_moe_decode_fused.py, all
+N, grids of 1..132 CTAs); nvcc 13.0 sm_90a, 0 spills, 84 / 154 registers at
+N = 1 / 4, 162-194 KB of dynamic shared memory. 18.5 us per layer at one
+token in a CUDA graph (router included; the two kernels of
+:mod:`.moe_decode_gemv` take 15.5 us without the router and the routing
+kernel), 41.7 us at four tokens; through MLX as host-bound as the four-node
+step. So it is opt-in (``MLX_QWEN_FAST_MOE_DECODE_FUSED=1``). Phase times and
+the next steps: bench/results/moe-cuda-log.md ("seventh session").
 """
 
 from __future__ import annotations
