@@ -84,3 +84,39 @@ __device__ __forceinline__ void mma_word(float* acc, unsigned wr0, unsigned wr1,
 __device__ __forceinline__ unsigned w4(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
+
+// One down item of a 16-row tile: for each 128-input block u, getA(u, A, s2,
+// b2) gives the lane's two weight words (rows g, g + 8) and their splatted
+// scales and biases; hrow is the token's h row in shared memory (nullptr: the
+// lane's token did not pick the item). One mma chain per block, the chains
+// added in block order, the item's output rounded to bf16 (as SwitchGLU / the
+// MLP), then weighted: yacc += bf16(out) * (cf0 for tokens 2t, cf1 for 2t + 1).
+template <int NU, class GetA>
+__device__ __forceinline__ void down_item(float (&yacc)[4], GetA getA, const gdn_u16* hrow, int t, float cf0,
+                                          float cf1) {
+  float acc[NU][4];
+#pragma unroll
+  for (int u = 0; u < NU; ++u)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[u][c] = 0.0f;
+#pragma unroll
+  for (int u = 0; u < NU; ++u) {
+    uint4 A[2];
+    unsigned s2[2], b2[2];
+    getA(u, A, s2, b2);
+#pragma unroll
+    for (int wq = 0; wq < 4; ++wq) {
+      unsigned bb[4] = {0u, 0u, 0u, 0u};
+      if (hrow != nullptr) b_pairs(*reinterpret_cast<const uint4*>(hrow + 128 * u + 32 * t + 8 * wq), bb);
+      mma_word(acc[u], w4(A[0], wq), w4(A[1], wq), s2[0], b2[0], s2[1], b2[1], bb);
+    }
+  }
+#pragma unroll
+  for (int u = 1; u < NU; ++u)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[0][c] += acc[u][c];
+  yacc[0] += from_f_round<bf16_t>(acc[0][0]) * cf0;
+  yacc[1] += from_f_round<bf16_t>(acc[0][1]) * cf1;
+  yacc[2] += from_f_round<bf16_t>(acc[0][2]) * cf0;
+  yacc[3] += from_f_round<bf16_t>(acc[0][3]) * cf1;
+}

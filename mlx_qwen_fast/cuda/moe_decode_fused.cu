@@ -662,39 +662,20 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
         }
         const gdn_u16* scl = reinterpret_cast<const gdn_u16*>(sl + DN_W);
         const gdn_u16* bis = reinterpret_cast<const gdn_u16*>(sl + DN_W + DN_S);
-        float acc[NU][4];  // one independent mma chain per 128-input block (as moe_decode_gemv.cu)
+        down_item<NU>(
+            yacc,
+            [&](int u, uint4(&A)[2], unsigned(&s2)[2], unsigned(&b2)[2]) {
 #pragma unroll
-        for (int u = 0; u < NU; ++u)
-#pragma unroll
-          for (int cc = 0; cc < 4; ++cc) acc[u][cc] = 0.0f;
-#pragma unroll
-        for (int u = 0; u < NU; ++u) {
-          uint4 A[2];
-          unsigned s2[2], b2[2];
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int row = g + 8 * hh;
-            A[hh] = *reinterpret_cast<const uint4*>(sl + row * (DKW * 4) + 64 * u + 16 * t);
-            const int gi = row * DKG + 2 * u + (t >> 1);
-            const unsigned sb = (unsigned)scl[gi] | ((unsigned)bis[gi] << 16);
-            s2[hh] = splat_s(sb);
-            b2[hh] = splat_b(sb);
-          }
-#pragma unroll
-          for (int wq = 0; wq < 4; ++wq) {
-            unsigned bb[4] = {0u, 0u, 0u, 0u};
-            if (hrow >= 0) b_pairs(*reinterpret_cast<const uint4*>(&sm.u.h[hrow][128 * u + 32 * t + 8 * wq]), bb);
-            mma_word(acc[u], w4(A[0], wq), w4(A[1], wq), s2[0], b2[0], s2[1], b2[1], bb);
-          }
-        }
-#pragma unroll
-        for (int u = 1; u < NU; ++u)
-#pragma unroll
-          for (int cc = 0; cc < 4; ++cc) acc[0][cc] += acc[u][cc];
-        yacc[0] += from_f_round<bf16_t>(acc[0][0]) * cf0;
-        yacc[1] += from_f_round<bf16_t>(acc[0][1]) * cf1;
-        yacc[2] += from_f_round<bf16_t>(acc[0][2]) * cf0;
-        yacc[3] += from_f_round<bf16_t>(acc[0][3]) * cf1;
+              for (int hh = 0; hh < 2; ++hh) {
+                const int row = g + 8 * hh;
+                A[hh] = *reinterpret_cast<const uint4*>(sl + row * (DKW * 4) + 64 * u + 16 * t);
+                const int gi = row * DKG + 2 * u + (t >> 1);
+                const unsigned sb = (unsigned)scl[gi] | ((unsigned)bis[gi] << 16);
+                s2[hh] = splat_s(sb);
+                b2[hh] = splat_b(sb);
+              }
+            },
+            hrow >= 0 ? &sm.u.h[hrow][0] : nullptr, t, cf0, cf1);
       }
       __syncthreads();  // this round's slots are read
       if (tid == 0) {

@@ -356,31 +356,17 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
         }
       }
     }
-    float acc[NU][4];  // one independent mma chain per 128-input block
+    down_item<NU>(
+        yacc,
+        [&](int u, uint4(&A)[2], unsigned(&s2)[2], unsigned(&b2)[2]) {
 #pragma unroll
-    for (int u = 0; u < NU; ++u)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[u][c] = 0.0f;
-#pragma unroll
-    for (int u = 0; u < NU; ++u) {
-      const unsigned s0 = splat_s(R.sb[0][u]), b0 = splat_b(R.sb[0][u]);
-      const unsigned s1 = splat_s(R.sb[1][u]), b1 = splat_b(R.sb[1][u]);
-#pragma unroll
-      for (int wq = 0; wq < 4; ++wq) {
-        unsigned bb[4] = {0u, 0u, 0u, 0u};
-        if (hrow >= 0) b_pairs(*reinterpret_cast<const uint4*>(&hs[hrow][128 * u + 32 * t + 8 * wq]), bb);
-        mma_word(acc[u], w4(R.A[0][u], wq), w4(R.A[1][u], wq), s0, b0, s1, b1, bb);
-      }
-    }
-#pragma unroll
-    for (int u = 1; u < NU; ++u)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[0][c] += acc[u][c];
-    // expert output rounded to bf16 (as SwitchGLU / the MLP), then weighted
-    yacc[0] += from_f_round<bf16_t>(acc[0][0]) * cf0;
-    yacc[1] += from_f_round<bf16_t>(acc[0][1]) * cf1;
-    yacc[2] += from_f_round<bf16_t>(acc[0][2]) * cf0;
-    yacc[3] += from_f_round<bf16_t>(acc[0][3]) * cf1;
+          for (int hh = 0; hh < 2; ++hh) {
+            A[hh] = R.A[hh][u];
+            s2[hh] = splat_s(R.sb[hh][u]);
+            b2[hh] = splat_b(R.sb[hh][u]);
+          }
+        },
+        hrow >= 0 ? &hs[hrow][0] : nullptr, t, cf0, cf1);
   };
 
   // first item's weights in flight before the h copy and the barrier
