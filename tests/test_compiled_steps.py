@@ -235,6 +235,7 @@ def cpu_moe_fused(cpu_moe, monkeypatch):
 
     monkeypatch.setenv(mf.FUSED_ENV, "1")
     monkeypatch.setattr(cb, "sm_count", lambda: 132)
+    monkeypatch.setattr(mf, "supported_gpu", lambda: True)
     monkeypatch.setattr(mf, "_launch", fake_launch_fused)
     FUSED_CALLS.clear()
 

@@ -55,6 +55,7 @@ __all__ = [
     "router_arrays",
     "router_problem",
     "reference",
+    "smem_bytes",
     "FUSED_ENV",
 ]
 
@@ -126,15 +127,24 @@ def _router_bits(router, D: int) -> int:
 
 def router_problem(x, router, experts, shared, expert_gate, top_k) -> Optional[str]:
     """None when :func:`moe_decode_fused` takes these arrays, else what is wrong (one line)."""
-    if not isinstance(x, mx.array) or x.ndim < 1 or x.dtype != mx.bfloat16:
-        return f"x must be bfloat16 [..., D], got {getattr(x, 'dtype', type(x))}"
+    if not isinstance(x, mx.array) or x.dtype != mx.bfloat16 or x.ndim < 1:
+        return (f"x must be bfloat16 [..., D], got {getattr(x, 'dtype', type(x))} "
+                f"{tuple(getattr(x, 'shape', ()))}")
     D = x.shape[-1]
     n = x.size // D if D else 0
-    if not isinstance(top_k, int) or top_k < 1:
+    if not 1 <= n <= md.MAX_TOKENS:
+        return f"x must hold 1..{md.MAX_TOKENS} tokens, got {n} (shape {tuple(x.shape)})"
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         return f"top_k must be a positive int, got {top_k!r}"
-    tok = mx.zeros((max(n, 1), D), mx.bfloat16)  # shapes only, never evaluated
-    inds = mx.zeros((max(n, 1), top_k), mx.int32)
-    problem = md._shape_problem(tok if n >= 1 else x, inds, None, experts, shared, expert_gate)
+    try:
+        d_experts = experts[0][0].shape[-1] * 8
+    except (TypeError, IndexError, AttributeError):
+        d_experts = None
+    if d_experts is not None and d_experts != D:
+        return f"x's last axis D={D} does not match the experts' input size D={d_experts}"
+    tok = mx.zeros((n, D), mx.bfloat16)  # shapes only, never evaluated
+    inds = mx.zeros((n, top_k), mx.int32)
+    problem = md._shape_problem(tok, inds, None, experts, shared, expert_gate, down_smem=False)
     if problem is not None:
         return problem
     if not _router_bits(router, D):
@@ -153,8 +163,16 @@ def router_problem(x, router, experts, shared, expert_gate, top_k) -> Optional[s
 
 
 def smem_bytes(n: int, k: int, D: int, I: int) -> int:
-    """Dynamic shared memory of the kernel (bytes): its layout, computed as
-    the source does (the kernel traps when launched with less)."""
+    """Dynamic shared memory of the kernel (bytes) for N = ``n`` tokens, top-``k``,
+    sizes D and I: its layout, computed as the source does (the kernel traps
+    when launched with less).
+
+    Raises:
+        ValueError: a size that is not a positive int.
+    """
+    for name, v in (("n", n), ("k", k), ("D", D), ("I", I)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"smem_bytes: {name} must be a positive int, got {v!r}")
     rb, nw = 16, 8
     gu_slot = 2 * rb * (D // 8) * 4 + 4 * rb * (D // 64) * 2
     dn_slot = rb * (I // 8) * 4 + 2 * rb * (I // 64) * 2
@@ -221,20 +239,29 @@ def moe_decode_fused(
     Raises:
         ValueError: a shape/dtype the kernel does not take (named), or
             ``ctas`` outside ``[1, SM count]``.
+        RuntimeError: no CUDA GPU of compute capability 9.0 or newer.
     """
     problem = router_problem(x, router, experts, shared, expert_gate, top_k)
     if problem is not None:
         raise ValueError(f"moe_decode_fused: {problem}")
+    if sync is not None and (
+        not isinstance(sync, mx.array) or sync.dtype != mx.uint32 or tuple(sync.shape) != (SYNC_WORDS,)
+    ):
+        raise ValueError(f"moe_decode_fused: sync must be the uint32 [{SYNC_WORDS}] buffer of new_sync(), got "
+                         f"{getattr(sync, 'dtype', type(sync))} {tuple(getattr(sync, 'shape', ()))}")
+    if ctas is not None and (isinstance(ctas, bool) or not isinstance(ctas, int) or ctas < 1):
+        raise ValueError(f"moe_decode_fused: ctas must be a positive int (at most the SM count), got {ctas!r}")
+    if not supported_gpu():
+        raise RuntimeError("moe_decode_fused: needs an NVIDIA GPU of compute capability 9.0 or newer "
+                           "(TMA bulk copies, ~190 KB of shared memory per CTA)")
     sms = min(cb.sm_count(), BARW)
-    if ctas is not None and not (isinstance(ctas, int) and 1 <= ctas <= sms):
-        raise ValueError(f"moe_decode_fused: ctas must be an int in [1, {sms}] (the SM count), got {ctas!r}")
+    if ctas is not None and ctas > sms:
+        raise ValueError(f"moe_decode_fused: ctas must be at most {sms} (the SM count), got {ctas}")
     if sync is None:
         global _default_sync
         if _default_sync is None:
             _default_sync = new_sync()
         sync = _default_sync
-    elif not isinstance(sync, mx.array) or sync.dtype != mx.uint32 or tuple(sync.shape) != (SYNC_WORDS,):
-        raise ValueError(f"moe_decode_fused: sync must be the uint32 [{SYNC_WORDS}] buffer of new_sync()")
     out = _launch(x, router, experts, shared, expert_gate, top_k, normalize, sync, ctas or sms)
     return out if return_all else out[0]
 
@@ -257,6 +284,15 @@ def _launch(x, router, experts, shared, expert_gate, top_k, normalize, sync, cta
     )
 
 
+def supported_gpu() -> bool:
+    """True on a CUDA GPU of compute capability 9.0 or newer (the kernel's TMA
+    copies and shared-memory size); False without one."""
+    try:
+        return cb.cuda_available() and cb.gpu_arch() >= (9, 0)
+    except RuntimeError:
+        return False
+
+
 def fused_enabled() -> bool:
     """True when the environment sets ``MLX_QWEN_FAST_MOE_DECODE_FUSED=1`` (opt-in)."""
     return os.environ.get(FUSED_ENV, "") == "1"
@@ -277,11 +313,17 @@ def reference(x, router, top_k, normalize, experts, shared, expert_gate):
     Returns:
         ``(logits [N, E], inds [N, k], scores [N, k], y [N, D])`` numpy arrays
         (y fp32, not rounded).
+
+    Raises:
+        ValueError: a router that is not 4/8-bit group 64 over D inputs.
     """
     w, s, b = router
     D = x.shape[-1]
     xf = md._np(x).reshape(-1, D).astype(np.float32)
     bits = _router_bits(router, D)
+    if not bits:
+        raise ValueError(f"reference: router must be (weight uint32 [E, D*bits/32], scales, biases bf16 "
+                         f"[E, {D // 64}]) with bits 4 or 8 and D={D}")
     logits = md.bf16_round(xf @ md.dequant_f32(w, s, b, bits=bits).T)
     p = np.exp(logits - logits.max(-1, keepdims=True))
     p = p / p.sum(-1, keepdims=True)

@@ -118,8 +118,10 @@ def smem_bytes(n: int, k: int, I: int) -> int:
     return 2 * (n * k + n) * I + 4 * 8 * RB * n
 
 
-def _shape_problem(x, inds, scores, experts, shared, expert_gate) -> Optional[str]:
-    """None when the arrays fit the kernels, else what is wrong (one line)."""
+def _shape_problem(x, inds, scores, experts, shared, expert_gate, down_smem: bool = True) -> Optional[str]:
+    """None when the arrays fit the kernels, else what is wrong (one line).
+    ``down_smem=False`` skips the down kernel's shared-memory limit (for
+    callers that do not run it)."""
     if not isinstance(x, mx.array) or x.ndim != 2 or x.dtype != mx.bfloat16:
         return f"x must be bfloat16 [N, D], got {getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}"
     n, D = x.shape
@@ -156,7 +158,7 @@ def _shape_problem(x, inds, scores, experts, shared, expert_gate) -> Optional[st
                 f"(gate/up uint32 [{I}, {D // 8}], down uint32 [{D}, {I // 8}], bf16 scales/biases)")
     if not _gate_bits(expert_gate, D):
         return f"expert_gate must be (weight, scales, biases, bits): bits 4/8 group 64 uint32 [1, D*bits/32], or bits 16 with bf16 weight [1, {D}]"
-    if smem_bytes(n, k, I) > SMEM_LIMIT:
+    if down_smem and smem_bytes(n, k, I) > SMEM_LIMIT:
         return f"(N*k + N) * I too large for the down kernel's shared memory (N={n}, k={k}, I={I})"
     return None
 
@@ -459,7 +461,8 @@ def _step_plan(block, x):
     scales, biases each), shared-expert gate (weight, scales, biases).
     ``fused``: the step is :func:`.moe_decode_fused.moe_decode_fused` (one
     launch; the caller appends the block's barrier buffer), chosen where the
-    router is 4/8-bit group 64 and ``MLX_QWEN_FAST_MOE_DECODE_FUSED=1``; else
+    router is 4/8-bit group 64, the GPU is compute capability 9.0+ and
+    ``MLX_QWEN_FAST_MOE_DECODE_FUSED=1``; else
     router matmul, routing kernel and the two kernels here (the default)."""
     from ..compiled import linear_arrays, linear_paths
     from . import moe_decode_fused as mf
@@ -473,7 +476,8 @@ def _step_plan(block, x):
     gate = (("shared_expert_gate", "weight"),) * 3 if bits == 16 else tuple(
         ("shared_expert_gate", n) for n in ("weight", "scales", "biases"))
     rq = mf.router_arrays(block.gate)
-    if rq is not None and mf.fused_enabled() and mf.router_problem(x, rq, *arrs, block.top_k) is None:
+    if (rq is not None and mf.fused_enabled() and mf.supported_gpu()
+            and mf.router_problem(x, rq, *arrs, block.top_k) is None):
         paths = tuple(("gate", n) for n in ("weight", "scales", "biases")) + _EXPERT_PATHS + gate
         return paths, (_compiled_fused_step(block.top_k, block.norm_topk_prob, bits, cb.sm_count()), True)
     paths = linear_paths(("gate",), router) + _EXPERT_PATHS + gate
