@@ -252,11 +252,7 @@ struct RowRegs {
 #pragma unroll
         for (int i = 0; i < CIN; i += 8) {
           float xv[8];
-          const uint4 v = *reinterpret_cast<const uint4*>(&sm.u.x[n][k0 + i]);
-          unpack_bf16x2(v.x, xv[0], xv[1]);
-          unpack_bf16x2(v.y, xv[2], xv[3]);
-          unpack_bf16x2(v.z, xv[4], xv[5]);
-          unpack_bf16x2(v.w, xv[6], xv[7]);
+          load16(reinterpret_cast<const bf16_t*>(&sm.u.x[n][k0 + i]), xv);
 #pragma unroll
           for (int q = 0; q < 8; ++q) out[n] = fmaf(xv[q], wv[i + q], out[n]);
         }
@@ -290,11 +286,7 @@ struct RowRegsBf16 {
       unpack_bf16x2(w[j].w, wv[6], wv[7]);
 #pragma unroll
       for (int n = 0; n < N; ++n) {
-        const uint4 v = *reinterpret_cast<const uint4*>(&sm.u.x[n][8 * (lane + 32 * j)]);
-        unpack_bf16x2(v.x, xv[0], xv[1]);
-        unpack_bf16x2(v.y, xv[2], xv[3]);
-        unpack_bf16x2(v.z, xv[4], xv[5]);
-        unpack_bf16x2(v.w, xv[6], xv[7]);
+        load16(reinterpret_cast<const bf16_t*>(&sm.u.x[n][8 * (lane + 32 * j)]), xv);
 #pragma unroll
         for (int q = 0; q < 8; ++q) out[n] = fmaf(xv[q], wv[q], out[n]);
       }

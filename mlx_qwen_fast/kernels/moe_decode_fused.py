@@ -76,7 +76,7 @@ SYNC_WORDS = 64  # 256 bytes: MLX keeps allocations of <= 8 bytes in managed mem
 
 
 BARW = 1024  # barrier counter units per barrier (the kernel's BARW; >= the grid)
-GU_SLOTS, DN_SLOTS = 3, 9  # shared-memory slots: gate+up tiles, down items (MDG_GU_SLOTS / MDG_DN_SLOTS)
+GU_SLOTS, DN_SLOTS = 3, 9  # shared-memory slots: gate+up tiles, down items (passed as MDG_GU_SLOTS / MDG_DN_SLOTS)
 SMEM_MAX = 227 * 1024  # dynamic shared memory one CTA may use on sm_90
 
 
@@ -189,7 +189,7 @@ def _kernel(n, k, E, D, I, rbits, sgb, normalize) -> cb.CudaKernel:
     kern = _kernels.get(key)
     if kern is None:
         defs = dict(MDG_N=n, MDG_K=k, MDG_E=E, MDG_D=D, MDG_I=I, MDG_RBITS=rbits, MDG_SGB=sgb,
-                    MDG_NORM=int(bool(normalize)))
+                    MDG_NORM=int(bool(normalize)), MDG_GU_SLOTS=GU_SLOTS, MDG_DN_SLOTS=DN_SLOTS)
         kern = _kernels[key] = cb.CudaKernel("moe_decode_fused.cu", "mqf_moe_dec_fused", defs)
     return kern
 
