@@ -239,6 +239,21 @@ gemmncu)  # GPU time (ncu, boost clocks) of every kernel of the MoE block at T=4
   python3 -c "import csv,sys; rows=[r for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('\"'))]; [print(r['ID'], r['Kernel Name'][:60], r['Metric Value']) for r in rows[-24:]]" $M/ncu-moe.csv
   timeout 330 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
     --out $OUT/ab-4k.json > $OUT/ab-4k.log 2>&1; tail -14 $OUT/ab-4k.log ;;
+s8a)  # routing tests, every kernel of one MoE-block call under ncu (T=4096, T=1), patched decode at 4K
+       # with MLX's default graph limits and with MLX_MAX_MB_PER_BUFFER raised, alternating (~7 min)
+  XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 4"
+  timeout 150 python3 -m pytest -q $XD tests/test_cuda_moe.py -k "rout or grouped_gemm_vs or block_cuda" \
+    > $OUT/tests-routing.txt 2>&1; echo "rc=$?" >> $OUT/tests-routing.txt; tail -3 $OUT/tests-routing.txt
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+  timeout 150 $NCU --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+    python3 bench/profile_kernels.py block > $OUT/ncu-block.csv 2>$OUT/ncu-block.err
+  python3 -c "import csv,sys; rows=[r for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('\"'))]; [print(r['ID'], r['Kernel Name'][:70], r['Metric Value']) for r in rows]" $OUT/ncu-block.csv
+  for mb in default 1000000 default 1000000; do
+    if [ $mb = default ]; then E=""; else E="MLX_MAX_MB_PER_BUFFER=$mb"; fi
+    env $E timeout 80 $AB --engines patched --decode 4k --decode-steps 32 --rounds 2 --max-seconds 30 \
+      --out $OUT/dec-mb-$mb.json > $OUT/dec-mb-$mb-$RANDOM.log 2>&1
+    echo "MB=$mb: $(grep -i "tok/s\|host" $OUT/dec-mb-$mb-*.log | tail -3 | tr '\n' ' ')"
+  done ;;
 ab4k)  # the end-to-end A/B at 4K: stock vs patched, prefill and decode, alternating (187 s on 2026-12-01)
   timeout 330 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
     --out $OUT/ab-4k.json > $OUT/ab-4k.log 2>&1; tail -14 $OUT/ab-4k.log ;;

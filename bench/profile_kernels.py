@@ -17,6 +17,12 @@ decode):
   step in 30 dependent steps, graph building and evaluation apart, beside
   one-op MLX chains (MLX's cost per graph node). Printed: ms per call for chain lengths 1 and ``n`` (their difference / (n-1)
   is the marginal latency of one call).
+* ``block``: for ncu ``--profile-from-start off``: the whole patched sparse
+  MoE block of the full-size preset (layer 0: router matmul, routing, x
+  permutation, expert GEMMs, combine, shared expert and its gate), one call
+  at T=4096 and one at T=1, each after a warm-up call, inside
+  ``cuProfilerStart``/``cuProfilerStop``: every kernel of one block call, so
+  the routing's share of the block is measured, not estimated.
 * ``ncu``: one launch of each profiled kernel (the GDN front end, three GDN
   decode steps, the MoE decode kernels at one token, the scan
   configurations of ``SCAN_CONFIGS``, gate+up and down of ``MOE_VARIANTS``,
@@ -372,10 +378,35 @@ def ncu_launches():
     mx.synchronize()
 
 
+def block_launches(tokens=(4096, 1), skew=1.0):
+    """One warm-up call, then one profiled call of the patched MoE block of
+    layer 0 per T in ``tokens`` (bf16, the full-size preset, router skew
+    ``skew``); the profiled calls run between cuProfilerStart/Stop."""
+    import ctypes
+
+    import mlx_qwen_fast
+    from mlx_qwen_fast.checkpoint import build_model
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    model, _ = build_model("qwen3.6-35b-a3b", seed=0, router_skew=skew)
+    mlx_qwen_fast.patch(model)
+    block = model.language_model.model.layers[0].mlp
+    for T in tokens:
+        x = mx.random.normal((1, T, 2048), key=mx.random.key(T)).astype(mx.bfloat16)
+        mx.eval(x)
+        mx.eval(block(x))  # warm-up: builds and loads the kernels
+        mx.synchronize()
+        cuda.cuProfilerStart()
+        mx.eval(block(x))
+        mx.synchronize()
+        cuda.cuProfilerStop()
+        print(f"block T={T}: profiled one call of {type(block).__name__}", flush=True)
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "chain"
-    if what not in ("chain", "ncu"):
-        raise SystemExit(f"usage: {sys.argv[0]} chain [scan,gdn,moe,qmm,decode] | ncu")
+    if what not in ("chain", "ncu", "block"):
+        raise SystemExit(f"usage: {sys.argv[0]} chain [scan,gdn,moe,qmm,decode] | ncu | block")
     from mlx_qwen_fast.kernels import _cuda_build as cb
 
     if not cb.cuda_available():
@@ -389,5 +420,7 @@ if __name__ == "__main__":
             raise SystemExit(f"{sys.argv[0]}: unknown chain part(s) {unknown}; choose from {list(parts)}")
         for name in sections:
             parts[name]()
+    elif what == "block":
+        block_launches()
     else:
         ncu_launches()

@@ -19,10 +19,14 @@
 //   shared-memory histogram (atomics) -> counts [E]; block scan ->
 //   offsets [E+1]; tiles per expert ceil(count/tile) and their scan -> the
 //   block map [max_tiles, 2] of (expert, tile), (-1, -1) past the end; then
-//   the scatter: each assignment takes the next slot of its expert with a
-//   shared atomic, so `order` groups assignments by expert but is NOT stable
+//   the scatter: each assignment takes the next slot of its expert from a
+//   shared cursor, so `order` groups assignments by expert but is NOT stable
 //   within an expert (the order of one expert's assignments is whatever the
-//   atomics give; the set is exact). Also writes sorted_experts [N*K] and
+//   atomics give; the set is exact). Histogram and scatter are
+//   warp-aggregated: the lanes of a warp holding the same expert
+//   (__match_any_sync) share one shared-memory atomic, which the skewed
+//   routers of real models (a few experts taking most rows) would otherwise
+//   serialise. Also writes sorted_experts [N*K] and
 //   inverse [N*K] (grouped row of each assignment).
 //   Inputs: inds [N*K] int32 (values in [0, E); others are undefined
 //   behaviour, as in ops.moe.group_by_expert). Outputs: counts [E],
@@ -102,6 +106,18 @@ __device__ __forceinline__ int block_incl_scan(int v, int* wsum) {
   return v;
 }
 
+constexpr int U = 8;  // 32-assignment chunks per warp per pass (loads in flight)
+
+// Experts of assignments a0 + u*32 + lane (u < U); -1 past NK.
+__device__ __forceinline__ void load_experts(const int* __restrict__ inds, int NK, int a0, int (&ev)[U]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int a = a0 + u * 32 + lane;
+    ev[u] = a < NK ? inds[a] : -1;
+  }
+}
+
 extern "C" __global__ void __launch_bounds__(1024) KNAME(
     const int* __restrict__ inds,
     int* __restrict__ counts,
@@ -117,10 +133,20 @@ extern "C" __global__ void __launch_bounds__(1024) KNAME(
   __shared__ int cursor[E];
   __shared__ int tend[E];
   __shared__ int wsum[32];
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31;
   for (int e = tid; e < E; e += NT) hist[e] = 0;
   __syncthreads();
-  for (int a = tid; a < NK; a += NT) atomicAdd(&hist[inds[a]], 1);
+  // Histogram: U coalesced loads in flight per thread, then one shared atomic
+  // per distinct expert per warp (its peers' count), not one per assignment.
+  for (int a0 = (tid >> 5) * 32 * U; a0 < NK; a0 += NT * U) {
+    int ev[U];
+    load_experts(inds, NK, a0, ev);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const unsigned peers = __match_any_sync(0xffffffffu, ev[u]);
+      if (ev[u] >= 0 && lane == __ffs(peers) - 1) atomicAdd(&hist[ev[u]], __popc(peers));
+    }
+  }
   __syncthreads();
 
   const int c = tid < E ? hist[tid] : 0;
@@ -154,12 +180,29 @@ extern "C" __global__ void __launch_bounds__(1024) KNAME(
     bmap[2 * i + 1] = t;
   }
 
-  for (int a = tid; a < NK; a += NT) {
-    const int e = inds[a];
-    const int pos = atomicAdd(&cursor[e], 1);
-    order[pos] = a;
-    sorted_experts[pos] = e;
-    inverse[a] = pos;
+  // Scatter, aggregated the same way: the warp's leader for an expert takes
+  // __popc(peers) slots with one atomic; each peer's slot is the leader's old
+  // cursor plus its rank among the peers (lanes below it).
+  const unsigned below = (1u << lane) - 1u;
+  for (int a0 = (tid >> 5) * 32 * U; a0 < NK; a0 += NT * U) {
+    int ev[U];
+    load_experts(inds, NK, a0, ev);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int e = ev[u];
+      const unsigned peers = __match_any_sync(0xffffffffu, e);
+      const int leader = __ffs(peers) - 1;
+      int base = 0;
+      if (e >= 0 && lane == leader) base = atomicAdd(&cursor[e], __popc(peers));
+      base = __shfl_sync(0xffffffffu, base, leader);
+      if (e >= 0) {
+        const int a = a0 + u * 32 + lane;
+        const int pos = base + __popc(peers & below);
+        order[pos] = a;
+        sorted_experts[pos] = e;
+        inverse[a] = pos;
+      }
+    }
   }
 }
 
