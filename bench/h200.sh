@@ -252,7 +252,7 @@ s8a)  # routing tests, every kernel of one MoE-block call under ncu (T=4096, T=1
     if [ $mb = default ]; then E=""; else E="MLX_MAX_MB_PER_BUFFER=$mb"; fi
     env $E timeout 80 $AB --engines patched --decode 4k --decode-steps 32 --rounds 2 --max-seconds 30 \
       --out $OUT/dec-mb-$mb.json > $OUT/dec-mb-$mb-$RANDOM.log 2>&1
-    echo "MB=$mb: $(grep -i "tok/s\|host" $OUT/dec-mb-$mb-*.log | tail -3 | tr '\n' ' ')"
+    echo "MB=$mb: $(ls -t $OUT/dec-mb-$mb-*.log | head -1 | xargs tail -1)"
   done ;;
 ab4k)  # the end-to-end A/B at 4K: stock vs patched, prefill and decode, alternating (187 s on 2026-12-01)
   timeout 330 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
