@@ -254,6 +254,28 @@ s8a)  # routing tests, every kernel of one MoE-block call under ncu (T=4096, T=1
       --out $OUT/dec-mb-$mb.json > $OUT/dec-mb-$mb-$RANDOM.log 2>&1
     echo "MB=$mb: $(ls -t $OUT/dec-mb-$mb-*.log | head -1 | xargs tail -1)"
   done ;;
+s8b)  # grouping kernels (count + scatter): tests, ncu of one MoE-block call; patched decode at 4K under
+       # MLX's graph limits: MLX default (1000 MB), the package's (no byte limit), + 300 ops, + fused MoE decode
+  timeout 200 python3 -m pytest -q tests/test_cuda_moe.py -k "rout or block_cuda or (wg_grouped_gemm_vs_reference and 2048)" \
+    > $OUT/tests-routing.txt 2>&1; echo "rc=$?" >> $OUT/tests-routing.txt; tail -3 $OUT/tests-routing.txt
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+  timeout 150 $NCU --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+    python3 bench/profile_kernels.py block > $OUT/ncu-block.csv 2>$OUT/ncu-block.err
+  python3 -c "import csv,sys; rows=[r for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('\"'))]; [print(r['ID'], r['Kernel Name'][:70], r['Metric Value']) for r in rows]" $OUT/ncu-block.csv
+  i=0
+  for v in mb1000 pkg ops300 fused mb1000 pkg ops300 fused; do
+    i=$((i+1)); case $v in mb1000) E="MLX_MAX_MB_PER_BUFFER=1000";; pkg) E="";; ops300) E="MLX_MAX_OPS_PER_BUFFER=300";;
+      fused) E="MLX_QWEN_FAST_MOE_DECODE_FUSED=1";; esac
+    env $E timeout 80 $AB --engines patched --decode 4k --decode-steps 64 --rounds 3 --max-seconds 30 \
+      --out $OUT/dec-$v-$i.json > /tmp/dec-$v-$i.log 2>&1
+    echo "$v: $(tail -1 /tmp/dec-$v-$i.log)"
+  done
+  for v in mb1000 pkg; do
+    [ $v = mb1000 ] && E="MLX_MAX_MB_PER_BUFFER=1000" || E=""
+    env $E timeout 80 $AB --engines patched --prefill 4k --rounds 3 --max-seconds 30 --out $OUT/pre-$v.json > /tmp/pre-$v.log 2>&1
+    echo "prefill $v: $(tail -1 /tmp/pre-$v.log)"
+  done
+  tar czf $OUT/logs.tgz -C /tmp $(cd /tmp && ls dec-*.log pre-*.log) ;;
 ab4k)  # the end-to-end A/B at 4K: stock vs patched, prefill and decode, alternating (187 s on 2026-12-01)
   timeout 330 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
     --out $OUT/ab-4k.json > $OUT/ab-4k.log 2>&1; tail -14 $OUT/ab-4k.log ;;

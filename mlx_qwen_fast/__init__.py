@@ -8,8 +8,12 @@ Usage::
     # or: mlx_qwen_fast.install() before any mlx_lm.load / CLI entry point
 """
 
-from .models import register as _register
-from .patch import (
+from .backend import raise_cuda_graph_byte_limit as _raise_cuda_graph_byte_limit
+
+_raise_cuda_graph_byte_limit()  # before MLX's first GPU evaluation: see its docstring
+
+from .models import register as _register  # noqa: E402
+from .patch import (  # noqa: E402
     PatchReport,
     install,
     is_patched,

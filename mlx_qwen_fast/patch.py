@@ -47,6 +47,9 @@ class PatchReport:
             (``linear_attn``, ``self_attn``, ``mlp``).
         ops: implementation each op uses on this backend, e.g.
             ``{"gated_delta.prefill": "chunked", "moe.decode": "stock"}``.
+        graph_limit: on CUDA, MLX's per-graph byte limit in force and who
+            set it (:func:`mlx_qwen_fast.backend.raise_cuda_graph_byte_limit`);
+            empty elsewhere.
     """
 
     patched: bool
@@ -55,13 +58,15 @@ class PatchReport:
     backend: str = ""
     swapped: Dict[str, int] = field(default_factory=dict)
     ops: Dict[str, str] = field(default_factory=dict)
+    graph_limit: str = ""
 
     def __str__(self):
         if not self.patched:
             return f"mlx_qwen_fast: left stock ({self.reason})"
         swapped = ", ".join(f"{n} {k}" for k, n in self.swapped.items()) or "nothing new"
         ops = ", ".join(f"{k}={v}" for k, v in self.ops.items())
-        return f"mlx_qwen_fast: patched {swapped} on {self.backend}; ops: {ops}"
+        tail = f"; {self.graph_limit}" if self.graph_limit else ""
+        return f"mlx_qwen_fast: patched {swapped} on {self.backend}; ops: {ops}{tail}"
 
 
 def op_implementations(backend_name: Optional[str] = None) -> Dict[str, str]:
@@ -174,6 +179,7 @@ def patch(model: nn.Module, *, warn: bool = True) -> PatchReport:
         backend.current(),
         swapped,
         op_implementations(),
+        backend.cuda_graph_settings(),
     )
 
 

@@ -392,6 +392,12 @@ def test_plan_and_tiles():
     assert p["route_grid"] == (512 * 256, 1, 1)
     assert mr.plan(7, 8, 256, 32)["max_tiles"] == 2 + 256
     assert mr.plan(0, 8, 256, 32)["route_grid"][0] == 256
+    # grouping: chunks of 1024 assignments up to GROUP_MAX_CTAS CTAs, then longer chunks
+    assert (p["group_chunk"], p["group_grid"], p["group_block"]) == (1024, (32 * 1024, 1, 1), (1024, 1, 1))
+    assert mr.plan(1, 8, 256, 32)["group_grid"] == (1024, 1, 1)
+    assert mr.plan(0, 8, 256, 32)["group_grid"] == (1024, 1, 1)
+    big = mr.plan(16385, 8, 256, 64)  # 131080 assignments > 128 * 1024
+    assert big["group_chunk"] == 2048 and big["group_grid"][0] == 65 * 1024
     with pytest.raises(ValueError, match="tile_rows"):
         mr.plan(4, 8, 256, 0)
     assert gg.choose_tile_rows(512 * 8, 256) == 32
@@ -543,6 +549,17 @@ def test_routing_all_to_one_expert(poison, n):
     counts = np.asarray(r.groups.counts)
     assert counts[17] == n and counts.sum() == n
     assert np.allclose(np.asarray(r.scores), 1.0)
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("n,max_ctas", [(16385, None), (4099, 2), (300, 1)])
+def test_routing_chunked_grouping(poison, monkeypatch, n, max_ctas):
+    # chunks longer than one 1024-assignment round (ragged last round), and
+    # more than GROUP_MAX_CTAS * 1024 assignments at the default
+    if max_ctas is not None:
+        monkeypatch.setattr(mr, "GROUP_MAX_CTAS", max_ctas)
+    check_routing(make_logits(n, 256, "skewed", seed=n, dtype=mx.bfloat16), 8, 64)
 
 
 @cuda

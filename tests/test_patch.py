@@ -1,6 +1,7 @@
 """Patched vs stock mlx-lm model on the tiny random checkpoint."""
 
 
+import os
 import mlx.core as mx
 import mlx_lm
 import numpy as np
@@ -345,3 +346,27 @@ def test_op_implementations_per_backend():
     for bad in ("", "gpu", "CUDA"):
         with pytest.raises(ValueError, match="backend"):
             op_implementations(bad)
+
+
+def test_cuda_graph_byte_limit(monkeypatch):
+    from mlx_qwen_fast import backend as bk
+
+    monkeypatch.setattr(bk, "_graph_mb_origin", "mlx default")
+    monkeypatch.delenv("MLX_MAX_MB_PER_BUFFER", raising=False)
+    monkeypatch.delenv("MLX_QWEN_FAST", raising=False)
+    monkeypatch.setattr(bk, "current", lambda: bk.CPU)
+    assert not bk.raise_cuda_graph_byte_limit()  # not CUDA: untouched
+    assert "MLX_MAX_MB_PER_BUFFER" not in os.environ and bk.cuda_graph_settings() == ""
+    monkeypatch.setattr(bk, "current", lambda: bk.CUDA)
+    monkeypatch.setenv("MLX_QWEN_FAST", "off")
+    assert not bk.raise_cuda_graph_byte_limit()  # switched off: untouched
+    assert "MLX_MAX_MB_PER_BUFFER" not in os.environ
+    monkeypatch.delenv("MLX_QWEN_FAST")
+    assert bk.raise_cuda_graph_byte_limit()
+    assert os.environ["MLX_MAX_MB_PER_BUFFER"] == str(bk.CUDA_GRAPH_MB)
+    assert bk.cuda_graph_settings() == f"MLX_MAX_MB_PER_BUFFER={bk.CUDA_GRAPH_MB} (mlx_qwen_fast)"
+    monkeypatch.setattr(bk, "_graph_mb_origin", "mlx default")
+    monkeypatch.setenv("MLX_MAX_MB_PER_BUFFER", "2000")  # the user's value wins
+    assert not bk.raise_cuda_graph_byte_limit()
+    assert os.environ["MLX_MAX_MB_PER_BUFFER"] == "2000"
+    assert bk.cuda_graph_settings() == "MLX_MAX_MB_PER_BUFFER=2000 (environment)"

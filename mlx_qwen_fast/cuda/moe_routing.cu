@@ -4,7 +4,7 @@
 //
 // Contract: mlx_qwen_fast/ops/moe.py (route, group_by_expert, block_map).
 //
-// One source, two kernels, chosen by MOE_STAGE:
+// One source, three kernels, chosen by MOE_STAGE:
 //
 // MOE_STAGE 1 (route): one warp per token, 8 tokens per 256-thread block.
 //   fp32 softmax over E logits (max-subtracted expf, one division), then k
@@ -15,24 +15,28 @@
 //   scores [N, K] float. Scalars: int N, int normalize.
 //   Launch: ceil(N/8)*256 threads, 256 per block.
 //
-// MOE_STAGE 2 (group): a single 1024-thread block.
-//   shared-memory histogram (atomics) -> counts [E]; block scan ->
-//   offsets [E+1]; tiles per expert ceil(count/tile) and their scan -> the
-//   block map [max_tiles, 2] of (expert, tile), (-1, -1) past the end; then
-//   the scatter: each assignment takes the next slot of its expert from a
-//   shared cursor, so `order` groups assignments by expert but is NOT stable
-//   within an expert (the order of one expert's assignments is whatever the
-//   atomics give; the set is exact). Histogram and scatter are
-//   warp-aggregated: the lanes of a warp holding the same expert
-//   (__match_any_sync) share one shared-memory atomic, which the skewed
-//   routers of real models (a few experts taking most rows) would otherwise
-//   serialise. Also writes sorted_experts [N*K] and
-//   inverse [N*K] (grouped row of each assignment).
-//   Inputs: inds [N*K] int32 (values in [0, E); others are undefined
-//   behaviour, as in ops.moe.group_by_expert). Outputs: counts [E],
-//   offsets [E+1], order [NK], sorted_experts [NK], inverse [NK],
-//   block_map [max_tiles, 2], all int32. Scalars: int NK, int tile,
-//   int max_tiles. Launch: 1024 threads, one block.
+// MOE_STAGE 2 (count) and 3 (scatter): the grouping, over C CTAs of 1024
+//   threads, CTA c taking the assignments [c*chunk, (c+1)*chunk).
+//   count: a shared-memory histogram of the CTA's chunk -> part [C, E].
+//   scatter: every CTA sums part's columns (all chunks -> counts, the chunks
+//   before its own -> its start within each expert), scans the counts over
+//   the experts (-> offsets), and places its chunk's assignments: `order`
+//   groups assignments by expert, chunk by chunk, but is NOT stable within a
+//   chunk (the order among one expert's assignments of one chunk is whatever
+//   the shared atomics give; the set is exact). CTA 0 also writes counts,
+//   offsets [E+1] and the block map [max_tiles, 2] of (expert, tile), (-1,
+//   -1) past the end (tiles per expert ceil(count/tile), scanned). Both
+//   stages are warp-aggregated: the lanes of a warp holding the same expert
+//   (one ballot per bit of the id) share one shared-memory atomic, which a
+//   skewed router (a few experts taking most rows) would otherwise
+//   serialise.
+//   Inputs: inds [NK] int32 (values in [0, E); others are undefined
+//   behaviour, as in ops.moe.group_by_expert); scatter also part.
+//   Outputs (scatter): counts [E], offsets [E+1], order [NK],
+//   sorted_experts [NK], inverse [NK] (grouped row of each assignment),
+//   block_map [max_tiles, 2], all int32. Scalars: int NK, int chunk (a
+//   multiple of 1024), scatter also int tile, int max_tiles. Launch: C * 1024
+//   threads, 1024 per block, C = ceil(NK / chunk) (>= 1), the same C for both.
 //
 // Build macros: KNAME, MOE_STAGE, MOE_E (experts, multiple of 32, <= 1024),
 // MOE_K (top-k, stage 1), MOE_LT (logit type, stage 1).
@@ -75,11 +79,57 @@ extern "C" __global__ void __launch_bounds__(256) KNAME(
   }
 }
 
-#elif MOE_STAGE == 2
+#else  // MOE_STAGE 2 (count) and 3 (scatter)
 
 constexpr int E = MOE_E;
 constexpr int NT = 1024;
 static_assert(E <= NT, "E must be <= 1024");
+constexpr int EBITS = E <= 32 ? 5 : E <= 64 ? 6 : E <= 128 ? 7 : E <= 256 ? 8 : E <= 512 ? 9 : 10;
+
+// Lanes of this warp holding the same expert e (valid lanes only; every lane
+// must call it). Built from one ballot per bit of e: cheaper than
+// __match_any_sync, and it lets a warp take one shared atomic per distinct
+// expert instead of one per assignment (a skewed router sends most of a
+// warp's assignments to a few experts, whose atomics would serialise).
+__device__ __forceinline__ unsigned expert_peers(int e, bool valid) {
+  const unsigned v = __ballot_sync(0xffffffffu, valid);
+  unsigned m = valid ? v : 0u;
+#pragma unroll
+  for (int b = 0; b < EBITS; ++b) {
+    const bool bit = (e >> b) & 1;
+    const unsigned bb = __ballot_sync(0xffffffffu, bit);
+    m &= bit ? bb : ~bb;
+  }
+  return m;
+}
+
+#if MOE_STAGE == 2
+
+// count: part[c, e] = number of assignments to expert e in CTA c's chunk.
+extern "C" __global__ void __launch_bounds__(1024) KNAME(
+    const int* __restrict__ inds,
+    int* __restrict__ part,
+    int NK,
+    int chunk) {
+  __shared__ int hist[E];
+  const int tid = threadIdx.x, lane = tid & 31;
+  if (tid < E) hist[tid] = 0;
+  __syncthreads();
+  // CTA c's assignments [c*chunk, min(NK, (c+1)*chunk)), one per thread per
+  // round; every thread runs the same rounds (the ballots need whole warps).
+  const int cbeg = blockIdx.x * chunk, cend = min(NK, cbeg + chunk);
+  for (int a0 = cbeg; a0 < cend; a0 += NT) {
+    const int a = a0 + tid;
+    const bool valid = a < cend;
+    const int e = valid ? inds[a] : 0;
+    const unsigned peers = expert_peers(e, valid);
+    if (valid && lane == __ffs(peers) - 1) atomicAdd(&hist[e], __popc(peers));
+  }
+  __syncthreads();
+  if (tid < E) part[(size_t)blockIdx.x * E + tid] = hist[tid];
+}
+
+#elif MOE_STAGE == 3
 
 // Inclusive scan of one int per thread over the 1024-thread block.
 __device__ __forceinline__ int block_incl_scan(int v, int* wsum) {
@@ -106,20 +156,13 @@ __device__ __forceinline__ int block_incl_scan(int v, int* wsum) {
   return v;
 }
 
-constexpr int U = 8;  // 32-assignment chunks per warp per pass (loads in flight)
-
-// Experts of assignments a0 + u*32 + lane (u < U); -1 past NK.
-__device__ __forceinline__ void load_experts(const int* __restrict__ inds, int NK, int a0, int (&ev)[U]) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const int a = a0 + u * 32 + lane;
-    ev[u] = a < NK ? inds[a] : -1;
-  }
-}
-
+// scatter: every CTA sums the count table's columns (all chunks, and the
+// chunks before its own), scans them over the experts, and places its
+// chunk's assignments from there; CTA 0 also writes counts, offsets and the
+// block map.
 extern "C" __global__ void __launch_bounds__(1024) KNAME(
     const int* __restrict__ inds,
+    const int* __restrict__ part,
     int* __restrict__ counts,
     int* __restrict__ offsets,
     int* __restrict__ order,
@@ -127,85 +170,79 @@ extern "C" __global__ void __launch_bounds__(1024) KNAME(
     int* __restrict__ inverse,
     int* __restrict__ bmap,
     int NK,
+    int chunk,
     int tile,
     int max_tiles) {
-  __shared__ int hist[E];
   __shared__ int cursor[E];
   __shared__ int tend[E];
   __shared__ int wsum[32];
   const int tid = threadIdx.x, lane = tid & 31;
-  for (int e = tid; e < E; e += NT) hist[e] = 0;
-  __syncthreads();
-  // Histogram: U coalesced loads in flight per thread, then one shared atomic
-  // per distinct expert per warp (its peers' count), not one per assignment.
-  for (int a0 = (tid >> 5) * 32 * U; a0 < NK; a0 += NT * U) {
-    int ev[U];
-    load_experts(inds, NK, a0, ev);
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const unsigned peers = __match_any_sync(0xffffffffu, ev[u]);
-      if (ev[u] >= 0 && lane == __ffs(peers) - 1) atomicAdd(&hist[ev[u]], __popc(peers));
-    }
-  }
-  __syncthreads();
-
-  const int c = tid < E ? hist[tid] : 0;
-  const int incl = block_incl_scan(c, wsum);
-  const int ntile = (c + tile - 1) / tile;
-  const int tincl = block_incl_scan(ntile, wsum);
+  const int my = blockIdx.x, nchunks = gridDim.x;
+  int c = 0, before = 0;
   if (tid < E) {
-    counts[tid] = c;
-    offsets[tid + 1] = incl;
-    cursor[tid] = incl - c;
-    tend[tid] = tincl;
+    for (int j = 0; j < nchunks; ++j) {
+      const int v = part[(size_t)j * E + tid];
+      c += v;
+      before += j < my ? v : 0;
+    }
   }
-  if (tid == 0) offsets[0] = 0;
+  const int incl = block_incl_scan(c, wsum);
+  if (tid < E) cursor[tid] = incl - c + before;
+
+  if (my == 0) {
+    const int ntile = (c + tile - 1) / tile;
+    const int tincl = block_incl_scan(ntile, wsum);
+    if (tid < E) {
+      counts[tid] = c;
+      offsets[tid + 1] = incl;
+      tend[tid] = tincl;
+    }
+    if (tid == 0) offsets[0] = 0;
+    __syncthreads();
+    const int total = tend[E - 1];
+    for (int i = tid; i < max_tiles; i += NT) {
+      int e = -1, t = -1;
+      if (i < total) {
+        // first expert whose tiles end after item i
+        int lo = 0, hi = E - 1;
+        while (lo < hi) {
+          const int mid = (lo + hi) >> 1;
+          if (tend[mid] > i) hi = mid; else lo = mid + 1;
+        }
+        e = lo;
+        t = i - (e > 0 ? tend[e - 1] : 0);
+      }
+      bmap[2 * i] = e;
+      bmap[2 * i + 1] = t;
+    }
+  }
   __syncthreads();
 
-  const int total = tend[E - 1];
-  for (int i = tid; i < max_tiles; i += NT) {
-    int e = -1, t = -1;
-    if (i < total) {
-      // first expert whose tiles end after item i
-      int lo = 0, hi = E - 1;
-      while (lo < hi) {
-        const int mid = (lo + hi) >> 1;
-        if (tend[mid] > i) hi = mid; else lo = mid + 1;
-      }
-      e = lo;
-      const int start = e > 0 ? tend[e - 1] : 0;
-      t = i - start;
-    }
-    bmap[2 * i] = e;
-    bmap[2 * i + 1] = t;
-  }
-
-  // Scatter, aggregated the same way: the warp's leader for an expert takes
-  // __popc(peers) slots with one atomic; each peer's slot is the leader's old
-  // cursor plus its rank among the peers (lanes below it).
+  // The warp's leader for an expert takes __popc(peers) slots with one
+  // atomic; each peer's slot is the leader's old cursor plus its rank among
+  // the peers (lanes below it).
   const unsigned below = (1u << lane) - 1u;
-  for (int a0 = (tid >> 5) * 32 * U; a0 < NK; a0 += NT * U) {
-    int ev[U];
-    load_experts(inds, NK, a0, ev);
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int e = ev[u];
-      const unsigned peers = __match_any_sync(0xffffffffu, e);
-      const int leader = __ffs(peers) - 1;
-      int base = 0;
-      if (e >= 0 && lane == leader) base = atomicAdd(&cursor[e], __popc(peers));
-      base = __shfl_sync(0xffffffffu, base, leader);
-      if (e >= 0) {
-        const int a = a0 + u * 32 + lane;
-        const int pos = base + __popc(peers & below);
-        order[pos] = a;
-        sorted_experts[pos] = e;
-        inverse[a] = pos;
-      }
+  const int cbeg = my * chunk, cend = min(NK, cbeg + chunk);
+  for (int a0 = cbeg; a0 < cend; a0 += NT) {
+    const int a = a0 + tid;
+    const bool valid = a < cend;
+    const int e = valid ? inds[a] : 0;
+    const unsigned peers = expert_peers(e, valid);
+    const int leader = valid ? __ffs(peers) - 1 : 0;
+    int base = 0;
+    if (valid && lane == leader) base = atomicAdd(&cursor[e], __popc(peers));
+    base = __shfl_sync(0xffffffffu, base, leader);
+    if (valid) {
+      const int pos = base + __popc(peers & below);
+      order[pos] = a;
+      sorted_experts[pos] = e;
+      inverse[a] = pos;
     }
   }
 }
 
 #else
-#error "MOE_STAGE must be 1 (route) or 2 (group)"
+#error "MOE_STAGE must be 1 (route), 2 (count) or 3 (scatter)"
 #endif
+#endif
+

@@ -8,12 +8,17 @@ that depend only on ``N`` (CUDA-graph friendly):
 
 1. ``route``: one warp per token: fp32 softmax, k rounds of warp arg-max
    (ties to the lower expert id), renormalisation.
-2. ``group``: one 1024-thread block: shared-memory histogram, scans, block
-   map, scatter.
+2. ``group``: two kernels over up to :data:`GROUP_MAX_CTAS` CTAs of 1024
+   threads, each CTA taking a chunk of the assignments: ``count`` (the
+   chunk's per-expert histogram) and ``scatter`` (column sums and scans of
+   the chunk histograms, block map, then each chunk's assignments to their
+   grouped slots); warp-aggregated shared atomics (one per distinct expert
+   per warp).
 
 Difference from the reference contract: ``order`` groups the assignments by
-expert but is **not stable** within an expert (shared-memory atomics decide
-the order among one expert's assignments). ``counts``, ``offsets``,
+expert but is **not stable** within an expert (chunk by chunk, and within a
+chunk shared-memory atomics decide the order among one expert's
+assignments). ``counts``, ``offsets``,
 ``block_map`` and ``sorted_experts`` are exact; ``order`` is a permutation
 whose restriction to each expert's rows is the same *set* as the reference's,
 and ``inverse`` is its exact inverse. Consumers that need only the grouping
@@ -21,10 +26,9 @@ and ``inverse`` is its exact inverse. Consumers that need only the grouping
 The k slots of a token are in decreasing probability (the reference's
 ``argpartition`` leaves them unordered).
 
-Source: ``mlx_qwen_fast/cuda/moe_routing.cu``. The single-block grouping
-kernel loops over all ``N*k`` assignments (about 32 per thread at N = 4096,
-k = 8); at 128K tokens it is ~1000 per thread and should move to a multi-block
-scheme if it shows in the profile.
+Source: ``mlx_qwen_fast/cuda/moe_routing.cu``. Until 2026-12-02 the grouping
+was one 1024-thread block (68.6 us at N = 4096 with a skewed router, ~5% of
+the MoE block: bench/results/moe-cuda-log.md, eighth session).
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ __all__ = ["Routing", "route", "group", "route_and_group", "supports", "plan"]
 _LOGIT = (mx.float32, mx.bfloat16, mx.float16)
 _INTS = (mx.int32, mx.uint32)
 _kernels: Dict[tuple, cb.CudaKernel] = {}
+
+#: Most CTAs of the grouping kernels; each takes a chunk of a multiple of
+#: 1024 assignments (1024 up to 128K assignments, i.e. 16K tokens at k = 8).
+GROUP_MAX_CTAS = 128
 
 
 class Routing(NamedTuple):
@@ -63,8 +71,10 @@ def plan(num_tokens: int, top_k: int, num_experts: int, tile_rows: int) -> dict:
     """Launch plan (pure Python, no GPU): grids in threads, as MLX counts them.
 
     Returns a dict with ``num_assignments`` (N*k), ``max_tiles``
-    (``ceil(N*k / tile_rows) + E``), ``route_grid`` / ``route_block`` and
-    ``group_grid`` / ``group_block`` (3-tuples).
+    (``ceil(N*k / tile_rows) + E``), ``route_grid`` / ``route_block``,
+    ``group_chunk`` (assignments per CTA of the grouping kernels, a multiple
+    of 1024) and ``group_grid`` / ``group_block`` (3-tuples; the same for
+    both grouping kernels).
 
     Raises:
         ValueError: a negative count or ``tile_rows < 1`` / ``top_k < 1``.
@@ -75,12 +85,15 @@ def plan(num_tokens: int, top_k: int, num_experts: int, tile_rows: int) -> dict:
             f"got {num_tokens}, {top_k}, {num_experts}, {tile_rows}"
         )
     nk = num_tokens * top_k
+    chunk = 1024 * max(1, -(-nk // (1024 * GROUP_MAX_CTAS)))
+    ctas = max(1, -(-nk // chunk))
     return dict(
         num_assignments=nk,
         max_tiles=max_tiles(nk, num_experts, tile_rows),
         route_grid=(max(1, -(-num_tokens // 8)) * 256, 1, 1),
         route_block=(256, 1, 1),
-        group_grid=(1024, 1, 1),
+        group_chunk=chunk,
+        group_grid=(ctas * 1024, 1, 1),
         group_block=(1024, 1, 1),
     )
 
@@ -109,10 +122,8 @@ def _kernel(stage: int, **defs) -> cb.CudaKernel:
     key = (stage,) + tuple(sorted(defs.items()))
     k = _kernels.get(key)
     if k is None:
-        k = cb.CudaKernel(
-            "moe_routing.cu", "mqf_moe_route" if stage == 1 else "mqf_moe_group",
-            dict(MOE_STAGE=stage, **defs),
-        )
+        name = {1: "mqf_moe_route", 2: "mqf_moe_count", 3: "mqf_moe_scatter"}[stage]
+        k = cb.CudaKernel("moe_routing.cu", name, dict(MOE_STAGE=stage, **defs))
         _kernels[key] = k
     return k
 
@@ -197,14 +208,23 @@ def group(inds: mx.array, num_experts: int, tile_rows: int) -> Tuple[ExpertGroup
             mx.zeros((num_experts,), mx.int32), mx.zeros((num_experts + 1,), mx.int32), z, z, z, k
         )
         return groups, mx.full((mt, 2), -1, mx.int32)
-    kern = _kernel(2, MOE_E=num_experts)
-    counts, offsets, order, sorted_experts, inverse, bmap = kern(
-        inputs=[inds.reshape(-1).astype(mx.int32)],
+    flat = inds.reshape(-1).astype(mx.int32)
+    chunk, grid, block = p["group_chunk"], p["group_grid"], p["group_block"]
+    (part,) = _kernel(2, MOE_E=num_experts)(
+        inputs=[flat],
+        output_shapes=[(grid[0] // 1024, num_experts)],
+        output_dtypes=[mx.int32],
+        grid=grid,
+        threadgroup=block,
+        scalars=[nk, chunk],
+    )
+    counts, offsets, order, sorted_experts, inverse, bmap = _kernel(3, MOE_E=num_experts)(
+        inputs=[flat, part],
         output_shapes=[(num_experts,), (num_experts + 1,), (nk,), (nk,), (nk,), (mt, 2)],
         output_dtypes=[mx.int32] * 6,
-        grid=p["group_grid"],
-        threadgroup=p["group_block"],
-        scalars=[nk, tile_rows, mt],
+        grid=grid,
+        threadgroup=block,
+        scalars=[nk, chunk, tile_rows, mt],
     )
     return ExpertGroups(counts, offsets, order, sorted_experts, inverse, k), bmap
 
@@ -212,7 +232,7 @@ def group(inds: mx.array, num_experts: int, tile_rows: int) -> Tuple[ExpertGroup
 def route_and_group(
     logits: mx.array, top_k: int, tile_rows: int, *, normalize: bool = True
 ) -> Routing:
-    """:func:`route` then :func:`group` (two launches). Args/errors as those."""
+    """:func:`route` then :func:`group` (three launches). Args/errors as those."""
     inds, scores = route(logits, top_k, normalize=normalize)
     groups, bmap = group(inds, logits.shape[-1], tile_rows)
     return Routing(inds, scores, groups, bmap, tile_rows)
