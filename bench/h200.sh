@@ -281,6 +281,9 @@ s8c)  # the whole-block CUDA test (verbose, stop at the first failure), then ab4
   echo "rc=$?" >> $OUT/tests-block.txt; grep -v "^PASSED\|^\.\+" $OUT/tests-block.txt | tail -40
   timeout 330 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
     --out $OUT/ab-4k.json > $OUT/ab-4k.log 2>&1; tail -14 $OUT/ab-4k.log ;;
+s8d)  # the whole-block CUDA tests alone, with durations (~3 min cold)
+  timeout 190 python3 -m pytest -q -x -rA --durations=0 tests/test_cuda_moe.py -k "block_cuda" > $OUT/tests-block.txt 2>&1
+  echo "rc=$?" >> $OUT/tests-block.txt; tail -30 $OUT/tests-block.txt ;;
 ab4k)  # the end-to-end A/B at 4K: stock vs patched, prefill and decode, alternating (187 s on 2026-12-01)
   timeout 330 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
     --out $OUT/ab-4k.json > $OUT/ab-4k.log 2>&1; tail -14 $OUT/ab-4k.log ;;

@@ -780,4 +780,11 @@ def test_block_cuda_kernel_vs_reference(poison, n):
     ref = moe.sparse_moe(block, x, implementation="reference")
     assert got.shape == ref.shape and got.dtype == ref.dtype
     assert finite(got)
-    assert rel(got, ref) < GATHER_QMM_TOL
+    # Tokens whose k-th and (k+1)-th router probabilities tie exactly (bf16
+    # logits of 64 experts tie often enough) may pick either expert, in the
+    # kernel (lower id) as in the reference (argpartition): compare the rest.
+    probs = np.asarray(mx.softmax(block.gate(x.reshape(n, 256)).astype(mx.float32), axis=-1, precise=True))
+    top = -np.sort(-probs, axis=1)
+    keep = top[:, block.top_k - 1] > top[:, block.top_k]
+    assert keep.sum() >= n // 2
+    assert rel(npa(got.reshape(n, 256))[keep], npa(ref.reshape(n, 256))[keep]) < GATHER_QMM_TOL
