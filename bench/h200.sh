@@ -21,6 +21,7 @@
 #   bash bench/h200.sh ab4k      # end-to-end A/B at 4K, stock vs patched (~3.5 min)
 #   bash bench/h200.sh moedecode # one-launch decode MoE: tests, bench/moe_decode_cuda.py, FUSED_AB="0 1" decode off/on (~5-9 min)
 #   bash bench/h200.sh gemmncu   # ncu GPU time of each MoE-block kernel at T=4096 (pflv, wg), then ab4k (~6 min)
+#   bash bench/h200.sh s8a|s8b|s8c|s8d  # eighth session: grouping kernels, ncu of one MoE-block call, graph limits, block tests
 #   bash bench/h200.sh wgmma     # wgmma MoE GEMM: its CUDA tests, chained timings vs pflv, patched 4K prefill pflv/wg (~7 min)
 #   bash bench/h200.sh scan      # GDN scan variants (check, chained latency), prefill A/B with the fastest (~8 min)
 # Run from the repo root on the device with .mlxcuda carried; results go to $OUT.
@@ -287,5 +288,5 @@ s8d)  # the whole-block CUDA tests alone, with durations (~3 min cold)
 ab4k)  # the end-to-end A/B at 4K: stock vs patched, prefill and decode, alternating (187 s on 2026-12-01)
   timeout 330 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
     --out $OUT/ab-4k.json > $OUT/ab-4k.log 2>&1; tail -14 $OUT/ab-4k.log ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu}"; exit 2 ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d}"; exit 2 ;;
 esac
