@@ -59,7 +59,8 @@ def raise_cuda_graph_byte_limit() -> bool:
     bits), so a decode token commits a graph about every two layers; with
     the byte limit lifted only the node limit commits (a few times per
     token). Measured on the H200 (bench/results/moe-cuda-log.md, eighth
-    session): patched decode at 4K context 74 -> 105-144 tok/s.
+    session): patched decode at 4K context, median of 4 processes each,
+    81 -> 134 tok/s (processes vary by +-30% on that machine).
 
     Sets ``MLX_MAX_MB_PER_BUFFER`` to :data:`CUDA_GRAPH_MB` when MLX's
     default device is a CUDA GPU, the variable is not set and the fast path
