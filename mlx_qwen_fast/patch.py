@@ -256,14 +256,11 @@ def patched_copy(model: nn.Module, *, warn: bool = True):
 _ENV_SWITCH = "MLX_QWEN_FAST"
 
 
-_OFF_VALUES = ("0", "false", "no", "off")
-
-
 def enabled() -> bool:
     """False when the environment sets ``MLX_QWEN_FAST`` to 0, false, no or off
     (any case): then :func:`patch` (and so :func:`install`, the CLIs, the demo
     and ``patched_copy``) leaves every model stock."""
-    return os.environ.get(_ENV_SWITCH, "1").strip().lower() not in _OFF_VALUES
+    return backend.fast_path_enabled()
 
 
 def install(*, verbose: bool = False) -> bool:

@@ -398,11 +398,40 @@ def test_plan_and_tiles():
     assert mr.plan(0, 8, 256, 32)["group_grid"] == (1024, 1, 1)
     big = mr.plan(16385, 8, 256, 64)  # 131080 assignments > 128 * 1024
     assert big["group_chunk"] == 2048 and big["group_grid"][0] == 65 * 1024
+    # the largest call: 32-bit grids, chunk ends and block-map indices stay in range
+    top = mr.plan(mr.MAX_TOKENS, mr.MAX_ASSIGNMENTS // mr.MAX_TOKENS, 1024, 1)
+    assert top["group_grid"][0] // 1024 <= mr.GROUP_MAX_CTAS
+    assert top["group_grid"][0] // 1024 * top["group_chunk"] < 2**31 and 2 * top["max_tiles"] < 2**31
+    assert mr.plan(mr.MAX_TOKENS, 1, 256, 64)["route_grid"][0] < 2**31
+    for bad in [(mr.MAX_TOKENS + 1, 1, 256, 64), (mr.MAX_TOKENS, mr.MAX_ASSIGNMENTS // mr.MAX_TOKENS + 1, 256, 64),
+                (4, 8, 256, mr.MAX_TILE_ROWS + 1), (4.5, 8, 256, 32), (4, 8.0, 256, 32)]:
+        with pytest.raises(ValueError, match="plan"):
+            mr.plan(*bad)
     with pytest.raises(ValueError, match="tile_rows"):
         mr.plan(4, 8, 256, 0)
     assert gg.choose_tile_rows(512 * 8, 256) == 32
     assert gg.choose_tile_rows(4096 * 8, 256) == 64
     assert gg.choose_tile_rows(1, 256) in gg.TILE_CHOICES
+
+
+def test_routing_argument_errors():
+    # checked before any GPU work: ValueError naming the argument, on any backend
+    inds = mx.zeros((2, 8), mx.int32)
+    for call, name in [
+        (lambda: mr.route(mx.array(1.0), 1), "logits"),
+        (lambda: mr.route([[0.0] * 64], 1), "logits"),
+        (lambda: mr.route(mx.zeros((2, 64)), 2.0), "top_k"),
+        (lambda: mr.route(mx.zeros((2, 48)), 2), "logits"),
+        (lambda: mr.group(inds, 256, 2**31 - 1), "tile_rows"),
+        (lambda: mr.group(inds, 256, 1.5), "tile_rows"),
+        (lambda: mr.group(inds, 256.0, 32), "num_experts"),
+        (lambda: mr.group(mx.zeros((2, 0), mx.int32), 256, 32), "k"),
+        (lambda: mr.group(mx.zeros((2, 8), mx.float32), 256, 32), "inds"),
+        (lambda: mr.group([[1] * 8], 256, 32), "inds"),
+    ]:
+        with pytest.raises(ValueError, match=name):
+            call()
+    assert not mr.supports(mx.array(1.0), 1)
 
 
 def test_supports_arrays_shapes():

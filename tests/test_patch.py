@@ -1,6 +1,7 @@
 """Patched vs stock mlx-lm model on the tiny random checkpoint."""
 
 
+import importlib
 import os
 import mlx.core as mx
 import mlx_lm
@@ -351,22 +352,48 @@ def test_op_implementations_per_backend():
 def test_cuda_graph_byte_limit(monkeypatch):
     from mlx_qwen_fast import backend as bk
 
-    monkeypatch.setattr(bk, "_graph_mb_origin", "mlx default")
+    monkeypatch.setattr(bk, "_we_set", None)
     monkeypatch.delenv("MLX_MAX_MB_PER_BUFFER", raising=False)
     monkeypatch.delenv("MLX_QWEN_FAST", raising=False)
     monkeypatch.setattr(bk, "current", lambda: bk.CPU)
     assert not bk.raise_cuda_graph_byte_limit()  # not CUDA: untouched
     assert "MLX_MAX_MB_PER_BUFFER" not in os.environ and bk.cuda_graph_settings() == ""
     monkeypatch.setattr(bk, "current", lambda: bk.CUDA)
-    monkeypatch.setenv("MLX_QWEN_FAST", "off")
-    assert not bk.raise_cuda_graph_byte_limit()  # switched off: untouched
-    assert "MLX_MAX_MB_PER_BUFFER" not in os.environ
+    assert bk.cuda_graph_settings() == "MLX_MAX_MB_PER_BUFFER unset (MLX default)"
+    for off in ("off", " No ", "FALSE", "0"):
+        monkeypatch.setenv("MLX_QWEN_FAST", off)
+        assert not bk.raise_cuda_graph_byte_limit()  # switched off: untouched
+        assert "MLX_MAX_MB_PER_BUFFER" not in os.environ
+        assert bk.fast_path_enabled() is False and importlib.import_module("mlx_qwen_fast.patch").enabled() is False
     monkeypatch.delenv("MLX_QWEN_FAST")
     assert bk.raise_cuda_graph_byte_limit()
+    assert not bk.raise_cuda_graph_byte_limit()  # idempotent
     assert os.environ["MLX_MAX_MB_PER_BUFFER"] == str(bk.CUDA_GRAPH_MB)
     assert bk.cuda_graph_settings() == f"MLX_MAX_MB_PER_BUFFER={bk.CUDA_GRAPH_MB} (mlx_qwen_fast)"
-    monkeypatch.setattr(bk, "_graph_mb_origin", "mlx default")
+    monkeypatch.setenv("MLX_MAX_MB_PER_BUFFER", "1000")  # changed later by the user: theirs
+    assert bk.cuda_graph_settings() == "MLX_MAX_MB_PER_BUFFER=1000 (environment)"
+    assert not bk.restore_cuda_graph_byte_limit()  # not ours any more: kept
+    assert os.environ["MLX_MAX_MB_PER_BUFFER"] == "1000"
+    monkeypatch.delenv("MLX_MAX_MB_PER_BUFFER")
+    assert bk.raise_cuda_graph_byte_limit()
+    assert bk.restore_cuda_graph_byte_limit()  # ours: removed (--stock)
+    assert "MLX_MAX_MB_PER_BUFFER" not in os.environ
+    assert not bk.restore_cuda_graph_byte_limit()
     monkeypatch.setenv("MLX_MAX_MB_PER_BUFFER", "2000")  # the user's value wins
     assert not bk.raise_cuda_graph_byte_limit()
     assert os.environ["MLX_MAX_MB_PER_BUFFER"] == "2000"
     assert bk.cuda_graph_settings() == "MLX_MAX_MB_PER_BUFFER=2000 (environment)"
+
+
+def test_stock_cli_undoes_the_graph_limit(monkeypatch):
+    from mlx_qwen_fast import _cli
+    from mlx_qwen_fast import backend as bk
+
+    monkeypatch.delenv("MLX_MAX_MB_PER_BUFFER", raising=False)
+    monkeypatch.delenv("MLX_QWEN_FAST", raising=False)
+    monkeypatch.setattr(bk, "_we_set", None)
+    monkeypatch.setattr(bk, "current", lambda: bk.CUDA)
+    assert bk.raise_cuda_graph_byte_limit()
+    seen = {}
+    _cli.run_mlx_lm_main(lambda: seen.update(v=os.environ.get("MLX_MAX_MB_PER_BUFFER")), ["--stock"])
+    assert seen == {"v": None}

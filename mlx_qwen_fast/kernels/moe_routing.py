@@ -50,6 +50,12 @@ _kernels: Dict[tuple, cb.CudaKernel] = {}
 #: 1024 assignments (1024 up to 128K assignments, i.e. 16K tokens at k = 8).
 GROUP_MAX_CTAS = 128
 
+#: Largest N, N*k and ``tile_rows`` (grids in threads, assignment indices,
+#: chunk ends and block-map entries are 32-bit ints in MLX and the kernels).
+MAX_TOKENS = 2**24
+MAX_ASSIGNMENTS = 2**28
+MAX_TILE_ROWS = 2**16
+
 
 class Routing(NamedTuple):
     """Everything the grouped GEMM needs, all on the device.
@@ -77,14 +83,26 @@ def plan(num_tokens: int, top_k: int, num_experts: int, tile_rows: int) -> dict:
     both grouping kernels).
 
     Raises:
-        ValueError: a negative count or ``tile_rows < 1`` / ``top_k < 1``.
+        ValueError: a count that is not an int, a negative count,
+            ``tile_rows`` outside ``[1, MAX_TILE_ROWS]``, ``top_k < 1``,
+            ``num_tokens > MAX_TOKENS`` or ``num_tokens * top_k >
+            MAX_ASSIGNMENTS``.
     """
-    if num_tokens < 0 or top_k < 1 or num_experts < 1 or tile_rows < 1:
+    args = dict(num_tokens=num_tokens, top_k=top_k, num_experts=num_experts, tile_rows=tile_rows)
+    bad = [f"{k}={v!r}" for k, v in args.items() if not isinstance(v, int) or isinstance(v, bool)]
+    if bad:
+        raise ValueError(f"plan: counts must be ints, got {', '.join(bad)}")
+    if num_tokens < 0 or top_k < 1 or num_experts < 1 or not 1 <= tile_rows <= MAX_TILE_ROWS:
         raise ValueError(
-            "plan: need num_tokens >= 0, top_k >= 1, num_experts >= 1, tile_rows >= 1, "
+            f"plan: need num_tokens >= 0, top_k >= 1, num_experts >= 1, 1 <= tile_rows <= {MAX_TILE_ROWS}, "
             f"got {num_tokens}, {top_k}, {num_experts}, {tile_rows}"
         )
     nk = num_tokens * top_k
+    if num_tokens > MAX_TOKENS or nk > MAX_ASSIGNMENTS:
+        raise ValueError(
+            f"plan: {num_tokens} tokens x top_k {top_k} is more than the kernels index "
+            f"({MAX_TOKENS} tokens, {MAX_ASSIGNMENTS} assignments); route fewer tokens per call"
+        )
     chunk = 1024 * max(1, -(-nk // (1024 * GROUP_MAX_CTAS)))
     ctas = max(1, -(-nk // chunk))
     return dict(
@@ -108,14 +126,12 @@ def supports(logits: mx.array, top_k: int) -> bool:
 
 
 def _shape_ok(logits, top_k) -> bool:
-    try:
-        e = logits.shape[-1]
-        return (
-            logits.ndim >= 1 and logits.dtype in _LOGIT and e % 32 == 0
-            and 32 <= e <= 1024 and 1 <= top_k <= min(32, e)
-        )
-    except AttributeError:
+    if not isinstance(logits, mx.array) or logits.ndim < 1 or logits.dtype not in _LOGIT:
         return False
+    if not isinstance(top_k, int) or isinstance(top_k, bool):
+        return False
+    e = logits.shape[-1]
+    return e % 32 == 0 and 32 <= e <= 1024 and 1 <= top_k <= min(32, e)
 
 
 def _kernel(stage: int, **defs) -> cb.CudaKernel:
@@ -144,13 +160,16 @@ def route(logits: mx.array, top_k: int, *, normalize: bool = True) -> Tuple[mx.a
         probability (ties: lower expert id first).
 
     Raises:
-        ValueError: bad ``logits`` shape/dtype or ``top_k`` (names them).
+        ValueError: bad ``logits`` shape/dtype or ``top_k`` (names them), or
+            more than ``MAX_TOKENS`` tokens.
     """
     if not _shape_ok(logits, top_k):
+        got = (f"{logits.dtype} {tuple(logits.shape)}" if isinstance(logits, mx.array)
+               else type(logits).__name__)
         raise ValueError(
-            "route: logits must be [..., E] float32/bfloat16/float16 with E a multiple of 32 "
-            f"(<= 1024) and top_k in [1, min(32, E)], got logits {logits.dtype} "
-            f"{tuple(logits.shape)}, top_k={top_k}"
+            "route: logits must be an mx.array [..., E] float32/bfloat16/float16 with E a "
+            f"multiple of 32 (<= 1024) and top_k an int in [1, min(32, E)], got logits {got}, "
+            f"top_k={top_k!r}"
         )
     e = logits.shape[-1]
     n = logits.size // e
@@ -187,19 +206,20 @@ def group(inds: mx.array, num_experts: int, tile_rows: int) -> Tuple[ExpertGroup
 
     Raises:
         ValueError: ``inds`` not a 2-D int32/uint32 array, ``num_experts`` not
-            a multiple of 32 in [32, 1024], ``tile_rows < 1``, ``k > E``.
+            an int multiple of 32 in [32, 1024], ``tile_rows`` not an int in
+            ``[1, MAX_TILE_ROWS]``, ``k`` not in ``[1, E]``, ``N >
+            MAX_TOKENS`` or ``N*k > MAX_ASSIGNMENTS``.
     """
-    if inds.ndim != 2 or inds.dtype not in _INTS:
-        raise ValueError(
-            f"group: inds must be int32/uint32 of shape [N, k], got {inds.dtype} {tuple(inds.shape)}"
-        )
-    if num_experts % 32 != 0 or not 32 <= num_experts <= 1024:
-        raise ValueError(f"group: num_experts must be a multiple of 32 in [32, 1024], got {num_experts}")
-    if tile_rows < 1:
-        raise ValueError(f"group: tile_rows must be >= 1, got {tile_rows}")
+    if not isinstance(inds, mx.array) or inds.ndim != 2 or inds.dtype not in _INTS:
+        got = f"{inds.dtype} {tuple(inds.shape)}" if isinstance(inds, mx.array) else type(inds).__name__
+        raise ValueError(f"group: inds must be an int32/uint32 mx.array of shape [N, k], got {got}")
+    if not isinstance(num_experts, int) or num_experts % 32 != 0 or not 32 <= num_experts <= 1024:
+        raise ValueError(f"group: num_experts must be an int multiple of 32 in [32, 1024], got {num_experts!r}")
+    if not isinstance(tile_rows, int) or not 1 <= tile_rows <= MAX_TILE_ROWS:
+        raise ValueError(f"group: tile_rows must be an int in [1, {MAX_TILE_ROWS}], got {tile_rows!r}")
     n, k = inds.shape
-    if k > num_experts:
-        raise ValueError(f"group: inds [N, k] has k={k} > num_experts={num_experts}")
+    if not 1 <= k <= num_experts:
+        raise ValueError(f"group: inds [N, k] needs 1 <= k <= num_experts={num_experts}, got k={k}")
     p = plan(n, k, num_experts, tile_rows)
     nk, mt = p["num_assignments"], p["max_tiles"]
     if nk == 0:

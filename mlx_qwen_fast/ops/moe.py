@@ -238,16 +238,17 @@ def block_map(groups: ExpertGroups, tile_rows: int) -> mx.array:
 
     Args:
         groups: from :func:`group_by_expert`.
-        tile_rows: rows per tile, ``>= 1``.
+        tile_rows: rows per tile, ``1 <= tile_rows <= 2**16``.
 
     Returns:
         ``[max_tiles, 2]`` int32.
 
     Raises:
-        ValueError: ``tile_rows < 1``.
+        ValueError: ``tile_rows`` not in ``[1, 2**16]`` (larger ones would
+            overflow the int32 tile arithmetic).
     """
-    if tile_rows < 1:
-        raise ValueError(f"block_map: tile_rows must be >= 1, got {tile_rows}")
+    if not 1 <= tile_rows <= 2**16:
+        raise ValueError(f"block_map: tile_rows must be in [1, 65536], got {tile_rows}")
     num_experts = groups.num_experts
     size = max_tiles(groups.num_assignments, num_experts, tile_rows)
     tiles = (groups.counts + (tile_rows - 1)) // tile_rows
