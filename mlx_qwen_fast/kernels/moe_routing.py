@@ -33,6 +33,7 @@ the MoE block: bench/results/moe-cuda-log.md, eighth session).
 
 from __future__ import annotations
 
+import numbers
 from typing import Dict, NamedTuple, Tuple
 
 import mlx.core as mx
@@ -89,9 +90,10 @@ def plan(num_tokens: int, top_k: int, num_experts: int, tile_rows: int) -> dict:
             MAX_ASSIGNMENTS``.
     """
     args = dict(num_tokens=num_tokens, top_k=top_k, num_experts=num_experts, tile_rows=tile_rows)
-    bad = [f"{k}={v!r}" for k, v in args.items() if not isinstance(v, int) or isinstance(v, bool)]
+    bad = [f"{k}={v!r}" for k, v in args.items() if not _is_int(v)]
     if bad:
         raise ValueError(f"plan: counts must be ints, got {', '.join(bad)}")
+    num_tokens, top_k, num_experts, tile_rows = (int(v) for v in args.values())
     if num_tokens < 0 or top_k < 1 or num_experts < 1 or not 1 <= tile_rows <= MAX_TILE_ROWS:
         raise ValueError(
             f"plan: need num_tokens >= 0, top_k >= 1, num_experts >= 1, 1 <= tile_rows <= {MAX_TILE_ROWS}, "
@@ -125,10 +127,15 @@ def supports(logits: mx.array, top_k: int) -> bool:
     return _shape_ok(logits, top_k)
 
 
+def _is_int(v) -> bool:
+    """A Python or numpy integer (not a bool)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 def _shape_ok(logits, top_k) -> bool:
     if not isinstance(logits, mx.array) or logits.ndim < 1 or logits.dtype not in _LOGIT:
         return False
-    if not isinstance(top_k, int) or isinstance(top_k, bool):
+    if not _is_int(top_k):
         return False
     e = logits.shape[-1]
     return e % 32 == 0 and 32 <= e <= 1024 and 1 <= top_k <= min(32, e)
@@ -171,6 +178,7 @@ def route(logits: mx.array, top_k: int, *, normalize: bool = True) -> Tuple[mx.a
             f"multiple of 32 (<= 1024) and top_k an int in [1, min(32, E)], got logits {got}, "
             f"top_k={top_k!r}"
         )
+    top_k = int(top_k)
     e = logits.shape[-1]
     n = logits.size // e
     lead = tuple(logits.shape[:-1])
@@ -213,10 +221,11 @@ def group(inds: mx.array, num_experts: int, tile_rows: int) -> Tuple[ExpertGroup
     if not isinstance(inds, mx.array) or inds.ndim != 2 or inds.dtype not in _INTS:
         got = f"{inds.dtype} {tuple(inds.shape)}" if isinstance(inds, mx.array) else type(inds).__name__
         raise ValueError(f"group: inds must be an int32/uint32 mx.array of shape [N, k], got {got}")
-    if not isinstance(num_experts, int) or num_experts % 32 != 0 or not 32 <= num_experts <= 1024:
+    if not _is_int(num_experts) or num_experts % 32 != 0 or not 32 <= num_experts <= 1024:
         raise ValueError(f"group: num_experts must be an int multiple of 32 in [32, 1024], got {num_experts!r}")
-    if not isinstance(tile_rows, int) or not 1 <= tile_rows <= MAX_TILE_ROWS:
+    if not _is_int(tile_rows) or not 1 <= tile_rows <= MAX_TILE_ROWS:
         raise ValueError(f"group: tile_rows must be an int in [1, {MAX_TILE_ROWS}], got {tile_rows!r}")
+    num_experts, tile_rows = int(num_experts), int(tile_rows)
     n, k = inds.shape
     if not 1 <= k <= num_experts:
         raise ValueError(f"group: inds [N, k] needs 1 <= k <= num_experts={num_experts}, got k={k}")
