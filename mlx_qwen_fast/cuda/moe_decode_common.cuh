@@ -5,6 +5,24 @@
 #pragma once
 #include "gdn_common.cuh"
 
+// Defaults of the build macros both kernels take (tokens, top-k, model and
+// expert widths, shared-gate bits); the wrappers always pass them.
+#ifndef MDG_N
+#define MDG_N 1
+#endif
+#ifndef MDG_K
+#define MDG_K 8
+#endif
+#ifndef MDG_D
+#define MDG_D 2048
+#endif
+#ifndef MDG_I
+#define MDG_I 512
+#endif
+#ifndef MDG_SGB
+#define MDG_SGB 8
+#endif
+
 __device__ __forceinline__ uint4 ldg_stream16(const void* p) {
   uint4 r;
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"

@@ -61,26 +61,11 @@
 #include "moe_decode_common.cuh"
 #include "moe_route_common.cuh"
 
-#ifndef MDG_N
-#define MDG_N 1
-#endif
-#ifndef MDG_K
-#define MDG_K 8
-#endif
 #ifndef MDG_E
 #define MDG_E 256
 #endif
-#ifndef MDG_D
-#define MDG_D 2048
-#endif
-#ifndef MDG_I
-#define MDG_I 512
-#endif
 #ifndef MDG_RBITS
 #define MDG_RBITS 8
-#endif
-#ifndef MDG_SGB
-#define MDG_SGB 8
 #endif
 #ifndef MDG_NORM
 #define MDG_NORM 1

@@ -53,21 +53,6 @@
 // MDG_D, MDG_I (D % 256 == 0, I % 128 == 0), MDG_SGB (4, 8, 16), MDG_YT.
 #include "moe_decode_common.cuh"
 
-#ifndef MDG_N
-#define MDG_N 1
-#endif
-#ifndef MDG_K
-#define MDG_K 8
-#endif
-#ifndef MDG_D
-#define MDG_D 2048
-#endif
-#ifndef MDG_I
-#define MDG_I 512
-#endif
-#ifndef MDG_SGB
-#define MDG_SGB 8
-#endif
 #ifndef MDG_YT
 #define MDG_YT bf16_t
 #endif
