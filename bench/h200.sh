@@ -36,6 +36,17 @@ export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 P="--preset qwen3.6-35b-a3b --router-skew ${SKEW:-1.0}"
 AB="python3 -m bench.ab $P --no-plots --warmup-max-seconds 300"
+# ncu_table CSV [WIDTH]: "ID kernel-name GPU-time" per row of an `ncu --csv` metrics file.
+ncu_table() {
+  python3 -c "import csv,sys; [print(r['ID'], r['Kernel Name'][:int(sys.argv[2])], r['Metric Value']) for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('\"'))]" "$1" "${2:-70}"
+}
+# ncu_block: GPU time of every kernel of one patched MoE-block call (T=4096, then T=1) -> $OUT/ncu-block.csv
+ncu_block() {
+  local NCU; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+  timeout 150 $NCU --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+    python3 bench/profile_kernels.py block > $OUT/ncu-block.csv 2>$OUT/ncu-block.err
+  ncu_table $OUT/ncu-block.csv
+}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 L=256,512,1k,2k,4k,8k,16k,32k,64k,128k
 case "$1" in
@@ -237,7 +248,7 @@ gemmncu)  # GPU time (ncu, boost clocks) of every kernel of the MoE block at T=4
   M=$OUT; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
   timeout 200 $NCU --clock-control none --metrics gpu__time_duration.sum --csv \
     python3 bench/moe_wgmma.py --sections ncu --out /tmp/wgn > $M/ncu-moe.csv 2>/dev/null
-  python3 -c "import csv,sys; rows=[r for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('\"'))]; [print(r['ID'], r['Kernel Name'][:60], r['Metric Value']) for r in rows[-24:]]" $M/ncu-moe.csv
+  ncu_table $M/ncu-moe.csv 60 | tail -24
   timeout 330 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
     --out $OUT/ab-4k.json > $OUT/ab-4k.log 2>&1; tail -14 $OUT/ab-4k.log ;;
 s8a)  # routing tests, every kernel of one MoE-block call under ncu (T=4096, T=1), patched decode at 4K
@@ -245,10 +256,7 @@ s8a)  # routing tests, every kernel of one MoE-block call under ncu (T=4096, T=1
   XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 4"
   timeout 150 python3 -m pytest -q $XD tests/test_cuda_moe.py -k "rout or grouped_gemm_vs or block_cuda" \
     > $OUT/tests-routing.txt 2>&1; echo "rc=$?" >> $OUT/tests-routing.txt; tail -3 $OUT/tests-routing.txt
-  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
-  timeout 150 $NCU --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
-    python3 bench/profile_kernels.py block > $OUT/ncu-block.csv 2>$OUT/ncu-block.err
-  python3 -c "import csv,sys; rows=[r for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('\"'))]; [print(r['ID'], r['Kernel Name'][:70], r['Metric Value']) for r in rows]" $OUT/ncu-block.csv
+  ncu_block
   for mb in default 1000000 default 1000000; do
     if [ $mb = default ]; then E=""; else E="MLX_MAX_MB_PER_BUFFER=$mb"; fi
     env $E timeout 80 $AB --engines patched --decode 4k --decode-steps 32 --rounds 2 --max-seconds 30 \
@@ -259,10 +267,7 @@ s8b)  # grouping kernels (count + scatter): tests, ncu of one MoE-block call; pa
        # MLX's graph limits: MLX default (1000 MB), the package's (no byte limit), + 300 ops, + fused MoE decode
   timeout 200 python3 -m pytest -q tests/test_cuda_moe.py -k "rout or block_cuda or (wg_grouped_gemm_vs_reference and 2048)" \
     > $OUT/tests-routing.txt 2>&1; echo "rc=$?" >> $OUT/tests-routing.txt; tail -3 $OUT/tests-routing.txt
-  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
-  timeout 150 $NCU --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
-    python3 bench/profile_kernels.py block > $OUT/ncu-block.csv 2>$OUT/ncu-block.err
-  python3 -c "import csv,sys; rows=[r for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('\"'))]; [print(r['ID'], r['Kernel Name'][:70], r['Metric Value']) for r in rows]" $OUT/ncu-block.csv
+  ncu_block
   i=0
   for v in mb1000 pkg ops300 fused mb1000 pkg ops300 fused; do
     i=$((i+1)); case $v in mb1000) E="MLX_MAX_MB_PER_BUFFER=1000";; pkg) E="";; ops300) E="MLX_MAX_OPS_PER_BUFFER=300";;

@@ -385,14 +385,16 @@ def block_launches(tokens=(4096, 1), skew=1.0):
     import ctypes
 
     import mlx_qwen_fast
+    from bench import common
     from mlx_qwen_fast.checkpoint import build_model
 
     cuda = ctypes.CDLL("libcuda.so.1")
     model, _ = build_model("qwen3.6-35b-a3b", seed=0, router_skew=skew)
     mlx_qwen_fast.patch(model)
     block = model.language_model.model.layers[0].mlp
+    hidden = common.text_args(model).hidden_size
     for T in tokens:
-        x = mx.random.normal((1, T, 2048), key=mx.random.key(T)).astype(mx.bfloat16)
+        x = mx.random.normal((1, T, hidden), key=mx.random.key(T)).astype(mx.bfloat16)
         mx.eval(x)
         mx.eval(block(x))  # warm-up: builds and loads the kernels
         mx.synchronize()
