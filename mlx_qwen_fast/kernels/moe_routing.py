@@ -241,7 +241,7 @@ def group(inds: mx.array, num_experts: int, tile_rows: int) -> Tuple[ExpertGroup
     chunk, grid, block = p["group_chunk"], p["group_grid"], p["group_block"]
     (part,) = _kernel(2, MOE_E=num_experts)(
         inputs=[flat],
-        output_shapes=[(grid[0] // 1024, num_experts)],
+        output_shapes=[(grid[0] // block[0], num_experts)],
         output_dtypes=[mx.int32],
         grid=grid,
         threadgroup=block,
