@@ -21,6 +21,7 @@
 #   bash bench/h200.sh ab4k      # end-to-end A/B at 4K, stock vs patched (~3.5 min)
 #   bash bench/h200.sh moedecode # one-launch decode MoE: tests, bench/moe_decode_cuda.py, FUSED_AB="0 1" decode off/on (~5-9 min)
 #   bash bench/h200.sh gemmncu   # ncu GPU time of each MoE-block kernel at T=4096 (pflv, wg), then ab4k (~6 min)
+#   bash bench/h200.sh s9a       # ninth session: persistent down kernel, tests and ncu of the MoE block
 #   bash bench/h200.sh s8a|s8b|s8c|s8d  # eighth session: grouping kernels, ncu of one MoE-block call, graph limits, block tests
 #   bash bench/h200.sh wgmma     # wgmma MoE GEMM: its CUDA tests, chained timings vs pflv, patched 4K prefill pflv/wg (~7 min)
 #   bash bench/h200.sh scan      # GDN scan variants (check, chained latency), prefill A/B with the fastest (~8 min)
@@ -293,5 +294,16 @@ s8d)  # the whole-block CUDA tests alone, with durations (~3 min cold)
 ab4k)  # the end-to-end A/B at 4K: stock vs patched, prefill and decode, alternating (187 s on 2026-12-01)
   timeout 330 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
     --out $OUT/ab-4k.json > $OUT/ab-4k.log 2>&1; tail -14 $OUT/ab-4k.log ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d}"; exit 2 ;;
+s9a)  # persistent down kernel: its tests, ncu of one MoE-block call (T=4096, 2048) persistent vs not (~7 min)
+  timeout 260 python3 -m pytest -q tests/test_cuda_moe.py -k "wg_tunings or (wg_grouped_gemm_vs_reference and 2048)" \
+    > $OUT/tests-wg.txt 2>&1; echo "rc=$?" >> $OUT/tests-wg.txt; tail -3 $OUT/tests-wg.txt; grep -E "^FAILED|Error" $OUT/tests-wg.txt | head
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+  for p in 1 0; do
+    timeout 150 $NCU --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+      python3 -c "import sys, runpy; import mlx_qwen_fast.kernels.moe_grouped_gemm as gg; gg.WG_TUNE['down_persist'] = $p; \
+sys.argv = ['profile_kernels.py', 'block', '4096,2048']; runpy.run_path('bench/profile_kernels.py', run_name='__main__')" \
+      > $OUT/ncu-block-persist$p.csv 2>$OUT/ncu-block-persist$p.err
+    echo "== down_persist $p"; ncu_table $OUT/ncu-block-persist$p.csv 60 | grep -E "mqf_moe|copy|reduce"
+  done ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9a}"; exit 2 ;;
 esac

@@ -408,7 +408,7 @@ def block_launches(tokens=(4096, 1), skew=1.0):
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "chain"
     if what not in ("chain", "ncu", "block"):
-        raise SystemExit(f"usage: {sys.argv[0]} chain [scan,gdn,moe,qmm,decode] | ncu | block")
+        raise SystemExit(f"usage: {sys.argv[0]} chain [scan,gdn,moe,qmm,decode] | ncu | block [T,T,...]")
     from mlx_qwen_fast.kernels import _cuda_build as cb
 
     if not cb.cuda_available():
@@ -422,7 +422,7 @@ if __name__ == "__main__":
             raise SystemExit(f"{sys.argv[0]}: unknown chain part(s) {unknown}; choose from {list(parts)}")
         for name in sections:
             parts[name]()
-    elif what == "block":
-        block_launches()
+    elif what == "block":  # optional: token counts, e.g. "4096,2048,1"
+        block_launches(tuple(int(t) for t in sys.argv[2].split(",")) if len(sys.argv) > 2 else (4096, 1))
     else:
         ncu_launches()
