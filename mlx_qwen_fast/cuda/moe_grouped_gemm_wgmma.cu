@@ -415,10 +415,15 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
 #endif
 
 #if MOE_KIND == 1 && MOE_PERSIST
-  // ---- down, persistent: an even share of the (item, feature tile) units ----
-  // Units u = item * ftn + feature tile, in K chunks j = u * nch + c. The
-  // item count comes from the offsets (ceil(rows / BM) per expert, as the
-  // routing's block map lists them).
+  // ---- down, persistent: whole items in rounds, the last round's units shared ----
+  // Units u = item * ftn + feature tile (K chunks j = u * nch + c). Rounds
+  // r < full: CTA b takes item r * G + b whole, so the CTAs running together
+  // work on neighbouring items and share their experts' weights in L2 (an
+  // even split of all units gave each CTA its own expert at a time: 1.4x
+  // slower). The items left over (fewer than G) are split as units, an
+  // even contiguous share per CTA: the last round costs ~1/G of the work
+  // instead of a whole item per CTA. The item count comes from the offsets
+  // (ceil(rows / BM) per expert, as the routing's block map lists them).
   if (nch > S) __trap();  // the wrapper sends such K to non-persistent builds
   __shared__ int s_red[NT / 32];
   {
@@ -431,11 +436,9 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
   int total = 0;
 #pragma unroll
   for (int w = 0; w < NT / 32; ++w) total += s_red[w];
-  const int ftn = O / FEAT;
-  const long long U = (long long)total * ftn;
-  const int j0 = (int)(U * blockIdx.x / gridDim.x) * nch;
-  const int j1 = (int)(U * (blockIdx.x + 1) / gridDim.x) * nch;
-  if (j0 >= j1) return;
+  const int G = gridDim.x, ftn = O / FEAT;
+  const int full = total / G;
+  const int tail_units = (total - full * G) * ftn;
   int cur = -1;
   // A new item: wait until every wgmma and store of the last one is done,
   // then its rows, its expert's weight rows and its whole h tile.
@@ -457,28 +460,40 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
   auto load_j = [&](WChunk& wc, int j) {
     load_w(wc, ((j / nch) % ftn) * nch + j % nch);
   };
-  auto step = [&](int j, const WChunk& use, WChunk& fill) {
-    const int c = j % nch, u = j / nch;
-    if (c == 0) zero_acc();
-    const bool more = j + 1 < j1;
-    const bool same = more && (j + 1) / nch / ftn == cur;
-    if (same) load_j(fill, j + 1);
-    mma_chunk(use, base + (unsigned)(c * SLOT));
-    if (c == nch - 1) {
-      drain();
-      store_down(u % ftn);
-      if (more && !same) {
-        begin_item((j + 1) / nch / ftn);
-        load_j(fill, j + 1);
-      }
+  for (int seg = 0; seg <= full; ++seg) {
+    int j0, j1;  // this segment's K chunks
+    if (seg < full) {
+      j0 = (seg * G + (int)blockIdx.x) * ftn * nch;
+      j1 = j0 + ftn * nch;
+    } else {
+      const int u0 = full * G * ftn;
+      j0 = (u0 + (int)((long long)tail_units * blockIdx.x / G)) * nch;
+      j1 = (u0 + (int)((long long)tail_units * (blockIdx.x + 1) / G)) * nch;
+      if (j0 >= j1) break;
     }
-  };
-  begin_item(j0 / nch / ftn);
-  WChunk wa, wb;
-  load_j(wa, j0);
-  for (int j = j0; j < j1; j += 2) {
-    step(j, wa, wb);
-    if (j + 1 < j1) step(j + 1, wb, wa);
+    auto step = [&](int j, const WChunk& use, WChunk& fill) {
+      const int c = j % nch, u = j / nch;
+      if (c == 0) zero_acc();
+      const bool more = j + 1 < j1;
+      const bool same = more && (j + 1) / nch / ftn == cur;
+      if (same) load_j(fill, j + 1);
+      mma_chunk(use, base + (unsigned)(c * SLOT));
+      if (c == nch - 1) {
+        drain();
+        store_down(u % ftn);
+        if (more && !same) {
+          begin_item((j + 1) / nch / ftn);
+          load_j(fill, j + 1);
+        }
+      }
+    };
+    begin_item(j0 / nch / ftn);
+    WChunk wa, wb;
+    load_j(wa, j0);
+    for (int j = j0; j < j1; j += 2) {
+      step(j, wa, wb);
+      if (j + 1 < j1) step(j + 1, wb, wa);
+    }
   }
 #elif MOE_KIND == 1 && MOE_FT > 1
   // ---- down, h resident: copy all of the item's h once, then MOE_FT feature tiles ----
