@@ -256,7 +256,7 @@ def test_async_variant_fragment_mapping():
                                     assert ((row * kg + kt) & ~1) + hi == row * kg + kt
 
 
-def test_wg_variant_config(monkeypatch):
+def test_wg_variant_config():
     """The "wg" variant: 256 threads, 128 (gate+up) / 256 (down) features per
     CTA, dynamic shared memory = max(cp.async ring, epilogue staging) + 1024
     (alignment), within the 227 KB an SM grants one block."""
@@ -270,29 +270,12 @@ def test_wg_variant_config(monkeypatch):
             assert c["smem"] == max(st * bm * 256, staging) + 1024 <= 227 * 1024
             assert "MOE_FT" not in c["defines"]  # down_ft 1 by default
     # several feature tiles per down CTA only where h fits the ring and D splits evenly
-    monkeypatch.setitem(gg.WG_TUNE, "down_persist", 0)
     assert gg.variant_config("wg", 1, 64, 2048, 512, down_ft=4)["bn"] == 1024
     assert gg.variant_config("wg", 1, 64, 2048, 512, down_ft=4)["defines"]["MOE_FT"] == 4
     assert "MOE_FT" not in gg.variant_config("wg", 1, 64, 2048, 1024, down_ft=4)["defines"]  # K > 128 * stages
     assert "MOE_FT" not in gg.variant_config("wg", 1, 64, 512, 512, down_ft=4)["defines"]  # 512 % 1024
     assert "MOE_FT" not in gg.variant_config("wg", 0, 64, 512, 2048, down_ft=4)["defines"]
     assert "MOE_FT" not in gg.variant_config("wg", 1, 128, 2048, 512, down_ft=8)["defines"]  # tile 128: one
-    # resident CTAs sharing the units where several feature tiles would be taken
-    saved = dict(gg.WG_TUNE)
-    try:
-        for persist in (1, 2):
-            gg.WG_TUNE["down_persist"] = persist
-            c = gg.variant_config("wg", 1, 64, 2048, 512, down_ft=8)
-            assert c["persist"] == persist and c["defines"]["MOE_PERSIST"] == 1 and c["bn"] == 2048
-            assert "MOE_FT" not in c["defines"] and c["smem"] == 4 * 64 * 256 + 1024
-            assert "persist" not in gg.variant_config("wg", 1, 64, 2048, 512, down_ft=1)
-            assert "persist" not in gg.variant_config("wg", 1, 128, 2048, 512, down_ft=8)
-            assert "persist" not in gg.variant_config("wg", 0, 64, 512, 2048, down_ft=8)
-        gg.WG_TUNE["down_persist"] = 0
-        assert gg.variant_config("wg", 1, 64, 2048, 512, down_ft=4)["defines"]["MOE_FT"] == 4
-    finally:
-        gg.WG_TUNE.clear()
-        gg.WG_TUNE.update(saved)
     assert gg.wg_down_ft(4096 * 8, 256) == 8 and gg.wg_down_ft(512 * 8, 256) == 1
     saved = dict(gg.WG_TUNE)
     try:
@@ -761,17 +744,13 @@ def test_wg_grouped_gemm_vs_reference(poison, D, I, E, n, kind, tile):
 
 @cuda
 @needs_cuda
-@pytest.mark.parametrize("tune", [{"down_ft": 1}, {"down_ft": 2, "down_persist": 0}, {"down_ft": 4, "down_persist": 0},
-                                  {"down_ft": 8, "down_persist": 0}, {"down_ft": 8, "down_persist": 1},
-                                  {"down_ft": 2, "down_persist": 3}])
+@pytest.mark.parametrize("tune", [{"down_ft": 1}, {"down_ft": 2}, {"down_ft": 4}, {"down_ft": 8}])
 @pytest.mark.parametrize("D,I,E,n,tile", [(2048, 512, 256, 300, 64), (2048, 512, 256, 4099, 128),
                                           (512, 256, 64, 77, 32), (1024, 640, 32, 40, 64)])
 def test_wg_tunings_vs_reference(poison, tune, D, I, E, n, tile):
     """The "wg" build options (several feature tiles per down CTA with h
-    resident, where I fits the ring and D splits evenly, else one; or
-    resident CTAs sharing the (item, feature tile) units, 1 or 3 per SM:
-    ranges that start and end inside items, CTAs with no unit) compute the
-    same function."""
+    resident, where I fits the ring and D splits evenly, else one; two wgmma
+    groups in flight) compute the same function."""
     saved = dict(gg.WG_TUNE)
     gg.WG_TUNE.update(tune)
     try:

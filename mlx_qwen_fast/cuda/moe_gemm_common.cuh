@@ -27,12 +27,7 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
 #define MOE_SECOND_WEIGHT
 #define MOE_OUTPUT const float* __restrict__ scores, yt* __restrict__ y,
 #endif
-#if defined(MOE_PERSIST) && MOE_PERSIST
-#define MOE_PERSIST_PARAMS , int nexp  // persistent down: number of experts (offsets has nexp + 1)
-#else
-#define MOE_PERSIST_PARAMS
-#endif
 #define MOE_GEMM_PARAMS                                                                        \
   const bf16_t* __restrict__ x, const unsigned* __restrict__ w0, const bf16_t* __restrict__ s0, \
       const bf16_t* __restrict__ b0, MOE_SECOND_WEIGHT const int* __restrict__ order,          \
-      const int* __restrict__ offsets, const int* __restrict__ bmap, MOE_OUTPUT int K, int O, int topk MOE_PERSIST_PARAMS
+      const int* __restrict__ offsets, const int* __restrict__ bmap, MOE_OUTPUT int K, int O, int topk

@@ -73,9 +73,6 @@
 #ifndef MOE_YT
 #define MOE_YT float
 #endif
-#ifndef MOE_PERSIST
-#define MOE_PERSIST 0  // down: a grid of resident CTAs, each an even share of the (item, feature tile) units
-#endif
 #ifndef MOE_FT
 #define MOE_FT 1  // down: feature tiles of FEAT per CTA, h resident (needs K / 128 <= MOE_STAGES)
 #endif
@@ -98,7 +95,6 @@ static_assert(S >= 3 && S <= 6, "MOE_STAGES must be 3..6");
 static_assert(CPT * NT == BM * 16, "copies must split evenly");
 static_assert(OUT_LD % 16 == 0, "staging rows must stay 16-byte aligned");
 static_assert(MOE_FT >= 1 && (MOE_KIND == 1 || MOE_FT == 1), "MOE_FT > 1 is for the down kernel");
-static_assert(!MOE_PERSIST || (MOE_KIND == 1 && MOE_FT == 1 && BM <= 64), "MOE_PERSIST is for the down kernel at 32/64 rows");
 static_assert(MOE_FT == 1 || BM <= 64, "MOE_FT > 1 only at 32/64 rows (wrong results seen at 128: moe-cuda-log.md)");
 typedef MOE_YT yt;
 #include "moe_gemm_common.cuh"
@@ -226,42 +222,31 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
   __shared__ float s_score[BM];
 #endif
 
-#if MOE_PERSIST
-  int e = 0, row0 = 0, rows = 0;  // of the current work item (set by begin_item)
-  const int f0 = 0;
-#else
   const int item = blockIdx.x;
   const int e = bmap[2 * item];
   if (e < 0) return;
-  const int row0 = offsets[e] + bmap[2 * item + 1] * BM;
-  const int rows = min(BM, offsets[e + 1] - row0);
-  const int f0 = blockIdx.y * FEAT * MOE_FT;
-#endif
   {
     unsigned dyn;
     asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
     if (dyn < (unsigned)SMEM_BYTES) __trap();  // launched with too little shared memory
   }
+  const int row0 = offsets[e] + bmap[2 * item + 1] * BM;
+  const int rows = min(BM, offsets[e + 1] - row0);
+  const int f0 = blockIdx.y * FEAT * MOE_FT;
   const int tid = threadIdx.x;
-  // Source rows (and for down the assignment ids and scores) of the item's rows.
-  auto set_rows = [&]() {
-    if (tid < BM) {
-      const bool ok = tid < rows;
-      const int r = row0 + tid;
+  if (tid < BM) {
+    const bool ok = tid < rows;
+    const int r = row0 + tid;
 #if MOE_KIND == 0
-      s_src[tid] = ok ? order[r] / topk : -1;  // token of the row
+    s_src[tid] = ok ? order[r] / topk : -1;  // token of the row
 #else
-      s_src[tid] = ok ? r : -1;  // h is in grouped order already
-      const int a = ok ? order[r] : 0;
-      s_aid[tid] = a;
-      s_score[tid] = ok ? scores[a] : 0.0f;
+    s_src[tid] = ok ? r : -1;  // h is in grouped order already
+    const int a = ok ? order[r] : 0;
+    s_aid[tid] = a;
+    s_score[tid] = ok ? scores[a] : 0.0f;
 #endif
-    }
-    __syncthreads();
-  };
-#if !MOE_PERSIST
-  set_rows();
-#endif
+  }
+  __syncthreads();
 
   const unsigned raw = smem_addr(smem_raw);
   const unsigned base = (raw + 1023u) & ~1023u;  // swizzle atoms need 1024-byte alignment
@@ -272,20 +257,15 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
 
   // ---- activation copies: thread's 16-byte pieces of a chunk (fixed rows) ----
   unsigned cp_dst[CPT], cp_src[CPT], cp_n[CPT];
-  auto set_copies = [&]() {
 #pragma unroll
-    for (int u = 0; u < CPT; ++u) {
-      const int i = tid + u * NT;
-      const int r = i >> 4, j = i & 15;
-      cp_dst[u] = (unsigned)((j >> 3) * ATOM + r * 128 + (((j & 7) ^ (r & 7)) << 4));
-      const int sr = s_src[r];
-      cp_src[u] = (unsigned)(sr >= 0 ? sr : 0) * (unsigned)K + (unsigned)(j * 8);
-      cp_n[u] = sr >= 0 ? 16u : 0u;  // 0: zero fill
-    }
-  };
-#if !MOE_PERSIST
-  set_copies();
-#endif
+  for (int u = 0; u < CPT; ++u) {
+    const int i = tid + u * NT;
+    const int r = i >> 4, j = i & 15;
+    cp_dst[u] = (unsigned)((j >> 3) * ATOM + r * 128 + (((j & 7) ^ (r & 7)) << 4));
+    const int sr = s_src[r];
+    cp_src[u] = (unsigned)(sr >= 0 ? sr : 0) * (unsigned)K + (unsigned)(j * 8);
+    cp_n[u] = sr >= 0 ? 16u : 0u;  // 0: zero fill
+  }
   auto issue = [&](int c) {
     const unsigned slot = base + (unsigned)((c % S) * SLOT);
 #pragma unroll
@@ -297,24 +277,19 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
   const int g = lane >> 2, q = lane & 3;
   const int kw = K >> 3, kg = K >> 6;
   unsigned w_off[2][2], s_off[2][2];
-  auto set_weight_rows = [&]() {
 #pragma unroll
-    for (int m = 0; m < 2; ++m)
+  for (int m = 0; m < 2; ++m)
 #pragma unroll
-      for (int rh = 0; rh < 2; ++rh) {
+    for (int rh = 0; rh < 2; ++rh) {
 #if MOE_KIND == 0
-        const int row = f0 + 64 * wgi + 16 * warp + g + 8 * rh;  // same row of gate (m 0) and up (m 1)
+      const int row = f0 + 64 * wgi + 16 * warp + g + 8 * rh;  // same row of gate (m 0) and up (m 1)
 #else
-        const int row = f0 + 128 * wgi + 64 * m + 16 * warp + g + 8 * rh;
+      const int row = f0 + 128 * wgi + 64 * m + 16 * warp + g + 8 * rh;
 #endif
-        const unsigned grow = (unsigned)e * (unsigned)O + (unsigned)row;
-        w_off[m][rh] = grow * (unsigned)kw + 4u * q;
-        s_off[m][rh] = grow * (unsigned)kg + (q >> 1);
-      }
-  };
-#if !MOE_PERSIST
-  set_weight_rows();
-#endif
+      const unsigned grow = (unsigned)e * (unsigned)O + (unsigned)row;
+      w_off[m][rh] = grow * (unsigned)kw + 4u * q;
+      s_off[m][rh] = grow * (unsigned)kg + (q >> 1);
+    }
   // Weights of unit u: K chunk u % nch of feature tile u / nch (MOE_FT > 1).
   auto load_w = [&](WChunk& wc, int u) {
     const int c = u % nch, ft = u / nch;
@@ -414,88 +389,7 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
   };
 #endif
 
-#if MOE_KIND == 1 && MOE_PERSIST
-  // ---- down, persistent: whole items in rounds, the last round's units shared ----
-  // Units u = item * ftn + feature tile (K chunks j = u * nch + c). Rounds
-  // r < full: CTA b takes item r * G + b whole, so the CTAs running together
-  // work on neighbouring items and share their experts' weights in L2 (an
-  // even split of all units gave each CTA its own expert at a time: 1.4x
-  // slower). The items left over (fewer than G) are split as units, an
-  // even contiguous share per CTA: the last round costs ~1/G of the work
-  // instead of a whole item per CTA. The item count comes from the offsets
-  // (ceil(rows / BM) per expert, as the routing's block map lists them).
-  if (nch > S) __trap();  // the wrapper sends such K to non-persistent builds
-  __shared__ int s_red[NT / 32];
-  {
-    int n = 0;
-    for (int x = tid; x < nexp; x += NT) n += (offsets[x + 1] - offsets[x] + BM - 1) / BM;
-    n = __reduce_add_sync(0xffffffffu, n);
-    if (lane == 0) s_red[tid >> 5] = n;
-    __syncthreads();
-  }
-  int total = 0;
-#pragma unroll
-  for (int w = 0; w < NT / 32; ++w) total += s_red[w];
-  const int G = gridDim.x, ftn = O / FEAT;
-  const int full = total / G;
-  const int tail_units = (total - full * G) * ftn;
-  int cur = -1;
-  // A new item: wait until every wgmma and store of the last one is done,
-  // then its rows, its expert's weight rows and its whole h tile.
-  auto begin_item = [&](int it) {
-    __syncthreads();
-    e = bmap[2 * it];
-    row0 = offsets[e] + bmap[2 * it + 1] * BM;
-    rows = min(BM, offsets[e + 1] - row0);
-    set_rows();
-    set_copies();
-    set_weight_rows();
-    for (int c = 0; c < nch; ++c) issue(c);
-    cp_async_commit();
-    cp_async_wait<0>();
-    fence_proxy_async();
-    __syncthreads();
-    cur = it;
-  };
-  auto load_j = [&](WChunk& wc, int j) {
-    load_w(wc, ((j / nch) % ftn) * nch + j % nch);
-  };
-  for (int seg = 0; seg <= full; ++seg) {
-    int j0, j1;  // this segment's K chunks
-    if (seg < full) {
-      j0 = (seg * G + (int)blockIdx.x) * ftn * nch;
-      j1 = j0 + ftn * nch;
-    } else {
-      const int u0 = full * G * ftn;
-      j0 = (u0 + (int)((long long)tail_units * blockIdx.x / G)) * nch;
-      j1 = (u0 + (int)((long long)tail_units * (blockIdx.x + 1) / G)) * nch;
-      if (j0 >= j1) break;
-    }
-    auto step = [&](int j, const WChunk& use, WChunk& fill) {
-      const int c = j % nch, u = j / nch;
-      if (c == 0) zero_acc();
-      const bool more = j + 1 < j1;
-      const bool same = more && (j + 1) / nch / ftn == cur;
-      if (same) load_j(fill, j + 1);
-      mma_chunk(use, base + (unsigned)(c * SLOT));
-      if (c == nch - 1) {
-        drain();
-        store_down(u % ftn);
-        if (more && !same) {
-          begin_item((j + 1) / nch / ftn);
-          load_j(fill, j + 1);
-        }
-      }
-    };
-    begin_item(j0 / nch / ftn);
-    WChunk wa, wb;
-    load_j(wa, j0);
-    for (int j = j0; j < j1; j += 2) {
-      step(j, wa, wb);
-      if (j + 1 < j1) step(j + 1, wb, wa);
-    }
-  }
-#elif MOE_KIND == 1 && MOE_FT > 1
+#if MOE_KIND == 1 && MOE_FT > 1
   // ---- down, h resident: copy all of the item's h once, then MOE_FT feature tiles ----
   if (nch > S) __trap();  // the wrapper sends such K to MOE_FT 1 builds
   for (int c = 0; c < nch; ++c) issue(c);

@@ -148,18 +148,13 @@ ASYNC_TUNE = {"stages": 4, "gate_up_bn": 128, "down_bn": 128, "down_bn_bm32": 25
 #: with the item's h resident in shared memory (used at tile rows 32/64 where
 #: I <= 128 * stages and D % (256 * down_ft) == 0; tile 128 builds take one:
 #: with several, 2 of 2 test cases gave wrong rows, not understood), or
-#: "auto": 8 from 64 rows per expert on average, else 1; "down_persist":
-#: where a down build would take several feature tiles, instead launch this
-#: many resident CTAs per SM, each taking an even share of the (item,
-#: feature tile of 256) units with the item's h resident (MOE_PERSIST: no
-#: partly filled last wave of whole items; 0: off).
+#: "auto": 8 from 64 rows per expert on average, else 1.
 #: Measured on the H200 (bench/results/moe-cuda-log.md, 2026-12-02, sixth
 #: session), experts + combine, steady chained latency, ms: T=512 tile 32
 #: 0.340 (down_ft 8: 0.361); T=2048 tile 32 down_ft 8 0.661, tile 64 0.793,
 #: tile 64 down_ft 4 0.761; T=4096 tile 64 down_ft 8 1.108, tile 64 1.205,
 #: tile 128 1.146, tile 32 down_ft 8 1.143.
-WG_TUNE = {"stages": 4, "rows64_from": 128, "rows128_from": None, "minb": None, "down_ft": "auto",
-           "down_persist": 1}
+WG_TUNE = {"stages": 4, "rows64_from": 128, "rows128_from": None, "minb": None, "down_ft": "auto"}
 #: Output features per CTA of the "wg" kernels: gate+up (two warpgroups x 64
 #: features of both matrices), down (two warpgroups x two 64-row tiles).
 WG_FEAT = {0: 128, 1: 256}
@@ -452,11 +447,6 @@ def _wg_config(kind: int, bm: int, out_cols: int, in_cols: Optional[int] = None,
     ft = int(down_ft)
     if (kind == 1 and ft > 1 and bm <= 64 and in_cols is not None and in_cols <= WG_KC * stages
             and out_cols % (feat * ft) == 0):
-        persist = int(WG_TUNE.get("down_persist") or 0)
-        if persist > 0:  # every feature tile in one column of resident CTAs
-            d["MOE_PERSIST"] = 1
-            return dict(defines=d, threads=256, bn=out_cols, source="moe_grouped_gemm_wgmma.cu",
-                        smem=ring + 1024, persist=persist)
         d["MOE_FT"] = ft
         feat *= ft
     staging = bm * (feat + 8) * 2 if kind == 0 else 0  # down stores from registers
@@ -733,19 +723,13 @@ def _down(h: mx.array, routing: Routing, down: Sequence, out_dtype: mx.Dtype, va
     nt = cfg["threads"]
     if variant == "async":
         _check_async_sizes("down_weighted", h.size, down[0].size)
-    scalars = [i_dim, d, routing.groups.top_k]
-    if cfg.get("persist"):  # resident CTAs share the units: the grid does not depend on the items
-        grid = (cfg["persist"] * cb.sm_count() * nt, 1, 1)
-        scalars.append(e)
-    else:
-        grid = _grid(cfg, mt, d // cfg["bn"])
     (y,) = kern(
         inputs=[h, *down, routing.groups.order, routing.groups.offsets, routing.block_map, scores],
         output_shapes=[(nk, d)],
         output_dtypes=[out_dtype],
-        grid=grid,
+        grid=_grid(cfg, mt, d // cfg["bn"]),
         threadgroup=(nt, 1, 1),
-        scalars=scalars,
+        scalars=[i_dim, d, routing.groups.top_k],
         **_smem_kw(cfg),
     )
     return y
