@@ -21,7 +21,7 @@
 #   bash bench/h200.sh ab4k      # end-to-end A/B at 4K, stock vs patched (~3.5 min)
 #   bash bench/h200.sh moedecode # one-launch decode MoE: tests, bench/moe_decode_cuda.py, FUSED_AB="0 1" decode off/on (~5-9 min)
 #   bash bench/h200.sh gemmncu   # ncu GPU time of each MoE-block kernel at T=4096 (pflv, wg), then ab4k (~6 min)
-#   bash bench/h200.sh s9a       # ninth session: persistent down kernel, tests and ncu of the MoE block
+#   bash bench/h200.sh s9a|s9b   # ninth session: persistent down kernel; register cap and stall reasons of the wg GEMMs
 #   bash bench/h200.sh s8a|s8b|s8c|s8d  # eighth session: grouping kernels, ncu of one MoE-block call, graph limits, block tests
 #   bash bench/h200.sh wgmma     # wgmma MoE GEMM: its CUDA tests, chained timings vs pflv, patched 4K prefill pflv/wg (~7 min)
 #   bash bench/h200.sh scan      # GDN scan variants (check, chained latency), prefill A/B with the fastest (~8 min)
@@ -305,5 +305,22 @@ sys.argv = ['profile_kernels.py', 'block', '4096,2048']; runpy.run_path('bench/p
       > $OUT/ncu-block-persist$p.csv 2>$OUT/ncu-block-persist$p.err
     echo "== down_persist $p"; ncu_table $OUT/ncu-block-persist$p.csv 60 | grep -E "mqf_moe|copy|reduce"
   done ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9a}"; exit 2 ;;
+s9b)  # wg GEMMs: 128-register cap (2 CTAs/SM) under ncu in the MoE block, its tests; stall reasons of the default build
+  M=/tmp/s9b; mkdir -p $M
+  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+  PK="import sys, runpy; import mlx_qwen_fast.kernels.moe_grouped_gemm as gg; sys.argv = ['profile_kernels.py', 'block', '4096']"
+  for mb in 2 0; do
+    timeout 150 $NCU --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+      python3 -c "$PK; gg.WG_TUNE['minb'] = $mb or None; runpy.run_path('bench/profile_kernels.py', run_name='__main__')" \
+      > $OUT/ncu-block-minb$mb.csv 2>$OUT/ncu-block-minb$mb.err
+    echo "== minb $mb"; ncu_table $OUT/ncu-block-minb$mb.csv 60 | grep -E "mqf_moe_(gate|down)"
+  done
+  timeout 200 $NCU --clock-control none --profile-from-start off -k regex:mqf_moe_ \
+    --section WarpStateStats --section SchedulerStats --section Occupancy --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+    python3 -c "$PK; runpy.run_path('bench/profile_kernels.py', run_name='__main__')" > $M/ncu-stalls.txt 2>&1
+  grep -E "mqf_moe_|Stall|Warp Cycles|Issued Warp|Eligible|Achieved Occ|L2 Hit|L1/TEX Hit|Mem Busy|Max Bandwidth|DRAM Through|Executed Ipc|Registers|Theoretical Occ|Block Limit" $M/ncu-stalls.txt | head -120
+  timeout 150 python3 -m pytest -q tests/test_cuda_moe.py -k "wg_tunings and minb" > $M/tests-minb.txt 2>&1
+  echo "rc=$?" >> $M/tests-minb.txt; tail -2 $M/tests-minb.txt
+  tar czf $OUT/s9b-logs.tgz -C $M . ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9a|s9b}"; exit 2 ;;
 esac

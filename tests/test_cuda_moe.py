@@ -744,13 +744,13 @@ def test_wg_grouped_gemm_vs_reference(poison, D, I, E, n, kind, tile):
 
 @cuda
 @needs_cuda
-@pytest.mark.parametrize("tune", [{"down_ft": 1}, {"down_ft": 2}, {"down_ft": 4}, {"down_ft": 8}])
+@pytest.mark.parametrize("tune", [{"down_ft": 1}, {"down_ft": 2}, {"down_ft": 4}, {"down_ft": 8}, {"minb": 2}])
 @pytest.mark.parametrize("D,I,E,n,tile", [(2048, 512, 256, 300, 64), (2048, 512, 256, 4099, 128),
                                           (512, 256, 64, 77, 32), (1024, 640, 32, 40, 64)])
 def test_wg_tunings_vs_reference(poison, tune, D, I, E, n, tile):
     """The "wg" build options (several feature tiles per down CTA with h
-    resident, where I fits the ring and D splits evenly, else one; two wgmma
-    groups in flight) compute the same function."""
+    resident, where I fits the ring and D splits evenly, else one; a
+    128-register cap for two CTAs per SM) compute the same function."""
     saved = dict(gg.WG_TUNE)
     gg.WG_TUNE.update(tune)
     try:
