@@ -21,7 +21,7 @@
 #   bash bench/h200.sh ab4k      # end-to-end A/B at 4K, stock vs patched (~3.5 min)
 #   bash bench/h200.sh moedecode # one-launch decode MoE: tests, bench/moe_decode_cuda.py, FUSED_AB="0 1" decode off/on (~5-9 min)
 #   bash bench/h200.sh gemmncu   # ncu GPU time of each MoE-block kernel at T=4096 (pflv, wg), then ab4k (~6 min)
-#   bash bench/h200.sh s9a|s9b   # ninth session: persistent down kernel; register cap and stall reasons of the wg GEMMs
+#   bash bench/h200.sh s9a|s9b|s9c  # ninth session: persistent down kernel; register cap and stall reasons of the wg GEMMs
 #   bash bench/h200.sh s8a|s8b|s8c|s8d  # eighth session: grouping kernels, ncu of one MoE-block call, graph limits, block tests
 #   bash bench/h200.sh wgmma     # wgmma MoE GEMM: its CUDA tests, chained timings vs pflv, patched 4K prefill pflv/wg (~7 min)
 #   bash bench/h200.sh scan      # GDN scan variants (check, chained latency), prefill A/B with the fastest (~8 min)
@@ -48,6 +48,7 @@ ncu_block() {
     python3 bench/profile_kernels.py block > $OUT/ncu-block.csv 2>$OUT/ncu-block.err
   ncu_table $OUT/ncu-block.csv
 }
+NCU_CMD=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 L=256,512,1k,2k,4k,8k,16k,32k,64k,128k
 case "$1" in
@@ -322,5 +323,17 @@ s9b)  # wg GEMMs: 128-register cap (2 CTAs/SM) under ncu in the MoE block, its t
   timeout 150 python3 -m pytest -q tests/test_cuda_moe.py -k "wg_tunings and minb" > $M/tests-minb.txt 2>&1
   echo "rc=$?" >> $M/tests-minb.txt; tail -2 $M/tests-minb.txt
   tar czf $OUT/s9b-logs.tgz -C $M . ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9a|s9b}"; exit 2 ;;
+s9c)  # wg down with scale-d starts (no accumulator writes between wgmmas): tests, ncu of the MoE block, stall details
+  M=/tmp/s9c; mkdir -p $M
+  timeout 200 python3 -m pytest -q tests/test_cuda_moe.py -k "wg_tunings or (wg_grouped_gemm_vs_reference and 2048)" \
+    > $M/tests-wg.txt 2>&1; echo "rc=$?" >> $M/tests-wg.txt; tail -2 $M/tests-wg.txt; grep -E "^FAILED" $M/tests-wg.txt | head
+  timeout 150 $NCU_CMD --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+    python3 bench/profile_kernels.py block 4096,2048 > $M/ncu-block.csv 2>$M/ncu-block.err
+  ncu_table $M/ncu-block.csv 60 | grep -E "mqf_moe_(gate|down)"
+  timeout 150 $NCU_CMD --clock-control none --profile-from-start off -k regex:mqf_moe_gate --launch-count 1 \
+    --section WarpStateStats --section SourceCounters --print-details all \
+    python3 bench/profile_kernels.py block 4096 > $M/ncu-gate-stalls.txt 2>&1
+  grep -iE "stall|warp cycles" $M/ncu-gate-stalls.txt | head -40
+  tar czf $OUT/s9c-logs.tgz -C $M . ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9a|s9b|s9c}"; exit 2 ;;
 esac

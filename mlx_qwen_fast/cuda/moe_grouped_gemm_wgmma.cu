@@ -101,22 +101,24 @@ typedef MOE_YT yt;
 
 // ---- wgmma -------------------------------------------------------------------
 
-// D[64 x N] += A[64 x 16] (registers) * B[16 x N] (shared memory, K-major,
-// 128-byte swizzle); N = 32, 64, 128.
-__device__ __forceinline__ void wgmma_n32(float* d, const unsigned* a, unsigned long long desc_b) {
+// D[64 x N] = A[64 x 16] (registers) * B[16 x N] (shared memory, K-major,
+// 128-byte swizzle) + (scale_d ? D : 0); N = 32, 64, 128. scale_d 0 starts
+// an accumulation without writing the accumulator registers first (a write
+// between wgmmas makes ptxas wait for every wgmma in flight).
+__device__ __forceinline__ void wgmma_n32(float* d, const unsigned* a, unsigned long long desc_b, int scale_d) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
       "{%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }
 
-__device__ __forceinline__ void wgmma_n64(float* d, const unsigned* a, unsigned long long desc_b) {
+__device__ __forceinline__ void wgmma_n64(float* d, const unsigned* a, unsigned long long desc_b, int scale_d) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
@@ -125,12 +127,12 @@ __device__ __forceinline__ void wgmma_n64(float* d, const unsigned* a, unsigned 
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }
 
-__device__ __forceinline__ void wgmma_n128(float* d, const unsigned* a, unsigned long long desc_b) {
+__device__ __forceinline__ void wgmma_n128(float* d, const unsigned* a, unsigned long long desc_b, int scale_d) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
       "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
       "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
@@ -145,16 +147,16 @@ __device__ __forceinline__ void wgmma_n128(float* d, const unsigned* a, unsigned
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }
 
-__device__ __forceinline__ void wgmma_tile(float* d, const unsigned* a, unsigned long long desc_b) {
+__device__ __forceinline__ void wgmma_tile(float* d, const unsigned* a, unsigned long long desc_b, int scale_d) {
   if constexpr (BM == 32) {
-    wgmma_n32(d, a, desc_b);
+    wgmma_n32(d, a, desc_b, scale_d);
   } else if constexpr (BM == 64) {
-    wgmma_n64(d, a, desc_b);
+    wgmma_n64(d, a, desc_b, scale_d);
   } else {
-    wgmma_n128(d, a, desc_b);
+    wgmma_n128(d, a, desc_b, scale_d);
   }
 }
 
@@ -330,8 +332,9 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
   };
 
   // The 8 k16 steps of one K chunk: activations from ring slot `slot`,
-  // weights from `use`.
-  auto mma_chunk = [&](const WChunk& use, unsigned slot) {
+  // weights from `use`; `fresh` != 0: the chunk starts the accumulation
+  // (its first step overwrites the accumulators).
+  auto mma_chunk = [&](const WChunk& use, unsigned slot, int fresh) {
     unsigned s2[2][2], b2[2][2];
 #pragma unroll
     for (int m = 0; m < 2; ++m)
@@ -362,8 +365,9 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
       }
       const unsigned long long desc = sw128_desc(slot + (unsigned)((st >> 2) * ATOM + (st & 3) * 32));
       wgmma_fence();
-      wgmma_tile(acc[0], a[0], desc);
-      wgmma_tile(acc[1], a[1], desc);
+      const int sd = st == 0 && fresh ? 0 : 1;
+      wgmma_tile(acc[0], a[0], desc, sd);
+      wgmma_tile(acc[1], a[1], desc, sd);
       wgmma_commit();
       wgmma_wait<1>();
     }
@@ -400,9 +404,8 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
   const int units = MOE_FT * nch;
   auto unit = [&](int u, const WChunk& use, WChunk& fill) {
     const int c = u % nch;
-    if (c == 0) zero_acc();
     if (u + 1 < units) load_w(fill, u + 1);
-    mma_chunk(use, base + (unsigned)(c * SLOT));
+    mma_chunk(use, base + (unsigned)(c * SLOT), c == 0);
     if (c == nch - 1) {
       drain();
       store_down(u / nch);
@@ -410,6 +413,7 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
   };
   WChunk wa, wb;
   load_w(wa, 0);
+  zero_acc();  // defined values only: each feature tile's first step overwrites them (scale_d 0)
   for (int u = 0; u < units; u += 2) {
     unit(u, wa, wb);
     if (u + 1 < units) unit(u + 1, wb, wa);
@@ -431,7 +435,7 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
     if (c + S - 2 < nch) issue(c + S - 2);  // into chunk c-2's slot
     cp_async_commit();
     if (c + 1 < nch) load_w(fill, c + 1);
-    mma_chunk(use, base + (unsigned)((c % S) * SLOT));
+    mma_chunk(use, base + (unsigned)((c % S) * SLOT), 0);
   };
   // Two weight buffers in turn (no register copies between chunks).
   WChunk wa, wb;
