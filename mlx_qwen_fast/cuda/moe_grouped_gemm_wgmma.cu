@@ -191,8 +191,8 @@ __device__ __forceinline__ unsigned long long sw128_desc(unsigned addr) {
 template <int A>
 __device__ __forceinline__ unsigned dq_pair(unsigned word, unsigned s2, unsigned b2) {
   const unsigned magic = 0x43004300u;  // bf16x2 (128, 128)
-  const unsigned m = ((word >> (4 * A)) & 0x000F000Fu) | magic;  // 128 + q, exact
-  unsigned q, r;
+  unsigned m, q, r;  // m = (nibbles & 0x000F000F) | magic = bf16x2 128 + q, exact; one lop3
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(m) : "r"(word >> (4 * A)), "r"(0x000F000Fu), "r"(magic));
   asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(q) : "r"(m), "r"(magic));
   asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(q), "r"(s2), "r"(b2));
   return r;
@@ -292,9 +292,8 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
       w_off[m][rh] = grow * (unsigned)kw + 4u * q;
       s_off[m][rh] = grow * (unsigned)kg + (q >> 1);
     }
-  // Weights of unit u: K chunk u % nch of feature tile u / nch (MOE_FT > 1).
-  auto load_w = [&](WChunk& wc, int u) {
-    const int c = u % nch, ft = u / nch;
+  // Weights of K chunk c of feature tile ft (ft > 0 only with MOE_FT > 1).
+  auto load_w = [&](WChunk& wc, int c, int ft) {
 #pragma unroll
     for (int m = 0; m < 2; ++m)
 #pragma unroll
@@ -404,7 +403,7 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
   const int units = MOE_FT * nch;
   auto unit = [&](int u, const WChunk& use, WChunk& fill) {
     const int c = u % nch;
-    if (u + 1 < units) load_w(fill, u + 1);
+    if (u + 1 < units) load_w(fill, (u + 1) % nch, (u + 1) / nch);
     mma_chunk(use, base + (unsigned)(c * SLOT), c == 0);
     if (c == nch - 1) {
       drain();
@@ -412,7 +411,7 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
     }
   };
   WChunk wa, wb;
-  load_w(wa, 0);
+  load_w(wa, 0, 0);
   zero_acc();  // defined values only: each feature tile's first step overwrites them (scale_d 0)
   for (int u = 0; u < units; u += 2) {
     unit(u, wa, wb);
@@ -434,12 +433,12 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
     __syncthreads();         // everyone's; and every wgmma of chunk c-2 is done
     if (c + S - 2 < nch) issue(c + S - 2);  // into chunk c-2's slot
     cp_async_commit();
-    if (c + 1 < nch) load_w(fill, c + 1);
+    if (c + 1 < nch) load_w(fill, c + 1, 0);
     mma_chunk(use, base + (unsigned)((c % S) * SLOT), 0);
   };
   // Two weight buffers in turn (no register copies between chunks).
   WChunk wa, wb;
-  load_w(wa, 0);
+  load_w(wa, 0, 0);
   for (int c = 0; c < nch; c += 2) {
     chunk(c, wa, wb);
     if (c + 1 < nch) chunk(c + 1, wb, wa);
