@@ -73,8 +73,12 @@ Status (bench/results/moe-cuda-log.md): every variant checked and timed on
 the H200. ``wg`` is the default where it runs (:func:`default_variant`;
 elsewhere ``pflv``): experts + combine at T=4096 1.11-1.16 ms as the steady
 latency of one call in a chain of dependent calls (178-186 TFLOP/s) against
-1.35-1.38 ms for ``pflv`` in the same runs (2026-12-02); ``async`` is slower
-than ``pfl`` for gate+up and faster for down, not used by default.
+1.35-1.38 ms for ``pflv`` in the same runs (2026-12-02, sixth session); the
+two ``wg`` GEMMs alone, GPU time of one block call under ncu with the
+preset's skewed router, 0.830 ms = 248 TFLOP/s useful (ninth session:
+wgmma scale-d starts in down, one lop3 per dequantised register);
+``async`` is slower than ``pfl`` for gate+up and faster for down, not used
+by default.
 """
 
 from __future__ import annotations
