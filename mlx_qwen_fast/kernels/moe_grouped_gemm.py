@@ -148,7 +148,8 @@ ASYNC_TUNE = {"stages": 4, "gate_up_bn": 128, "down_bn": 128, "down_bn_bm32": 25
 #: in flight: stages - 2 ahead of the one being multiplied); "rows64_from" /
 #: "rows128_from": rows per expert on average from which work items take 64 /
 #: 128 rows (None: never; below: 32); "minb": a register cap for that many
-#: CTAs per SM (None: none); "down_ft": feature tiles of 256 per down CTA
+#: CTAs per SM (None: none; 2 measured slower at T=4096, 2026-12-02: gate+up
+#: 597 vs 548 us, down 347 vs 335, with spills); "down_ft": feature tiles of 256 per down CTA
 #: with the item's h resident in shared memory (used at tile rows 32/64 where
 #: I <= 128 * stages and D % (256 * down_ft) == 0; tile 128 builds take one:
 #: with several, 2 of 2 test cases gave wrong rows, not understood), or
