@@ -744,7 +744,8 @@ def test_wg_grouped_gemm_vs_reference(poison, D, I, E, n, kind, tile):
 
 @cuda
 @needs_cuda
-@pytest.mark.parametrize("tune", [{"down_ft": 1}, {"down_ft": 2}, {"down_ft": 4}, {"down_ft": 8}, {"minb": 2}])
+@pytest.mark.parametrize("tune", [{"down_ft": 1}, {"down_ft": 2}, {"down_ft": 4}, {"down_ft": 8}, {"minb": 2}],
+                         ids=lambda t: "-".join(f"{k}{v}" for k, v in t.items()))
 @pytest.mark.parametrize("D,I,E,n,tile", [(2048, 512, 256, 300, 64), (2048, 512, 256, 4099, 128),
                                           (512, 256, 64, 77, 32), (1024, 640, 32, 40, 64)])
 def test_wg_tunings_vs_reference(poison, tune, D, I, E, n, tile):
