@@ -21,7 +21,7 @@
 #   bash bench/h200.sh ab4k      # end-to-end A/B at 4K, stock vs patched (~3.5 min)
 #   bash bench/h200.sh moedecode # one-launch decode MoE: tests, bench/moe_decode_cuda.py, FUSED_AB="0 1" decode off/on (~5-9 min)
 #   bash bench/h200.sh gemmncu   # ncu GPU time of each MoE-block kernel at T=4096 (pflv, wg), then ab4k (~6 min)
-#   bash bench/h200.sh s9a|s9b|s9c  # ninth session: persistent down kernel; register cap and stall reasons of the wg GEMMs
+#   bash bench/h200.sh s9b|s9c   # ninth session: register cap and stall reasons of the wg GEMMs; the MoE block under ncu
 #   bash bench/h200.sh s8a|s8b|s8c|s8d  # eighth session: grouping kernels, ncu of one MoE-block call, graph limits, block tests
 #   bash bench/h200.sh wgmma     # wgmma MoE GEMM: its CUDA tests, chained timings vs pflv, patched 4K prefill pflv/wg (~7 min)
 #   bash bench/h200.sh scan      # GDN scan variants (check, chained latency), prefill A/B with the fastest (~8 min)
@@ -37,18 +37,17 @@ export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 P="--preset qwen3.6-35b-a3b --router-skew ${SKEW:-1.0}"
 AB="python3 -m bench.ab $P --no-plots --warmup-max-seconds 300"
+NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)  # Nsight Compute CLI
 # ncu_table CSV [WIDTH]: "ID kernel-name GPU-time" per row of an `ncu --csv` metrics file.
 ncu_table() {
   python3 -c "import csv,sys; [print(r['ID'], r['Kernel Name'][:int(sys.argv[2])], r['Metric Value']) for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('\"'))]" "$1" "${2:-70}"
 }
 # ncu_block: GPU time of every kernel of one patched MoE-block call (T=4096, then T=1) -> $OUT/ncu-block.csv
 ncu_block() {
-  local NCU; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
   timeout 150 $NCU --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
     python3 bench/profile_kernels.py block > $OUT/ncu-block.csv 2>$OUT/ncu-block.err
   ncu_table $OUT/ncu-block.csv
 }
-NCU_CMD=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 L=256,512,1k,2k,4k,8k,16k,32k,64k,128k
 case "$1" in
@@ -117,7 +116,6 @@ profile)  # optional CUDA tests first ($PTESTS: pytest args, untimed, in paralle
   fi
   timeout 200 python3 bench/profile_kernels.py chain > $M/chain.txt 2>&1; grep -v "^\[" $M/chain.txt | tail -16
   [ "${PNCU:-1}" = 0 ] && exit 0
-  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
   timeout 240 $NCU --clock-control none --set full -k "regex:mqf_gdn_scan|mqf_moe_gate_up|mqf_moe_down" \
     -o $M/prof python3 bench/profile_kernels.py ncu > $M/ncu-run.txt 2>&1; tail -2 $M/ncu-run.txt
   $NCU --import $M/prof.ncu-rep --page details > $M/details.txt 2>&1
@@ -141,7 +139,7 @@ diag)  # GDN kernel + layer tests (untimed, in parallel), then where the time go
        # of the GDN front end alone / + scan / fused, the GDN prefill-step, decode-step and decode-layer
        # ops, MoE pflv with and without its register cap, the per-kernel GPU time of one patched 4K
        # prefill (ncu), stock dense qmm vs bf16 at the projection shapes; files straight to $OUT (8)
-  M=$OUT; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+  M=$OUT
   XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 4"
   ( timeout 170 python3 -m pytest -q $XD tests/test_cuda_gated_delta.py -k "fused or frontend or decode" \
       > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt ) &
@@ -169,7 +167,7 @@ fused)  # fused GDN prefill kernel: its tests (vs the two kernels, bit for bit),
     --max-seconds 6 --out $M/ops-prefill-step.json > $M/ops-prefill-step.log 2>&1; grep "^gated" $M/ops-prefill-step.log ;;
 check)  # the GDN kernel tests (but T=4096) and the GDN layer tests (both prefill paths), in parallel, then
         # ncu --set full of the front-end kernel; files straight to $OUT
-  M=$OUT; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+  M=$OUT
   XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 6"
   timeout 150 python3 -m pytest -q $XD tests/test_cuda_gated_delta.py tests/test_cuda_layers.py \
     -k "not compiled_decode_step and not 4096" > $M/tests-check.txt 2>&1; echo "rc=$?" >> $M/tests-check.txt; tail -n 3 $M/tests-check.txt
@@ -191,7 +189,7 @@ frontend)  # GDN front end with 16-byte weight loads: GDN kernel + layer tests (
            # latencies (front end at 16 and 8 tokens per warp, alone and + scan linked; fused), the decode step split
            # into graph building and evaluation beside one-op MLX chains, bench.ops prefill-step and decode-step,
            # ncu --set full of the front-end and decode kernels; files straight to $OUT
-  M=$OUT; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+  M=$OUT
   XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 6"
   timeout 200 python3 -m pytest -q $XD tests/test_cuda_gated_delta.py tests/test_cuda_layers.py \
     -k "not compiled_decode_step and (not 4096 or fused)" > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt; tail -n 3 $M/tests.txt
@@ -205,7 +203,7 @@ frontend)  # GDN front end with 16-byte weight loads: GDN kernel + layer tests (
 steady)  # steady-state chained latencies (chains of 16 and 48: host work overlaps GPU work, as in the model's
          # prefill) of the GDN prefill kernels and the MoE experts, bench.ops prefill rows at 4K, the kernels' GPU
          # time in ncu, patched-only 4K prefill with the fused GDN kernel off, on, off, on; files straight to $OUT
-  M=$OUT; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+  M=$OUT
   timeout 150 python3 bench/profile_kernels.py chain scan,gdn,moe > $M/chain.txt 2>&1; grep -v "^\[" $M/chain.txt
   timeout 150 python3 -m bench.ops $P --ops gated_delta.prefill,gated_delta.prefill_step,moe.prefill --prefill-tokens 4k \
     --impls cuda-kernel,cuda-fused --max-seconds 8 --out $M/ops.json > $M/ops.log 2>&1; grep -E "^(gated|moe)" $M/ops.log
@@ -247,7 +245,7 @@ moedecode)  # the one-launch decode MoE kernel (2026-12-02): decode MoE tests (u
     echo "fused=$f: $(grep -h '^decode .*patched ok' $M/ab-decode.log | tail -1)"; done ;;
 gemmncu)  # GPU time (ncu, boost clocks) of every kernel of the MoE block at T=4096 with pflv and wg
           # (bench/moe_wgmma.py --sections ncu: routing, x permutation, gate+up, down, combine), then ab4k
-  M=$OUT; NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
+  M=$OUT
   timeout 200 $NCU --clock-control none --metrics gpu__time_duration.sum --csv \
     python3 bench/moe_wgmma.py --sections ncu --out /tmp/wgn > $M/ncu-moe.csv 2>/dev/null
   ncu_table $M/ncu-moe.csv 60 | tail -24
@@ -295,30 +293,16 @@ s8d)  # the whole-block CUDA tests alone, with durations (~3 min cold)
 ab4k)  # the end-to-end A/B at 4K: stock vs patched, prefill and decode, alternating (187 s on 2026-12-01)
   timeout 330 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
     --out $OUT/ab-4k.json > $OUT/ab-4k.log 2>&1; tail -14 $OUT/ab-4k.log ;;
-s9a)  # persistent down kernel: its tests, ncu of one MoE-block call (T=4096, 2048) persistent vs not (~7 min)
-  timeout 260 python3 -m pytest -q tests/test_cuda_moe.py -k "wg_tunings or (wg_grouped_gemm_vs_reference and 2048)" \
-    > $OUT/tests-wg.txt 2>&1; echo "rc=$?" >> $OUT/tests-wg.txt; tail -3 $OUT/tests-wg.txt; grep -E "^FAILED|Error" $OUT/tests-wg.txt | head
-  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
-  for p in 1 0; do
-    timeout 150 $NCU --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
-      python3 -c "import sys, runpy; import mlx_qwen_fast.kernels.moe_grouped_gemm as gg; gg.WG_TUNE['down_persist'] = $p; \
-sys.argv = ['profile_kernels.py', 'block', '4096,2048']; runpy.run_path('bench/profile_kernels.py', run_name='__main__')" \
-      > $OUT/ncu-block-persist$p.csv 2>$OUT/ncu-block-persist$p.err
-    echo "== down_persist $p"; ncu_table $OUT/ncu-block-persist$p.csv 60 | grep -E "mqf_moe|copy|reduce"
-  done ;;
 s9b)  # wg GEMMs: 128-register cap (2 CTAs/SM) under ncu in the MoE block, its tests; stall reasons of the default build
   M=/tmp/s9b; mkdir -p $M
-  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu | head -1)
-  PK="import sys, runpy; import mlx_qwen_fast.kernels.moe_grouped_gemm as gg; sys.argv = ['profile_kernels.py', 'block', '4096']"
-  for mb in 2 0; do
+  for mb in 2 None; do  # None: no register cap (the default)
     timeout 150 $NCU --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
-      python3 -c "$PK; gg.WG_TUNE['minb'] = $mb or None; runpy.run_path('bench/profile_kernels.py', run_name='__main__')" \
-      > $OUT/ncu-block-minb$mb.csv 2>$OUT/ncu-block-minb$mb.err
+      python3 bench/profile_kernels.py block 4096 minb=$mb > $OUT/ncu-block-minb$mb.csv 2>$OUT/ncu-block-minb$mb.err
     echo "== minb $mb"; ncu_table $OUT/ncu-block-minb$mb.csv 60 | grep -E "mqf_moe_(gate|down)"
   done
   timeout 200 $NCU --clock-control none --profile-from-start off -k regex:mqf_moe_ \
     --section WarpStateStats --section SchedulerStats --section Occupancy --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
-    python3 -c "$PK; runpy.run_path('bench/profile_kernels.py', run_name='__main__')" > $M/ncu-stalls.txt 2>&1
+    python3 bench/profile_kernels.py block 4096 > $M/ncu-stalls.txt 2>&1
   grep -E "mqf_moe_|Stall|Warp Cycles|Issued Warp|Eligible|Achieved Occ|L2 Hit|L1/TEX Hit|Mem Busy|Max Bandwidth|DRAM Through|Executed Ipc|Registers|Theoretical Occ|Block Limit" $M/ncu-stalls.txt | head -120
   timeout 150 python3 -m pytest -q tests/test_cuda_moe.py -k "wg_tunings and minb" > $M/tests-minb.txt 2>&1
   echo "rc=$?" >> $M/tests-minb.txt; tail -2 $M/tests-minb.txt
@@ -327,13 +311,13 @@ s9c)  # wg down with scale-d starts (no accumulator writes between wgmmas): test
   M=/tmp/s9c; mkdir -p $M
   timeout 200 python3 -m pytest -q tests/test_cuda_moe.py -k "wg_tunings or (wg_grouped_gemm_vs_reference and 2048)" \
     > $M/tests-wg.txt 2>&1; echo "rc=$?" >> $M/tests-wg.txt; tail -2 $M/tests-wg.txt; grep -E "^FAILED" $M/tests-wg.txt | head
-  timeout 150 $NCU_CMD --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+  timeout 150 $NCU --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
     python3 bench/profile_kernels.py block 4096,2048 > $M/ncu-block.csv 2>$M/ncu-block.err
   ncu_table $M/ncu-block.csv 60 | grep -E "mqf_moe_(gate|down)"
-  timeout 150 $NCU_CMD --clock-control none --profile-from-start off -k regex:mqf_moe_gate --launch-count 1 \
+  timeout 150 $NCU --clock-control none --profile-from-start off -k regex:mqf_moe_gate --launch-count 1 \
     --section WarpStateStats --section SourceCounters --print-details all \
     python3 bench/profile_kernels.py block 4096 > $M/ncu-gate-stalls.txt 2>&1
   grep -iE "stall|warp cycles" $M/ncu-gate-stalls.txt | head -40
   tar czf $OUT/s9c-logs.tgz -C $M . ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9a|s9b|s9c}"; exit 2 ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c}"; exit 2 ;;
 esac

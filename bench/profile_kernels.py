@@ -30,6 +30,7 @@ decode):
 
 Run on the device (bench/h200.sh ``profile``); CUDA only.
 """
+import ast
 import sys
 from pathlib import Path
 
@@ -378,15 +379,22 @@ def ncu_launches():
     mx.synchronize()
 
 
-def block_launches(tokens=(4096, 1), skew=1.0):
+def block_launches(tokens=(4096, 1), skew=1.0, wg_tune=None):
     """One warm-up call, then one profiled call of the patched MoE block of
     layer 0 per T in ``tokens`` (bf16, the full-size preset, router skew
-    ``skew``); the profiled calls run between cuProfilerStart/Stop."""
+    ``skew``); the profiled calls run between cuProfilerStart/Stop.
+    ``wg_tune``: entries of ``moe_grouped_gemm.WG_TUNE`` to set first."""
     import ctypes
 
     import mlx_qwen_fast
     from bench import common
     from mlx_qwen_fast.checkpoint import build_model
+    from mlx_qwen_fast.kernels import moe_grouped_gemm as gg
+
+    for key, value in (wg_tune or {}).items():
+        if key not in gg.WG_TUNE:
+            raise SystemExit(f"block: unknown WG_TUNE key {key!r}; known: {sorted(gg.WG_TUNE)}")
+        gg.WG_TUNE[key] = value
 
     cuda = ctypes.CDLL("libcuda.so.1")
     model, _ = build_model("qwen3.6-35b-a3b", seed=0, router_skew=skew)
@@ -408,7 +416,7 @@ def block_launches(tokens=(4096, 1), skew=1.0):
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "chain"
     if what not in ("chain", "ncu", "block"):
-        raise SystemExit(f"usage: {sys.argv[0]} chain [scan,gdn,moe,qmm,decode] | ncu | block [T,T,...]")
+        raise SystemExit(f"usage: {sys.argv[0]} chain [scan,gdn,moe,qmm,decode] | ncu | block [T,T,... [KEY=VALUE ...]]")
     from mlx_qwen_fast.kernels import _cuda_build as cb
 
     if not cb.cuda_available():
@@ -422,7 +430,9 @@ if __name__ == "__main__":
             raise SystemExit(f"{sys.argv[0]}: unknown chain part(s) {unknown}; choose from {list(parts)}")
         for name in sections:
             parts[name]()
-    elif what == "block":  # optional: token counts, e.g. "4096,2048,1"
-        block_launches(tuple(int(t) for t in sys.argv[2].split(",")) if len(sys.argv) > 2 else (4096, 1))
+    elif what == "block":  # optional: token counts, e.g. "4096,2048,1", then WG_TUNE entries, e.g. minb=2
+        tokens = tuple(int(t) for t in sys.argv[2].split(",")) if len(sys.argv) > 2 else (4096, 1)
+        tune = dict(a.split("=", 1) for a in sys.argv[3:])
+        block_launches(tokens, wg_tune={k: ast.literal_eval(v) for k, v in tune.items()})
     else:
         ncu_launches()
