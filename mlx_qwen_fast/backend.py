@@ -41,7 +41,9 @@ def resolve(name=None) -> str:
     return name
 
 
-#: Values of ``MLX_QWEN_FAST`` that switch the fast path off (any case, stripped).
+#: The environment variable that switches the fast path off.
+ENV_SWITCH = "MLX_QWEN_FAST"
+#: Values of :data:`ENV_SWITCH` that switch the fast path off (any case, stripped).
 OFF_VALUES = ("0", "false", "no", "off")
 
 #: ``MLX_MAX_MB_PER_BUFFER`` set on CUDA when the environment has none.
@@ -53,7 +55,7 @@ _we_set: "str | None" = None  # the value this module wrote, while it stands
 def fast_path_enabled() -> bool:
     """False when the environment sets ``MLX_QWEN_FAST`` to one of
     :data:`OFF_VALUES`."""
-    return os.environ.get("MLX_QWEN_FAST", "1").strip().lower() not in OFF_VALUES
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in OFF_VALUES
 
 
 def raise_cuda_graph_byte_limit() -> bool:

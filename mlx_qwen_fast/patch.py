@@ -253,7 +253,7 @@ def patched_copy(model: nn.Module, *, warn: bool = True):
     return twin, patch(twin, warn=warn)
 
 
-_ENV_SWITCH = "MLX_QWEN_FAST"
+_ENV_SWITCH = backend.ENV_SWITCH
 
 
 def enabled() -> bool:
