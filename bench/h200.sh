@@ -21,6 +21,7 @@
 #   bash bench/h200.sh ab4k      # end-to-end A/B at 4K, stock vs patched (~3.5 min)
 #   bash bench/h200.sh moedecode # one-launch decode MoE: tests, bench/moe_decode_cuda.py, FUSED_AB="0 1" decode off/on (~5-9 min)
 #   bash bench/h200.sh gemmncu   # ncu GPU time of each MoE-block kernel at T=4096 (pflv, wg), then ab4k (~6 min)
+#   bash bench/h200.sh s10a      # tenth session: four-input GDN decode kernel tests, per-node host cost, decode ms_steady
 #   bash bench/h200.sh s9b|s9c   # ninth session: register cap and stall reasons of the wg GEMMs; the MoE block under ncu
 #   bash bench/h200.sh s8a|s8b|s8c|s8d  # eighth session: grouping kernels, ncu of one MoE-block call, graph limits, block tests
 #   bash bench/h200.sh wgmma     # wgmma MoE GEMM: its CUDA tests, chained timings vs pflv, patched 4K prefill pflv/wg (~7 min)
@@ -319,5 +320,15 @@ s9c)  # wg down with scale-d starts (no accumulator writes between wgmmas): test
     python3 bench/profile_kernels.py block 4096 > $M/ncu-gate-stalls.txt 2>&1
   grep -iE "stall|warp cycles" $M/ncu-gate-stalls.txt | head -40
   tar czf $OUT/s9c-logs.tgz -C $M . ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c}"; exit 2 ;;
+s10a)  # four-input GDN decode kernel: its tests, MLX's per-node host cost (bench/node_cost.py), decode rows with ms_steady
+  M=/tmp/s10a; mkdir -p $M; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 6"
+  timeout 240 python3 -m pytest -q $XD tests/test_cuda_gated_delta.py tests/test_cuda_layers.py tests/test_compiled_steps.py \
+    -k "decode or compiled or packed" > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt; tail -2 $M/tests.txt
+  grep -E "^FAILED" $M/tests.txt | head
+  timeout 100 python3 bench/node_cost.py 30 > $M/nodecost.txt 2>&1; tail -20 $M/nodecost.txt
+  timeout 150 python3 -m bench.ops $P --ops gated_delta.decode_step,gated_delta.decode_layer \
+    --impls stock,patched,cuda-kernel,cuda-kernel-packed --max-seconds 5 --no-ceilings --out $M/ops.json > $M/ops.log 2>&1
+  grep -E "^gated|Error|error" $M/ops.log
+  tar czf $OUT/s10a-logs.tgz -C $M . ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a}"; exit 2 ;;
 esac

@@ -109,25 +109,27 @@ def gdn_rows(n: int):
     cs0 = mx.random.normal((1, 3, C), key=ks[3]).astype(mx.bfloat16)
     s0 = 0.1 * mx.random.normal((1, HV, D, D), key=ks[4])
     mx.eval(w, A_log, dt_bias, proj, nw, cs0, s0)
-    kern = kd._kernel(proj.dtype, w.dtype, A_log.dtype, dt_bias.dtype, nw.dtype, HV, HK, True)
+    params = kd.decode_params(w, A_log, dt_bias, nw)
+    mx.eval(params)
+    kern = kd._kernel(proj.dtype, mx.float32, mx.float32, mx.float32, mx.float32, HV, HK, True)
     cubin = kern.cubin
     shapes, dtypes = [(1, 1, HV * D), (1, 3, C), (1, HV, D, D)], [proj.dtype, proj.dtype, mx.float32]
     eps = [cb._f32(1e-6), cb._f32(1e-6)]
 
     def bare(cs, st):
         return mx.fast.precompiled_cuda_kernel(
-            name=kern.name, compiled_source=cubin, inputs=[proj, proj, proj, proj, w, cs, A_log, dt_bias, nw, st],
+            name=kern.name, compiled_source=cubin, inputs=[proj, params, cs, st],
             output_shapes=shapes, output_dtypes=dtypes, scalars=eps, grid=(HV * 512, 1, 1),
             threadgroup=(512, 1, 1))
 
     def wrapped(cs, st):
-        return kd.gated_delta_decode_packed(proj, w, cs, A_log, dt_bias, nw, st, num_k_heads=HK, num_v_heads=HV)
+        return kd.gated_delta_decode_packed(proj, params, cs, st, num_k_heads=HK, num_v_heads=HV)
 
-    comp = mx.compile(lambda p, w_, cs, a_, d_, nw_, st: kd.gated_delta_decode_packed(
-        p, w_, cs, a_, d_, nw_, st, num_k_heads=HK, num_v_heads=HV))
+    comp = mx.compile(lambda p, prm, cs, st: kd.gated_delta_decode_packed(
+        p, prm, cs, st, num_k_heads=HK, num_v_heads=HV))
 
     def compiled(cs, st):
-        return comp(proj, w, cs, A_log, dt_bias, nw, st)
+        return comp(proj, params, cs, st)
 
     rows = []
     print(f"gdn decode cubin: {len(cubin)} bytes", flush=True)

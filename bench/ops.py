@@ -28,7 +28,9 @@ are left out):
   the scope of the fused CUDA decode kernel), ``fn(layer, qkv, z, a, b,
   conv_state, state)``: "stock" = mlx-lm's functions in the order its
   ``GatedDeltaNet.__call__`` runs them, "cuda-kernel" = the fused kernel
-  (``kernels.gated_delta_decode``, compiled step). Chained ``--layer-chain``
+  (``kernels.gated_delta_decode``, compiled step), "cuda-kernel-packed" = the
+  same kernel in the layer's four-input form (``gated_delta_decode_packed``:
+  [qkv | z | a | b] and ``decode_params``, built once). Chained ``--layer-chain``
   steps per timed call (conv state and state feed the next step); ms per
   step. Bytes: conv state and state read + written, qkv, z, a, b, out.
 * ``gated_delta.decode_layer``: the whole Gated DeltaNet layer of the model
@@ -38,7 +40,11 @@ are left out):
   timed call chains ``--layer-chain`` steps (default 30, the model's GDN
   layers per token) in one graph, as a decode step does; ms and rates are per
   step. Bytes: the layer's weights, conv state and recurrent state read and
-  written, x and y; FLOPs 2 x weights + 6 Hv Dk Dv.
+  written, x and y; FLOPs 2 x weights + 6 Hv Dk Dv. Both decode chains also
+  report ``ms_steady`` per step: (t_300 - t_100) / 200 over chains of 100
+  and 300 steps (:data:`DECODE_STEADY`), which span several of MLX's CUDA
+  graph commits, so the host encodes while the GPU runs, as in the model's
+  decode; ``ms`` (one 30-step chain, one graph) adds the two.
 * ``moe.prefill`` / ``moe.decode``: the sparse MoE block of layer 0 (the real
   router, experts and shared expert, quantised as the checkpoint),
   ``fn(block, x)``. FLOPs 2 T (k + 1) 3 D I + router 2 T D (E + 1); bytes =
@@ -217,7 +223,32 @@ def _step_implementations(backend: str) -> Dict[str, Callable]:
                 state, num_k_heads=m.num_k_heads, num_v_heads=m.num_v_heads,
                 norm_eps=m.norm.eps, compiled=True)
 
+        packed_inputs: Dict[tuple, tuple] = {}
+        packed_steps: Dict[tuple, Callable] = {}
+
+        def packed(m, qkv, z, a, b, conv_state, state):
+            # the layer's form: proj = [qkv | z | a | b] (in the model, one
+            # projection's output) and decode_params' constants, each built
+            # once per (layer, inputs) here, outside the steps' graph nodes
+            key = (id(m), id(qkv), id(z), id(a), id(b))
+            if key not in packed_inputs:
+                B = qkv.shape[0]
+                proj = mx.concatenate([t.reshape(B, 1, -1) for t in (qkv, z, a, b)], axis=-1)
+                params = k_decode.decode_params(m.conv1d.weight, m.A_log, m.dt_bias, m.norm.weight)
+                mx.eval(proj, params)
+                packed_inputs.clear()
+                packed_inputs[key] = (proj, params, (m, qkv, z, a, b))  # held: ids stay unique
+            proj, params, _ = packed_inputs[key]
+            step_key = (m.num_k_heads, m.num_v_heads, m.norm.eps)
+            if step_key not in packed_steps:  # traced once, as in the layer's compiled step
+                packed_steps[step_key] = mx.compile(
+                    lambda p, prm, cs, st: k_decode.gated_delta_decode_packed(
+                        p, prm, cs, st, num_k_heads=step_key[0], num_v_heads=step_key[1],
+                        norm_eps=step_key[2]))
+            return packed_steps[step_key](proj, params, conv_state, state)
+
         impls["cuda-kernel"] = fused
+        impls["cuda-kernel-packed"] = packed
     return impls
 
 
@@ -295,6 +326,15 @@ class Case:
     #: host's cost of one call adds to the GPU's; ``ms_single`` one call per
     #: evaluation.
     chain: Optional[Callable[[Callable, int], Any]] = None
+    #: ``steps_chain(fn, m)``: m chained decode steps in one evaluation (the
+    #: decode_step / decode_layer ops). When set, ``ms_steady`` is
+    #: (t_m2 - t_m1) / (m2 - m1) per step, (m1, m2) = DECODE_STEADY: chains
+    #: long enough for MLX to commit several CUDA graphs, so the GPU runs
+    #: commit i while the host encodes commit i+1, as in the model's decode
+    #: (a token is ~450 graph nodes, a commit every 100). ``ms`` stays the
+    #: ``steps``-long chain in one graph, whose GPU work only starts once all
+    #: of it is encoded (host and GPU time add up).
+    steps_chain: Optional[Callable[[Callable, int], Any]] = None
 
 
 #: Short chain: every call in one CUDA graph, which MLX launches only once the
@@ -307,6 +347,9 @@ CHAIN = 4
 #: in the model's prefill (GPU-bound: 4K-prompt wall time ~ its GPU time); the
 #: difference cancels the first commit's host time.
 CHAIN_STEADY = (16, 48)
+#: Steady-state decode chains (steps): 100 steps of a one-node kernel scope
+#: already span a commit (MLX: 100 nodes per CUDA graph on the H200).
+DECODE_STEADY = (100, 300)
 
 
 def _layers(model):
@@ -358,11 +401,11 @@ def gated_delta_layer_case(model, dtype, chain: int) -> Case:
     state0 = 0.1 * mx.random.normal((1, Hv, Dv, Dk), key=ks[2])
     mx.eval(x, conv0, state0)
 
-    def call(fn):
+    def run(fn, m):
         cache = ArraysCache(size=2)
         cache[0], cache[1] = conv0, state0
         y = x
-        for _ in range(chain):
+        for _ in range(m):
             y = fn(layer, x, cache)
         return y, cache[0], cache[1]
 
@@ -371,7 +414,7 @@ def gated_delta_layer_case(model, dtype, chain: int) -> Case:
     proj = s.hidden * (conv_dim + Hv * Dv + 2 * Hv) + Hv * Dv * s.hidden
     flops = 2.0 * proj + 6.0 * Hv * Dk * Dv
     return Case("gated_delta.decode_layer", {"T": 1, "chain": chain, "Hk": Hk, "Hv": Hv},
-                call, nbytes, flops, steps=chain)
+                lambda fn: run(fn, chain), nbytes, flops, steps=chain, steps_chain=run)
 
 
 def gated_delta_prefill_step_case(model, T: int, dtype) -> Case:
@@ -421,16 +464,16 @@ def gated_delta_step_case(model, dtype, chain: int) -> Case:
     state0 = 0.1 * mx.random.normal((1, Hv, Dv, layer.head_k_dim), key=ks[5])
     mx.eval(qkv, z, a, b, conv0, state0)
 
-    def call(fn):
+    def run(fn, m):
         cs, st, out = conv0, state0, None
-        for _ in range(chain):
+        for _ in range(m):
             out, cs, st = fn(layer, qkv, z, a, b, cs, st)
         return out, cs, st
 
     nbytes = 2 * (conv0.nbytes + state0.nbytes) + qkv.nbytes + 2 * z.nbytes + a.nbytes + b.nbytes
     flops = 6.0 * Hv * layer.head_k_dim * Dv
     return Case("gated_delta.decode_step", {"T": 1, "chain": chain, "Hk": layer.num_k_heads, "Hv": Hv},
-                call, nbytes, flops, steps=chain)
+                lambda fn: run(fn, chain), nbytes, flops, steps=chain, steps_chain=run)
 
 
 def moe_case(model, T: int, dtype) -> Case:
@@ -529,7 +572,8 @@ def cases(model, ops: List[str], prefill_tokens: List[int], decode_contexts: Lis
 
 def run_case(case: Case, impl: str, fn: Callable, *, repeats: int, warmup: int,
              budget_s: Optional[float], ceilings: Optional[Dict], backend: str,
-             default: Optional[str], chain_steady: Tuple[int, int] = CHAIN_STEADY) -> Dict:
+             default: Optional[str], chain_steady: Tuple[int, int] = CHAIN_STEADY,
+             decode_steady: Tuple[int, int] = DECODE_STEADY) -> Dict:
     rec: Dict[str, Any] = {"op": case.op, "backend": backend, "impl": impl,
                            "default": impl == default, "shape": case.shape,
                            "bytes": case.bytes, "flops": case.flops}
@@ -550,6 +594,13 @@ def run_case(case: Case, impl: str, fn: Callable, *, repeats: int, warmup: int,
             rec["chain"] = CHAIN
             rec["chain_steady"] = [n1, n2]
             times = [(t - t_n1) / (n2 - n1) for t in chained(n2)]
+        if case.steps_chain is not None:
+            m1, m2 = decode_steady
+            t_m1, t_m2 = (common.stats(common.measure(lambda m=m: case.steps_chain(fn, m), warmup=warmup,
+                                                      repeats=repeats, budget_s=budget_s))["median"]
+                          for m in (m1, m2))
+            rec["ms_steady"] = (t_m2 - t_m1) / (m2 - m1) * 1e3
+            rec["decode_steady"] = [m1, m2]
     except Exception as exc:
         common.free_memory()
         rec.update(status="oom" if common.is_oom(exc) else "error", ms=None, ms_min=None,
@@ -588,13 +639,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chain-steady", type=common.lengths_arg, default=list(CHAIN_STEADY),
                    help="the two chain lengths n1 < n2 of the chained prefill ops' steady-state "
                         "marginal latency (t_n2 - t_n1) / (n2 - n1) (default 16,48)")
+    p.add_argument("--decode-steady", type=common.lengths_arg, default=list(DECODE_STEADY),
+                   help="the two step counts m1 < m2 of decode_step's and decode_layer's steady-state "
+                        "ms_steady, (t_m2 - t_m1) / (m2 - m1) per step (default 100,300)")
     p.add_argument("--repeats", type=int, default=10, help="timed calls per point (median)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls first")
     p.add_argument("--max-seconds", type=float, default=60.0,
                    help="stop repeating a point after this much timed time (default %(default)s)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny shapes for CI: prefill T=16, decode context 32, 2 repeats, "
-                        "1 warm-up, layer chain 2, steady chains 2,3, small ceilings (these override the "
+                        "1 warm-up, layer chain 2, steady chains 2,3 (decode too), small ceilings (these override the "
                         "corresponding flags)")
     p.add_argument("--no-ceilings", action="store_true", help="skip the ceilings (fractions null)")
     ceilings_mod.add_ceiling_args(p)
@@ -634,12 +688,14 @@ def main(argv=None) -> Dict:
     if args.repeats < 1 or args.warmup < 0 or args.layer_chain < 1:
         parser.error(f"--repeats and --layer-chain must be >= 1 and --warmup >= 0, got "
                      f"{args.repeats}, {args.layer_chain}, {args.warmup}")
-    if len(args.chain_steady) != 2 or not 1 <= args.chain_steady[0] < args.chain_steady[1]:
-        parser.error(f"--chain-steady must be two lengths 1 <= n1 < n2, got {args.chain_steady}")
+    for name in ("chain_steady", "decode_steady"):
+        v = getattr(args, name)
+        if len(v) != 2 or not 1 <= v[0] < v[1]:
+            parser.error(f"--{name.replace('_', '-')} must be two lengths 1 <= n1 < n2, got {v}")
     if args.smoke:
         args.prefill_tokens, args.decode_context = [16], [32]
         args.repeats, args.warmup, args.layer_chain = 2, 1, 2
-        args.chain_steady = [2, 3]
+        args.chain_steady = args.decode_steady = [2, 3]
         args.copy_mib, args.matmul_n = args.copy_mib or 8, args.matmul_n or 128
     # argument checks first: the ceilings and the checkpoint take minutes on the full preset
     try:
@@ -673,13 +729,15 @@ def main(argv=None) -> Dict:
                 continue
             rec = run_case(case, impl, fn, repeats=args.repeats, warmup=args.warmup,
                            budget_s=args.max_seconds, ceilings=ceil, backend=backend,
-                           default=default, chain_steady=tuple(args.chain_steady))
+                           default=default, chain_steady=tuple(args.chain_steady),
+                           decode_steady=tuple(args.decode_steady))
             records.append(rec)
             shape = ",".join(f"{k}={v}" for k, v in case.shape.items() if k in ("T", "context"))
             if rec["status"] == "ok":
                 print(f"{case.op:24} {shape:16} {impl:18} {rec['ms']:10.3f} ms "
                       f"{rec['gbps']:9.1f} GB/s {rec['tflops']:8.3f} TFLOP/s"
-                      + (f"  roofline {rec['roofline_frac']:.3f}" if rec["roofline_frac"] else ""),
+                      + (f"  roofline {rec['roofline_frac']:.3f}" if rec["roofline_frac"] else "")
+                      + (f"  steady {rec['ms_steady']:.4f} ms" if "ms_steady" in rec else ""),
                       flush=True)
             else:
                 print(f"{case.op:24} {shape:16} {impl:18} {rec['status']}: {rec.get('error')}",

@@ -175,8 +175,9 @@ class FastGatedDeltaNet(GatedDeltaNet):
         projection of another kind) or None (the kernel does not apply).
 
         With ``packed``, and the four input projections alike (same
-        quantisation), the step takes out_proj's arrays and one concatenated
-        input projection (:func:`concat_linears`, the extra arrays); the
+        quantisation), the step takes out_proj's arrays, the layer's constants
+        packed by ``decode_params`` and one concatenated input projection
+        (:func:`concat_linears`), the last two as the extra arrays; their
         sources stay in the paths, so replacing one rebuilds the plan."""
         qkv = mx.zeros((inputs.shape[0], 1, self.conv_dim), inputs.dtype)  # shape only, never evaluated
         children = [(n,) for n in self._PROJECTIONS]
@@ -189,12 +190,14 @@ class FastGatedDeltaNet(GatedDeltaNet):
             return children, "eager"
         in_proj = concat_linears(lins[:4]) if packed else None
         if in_proj is not None:
-            paths = self._STEP_ARRAYS + linear_paths(("out_proj",), lins[4])
+            paths = linear_paths(("out_proj",), lins[4])
             n_used = len(paths)
-            paths += tuple(p for n, lin in zip(self._PROJECTIONS[:4], lins) for p in linear_paths((n,), lin))
+            paths += self._STEP_ARRAYS + tuple(
+                p for n, lin in zip(self._PROJECTIONS[:4], lins) for p in linear_paths((n,), lin))
+            params = k_decode.decode_params(self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
             fn = _gdn_decode_step_packed(self.num_k_heads, self.num_v_heads, self.norm.eps,
                                          (len(lins[4][0]), lins[4][1]), (len(in_proj[0]), in_proj[1]))
-            return paths, (fn, n_used, in_proj[0])
+            return paths, (fn, n_used, (params,) + tuple(in_proj[0]))
         paths = self._STEP_ARRAYS + tuple(
             p for n, lin in zip(self._PROJECTIONS, lins) for p in linear_paths((n,), lin))
         statics = tuple((len(lin[0]), lin[1]) for lin in lins)
@@ -307,11 +310,12 @@ def _gdn_decode_step(num_k_heads: int, num_v_heads: int, norm_eps: float, static
 def _gdn_decode_step_packed(num_k_heads: int, num_v_heads: int, norm_eps: float, out_static: tuple,
                             in_static: tuple):
     """:func:`_gdn_decode_step` with the four input projections as one
-    (:func:`concat_linears`) and the kernel reading its output in place
-    (``gated_delta_decode_packed``)::
+    (:func:`concat_linears`), the kernel reading its output in place and the
+    layer's constants from one array (``gated_delta_decode_packed``,
+    ``decode_params``)::
 
-        fn(x, conv_state, state, conv_weight, A_log, dt_bias, norm_weight,
-           *out_proj, *in_proj_concatenated) -> (y [B, 1, D], conv_state, state)
+        fn(x, conv_state, state, *out_proj, params, *in_proj_concatenated)
+        -> (y [B, 1, D], conv_state, state)
 
     ``out_static`` / ``in_static``: ``(number of arrays, linear_arrays static)``.
     """
@@ -320,10 +324,10 @@ def _gdn_decode_step_packed(num_k_heads: int, num_v_heads: int, norm_eps: float,
     if fn is None:
         n_out = out_static[0]
 
-        def step(x, conv_state, state, conv_weight, A_log, dt_bias, norm_weight, *flat):
-            proj = apply_linear(x, flat[n_out:], in_static[1])
+        def step(x, conv_state, state, *flat):
+            proj = apply_linear(x, flat[n_out + 1:], in_static[1])
             out, conv_state, state = k_decode.gated_delta_decode_packed(
-                proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
+                proj, flat[n_out], conv_state, state,
                 num_k_heads=key[1], num_v_heads=key[2], norm_eps=key[3],
             )
             return apply_linear(out, flat[:n_out], out_static[1]), conv_state, state

@@ -130,6 +130,8 @@ def test_ab_numerics_ops(tmp_path):
     step = {r["impl"]: r for r in res["ops"] if r["op"] == "gated_delta.decode_step"}
     assert "stock" in step and all(r["status"] == "ok" and r["shape"]["chain"] == 2
                                    for r in step.values())
+    for r in list(step.values()) + list(layer.values()):  # the steady-state decode figure
+        assert r["decode_steady"] == [2, 3] and isinstance(r["ms_steady"], float), r
 
 
 def test_roofline_matches_design_notes():

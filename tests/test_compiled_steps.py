@@ -110,13 +110,17 @@ def fake_decode_kernel(qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, no
     return out.reshape(B, 1, hv), new_conv, new_state
 
 
-def fake_decode_kernel_packed(proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
+def fake_decode_kernel_packed(proj, params, conv_state, state,
                               *, num_k_heads, num_v_heads, norm_eps=1e-6, qk_eps=1e-6):
-    """Stands in for the packed CUDA kernel: the four pieces at their offsets."""
+    """Stands in for the packed CUDA kernel: the pieces of proj and of params
+    (``decode_params``' layout) at their offsets."""
     C, hv = (2 * num_k_heads + num_v_heads) * 128, num_v_heads * 128
     assert proj.shape[-1] == C + hv + 2 * num_v_heads
+    assert params.dtype == mx.float32 and params.shape == (4 * C + 2 * num_v_heads + 128,)
     qkv, z = proj[..., :C], proj[..., C:C + hv]
     a, b = proj[..., C + hv:C + hv + num_v_heads], proj[..., C + hv + num_v_heads:]
+    conv_weight, A_log = params[:4 * C].reshape(C, 4, 1), params[4 * C:4 * C + num_v_heads]
+    dt_bias, norm_weight = params[4 * C + num_v_heads:4 * C + 2 * num_v_heads], params[4 * C + 2 * num_v_heads:]
     return fake_decode_kernel(qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
                               num_k_heads=num_k_heads, num_v_heads=num_v_heads, norm_eps=norm_eps)
 
@@ -159,7 +163,8 @@ def test_gdn_compiled_step_equals_eager(cpu_fused, quantize, packed, monkeypatch
             assert mx.allclose(c_step[1], c_eager[1], rtol=1e-5, atol=1e-5).item()
             assert mx.array_equal(c_step[0], c_eager[0]).item()
     plan = next(iter(layers.StepPlans.of(layer)._plans.values()))[2]
-    assert len(plan[2]) == (1 if packed == "1" and not quantize else 0)  # the concatenated weight
+    # decode_params' array and the concatenated weight
+    assert len(plan[2]) == (2 if packed == "1" and not quantize else 0)
     # a replaced weight is read by the next call
     x = mx.random.normal((2, 1, ARGS.hidden_size))
     y0 = layer(x, cache=ArraysCache(size=2))

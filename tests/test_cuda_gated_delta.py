@@ -345,10 +345,12 @@ def test_decode_matches_reference(B, dtype):
 @pytest.mark.parametrize("B", [1, 2])
 def test_decode_packed_equals_separate(B, dtype):
     """qkv, z, a, b read from one concatenated row (the packed input
-    projection): bit for bit the kernel on the four arrays, over two steps
-    with the states carried; wrong proj widths are refused by name."""
+    projection) and the constants from decode_params' fp32 array: bit for
+    bit the kernel on the separate arrays (any float type of the constants),
+    over two steps with the states carried; wrong proj widths and params
+    are refused by name."""
     from mlx_qwen_fast.kernels.gated_delta_decode import (
-        gated_delta_decode, gated_delta_decode_packed, packed_width)
+        decode_params, gated_delta_decode, gated_delta_decode_packed, packed_width)
 
     w, A_log, dt_bias = fe_params(70 + B, dtype)
     nw = (1.0 + 0.1 * mx.random.normal((D,), key=mx.random.key(71))).astype(dtype)
@@ -359,14 +361,19 @@ def test_decode_packed_equals_separate(B, dtype):
         proj = mx.random.normal((B, 1, packed_width(HK, HV)), key=mx.random.key(72 + 10 * B + step)).astype(dtype)
         qkv, z = proj[..., :C], proj[..., C:C + HV * D]
         a, b = proj[..., C + HV * D:C + HV * D + HV], proj[..., C + HV * D + HV:]
-        o1, cs1, st1 = gated_delta_decode_packed(proj, w, cs1, A_log, dt_bias, nw, st1, **kw)
+        o1, cs1, st1 = gated_delta_decode_packed(proj, decode_params(w, A_log, dt_bias, nw), cs1, st1, **kw)
         o2, cs2, st2 = gated_delta_decode(qkv, z, a, b, w, cs2, A_log, dt_bias, nw, st2, **kw)
         assert finite(o1, cs1, st1)
         for name, u, v in (("out", o1, o2), ("conv_state", cs1, cs2), ("state", st1, st2)):
             assert u.shape == v.shape and u.dtype == v.dtype, name
             assert mx.array_equal(u, v).item(), name
+    params = decode_params(w, A_log, dt_bias, nw)
     with pytest.raises(ValueError, match="proj"):
-        gated_delta_decode_packed(proj[..., 1:], w, None, A_log, dt_bias, nw, None, **kw)
+        gated_delta_decode_packed(proj[..., 1:], params, None, None, **kw)
+    with pytest.raises(ValueError, match="params"):
+        gated_delta_decode_packed(proj, params[1:], None, None, **kw)
+    with pytest.raises(ValueError, match="params"):
+        gated_delta_decode_packed(proj, params.astype(mx.bfloat16), None, None, **kw)
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])

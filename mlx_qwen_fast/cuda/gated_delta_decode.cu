@@ -21,20 +21,36 @@
 //
 // Build macros: KNAME, GDN_X (qkv, z, a, b, conv state, out), GDN_W (conv
 // weight), GDN_A (A_log), GDN_DT (dt_bias), GDN_N (norm weight), GDN_HV, GDN_HK;
-// GDN_PACKED (0/1): qkv, z, a and b are one array, the output of the four
-// input projections concatenated, [B, C + HV*D + 2*HV] = [qkv | z | a | b]
-// (the same array passed in all four slots; each row read at its offset).
-// Parameters: inputs qkv [B,C], z [B,HV*D], a [B,HV], b [B,HV], conv_w [C,4],
-// conv_state [B,3,C], A_log [HV], dt_bias [HV], norm_w [D], state [B,HV,D,D];
-// outputs out [B,HV*D], conv_state_out [B,3,C], state_out [B,HV,D,D];
-// scalars float eps_qk, float eps_norm. Launch: B*HV blocks of 512 threads.
+// GDN_PACKED (0/1): four inputs instead of ten (MLX's host cost of a graph
+// node grows with its inputs: bench/node_cost.py): qkv, z, a and b are one
+// array, the output of the four input projections concatenated,
+// [B, C + HV*D + 2*HV] = [qkv | z | a | b] (each row read at its offset), and
+// the layer's constants are one fp32 array, params = [conv_w (C*4) | A_log
+// (HV) | dt_bias (HV) | norm_w (D)] (exact copies of any float type; GDN_W,
+// GDN_A, GDN_DT, GDN_N are then unused).
+// Parameters, GDN_PACKED 0: inputs qkv [B,C], z [B,HV*D], a [B,HV], b [B,HV],
+// conv_w [C,4], conv_state [B,3,C], A_log [HV], dt_bias [HV], norm_w [D],
+// state [B,HV,D,D]; GDN_PACKED 1: inputs proj [B,P], params [C*4+2*HV+D],
+// conv_state, state. Outputs out [B,HV*D], conv_state_out [B,3,C], state_out
+// [B,HV,D,D]; scalars float eps_qk, float eps_norm. Launch: B*HV blocks of 512
+// threads.
 #include "gdn_common.cuh"
 
+#ifndef GDN_PACKED
+#define GDN_PACKED 0
+#endif
 typedef GDN_X xt;
+#if GDN_PACKED
+typedef float wt;
+typedef float at;
+typedef float dtt;
+typedef float nwt;
+#else
 typedef GDN_W wt;
 typedef GDN_A at;
 typedef GDN_DT dtt;
 typedef GDN_N nwt;
+#endif
 
 namespace {
 constexpr int D = 128;
@@ -43,9 +59,6 @@ constexpr int HK = GDN_HK;
 constexpr int GQA = HV / HK;
 constexpr int C = (2 * HK + HV) * D;
 constexpr int KW = 4;
-#ifndef GDN_PACKED
-#define GDN_PACKED 0
-#endif
 // Row strides and offsets (elements) of qkv, z, a, b in their arrays.
 constexpr int P = C + HV * D + 2 * HV;  // packed row
 constexpr int RS_QKV = GDN_PACKED ? P : C;
@@ -86,7 +99,7 @@ __device__ __forceinline__ void write_conv_state(
 }
 } // namespace
 
-extern "C" __global__ void __launch_bounds__(NT) KNAME(
+__device__ __forceinline__ void decode_step(
     const xt* __restrict__ qkv,
     const xt* __restrict__ z,
     const xt* __restrict__ a_in,
@@ -234,3 +247,40 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
     out[(size_t)b * HV * D + h * D + tid] = from_f<xt>(silu_f(zv) * wn);
   }
 }
+
+#if GDN_PACKED
+// params = [conv_w (C*4) | A_log (HV) | dt_bias (HV) | norm_w (D)], fp32.
+extern "C" __global__ void __launch_bounds__(NT) KNAME(
+    const xt* __restrict__ proj,
+    const float* __restrict__ params,
+    const xt* __restrict__ conv_state,
+    const float* __restrict__ state_in,
+    xt* __restrict__ out,
+    xt* __restrict__ conv_state_out,
+    float* __restrict__ state_out,
+    float eps_qk,
+    float eps_norm) {
+  decode_step(proj, proj, proj, proj, params, conv_state, params + C * KW, params + C * KW + HV,
+              params + C * KW + 2 * HV, state_in, out, conv_state_out, state_out, eps_qk, eps_norm);
+}
+#else
+extern "C" __global__ void __launch_bounds__(NT) KNAME(
+    const xt* __restrict__ qkv,
+    const xt* __restrict__ z,
+    const xt* __restrict__ a_in,
+    const xt* __restrict__ b_in,
+    const wt* __restrict__ conv_w,
+    const xt* __restrict__ conv_state,
+    const at* __restrict__ A_log,
+    const dtt* __restrict__ dt_bias,
+    const nwt* __restrict__ norm_w,
+    const float* __restrict__ state_in,
+    xt* __restrict__ out,
+    xt* __restrict__ conv_state_out,
+    float* __restrict__ state_out,
+    float eps_qk,
+    float eps_norm) {
+  decode_step(qkv, z, a_in, b_in, conv_w, conv_state, A_log, dt_bias, norm_w, state_in, out,
+              conv_state_out, state_out, eps_qk, eps_norm);
+}
+#endif

@@ -17,7 +17,8 @@ import mlx.core as mx
 
 from . import _cuda_build as cb
 
-__all__ = ["gated_delta_decode", "gated_delta_decode_packed", "packed_width", "supports"]
+__all__ = ["decode_params", "gated_delta_decode", "gated_delta_decode_packed", "packed_width", "params_width",
+           "supports"]
 
 D = 128
 KW = 4
@@ -229,13 +230,45 @@ def packed_width(num_k_heads: int, num_v_heads: int) -> int:
     return (2 * num_k_heads + num_v_heads) * D + num_v_heads * D + 2 * num_v_heads
 
 
+def params_width(num_k_heads: int, num_v_heads: int) -> int:
+    """Size of :func:`decode_params`' array: C*4 + 2*Hv + 128, C = (2 Hk + Hv) * 128."""
+    return (2 * num_k_heads + num_v_heads) * D * KW + 2 * num_v_heads + D
+
+
+def decode_params(conv_weight: mx.array, A_log: mx.array, dt_bias: mx.array, norm_weight: mx.array) -> mx.array:
+    """A layer's decode-step constants as one float32 array, for
+    :func:`gated_delta_decode_packed`: ``[conv_weight (C*4) | A_log (Hv) |
+    dt_bias (Hv) | norm_weight (128)]``. Every float type converts to float32
+    exactly, so the kernel's results do not change; build it once per layer
+    (one graph input instead of four: MLX's host cost per node grows with its
+    inputs, bench/node_cost.py).
+
+    Args:
+      conv_weight: [C, 4, 1] (or [C, 4]); A_log, dt_bias: [Hv]; norm_weight:
+        [128]; any float dtype.
+
+    Returns:
+      float32 [C*4 + 2*Hv + 128].
+
+    Raises:
+      ValueError: a non-float array or a norm weight not of size 128 (names it).
+    """
+    for name, t in (("conv_weight", conv_weight), ("A_log", A_log), ("dt_bias", dt_bias),
+                    ("norm_weight", norm_weight)):
+        if t.dtype not in _FLOAT:
+            raise ValueError(f"{name} must be a float array, got {t.dtype}")
+    if norm_weight.size != D:
+        raise ValueError(f"norm_weight must have shape [{D}], got {tuple(norm_weight.shape)}")
+    if A_log.size != dt_bias.size:
+        raise ValueError(f"A_log and dt_bias must both have shape [Hv], got {tuple(A_log.shape)} "
+                         f"and {tuple(dt_bias.shape)}")
+    return mx.concatenate([t.reshape(-1).astype(mx.float32) for t in (conv_weight, A_log, dt_bias, norm_weight)])
+
+
 def gated_delta_decode_packed(
     proj: mx.array,
-    conv_weight: mx.array,
+    params: mx.array,
     conv_state: Optional[mx.array],
-    A_log: mx.array,
-    dt_bias: mx.array,
-    norm_weight: mx.array,
     state: Optional[mx.array],
     *,
     num_k_heads: int,
@@ -243,22 +276,25 @@ def gated_delta_decode_packed(
     norm_eps: float = 1e-6,
     qk_eps: float = 1e-6,
 ) -> Tuple[mx.array, mx.array, mx.array]:
-    """:func:`gated_delta_decode` reading qkv, z, a and b from one array.
+    """:func:`gated_delta_decode` as a four-input graph node: qkv, z, a and b
+    read from one array, the layer's constants from another.
 
-    The same kernel and results as :func:`gated_delta_decode` on the four
-    pieces (bit for bit), for a layer whose four input projections run as one
+    The same arithmetic as :func:`gated_delta_decode` on the separate arrays
+    (bit for bit), for a layer whose four input projections run as one
     concatenated projection (one quantised matmul instead of four in the
-    decode graph: ``compiled.concat_linears``). The kernel reads each piece
-    at its offset in ``proj``'s rows, so no slice enters the graph.
+    decode graph: ``compiled.concat_linears``) and whose constants were
+    packed once by :func:`decode_params`. The kernel reads each piece at its
+    offset, so no slice enters the graph.
 
     Args:
       proj: [B, 1, P] (or [B, P]) in bfloat16/float16/float32, P =
         :func:`packed_width` = C + Hv*128 + 2*Hv, each row = concat(qkv, z,
         a, b) as ``in_proj_qkv``, ``in_proj_z``, ``in_proj_a``,
         ``in_proj_b`` give them; C = (2 Hk + Hv) * 128.
-      conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
-      num_k_heads, num_v_heads, norm_eps, qk_eps: as :func:`gated_delta_decode`
-        (a conv state of another dtype is cast to proj's).
+      params: float32 [:func:`params_width`], from :func:`decode_params`.
+      conv_state: [B, 3, C] previous conv inputs (cast to proj's dtype), or None for zeros.
+      state: [B, Hv, 128, 128] float32, or None for zeros.
+      num_k_heads, num_v_heads, norm_eps, qk_eps: as :func:`gated_delta_decode`.
 
     Returns:
       (out [B, 1, Hv*128] in proj's dtype, new conv state [B, 3, C], new
@@ -276,17 +312,25 @@ def gated_delta_decode_packed(
         proj.ndim == 2 or (proj.ndim == 3 and proj.shape[1] == 1)
     ):
         raise ValueError(f"proj must be a float array of shape [B, 1, {P}], got {proj.dtype} {tuple(proj.shape)}")
+    if params.dtype != mx.float32 or params.shape != (params_width(Hk, Hv),):
+        raise ValueError(f"params must be float32 of shape [{params_width(Hk, Hv)}] (decode_params), "
+                         f"got {params.dtype} {tuple(params.shape)}")
     B, x = proj.shape[0], proj.dtype
-    _check_params(conv_weight, conv_state, A_log, dt_bias, norm_weight, state, B, C, Hv)
     if conv_state is None:
         conv_state = mx.zeros((B, KW - 1, C), dtype=x)
+    elif conv_state.shape != (B, KW - 1, C):
+        raise ValueError(f"conv_state must have shape [{B}, {KW - 1}, {C}], got {tuple(conv_state.shape)}")
     elif conv_state.dtype != x:  # the kernel reads it in the activation dtype
         conv_state = conv_state.astype(x)
     if state is None:
         state = mx.zeros((B, Hv, D, D), dtype=mx.float32)
-    kern = _kernel(x, conv_weight.dtype, A_log.dtype, dt_bias.dtype, norm_weight.dtype, Hv, Hk, True)
+    elif state.shape != (B, Hv, D, D) or state.dtype != mx.float32:
+        raise ValueError(
+            f"state must be float32 of shape [{B}, {Hv}, {D}, {D}], got {state.dtype} {tuple(state.shape)}"
+        )
+    kern = _kernel(x, mx.float32, mx.float32, mx.float32, mx.float32, Hv, Hk, True)
     out, new_conv, new_state = kern(
-        [proj, proj, proj, proj, conv_weight, conv_state, A_log, dt_bias, norm_weight, state],
+        [proj, params, conv_state, state],
         [(B, 1, Hv * D), (B, KW - 1, C), (B, Hv, D, D)], [x, x, mx.float32],
         (B * Hv * 512, 1, 1), (512, 1, 1), (qk_eps, norm_eps),
     )
