@@ -22,6 +22,7 @@
 #   bash bench/h200.sh moedecode # one-launch decode MoE: tests, bench/moe_decode_cuda.py, FUSED_AB="0 1" decode off/on (~5-9 min)
 #   bash bench/h200.sh gemmncu   # ncu GPU time of each MoE-block kernel at T=4096 (pflv, wg), then ab4k (~6 min)
 #   bash bench/h200.sh s10a      # tenth session: four-input GDN decode kernel tests, per-node host cost, decode ms_steady
+#   bash bench/h200.sh s10b      # tenth session: compiled-step tests on the GPU, decode rows again, A/B at 4K (~6 min)
 #   bash bench/h200.sh s9b|s9c   # ninth session: register cap and stall reasons of the wg GEMMs; the MoE block under ncu
 #   bash bench/h200.sh s8a|s8b|s8c|s8d  # eighth session: grouping kernels, ncu of one MoE-block call, graph limits, block tests
 #   bash bench/h200.sh wgmma     # wgmma MoE GEMM: its CUDA tests, chained timings vs pflv, patched 4K prefill pflv/wg (~7 min)
@@ -330,5 +331,15 @@ s10a)  # four-input GDN decode kernel: its tests, MLX's per-node host cost (benc
     --impls stock,patched,cuda-kernel,cuda-kernel-packed --max-seconds 5 --no-ceilings --out $M/ops.json > $M/ops.log 2>&1
   grep -E "^gated|Error|error" $M/ops.log
   tar czf $OUT/s10a-logs.tgz -C $M . ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a}"; exit 2 ;;
+s10b)  # the CPU-designed compiled-step tests on the GPU, the decode rows again (another process), then ab4k
+  M=/tmp/s10b; mkdir -p $M
+  timeout 100 python3 -m pytest -q tests/test_compiled_steps.py > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt
+  tail -2 $M/tests.txt
+  timeout 150 python3 -m bench.ops $P --ops gated_delta.decode_step,gated_delta.decode_layer \
+    --impls stock,patched,cuda-kernel,cuda-kernel-packed --max-seconds 5 --no-ceilings --out $M/ops.json > $M/ops.log 2>&1
+  grep -E "^gated|Error|error" $M/ops.log
+  timeout 330 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
+    --out $M/ab-4k.json > $M/ab-4k.log 2>&1; tail -14 $M/ab-4k.log
+  tar czf $OUT/s10b-logs.tgz -C $M . ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b}"; exit 2 ;;
 esac

@@ -161,7 +161,12 @@ def test_gdn_compiled_step_equals_eager(cpu_fused, quantize, packed, monkeypatch
             y_ref = layer._decode_cuda_eager(x, conv, st, c_eager)
             assert mx.allclose(y, y_ref, rtol=1e-5, atol=1e-5).item()
             assert mx.allclose(c_step[1], c_eager[1], rtol=1e-5, atol=1e-5).item()
-            assert mx.array_equal(c_step[0], c_eager[0]).item()
+            # the conv state holds the projection's output: bit for bit on the CPU, but
+            # on CUDA a dense fp32 matmul of the concatenated weight rounds differently
+            # from the four separate ones (H200, 2026-12-02: last-bit differences)
+            same = mx.array_equal(c_step[0], c_eager[0]).item()
+            assert same or (packed == "1" and mx.default_device() == mx.gpu
+                            and mx.allclose(c_step[0], c_eager[0], rtol=1e-5, atol=1e-5).item())
     plan = next(iter(layers.StepPlans.of(layer)._plans.values()))[2]
     # decode_params' array and the concatenated weight
     assert len(plan[2]) == (2 if packed == "1" and not quantize else 0)
