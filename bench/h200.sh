@@ -23,6 +23,7 @@
 #   bash bench/h200.sh gemmncu   # ncu GPU time of each MoE-block kernel at T=4096 (pflv, wg), then ab4k (~6 min)
 #   bash bench/h200.sh s10a      # tenth session: four-input GDN decode kernel tests, per-node host cost, decode ms_steady
 #   bash bench/h200.sh s10b      # tenth session: compiled-step tests on the GPU, decode rows again, A/B at 4K (~6 min)
+#   bash bench/h200.sh s10c      # tenth session: one-lop3 decode MoE dequant (tests, kernel times), decode_step rows x2
 #   bash bench/h200.sh s9b|s9c   # ninth session: register cap and stall reasons of the wg GEMMs; the MoE block under ncu
 #   bash bench/h200.sh s8a|s8b|s8c|s8d  # eighth session: grouping kernels, ncu of one MoE-block call, graph limits, block tests
 #   bash bench/h200.sh wgmma     # wgmma MoE GEMM: its CUDA tests, chained timings vs pflv, patched 4K prefill pflv/wg (~7 min)
@@ -341,5 +342,16 @@ s10b)  # the CPU-designed compiled-step tests on the GPU, the decode rows again 
   timeout 330 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
     --out $M/ab-4k.json > $M/ab-4k.log 2>&1; tail -14 $M/ab-4k.log
   tar czf $OUT/s10b-logs.tgz -C $M . ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b}"; exit 2 ;;
+s10c)  # one-lop3 dequantisation in the decode MoE kernels: their tests, kernel-only CUDA-graph times; the
+       # compiled-step tests (CPU device); the GDN decode_step rows in two processes (host spread on one machine)
+  M=/tmp/s10c; mkdir -p $M; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 6"
+  timeout 240 python3 -m pytest -q $XD tests/test_cuda_moe_decode_fused.py tests/test_cuda_moe_decode.py \
+    > $M/tests-moe-decode.txt 2>&1; echo "rc=$?" >> $M/tests-moe-decode.txt; tail -2 $M/tests-moe-decode.txt
+  timeout 60 python3 -m pytest -q tests/test_compiled_steps.py > $M/tests-steps.txt 2>&1; tail -1 $M/tests-steps.txt
+  timeout 150 python3 bench/moe_decode_cuda.py --sections build,raw --out $M/md > $M/moe-decode-raw.txt 2>&1
+  tail -12 $M/moe-decode-raw.txt
+  for i in 1 2; do timeout 100 python3 -m bench.ops $P --ops gated_delta.decode_step --impls stock,cuda-kernel,cuda-kernel-packed \
+      --max-seconds 5 --no-ceilings --out $M/ops$i.json > $M/ops$i.log 2>&1; grep -E "^gated|rror" $M/ops$i.log; done
+  tar czf $OUT/s10c-logs.tgz -C $M . ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c}"; exit 2 ;;
 esac

@@ -58,8 +58,8 @@ __device__ __forceinline__ void dequant_word(unsigned word, unsigned s2, unsigne
   const unsigned magic = 0x43004300u;  // bf16x2 (128, 128)
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
-    const unsigned m = ((word >> (4 * j)) & 0x000F000Fu) | magic;
-    unsigned q, w;
+    unsigned m, q, w;  // m = (nibbles & 0x000F000F) | magic: one lop3 (ptxas emits two for the C form)
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(m) : "r"(word >> (4 * j)), "r"(0x000F000Fu), "r"(magic));
     asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(q) : "r"(m), "r"(magic));  // exact
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(w) : "r"(q), "r"(s2), "r"(b2));
     out[j] = w;
