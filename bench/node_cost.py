@@ -21,11 +21,12 @@ split into graph building and evaluation (median of 10), microseconds per
 call. Then the real GDN decode step (packed projection, the layer's kernel)
 in the same forms.
 
-Usage (H200): python3 bench/node_cost.py [n]
+Usage (H200): python3 bench/node_cost.py [n]  (n dependent calls per evaluation, default 30)
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -145,7 +146,11 @@ def gdn_rows(n: int):
 
 
 def main(argv):
-    n = int(argv[0]) if argv else 30
+    p = argparse.ArgumentParser(prog="bench/node_cost.py", description=__doc__.splitlines()[0])
+    p.add_argument("n", nargs="?", type=int, default=30, help="dependent calls per evaluation (default 30)")
+    n = p.parse_args(argv).n
+    if n < 1:
+        p.error(f"n must be >= 1, got {n}")
     rows = synthetic_rows(n) + gdn_rows(n)
     print(f"\n{'node':58s} {'build':>8s} {'eval':>8s} {'total':>8s}   (us per call, {n} chained)")
     for label, tb, te in rows:

@@ -178,7 +178,10 @@ class FastGatedDeltaNet(GatedDeltaNet):
         quantisation), the step takes out_proj's arrays, the layer's constants
         packed by ``decode_params`` and one concatenated input projection
         (:func:`concat_linears`), the last two as the extra arrays; their
-        sources stay in the paths, so replacing one rebuilds the plan."""
+        sources stay in the paths, so replacing one rebuilds the plan. Both
+        are copies: an array changed in place (``layer.A_log[0] = v``, the
+        same object) is not seen; assign a new array (as ``update`` and
+        ``load_weights`` do), or set ``MLX_QWEN_FAST_GDN_PACKED_DECODE=0``."""
         qkv = mx.zeros((inputs.shape[0], 1, self.conv_dim), inputs.dtype)  # shape only, never evaluated
         children = [(n,) for n in self._PROJECTIONS]
         if not k_decode.supports(
@@ -195,6 +198,7 @@ class FastGatedDeltaNet(GatedDeltaNet):
             paths += self._STEP_ARRAYS + tuple(
                 p for n, lin in zip(self._PROJECTIONS[:4], lins) for p in linear_paths((n,), lin))
             params = k_decode.decode_params(self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight)
+            mx.eval(params)  # built once, outside the first step's graph
             fn = _gdn_decode_step_packed(self.num_k_heads, self.num_v_heads, self.norm.eps,
                                          (len(lins[4][0]), lins[4][1]), (len(in_proj[0]), in_proj[1]))
             return paths, (fn, n_used, (params,) + tuple(in_proj[0]))

@@ -181,13 +181,16 @@ def test_gdn_compiled_step_equals_eager(cpu_fused, quantize, packed, monkeypatch
     assert len(plan[2]) == (2 if packed == "1" and not quantize else 0)
     # a replaced weight is read by the next call
     x = mx.random.normal((2, 1, ARGS.hidden_size))
-    y0 = layer(x, cache=ArraysCache(size=2))
-    layer.norm.weight = layer.norm.weight * 3
     y1 = layer(x, cache=ArraysCache(size=2))
-    assert not mx.allclose(y0, y1).item()
-    c = ArraysCache(size=2)
-    y_ref = layer._decode_cuda_eager(x, mx.zeros((2, 3, layer.conv_dim)), mx.zeros((2, 4, 128, 128)), c)
-    assert mx.allclose(y1, y_ref, rtol=1e-5, atol=1e-5).item()
+    for mod, name in ((layer.norm, "weight"), (layer.conv1d, "weight"), (layer, "A_log"), (layer, "dt_bias")):
+        # each of the constants decode_params packs (a copy)
+        y0 = y1
+        setattr(mod, name, getattr(mod, name) * 3 + 0.5)
+        y1 = layer(x, cache=ArraysCache(size=2))
+        assert not mx.allclose(y0, y1).item(), name
+        c = ArraysCache(size=2)
+        y_ref = layer._decode_cuda_eager(x, mx.zeros((2, 3, layer.conv_dim)), mx.zeros((2, 4, 128, 128)), c)
+        assert mx.allclose(y1, y_ref, rtol=1e-5, atol=1e-5).item(), name
     layer.in_proj_z.weight = layer.in_proj_z.weight * 2  # an input projection too
     y2 = layer(x, cache=ArraysCache(size=2))
     y_ref = layer._decode_cuda_eager(x, mx.zeros((2, 3, layer.conv_dim)), mx.zeros((2, 4, 128, 128)),

@@ -540,3 +540,61 @@ def test_scan_config_rejects_bad_fields(bad, field):
     assert ScanConfig() == DEFAULT_CONFIG == (8, 2, 4, 32, 0, 1)
     assert ScanConfig(8, 2, 4, 64, 0, 1).rows_per_block == 32
     assert ScanConfig(16, 2, 8, 16, 1, 4).rows_per_block == 32
+
+
+# ---------------------------------------------------------------------------
+# the CUDA decode step's packed constants (argument checks run on any backend)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("Hk,Hv", [(16, 32), (2, 4), (1, 1)])
+def test_decode_params_layout(Hk, Hv, dtype):
+    """[conv_weight | A_log | dt_bias | norm_weight] as exact float32 copies,
+    at the offsets the kernel reads (gated_delta_decode.cu, GDN_PACKED 1)."""
+    from mlx_qwen_fast.kernels.gated_delta_decode import decode_params, params_width
+
+    C = (2 * Hk + Hv) * 128
+    ks = mx.random.split(mx.random.key(Hk * 100 + Hv), 4)
+    w = mx.random.normal((C, 4, 1), key=ks[0]).astype(dtype)
+    A_log = mx.random.normal((Hv,), key=ks[1]).astype(dtype)
+    dt_bias = mx.random.normal((Hv,), key=ks[2]).astype(dtype)
+    nw = mx.random.normal((128,), key=ks[3]).astype(dtype)
+    p = decode_params(w, A_log, dt_bias, nw)
+    assert p.dtype == mx.float32 and p.shape == (params_width(Hk, Hv),)
+    for t, lo in ((w, 0), (A_log, 4 * C), (dt_bias, 4 * C + Hv), (nw, 4 * C + 2 * Hv)):
+        assert mx.array_equal(p[lo:lo + t.size], t.reshape(-1).astype(mx.float32)).item()
+    assert mx.array_equal(decode_params(w.reshape(C, 4), A_log, dt_bias, nw), p).item()
+
+
+def test_decode_params_and_packed_step_refuse_bad_input():
+    from mlx_qwen_fast.kernels.gated_delta_decode import (
+        decode_params, gated_delta_decode_packed, packed_width)
+
+    Hk, Hv = 2, 4
+    C = (2 * Hk + Hv) * 128
+    w, v, nw = mx.zeros((C, 4, 1)), mx.zeros((Hv,)), mx.zeros((128,))
+    for args, name in (((w.reshape(1, 4, C), v, v, nw), "conv_weight"),
+                       ((w[:100], v, v, nw), "conv_weight"),
+                       ((w.astype(mx.int32), v, v, nw), "conv_weight"),
+                       ((w, v[:3], v, nw), "A_log"),
+                       ((w, v.reshape(2, 2), v.reshape(2, 2), nw), "A_log"),
+                       ((w, v, v, nw[:64]), "norm_weight")):
+        with pytest.raises(ValueError, match=name):
+            decode_params(*args)
+    params = decode_params(w, v, v, nw)
+    proj = mx.zeros((1, 1, packed_width(Hk, Hv)))
+    kw = dict(num_k_heads=Hk, num_v_heads=Hv)
+    for args, name in (((proj[..., 1:], params, None, None), "proj"),
+                       ((proj.astype(mx.int32), params, None, None), "proj"),
+                       ((proj, params[1:], None, None), "params"),
+                       ((proj, params.astype(mx.bfloat16), None, None), "params"),
+                       ((proj, params, mx.zeros((1, 3, C - 1)), None), "conv_state"),
+                       ((proj, params, mx.zeros((1, 3, C), mx.int32), None), "conv_state"),
+                       ((proj, params, None, mx.zeros((1, Hv, 128, 128), mx.bfloat16)), "state"),
+                       ((proj, params, None, mx.zeros((2, Hv, 128, 128))), "state")):
+        with pytest.raises(ValueError, match=name):
+            gated_delta_decode_packed(*args, **kw)
+    with pytest.raises(ValueError, match="num_v_heads"):
+        gated_delta_decode_packed(proj, params, None, None, num_k_heads=3, num_v_heads=4)
+

@@ -244,24 +244,28 @@ def decode_params(conv_weight: mx.array, A_log: mx.array, dt_bias: mx.array, nor
     inputs, bench/node_cost.py).
 
     Args:
-      conv_weight: [C, 4, 1] (or [C, 4]); A_log, dt_bias: [Hv]; norm_weight:
-        [128]; any float dtype.
+      conv_weight: [C, 4, 1] (or [C, 4]), C a multiple of 128; A_log,
+        dt_bias: [Hv]; norm_weight: [128]; any float dtype.
 
     Returns:
       float32 [C*4 + 2*Hv + 128].
 
     Raises:
-      ValueError: a non-float array or a norm weight not of size 128 (names it).
+      ValueError: a non-float array or one of another shape (names it).
     """
     for name, t in (("conv_weight", conv_weight), ("A_log", A_log), ("dt_bias", dt_bias),
                     ("norm_weight", norm_weight)):
         if t.dtype not in _FLOAT:
             raise ValueError(f"{name} must be a float array, got {t.dtype}")
-    if norm_weight.size != D:
-        raise ValueError(f"norm_weight must have shape [{D}], got {tuple(norm_weight.shape)}")
-    if A_log.size != dt_bias.size:
+    C = conv_weight.shape[0] if conv_weight.ndim else 0
+    if conv_weight.shape not in ((C, KW, 1), (C, KW)) or C == 0 or C % D:
+        raise ValueError(f"conv_weight must have shape [C, {KW}, 1] or [C, {KW}] with C a multiple of {D}, "
+                         f"got {tuple(conv_weight.shape)}")
+    if A_log.ndim != 1 or dt_bias.shape != A_log.shape:
         raise ValueError(f"A_log and dt_bias must both have shape [Hv], got {tuple(A_log.shape)} "
                          f"and {tuple(dt_bias.shape)}")
+    if norm_weight.shape != (D,):
+        raise ValueError(f"norm_weight must have shape [{D}], got {tuple(norm_weight.shape)}")
     return mx.concatenate([t.reshape(-1).astype(mx.float32) for t in (conv_weight, A_log, dt_bias, norm_weight)])
 
 
@@ -318,8 +322,9 @@ def gated_delta_decode_packed(
     B, x = proj.shape[0], proj.dtype
     if conv_state is None:
         conv_state = mx.zeros((B, KW - 1, C), dtype=x)
-    elif conv_state.shape != (B, KW - 1, C):
-        raise ValueError(f"conv_state must have shape [{B}, {KW - 1}, {C}], got {tuple(conv_state.shape)}")
+    elif conv_state.shape != (B, KW - 1, C) or conv_state.dtype not in _FLOAT:
+        raise ValueError(f"conv_state must be a float array of shape [{B}, {KW - 1}, {C}], "
+                         f"got {conv_state.dtype} {tuple(conv_state.shape)}")
     elif conv_state.dtype != x:  # the kernel reads it in the activation dtype
         conv_state = conv_state.astype(x)
     if state is None:
