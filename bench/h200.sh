@@ -24,6 +24,7 @@
 #   bash bench/h200.sh s10a      # tenth session: four-input GDN decode kernel tests, per-node host cost, decode ms_steady
 #   bash bench/h200.sh s10b      # tenth session: compiled-step tests on the GPU, decode rows again, A/B at 4K (~6 min)
 #   bash bench/h200.sh s10c      # tenth session: one-lop3 decode MoE dequant (tests, kernel times), decode_step rows x2
+#   bash bench/h200.sh s10d      # tenth session: the final tree's GDN decode tests (kernel, layer, CPU-side checks)
 #   bash bench/h200.sh s9b|s9c   # ninth session: register cap and stall reasons of the wg GEMMs; the MoE block under ncu
 #   bash bench/h200.sh s8a|s8b|s8c|s8d  # eighth session: grouping kernels, ncu of one MoE-block call, graph limits, block tests
 #   bash bench/h200.sh wgmma     # wgmma MoE GEMM: its CUDA tests, chained timings vs pflv, patched 4K prefill pflv/wg (~7 min)
@@ -353,5 +354,11 @@ s10c)  # one-lop3 dequantisation in the decode MoE kernels: their tests, kernel-
   for i in 1 2; do timeout 100 python3 -m bench.ops $P --ops gated_delta.decode_step --impls stock,cuda-kernel,cuda-kernel-packed \
       --max-seconds 5 --no-ceilings --out $M/ops$i.json > $M/ops$i.log 2>&1; grep -E "^gated|rror" $M/ops$i.log; done
   tar czf $OUT/s10c-logs.tgz -C $M . ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c}"; exit 2 ;;
+s10d)  # the final tree's GDN decode paths on the GPU: kernel + layer tests of the packed step, the CPU-side checks
+  M=/tmp/s10d; mkdir -p $M; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 6"
+  timeout 200 python3 -m pytest -q $XD tests/test_cuda_gated_delta.py tests/test_cuda_layers.py tests/test_gated_delta.py \
+    tests/test_compiled_steps.py -k "decode or compiled or packed" > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt
+  tail -2 $M/tests.txt; grep -E "^FAILED" $M/tests.txt | head
+  tar czf $OUT/s10d-logs.tgz -C $M . ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d}"; exit 2 ;;
 esac
