@@ -25,6 +25,7 @@
 #   bash bench/h200.sh s10b      # tenth session: compiled-step tests on the GPU, decode rows again, A/B at 4K (~6 min)
 #   bash bench/h200.sh s10c      # tenth session: one-lop3 decode MoE dequant (tests, kernel times), decode_step rows x2
 #   bash bench/h200.sh s10d      # tenth session: the final tree's GDN decode tests (kernel, layer, CPU-side checks)
+#   bash bench/h200.sh s10e      # tenth session: ncu of the MoE block with the shared expert beside / inside the GEMMs
 #   bash bench/h200.sh s9b|s9c   # ninth session: register cap and stall reasons of the wg GEMMs; the MoE block under ncu
 #   bash bench/h200.sh s8a|s8b|s8c|s8d  # eighth session: grouping kernels, ncu of one MoE-block call, graph limits, block tests
 #   bash bench/h200.sh wgmma     # wgmma MoE GEMM: its CUDA tests, chained timings vs pflv, patched 4K prefill pflv/wg (~7 min)
@@ -360,5 +361,16 @@ s10d)  # the final tree's GDN decode paths on the GPU: kernel + layer tests of t
     tests/test_compiled_steps.py -k "decode or compiled or packed" > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt
   tail -2 $M/tests.txt; grep -E "^FAILED" $M/tests.txt | head
   tar czf $OUT/s10d-logs.tgz -C $M . ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d}"; exit 2 ;;
+s10e)  # the MoE block at T=4096 with the shared expert beside the grouped GEMMs (dense qmm, the package's) and
+       # inside them (a ninth expert of every token): ncu GPU time of every kernel of one call each
+  M=/tmp/s10e; mkdir -p $M
+  for mode in beside inside; do
+    timeout 140 $NCU --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+      python3 bench/profile_kernels.py shared $mode 4096 > $M/ncu-shared-$mode.csv 2>$M/ncu-shared-$mode.err
+    grep -h "^shared" $M/ncu-shared-$mode.csv $M/ncu-shared-$mode.err | head -2
+    ncu_table $M/ncu-shared-$mode.csv 50 > $M/table-$mode.txt; cat $M/table-$mode.txt
+    python3 -c "import csv,sys; r=[x for x in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('\"'))]; print(sys.argv[2], 'kernels', len(r), 'sum', round(sum(float(x['Metric Value'].replace(',', '')) for x in r), 1), r[0]['Metric Unit'] if r else '')" $M/ncu-shared-$mode.csv $mode
+  done
+  tar czf $OUT/s10e-logs.tgz -C $M . ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s10e}"; exit 2 ;;
 esac
