@@ -99,7 +99,13 @@ __device__ __forceinline__ void write_conv_state(
 }
 } // namespace
 
-__device__ __forceinline__ void decode_step(
+// GDN_PACKED 0: this function is the kernel; 1: the four-input kernel below calls it.
+#if GDN_PACKED
+#define GDN_DECODE_STEP __device__ __forceinline__ void decode_step
+#else
+#define GDN_DECODE_STEP extern "C" __global__ void __launch_bounds__(NT) KNAME
+#endif
+GDN_DECODE_STEP(
     const xt* __restrict__ qkv,
     const xt* __restrict__ z,
     const xt* __restrict__ a_in,
@@ -262,25 +268,5 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
     float eps_norm) {
   decode_step(proj, proj, proj, proj, params, conv_state, params + C * KW, params + C * KW + HV,
               params + C * KW + 2 * HV, state_in, out, conv_state_out, state_out, eps_qk, eps_norm);
-}
-#else
-extern "C" __global__ void __launch_bounds__(NT) KNAME(
-    const xt* __restrict__ qkv,
-    const xt* __restrict__ z,
-    const xt* __restrict__ a_in,
-    const xt* __restrict__ b_in,
-    const wt* __restrict__ conv_w,
-    const xt* __restrict__ conv_state,
-    const at* __restrict__ A_log,
-    const dtt* __restrict__ dt_bias,
-    const nwt* __restrict__ norm_w,
-    const float* __restrict__ state_in,
-    xt* __restrict__ out,
-    xt* __restrict__ conv_state_out,
-    float* __restrict__ state_out,
-    float eps_qk,
-    float eps_norm) {
-  decode_step(qkv, z, a_in, b_in, conv_w, conv_state, A_log, dt_bias, norm_w, state_in, out,
-              conv_state_out, state_out, eps_qk, eps_norm);
 }
 #endif
