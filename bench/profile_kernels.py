@@ -387,16 +387,36 @@ def ncu_launches():
     mx.synchronize()
 
 
+def _preset_moe_block(skew: float):
+    """Layer 0's patched sparse MoE block of the full-size preset (random
+    weights, router skew ``skew``) and the model's hidden size."""
+    import mlx_qwen_fast
+    from bench import common
+    from mlx_qwen_fast.checkpoint import build_model
+
+    model, _ = build_model("qwen3.6-35b-a3b", seed=0, router_skew=skew)
+    mlx_qwen_fast.patch(model)
+    return model.language_model.model.layers[0].mlp, common.text_args(model).hidden_size
+
+
+def _profile_once(run):
+    """Evaluate ``run()`` once between cuProfilerStart/Stop (for ncu
+    ``--profile-from-start off``); the caller has warmed it up."""
+    import ctypes
+
+    cuda = ctypes.CDLL("libcuda.so.1")
+    mx.synchronize()
+    cuda.cuProfilerStart()
+    mx.eval(run())
+    mx.synchronize()
+    cuda.cuProfilerStop()
+
+
 def block_launches(tokens=(4096, 1), skew=1.0, wg_tune=None):
     """One warm-up call, then one profiled call of the patched MoE block of
     layer 0 per T in ``tokens`` (bf16, the full-size preset, router skew
     ``skew``); the profiled calls run between cuProfilerStart/Stop.
     ``wg_tune``: entries of ``moe_grouped_gemm.WG_TUNE`` to set first."""
-    import ctypes
-
-    import mlx_qwen_fast
-    from bench import common
-    from mlx_qwen_fast.checkpoint import build_model
     from mlx_qwen_fast.kernels import moe_grouped_gemm as gg
 
     for key, value in (wg_tune or {}).items():
@@ -404,20 +424,12 @@ def block_launches(tokens=(4096, 1), skew=1.0, wg_tune=None):
             raise SystemExit(f"block: unknown WG_TUNE key {key!r}; known: {sorted(gg.WG_TUNE)}")
         gg.WG_TUNE[key] = value
 
-    cuda = ctypes.CDLL("libcuda.so.1")
-    model, _ = build_model("qwen3.6-35b-a3b", seed=0, router_skew=skew)
-    mlx_qwen_fast.patch(model)
-    block = model.language_model.model.layers[0].mlp
-    hidden = common.text_args(model).hidden_size
+    block, hidden = _preset_moe_block(skew)
     for T in tokens:
         x = mx.random.normal((1, T, hidden), key=mx.random.key(T)).astype(mx.bfloat16)
         mx.eval(x)
         mx.eval(block(x))  # warm-up: builds and loads the kernels
-        mx.synchronize()
-        cuda.cuProfilerStart()
-        mx.eval(block(x))
-        mx.synchronize()
-        cuda.cuProfilerStop()
+        _profile_once(lambda: block(x))
         print(f"block T={T}: profiled one call of {type(block).__name__}", flush=True)
 
 
@@ -467,19 +479,10 @@ def shared_launches(mode: str, T: int = 4096, skew: float = 1.0):
     package's block (shared expert as dense quantised matmuls beside the
     grouped GEMMs), "inside" = :func:`shared_as_expert`. Issue 5: the
     shared expert fused in or run alongside, whichever measures faster."""
-    import ctypes
-
-    import mlx_qwen_fast
-    from bench import common
-    from mlx_qwen_fast.checkpoint import build_model
     from mlx_qwen_fast.kernels import moe_grouped_gemm as gg
     from mlx_qwen_fast.kernels import moe_routing as mr
 
-    cuda = ctypes.CDLL("libcuda.so.1")
-    model, _ = build_model("qwen3.6-35b-a3b", seed=0, router_skew=skew)
-    mlx_qwen_fast.patch(model)
-    block = model.language_model.model.layers[0].mlp
-    hidden = common.text_args(model).hidden_size
+    block, hidden = _preset_moe_block(skew)
     x = mx.random.normal((1, T, hidden), key=mx.random.key(T)).astype(mx.bfloat16)
     ref = block(x)
     mx.eval(x, ref)
@@ -500,11 +503,7 @@ def shared_launches(mode: str, T: int = 4096, skew: float = 1.0):
     mx.eval(y)
     err = (mx.abs(y.astype(mx.float32) - ref.astype(mx.float32)).max() / mx.abs(ref.astype(mx.float32)).max()).item()
     print(f"shared {mode} T={T}: max |y - block(x)| / max |block(x)| = {err:.2e}", flush=True)
-    mx.synchronize()
-    cuda.cuProfilerStart()
-    mx.eval(run())
-    mx.synchronize()
-    cuda.cuProfilerStop()
+    _profile_once(run)
     print(f"shared {mode} T={T}: profiled one call", flush=True)
 
 

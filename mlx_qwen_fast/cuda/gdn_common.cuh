@@ -81,6 +81,20 @@ __device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
   return d;
 }
 
+// MLX affine 4-bit dequantisation of one nibble pair into bf16x2: the nibbles
+// at bits 0-3 and 16-19 of `w` -> (bf16(s * q + b)) for both halves, s2 / b2 =
+// (s, s) / (b, b). The nibbles OR-ed into the mantissa of bf16 128.0 give
+// 128 + q exactly (one lop3: ptxas emits two for the C form), minus 128
+// (exact), one fma.rn.bf16x2 (one rounding, as MLX's dequantize).
+__device__ __forceinline__ unsigned dequant_nibble_pair(unsigned w, unsigned s2, unsigned b2) {
+  const unsigned magic = 0x43004300u;  // bf16x2 (128, 128)
+  unsigned m, q, r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(m) : "r"(w), "r"(0x000F000Fu), "r"(magic));  // (w & b) | c
+  asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(q) : "r"(m), "r"(magic));
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(q), "r"(s2), "r"(b2));
+  return r;
+}
+
 __device__ __forceinline__ void unpack_bf16x2(unsigned w, float& lo, float& hi) {
   lo = __uint_as_float(w << 16);
   hi = __uint_as_float(w & 0xffff0000u);

@@ -55,15 +55,8 @@ __device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a1, uns
 // One packed word -> 4 bf16x2: out[j] = (w of nibble j, w of nibble j + 4),
 // w = bf16(s * q + b); s2, b2 = (s, s), (b, b).
 __device__ __forceinline__ void dequant_word(unsigned word, unsigned s2, unsigned b2, unsigned* out) {
-  const unsigned magic = 0x43004300u;  // bf16x2 (128, 128)
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    unsigned m, q, w;  // m = (nibbles & 0x000F000F) | magic: one lop3 (ptxas emits two for the C form)
-    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(m) : "r"(word >> (4 * j)), "r"(0x000F000Fu), "r"(magic));
-    asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(q) : "r"(m), "r"(magic));  // exact
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(w) : "r"(q), "r"(s2), "r"(b2));
-    out[j] = w;
-  }
+  for (int j = 0; j < 4; ++j) out[j] = dequant_nibble_pair(word >> (4 * j), s2, b2);
 }
 
 // 8 consecutive bf16 -> pairs (0,4), (1,5), (2,6), (3,7).

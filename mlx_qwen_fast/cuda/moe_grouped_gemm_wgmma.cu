@@ -187,17 +187,6 @@ __device__ __forceinline__ unsigned long long sw128_desc(unsigned addr) {
   return (unsigned long long)((addr & 0x3FFFFu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
 
-// One bf16x2 A register: nibbles (a, a + 4) of `word` -> bf16(s * q + b).
-template <int A>
-__device__ __forceinline__ unsigned dq_pair(unsigned word, unsigned s2, unsigned b2) {
-  const unsigned magic = 0x43004300u;  // bf16x2 (128, 128)
-  unsigned m, q, r;  // m = (nibbles & 0x000F000F) | magic = bf16x2 128 + q, exact; one lop3
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(m) : "r"(word >> (4 * A)), "r"(0x000F000Fu), "r"(magic));
-  asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(q) : "r"(m), "r"(magic));
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(q), "r"(s2), "r"(b2));
-  return r;
-}
-
 __device__ __forceinline__ unsigned word_of_rt(const uint4& v, int i) {  // i a compile-time constant after unrolling
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
@@ -351,15 +340,15 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
         // k16 step st: word st/2 of each row, nibble pairs 2(st%2) (slots 2q, 2q+1) and 2(st%2)+1 (2q+8, 2q+9)
         const unsigned w_lo = word_of_rt(use.w[m][0], st >> 1), w_hi = word_of_rt(use.w[m][1], st >> 1);
         if (st & 1) {
-          a[m][0] = dq_pair<2>(w_lo, s2[m][0], b2[m][0]);
-          a[m][1] = dq_pair<2>(w_hi, s2[m][1], b2[m][1]);
-          a[m][2] = dq_pair<3>(w_lo, s2[m][0], b2[m][0]);
-          a[m][3] = dq_pair<3>(w_hi, s2[m][1], b2[m][1]);
+          a[m][0] = dequant_nibble_pair(w_lo >> 8, s2[m][0], b2[m][0]);
+          a[m][1] = dequant_nibble_pair(w_hi >> 8, s2[m][1], b2[m][1]);
+          a[m][2] = dequant_nibble_pair(w_lo >> 12, s2[m][0], b2[m][0]);
+          a[m][3] = dequant_nibble_pair(w_hi >> 12, s2[m][1], b2[m][1]);
         } else {
-          a[m][0] = dq_pair<0>(w_lo, s2[m][0], b2[m][0]);
-          a[m][1] = dq_pair<0>(w_hi, s2[m][1], b2[m][1]);
-          a[m][2] = dq_pair<1>(w_lo, s2[m][0], b2[m][0]);
-          a[m][3] = dq_pair<1>(w_hi, s2[m][1], b2[m][1]);
+          a[m][0] = dequant_nibble_pair(w_lo, s2[m][0], b2[m][0]);
+          a[m][1] = dequant_nibble_pair(w_hi, s2[m][1], b2[m][1]);
+          a[m][2] = dequant_nibble_pair(w_lo >> 4, s2[m][0], b2[m][0]);
+          a[m][3] = dequant_nibble_pair(w_hi >> 4, s2[m][1], b2[m][1]);
         }
       }
       const unsigned long long desc = sw128_desc(slot + (unsigned)((st >> 2) * ATOM + (st & 3) * 32));

@@ -200,6 +200,11 @@ def _check_params(conv_weight, conv_state, A_log, dt_bias, norm_weight, state, B
             raise ValueError(f"{name} must have shape [{Hv}] (float), got {t.dtype} {tuple(t.shape)}")
     if norm_weight.shape != (D,) or norm_weight.dtype not in _FLOAT:
         raise ValueError(f"norm_weight must have shape [{D}] (float), got {tuple(norm_weight.shape)}")
+    _check_states(conv_state, state, B, C, Hv)
+
+
+def _check_states(conv_state, state, B, C, Hv):
+    """Raise ValueError for a conv state or state (None allowed) outside the contract."""
     if conv_state is not None and conv_state.shape != (B, KW - 1, C):
         raise ValueError(f"conv_state must have shape [{B}, {KW - 1}, {C}], got {tuple(conv_state.shape)}")
     if state is not None and (state.shape != (B, Hv, D, D) or state.dtype != mx.float32):
@@ -320,19 +325,15 @@ def gated_delta_decode_packed(
         raise ValueError(f"params must be float32 of shape [{params_width(Hk, Hv)}] (decode_params), "
                          f"got {params.dtype} {tuple(params.shape)}")
     B, x = proj.shape[0], proj.dtype
+    _check_states(conv_state, state, B, C, Hv)
     if conv_state is None:
         conv_state = mx.zeros((B, KW - 1, C), dtype=x)
-    elif conv_state.shape != (B, KW - 1, C) or conv_state.dtype not in _FLOAT:
-        raise ValueError(f"conv_state must be a float array of shape [{B}, {KW - 1}, {C}], "
-                         f"got {conv_state.dtype} {tuple(conv_state.shape)}")
+    elif conv_state.dtype not in _FLOAT:
+        raise ValueError(f"conv_state must be a float array, got {conv_state.dtype}")
     elif conv_state.dtype != x:  # the kernel reads it in the activation dtype
         conv_state = conv_state.astype(x)
     if state is None:
         state = mx.zeros((B, Hv, D, D), dtype=mx.float32)
-    elif state.shape != (B, Hv, D, D) or state.dtype != mx.float32:
-        raise ValueError(
-            f"state must be float32 of shape [{B}, {Hv}, {D}, {D}], got {state.dtype} {tuple(state.shape)}"
-        )
     kern = _kernel(x, mx.float32, mx.float32, mx.float32, mx.float32, Hv, Hk, True)
     out, new_conv, new_state = kern(
         [proj, params, conv_state, state],
