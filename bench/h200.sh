@@ -26,6 +26,7 @@
 #   bash bench/h200.sh s10c      # tenth session: one-lop3 decode MoE dequant (tests, kernel times), decode_step rows x2
 #   bash bench/h200.sh s10d      # tenth session: the final tree's GDN decode tests (kernel, layer, CPU-side checks)
 #   bash bench/h200.sh s10e      # tenth session: ncu of the MoE block with the shared expert beside / inside the GEMMs
+#   bash bench/h200.sh s11a      # eleventh session: MLX's CUDA graphs on/off: node cost, GDN decode rows, patched decode 4K
 #   bash bench/h200.sh s9b|s9c   # ninth session: register cap and stall reasons of the wg GEMMs; the MoE block under ncu
 #   bash bench/h200.sh s8a|s8b|s8c|s8d  # eighth session: grouping kernels, ncu of one MoE-block call, graph limits, block tests
 #   bash bench/h200.sh wgmma     # wgmma MoE GEMM: its CUDA tests, chained timings vs pflv, patched 4K prefill pflv/wg (~7 min)
@@ -372,5 +373,17 @@ s10e)  # the MoE block at T=4096 with the shared expert beside the grouped GEMMs
     python3 -c "import csv,sys; r=[x for x in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('\"'))]; print(sys.argv[2], 'kernels', len(r), 'sum', round(sum(float(x['Metric Value'].replace(',', '')) for x in r), 1), r[0]['Metric Unit'] if r else '')" $M/ncu-shared-$mode.csv $mode
   done
   tar czf $OUT/s10e-logs.tgz -C $M . ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s10e}"; exit 2 ;;
+s11a)  # MLX's CUDA graphs (default) vs direct launches (MLX_USE_CUDA_GRAPHS=0): per-node host cost, the GDN
+       # decode rows (ms_steady), then patched-only decode at 4K context with graphs on, off, on, off
+  M=/tmp/s11a; mkdir -p $M
+  for g in 1 0; do MLX_USE_CUDA_GRAPHS=$g timeout 70 python3 bench/node_cost.py 30 > $M/nodecost-g$g.txt 2>&1
+    echo "graphs=$g"; grep -E "trivial|GDN|add" $M/nodecost-g$g.txt | tail -12; done
+  for g in 1 0; do MLX_USE_CUDA_GRAPHS=$g timeout 110 python3 -m bench.ops $P --ops gated_delta.decode_step,gated_delta.decode_layer \
+      --impls stock,patched,cuda-kernel-packed --max-seconds 5 --no-ceilings --out $M/ops-g$g.json > $M/ops-g$g.log 2>&1
+    echo "graphs=$g"; grep -E "^gated|rror" $M/ops-g$g.log; done
+  for g in 1 0 1 0; do MLX_USE_CUDA_GRAPHS=$g timeout 75 $AB --engines patched --decode 4k --decode-steps 32 \
+      --rounds 2 --no-ceilings --out /tmp/abg.json >> $M/ab-graphs.log 2>&1
+    echo "graphs=$g: $(grep -h "^decode .*patched ok" $M/ab-graphs.log | tail -1)"; done
+  tar czf $OUT/s11a-logs.tgz -C $M . ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s10e|s11a}"; exit 2 ;;
 esac
