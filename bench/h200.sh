@@ -27,6 +27,7 @@
 #   bash bench/h200.sh s10d      # tenth session: the final tree's GDN decode tests (kernel, layer, CPU-side checks)
 #   bash bench/h200.sh s10e      # tenth session: ncu of the MoE block with the shared expert beside / inside the GEMMs
 #   bash bench/h200.sh s11a      # eleventh session: MLX's CUDA graphs on/off: node cost, GDN decode rows, patched decode 4K
+#   bash bench/h200.sh s11b      # eleventh session: routing inside the decode MoE kernels (tests, MLX and CuPy-graph times)
 #   bash bench/h200.sh s9b|s9c   # ninth session: register cap and stall reasons of the wg GEMMs; the MoE block under ncu
 #   bash bench/h200.sh s8a|s8b|s8c|s8d  # eighth session: grouping kernels, ncu of one MoE-block call, graph limits, block tests
 #   bash bench/h200.sh wgmma     # wgmma MoE GEMM: its CUDA tests, chained timings vs pflv, patched 4K prefill pflv/wg (~7 min)
@@ -385,5 +386,12 @@ s11a)  # MLX's CUDA graphs (default) vs direct launches (MLX_USE_CUDA_GRAPHS=0):
       --rounds 2 --no-ceilings --out /tmp/abg.json >> $M/ab-graphs.log 2>&1
     echo "graphs=$g: $(grep -h "^decode .*patched ok" $M/ab-graphs.log | tail -1)"; done
   tar czf $OUT/s11a-logs.tgz -C $M . ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s10e|s11a}"; exit 2 ;;
+s11b)  # routing inside the decode MoE kernels: the decode MoE tests, then build/time/raw of bench/moe_decode_cuda.py
+  M=/tmp/s11b; mkdir -p $M; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 6"
+  timeout 240 python3 -m pytest -q $XD tests/test_cuda_moe_decode.py tests/test_cuda_moe_decode_fused.py \
+    > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt; tail -2 $M/tests.txt; grep -E "^FAILED" $M/tests.txt | head
+  timeout 240 python3 bench/moe_decode_cuda.py --sections build,time,raw --out $M/md > $M/moe-decode.txt 2>&1
+  grep -E "\[time\]|\[raw\] N=1 |\[raw\] N=4 |\[raw\] copy|rror" $M/moe-decode.txt | grep -v phases
+  tar czf $OUT/s11b-logs.tgz -C $M . ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s10e|s11a|s11b}"; exit 2 ;;
 esac
