@@ -39,36 +39,24 @@
 #endif
 typedef MDG_LT mdg_lt;
 
-// Routing of the call's N tokens from the router logits [N, E] (row-major):
-// lane p < N*K of the calling warp gets pair p = n*K + j (token n, slot j):
-// its expert my_e and routing weight my_s (-1 and 0 in the other lanes).
-// route_warp per token and the weight expression of moe_routing.cu stage 1
-// (NORM: the probability over the sum of the K selected), so the pairs are
-// bit for bit what the routing kernel writes. Every lane of the warp must
-// call it.
-template <int E, int K, int N, int NORM>
-__device__ __forceinline__ void route_pairs(const mdg_lt* __restrict__ logits, int& my_e, float& my_s) {
+// Routing of one token by one warp from its router logits row[E]: lane j < K
+// writes slot j's expert to e_out[j] and its routing weight to s_out[j]
+// (s_out may be nullptr). route_warp and the weight expression of
+// moe_routing.cu stage 1 (NORM: the probability over the sum of the K
+// selected), so the pairs are bit for bit what the routing kernel writes.
+// Every lane of the warp must call it.
+template <int E, int K, int NORM>
+__device__ __forceinline__ void route_token(const mdg_lt* __restrict__ row, int* e_out, float* s_out) {
   const int lane = threadIdx.x & 31;
-  float p[N][E / 32];
+  float p[E / 32];
 #pragma unroll
-  for (int n = 0; n < N; ++n)  // every token's loads in flight before the first selection
-#pragma unroll
-    for (int i = 0; i < E / 32; ++i) p[n][i] = to_f(logits[(size_t)n * E + i * 32 + lane]);
-  my_e = -1;
-  my_s = 0.0f;
-#pragma unroll
-  for (int n = 0; n < N; ++n) {
-    int ti;
-    float tp, tot;
-    route_warp<E, K>(p[n], ti, tp, tot);
-    const float ts = NORM ? tp / tot : tp;
-    const int src = lane - n * K;  // slot of token n held by this lane, if any
-    const int ei = __shfl_sync(0xffffffffu, ti, src & 31);
-    const float si = __shfl_sync(0xffffffffu, ts, src & 31);
-    if (src >= 0 && src < K) {
-      my_e = ei;
-      my_s = si;
-    }
+  for (int i = 0; i < E / 32; ++i) p[i] = to_f(row[i * 32 + lane]);
+  int ti;
+  float tp, tot;
+  route_warp<E, K>(p, ti, tp, tot);
+  if (lane < K) {
+    e_out[lane] = ti;
+    if (s_out != nullptr) s_out[lane] = NORM ? tp / tot : tp;
   }
 }
 #endif

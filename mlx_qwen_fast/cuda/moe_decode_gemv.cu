@@ -51,11 +51,11 @@
 //
 // MDG_ROUTE 1 (both kinds): the routing is computed inside the kernel from the
 //   router logits [N, E] (MDG_LT) instead of read: input `logits` replaces
-//   inds (and, for the down kernel, scores). Every warp that needs the pairs
-//   runs route_pairs (moe_decode_common.cuh: the routing kernel's own warp
-//   code, moe_routing.cu stage 1), so both kernels see the same inds and
-//   scores as the routing kernel would write, bit for bit, and a decode step
-//   is one graph node shorter. MDG_E experts (multiple of 32, <= 1024),
+//   inds (and, for the down kernel, scores). In each CTA that needs the
+//   pairs, warp n routes token n into shared memory (route_token,
+//   moe_decode_common.cuh: the routing kernel's own warp code, moe_routing.cu
+//   stage 1), so both kernels see the inds and scores the routing kernel
+//   would write, bit for bit, and a decode step is one graph node shorter. MDG_E experts (multiple of 32, <= 1024),
 //   MDG_NORM 1: scores renormalised over the k selected.
 //
 // Build macros: KNAME, MDG_KIND, MDG_N (1..4), MDG_K (top-k, N*k <= 32),
@@ -160,13 +160,13 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
   const bool shared = item == NK;
   int e = 0;
 #if MDG_ROUTE
-  __shared__ int pair_e[NK];  // expert of each pair, for the stores below
-  int my_e = -1;
+  // warp n routes token n (pairs n*K .. n*K + K - 1) into shared memory
+  __shared__ int pair_e[NK];
   if (!shared) {
-    float my_s;
-    route_pairs<MDG_E, TOPK, N, MDG_NORM>(logits, my_e, my_s);
-    if (warp == 0 && lane < NK) pair_e[lane] = my_e;  // read after the __syncthreads below
+    if (warp < N) route_token<MDG_E, TOPK, MDG_NORM>(logits + (size_t)warp * MDG_E, pair_e + warp * TOPK, nullptr);
+    __syncthreads();  // CTA-uniform: shared depends on blockIdx only
   }
+  const int my_e = !shared && lane < NK ? pair_e[lane] : -1;
 #define PAIR_E(p) pair_e[p]
 #else
   const int my_e = lane < NK ? inds[lane] : -1;
@@ -311,9 +311,13 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
 
   // ---- distinct experts of inds, in order of first appearance (every warp) --
 #if MDG_ROUTE
-  int my_e;
-  float my_s;
-  route_pairs<MDG_E, TOPK, N, MDG_NORM>(logits, my_e, my_s);
+  // warp n routes token n (pairs n*K .. n*K + K - 1) into shared memory
+  __shared__ int pair_e[NK];
+  __shared__ float pair_s[NK];
+  if (warp < N) route_token<MDG_E, TOPK, MDG_NORM>(logits + (size_t)warp * MDG_E, pair_e + warp * TOPK, pair_s + warp * TOPK);
+  __syncthreads();
+  const int my_e = lane < NK ? pair_e[lane] : -1;
+  const float my_s = lane < NK ? pair_s[lane] : 0.0f;
 #else
   const int my_e = lane < NK ? inds[lane] : -1;
   const float my_s = lane < NK ? scores[lane] : 0.0f;
