@@ -87,14 +87,6 @@ for n in (1, 2, 3, 4):
         t = time.perf_counter(); cub = k.cubin; res[f"k{kind}_n{n}"] = time.perf_counter() - t
         names[f"k{kind}_n{n}"] = k.name
         open(f"{OUTDIR}/k{kind}_n{n}.cubin", "wb").write(cub)
-        kr = md._kernel(kind, n, 8, 2048, 512, 8, route=(256, "bf16_t", True))  # routing inside
-        t = time.perf_counter(); cub = kr.cubin; res[f"k{kind}r_n{n}"] = time.perf_counter() - t
-        names[f"k{kind}r_n{n}"] = kr.name
-        open(f"{OUTDIR}/k{kind}r_n{n}.cubin", "wb").write(cub)
-from mlx_qwen_fast.kernels import moe_routing as mr
-kt = mr._kernel(1, MOE_E=256, MOE_K=8, MOE_LT="bf16_t")
-names["route"] = kt.name
-open(f"{OUTDIR}/route.cubin", "wb").write(kt.cubin)
 from mlx_qwen_fast.kernels import moe_decode_fused as mf
 for n in (1, 2, 4):
     k = mf._kernel(n, 8, 256, 2048, 512, 8, 8, True)
@@ -232,21 +224,18 @@ def section_time(args):
             b, r = nxt()
             return md.gate_up_swiglu(xs[r].reshape(n, D), routes[r][0], *arrs[b])[0]
 
-        def step(env, route_env="1"):
+        def step(env):
             def fn():
                 os.environ[mf.FUSED_ENV] = env
-                os.environ[md.ROUTE_ENV] = route_env
                 b, r = nxt()
                 return md.moe_decode_step(blocks[b], xs[r])
             return fn
 
         for name, fn in (("stock_block", stock), ("moe_decode(router+route+2 kernels)", fused),
                          ("2 kernels (routing given)", kernels_only), ("gate_up kernel only", gate_up_only),
-                         ("step: 4 nodes, compiled", step("0", "0")),
-                         ("step: 3 nodes (routing inside), compiled", step("0", "1")),
-                         ("step: 1 launch (fused), compiled", step("1")),
-                         ("step: 4 nodes, compiled (again)", step("0", "0")),
-                         ("step: 3 nodes (routing inside), compiled (again)", step("0", "1"))):
+                         ("step: 4 nodes, compiled", step("0")), ("step: 1 launch (fused), compiled", step("1")),
+                         ("step: 4 nodes, compiled (again)", step("0")),
+                         ("step: 1 launch (fused), compiled (again)", step("1"))):
             s = timeit(fn)
             b = nbytes * (2 / 3 if "gate_up" in name else 1.0) + (ROUTER_BYTES if ("step" in name or "router" in name) else 0)
             gbs = b / s / 1e9
@@ -313,9 +302,6 @@ def section_raw(args):
         k0 = cp.RawModule(path=str(cubdir / f"k0_n{n}.cubin")).get_function(names[f"k0_n{n}"])
         k1 = cp.RawModule(path=str(cubdir / f"k1_n{n}.cubin")).get_function(names[f"k1_n{n}"])
         kf = cp.RawModule(path=str(cubdir / f"fused_n{n}.cubin")).get_function(names[f"fused_n{n}"])
-        k0r = cp.RawModule(path=str(cubdir / f"k0r_n{n}.cubin")).get_function(names[f"k0r_n{n}"])
-        k1r = cp.RawModule(path=str(cubdir / f"k1r_n{n}.cubin")).get_function(names[f"k1r_n{n}"])
-        krt = cp.RawModule(path=str(cubdir / "route.cubin")).get_function(names["route"])
         smf = mf.smem_bytes(n, K, D, I)
         for fn in (kf,):
             _set_smem(cp, fn, smf)
@@ -323,9 +309,6 @@ def section_raw(args):
         xs = [bf16_bits(rng.standard_normal((n, D))) for _ in range(R)]
         inds = [cp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(n)]).astype(np.int32)) for _ in range(R)]
         sc = [cp.full((n, K), 1.0 / K, dtype=cp.float32) for _ in range(R)]
-        lg = [bf16_bits(rng.standard_normal((n, E)) * 2.0) for _ in range(R)]  # router logits
-        ri = [cp.empty((n, K), dtype=cp.int32) for _ in range(R)]  # the routing kernel's outputs
-        rs = [cp.empty((n, K), dtype=cp.float32) for _ in range(R)]
         hs = [cp.empty((n * K + n, I), dtype=cp.uint16) for _ in range(R)]
         sgs = [cp.empty((n,), dtype=cp.float32) for _ in range(R)]
         ys = [cp.empty((n, D), dtype=cp.uint16) for _ in range(R)]
@@ -341,23 +324,13 @@ def section_raw(args):
                    (xs[r], inds[r], *ly["g"], *ly["u"], *ly["sg"], *ly["su"], ly["gw"], ly["gs"], ly["gb"], hs[r], sgs[r]))
             if which in ("both", "k1"):
                 k1(((D // 16), 1, 1), (256, 1, 1), (hs[r], inds[r], sc[r], sgs[r], *ly["d"], *ly["sd"], ys[r]))
-            if which == "route+both":  # routing kernel, then the two kernels on its pairs
-                krt((1, 1, 1), (256, 1, 1), (lg[r], ri[r], rs[r], cp.int32(n), cp.int32(1)))
-                k0(((I // 16), n * K + 2, 1), (256, 1, 1),
-                   (xs[r], ri[r], *ly["g"], *ly["u"], *ly["sg"], *ly["su"], ly["gw"], ly["gs"], ly["gb"], hs[r], sgs[r]))
-                k1(((D // 16), 1, 1), (256, 1, 1), (hs[r], ri[r], rs[r], sgs[r], *ly["d"], *ly["sd"], ys[r]))
-            if which == "routed":  # the two kernels routing from the logits themselves
-                k0r(((I // 16), n * K + 2, 1), (256, 1, 1),
-                    (xs[r], lg[r], *ly["g"], *ly["u"], *ly["sg"], *ly["su"], ly["gw"], ly["gs"], ly["gb"], hs[r], sgs[r]))
-                k1r(((D // 16), 1, 1), (256, 1, 1), (hs[r], lg[r], sgs[r], *ly["d"], *ly["sd"], ys[r]))
             if which == "fused":
                 kf((G, 1, 1), (256, 1, 1), (xs[r], *ly["r"], *ly["g"], *ly["u"], *ly["d"], *ly["sg"], *ly["su"],
                                             *ly["sd"], ly["gw"], ly["gs"], ly["gb"], sync, ys[r], *fo[r], hs[r], sgs[r]),
                    shared_mem=smf)
 
         stream = cp.cuda.Stream(non_blocking=True)
-        for which, frac in (("both", 1.0), ("k0", 2 / 3), ("k1", 1 / 3), ("route+both", 1.0), ("routed", 1.0),
-                            ("fused", 1.0), ("route+both", 1.0), ("routed", 1.0)):
+        for which, frac in (("both", 1.0), ("k0", 2 / 3), ("k1", 1 / 3), ("fused", 1.0), ("both", 1.0), ("fused", 1.0)):
             with stream:
                 for r in range(R):
                     launch("both", r)  # warm-up, and h / sgate for k1 alone

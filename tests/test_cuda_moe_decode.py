@@ -315,68 +315,6 @@ def test_kernels_expert_repeated_within_token(poison):
     assert rel(y, y_ref) < 2 * BF16_EPS
 
 
-def _logits(n, E, seed, dtype, ties=False):
-    """Router-like logits; ``ties``: small integers, so that many probabilities tie exactly."""
-    rng = np.random.default_rng(seed)
-    if ties:
-        v = rng.integers(-2, 3, size=(n, E)).astype(np.float32)
-    else:
-        v = (rng.standard_normal((n, E)) * 2.0).astype(np.float32)
-    return mx.array(v).astype(dtype)
-
-
-@cuda
-@needs_cuda
-@pytest.mark.parametrize(
-    "n,k,E,dtype,normalize,ties",
-    [
-        (1, 8, 256, mx.bfloat16, True, False),
-        (2, 8, 64, mx.float32, False, False),
-        (3, 8, 64, mx.float16, True, True),
-        (4, 8, 256, mx.bfloat16, True, True),
-        (1, 32, 64, mx.bfloat16, True, False),  # N*k = 32: every lane a pair
-        (2, 16, 32, mx.float32, True, True),
-    ],
-)
-def test_routing_inside_equals_routing_kernel(poison, n, k, E, dtype, normalize, ties):
-    """The kernels' routing builds (:func:`moe_decode_logits`) give the bits of the
-    routing kernel + the two kernels on its pairs, ties included (same warp code)."""
-    from mlx_qwen_fast.kernels import moe_routing as mr
-
-    seed = 1000 + 10 * n + k
-    experts, shared, eg = make_arrays(E, 2048, 512, seed=seed)
-    x = x_tokens(n, 2048, seed + 1)
-    logits = _logits(n, E, seed + 2, dtype, ties=ties)
-    got = md.moe_decode_logits(x, logits, k, experts, shared, eg, normalize=normalize)
-    inds, scores = mr.route(logits, k, normalize=normalize)
-    want = md.moe_decode_arrays(x, inds, scores, experts, shared, eg)
-    mx.eval(got, want)
-    assert got.shape == (n, 2048) and got.dtype == mx.bfloat16 and finite(got)
-    assert mx.array_equal(got, want).item()
-    assert rel(got, md.reference(x, inds, scores, experts, shared, eg)[2]) < 2 * BF16_EPS
-
-
-def test_moe_decode_logits_argument_errors():
-    """Bad logits / top_k are named before anything is compiled (any backend)."""
-    experts, shared, eg = make_arrays(32, 256, 128, seed=5)
-    x = mx.zeros((2, 256), mx.bfloat16)
-    ok = mx.zeros((2, 32), mx.float32)
-    with pytest.raises(ValueError, match="logits"):
-        md.moe_decode_logits(x, mx.zeros((2, 33), mx.float32), 8, experts, shared, eg)  # E not a multiple of 32
-    with pytest.raises(ValueError, match="logits"):
-        md.moe_decode_logits(x, mx.zeros((3, 32), mx.float32), 8, experts, shared, eg)  # N differs from x
-    with pytest.raises(ValueError, match="logits"):
-        md.moe_decode_logits(x, mx.zeros((2, 32), mx.int32), 8, experts, shared, eg)  # not a float type
-    with pytest.raises(ValueError, match="E=32"):
-        md.moe_decode_logits(x, mx.zeros((2, 64), mx.float32), 8, experts, shared, eg)  # experts' E is 32
-    with pytest.raises(ValueError, match="top_k"):
-        md.moe_decode_logits(x, ok, 8.0, experts, shared, eg)
-    with pytest.raises(ValueError, match="N\\*k"):
-        md.moe_decode_logits(x, ok, 17, experts, shared, eg)  # 2 * 17 pairs > 32
-    with pytest.raises(ValueError, match="x must"):
-        md.moe_decode_logits(x.astype(mx.float32), ok, 8, experts, shared, eg)
-
-
 @cuda
 @needs_cuda
 @pytest.mark.parametrize("n", [1, 4])
@@ -404,18 +342,14 @@ def test_moe_decode_block_vs_ops_and_stock(poison, n):
 
 @cuda
 @needs_cuda
-@pytest.mark.parametrize("route_inside", ["1", "0"])
 @pytest.mark.parametrize("n", [1, 2, 4])
-def test_moe_decode_step_compiled_equals_eager(poison, n, route_inside, monkeypatch):
-    """The mx.compile'd step = the eager launches of :func:`moe_decode`, bit
-    for bit, for several layers through one trace, with the routing inside the
-    two kernels (three nodes, the default) or the routing kernel between them
-    (four); a replaced weight is read. (The opt-in one-launch step:
-    test_cuda_moe_decode_fused.py.)"""
+def test_moe_decode_step_compiled_equals_eager(poison, n, monkeypatch):
+    """The mx.compile'd four-node step (the default) = the eager launches, bit
+    for bit, for several layers through one trace; a replaced weight is read.
+    (The opt-in one-launch step: test_cuda_moe_decode_fused.py.)"""
     from mlx_qwen_fast.kernels import moe_decode_fused as mf
 
     monkeypatch.delenv(mf.FUSED_ENV, raising=False)
-    monkeypatch.setenv(md.ROUTE_ENV, route_inside)
     blocks = [moe_blocks.make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=s) for s in (3, 4)]
     for i, block in enumerate(blocks):
         x = (mx.random.normal((1, n, 256), key=mx.random.key(10 * n + i)) * 1.5).astype(mx.bfloat16)

@@ -22,44 +22,6 @@
 #ifndef MDG_SGB
 #define MDG_SGB 8
 #endif
-#ifndef MDG_ROUTE
-#define MDG_ROUTE 0
-#endif
-
-#if MDG_ROUTE
-#include "moe_route_common.cuh"
-#ifndef MDG_E
-#define MDG_E 256
-#endif
-#ifndef MDG_LT
-#define MDG_LT bf16_t
-#endif
-#ifndef MDG_NORM
-#define MDG_NORM 1
-#endif
-typedef MDG_LT mdg_lt;
-
-// Routing of one token by one warp from its router logits row[E]: lane j < K
-// writes slot j's expert to e_out[j] and its routing weight to s_out[j]
-// (s_out may be nullptr). route_warp and the weight expression of
-// moe_routing.cu stage 1 (NORM: the probability over the sum of the K
-// selected), so the pairs are bit for bit what the routing kernel writes.
-// Every lane of the warp must call it.
-template <int E, int K, int NORM>
-__device__ __forceinline__ void route_token(const mdg_lt* __restrict__ row, int* e_out, float* s_out) {
-  const int lane = threadIdx.x & 31;
-  float p[E / 32];
-#pragma unroll
-  for (int i = 0; i < E / 32; ++i) p[i] = to_f(row[i * 32 + lane]);
-  int ti;
-  float tp, tot;
-  route_warp<E, K>(p, ti, tp, tot);
-  if (lane < K) {
-    e_out[lane] = ti;
-    if (s_out != nullptr) s_out[lane] = NORM ? tp / tot : tp;
-  }
-}
-#endif
 
 __device__ __forceinline__ uint4 ldg_stream16(const void* p) {
   uint4 r;

@@ -49,18 +49,8 @@
 //   float, wd, sd, bd (routed [E, D, I/8] / [E, D, I/64]), xwd, xsd, xbd
 //   (shared [D, I/8] / [D, I/64]); output y [N, D] MDG_YT.
 //
-// MDG_ROUTE 1 (both kinds): the routing is computed inside the kernel from the
-//   router logits [N, E] (MDG_LT) instead of read: input `logits` replaces
-//   inds (and, for the down kernel, scores). In each CTA that needs the
-//   pairs, warp n routes token n into shared memory (route_token,
-//   moe_decode_common.cuh: the routing kernel's own warp code, moe_routing.cu
-//   stage 1), so both kernels see the inds and scores the routing kernel
-//   would write, bit for bit, and a decode step is one graph node shorter. MDG_E experts (multiple of 32, <= 1024),
-//   MDG_NORM 1: scores renormalised over the k selected.
-//
 // Build macros: KNAME, MDG_KIND, MDG_N (1..4), MDG_K (top-k, N*k <= 32),
-// MDG_D, MDG_I (D % 256 == 0, I % 128 == 0), MDG_SGB (4, 8, 16), MDG_YT,
-// MDG_ROUTE (0, 1), MDG_E, MDG_LT, MDG_NORM (MDG_ROUTE 1).
+// MDG_D, MDG_I (D % 256 == 0, I % 128 == 0), MDG_SGB (4, 8, 16), MDG_YT.
 #include "moe_decode_common.cuh"
 
 #ifndef MDG_YT
@@ -91,11 +81,7 @@ constexpr int KG = D / 64;    // groups per row
 
 extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
     const bf16_t* __restrict__ x,
-#if MDG_ROUTE
-    const mdg_lt* __restrict__ logits,
-#else
     const int* __restrict__ inds,
-#endif
     const unsigned* __restrict__ wg, const bf16_t* __restrict__ sg, const bf16_t* __restrict__ bg,
     const unsigned* __restrict__ wu, const bf16_t* __restrict__ su, const bf16_t* __restrict__ bu,
     const unsigned* __restrict__ xwg, const bf16_t* __restrict__ xsg, const bf16_t* __restrict__ xbg,
@@ -159,19 +145,7 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
   // ---- which expert ---------------------------------------------------------
   const bool shared = item == NK;
   int e = 0;
-#if MDG_ROUTE
-  // warp n routes token n (pairs n*K .. n*K + K - 1) into shared memory
-  __shared__ int pair_e[NK];
-  if (!shared) {
-    if (warp < N) route_token<MDG_E, TOPK, MDG_NORM>(logits + (size_t)warp * MDG_E, pair_e + warp * TOPK, nullptr);
-    __syncthreads();  // CTA-uniform: shared depends on blockIdx only
-  }
-  const int my_e = !shared && lane < NK ? pair_e[lane] : -1;
-#define PAIR_E(p) pair_e[p]
-#else
   const int my_e = lane < NK ? inds[lane] : -1;
-#define PAIR_E(p) inds[p]
-#endif
   if (!shared) {
     e = __shfl_sync(0xffffffffu, my_e, item);
     const unsigned dup = __ballot_sync(0xffffffffu, lane < item && my_e == e);
@@ -268,7 +242,7 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
       // twice gets both rows: down_combine reads the first)
 #pragma unroll
       for (int j = 0; j < TOPK; ++j)
-        if (PAIR_E(n * TOPK + j) == e) h[(size_t)(n * TOPK + j) * I + row0 + r] = hv;
+        if (inds[n * TOPK + j] == e) h[(size_t)(n * TOPK + j) * I + row0 + r] = hv;
     }
   }
 }
@@ -291,12 +265,8 @@ struct ItemRegs {
 
 extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     const bf16_t* __restrict__ hin,
-#if MDG_ROUTE
-    const mdg_lt* __restrict__ logits,
-#else
     const int* __restrict__ inds,
     const float* __restrict__ scores,
-#endif
     const float* __restrict__ sgate,
     const unsigned* __restrict__ wd, const bf16_t* __restrict__ sd, const bf16_t* __restrict__ bd,
     const unsigned* __restrict__ xwd, const bf16_t* __restrict__ xsd, const bf16_t* __restrict__ xbd,
@@ -310,18 +280,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
   const int g = lane >> 2, t = lane & 3;
 
   // ---- distinct experts of inds, in order of first appearance (every warp) --
-#if MDG_ROUTE
-  // warp n routes token n (pairs n*K .. n*K + K - 1) into shared memory
-  __shared__ int pair_e[NK];
-  __shared__ float pair_s[NK];
-  if (warp < N) route_token<MDG_E, TOPK, MDG_NORM>(logits + (size_t)warp * MDG_E, pair_e + warp * TOPK, pair_s + warp * TOPK);
-  __syncthreads();
-  const int my_e = lane < NK ? pair_e[lane] : -1;
-  const float my_s = lane < NK ? pair_s[lane] : 0.0f;
-#else
   const int my_e = lane < NK ? inds[lane] : -1;
   const float my_s = lane < NK ? scores[lane] : 0.0f;
-#endif
   bool first = lane < NK;
   for (int q = 0; q < NK; ++q) {
     const int eq = __shfl_sync(0xffffffffu, my_e, q);

@@ -17,12 +17,6 @@ Replaces, for decode-sized calls, the three ``mx.gather_qmm`` of mlx-lm's
   sigmoid gate), summed in fp32 in a fixed order (no atomics: deterministic)
   and stored in bf16: the MoE block's output ``y [N, D]``.
 
-Both kernels also come in a build that takes the router logits instead of
-the routing (:func:`moe_decode_logits`): each computes the routing itself with
-the routing kernel's warp code, so the compiled decode step
-(:func:`moe_decode_step`) is three graph nodes (router matmul, gate+up, down)
-instead of four.
-
 A pair whose expert another token of the call also picked is computed once
 (the weights are read once per call and per expert). Grids: gate+up
 ``(I/16) x (N*k + 2)`` CTAs of 256 threads, down ``D/16`` CTAs.
@@ -67,8 +61,6 @@ __all__ = [
     "moe_decode",
     "moe_decode_step",
     "moe_decode_arrays",
-    "moe_decode_logits",
-    "route_inside_enabled",
     "gate_up_swiglu",
     "down_combine",
     "supports",
@@ -80,7 +72,6 @@ __all__ = [
 ]
 
 MAX_TOKENS = 4
-ROUTE_ENV = "MLX_QWEN_FAST_MOE_DECODE_ROUTE"
 NT = 256  # threads per CTA
 RB = 16  # weight rows per CTA
 SMEM_LIMIT = 46 * 1024  # static shared memory of the down kernel
@@ -266,11 +257,8 @@ def _plan_shapes(block, x) -> Optional[tuple]:
 # ---------------------------------------------------------------------------
 
 
-def _kernel(kind: int, n: int, k: int, D: int, I: int, sgb: int = 8, yt: str = "bf16_t",
-            route: Optional[Tuple[int, str, bool]] = None) -> cb.CudaKernel:
-    """The gate+up (kind 0) or down (kind 1) build; ``route = (E, logit type
-    macro, normalize)``: the build that routes from the logits itself."""
-    key = (kind, n, k, D, I, sgb, yt, route)
+def _kernel(kind: int, n: int, k: int, D: int, I: int, sgb: int = 8, yt: str = "bf16_t") -> cb.CudaKernel:
+    key = (kind, n, k, D, I, sgb, yt)
     kern = _kernels.get(key)
     if kern is None:
         defs = dict(MDG_KIND=kind, MDG_N=n, MDG_K=k, MDG_D=D, MDG_I=I)
@@ -278,23 +266,11 @@ def _kernel(kind: int, n: int, k: int, D: int, I: int, sgb: int = 8, yt: str = "
             defs["MDG_SGB"] = sgb
         else:
             defs["MDG_YT"] = yt
-        if route is not None:
-            defs.update(MDG_ROUTE=1, MDG_E=route[0], MDG_LT=route[1], MDG_NORM=int(bool(route[2])))
         kern = cb.CudaKernel(
             "moe_decode_gemv.cu", "mqf_moe_dec_gate_up" if kind == 0 else "mqf_moe_dec_down", defs
         )
         _kernels[key] = kern
     return kern
-
-
-def route_inside_enabled() -> bool:
-    """Whether the compiled decode step routes inside the two MoE kernels
-    (three graph nodes: router matmul, gate+up, down) instead of running the
-    routing kernel between them (four). ``MLX_QWEN_FAST_MOE_DECODE_ROUTE=0``
-    keeps the routing kernel; both give the same bits."""
-    import os
-
-    return os.environ.get(ROUTE_ENV, "1") != "0"
 
 
 def _check(fn: str, problem: Optional[str]):
@@ -437,84 +413,6 @@ def _launch_both(x, inds, scores, experts, shared, expert_gate):
     return _launch_down(h, inds, scores, sgate, experts[2], shared[2])
 
 
-def _launch_both_routed(x, logits, top_k, normalize, experts, shared, expert_gate):
-    """:func:`moe_decode_logits` on arguments already checked: the two
-    kernels' routing builds (x ``[..., D]``, logits ``[..., E]``; y shaped as x)."""
-    D = x.shape[-1]
-    n, E = x.size // D, logits.shape[-1]
-    (wg, sg, bg), (wu, su, bu), down = experts
-    I = wg.shape[1]
-    (xwg, xsg, xbg), (xwu, xsu, xbu), shared_down = shared
-    gw, gs, gb, bits = expert_gate
-    route = (E, cb.dtype_macro(logits.dtype), bool(normalize))
-    nk = n * top_k
-    h, sgate = _kernel(0, n, top_k, D, I, int(bits), route=route)(
-        inputs=[x, logits, wg, sg, bg, wu, su, bu, xwg, xsg, xbg, xwu, xsu, xbu, gw, gs, gb],
-        output_shapes=[(nk + n, I), (n,)],
-        output_dtypes=[mx.bfloat16, mx.float32],
-        grid=((I // RB) * NT, nk + 2, 1),
-        threadgroup=(NT, 1, 1),
-    )
-    (y,) = _kernel(1, n, top_k, D, I, route=route)(
-        inputs=[h, logits, sgate, *down, *shared_down],
-        output_shapes=[tuple(x.shape)],
-        output_dtypes=[mx.bfloat16],
-        grid=((D // RB) * NT, 1, 1),
-        threadgroup=(NT, 1, 1),
-    )
-    return y
-
-
-def moe_decode_logits(
-    x: mx.array, logits: mx.array, top_k: int, experts: Sequence, shared: Sequence, expert_gate: Sequence,
-    *, normalize: bool = True,
-) -> mx.array:
-    """The MoE block's output from the router logits, routing inside the two kernels.
-
-    The same result as ``moe_decode_arrays(x, *route(logits, top_k,
-    normalize=normalize), ...)`` bit for bit (:func:`.moe_routing.route`'s
-    fp32 softmax, top-k and renormalisation, run by every warp that needs the
-    pairs, with the routing kernel's own warp code), in two launches instead
-    of three: the routing kernel's graph node (and its launch) is saved.
-
-    Args:
-        x: ``[N, D]`` bfloat16, 1 <= N <= 4, D % 256 == 0.
-        logits: ``[N, E]`` float32/bfloat16/float16 router outputs, E the
-            experts' count (a multiple of 32, at most 1024).
-        top_k: experts per token, ``1 <= top_k <= min(32, E)``, N*top_k <= 32.
-        experts, shared, expert_gate: as :func:`gate_up_swiglu`.
-        normalize: divide the k probabilities by their sum (``norm_topk_prob``).
-
-    Returns:
-        ``[N, D]`` bfloat16.
-
-    Raises:
-        ValueError: a shape/dtype the kernels do not take (named).
-    """
-    from . import moe_routing as mr
-
-    if not (isinstance(top_k, int) and not isinstance(top_k, bool)):
-        raise ValueError(f"moe_decode_logits: top_k must be an int, got {top_k!r}")
-    if not isinstance(x, mx.array) or x.ndim != 2:
-        raise ValueError(f"moe_decode_logits: x must be bfloat16 [N, D], got {tuple(getattr(x, 'shape', ()))}")
-    n = x.shape[0]
-    if not mr._shape_ok(logits, top_k) or logits.ndim != 2 or logits.shape[0] != n:
-        got = f"{logits.dtype} {tuple(logits.shape)}" if isinstance(logits, mx.array) else type(logits).__name__
-        raise ValueError(
-            f"moe_decode_logits: logits must be float32/bfloat16/float16 [N={n}, E] with E a multiple of 32 "
-            f"(<= 1024) and top_k in [1, min(32, E)], got logits {got}, top_k={top_k}"
-        )
-    try:
-        E = experts[0][0].shape[0]
-    except (TypeError, IndexError, AttributeError):
-        raise ValueError("moe_decode_logits: experts must be (gate, up, down), each (weight, scales, biases)") from None
-    if logits.shape[1] != E:
-        raise ValueError(f"moe_decode_logits: logits must have E={E} columns (the experts'), got {logits.shape[1]}")
-    inds = mx.zeros((n, top_k), mx.int32)  # shape only, never evaluated
-    _check("moe_decode_logits", _shape_problem(x, inds, None, experts, shared, expert_gate))
-    return _launch_both_routed(x, logits, top_k, normalize, experts, shared, expert_gate)
-
-
 def moe_decode(block, x: mx.array, arrays: Optional[tuple] = None) -> mx.array:
     """``Qwen3NextSparseMoeBlock(x)`` for 1..4 tokens: router, routing kernel, two MoE kernels.
 
@@ -583,19 +481,15 @@ def _step_plan(block, x):
         paths = tuple(("gate", n) for n in ("weight", "scales", "biases")) + _EXPERT_PATHS + gate
         return paths, (_compiled_fused_step(block.top_k, block.norm_topk_prob, bits, cb.sm_count()), True)
     paths = linear_paths(("gate",), router) + _EXPERT_PATHS + gate
-    step = _compiled_step(block.top_k, block.norm_topk_prob, router[1], len(router[0]), bits, route_inside_enabled())
-    return paths, (step, False)
+    return paths, (_compiled_step(block.top_k, block.norm_topk_prob, router[1], len(router[0]), bits), False)
 
 
 _steps: Dict[tuple, object] = {}
 
 
-def _compiled_step(top_k: int, normalize: bool, router_static: tuple, n_router: int, gate_bits: int,
-                   route_inside: bool = True):
-    """The ``mx.compile``d decode step for one static setting (shared by all layers):
-    router matmul, then the two kernels routing from its logits (``route_inside``)
-    or the routing kernel and the two kernels on its pairs."""
-    key = (top_k, bool(normalize), router_static, n_router, gate_bits, bool(route_inside))
+def _compiled_step(top_k: int, normalize: bool, router_static: tuple, n_router: int, gate_bits: int):
+    """The ``mx.compile``d decode step for one static setting (shared by all layers)."""
+    key = (top_k, bool(normalize), router_static, n_router, gate_bits)
     fn = _steps.get(key)
     if fn is None:
         from ..compiled import apply_linear
@@ -603,13 +497,10 @@ def _compiled_step(top_k: int, normalize: bool, router_static: tuple, n_router: 
 
         def step(x, *arrays):
             logits = apply_linear(x, arrays[:n_router], router_static)
+            inds, scores = mr.route(logits, top_k, normalize=normalize)
             a = arrays[n_router:]
             experts, shared = (a[0:3], a[3:6], a[6:9]), (a[9:12], a[12:15], a[15:18])
-            eg = (a[18], a[19], a[20], gate_bits)
-            if route_inside:
-                return _launch_both_routed(x, logits, top_k, normalize, experts, shared, eg)
-            inds, scores = mr.route(logits, top_k, normalize=normalize)
-            return _launch_both(x, inds, scores, experts, shared, eg)
+            return _launch_both(x, inds, scores, experts, shared, (a[18], a[19], a[20], gate_bits))
 
         fn = _steps[key] = mx.compile(step)
     return fn
@@ -645,11 +536,8 @@ def block_sync(block) -> mx.array:
 def moe_decode_step(block, x: mx.array) -> Optional[mx.array]:
     """The block's decode step traced once with ``mx.compile``, or None where it does not apply.
 
-    By default the computation of :func:`moe_decode` (the same bits) in three
-    graph nodes: the router matmul and the two kernels' routing builds
-    (:func:`moe_decode_logits`; ``MLX_QWEN_FAST_MOE_DECODE_ROUTE=0``: the
-    routing kernel between them, four nodes); with
-    ``MLX_QWEN_FAST_MOE_DECODE_FUSED=1`` one launch
+    By default the computation of :func:`moe_decode` (same kernels, bit for
+    bit); with ``MLX_QWEN_FAST_MOE_DECODE_FUSED=1`` one launch
     (:func:`.moe_decode_fused.moe_decode_fused`) where the router is 4/8-bit
     group 64. The block's arrays are inputs of the compiled function, so one trace
     per token count serves every layer. The :func:`plan` checks run once per
@@ -668,7 +556,7 @@ def moe_decode_step(block, x: mx.array) -> Optional[mx.array]:
     from ..compiled import StepPlans
     from . import moe_decode_fused as mf
 
-    key = (tuple(x.shape), x.dtype, mf.fused_enabled(), route_inside_enabled())
+    key = (tuple(x.shape), x.dtype, mf.fused_enabled())
     arrays, p = StepPlans.of(block).get(key, block, lambda: _step_plan(block, x))
     if p is None:
         return None
