@@ -28,6 +28,7 @@
 #   bash bench/h200.sh s10e      # tenth session: ncu of the MoE block with the shared expert beside / inside the GEMMs
 #   bash bench/h200.sh s11a      # eleventh session: MLX's CUDA graphs on/off: node cost, GDN decode rows, patched decode 4K
 #   bash bench/h200.sh s11b      # eleventh session: routing inside the decode MoE kernels (tests, MLX and CuPy-graph times)
+#   bash bench/h200.sh s11c      # eleventh session: shared expert through the wg kernels (tests, ncu of the block with/without)
 #   bash bench/h200.sh s9b|s9c   # ninth session: register cap and stall reasons of the wg GEMMs; the MoE block under ncu
 #   bash bench/h200.sh s8a|s8b|s8c|s8d  # eighth session: grouping kernels, ncu of one MoE-block call, graph limits, block tests
 #   bash bench/h200.sh wgmma     # wgmma MoE GEMM: its CUDA tests, chained timings vs pflv, patched 4K prefill pflv/wg (~7 min)
@@ -48,6 +49,22 @@ NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -
 # ncu_table CSV [WIDTH]: "ID kernel-name GPU-time" per row of an `ncu --csv` metrics file.
 ncu_table() {
   python3 -c "import csv,sys; [print(r['ID'], r['Kernel Name'][:int(sys.argv[2])], r['Metric Value']) for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('\"'))]" "$1" "${2:-70}"
+}
+# ncu_calls CSV: split an `ncu --csv` GPU-time file into calls (a call starts at each kernel named as the
+# first one, e.g. the router matmul of a MoE block) and print each call's kernel count and total in us
+ncu_calls() {
+  python3 -c "
+import csv, sys
+rows = [r for r in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('\"'))]
+scale = {'nsecond': 1e-3, 'ns': 1e-3, 'usecond': 1.0, 'us': 1.0, 'msecond': 1e3, 'ms': 1e3}
+calls = []
+for r in rows:
+    if not calls or r['Kernel Name'] == rows[0]['Kernel Name']:
+        calls.append([])
+    calls[-1].append((r['Kernel Name'][:48], float(r['Metric Value'].replace(',', '')) * scale.get(r['Metric Unit'], 1.0)))
+for i, c in enumerate(calls):
+    print(f'call {i}: {len(c)} kernels, {sum(t for _, t in c):.1f} us;', '; '.join(f'{n[:28]} {t:.1f}' for n, t in c))
+" "$1"
 }
 # ncu_block: GPU time of every kernel of one patched MoE-block call (T=4096, then T=1) -> $OUT/ncu-block.csv
 ncu_block() {
@@ -393,5 +410,17 @@ s11b)  # routing inside the decode MoE kernels: the decode MoE tests, then build
   timeout 240 python3 bench/moe_decode_cuda.py --sections build,time,raw --out $M/md > $M/moe-decode.txt 2>&1
   grep -E "\[time\]|\[raw\] N=1 |\[raw\] N=4 |\[raw\] copy|rror" $M/moe-decode.txt | grep -v phases
   tar czf $OUT/s11b-logs.tgz -C $M . ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s10e|s11a|s11b}"; exit 2 ;;
+s11c)  # the shared expert as a one-expert group of the wg kernels: its tests, then ncu GPU time of one
+       # patched MoE-block call at T=4096, 2048, 1024 with it (MLX_QWEN_FAST_MOE_SHARED_GEMM=1) and without (0)
+  M=/tmp/s11c; mkdir -p $M; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 6"
+  timeout 200 python3 -m pytest -q $XD tests/test_cuda_moe.py -k "single_expert or shared or block_cuda or moe_experts" \
+    > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt; tail -2 $M/tests.txt; grep -E "^FAILED|Error" $M/tests.txt | head -8
+  for g in 1 0; do
+    MLX_QWEN_FAST_MOE_SHARED_GEMM=$g timeout 150 $NCU --clock-control none --profile-from-start off \
+      --metrics gpu__time_duration.sum --csv python3 bench/profile_kernels.py block 4096,2048,1024 \
+      > $M/ncu-block-g$g.csv 2>$M/ncu-block-g$g.err
+    echo "shared_gemm=$g"; ncu_calls $M/ncu-block-g$g.csv | cut -c1-400
+  done
+  tar czf $OUT/s11c-logs.tgz -C $M . ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c}"; exit 2 ;;
 esac

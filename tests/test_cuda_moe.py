@@ -798,9 +798,85 @@ def make_block(D=128, H=64, E=32, k=8, dtype=mx.bfloat16, router_scale=4.0):
     return moe_blocks.make_block(D=D, H=H, E=E, k=k, dtype=dtype, router_scale=router_scale)
 
 
+def test_single_expert_routing_is_the_grouping_of_one_expert():
+    """The host-built routing of a one-expert call equals what the grouping
+    ops give for ``inds = zeros([N, 1])`` (any backend)."""
+    for n, tile in [(1, 32), (65, 32), (1024, 64), (4099, 128)]:
+        scores = mx.random.uniform(shape=(n, 1))
+        r = gg.single_expert_routing(scores, tile)
+        want = moe.group_by_expert(mx.zeros((n, 1), mx.int32), 1)
+        for f in ("counts", "offsets", "order", "sorted_experts", "inverse"):
+            assert mx.array_equal(getattr(r.groups, f), getattr(want, f)).item(), f
+        assert r.groups.top_k == 1 and r.tile_rows == tile and r.inds.shape == (n, 1)
+        assert mx.array_equal(r.block_map, moe.block_map(want, tile)).item()
+        assert r.scores is scores
+    with pytest.raises(ValueError, match="scores"):
+        gg.single_expert_routing(mx.zeros((4, 1), mx.bfloat16), 32)
+    with pytest.raises(ValueError, match="scores"):
+        gg.single_expert_routing(mx.zeros((4, 2), mx.float32), 32)
+    with pytest.raises(ValueError, match="tile_rows"):
+        gg.single_expert_routing(mx.zeros((4, 1), mx.float32), 48)
+
+
+def test_single_expert_tile_rows_fills_the_gpu(monkeypatch):
+    monkeypatch.setattr(gg.cb, "sm_count", lambda: 132)
+    # gate+up CTAs = ceil(N / tile) * I / 128 >= 0.9 * 132
+    assert gg.single_expert_tile_rows(4096, 512) == 128
+    assert gg.single_expert_tile_rows(2048, 512) == 64
+    assert gg.single_expert_tile_rows(1024, 512) == 32
+    assert gg.single_expert_tile_rows(100, 512) == 32
+
+
+def test_shared_expert_supported_checks_the_modules():
+    block = moe_blocks.make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16)
+    assert gg.shared_expert_supported(block.shared_expert, 256, 128)
+    assert not gg.shared_expert_supported(block.shared_expert, 256, 256)  # sizes differ from the experts'
+    assert not gg.shared_expert_supported(block.switch_mlp, 256, 128)  # 3-D switch weights
+    assert not gg.shared_expert_supported(object(), 256, 128)
+
+
+def _shared_fp32(x, se, gate):
+    """``gate * shared_expert(x)`` in fp32 on the dequantised weights, bf16
+    roundings where the kernels (and SwitchGLU) round: g, u, silu(g) * u and the
+    down output."""
+    def deq(p):
+        return mx.dequantize(p["weight"], p["scales"], p["biases"], group_size=64, bits=4).astype(mx.float32)
+
+    def bf(a):
+        return a.astype(mx.bfloat16).astype(mx.float32)
+
+    xf = x.astype(mx.float32)
+    g = bf(xf @ deq(se.gate_proj).T)
+    u = bf(xf @ deq(se.up_proj).T)
+    h = bf(g * mx.sigmoid(g) * u)
+    return gate * bf(h @ deq(se.down_proj).T)
+
+
 @cuda
 @needs_cuda
-@pytest.mark.parametrize("n", [16, 128, 333])
+@pytest.mark.parametrize("n", [1, 65, 1000, 2049, 4099])
+def test_moe_experts_and_shared_vs_fp32(poison, n):
+    """Routed experts + the shared expert as a one-expert group of the "wg"
+    kernels = the routed kernels' output + the shared expert in fp32 (ragged
+    N: one token, fewer rows than a tile, N not a multiple of any tile)."""
+    D, I, E, k = 2048, 512, 64, 8
+    block = moe_blocks.make_block(D=D, H=I, E=E, k=k, dtype=mx.bfloat16, seed=n)
+    sm, se = block.switch_mlp, block.shared_expert
+    assert gg.shared_expert_supported(se, D, I)
+    x = (mx.random.normal((n, D), key=mx.random.key(7 * n)) * 1.5).astype(mx.bfloat16)
+    routing = mr.route_and_group(block.gate(x), k, gg.choose_tile_rows(n * k, E, "wg"))
+    gate = mx.sigmoid(block.shared_expert_gate(x).astype(mx.float32))
+    got = gg.moe_experts_and_shared(x, routing, sm.gate_proj, sm.up_proj, sm.down_proj, se, gate)
+    routed = gg.moe_experts(x, routing, sm.gate_proj, sm.up_proj, sm.down_proj, out_dtype=mx.float32, variant="wg")
+    want = routed + _shared_fp32(x, se, gate)
+    assert got.shape == (n, D) and got.dtype == mx.bfloat16 and finite(got)
+    assert rel(got, want) < 2 * BF16_EPS
+    assert rel(got - routed, want - routed) < 4 * BF16_EPS  # the shared expert's part alone
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("n", [16, 128, 333, 1100])
 def test_block_cuda_kernel_vs_reference(poison, n):
     block = make_block(D=256, H=128, E=64, k=8)
     x = mx.random.normal((1, n, 256), key=mx.random.key(n)).astype(mx.bfloat16)
@@ -818,3 +894,22 @@ def test_block_cuda_kernel_vs_reference(poison, n):
     keep = top[:, block.top_k - 1] > top[:, block.top_k]
     assert keep.sum() >= n // 2
     assert rel(npa(got.reshape(n, 256))[keep], npa(ref.reshape(n, 256))[keep]) < GATHER_QMM_TOL
+
+
+@cuda
+@needs_cuda
+def test_block_shared_expert_in_gemm_or_dense(poison, monkeypatch):
+    """From SHARED_GEMM_MIN_TOKENS tokens the block runs the shared expert
+    through the grouped kernels; MLX_QWEN_FAST_MOE_SHARED_GEMM=0 keeps the dense
+    matmuls. Both are the same block (dense: bf16 products, gemm: fp32)."""
+    n = gg.SHARED_GEMM_MIN_TOKENS + 5
+    block = moe_blocks.make_block(D=256, H=128, E=64, k=8, dtype=mx.bfloat16, seed=3)
+    x = mx.random.normal((1, n, 256), key=mx.random.key(5)).astype(mx.bfloat16)
+    assert gg.shared_in_gemm(n, 256, 128) and not gg.shared_in_gemm(n - 6, 256, 128)
+    gemm = moe.sparse_moe(block, x, implementation="cuda-kernel")
+    monkeypatch.setenv(gg.SHARED_GEMM_ENV, "0")
+    assert not gg.shared_in_gemm(n, 256, 128)
+    dense = moe.sparse_moe(block, x, implementation="cuda-kernel")
+    assert finite(gemm, dense)
+    assert rel(gemm, dense) < GATHER_QMM_TOL
+    assert not mx.array_equal(gemm, dense).item()  # the two paths did run

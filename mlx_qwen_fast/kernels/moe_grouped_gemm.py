@@ -83,12 +83,14 @@ by default.
 
 from __future__ import annotations
 
+import functools
 from typing import Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 import numpy as np
 
 from . import _cuda_build as cb
+from ..ops.moe import ExpertGroups
 from .moe_routing import Routing
 
 __all__ = [
@@ -507,14 +509,33 @@ def supports(x: mx.array, gate_proj, up_proj, down_proj) -> bool:
     """
     if not cb.cuda_available():
         return False
-    for p in (gate_proj, up_proj, down_proj):
-        if (
-            getattr(p, "bits", None) != 4 or getattr(p, "group_size", None) != 64
-            or getattr(p, "mode", "affine") not in ("affine", None)
-            or "biases" not in p or "bias" in p
-        ):
-            return False
+    if not all(_affine4(p) for p in (gate_proj, up_proj, down_proj)):
+        return False
     return supports_arrays(x, _q_arrays(gate_proj), _q_arrays(up_proj), _q_arrays(down_proj))
+
+
+def _affine4(p) -> bool:
+    """A quantised linear layer of mode "affine", 4 bits, group 64, no bias term."""
+    return (
+        getattr(p, "bits", None) == 4 and getattr(p, "group_size", None) == 64
+        and getattr(p, "mode", "affine") in ("affine", None)
+        and "biases" in p and "bias" not in p
+    )
+
+
+def shared_expert_supported(shared_expert, d: int, i_dim: int) -> bool:
+    """True when :func:`moe_experts_and_shared` can run ``shared_expert``: its
+    ``gate_proj``, ``up_proj`` (``D -> I``) and ``down_proj`` (``I -> D``) are
+    4-bit group-64 affine ``QuantizedLinear`` with bf16 scales and biases and
+    no bias term (pure, CPU-callable)."""
+    try:
+        projs = (shared_expert.gate_proj, shared_expert.up_proj, shared_expert.down_proj)
+        if not all(_affine4(p) for p in projs):
+            return False
+        g, u, dn = (_one_expert(p) for p in projs)
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return False
+    return _q_ok(*g, E=1, O=i_dim, K=d) and _q_ok(*u, E=1, O=i_dim, K=d) and _q_ok(*dn, E=1, O=d, K=i_dim)
 
 
 def _kernel(kind: int, bm: int, yt: str = "bf16_t", variant: Optional[str] = None,
@@ -625,9 +646,11 @@ def gate_up_swiglu(
     return unpermute_k(h) if v == "wg" else h
 
 
-def _gate_up(x: mx.array, routing: Routing, gate: Sequence, up: Sequence, variant: str) -> mx.array:
+def _gate_up(x: mx.array, routing: Routing, gate: Sequence, up: Sequence, variant: str,
+             x_kernel_order: bool = False) -> mx.array:
     """:func:`gate_up_swiglu` with ``h`` as the kernel writes it (for "wg":
-    columns in :func:`permute_k` order)."""
+    columns in :func:`permute_k` order); ``x_kernel_order``: ``x`` is already
+    ``permute_k(x)`` (one permutation serves the routed and the shared experts)."""
     if x.ndim != 2 or x.dtype != mx.bfloat16 or x.shape[1] % BK:
         raise ValueError(f"gate_up_swiglu: x must be bfloat16 [N, D] with D % 64 == 0, got {x.dtype} {tuple(x.shape)}")
     n, d = x.shape
@@ -656,7 +679,7 @@ def _gate_up(x: mx.array, routing: Routing, gate: Sequence, up: Sequence, varian
     nt = cfg["threads"]
     if variant == "async":
         _check_async_sizes("gate_up_swiglu", x.size, gate[0].size, up[0].size)
-    if variant == "wg":
+    if variant == "wg" and not x_kernel_order:
         x = permute_k(x)
     (h,) = kern(
         inputs=[x, *gate, *up, routing.groups.order, routing.groups.offsets, routing.block_map],
@@ -697,9 +720,11 @@ def down_weighted(
     return _down(h, routing, down, out_dtype, v)
 
 
-def _down(h: mx.array, routing: Routing, down: Sequence, out_dtype: mx.Dtype, variant: str) -> mx.array:
+def _down(h: mx.array, routing: Routing, down: Sequence, out_dtype: mx.Dtype, variant: str,
+          down_ft: Optional[int] = None) -> mx.array:
     """:func:`down_weighted` on ``h`` as the gate+up kernel wrote it (for
-    "wg": columns in :func:`permute_k` order)."""
+    "wg": columns in :func:`permute_k` order); ``down_ft``: the "wg" feature
+    tiles per CTA (None: :func:`wg_down_ft` of the call)."""
     if h.ndim != 2 or h.dtype != mx.bfloat16 or h.shape[1] % BK:
         raise ValueError(f"down_weighted: h must be bfloat16 [N*k, I] with I % 64 == 0, got {h.dtype} {tuple(h.shape)}")
     nk, i_dim = h.shape
@@ -724,7 +749,7 @@ def _down(h: mx.array, routing: Routing, down: Sequence, out_dtype: mx.Dtype, va
     mt = routing.block_map.shape[0]
     kern, cfg = _kernel(1, routing.tile_rows, "float" if out_dtype == mx.float32 else "bf16_t",
                         variant=variant, out_cols=d, in_cols=i_dim,
-                        down_ft=wg_down_ft(nk, e) if variant == "wg" else None)
+                        down_ft=(down_ft or wg_down_ft(nk, e)) if variant == "wg" else None)
     nt = cfg["threads"]
     if variant == "async":
         _check_async_sizes("down_weighted", h.size, down[0].size)
@@ -761,3 +786,126 @@ def moe_experts(
     y = _down(h, routing, _q_arrays(down_proj), mx.float32, v)
     k = routing.groups.top_k
     return y.reshape(n, k, d).sum(axis=1).astype(out_dtype or x.dtype)
+
+
+# ---------------------------------------------------------------------------
+# the shared expert through the same kernels
+# ---------------------------------------------------------------------------
+
+#: ``MLX_QWEN_FAST_MOE_SHARED_GEMM=0`` keeps the shared expert on MLX's dense
+#: quantised matmuls (three ``quantized_matmul`` + elementwise) beside the
+#: grouped GEMMs; otherwise calls of at least :data:`SHARED_GEMM_MIN_TOKENS`
+#: tokens run it through the "wg" grouped kernels as a one-expert group
+#: (:func:`moe_experts_and_shared`).
+SHARED_GEMM_ENV = "MLX_QWEN_FAST_MOE_SHARED_GEMM"
+#: Fewest tokens for which the shared expert runs through the grouped kernels
+#: (bench/results/moe-cuda-log.md, eleventh session).
+SHARED_GEMM_MIN_TOKENS = 1024
+
+
+def shared_in_gemm(num_tokens: int, d: int, i_dim: int) -> bool:
+    """Whether :func:`moe_experts_and_shared` applies to a call: the "wg"
+    variant is the default for ``(d, i_dim)``, ``num_tokens >=``
+    :data:`SHARED_GEMM_MIN_TOKENS`, and :data:`SHARED_GEMM_ENV` is not "0"."""
+    import os
+
+    return (os.environ.get(SHARED_GEMM_ENV, "1") != "0" and num_tokens >= SHARED_GEMM_MIN_TOKENS
+            and default_variant(d, i_dim) == "wg")
+
+
+def single_expert_tile_rows(num_tokens: int, i_dim: int) -> int:
+    """Row tile of a one-expert call (:func:`single_expert_routing`): the
+    largest of :data:`TILE_CHOICES` whose gate+up grid (``ceil(N / tile) *
+    I / 128`` CTAs) still fills 90% of the SMs, else the smallest."""
+    sms = cb.sm_count()
+    for tile in sorted(TILE_CHOICES, reverse=True):
+        if -(-num_tokens // tile) * (i_dim // WG_FEAT[0]) >= 0.9 * sms:
+            return tile
+    return min(TILE_CHOICES)
+
+
+@functools.lru_cache(maxsize=32)
+def _single_expert_groups(num_tokens: int, tile_rows: int):
+    n, t = num_tokens, tile_rows
+    rows = np.arange(n, dtype=np.int32)
+    tiles = -(-n // t)
+    bmap = np.full((tiles + 1, 2), -1, np.int32)
+    bmap[:tiles, 0] = 0
+    bmap[:tiles, 1] = np.arange(tiles, dtype=np.int32)
+    groups = ExpertGroups(
+        mx.array(np.array([n], np.int32)), mx.array(np.array([0, n], np.int32)), mx.array(rows),
+        mx.zeros((n,), mx.int32), mx.array(rows), 1,
+    )
+    return groups, mx.array(bmap), mx.zeros((n, 1), mx.int32)
+
+
+def single_expert_routing(scores: mx.array, tile_rows: int) -> Routing:
+    """The routing of every row to expert 0 of a one-expert group, weighted by ``scores``.
+
+    ``groups`` and ``block_map`` are what :func:`moe_routing.group` gives for
+    ``inds = zeros([N, 1])`` (counts ``[N]``, offsets ``[0, N]``, the identity
+    order, tiles ``(0, t)`` for ``t < ceil(N / tile_rows)`` and one ``(-1, -1)``),
+    built once per ``(N, tile_rows)`` on the host: no routing kernels run.
+
+    Args:
+        scores: ``[N, 1]`` float32 routing weights (the shared expert's
+            sigmoid gate).
+        tile_rows: one of :data:`TILE_CHOICES`.
+
+    Raises:
+        ValueError: ``scores`` not float32 ``[N, 1]`` or a bad ``tile_rows``.
+    """
+    if not isinstance(scores, mx.array) or scores.ndim != 2 or scores.shape[1] != 1 or scores.dtype != mx.float32:
+        raise ValueError(f"single_expert_routing: scores must be float32 [N, 1], got "
+                         f"{getattr(scores, 'dtype', type(scores).__name__)} {tuple(getattr(scores, 'shape', ()))}")
+    if tile_rows not in TILE_CHOICES:
+        raise ValueError(f"single_expert_routing: tile_rows must be one of {TILE_CHOICES}, got {tile_rows!r}")
+    groups, bmap, inds = _single_expert_groups(int(scores.shape[0]), int(tile_rows))
+    return Routing(inds, scores, groups, bmap, int(tile_rows))
+
+
+def _one_expert(proj) -> Tuple[mx.array, mx.array, mx.array]:
+    """A ``QuantizedLinear``'s arrays as a one-expert group ``[1, O, ...]`` (views)."""
+    return tuple(a[None] for a in _q_arrays(proj))
+
+
+def moe_experts_and_shared(
+    x: mx.array, routing: Routing, gate_proj, up_proj, down_proj, shared_expert, shared_scores: mx.array,
+    *, out_dtype: Optional[mx.Dtype] = None,
+) -> mx.array:
+    """Routed experts plus the gated shared expert, all through the "wg" kernels: ``[N, D]``.
+
+    ``sum_j scores[n, j] * expert_{inds[n, j]}(x[n]) + shared_scores[n] *
+    shared_expert(x[n])``. The shared expert (an mlx-lm MLP of three 4-bit
+    group-64 ``QuantizedLinear``) runs as a one-expert grouped GEMM
+    (:func:`single_expert_routing`, down with one feature tile per CTA) on the
+    same permuted ``x`` as the routed experts, instead of three dense
+    quantised matmuls and their elementwise ops; its output is rounded to
+    bf16 before the weight is applied, as the routed experts' are, and both
+    are summed in fp32 (stock: bf16 products and sums).
+
+    Args:
+        x: ``[N, D]`` bfloat16; routing, gate_proj, up_proj, down_proj: as
+            :func:`moe_experts`.
+        shared_expert: a module with ``gate_proj``, ``up_proj``, ``down_proj``
+            ``QuantizedLinear`` (4 bits, group 64, bf16 scales and biases) of
+            the routed experts' sizes.
+        shared_scores: ``[N, 1]`` float32, the shared expert's gate
+            (``sigmoid(shared_expert_gate(x))``).
+        out_dtype: default ``x.dtype``.
+
+    Raises:
+        ValueError: a shape/dtype the kernels do not take (named), or a GPU
+            other than compute capability 9.0.
+    """
+    n, d = x.shape
+    xp = permute_k(x)
+    h = _gate_up(xp, routing, _q_arrays(gate_proj), _q_arrays(up_proj), "wg", x_kernel_order=True)
+    y = _down(h, routing, _q_arrays(down_proj), mx.float32, "wg")
+    i_dim = gate_proj["weight"].shape[1]
+    sr = single_expert_routing(shared_scores, single_expert_tile_rows(n, i_dim))
+    hs = _gate_up(xp, sr, _one_expert(shared_expert.gate_proj), _one_expert(shared_expert.up_proj), "wg",
+                  x_kernel_order=True)
+    ys = _down(hs, sr, _one_expert(shared_expert.down_proj), mx.float32, "wg", down_ft=1)
+    k = routing.groups.top_k
+    return (y.reshape(n, k, d).sum(axis=1) + ys).astype(out_dtype or x.dtype)

@@ -502,6 +502,11 @@ def _cuda_kernel(block, x: mx.array) -> mx.array:
     Numerics as :func:`sparse_moe_block` (fp32 selection, routing weights and
     combine), expert outputs rounded to bf16 as ``SwitchGLU``. Checked on the
     H200 against fp32 math on the dequantised weights (tests/test_cuda_moe.py).
+    From :data:`~mlx_qwen_fast.kernels.moe_grouped_gemm.SHARED_GEMM_MIN_TOKENS`
+    tokens the shared expert runs through the same kernels as a one-expert
+    group (``moe_experts_and_shared``; its sigmoid gate in fp32, its output
+    added in fp32), below that through :func:`shared_expert` (MLX's dense
+    quantised matmuls).
     """
     from ..kernels import moe_grouped_gemm as _gg
     from ..kernels import moe_routing as _mr
@@ -516,9 +521,16 @@ def _cuda_kernel(block, x: mx.array) -> mx.array:
     logits = block.gate(tokens)
     if not _mr.supports(logits, block.top_k):
         return _stock(block, x)
-    variant = _gg.default_variant(d, sm.gate_proj["weight"].shape[1])
+    i_dim = sm.gate_proj["weight"].shape[1]
+    variant = _gg.default_variant(d, i_dim)
     tile = _gg.choose_tile_rows(tokens.shape[0] * block.top_k, block.num_experts, variant)
     routing = _mr.route_and_group(logits, block.top_k, tile, normalize=block.norm_topk_prob)
+    if _gg.shared_in_gemm(tokens.shape[0], d, i_dim) and _gg.shared_expert_supported(block.shared_expert, d, i_dim):
+        # the shared expert as a one-expert group of the same kernels; its gate in fp32
+        gate = mx.sigmoid(block.shared_expert_gate(tokens).astype(mx.float32))
+        y = _gg.moe_experts_and_shared(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj,
+                                       block.shared_expert, gate)
+        return y.reshape(*lead, d)
     y = _gg.moe_experts(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj, variant=variant)
     return y.reshape(*lead, d) + shared_expert(block, x)
 
