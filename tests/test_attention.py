@@ -296,9 +296,12 @@ def test_gated_attention_vs_stock_fp32(H, Hkv, hd):
             STEPS, xs, cache,
         )
         assert cache.offset == sum(STEPS)
+        # fp32 sums of hd products in another order than stock's: a few times
+        # the typical rounding error sqrt(hd) * 2^-24 (2.4e-7 .. 3.8e-6)
+        tol = 4 * hd**0.5 * 2.0**-24
         for i, (a, b) in enumerate(zip(ours, stock)):
             assert a.shape == b.shape and a.dtype == b.dtype
-            assert rel_max(a, b) < 1e-6, f"{impl}, step {i}"
+            assert rel_max(a, b) < tol, f"{impl}, step {i}"
     # small key blocks exercise the online softmax across the cache
     ours = _run_layer(
         m, lambda m, x, mask, c: A.gated_attention_reference(m, x, mask, c, key_block=4),

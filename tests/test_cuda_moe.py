@@ -829,10 +829,49 @@ def test_single_expert_tile_rows_fills_the_gpu(monkeypatch):
 
 def test_shared_expert_supported_checks_the_modules():
     block = moe_blocks.make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16)
-    assert gg.shared_expert_supported(block.shared_expert, 256, 128)
-    assert not gg.shared_expert_supported(block.shared_expert, 256, 256)  # sizes differ from the experts'
-    assert not gg.shared_expert_supported(block.switch_mlp, 256, 128)  # 3-D switch weights
-    assert not gg.shared_expert_supported(object(), 256, 128)
+    assert gg.shared_expert_supported(block.shared_expert, 256)
+    assert not gg.shared_expert_supported(block.shared_expert, 512)  # another hidden size
+    assert not gg.shared_expert_supported(block.switch_mlp, 256)  # 3-D switch weights
+    assert not gg.shared_expert_supported(object(), 256)
+    narrow = moe_blocks.make_block(D=256, H=64, E=32, k=8, dtype=mx.bfloat16)
+    assert not gg.shared_expert_supported(narrow.shared_expert, 256)  # I_s = 64: not a multiple of 128
+
+
+def test_shared_in_gemm_switch(monkeypatch):
+    """The grouped-kernel shared expert: only with the "wg" default (a compute
+    capability 9.0 GPU, D % 256, I % 128), from SHARED_GEMM_MIN_TOKENS tokens,
+    and not with MLX_QWEN_FAST_MOE_SHARED_GEMM=0 (read on every call)."""
+    monkeypatch.delenv(gg.SHARED_GEMM_ENV, raising=False)
+    monkeypatch.setattr(gg.cb, "gpu_arch", lambda: (9, 0))
+    n = gg.SHARED_GEMM_MIN_TOKENS
+    assert gg.shared_in_gemm(n, 2048, 512)
+    assert not gg.shared_in_gemm(n - 1, 2048, 512)
+    assert not gg.shared_in_gemm(n, 2048, 64)  # no "wg" build for I = 64
+    monkeypatch.setenv(gg.SHARED_GEMM_ENV, "0")
+    assert not gg.shared_in_gemm(n, 2048, 512)
+    monkeypatch.setenv(gg.SHARED_GEMM_ENV, "1")
+    assert gg.shared_in_gemm(n, 2048, 512)
+    monkeypatch.setattr(gg.cb, "gpu_arch", lambda: (8, 0))
+    assert not gg.shared_in_gemm(n, 2048, 512)
+
+
+def test_moe_experts_and_shared_argument_errors():
+    """Bad arguments are named before anything is compiled (any backend)."""
+    block = moe_blocks.make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16)
+    sm = block.switch_mlp
+    n = 64
+    x = mx.zeros((n, 256), mx.bfloat16)
+    routing = None  # never reached: the checks come first
+    ok = mx.zeros((n, 1), mx.float32)
+    args = (sm.gate_proj, sm.up_proj, sm.down_proj)
+    with pytest.raises(ValueError, match="x must"):
+        gg.moe_experts_and_shared(x[None], routing, *args, block.shared_expert, ok)
+    with pytest.raises(ValueError, match="shared_scores"):
+        gg.moe_experts_and_shared(x, routing, *args, block.shared_expert, mx.zeros((n + 1, 1), mx.float32))
+    with pytest.raises(ValueError, match="shared_scores"):
+        gg.moe_experts_and_shared(x, routing, *args, block.shared_expert, ok.astype(mx.bfloat16))
+    with pytest.raises(ValueError, match="shared_expert"):
+        gg.moe_experts_and_shared(x, routing, *args, sm, ok)
 
 
 def _shared_fp32(x, se, gate):
@@ -862,7 +901,7 @@ def test_moe_experts_and_shared_vs_fp32(poison, n):
     D, I, E, k = 2048, 512, 64, 8
     block = moe_blocks.make_block(D=D, H=I, E=E, k=k, dtype=mx.bfloat16, seed=n)
     sm, se = block.switch_mlp, block.shared_expert
-    assert gg.shared_expert_supported(se, D, I)
+    assert gg.shared_expert_supported(se, D)
     x = (mx.random.normal((n, D), key=mx.random.key(7 * n)) * 1.5).astype(mx.bfloat16)
     routing = mr.route_and_group(block.gate(x), k, gg.choose_tile_rows(n * k, E, "wg"))
     gate = mx.sigmoid(block.shared_expert_gate(x).astype(mx.float32))
@@ -905,11 +944,21 @@ def test_block_shared_expert_in_gemm_or_dense(poison, monkeypatch):
     n = gg.SHARED_GEMM_MIN_TOKENS + 5
     block = moe_blocks.make_block(D=256, H=128, E=64, k=8, dtype=mx.bfloat16, seed=3)
     x = mx.random.normal((1, n, 256), key=mx.random.key(5)).astype(mx.bfloat16)
-    assert gg.shared_in_gemm(n, 256, 128) and not gg.shared_in_gemm(n - 6, 256, 128)
+    monkeypatch.delenv(gg.SHARED_GEMM_ENV, raising=False)
+    calls = []
+    real = gg.moe_experts_and_shared
+
+    def counted(*a, **k):
+        calls.append(a[0].shape)
+        return real(*a, **k)
+
+    monkeypatch.setattr(gg, "moe_experts_and_shared", counted)
     gemm = moe.sparse_moe(block, x, implementation="cuda-kernel")
+    assert calls == [(n, 256)]
+    moe.sparse_moe(block, x[:, : n - 6], implementation="cuda-kernel")  # below the threshold: dense
+    assert len(calls) == 1
     monkeypatch.setenv(gg.SHARED_GEMM_ENV, "0")
-    assert not gg.shared_in_gemm(n, 256, 128)
     dense = moe.sparse_moe(block, x, implementation="cuda-kernel")
+    assert len(calls) == 1
     assert finite(gemm, dense)
     assert rel(gemm, dense) < GATHER_QMM_TOL
-    assert not mx.array_equal(gemm, dense).item()  # the two paths did run

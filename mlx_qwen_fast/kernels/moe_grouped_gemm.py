@@ -79,6 +79,14 @@ preset's skewed router, 0.830 ms = 248 TFLOP/s useful (ninth session:
 wgmma scale-d starts in down, one lop3 per dequantised register);
 ``async`` is slower than ``pfl`` for gate+up and faster for down, not used
 by default.
+
+The shared expert of a sparse MoE block can run through the same "wg"
+kernels as a one-expert group on the same permuted ``x``
+(:func:`moe_experts_and_shared`, :func:`single_expert_routing`): one MoE
+block call at T=4096 1,257.5 us of GPU time against 1,349.8 us with MLX's
+dense quantised matmuls beside the kernels (eleventh session,
+bench/results/moe-cuda-log.md); the patched block takes it from
+:data:`SHARED_GEMM_MIN_TOKENS` tokens.
 """
 
 from __future__ import annotations
@@ -113,6 +121,13 @@ __all__ = [
     "WG_TUNE",
     "permute_k",
     "unpermute_k",
+    "moe_experts_and_shared",
+    "shared_in_gemm",
+    "shared_expert_supported",
+    "single_expert_routing",
+    "single_expert_tile_rows",
+    "SHARED_GEMM_ENV",
+    "SHARED_GEMM_MIN_TOKENS",
     "wg_shapes_ok",
     "wg_down_ft",
 ]
@@ -523,19 +538,23 @@ def _affine4(p) -> bool:
     )
 
 
-def shared_expert_supported(shared_expert, d: int, i_dim: int) -> bool:
-    """True when :func:`moe_experts_and_shared` can run ``shared_expert``: its
-    ``gate_proj``, ``up_proj`` (``D -> I``) and ``down_proj`` (``I -> D``) are
-    4-bit group-64 affine ``QuantizedLinear`` with bf16 scales and biases and
-    no bias term (pure, CPU-callable)."""
+def shared_expert_supported(shared_expert, d: int) -> bool:
+    """True when :func:`moe_experts_and_shared` can run ``shared_expert`` on
+    hidden size ``d``: its ``gate_proj``, ``up_proj`` (``d -> I_s``) and
+    ``down_proj`` (``I_s -> d``) are 4-bit group-64 affine ``QuantizedLinear``
+    with bf16 scales and biases and no bias term, and ``(d, I_s)`` fit the
+    "wg" kernels (:func:`wg_shapes_ok`); ``I_s`` may differ from the routed
+    experts' size. Pure, CPU-callable."""
     try:
         projs = (shared_expert.gate_proj, shared_expert.up_proj, shared_expert.down_proj)
         if not all(_affine4(p) for p in projs):
             return False
         g, u, dn = (_one_expert(p) for p in projs)
-    except (AttributeError, KeyError, TypeError, ValueError):
+        i_s = g[0].shape[1]
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError):
         return False
-    return _q_ok(*g, E=1, O=i_dim, K=d) and _q_ok(*u, E=1, O=i_dim, K=d) and _q_ok(*dn, E=1, O=d, K=i_dim)
+    return (wg_shapes_ok(d, i_s) and _q_ok(*g, E=1, O=i_s, K=d) and _q_ok(*u, E=1, O=i_s, K=d)
+            and _q_ok(*dn, E=1, O=d, K=i_s))
 
 
 def _kernel(kind: int, bm: int, yt: str = "bf16_t", variant: Optional[str] = None,
@@ -805,8 +824,10 @@ SHARED_GEMM_MIN_TOKENS = 1024
 
 def shared_in_gemm(num_tokens: int, d: int, i_dim: int) -> bool:
     """Whether :func:`moe_experts_and_shared` applies to a call: the "wg"
-    variant is the default for ``(d, i_dim)``, ``num_tokens >=``
-    :data:`SHARED_GEMM_MIN_TOKENS`, and :data:`SHARED_GEMM_ENV` is not "0"."""
+    variant is the default for hidden size ``d`` and the routed experts' size
+    ``i_dim`` (a compute capability 9.0 GPU), ``num_tokens >=``
+    :data:`SHARED_GEMM_MIN_TOKENS`, and :data:`SHARED_GEMM_ENV` is not "0"
+    (read on every call). Never compiles; False without a CUDA GPU."""
     import os
 
     return (os.environ.get(SHARED_GEMM_ENV, "1") != "0" and num_tokens >= SHARED_GEMM_MIN_TOKENS
@@ -814,9 +835,14 @@ def shared_in_gemm(num_tokens: int, d: int, i_dim: int) -> bool:
 
 
 def single_expert_tile_rows(num_tokens: int, i_dim: int) -> int:
-    """Row tile of a one-expert call (:func:`single_expert_routing`): the
-    largest of :data:`TILE_CHOICES` whose gate+up grid (``ceil(N / tile) *
-    I / 128`` CTAs) still fills 90% of the SMs, else the smallest."""
+    """Row tile of a one-expert call (:func:`single_expert_routing`) of
+    ``num_tokens`` rows and expert size ``i_dim``: the largest of
+    :data:`TILE_CHOICES` whose "wg" gate+up grid (``ceil(N / tile) * I / 128``
+    CTAs) still fills 90% of the SMs, else the smallest.
+
+    Raises:
+        RuntimeError: no CUDA driver or device (the SM count is asked for).
+    """
     sms = cb.sm_count()
     for tile in sorted(TILE_CHOICES, reverse=True):
         if -(-num_tokens // tile) * (i_dim // WG_FEAT[0]) >= 0.9 * sms:
@@ -832,20 +858,23 @@ def _single_expert_groups(num_tokens: int, tile_rows: int):
     bmap = np.full((tiles + 1, 2), -1, np.int32)
     bmap[:tiles, 0] = 0
     bmap[:tiles, 1] = np.arange(tiles, dtype=np.int32)
+    zeros = np.zeros(n, np.int32)
     groups = ExpertGroups(
         mx.array(np.array([n], np.int32)), mx.array(np.array([0, n], np.int32)), mx.array(rows),
-        mx.zeros((n,), mx.int32), mx.array(rows), 1,
+        mx.array(zeros), mx.array(rows), 1,
     )
-    return groups, mx.array(bmap), mx.zeros((n, 1), mx.int32)
+    return groups, mx.array(bmap), mx.array(zeros.reshape(n, 1))
 
 
 def single_expert_routing(scores: mx.array, tile_rows: int) -> Routing:
     """The routing of every row to expert 0 of a one-expert group, weighted by ``scores``.
 
-    ``groups`` and ``block_map`` are what :func:`moe_routing.group` gives for
-    ``inds = zeros([N, 1])`` (counts ``[N]``, offsets ``[0, N]``, the identity
-    order, tiles ``(0, t)`` for ``t < ceil(N / tile_rows)`` and one ``(-1, -1)``),
-    built once per ``(N, tile_rows)`` on the host: no routing kernels run.
+    ``groups`` and ``block_map`` are what :func:`mlx_qwen_fast.ops.moe.group_by_expert`
+    and :func:`~mlx_qwen_fast.ops.moe.block_map` give for ``inds = zeros([N, 1])``
+    and one expert (counts ``[N]``, offsets ``[0, N]``, the identity order,
+    tiles ``(0, t)`` for ``t < ceil(N / tile_rows)`` and one ``(-1, -1)``),
+    built once per ``(N, tile_rows)`` on the host from numpy: no routing
+    kernels run.
 
     Args:
         scores: ``[N, 1]`` float32 routing weights (the shared expert's
@@ -895,15 +924,29 @@ def moe_experts_and_shared(
         out_dtype: default ``x.dtype``.
 
     Raises:
-        ValueError: a shape/dtype the kernels do not take (named), or a GPU
-            other than compute capability 9.0.
+        ValueError: a shape/dtype the kernels do not take (the argument
+            named), or a GPU other than compute capability 9.0.
+        RuntimeError: no CUDA driver or device.
     """
+    if not isinstance(x, mx.array) or x.ndim != 2 or x.dtype != mx.bfloat16:
+        raise ValueError(f"moe_experts_and_shared: x must be bfloat16 [N, D], got "
+                         f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
     n, d = x.shape
+    if (not isinstance(shared_scores, mx.array) or tuple(shared_scores.shape) != (n, 1)
+            or shared_scores.dtype != mx.float32):
+        raise ValueError(f"moe_experts_and_shared: shared_scores must be float32 [N={n}, 1], got "
+                         f"{getattr(shared_scores, 'dtype', type(shared_scores).__name__)} "
+                         f"{tuple(getattr(shared_scores, 'shape', ()))}")
+    if not shared_expert_supported(shared_expert, d):
+        raise ValueError(
+            "moe_experts_and_shared: shared_expert must have gate_proj, up_proj (D -> I_s) and down_proj "
+            f"(I_s -> D) as 4-bit group-64 affine QuantizedLinear with bf16 scales/biases, D={d}, I_s % 128 == 0"
+        )
     xp = permute_k(x)
     h = _gate_up(xp, routing, _q_arrays(gate_proj), _q_arrays(up_proj), "wg", x_kernel_order=True)
     y = _down(h, routing, _q_arrays(down_proj), mx.float32, "wg")
-    i_dim = gate_proj["weight"].shape[1]
-    sr = single_expert_routing(shared_scores, single_expert_tile_rows(n, i_dim))
+    i_s = shared_expert.gate_proj["weight"].shape[0]
+    sr = single_expert_routing(shared_scores, single_expert_tile_rows(n, i_s))
     hs = _gate_up(xp, sr, _one_expert(shared_expert.gate_proj), _one_expert(shared_expert.up_proj), "wg",
                   x_kernel_order=True)
     ys = _down(hs, sr, _one_expert(shared_expert.down_proj), mx.float32, "wg", down_ft=1)

@@ -525,7 +525,7 @@ def _cuda_kernel(block, x: mx.array) -> mx.array:
     variant = _gg.default_variant(d, i_dim)
     tile = _gg.choose_tile_rows(tokens.shape[0] * block.top_k, block.num_experts, variant)
     routing = _mr.route_and_group(logits, block.top_k, tile, normalize=block.norm_topk_prob)
-    if _gg.shared_in_gemm(tokens.shape[0], d, i_dim) and _gg.shared_expert_supported(block.shared_expert, d, i_dim):
+    if _gg.shared_in_gemm(tokens.shape[0], d, i_dim) and _gg.shared_expert_supported(block.shared_expert, d):
         # the shared expert as a one-expert group of the same kernels; its gate in fp32
         gate = mx.sigmoid(block.shared_expert_gate(tokens).astype(mx.float32))
         y = _gg.moe_experts_and_shared(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj,
