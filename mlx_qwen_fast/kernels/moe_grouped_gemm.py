@@ -916,9 +916,11 @@ def moe_experts_and_shared(
     Args:
         x: ``[N, D]`` bfloat16; routing, gate_proj, up_proj, down_proj: as
             :func:`moe_experts`.
-        shared_expert: a module with ``gate_proj``, ``up_proj``, ``down_proj``
-            ``QuantizedLinear`` (4 bits, group 64, bf16 scales and biases) of
-            the routed experts' sizes.
+        shared_expert: a module with ``gate_proj``, ``up_proj`` (``D -> I_s``),
+            ``down_proj`` (``I_s -> D``) ``QuantizedLinear`` (4 bits, group 64,
+            bf16 scales and biases; ``I_s`` a multiple of 128, not
+            necessarily the routed experts' size): see
+            :func:`shared_expert_supported`.
         shared_scores: ``[N, 1]`` float32, the shared expert's gate
             (``sigmoid(shared_expert_gate(x))``).
         out_dtype: default ``x.dtype``.
