@@ -12,7 +12,9 @@ built in variants:
 * outputs: 1 or 3;
 * cubin size: padded with an initialised ``__device__`` array, since MLX
   hashes the whole ``compiled_source`` on every launch (``std::hash`` of the
-  cubin, for the JIT module's name);
+  cubin, for the JIT module's name); the padded builds also as the
+  compressed fatbin the package launches when nvFatbin is installed
+  (``_cuda_build``; the zero padding compresses to almost nothing);
 * called directly (``mx.fast.precompiled_cuda_kernel``), through the
   package's :class:`CudaKernel` wrapper, and ``mx.compile``d.
 
@@ -65,25 +67,29 @@ def synthetic_rows(n: int):
                         (1, 1, 95000)):
         name, cubin = _build(ni, no, pad)
         shapes, dtypes = [(32,)] * no, [mx.float32] * no
+        images = [("cubin", cubin)]
+        nf = cb._get_nvfatbin()
+        if pad and nf is not None:
+            images.append(("fatbin", nf.compress(cubin, cb._arch_option())))
+        for kind, image in images:
+            def call(x, name=name, image=image, ni=ni, shapes=shapes, dtypes=dtypes):
+                return mx.fast.precompiled_cuda_kernel(
+                    name=name, compiled_source=image, inputs=[x] + consts[: ni - 1], output_shapes=shapes,
+                    output_dtypes=dtypes, scalars=[], grid=(32, 1, 1), threadgroup=(32, 1, 1))[0]
 
-        def call(x, name=name, cubin=cubin, ni=ni, shapes=shapes, dtypes=dtypes):
-            return mx.fast.precompiled_cuda_kernel(
-                name=name, compiled_source=cubin, inputs=[x] + consts[: ni - 1], output_shapes=shapes,
-                output_dtypes=dtypes, scalars=[], grid=(32, 1, 1), threadgroup=(32, 1, 1))[0]
+            comp = mx.compile(call)
 
-        comp = mx.compile(call)
+            def chain(f):
+                def build():
+                    x = x0
+                    for _ in range(n):
+                        x = f(x)
+                    return x
+                return build
 
-        def chain(f):
-            def build():
-                x = x0
-                for _ in range(n):
-                    x = f(x)
-                return x
-            return build
-
-        for form, f in (("direct", call), ("mx.compile", comp)):
-            tb, te = build_eval_times(chain(f))
-            rows.append((f"kernel in={ni:2d} out={no} cubin={len(cubin) / 1024:5.1f}KB {form}", tb, te))
+            for form, f in (("direct", call), ("mx.compile", comp)):
+                tb, te = build_eval_times(chain(f))
+                rows.append((f"kernel in={ni:2d} out={no} {kind}={len(image) / 1024:5.1f}KB {form}", tb, te))
     add = lambda x: x + 1.0  # noqa: E731
     for form, f in (("mlx add (32 floats)", add), ("mlx add, mx.compile", mx.compile(add))):
         def build(f=f):
@@ -113,15 +119,18 @@ def gdn_rows(n: int):
     params = kd.decode_params(w, A_log, dt_bias, nw)
     mx.eval(params)
     kern = kd._kernel(proj.dtype, mx.float32, mx.float32, mx.float32, mx.float32, HV, HK, True)
-    cubin = kern.cubin
+    cubin, image = kern.cubin, kern.image
     shapes, dtypes = [(1, 1, HV * D), (1, 3, C), (1, HV, D, D)], [proj.dtype, proj.dtype, mx.float32]
     eps = [cb._f32(1e-6), cb._f32(1e-6)]
 
-    def bare(cs, st):
+    def bare(cs, st, binary=cubin):
         return mx.fast.precompiled_cuda_kernel(
-            name=kern.name, compiled_source=cubin, inputs=[proj, params, cs, st],
+            name=kern.name, compiled_source=binary, inputs=[proj, params, cs, st],
             output_shapes=shapes, output_dtypes=dtypes, scalars=eps, grid=(HV * 512, 1, 1),
             threadgroup=(512, 1, 1))
+
+    def bare_image(cs, st):
+        return bare(cs, st, image)
 
     def wrapped(cs, st):
         return kd.gated_delta_decode_packed(proj, params, cs, st, num_k_heads=HK, num_v_heads=HV)
@@ -133,8 +142,9 @@ def gdn_rows(n: int):
         return comp(proj, params, cs, st)
 
     rows = []
-    print(f"gdn decode cubin: {len(cubin)} bytes", flush=True)
-    for form, f in (("bare launch", bare), ("package wrapper, eager", wrapped), ("package wrapper, mx.compile", compiled)):
+    print(f"gdn decode cubin: {len(cubin)} bytes, launched image ({cb.fatbin_id()}): {len(image)} bytes",
+          flush=True)
+    for form, f in (("bare launch, cubin", bare), ("bare launch, image", bare_image), ("package wrapper, eager", wrapped), ("package wrapper, mx.compile", compiled)):
         def build(f=f):
             cs, st, out = cs0, s0, None
             for _ in range(n):
