@@ -43,9 +43,13 @@
 set -uo pipefail
 source .mlxcuda/boot.sh || exit 1
 # nvFatbin (the cuda13 extra's nvidia-nvfatbin), carried as a wheel in .nvfatbin/: the package then
-# launches its kernels as compressed fatbins (kernels/_cuda_build.py)
-for w in .nvfatbin/nvidia_nvfatbin-*.whl; do [ -f "$w" ] && [ ! -d /tmp/site/nvidia/cu13/lib ] && \
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$w"; done
+# launches its kernels as compressed fatbins (kernels/_cuda_build.py). Not into /tmp/site: MLX takes
+# <site>/nvidia/cu13/include as *the* CUDA header folder once it exists (in a pip install the
+# nvidia-cuda-runtime package fills it; here it would hold nvFatbin.h alone and MLX's JIT breaks).
+NVF=""
+for w in .nvfatbin/nvidia_nvfatbin-*.whl; do [ -f "$w" ] || continue
+  [ -d /tmp/nvfatbin ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nvfatbin "$w"
+  NVF=$(ls /tmp/nvfatbin/nvidia/cu13/lib/libnvfatbin.so* | head -1); export MLX_QWEN_FAST_NVFATBIN="$NVF"; done
 export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 P="--preset qwen3.6-35b-a3b --router-skew ${SKEW:-1.0}"
@@ -427,19 +431,21 @@ s11c)  # the shared expert as a one-expert group of the wg kernels: its tests, t
     echo "shared_gemm=$g"; ncu_calls $M/ncu-block-g$g.csv | cut -c1-400
   done
   tar czf $OUT/s11c-logs.tgz -C $M . ;;
-s12a)  # twelfth session: kernels launched as compressed fatbins (MLX_QWEN_FAST_NVFATBIN unset) vs plain
-       # cubins (=0): build/cache tests + decode tests, node_cost, the decode rows of bench.ops alternating
+s12a)  # twelfth session: kernels launched as compressed fatbins (MLX_QWEN_FAST_NVFATBIN=the carried
+       # library) vs plain cubins (=0): build/cache tests + decode tests, node_cost, the decode rows of bench.ops alternating
   M=/tmp/s12a; mkdir -p $M; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 6"
   python3 -c "from mlx_qwen_fast.kernels import _cuda_build as cb; print('image:', cb.fatbin_id())"
   timeout 200 python3 -m pytest -q $XD tests/test_cuda_build.py tests/test_cuda_moe_decode.py \
     tests/test_cuda_gated_delta.py -k "build or cache or image or decode" > $M/tests.txt 2>&1
   echo "rc=$?" >> $M/tests.txt; tail -2 $M/tests.txt; grep -E "^FAILED|Error" $M/tests.txt | head -8
-  for g in "" 0; do MLX_QWEN_FAST_NVFATBIN=$g timeout 60 python3 bench/node_cost.py 30 > $M/nodecost-f$g.txt 2>&1
-    echo "nvfatbin=$g"; grep -E "KB|gdn" $M/nodecost-f$g.txt | grep -E "pad|95|9[0-9]\.|gdn|in= 1 out=1 cubin=" | tail -9; done
-  for g in "" 0 "" 0; do MLX_QWEN_FAST_NVFATBIN=$g timeout 100 python3 -m bench.ops $P \
+  for g in "$NVF" 0; do t=fatbin; [ "$g" = 0 ] && t=cubin
+    MLX_QWEN_FAST_NVFATBIN=$g timeout 60 python3 bench/node_cost.py 30 > $M/nodecost-$t.txt 2>&1
+    echo "image=$t"; grep -E "KB|gdn" $M/nodecost-$t.txt | grep -E "pad|95|9[0-9]\.|gdn|in= 1 out=1 cubin=" | tail -9; done
+  for g in "$NVF" 0 "$NVF" 0; do t=fatbin; [ "$g" = 0 ] && t=cubin
+    MLX_QWEN_FAST_NVFATBIN=$g timeout 100 python3 -m bench.ops $P \
       --ops gated_delta.decode_step,gated_delta.decode_layer,moe.decode --impls patched,cuda-kernel-packed,cuda-decode-kernel \
-      --max-seconds 4 --no-ceilings --out $M/ops-f$g.json >> $M/ops-f$g.log 2>&1
-    echo "nvfatbin=$g"; grep -E "^gated|^moe|rror" $M/ops-f$g.log | tail -4; done
+      --max-seconds 4 --no-ceilings --out $M/ops-$t.json >> $M/ops-$t.log 2>&1
+    echo "image=$t"; grep -E "^gated|^moe|rror" $M/ops-$t.log | tail -4; done
   tar czf $OUT/s12a-logs.tgz -C $M . ;;
 *) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s12a}"; exit 2 ;;
 esac
