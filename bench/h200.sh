@@ -27,6 +27,7 @@
 #   bash bench/h200.sh s10d      # tenth session: the final tree's GDN decode tests (kernel, layer, CPU-side checks)
 #   bash bench/h200.sh s10e      # tenth session: ncu of the MoE block with the shared expert beside / inside the GEMMs
 #   bash bench/h200.sh s12a      # twelfth session: compressed-fatbin images vs cubins (tests, node cost, decode rows)
+#   bash bench/h200.sh s12b|s12c # twelfth session: issue 4's GDN rows x3 + the 4K A/B; patched decode fatbin vs cubin
 #   bash bench/h200.sh s11a      # eleventh session: MLX's CUDA graphs on/off: node cost, GDN decode rows, patched decode 4K
 #   bash bench/h200.sh s11b      # eleventh session: routing inside the decode MoE kernels (tests, MLX and CuPy-graph times)
 #   bash bench/h200.sh s11c      # eleventh session: shared expert through the wg kernels (tests, ncu of the block with/without)
@@ -447,5 +448,21 @@ s12a)  # twelfth session: kernels launched as compressed fatbins (MLX_QWEN_FAST_
       --max-seconds 4 --no-ceilings --out $M/ops-$t.json >> $M/ops-$t.log 2>&1
     echo "image=$t"; grep -E "^gated|^moe|rror" $M/ops-$t.log | tail -4; done
   tar czf $OUT/s12a-logs.tgz -C $M . ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s12a}"; exit 2 ;;
+s12b)  # the GDN rows of issue 4 in three processes (decode_step steady, prefill_step at 4K), then the
+       # end-to-end A/B at 4K (stock vs patched, prefill and decode, alternating), kernels as fatbins
+  M=/tmp/s12b; mkdir -p $M
+  for i in 1 2 3; do timeout 100 python3 -m bench.ops $P --ops gated_delta.decode_step,gated_delta.prefill_step \
+      --prefill-tokens 4k --impls cuda-kernel-packed,cuda-kernel --max-seconds 4 --no-ceilings --out $M/ops-$i.json \
+      > $M/ops-$i.log 2>&1; echo "process $i"; grep -E "^gated|rror" $M/ops-$i.log; done
+  timeout 330 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
+    --out $M/ab-4k.json > $M/ab-4k.log 2>&1; tail -14 $M/ab-4k.log
+  tar czf $OUT/s12b-logs.tgz -C $M . ;;
+s12c)  # patched-only decode at 4K context, kernels as compressed fatbins vs plain cubins, alternating
+  M=/tmp/s12c; mkdir -p $M
+  for g in "$NVF" 0 "$NVF" 0; do t=fatbin; [ "$g" = 0 ] && t=cubin
+    MLX_QWEN_FAST_NVFATBIN=$g timeout 100 $AB --engines patched --decode 4k --decode-steps 32 --rounds 2 \
+      --no-ceilings --out $M/ab-$t.json >> $M/ab-$t.log 2>&1
+    echo "$t: $(grep -h "^decode .*patched ok" $M/ab-$t.log | tail -1)"; done
+  tar czf $OUT/s12c-logs.tgz -C $M . ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s12a|s12b|s12c}"; exit 2 ;;
 esac
