@@ -460,7 +460,7 @@ s12b)  # the GDN rows of issue 4 in three processes (decode_step steady, prefill
 s12c)  # patched-only decode at 4K context, kernels as compressed fatbins vs plain cubins, alternating
   M=/tmp/s12c; mkdir -p $M
   for g in "$NVF" 0 "$NVF" 0; do t=fatbin; [ "$g" = 0 ] && t=cubin
-    MLX_QWEN_FAST_NVFATBIN=$g timeout 100 $AB --engines patched --decode 4k --decode-steps 32 --rounds 2 \
+    MLX_QWEN_FAST_NVFATBIN=$g timeout 110 $AB --engines patched --decode 4k --decode-steps 64 --rounds 4 \
       --no-ceilings --out $M/ab-$t.json >> $M/ab-$t.log 2>&1
     echo "$t: $(grep -h "^decode .*patched ok" $M/ab-$t.log | tail -1)"; done
   tar czf $OUT/s12c-logs.tgz -C $M . ;;
