@@ -28,6 +28,7 @@
 #   bash bench/h200.sh s10e      # tenth session: ncu of the MoE block with the shared expert beside / inside the GEMMs
 #   bash bench/h200.sh s12a      # twelfth session: compressed-fatbin images vs cubins (tests, node cost, decode rows)
 #   bash bench/h200.sh s12b|s12c # twelfth session: issue 4's GDN rows x3 + the 4K A/B; patched decode fatbin vs cubin
+#   bash bench/h200.sh s12d      # twelfth session: the whole model's start-up cost; the prefill/layer CUDA tests with fatbin images
 #   bash bench/h200.sh s11a      # eleventh session: MLX's CUDA graphs on/off: node cost, GDN decode rows, patched decode 4K
 #   bash bench/h200.sh s11b      # eleventh session: routing inside the decode MoE kernels (tests, MLX and CuPy-graph times)
 #   bash bench/h200.sh s11c      # eleventh session: shared expert through the wg kernels (tests, ncu of the block with/without)
@@ -464,5 +465,13 @@ s12c)  # patched-only decode at 4K context, kernels as compressed fatbins vs pla
       --no-ceilings --out $M/ab-$t.json >> $M/ab-$t.log 2>&1
     echo "$t: $(grep -h "^decode .*patched ok" $M/ab-$t.log | tail -1)"; done
   tar czf $OUT/s12c-logs.tgz -C $M . ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s12a|s12b|s12c}"; exit 2 ;;
+s12d)  # the whole model's start-up cost, first use (empty kernel cache, NVRTC) vs cached, two fresh processes
+       # (bench.startup), then the CUDA tests not run with fatbin images in s12a (prefill kernels, layers)
+  M=/tmp/s12d; mkdir -p $M; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 8"
+  timeout 230 python3 -m bench.startup $P --out $M/startup.json > $M/startup.log 2>&1; tail -4 $M/startup.log | cut -c1-600
+  timeout 300 python3 -m pytest -q $XD tests/test_cuda_moe.py tests/test_cuda_layers.py tests/test_cuda_gated_delta.py \
+    -k "not decode" > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt
+  tail -2 $M/tests.txt; grep -E "^FAILED|^ERROR" $M/tests.txt | head -8
+  tar czf $OUT/s12d-logs.tgz -C $M . ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s12a|s12b|s12c|s12d}"; exit 2 ;;
 esac

@@ -13,8 +13,9 @@ for the package's kernels on the first request.
 
 Writes a JSON with ``kind`` "startup": per run ``import_s``, ``build_model_s``,
 ``first_prefill_s``, ``second_prefill_s``, ``first_decode_s``,
-``second_decode_s`` (seconds), ``kernels_compiled``, ``kernels_cached`` and the
-per-kernel build seconds.
+``second_decode_s`` (seconds), ``kernels_compiled``, ``kernels_cached``, the
+per-kernel build seconds and, per kernel, [cubin bytes, launched image bytes,
+seconds spent compressing it] (``image``: fatbin or plain cubin).
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ print("BUILDJSON" + json.dumps(dict(
     first_decode_s=d1, second_decode_s=d2, patch=str(report),
     kernels_compiled=sum(1 for v in st.values() if v.get("source") == "compiled"),
     kernels_cached=sum(1 for v in st.values() if v.get("source") == "cache"),
-    build_s={{k: v.get("seconds") for k, v in st.items()}}, compiler=cb.compiler_id())))
+    build_s={{k: v.get("seconds") for k, v in st.items()}}, compiler=cb.compiler_id(), image=cb.fatbin_id(),
+    image_bytes={{k: [v.get("cubin_bytes"), v.get("image_bytes"), v.get("fatbin_seconds")] for k, v in st.items()}})))
 """
 
 
@@ -105,7 +107,7 @@ def main(argv=None) -> Dict:
     out = Path(args.out) if args.out else common.default_out("startup")
     common.write_json(out, result)
     keys = ("import_s", "build_model_s", "first_prefill_s", "second_prefill_s",
-            "first_decode_s", "second_decode_s", "kernels_compiled", "kernels_cached")
+            "first_decode_s", "second_decode_s", "kernels_compiled", "kernels_cached", "image")
     for label, r in runs.items():
         print(f"{label:9s} rc={r.get('rc')} " + " ".join(
             f"{k}={r[k]:.3f}" if isinstance(r.get(k), float) else f"{k}={r.get(k)}"
