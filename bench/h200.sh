@@ -467,7 +467,7 @@ s12c)  # patched-only decode at 4K context, kernels as compressed fatbins vs pla
   tar czf $OUT/s12c-logs.tgz -C $M . ;;
 s12d)  # the whole model's start-up cost, first use (empty kernel cache, NVRTC) vs cached, two fresh processes
        # (bench.startup), then the CUDA tests not run with fatbin images in s12a (prefill kernels, layers)
-  M=/tmp/s12d; mkdir -p $M; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 8"
+  M=/tmp/s12d; mkdir -p $M; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 2"  # -n 8: out of GPU memory (call 5)
   timeout 230 python3 -m bench.startup $P --out $M/startup.json > $M/startup.log 2>&1; tail -4 $M/startup.log | cut -c1-600
   timeout 300 python3 -m pytest -q $XD tests/test_cuda_moe.py tests/test_cuda_layers.py tests/test_cuda_gated_delta.py \
     -k "not decode" > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt
