@@ -21,12 +21,11 @@ ELF_MAGIC = b"\x7fELF"
 
 
 @pytest.fixture
-def fresh_nvfatbin(monkeypatch):
-    """Forget the nvFatbin search, so the test's environment decides it."""
-    monkeypatch.setattr(cb, "_nvfatbin", None)
-    monkeypatch.setattr(cb, "_nvfatbin_searched", False)
+def fresh_nvfatbin():
+    """Forget the nvFatbin search before and after, so the test's environment decides it."""
+    cb._get_nvfatbin.cache_clear()
     yield
-    cb._nvfatbin, cb._nvfatbin_searched = None, False
+    cb._get_nvfatbin.cache_clear()
 
 
 def test_nvfatbin_switch_off(monkeypatch, fresh_nvfatbin):

@@ -279,16 +279,23 @@ def _get_nvrtc() -> Optional[_Nvrtc]:
     global _nvrtc, _nvrtc_searched
     if not _nvrtc_searched:
         _nvrtc_searched = True
-        for cand in _nvrtc_candidates():
-            try:
-                lib = ctypes.CDLL(cand)
-                lib.nvrtcVersion  # noqa: B018 -- attribute check
-            except (OSError, AttributeError):
-                continue
-            _preload_builtins(cand)
-            _nvrtc = _Nvrtc(lib, cand)
-            break
+        found = _load_first(_nvrtc_candidates(), "nvrtcVersion")
+        if found is not None:
+            _preload_builtins(found[1])
+            _nvrtc = _Nvrtc(*found)
     return _nvrtc
+
+
+def _load_first(candidates: Sequence[str], symbol: str) -> Optional[Tuple[ctypes.CDLL, str]]:
+    """(library, path) of the first candidate that loads and has ``symbol``, or None."""
+    for cand in candidates:
+        try:
+            lib = ctypes.CDLL(cand)
+            getattr(lib, symbol)
+        except (OSError, AttributeError):
+            continue
+        return lib, cand
+    return None
 
 
 def _loaded_path(soname_prefix: str) -> Optional[str]:
@@ -400,31 +407,19 @@ class _NvFatbin:
             lib.nvFatbinDestroy(c.byref(h))
 
 
-_nvfatbin: Optional[_NvFatbin] = None
-_nvfatbin_searched = False
-
-
+@functools.lru_cache(maxsize=None)
 def _get_nvfatbin() -> Optional[_NvFatbin]:
-    """The nvFatbin library, or None (not installed, or ``$MLX_QWEN_FAST_NVFATBIN=0``)."""
-    global _nvfatbin, _nvfatbin_searched
-    if not _nvfatbin_searched:
-        _nvfatbin_searched = True
-        env = os.environ.get(NVFATBIN_ENV, "")
-        if env == "0":
-            return None
-        cands = [env] if env else []
-        cands += ["libnvfatbin.so.13", "libnvfatbin.so.12", "libnvfatbin.so"]
-        for d in _lib_dirs(("nvidia/cu13/lib", "nvidia/nvfatbin/lib", "nvidia/cu12/lib")):
-            cands += sorted(glob.glob(os.path.join(d, "libnvfatbin.so*")))
-        for cand in cands:
-            try:
-                lib = ctypes.CDLL(cand)
-                lib.nvFatbinAddCubin  # noqa: B018 -- attribute check
-            except (OSError, AttributeError):
-                continue
-            _nvfatbin = _NvFatbin(lib, cand)
-            break
-    return _nvfatbin
+    """The nvFatbin library, or None (not installed, or ``$MLX_QWEN_FAST_NVFATBIN=0``);
+    looked up once per process."""
+    env = os.environ.get(NVFATBIN_ENV, "")
+    if env == "0":
+        return None
+    cands = [env] if env else []
+    cands += ["libnvfatbin.so.13", "libnvfatbin.so.12", "libnvfatbin.so"]
+    for d in _lib_dirs(("nvidia/cu13/lib", "nvidia/nvfatbin/lib", "nvidia/cu12/lib")):
+        cands += sorted(glob.glob(os.path.join(d, "libnvfatbin.so*")))
+    found = _load_first(cands, "nvFatbinAddCubin")
+    return _NvFatbin(*found) if found is not None else None
 
 
 def fatbin_id() -> str:
