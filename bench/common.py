@@ -47,6 +47,7 @@ HEADER_KEYS = (
     "mlx_lm_version",
     "python",
     "commit",
+    "kernel_image",
     "config",
 )
 
@@ -149,6 +150,16 @@ def jsonable(value: Any) -> Any:
     return str(value)
 
 
+def kernel_image() -> Optional[str]:
+    """How the package's CUDA kernels are launched here (``_cuda_build.fatbin_id``:
+    compressed fatbin or plain cubin); None off the CUDA backend."""
+    if backend_name() != "cuda":
+        return None
+    from mlx_qwen_fast.kernels import _cuda_build
+
+    return _cuda_build.fatbin_id()
+
+
 def result_header(kind: str, args: Optional[argparse.Namespace] = None, **extra) -> Dict:
     """The top-level keys of every result file (:data:`HEADER_KEYS`) + ``extra``."""
     header = {
@@ -159,6 +170,7 @@ def result_header(kind: str, args: Optional[argparse.Namespace] = None, **extra)
         **versions(),
         "python": platform.python_version(),
         "commit": git_commit(),
+        "kernel_image": kernel_image(),
         "config": jsonable(vars(args)) if args is not None else {},
     }
     header.update(jsonable(extra))

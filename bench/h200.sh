@@ -50,8 +50,10 @@ source .mlxcuda/boot.sh || exit 1
 # nvidia-cuda-runtime package fills it; here it would hold nvFatbin.h alone and MLX's JIT breaks).
 NVF=""
 for w in .nvfatbin/nvidia_nvfatbin-*.whl; do [ -f "$w" ] || continue
-  [ -d /tmp/nvfatbin ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nvfatbin "$w"
+  ls /tmp/nvfatbin/nvidia/cu13/lib/libnvfatbin.so* >/dev/null 2>&1 || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/nvfatbin "$w"
   NVF=$(ls /tmp/nvfatbin/nvidia/cu13/lib/libnvfatbin.so* | head -1); export MLX_QWEN_FAST_NVFATBIN="$NVF"; done
+# needs_nvf: stop a fatbin-vs-cubin stage that has no nvFatbin (both legs would run cubins)
+needs_nvf() { [ -n "$NVF" ] || { echo "no libnvfatbin: carry .nvfatbin/ (the nvidia-nvfatbin wheel)"; exit 2; }; }
 export PYTHONPATH="$PWD:$PYTHONPATH" PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/out}"; mkdir -p "$OUT"
 P="--preset qwen3.6-35b-a3b --router-skew ${SKEW:-1.0}"
@@ -435,7 +437,7 @@ s11c)  # the shared expert as a one-expert group of the wg kernels: its tests, t
   tar czf $OUT/s11c-logs.tgz -C $M . ;;
 s12a)  # twelfth session: kernels launched as compressed fatbins (MLX_QWEN_FAST_NVFATBIN=the carried
        # library) vs plain cubins (=0): build/cache tests + decode tests, node_cost, the decode rows of bench.ops alternating
-  M=/tmp/s12a; mkdir -p $M; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 6"
+  needs_nvf; M=/tmp/s12a; mkdir -p $M; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 6"
   python3 -c "from mlx_qwen_fast.kernels import _cuda_build as cb; print('image:', cb.fatbin_id())"
   timeout 200 python3 -m pytest -q $XD tests/test_cuda_build.py tests/test_cuda_moe_decode.py \
     tests/test_cuda_gated_delta.py -k "build or cache or image or decode" > $M/tests.txt 2>&1
@@ -459,7 +461,7 @@ s12b)  # the GDN rows of issue 4 in three processes (decode_step steady, prefill
     --out $M/ab-4k.json > $M/ab-4k.log 2>&1; tail -14 $M/ab-4k.log
   tar czf $OUT/s12b-logs.tgz -C $M . ;;
 s12c)  # patched-only decode at 4K context, kernels as compressed fatbins vs plain cubins, alternating
-  M=/tmp/s12c; mkdir -p $M
+  needs_nvf; M=/tmp/s12c; mkdir -p $M
   for g in "$NVF" 0 "$NVF" 0; do t=fatbin; [ "$g" = 0 ] && t=cubin
     MLX_QWEN_FAST_NVFATBIN=$g timeout 110 $AB --engines patched --decode 4k --decode-steps 64 --rounds 4 \
       --no-ceilings --out $M/ab-$t.json >> $M/ab-$t.log 2>&1

@@ -21,11 +21,14 @@ ELF_MAGIC = b"\x7fELF"
 
 
 @pytest.fixture
-def fresh_nvfatbin():
-    """Forget the nvFatbin search before and after, so the test's environment decides it."""
-    cb._get_nvfatbin.cache_clear()
+def fresh_nvfatbin(monkeypatch):
+    """Forget the nvFatbin lookup (and any failure) before and after, so the
+    test's environment decides it."""
+    lookup = cb._get_nvfatbin  # a test may replace it
+    lookup.cache_clear()
+    monkeypatch.setattr(cb, "_fatbin_failed", None)
     yield
-    cb._get_nvfatbin.cache_clear()
+    lookup.cache_clear()
 
 
 def test_nvfatbin_switch_off(monkeypatch, fresh_nvfatbin):
@@ -35,13 +38,92 @@ def test_nvfatbin_switch_off(monkeypatch, fresh_nvfatbin):
     assert cb.fatbin_id() == "cubin"
 
 
-def test_nvfatbin_bad_path_is_not_found(monkeypatch, fresh_nvfatbin, tmp_path):
-    """A path that is not a library is skipped (the search goes on, never raises)."""
+def test_nvfatbin_bad_path_warns(monkeypatch, fresh_nvfatbin, tmp_path):
+    """A path that is not a library is named in a warning, then skipped."""
     bogus = tmp_path / "libnvfatbin.so.13"
     bogus.write_bytes(b"not a library")
     monkeypatch.setenv(cb.NVFATBIN_ENV, str(bogus))
-    nf = cb._get_nvfatbin()
+    with pytest.warns(RuntimeWarning, match="not a loadable libnvfatbin"):
+        nf = cb._get_nvfatbin()
     assert nf is None or nf.path != str(bogus)
+
+
+class _FakeNvFatbin:
+    """Stands in for the library: returns ``result`` (bytes) or raises it."""
+
+    mode, version, path = "zstd", (13, 5), "fake"
+
+    def __init__(self, result):
+        self.result, self.calls = result, 0
+
+    def compress(self, cubin, arch):
+        self.calls += 1
+        assert arch == "sm_90a"
+        if isinstance(self.result, Exception):
+            raise self.result
+        return self.result
+
+
+def _kernel_with_cubin(monkeypatch, tag, cubin):
+    """A CudaKernel whose cubin is already 'built' (no compiler needed)."""
+    kern = cb.CudaKernel("gated_delta_decode.cu", "mqf_gdn_decode", {"MQF_TEST_IMAGE": tag})
+    monkeypatch.setitem(cb._cubins, kern.name, cubin)
+    monkeypatch.setitem(cb.build_stats, kern.name, {"arch": "sm_90a", "source": "cache"})
+    return kern
+
+
+CUBIN = ELF_MAGIC + bytes(200)
+
+
+@pytest.mark.parametrize("result,expect", [
+    (FATBIN_MAGIC + bytes(20), "fatbin"),   # smaller: launched
+    (FATBIN_MAGIC + bytes(400), "cubin"),   # larger than the cubin: the cubin is launched
+])
+def test_image_choice_and_reuse(monkeypatch, fresh_nvfatbin, result, expect):
+    """The image is the fatbin only when it is smaller; it is built once per
+    kernel name (a second CudaKernel of the same build reuses it); the
+    build record says which form runs and both sizes."""
+    fake = _FakeNvFatbin(result)
+    monkeypatch.setattr(cb, "_get_nvfatbin", lambda: fake)
+    kern = _kernel_with_cubin(monkeypatch, len(result), CUBIN)
+    monkeypatch.delitem(cb._images, kern.name, raising=False)
+    image = kern.image
+    assert image == (result if expect == "fatbin" else CUBIN)
+    st = cb.build_stats[kern.name]
+    assert st["image"] == ("fatbin-zstd" if expect == "fatbin" else "cubin")
+    assert (st["cubin_bytes"], st["image_bytes"]) == (len(CUBIN), len(image))
+    again = cb.CudaKernel("gated_delta_decode.cu", "mqf_gdn_decode", {"MQF_TEST_IMAGE": len(result)})
+    assert again.image == image and fake.calls == 1
+    cb._images.pop(kern.name)
+
+
+def test_image_falls_back_to_cubin_once(monkeypatch, fresh_nvfatbin):
+    """A failing nvFatbin is warned about once, its kernel launches the
+    cubin, and later kernels of the process do not try again."""
+    fake = _FakeNvFatbin(RuntimeError("nvFatbinCreate failed: unknown option"))
+    monkeypatch.setattr(cb, "_get_nvfatbin", lambda: fake)
+    k1 = _kernel_with_cubin(monkeypatch, 101, CUBIN)
+    k2 = _kernel_with_cubin(monkeypatch, 102, CUBIN + b"\1")
+    for k in (k1, k2):
+        monkeypatch.delitem(cb._images, k.name, raising=False)
+    with pytest.warns(RuntimeWarning, match="unknown option"):
+        assert k1.image == CUBIN
+    assert k2.image == CUBIN + b"\1" and fake.calls == 1
+    assert cb.fatbin_id().startswith("cubin (nvFatbin failed: ")
+    for k in (k1, k2):
+        cb._images.pop(k.name)
+
+
+def test_nvfatbin_errors_are_named(fresh_nvfatbin):
+    """With a real libnvfatbin (skipped without one): an empty cubin and a
+    cubin that is not ELF are refused with nvFatbin's own message."""
+    nf = cb._get_nvfatbin()
+    if nf is None:
+        pytest.skip("no libnvfatbin here (pip install nvidia-nvfatbin, or set MLX_QWEN_FAST_NVFATBIN)")
+    with pytest.raises(RuntimeError, match=r"nvFatbinAddCubin \(0 bytes for sm_90a\) failed: .*empty"):
+        nf.compress(b"", "sm_90a")
+    with pytest.raises(RuntimeError, match="nvFatbinAddCubin"):
+        nf.compress(b"not an ELF file" * 8, "sm_90a")
 
 
 def _decode_kernel_inputs(seed):
@@ -65,14 +147,15 @@ def test_image_runs_bit_identical_to_cubin():
     two steps on fresh random inputs, outputs poisoned first."""
     from mlx_qwen_fast.kernels import gated_delta_decode as kd
 
+    if cb._get_nvfatbin() is None:
+        pytest.skip("no libnvfatbin: the image is the cubin itself")
     kern = kd._kernel(mx.bfloat16, mx.float32, mx.float32, mx.float32, mx.float32, HV, HK, True)
     image, cubin = kern.image, kern.cubin
     assert cubin[:4] == ELF_MAGIC
-    if cb._get_nvfatbin() is not None:
-        assert image[:4] == FATBIN_MAGIC and len(image) < len(cubin)
-        assert cb.build_stats[kern.name]["image_bytes"] == len(image)
-    else:
-        assert image == cubin
+    # MLX keys its loaded modules by kernel name *and* a hash of the binary
+    # (custom_kernel.cpp), so the two runs below load two modules
+    assert image[:4] == FATBIN_MAGIC and len(image) < len(cubin)
+    assert cb.build_stats[kern.name]["image_bytes"] == len(image)
     proj, params, cs, st = _decode_kernel_inputs(11)
     results = []
     cb.set_poison(True)

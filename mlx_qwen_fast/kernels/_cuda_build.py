@@ -12,13 +12,16 @@ into machine code.  Every CUDA kernel of the package is built here:
    keyed by a hash of the source and headers, the options, the GPU
    architecture, the compiler version and the MLX version.  A second process
    (or a second run of the same program) loads the cubin instead of compiling.
-3. The cubin is wrapped in an LZ4-compressed fatbin with NVIDIA's nvFatbin
+3. The cubin is wrapped in a compressed fatbin with NVIDIA's nvFatbin
    library (pip package nvidia-nvfatbin, or a CUDA toolkit's) when one is
    found: MLX hashes the whole binary it is given on every launch
-   (``std::hash`` for the JIT module's name, ~0.2 us per KB on the H200's
-   host, bench/node_cost.py), and compression makes it ~3x smaller; the
-   driver unpacks it once at module load.  Without nvFatbin the plain cubin
-   is used (same kernel, same results).
+   (``std::hash`` for the JIT module's name, ~0.2 us per KiB on the H200's
+   host, bench/node_cost.py), and compression makes it ~3.7x smaller; the
+   driver unpacks it once at module load.  Compression: nvFatbin's default
+   (ZSTD in nvFatbin 13) where the driver is CUDA 13 or newer (measured on
+   the H200, driver 580), LZ4 (``-compress-mode=speed``, the older format)
+   otherwise.  Without nvFatbin, or if it fails, the plain cubin is
+   used (same kernel, same results).
 4. Launches go through ``mx.fast.precompiled_cuda_kernel``: the kernel is an
    ``extern "C" __global__`` function whose parameters are the input arrays,
    the output arrays, then int/float scalars (MLX's calling convention for
@@ -30,9 +33,11 @@ Measured on the H200 (bench/results/gdn-cuda-log.md): a first use compiles in
 cubins cached loads and launches all four GDN kernels in ~12 ms.  MLX's own
 ``mx.fast.cuda_kernel`` takes ~1.5 s per kernel per process.
 
-Kernel names: MLX caches loaded modules by kernel name for the life of the
-process, so every distinct build (source + options) gets its own name:
-``<base>_<hash>``, passed to the source as the ``KNAME`` macro.
+Kernel names: every distinct build (source + options) gets its own name,
+``<base>_<hash>``, passed to the source as the ``KNAME`` macro.  MLX keeps a
+loaded module for the life of the process under the kernel's name and a hash
+of the binary (mlx/backend/cuda/custom_kernel.cpp), so a cubin and its fatbin
+are two modules.
 
 Sources must be self-contained: NVRTC runs with no include path (the mlx-cuda
 wheel ships no CUDA headers), so kernels include only this package's own
@@ -42,7 +47,9 @@ in-memory headers.
 Environment:
   MLX_QWEN_FAST_CACHE   cache directory (overrides XDG_CACHE_HOME)
   MLX_QWEN_FAST_NVRTC   path of a libnvrtc to use
-  MLX_QWEN_FAST_NVFATBIN  path of a libnvfatbin to use; "0": launch plain cubins
+  MLX_QWEN_FAST_NVFATBIN  path of a libnvfatbin to use (warned about and
+                        skipped if it does not load); exactly "0": launch
+                        plain cubins
   MLX_QWEN_FAST_ARCH    target such as "sm_90a" instead of asking the driver
   MLX_QWEN_FAST_POISON  "1": fill kernel outputs with NaN before each launch
                         (tests; shows elements a kernel failed to write)
@@ -372,39 +379,71 @@ NVFATBIN_ENV = "MLX_QWEN_FAST_NVFATBIN"
 
 
 class _NvFatbin:
-    """ctypes binding of the three nvFatbin calls used here (nvFatbin.h)."""
+    """ctypes binding of nvFatbin (nvFatbin.h): one compressed fatbin per cubin."""
 
     def __init__(self, lib: ctypes.CDLL, path: str):
+        c = ctypes
         self.lib, self.path = lib, path
-        major, minor = ctypes.c_uint(), ctypes.c_uint()
-        lib.nvFatbinVersion(ctypes.byref(major), ctypes.byref(minor))
+        lib.nvFatbinCreate.argtypes = [c.POINTER(c.c_void_p), c.POINTER(c.c_char_p), c.c_size_t]
+        lib.nvFatbinAddCubin.argtypes = [c.c_void_p, c.c_void_p, c.c_size_t, c.c_char_p, c.c_char_p]
+        lib.nvFatbinSize.argtypes = [c.c_void_p, c.POINTER(c.c_size_t)]
+        lib.nvFatbinGet.argtypes = [c.c_void_p, c.c_void_p]
+        lib.nvFatbinDestroy.argtypes = [c.POINTER(c.c_void_p)]
+        lib.nvFatbinVersion.argtypes = [c.POINTER(c.c_uint), c.POINTER(c.c_uint)]
+        lib.nvFatbinGetErrorString.argtypes = [c.c_int]
+        lib.nvFatbinGetErrorString.restype = c.c_char_p
+        major, minor = c.c_uint(), c.c_uint()
+        self._check(lib.nvFatbinVersion(c.byref(major), c.byref(minor)), "nvFatbinVersion")
         self.version = (major.value, minor.value)
+        # nvFatbin 13's default compression is ZSTD, measured with a CUDA 13
+        # driver (580 on the H200); elsewhere LZ4, which drivers have read for
+        # far longer (the fatbin is unpacked by the driver at module load)
+        self.mode = "zstd" if _driver_version() >= 13000 and self.version[0] >= 13 else "lz4"
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            msg = self.lib.nvFatbinGetErrorString(rc)
+            raise RuntimeError(f"{what} failed: {msg.decode() if msg else 'nvFatbinResult ' + str(rc)} "
+                               f"({self.path})")
 
     def compress(self, cubin: bytes, arch: str) -> bytes:
-        """A fatbin holding ``cubin`` (for ``arch``, e.g. "sm_90a"), compressed
-        whatever its size (``-compress-all``, the default LZ4 mode).
+        """A fatbin holding ``cubin`` (built for ``arch``, e.g. "sm_90a"),
+        compressed whatever its size (``-compress-all``; ZSTD or LZ4, see
+        :attr:`mode`).
 
         Raises:
-          RuntimeError: an nvFatbin call failed (its code is named).
+          RuntimeError: an nvFatbin call failed (the call and nvFatbin's
+            error string are named, e.g. an empty ``cubin`` or one built for
+            another arch than ``arch``).
         """
         c, lib = ctypes, self.lib
+        opts = [b"-compress-all"] + ([b"-compress-mode=speed"] if self.mode == "lz4" else [])
         h = c.c_void_p()
-        opts = (c.c_char_p * 1)(b"-compress-all")
-        if lib.nvFatbinCreate(c.byref(h), opts, 1) != 0:
-            raise RuntimeError("nvFatbinCreate failed")
+        rc = lib.nvFatbinCreate(c.byref(h), (c.c_char_p * len(opts))(*opts), len(opts))
+        if rc != 0 and len(opts) > 1:  # a library older than -compress-mode: its default is LZ4
+            rc = lib.nvFatbinCreate(c.byref(h), (c.c_char_p * 1)(opts[0]), 1)
+        self._check(rc, "nvFatbinCreate")
         try:
-            rc = lib.nvFatbinAddCubin(h, cubin, c.c_size_t(len(cubin)), arch.removeprefix("sm_").encode(), b"k")
-            if rc != 0:
-                raise RuntimeError(f"nvFatbinAddCubin failed (nvFatbinResult {rc})")
+            self._check(lib.nvFatbinAddCubin(h, cubin, len(cubin), arch.removeprefix("sm_").encode(), b"k"),
+                        f"nvFatbinAddCubin ({len(cubin)} bytes for {arch})")
             size = c.c_size_t()
-            if lib.nvFatbinSize(h, c.byref(size)) != 0:
-                raise RuntimeError("nvFatbinSize failed")
+            self._check(lib.nvFatbinSize(h, c.byref(size)), "nvFatbinSize")
             buf = c.create_string_buffer(size.value)
-            if lib.nvFatbinGet(h, buf) != 0:
-                raise RuntimeError("nvFatbinGet failed")
+            self._check(lib.nvFatbinGet(h, buf), "nvFatbinGet")
             return buf.raw[: size.value]
         finally:
             lib.nvFatbinDestroy(c.byref(h))
+
+
+def _driver_version() -> int:
+    """The CUDA driver's version as 1000 * major + 10 * minor (13000 for
+    CUDA 13.0), or 0 without a driver."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        v = ctypes.c_int()
+        return v.value if lib.cuDriverGetVersion(ctypes.byref(v)) == 0 else 0
+    except (OSError, AttributeError):
+        return 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -414,18 +453,33 @@ def _get_nvfatbin() -> Optional[_NvFatbin]:
     env = os.environ.get(NVFATBIN_ENV, "")
     if env == "0":
         return None
+    if env and _load_first([env], "nvFatbinAddCubin") is None:
+        warnings.warn(f"{NVFATBIN_ENV}={env!r} is not a loadable libnvfatbin; searching the usual places",
+                      RuntimeWarning)
     cands = [env] if env else []
     cands += ["libnvfatbin.so.13", "libnvfatbin.so.12", "libnvfatbin.so"]
     for d in _lib_dirs(("nvidia/cu13/lib", "nvidia/nvfatbin/lib", "nvidia/cu12/lib")):
         cands += sorted(glob.glob(os.path.join(d, "libnvfatbin.so*")))
     found = _load_first(cands, "nvFatbinAddCubin")
-    return _NvFatbin(*found) if found is not None else None
+    try:
+        return _NvFatbin(*found) if found is not None else None
+    except (AttributeError, RuntimeError) as exc:  # an nvFatbin without the calls used here
+        warnings.warn(f"nvFatbin at {found[1]} is not usable ({exc}); launching plain cubins", RuntimeWarning)
+        return None
+
+
+#: Why compression was turned off for this process after a failure (None: it was not).
+_fatbin_failed: Optional[str] = None
 
 
 def fatbin_id() -> str:
-    """What kernels are launched as: ``fatbin-lz4 (nvfatbin X.Y)`` or ``cubin``."""
+    """What kernels are launched as: ``fatbin-zstd (nvfatbin X.Y)``,
+    ``fatbin-lz4 (...)``, or ``cubin`` (no nvFatbin, or it failed in this
+    process: then with the reason)."""
+    if _fatbin_failed:
+        return f"cubin (nvFatbin failed: {_fatbin_failed})"
     nf = _get_nvfatbin()
-    return f"fatbin-lz4 (nvfatbin {nf.version[0]}.{nf.version[1]})" if nf else "cubin"
+    return f"fatbin-{nf.mode} (nvfatbin {nf.version[0]}.{nf.version[1]})" if nf else "cubin"
 
 
 # ---------------------------------------------------------------------------
@@ -535,6 +589,7 @@ class CudaKernel:
     def image(self) -> bytes:
         """What MLX launches: the cubin in a compressed fatbin when nvFatbin
         is available (see the module docstring), else the cubin itself."""
+        global _fatbin_failed
         if self._image is not None:
             return self._image
         cubin = self.cubin
@@ -542,16 +597,19 @@ class CudaKernel:
             if self.name in _images:
                 self._image = _images[self.name]
                 return self._image
-            nf = _get_nvfatbin()
+            nf = None if _fatbin_failed else _get_nvfatbin()
             image = cubin
             if nf is not None:
                 t0 = time.perf_counter()
                 try:
-                    image = nf.compress(cubin, build_stats[self.name]["arch"])
+                    packed = nf.compress(cubin, build_stats[self.name]["arch"])
+                    image = packed if len(packed) < len(cubin) else cubin
                 except RuntimeError as exc:  # the plain cubin runs the same kernel
-                    warnings.warn(f"{self.name}: launching the plain cubin ({exc})", RuntimeWarning)
+                    _fatbin_failed = str(exc)
+                    warnings.warn(f"{self.name}: launching plain cubins in this process ({exc})", RuntimeWarning)
                 build_stats[self.name]["fatbin_seconds"] = time.perf_counter() - t0
-            build_stats[self.name].update(cubin_bytes=len(cubin), image_bytes=len(image))
+            build_stats[self.name].update(cubin_bytes=len(cubin), image_bytes=len(image),
+                                          image="cubin" if image is cubin else f"fatbin-{nf.mode}")
             _images[self.name] = self._image = image
             return image
 
