@@ -40,3 +40,19 @@ def test_demo_says_when_the_fast_path_is_off(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "both runs below are stock mlx-lm" in proc.stdout
     assert "=== patched (left stock) ===" in proc.stdout
+
+
+def test_demo_names_a_damaged_checkpoint(tmp_path, monkeypatch):
+    """A cached demo checkpoint whose weights file was cut short: the demo
+    stops with a message naming the folder and what to do, not a traceback."""
+    import pytest
+
+    from mlx_qwen_fast import demo
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    path = demo.ensure_demo_checkpoint(demo.default_checkpoint_dir())
+    shard = next(path.glob(demo.SHARD_GLOB))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(SystemExit) as e:
+        demo.main(["--max-tokens", "2"])
+    assert str(path) in str(e.value) and "delete that folder" in str(e.value)
