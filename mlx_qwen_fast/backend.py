@@ -6,6 +6,7 @@ place) and the plain-MLX reference ops (CPU, and GPUs without a kernel).
 """
 
 import os
+import warnings
 
 import mlx.core as mx
 
@@ -45,6 +46,8 @@ def resolve(name=None) -> str:
 ENV_SWITCH = "MLX_QWEN_FAST"
 #: Values of :data:`ENV_SWITCH` that switch the fast path off (any case, stripped).
 OFF_VALUES = ("0", "false", "no", "off")
+#: Values that mean on (unset is on too); anything else is on, with a warning.
+ON_VALUES = ("", "1", "true", "yes", "on")
 
 #: ``MLX_MAX_MB_PER_BUFFER`` set on CUDA when the environment has none.
 CUDA_GRAPH_MB = 1_000_000
@@ -54,8 +57,14 @@ _we_set: "str | None" = None  # the value this module wrote, while it stands
 
 def fast_path_enabled() -> bool:
     """False when the environment sets ``MLX_QWEN_FAST`` to one of
-    :data:`OFF_VALUES`."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in OFF_VALUES
+    :data:`OFF_VALUES` (any case, stripped); a value in neither
+    :data:`OFF_VALUES` nor :data:`ON_VALUES` counts as on and is warned
+    about (RuntimeWarning)."""
+    value = os.environ.get(ENV_SWITCH, "1").strip().lower()
+    if value not in OFF_VALUES + ON_VALUES:
+        warnings.warn(f"{ENV_SWITCH}={os.environ[ENV_SWITCH]!r} is neither on ({', '.join(ON_VALUES[1:])}) "
+                      f"nor off ({', '.join(OFF_VALUES)}): taken as on", RuntimeWarning)
+    return value not in OFF_VALUES
 
 
 def raise_cuda_graph_byte_limit() -> bool:

@@ -397,3 +397,23 @@ def test_stock_cli_undoes_the_graph_limit(monkeypatch):
     seen = {}
     _cli.run_mlx_lm_main(lambda: seen.update(v=os.environ.get("MLX_MAX_MB_PER_BUFFER")), ["--stock"])
     assert seen == {"v": None}
+
+
+def test_switch_values(monkeypatch):
+    """MLX_QWEN_FAST: off values switch the fast path off, on values and
+    unset leave it on silently, anything else is on with a warning that
+    names the value."""
+    import warnings
+
+    from mlx_qwen_fast import backend as bk
+
+    for value, on in (("0", False), (" Off ", False), ("1", True), ("yes", True), ("", True)):
+        monkeypatch.setenv("MLX_QWEN_FAST", value)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert bk.fast_path_enabled() is on
+    monkeypatch.delenv("MLX_QWEN_FAST")
+    assert bk.fast_path_enabled() is True
+    monkeypatch.setenv("MLX_QWEN_FAST", "banana")
+    with pytest.warns(RuntimeWarning, match="'banana'.*taken as on"):
+        assert bk.fast_path_enabled() is True
