@@ -162,6 +162,17 @@ def gpu_arch() -> Tuple[int, int]:
     return _arch
 
 
+def _driver_version() -> int:
+    """The CUDA driver's version as 1000 * major + 10 * minor (13000 for
+    CUDA 13.0), or 0 without a driver."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        v = ctypes.c_int()
+        return v.value if lib.cuDriverGetVersion(ctypes.byref(v)) == 0 else 0
+    except (OSError, AttributeError):
+        return 0
+
+
 def sm_count() -> int:
     """Number of SMs of CUDA device 0 (132 on the H200).
 
@@ -435,17 +446,6 @@ class _NvFatbin:
             lib.nvFatbinDestroy(c.byref(h))
 
 
-def _driver_version() -> int:
-    """The CUDA driver's version as 1000 * major + 10 * minor (13000 for
-    CUDA 13.0), or 0 without a driver."""
-    try:
-        lib = ctypes.CDLL("libcuda.so.1")
-        v = ctypes.c_int()
-        return v.value if lib.cuDriverGetVersion(ctypes.byref(v)) == 0 else 0
-    except (OSError, AttributeError):
-        return 0
-
-
 @functools.lru_cache(maxsize=None)
 def _get_nvfatbin() -> Optional[_NvFatbin]:
     """The nvFatbin library, or None (not installed, or ``$MLX_QWEN_FAST_NVFATBIN=0``);
@@ -453,14 +453,15 @@ def _get_nvfatbin() -> Optional[_NvFatbin]:
     env = os.environ.get(NVFATBIN_ENV, "")
     if env == "0":
         return None
-    if env and _load_first([env], "nvFatbinAddCubin") is None:
+    found = _load_first([env], "nvFatbinAddCubin") if env else None
+    if env and found is None:
         warnings.warn(f"{NVFATBIN_ENV}={env!r} is not a loadable libnvfatbin; searching the usual places",
                       RuntimeWarning)
-    cands = [env] if env else []
-    cands += ["libnvfatbin.so.13", "libnvfatbin.so.12", "libnvfatbin.so"]
-    for d in _lib_dirs(("nvidia/cu13/lib", "nvidia/nvfatbin/lib", "nvidia/cu12/lib")):
-        cands += sorted(glob.glob(os.path.join(d, "libnvfatbin.so*")))
-    found = _load_first(cands, "nvFatbinAddCubin")
+    if found is None:
+        cands = ["libnvfatbin.so.13", "libnvfatbin.so.12", "libnvfatbin.so"]
+        for d in _lib_dirs(("nvidia/cu13/lib", "nvidia/nvfatbin/lib", "nvidia/cu12/lib")):
+            cands += sorted(glob.glob(os.path.join(d, "libnvfatbin.so*")))
+        found = _load_first(cands, "nvFatbinAddCubin")
     try:
         return _NvFatbin(*found) if found is not None else None
     except (AttributeError, RuntimeError) as exc:  # an nvFatbin without the calls used here
