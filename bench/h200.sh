@@ -29,6 +29,7 @@
 #   bash bench/h200.sh s12a      # twelfth session: compressed-fatbin images vs cubins (tests, node cost, decode rows)
 #   bash bench/h200.sh s12b|s12c # twelfth session: issue 4's GDN rows x3 + the 4K A/B; patched decode fatbin vs cubin
 #   bash bench/h200.sh s12d      # twelfth session: the whole model's start-up cost; the prefill/layer CUDA tests with fatbin images
+#   bash bench/h200.sh s13a      # thirteenth session: the review-fixed nvFatbin path (fatbin_id, tests), decode_step x3
 #   bash bench/h200.sh s11a      # eleventh session: MLX's CUDA graphs on/off: node cost, GDN decode rows, patched decode 4K
 #   bash bench/h200.sh s11b      # eleventh session: routing inside the decode MoE kernels (tests, MLX and CuPy-graph times)
 #   bash bench/h200.sh s11c      # eleventh session: shared expert through the wg kernels (tests, ncu of the block with/without)
@@ -475,5 +476,17 @@ s12d)  # the whole model's start-up cost, first use (empty kernel cache, NVRTC) 
     -k "not decode" > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt
   tail -2 $M/tests.txt; grep -E "^FAILED|^ERROR" $M/tests.txt | head -8
   tar czf $OUT/s12d-logs.tgz -C $M . ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s12a|s12b|s12c|s12d}"; exit 2 ;;
+s13a)  # thirteenth session: the review-fixed nvFatbin path on the GPU (fatbin_id, build/cache + decode tests,
+       # fatbin and cubin legs), then issue 4's decode_step row in three processes
+  needs_nvf; M=/tmp/s13a; mkdir -p $M; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 2"
+  python3 -c "from mlx_qwen_fast.kernels import _cuda_build as cb; print('image:', cb.fatbin_id(), 'driver', cb._driver_version())"
+  timeout 240 python3 -m pytest -q $XD tests/test_cuda_build.py tests/test_cuda_moe_decode.py \
+    tests/test_cuda_gated_delta.py -k "build or cache or image or decode or fatbin" > $M/tests.txt 2>&1
+  echo "rc=$?" >> $M/tests.txt; tail -2 $M/tests.txt; grep -E "^FAILED|^ERROR" $M/tests.txt | head -8
+  MLX_QWEN_FAST_NVFATBIN=0 timeout 60 python3 -m pytest -q tests/test_cuda_build.py > $M/tests-cubin.txt 2>&1
+  echo "cubin leg rc=$?: $(tail -1 $M/tests-cubin.txt)"
+  for i in 1 2 3; do timeout 100 python3 -m bench.ops $P --ops gated_delta.decode_step --impls cuda-kernel-packed \
+      --max-seconds 4 --no-ceilings --out $M/ops-$i.json > $M/ops-$i.log 2>&1; echo "process $i"; grep -E "^gated|rror" $M/ops-$i.log; done
+  tar czf $OUT/s13a-logs.tgz -C $M . ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s12a|s12b|s12c|s12d|s13a}"; exit 2 ;;
 esac
