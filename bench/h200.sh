@@ -25,10 +25,11 @@
 #   bash bench/h200.sh s10b      # tenth session: compiled-step tests on the GPU, decode rows again, A/B at 4K (~6 min)
 #   bash bench/h200.sh s10c      # tenth session: one-lop3 decode MoE dequant (tests, kernel times), decode_step rows x2
 #   bash bench/h200.sh s10d      # tenth session: the final tree's GDN decode tests (kernel, layer, CPU-side checks)
-#   bash bench/h200.sh s10e      # tenth session: ncu of the MoE block with the shared expert beside / inside the GEMMs
+#   (s10e, the tenth session's shared-expert prototype under ncu, was removed with the prototype: s13b times the production form)
 #   bash bench/h200.sh s12a      # twelfth session: compressed-fatbin images vs cubins (tests, node cost, decode rows)
 #   bash bench/h200.sh s12b|s12c # twelfth session: issue 4's GDN rows x3 + the 4K A/B; patched decode fatbin vs cubin
 #   bash bench/h200.sh s12d      # twelfth session: the whole model's start-up cost; the prefill/layer CUDA tests with fatbin images
+#   bash bench/h200.sh s13b      # thirteenth session: the shared expert in the routing's shared slot (tests, ncu per T, 3 forms)
 #   bash bench/h200.sh s13a      # thirteenth session: the review-fixed nvFatbin path (fatbin_id, tests), decode_step x3
 #   bash bench/h200.sh s11a      # eleventh session: MLX's CUDA graphs on/off: node cost, GDN decode rows, patched decode 4K
 #   bash bench/h200.sh s11b      # eleventh session: routing inside the decode MoE kernels (tests, MLX and CuPy-graph times)
@@ -394,17 +395,6 @@ s10d)  # the final tree's GDN decode paths on the GPU: kernel + layer tests of t
     tests/test_compiled_steps.py -k "decode or compiled or packed" > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt
   tail -2 $M/tests.txt; grep -E "^FAILED" $M/tests.txt | head
   tar czf $OUT/s10d-logs.tgz -C $M . ;;
-s10e)  # the MoE block at T=4096 with the shared expert beside the grouped GEMMs (dense qmm, the package's) and
-       # inside them (a ninth expert of every token): ncu GPU time of every kernel of one call each
-  M=/tmp/s10e; mkdir -p $M
-  for mode in beside inside; do
-    timeout 140 $NCU --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
-      python3 bench/profile_kernels.py shared $mode 4096 > $M/ncu-shared-$mode.csv 2>$M/ncu-shared-$mode.err
-    grep -h "^shared" $M/ncu-shared-$mode.csv $M/ncu-shared-$mode.err | head -2
-    ncu_table $M/ncu-shared-$mode.csv 50 > $M/table-$mode.txt; cat $M/table-$mode.txt
-    python3 -c "import csv,sys; r=[x for x in csv.DictReader(l for l in open(sys.argv[1]) if l.startswith('\"'))]; print(sys.argv[2], 'kernels', len(r), 'sum', round(sum(float(x['Metric Value'].replace(',', '')) for x in r), 1), r[0]['Metric Unit'] if r else '')" $M/ncu-shared-$mode.csv $mode
-  done
-  tar czf $OUT/s10e-logs.tgz -C $M . ;;
 s11a)  # MLX's CUDA graphs (default) vs direct launches (MLX_USE_CUDA_GRAPHS=0): per-node host cost, the GDN
        # decode rows (ms_steady), then patched-only decode at 4K context with graphs on, off, on, off
   M=/tmp/s11a; mkdir -p $M
@@ -488,5 +478,17 @@ s13a)  # thirteenth session: the review-fixed nvFatbin path on the GPU (fatbin_i
   for i in 1 2 3; do timeout 100 python3 -m bench.ops $P --ops gated_delta.decode_step --impls cuda-kernel-packed \
       --max-seconds 4 --no-ceilings --out $M/ops-$i.json > $M/ops-$i.log 2>&1; echo "process $i"; grep -E "^gated|rror" $M/ops-$i.log; done
   tar czf $OUT/s13a-logs.tgz -C $M . ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s10e|s11a|s11b|s11c|s12a|s12b|s12c|s12d|s13a}"; exit 2 ;;
+s13b)  # the shared expert in the routing's shared slot (one more group of the wg launches): the MoE tests,
+       # then ncu GPU time of one patched MoE-block call per T, shared slot (1) / own one-expert group / dense (0)
+  M=/tmp/s13b; mkdir -p $M; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 2"
+  timeout 260 python3 -m pytest -q $XD tests/test_cuda_moe.py -k "shared or rout or block or moe_experts" \
+    > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt; tail -2 $M/tests.txt; grep -E "^FAILED|^ERROR" $M/tests.txt | head -8
+  for g in 1 group 0; do
+    MLX_QWEN_FAST_MOE_SHARED_GEMM=$g timeout 150 $NCU --clock-control none --profile-from-start off \
+      --metrics gpu__time_duration.sum --csv python3 bench/profile_kernels.py block ${TS:-4096,2048,1024,512,256,128} \
+      shared_min_tokens=128 > $M/ncu-block-$g.csv 2>$M/ncu-block-$g.err
+    echo "shared_gemm=$g"; ncu_calls $M/ncu-block-$g.csv | cut -c1-60; grep -E "rror" $M/ncu-block-$g.err | head -3
+  done
+  tar czf $OUT/s13b-logs.tgz -C $M . ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s12b|s12c|s12d|s13a|s13b}"; exit 2 ;;
 esac

@@ -23,14 +23,14 @@ decode):
   at T=4096 and one at T=1, each after a warm-up call, inside
   ``cuProfilerStart``/``cuProfilerStop``: every kernel of one block call, so
   the routing's share of the block is measured, not estimated.
-* ``shared beside|inside [T]``: for ncu ``--profile-from-start off``: one
-  call of layer 0's MoE block (T=4096), "beside" = the package's block (the
-  shared expert as dense quantised matmuls beside the grouped GEMMs),
-  "inside" = the shared expert as a ninth expert of every token inside the
-  grouped GEMMs (weights copied into an extended expert array; its sigmoid
-  gate as the ninth routing weight): issue 5's "shared expert fused in or
-  run alongside, whichever measures faster". Prints the largest difference
-  from the package's block first.
+  ``block T,T,... shared_min_tokens=N``: the shared expert through the
+  grouped kernels from N tokens (``moe_grouped_gemm.SHARED_GEMM_MIN_TOKENS``)
+  instead of the package's threshold; with ``MLX_QWEN_FAST_MOE_SHARED_GEMM``
+  (0: dense beside the kernels, "group": its own one-expert launches, else
+  the routing's shared slot) this times each form of issue 5's "shared
+  expert fused in or run alongside". (Until the thirteenth session a
+  ``shared beside|inside`` section measured a prototype of the slot form on
+  weights copied into an extended expert array.)
 * ``ncu``: one launch of each profiled kernel (the GDN front end, three GDN
   decode steps, the MoE decode kernels at one token, the scan
   configurations of ``SCAN_CONFIGS``, gate+up and down of ``MOE_VARIANTS``,
@@ -412,13 +412,16 @@ def _profile_once(run):
     cuda.cuProfilerStop()
 
 
-def block_launches(tokens=(4096, 1), skew=1.0, wg_tune=None):
+def block_launches(tokens=(4096, 1), skew=1.0, wg_tune=None, shared_min_tokens=None):
     """One warm-up call, then one profiled call of the patched MoE block of
     layer 0 per T in ``tokens`` (bf16, the full-size preset, router skew
     ``skew``); the profiled calls run between cuProfilerStart/Stop.
-    ``wg_tune``: entries of ``moe_grouped_gemm.WG_TUNE`` to set first."""
+    ``wg_tune``: entries of ``moe_grouped_gemm.WG_TUNE`` to set first;
+    ``shared_min_tokens``: ``SHARED_GEMM_MIN_TOKENS`` for this process."""
     from mlx_qwen_fast.kernels import moe_grouped_gemm as gg
 
+    if shared_min_tokens is not None:
+        gg.SHARED_GEMM_MIN_TOKENS = int(shared_min_tokens)
     for key, value in (wg_tune or {}).items():
         if key not in gg.WG_TUNE:
             raise SystemExit(f"block: unknown WG_TUNE key {key!r}; known: {sorted(gg.WG_TUNE)}")
@@ -433,85 +436,11 @@ def block_launches(tokens=(4096, 1), skew=1.0, wg_tune=None):
         print(f"block T={T}: profiled one call of {type(block).__name__}", flush=True)
 
 
-def shared_as_expert_arrays(block, pad_to: int = 32):
-    """The block's routed experts plus its shared expert as expert ``E``
-    (weights copied: a measurement aid, ~1.1x the layer's expert bytes), the
-    expert count padded to a multiple of ``pad_to`` with experts nobody
-    picks. Returns ``(gate, up, down)`` as dicts of "weight", "scales",
-    "biases" [E', ...], E' = the padded count."""
-    sm, se = block.switch_mlp, block.shared_expert
-    E = sm.gate_proj["weight"].shape[0]
-    pad = -(E + 1) % pad_to
-    out = []
-    for name in ("gate_proj", "up_proj", "down_proj"):
-        routed, shared = getattr(sm, name), getattr(se, name)
-        out.append({k: mx.concatenate([routed[k], shared[k][None]]
-                                      + ([mx.zeros((pad,) + shared[k].shape, shared[k].dtype)] if pad else []))
-                    for k in ("weight", "scales", "biases")})
-    return tuple(out)
-
-
-def shared_as_expert(block, x, arrays, route, group, experts, tile_rows):
-    """The MoE block with the shared expert run as a ninth "expert" of every
-    token inside the grouped GEMMs (its sigmoid gate as the ninth routing
-    weight), instead of beside them as dense matmuls. ``route``, ``group``,
-    ``experts``, ``tile_rows``: the routing and grouped-GEMM functions
-    (``kernels.moe_routing``, ``kernels.moe_grouped_gemm``) and tile choice."""
-    from mlx_qwen_fast.kernels.moe_routing import Routing
-
-    gate, up, down = arrays
-    tokens = x.reshape(-1, x.shape[-1])
-    n, e_pad = tokens.shape[0], gate["weight"].shape[0]
-    E = block.switch_mlp.gate_proj["weight"].shape[0]
-    inds, scores = route(block.gate(tokens), block.top_k, normalize=block.norm_topk_prob)
-    sgate = mx.sigmoid(block.shared_expert_gate(tokens).astype(mx.float32))
-    inds = mx.concatenate([inds, mx.full((n, 1), E, inds.dtype)], axis=1)
-    scores = mx.concatenate([scores, sgate], axis=1)
-    tile = tile_rows(n * (block.top_k + 1), e_pad)
-    groups, bmap = group(inds, e_pad, tile)
-    y = experts(tokens, Routing(inds, scores, groups, bmap, tile), gate, up, down)
-    return y.reshape(x.shape)
-
-
-def shared_launches(mode: str, T: int = 4096, skew: float = 1.0):
-    """One warm-up call, then one profiled call (cuProfilerStart/Stop) of the
-    patched MoE block of layer 0 at T tokens: ``mode`` "beside" = the
-    package's block (shared expert as dense quantised matmuls beside the
-    grouped GEMMs), "inside" = :func:`shared_as_expert`. Issue 5: the
-    shared expert fused in or run alongside, whichever measures faster."""
-    from mlx_qwen_fast.kernels import moe_grouped_gemm as gg
-    from mlx_qwen_fast.kernels import moe_routing as mr
-
-    block, hidden = _preset_moe_block(skew)
-    x = mx.random.normal((1, T, hidden), key=mx.random.key(T)).astype(mx.bfloat16)
-    ref = block(x)
-    mx.eval(x, ref)
-    if mode == "beside":
-        def run():
-            return block(x)
-    else:
-        arrays = shared_as_expert_arrays(block)
-        mx.eval(arrays)
-        d, i = hidden, block.switch_mlp.gate_proj["weight"].shape[1]
-        variant = gg.default_variant(d, i)
-
-        def run():
-            return shared_as_expert(block, x, arrays, mr.route, mr.group,
-                                    lambda *a: gg.moe_experts(*a, variant=variant),
-                                    lambda nk, e: gg.choose_tile_rows(nk, e, variant))
-    y = run()
-    mx.eval(y)
-    err = (mx.abs(y.astype(mx.float32) - ref.astype(mx.float32)).max() / mx.abs(ref.astype(mx.float32)).max()).item()
-    print(f"shared {mode} T={T}: max |y - block(x)| / max |block(x)| = {err:.2e}", flush=True)
-    _profile_once(run)
-    print(f"shared {mode} T={T}: profiled one call", flush=True)
-
-
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "chain"
-    if what not in ("chain", "ncu", "block", "shared"):
-        raise SystemExit(f"usage: {sys.argv[0]} chain [scan,gdn,moe,qmm,decode] | ncu | block [T,T,... [KEY=VALUE ...]]"
-                         " | shared beside|inside [T]")
+    if what not in ("chain", "ncu", "block"):
+        raise SystemExit(f"usage: {sys.argv[0]} chain [scan,gdn,moe,qmm,decode] | ncu"
+                         " | block [T,T,... [KEY=VALUE ...] [shared_min_tokens=N]]")
     from mlx_qwen_fast.kernels import _cuda_build as cb
 
     if not cb.cuda_available():
@@ -527,12 +456,7 @@ if __name__ == "__main__":
             parts[name]()
     elif what == "block":  # optional: token counts, e.g. "4096,2048,1", then WG_TUNE entries, e.g. minb=2
         tokens = tuple(int(t) for t in sys.argv[2].split(",")) if len(sys.argv) > 2 else (4096, 1)
-        tune = dict(a.split("=", 1) for a in sys.argv[3:])
-        block_launches(tokens, wg_tune={k: ast.literal_eval(v) for k, v in tune.items()})
-    elif what == "shared":
-        mode = sys.argv[2] if len(sys.argv) > 2 else "beside"
-        if mode not in ("beside", "inside"):
-            raise SystemExit(f"{sys.argv[0]} shared: mode must be beside or inside, got {mode!r}")
-        shared_launches(mode, int(sys.argv[3]) if len(sys.argv) > 3 else 4096)
+        tune = {k: ast.literal_eval(v) for k, v in (a.split("=", 1) for a in sys.argv[3:])}
+        block_launches(tokens, wg_tune=tune, shared_min_tokens=tune.pop("shared_min_tokens", None))
     else:
         ncu_launches()

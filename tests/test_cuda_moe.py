@@ -939,26 +939,155 @@ def test_block_cuda_kernel_vs_reference(poison, n):
 @needs_cuda
 def test_block_shared_expert_in_gemm_or_dense(poison, monkeypatch):
     """From SHARED_GEMM_MIN_TOKENS tokens the block runs the shared expert
-    through the grouped kernels; MLX_QWEN_FAST_MOE_SHARED_GEMM=0 keeps the dense
-    matmuls. Both are the same block (dense: bf16 products, gemm: fp32)."""
+    through the grouped kernels: in the routing's shared slot by default, as
+    its own one-expert group with MLX_QWEN_FAST_MOE_SHARED_GEMM=group;
+    =0 keeps the dense matmuls. All are the same block (dense: bf16
+    products, gemm: fp32)."""
     n = gg.SHARED_GEMM_MIN_TOKENS + 5
     block = moe_blocks.make_block(D=256, H=128, E=64, k=8, dtype=mx.bfloat16, seed=3)
     x = mx.random.normal((1, n, 256), key=mx.random.key(5)).astype(mx.bfloat16)
     monkeypatch.delenv(gg.SHARED_GEMM_ENV, raising=False)
     calls = []
-    real = gg.moe_experts_and_shared
+    real_group, real_experts = gg.moe_experts_and_shared, gg.moe_experts
 
-    def counted(*a, **k):
-        calls.append(a[0].shape)
-        return real(*a, **k)
+    def counted_group(*a, **k):
+        calls.append(("group", a[0].shape))
+        return real_group(*a, **k)
 
-    monkeypatch.setattr(gg, "moe_experts_and_shared", counted)
-    gemm = moe.sparse_moe(block, x, implementation="cuda-kernel")
-    assert calls == [(n, 256)]
+    def counted_experts(*a, **k):
+        calls.append(("slot" if k.get("shared_expert") is not None else "routed", a[0].shape))
+        return real_experts(*a, **k)
+
+    monkeypatch.setattr(gg, "moe_experts_and_shared", counted_group)
+    monkeypatch.setattr(gg, "moe_experts", counted_experts)
+    slot = moe.sparse_moe(block, x, implementation="cuda-kernel")
+    assert calls == [("slot", (n, 256))]
     moe.sparse_moe(block, x[:, : n - 6], implementation="cuda-kernel")  # below the threshold: dense
-    assert len(calls) == 1
+    assert calls[1:] == [("routed", (n - 6, 256))]
+    monkeypatch.setenv(gg.SHARED_GEMM_ENV, "group")
+    group = moe.sparse_moe(block, x, implementation="cuda-kernel")
+    assert calls[2:] == [("group", (n, 256))]
     monkeypatch.setenv(gg.SHARED_GEMM_ENV, "0")
     dense = moe.sparse_moe(block, x, implementation="cuda-kernel")
-    assert len(calls) == 1
-    assert finite(gemm, dense)
-    assert rel(gemm, dense) < GATHER_QMM_TOL
+    assert calls[3:] == [("routed", (n, 256))]
+    assert finite(slot, group, dense)
+    assert rel(slot, dense) < GATHER_QMM_TOL
+    # slot and group: the same roundings, only the fp32 summation order differs
+    assert rel(slot, group) < BF16_EPS
+
+
+def test_shared_slot_helpers(monkeypatch):
+    """Expert count of the shared slot's grouping, the slot's size check and
+    the form the block takes (any backend: nothing compiles)."""
+    assert [mr.shared_group_experts(e) for e in (32, 64, 256, 255)] == [64, 96, 288, 256]
+    block = moe_blocks.make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16)
+    assert gg.shared_slot_supported(block.shared_expert, 256, 128)
+    assert not gg.shared_slot_supported(block.shared_expert, 256, 256)  # routed experts of another size
+    assert not gg.shared_slot_supported(block.shared_expert, 512, 128)
+    assert not gg.shared_slot_supported(object(), 256, 128)
+    monkeypatch.delenv(gg.SHARED_GEMM_ENV, raising=False)
+    monkeypatch.setattr(gg.cb, "gpu_arch", lambda: (9, 0))
+    n = gg.SHARED_GEMM_MIN_TOKENS
+    assert gg.shared_form(n, 256, 128, block.shared_expert) == "slot"
+    assert gg.shared_form(n, 256, 256, block.shared_expert) == "group"  # I_s != I: its own launches
+    assert gg.shared_form(n - 1, 256, 128, block.shared_expert) is None
+    monkeypatch.setenv(gg.SHARED_GEMM_ENV, "group")
+    assert gg.shared_form(n, 256, 128, block.shared_expert) == "group"
+    monkeypatch.setenv(gg.SHARED_GEMM_ENV, "0")
+    assert gg.shared_form(n, 256, 128, block.shared_expert) is None
+
+
+def test_shared_slot_argument_errors():
+    """A shared slot without the shared expert's weights, the weights without
+    the slot, and bad shared logits are named before anything compiles (any
+    backend: the routings here come from the reference grouping ops)."""
+    E, k, n, D, I = 32, 8, 40, 256, 128
+    block = moe_blocks.make_block(D=D, H=I, E=E, k=k, dtype=mx.bfloat16)
+    sm, se = block.switch_mlp, block.shared_expert
+    x = mx.zeros((n, D), mx.bfloat16)
+    inds = mx.random.randint(0, E, (n, k)).astype(mx.int32)
+    scores = mx.ones((n, k), mx.float32)
+    plain_groups = moe.group_by_expert(inds, E)
+    plain = mr.Routing(inds, scores, plain_groups, moe.block_map(plain_groups, 32), 32)
+    inds9 = mx.concatenate([inds, mx.full((n, 1), E, mx.int32)], axis=1)
+    slot_groups = moe.group_by_expert(inds9, mr.shared_group_experts(E))
+    slot = mr.Routing(inds9, mx.ones((n, k + 1), mx.float32), slot_groups, moe.block_map(slot_groups, 32), 32, E)
+    args = (sm.gate_proj, sm.up_proj, sm.down_proj)
+    with pytest.raises(ValueError, match="shared"):
+        gg.moe_experts(x, plain, *args, shared_expert=se, variant="wg")
+    with pytest.raises(ValueError, match="shared"):
+        gg.moe_experts(x, slot, *args, variant="wg")
+    with pytest.raises(ValueError, match="shared_expert must"):
+        gg.moe_experts(x, slot, *args, shared_expert=sm, variant="wg")
+    with pytest.raises(ValueError, match="variant 'wg'"):
+        gg.moe_experts(x, slot, *args, shared_expert=se, variant="pflv")
+    logits = mx.zeros((n, E), mx.bfloat16)
+    with pytest.raises(ValueError, match="shared_logits"):
+        mr.route(logits, k, shared_logits=mx.zeros((n, 1), mx.float32))  # another dtype
+    with pytest.raises(ValueError, match="shared_logits"):
+        mr.route(logits, k, shared_logits=mx.zeros((n, 2), mx.bfloat16))
+    with pytest.raises(ValueError, match="shared_logits"):
+        mr.route(mx.zeros((n, 64), mx.bfloat16), 32, shared_logits=mx.zeros((n, 1), mx.bfloat16))  # 33 slots
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("n", [1, 7, 2049, 4099])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_route_and_group_with_shared_slot(poison, n, dtype):
+    """The shared slot: the first k slots are route()'s without it bit for
+    bit, slot k is expert E with sigmoid(logit) in fp32; the grouping counts
+    E rounded up to 32 more experts: E's group holds every token once, the
+    ids above it are empty, the rest is the grouping without the slot."""
+    E, k, tile = 256, 8, 64
+    logits = make_logits(n, E, "skewed", seed=n, dtype=dtype)
+    sl = (mx.random.normal((n, 1), key=mx.random.key(n + 1)) * 4).astype(dtype)
+    r = mr.route_and_group(logits, k, tile, shared_logits=sl)
+    plain = mr.route_and_group(logits, k, tile)
+    assert r.shared_id == E and plain.shared_id is None
+    assert r.inds.shape == (n, k + 1) and r.scores.shape == (n, k + 1) and r.groups.top_k == k + 1
+    assert mx.array_equal(r.inds[:, :k], plain.inds).item() and mx.array_equal(r.scores[:, :k], plain.scores).item()
+    assert np.all(np.asarray(r.inds[:, k]) == E)
+    want = 1.0 / (1.0 + np.exp(-np.asarray(sl.astype(mx.float32), dtype=np.float64)))
+    np.testing.assert_allclose(np.asarray(r.scores[:, k:]), want, rtol=4e-7, atol=0)
+    counts = np.asarray(r.groups.counts)
+    assert counts.shape == (mr.shared_group_experts(E),)
+    assert np.array_equal(counts[:E], np.asarray(plain.groups.counts)) and counts[E] == n
+    assert not counts[E + 1:].any()
+    ref = moe.group_by_expert(r.inds, mr.shared_group_experts(E))
+    assert np.array_equal(np.asarray(r.groups.offsets), np.asarray(ref.offsets))
+    order = np.asarray(r.groups.order)
+    assert np.array_equal(np.sort(order), np.arange(n * (k + 1)))
+    assert np.array_equal(np.asarray(r.inds).reshape(-1)[order], np.asarray(ref.sorted_experts))
+    assert np.array_equal(np.asarray(r.block_map), np.asarray(moe.block_map(ref, tile)))
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("n,tile", [(1, None), (65, None), (1000, None), (2049, 32), (2049, 64), (2049, 128),
+                                    (4099, None)])
+def test_moe_experts_with_shared_slot_vs_fp32(poison, n, tile):
+    """The shared expert in the routing's shared slot (one more group of the
+    routed experts' two launches) = the routed kernels' output + the shared
+    expert in fp32 (ragged N; every tile size at N = 2049), and the same as
+    its own one-expert launches up to the fp32 summation order."""
+    D, I, E, k = 2048, 512, 64, 8
+    block = moe_blocks.make_block(D=D, H=I, E=E, k=k, dtype=mx.bfloat16, seed=n + 11)
+    sm, se = block.switch_mlp, block.shared_expert
+    assert gg.shared_slot_supported(se, D, I)
+    x = (mx.random.normal((n, D), key=mx.random.key(3 * n)) * 1.5).astype(mx.bfloat16)
+    logits, sl = block.gate(x), block.shared_expert_gate(x)
+    tile = tile or gg.choose_tile_rows(n * (k + 1), E + 1, "wg")
+    slot = mr.route_and_group(logits, k, tile, shared_logits=sl)
+    got = gg.moe_experts(x, slot, sm.gate_proj, sm.up_proj, sm.down_proj, shared_expert=se, variant="wg",
+                         out_dtype=mx.float32)
+    plain = mr.route_and_group(logits, k, tile)
+    routed = gg.moe_experts(x, plain, sm.gate_proj, sm.up_proj, sm.down_proj, out_dtype=mx.float32, variant="wg")
+    gate = mx.sigmoid(sl.astype(mx.float32))
+    want = routed + _shared_fp32(x, se, gate)
+    assert got.shape == (n, D) and got.dtype == mx.float32 and finite(got)
+    assert rel(got, want) < 2 * BF16_EPS
+    assert rel(got - routed, want - routed) < 4 * BF16_EPS  # the shared expert's part alone
+    group = gg.moe_experts_and_shared(x, plain, sm.gate_proj, sm.up_proj, sm.down_proj, se, gate,
+                                      out_dtype=mx.float32)
+    assert rel(got, group) < BF16_EPS

@@ -27,7 +27,30 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
 #define MOE_SECOND_WEIGHT
 #define MOE_OUTPUT const float* __restrict__ scores, yt* __restrict__ y,
 #endif
+// MOE_SHARED 1 ("wg" only): the shared expert's weights as a second set
+// (ws0, ss0, bs0 [, ws1, ss1, bs1]: [O, K/8] / [O, K/64], one expert) after
+// the routed ones, and a last scalar `es`: work items of expert id >= es
+// read that set (the routing's shared slot carries id es = the routed count).
+#ifndef MOE_SHARED
+#define MOE_SHARED 0
+#endif
+#if MOE_SHARED && MOE_KIND == 0
+#define MOE_SHARED_WEIGHTS                                                                        \
+  const unsigned* __restrict__ ws0, const bf16_t* __restrict__ ss0, const bf16_t* __restrict__ bs0, \
+      const unsigned* __restrict__ ws1, const bf16_t* __restrict__ ss1, const bf16_t* __restrict__ bs1,
+#elif MOE_SHARED
+#define MOE_SHARED_WEIGHTS \
+  const unsigned* __restrict__ ws0, const bf16_t* __restrict__ ss0, const bf16_t* __restrict__ bs0,
+#else
+#define MOE_SHARED_WEIGHTS
+#endif
+#if MOE_SHARED
+#define MOE_SHARED_SCALAR , int es
+#else
+#define MOE_SHARED_SCALAR
+#endif
 #define MOE_GEMM_PARAMS                                                                        \
   const bf16_t* __restrict__ x, const unsigned* __restrict__ w0, const bf16_t* __restrict__ s0, \
-      const bf16_t* __restrict__ b0, MOE_SECOND_WEIGHT const int* __restrict__ order,          \
-      const int* __restrict__ offsets, const int* __restrict__ bmap, MOE_OUTPUT int K, int O, int topk
+      const bf16_t* __restrict__ b0, MOE_SECOND_WEIGHT MOE_SHARED_WEIGHTS const int* __restrict__ order, \
+      const int* __restrict__ offsets, const int* __restrict__ bmap, MOE_OUTPUT int K, int O,   \
+      int topk MOE_SHARED_SCALAR

@@ -59,9 +59,15 @@
 // memory >= SMEM_BYTES (checked here: trap). Launch: grid (items * 256,
 // O / FEAT, 1) threads, 256 threads per CTA.
 //
+// The shared expert as one more group (MOE_SHARED 1): its weights are a
+// second pointer set (one expert, the routed experts' O and K) and work items
+// of expert id >= `es` read it; the routing gives every token a last slot of
+// id es with the shared gate as its weight (kernels/moe_routing.py), so the
+// shared expert's rows run in the same launches as the routed ones.
+//
 // Build macros: KNAME, MOE_KIND, MOE_BM (32/64/128), MOE_STAGES (3..6),
 // MOE_YT (down output type), MOE_MINB (optional minimum CTAs per SM),
-// MOE_FT (down: feature tiles per CTA; tile rows 32/64 only).
+// MOE_FT (down: feature tiles per CTA; tile rows 32/64 only), MOE_SHARED.
 #include "gdn_common.cuh"
 
 #ifndef MOE_BM
@@ -267,6 +273,29 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
   const int lane = tid & 31, warp = (tid >> 5) & 3, wgi = tid >> 7;
   const int g = lane >> 2, q = lane & 3;
   const int kw = K >> 3, kg = K >> 6;
+  // the item's weight set: a routed expert's slice, or the shared expert's arrays
+#if MOE_SHARED
+  const bool sh = e >= es;
+  const unsigned ew = sh ? 0u : (unsigned)e;
+  const unsigned* const W0 = sh ? ws0 : w0;
+  const bf16_t* const S0 = sh ? ss0 : s0;
+  const bf16_t* const B0 = sh ? bs0 : b0;
+#if MOE_KIND == 0
+  const unsigned* const W1 = sh ? ws1 : w1;
+  const bf16_t* const S1 = sh ? ss1 : s1;
+  const bf16_t* const B1 = sh ? bs1 : b1;
+#endif
+#else
+  const unsigned ew = (unsigned)e;
+  const unsigned* const W0 = w0;
+  const bf16_t* const S0 = s0;
+  const bf16_t* const B0 = b0;
+#if MOE_KIND == 0
+  const unsigned* const W1 = w1;
+  const bf16_t* const S1 = s1;
+  const bf16_t* const B1 = b1;
+#endif
+#endif
   unsigned w_off[2][2], s_off[2][2];
 #pragma unroll
   for (int m = 0; m < 2; ++m)
@@ -277,7 +306,7 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
 #else
       const int row = f0 + 128 * wgi + 64 * m + 16 * warp + g + 8 * rh;
 #endif
-      const unsigned grow = (unsigned)e * (unsigned)O + (unsigned)row;
+      const unsigned grow = ew * (unsigned)O + (unsigned)row;
       w_off[m][rh] = grow * (unsigned)kw + 4u * q;
       s_off[m][rh] = grow * (unsigned)kg + (q >> 1);
     }
@@ -288,13 +317,13 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
 #pragma unroll
       for (int rh = 0; rh < 2; ++rh) {
 #if MOE_KIND == 0
-        const unsigned* W = m == 0 ? w0 : w1;
-        const bf16_t* Sc = m == 0 ? s0 : s1;
-        const bf16_t* Bi = m == 0 ? b0 : b1;
+        const unsigned* W = m == 0 ? W0 : W1;
+        const bf16_t* Sc = m == 0 ? S0 : S1;
+        const bf16_t* Bi = m == 0 ? B0 : B1;
 #else
-        const unsigned* W = w0;
-        const bf16_t* Sc = s0;
-        const bf16_t* Bi = b0;
+        const unsigned* W = W0;
+        const bf16_t* Sc = S0;
+        const bf16_t* Bi = B0;
 #endif
         const unsigned wo = w_off[m][rh] + (unsigned)(ft * FEAT * kw) + 16u * c;
         const unsigned so = s_off[m][rh] + (unsigned)(ft * FEAT * kg) + 2u * c;

@@ -13,6 +13,10 @@
 //   decreasing probability.
 //   Inputs: logits [N, E] (MOE_LT). Outputs: inds [N, K] int32,
 //   scores [N, K] float. Scalars: int N, int normalize.
+//   With MOE_SHARED 1 (the shared expert as one more expert of every token):
+//   a second input, the shared expert's gate logits [N] (MOE_LT), and K + 1
+//   slots per token: slot K holds expert id E (one past the routed ids) with
+//   weight sigmoid(logit) in fp32, outputs inds / scores [N, K + 1].
 //   Launch: ceil(N/8)*256 threads, 256 per block.
 //
 // MOE_STAGE 2 (count) and 3 (scatter): the grouping, over C CTAs of 1024
@@ -39,7 +43,8 @@
 //   threads, 1024 per block, C = ceil(NK / chunk) (>= 1), the same C for both.
 //
 // Build macros: KNAME, MOE_STAGE, MOE_E (experts, multiple of 32, <= 1024),
-// MOE_K (top-k, stage 1), MOE_LT (logit type, stage 1).
+// MOE_K (top-k, stage 1), MOE_LT (logit type, stage 1), MOE_SHARED (stage 1,
+// 0 or 1: the shared expert's slot; K + 1 <= 32).
 #include "moe_route_common.cuh"
 
 #ifndef MOE_E
@@ -48,13 +53,21 @@
 
 #if MOE_STAGE == 1
 
+#ifndef MOE_SHARED
+#define MOE_SHARED 0
+#endif
 typedef MOE_LT lt;
 constexpr int E = MOE_E;
 constexpr int K = MOE_K;
+constexpr int KS = K + MOE_SHARED;  // slots per token
 constexpr int EPL = E / 32;  // logits per lane
+static_assert(KS <= 32, "top-k plus the shared slot must fit one warp");
 
 extern "C" __global__ void __launch_bounds__(256) KNAME(
     const lt* __restrict__ logits,
+#if MOE_SHARED
+    const lt* __restrict__ shared_logits,
+#endif
     int* __restrict__ inds,
     float* __restrict__ scores,
     int N,
@@ -74,9 +87,15 @@ extern "C" __global__ void __launch_bounds__(256) KNAME(
   float my_p, tot;
   route_warp<E, K>(p, my_i, my_p, tot);
   if (lane < K) {
-    inds[(size_t)n * K + lane] = my_i;
-    scores[(size_t)n * K + lane] = normalize ? my_p / tot : my_p;
+    inds[(size_t)n * KS + lane] = my_i;
+    scores[(size_t)n * KS + lane] = normalize ? my_p / tot : my_p;
   }
+#if MOE_SHARED
+  if (lane == K) {
+    inds[(size_t)n * KS + K] = E;
+    scores[(size_t)n * KS + K] = 1.0f / (1.0f + expf(-to_f(shared_logits[n])));
+  }
+#endif
 }
 
 #else  // MOE_STAGE 2 (count) and 3 (scatter)

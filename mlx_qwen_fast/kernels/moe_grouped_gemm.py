@@ -99,7 +99,7 @@ import numpy as np
 
 from . import _cuda_build as cb
 from ..ops.moe import ExpertGroups
-from .moe_routing import Routing
+from .moe_routing import Routing, shared_group_experts
 
 __all__ = [
     "gate_up_swiglu",
@@ -123,7 +123,9 @@ __all__ = [
     "unpermute_k",
     "moe_experts_and_shared",
     "shared_in_gemm",
+    "shared_form",
     "shared_expert_supported",
+    "shared_slot_supported",
     "single_expert_routing",
     "single_expert_tile_rows",
     "SHARED_GEMM_ENV",
@@ -557,12 +559,27 @@ def shared_expert_supported(shared_expert, d: int) -> bool:
             and _q_ok(*dn, E=1, O=d, K=i_s))
 
 
+def shared_slot_supported(shared_expert, d: int, i_dim: int) -> bool:
+    """True when :func:`moe_experts` can run ``shared_expert`` in the routing's
+    shared slot next to routed experts of size ``i_dim`` on hidden size
+    ``d``: :func:`shared_expert_supported` and its intermediate size is
+    ``i_dim`` (one kernel build serves both weight sets). Pure, CPU-callable."""
+    try:
+        return shared_expert_supported(shared_expert, d) and shared_expert.gate_proj["weight"].shape[0] == i_dim
+    except (AttributeError, KeyError, TypeError, IndexError):
+        return False
+
+
 def _kernel(kind: int, bm: int, yt: str = "bf16_t", variant: Optional[str] = None,
             out_cols: int = 512, in_cols: Optional[int] = None,
-            down_ft: Optional[int] = None) -> Tuple[cb.CudaKernel, dict]:
-    """(kernel, variant_config) of one build; cached per configuration."""
+            down_ft: Optional[int] = None, shared: bool = False) -> Tuple[cb.CudaKernel, dict]:
+    """(kernel, variant_config) of one build; cached per configuration.
+    ``shared``: the "wg" build that also takes the shared expert's weights
+    (MOE_SHARED)."""
     cfg = variant_config(_check_variant("_kernel", variant), kind, bm, out_cols, in_cols, down_ft)
     defs = dict(cfg["defines"], MOE_KIND=kind)
+    if shared:
+        defs["MOE_SHARED"] = 1
     if kind == 1:
         defs["MOE_YT"] = yt
     src = cfg.get("source", "moe_grouped_gemm.cu")
@@ -639,6 +656,26 @@ def _check_routing(fn: str, routing: Routing, nk: int):
         raise ValueError(f"{fn}: routing.groups.offsets must be int32 [{e + 1}], got {tuple(g.offsets.shape)}")
 
 
+def _check_experts(fn: str, routing: Routing, e: int, shared, variant: str) -> None:
+    """The routing's expert count against the weights' ``e`` (with the shared
+    slot: :func:`~.moe_routing.shared_group_experts` ``(e)`` and
+    ``shared_id == e``); the shared weights given exactly when the routing
+    has the slot, and only to the "wg" kernels."""
+    sid = routing.shared_id
+    if (sid is None) != (shared is None):
+        raise ValueError(
+            f"{fn}: the shared expert's weights go with a routing that has its slot "
+            f"(route_and_group(..., shared_logits=...)); routing.shared_id={sid}, "
+            f"shared weights {'given' if shared is not None else 'missing'}"
+        )
+    want = e if sid is None else shared_group_experts(e)
+    if routing.groups.counts.shape[0] != want or (sid is not None and sid != e):
+        raise ValueError(f"{fn}: routing has {routing.groups.counts.shape[0]} experts (shared_id {sid}), "
+                         f"weights have {e}")
+    if shared is not None and variant != "wg":
+        raise ValueError(f"{fn}: the shared expert's slot needs variant 'wg', got {variant!r}")
+
+
 def gate_up_swiglu(
     x: mx.array, routing: Routing, gate: Sequence, up: Sequence, *, variant: Optional[str] = None
 ) -> mx.array:
@@ -666,10 +703,12 @@ def gate_up_swiglu(
 
 
 def _gate_up(x: mx.array, routing: Routing, gate: Sequence, up: Sequence, variant: str,
-             x_kernel_order: bool = False) -> mx.array:
+             x_kernel_order: bool = False, shared: Optional[Tuple[Sequence, Sequence]] = None) -> mx.array:
     """:func:`gate_up_swiglu` with ``h`` as the kernel writes it (for "wg":
     columns in :func:`permute_k` order); ``x_kernel_order``: ``x`` is already
-    ``permute_k(x)`` (one permutation serves the routed and the shared experts)."""
+    ``permute_k(x)`` (one permutation serves the routed and the shared experts);
+    ``shared``: the shared expert's (gate, up) arrays as a one-expert group
+    ``[1, I, ...]``, for a routing with the shared slot."""
     if x.ndim != 2 or x.dtype != mx.bfloat16 or x.shape[1] % BK:
         raise ValueError(f"gate_up_swiglu: x must be bfloat16 [N, D] with D % 64 == 0, got {x.dtype} {tuple(x.shape)}")
     n, d = x.shape
@@ -687,26 +726,30 @@ def _gate_up(x: mx.array, routing: Routing, gate: Sequence, up: Sequence, varian
     k = routing.groups.top_k
     nk = n * k
     _check_routing("gate_up_swiglu", routing, nk)
-    if routing.groups.counts.shape[0] != e:
-        raise ValueError(f"gate_up_swiglu: routing has {routing.groups.counts.shape[0]} experts, weights have {e}")
+    _check_experts("gate_up_swiglu", routing, e, shared, variant)
+    if shared is not None and not (_q_ok(*shared[0], E=1, O=i_dim, K=d) and _q_ok(*shared[1], E=1, O=i_dim, K=d)):
+        raise ValueError(f"gate_up_swiglu: the shared expert's gate and up must be one-expert arrays "
+                         f"(uint32 [1, {i_dim}, {d // 8}], bf16 scales/biases) as the routed experts'")
     if variant == "wg":
         _check_wg("gate_up_swiglu", d, i_dim, x.size, gate[0].size, up[0].size)
     if nk == 0:
         return mx.zeros((0, i_dim), mx.bfloat16)
     mt = routing.block_map.shape[0]
-    kern, cfg = _kernel(0, routing.tile_rows, variant=variant, out_cols=i_dim, in_cols=d)
+    kern, cfg = _kernel(0, routing.tile_rows, variant=variant, out_cols=i_dim, in_cols=d,
+                        shared=shared is not None)
     nt = cfg["threads"]
     if variant == "async":
         _check_async_sizes("gate_up_swiglu", x.size, gate[0].size, up[0].size)
     if variant == "wg" and not x_kernel_order:
         x = permute_k(x)
+    extra, es = ([*shared[0], *shared[1]], [e]) if shared is not None else ([], [])
     (h,) = kern(
-        inputs=[x, *gate, *up, routing.groups.order, routing.groups.offsets, routing.block_map],
+        inputs=[x, *gate, *up, *extra, routing.groups.order, routing.groups.offsets, routing.block_map],
         output_shapes=[(nk, i_dim)],
         output_dtypes=[mx.bfloat16],
         grid=_grid(cfg, mt, i_dim // cfg["bn"]),
         threadgroup=(nt, 1, 1),
-        scalars=[d, i_dim, k],
+        scalars=[d, i_dim, k, *es],
         **_smem_kw(cfg),
     )
     return h
@@ -740,10 +783,11 @@ def down_weighted(
 
 
 def _down(h: mx.array, routing: Routing, down: Sequence, out_dtype: mx.Dtype, variant: str,
-          down_ft: Optional[int] = None) -> mx.array:
+          down_ft: Optional[int] = None, shared: Optional[Sequence] = None) -> mx.array:
     """:func:`down_weighted` on ``h`` as the gate+up kernel wrote it (for
     "wg": columns in :func:`permute_k` order); ``down_ft``: the "wg" feature
-    tiles per CTA (None: :func:`wg_down_ft` of the call)."""
+    tiles per CTA (None: :func:`wg_down_ft` of the call); ``shared``: the
+    shared expert's down arrays ``[1, D, ...]``, for a routing with the shared slot."""
     if h.ndim != 2 or h.dtype != mx.bfloat16 or h.shape[1] % BK:
         raise ValueError(f"down_weighted: h must be bfloat16 [N*k, I] with I % 64 == 0, got {h.dtype} {tuple(h.shape)}")
     nk, i_dim = h.shape
@@ -759,26 +803,31 @@ def _down(h: mx.array, routing: Routing, down: Sequence, out_dtype: mx.Dtype, va
     if scores.shape != (nk,) or scores.dtype != mx.float32:
         raise ValueError(f"down_weighted: routing.scores must be float32 with {nk} entries, got {scores.dtype} {tuple(routing.scores.shape)}")
     e, d = down[0].shape[0], down[0].shape[1]
-    if routing.groups.counts.shape[0] != e:
-        raise ValueError(f"down_weighted: routing has {routing.groups.counts.shape[0]} experts, weights have {e}")
+    _check_experts("down_weighted", routing, e, shared, variant)
+    if shared is not None and not _q_ok(*shared, E=1, O=d, K=i_dim):
+        raise ValueError(f"down_weighted: the shared expert's down must be one-expert arrays "
+                         f"(uint32 [1, {d}, {i_dim // 8}], bf16 scales/biases) as the routed experts'")
     if variant == "wg":
         _check_wg("down_weighted", d, i_dim, h.size, down[0].size)
     if nk == 0:
         return mx.zeros((0, d), out_dtype)
     mt = routing.block_map.shape[0]
+    groups = e + (shared is not None)  # experts with rows: the shared one is one more
     kern, cfg = _kernel(1, routing.tile_rows, "float" if out_dtype == mx.float32 else "bf16_t",
                         variant=variant, out_cols=d, in_cols=i_dim,
-                        down_ft=(down_ft or wg_down_ft(nk, e)) if variant == "wg" else None)
+                        down_ft=(down_ft or wg_down_ft(nk, groups)) if variant == "wg" else None,
+                        shared=shared is not None)
     nt = cfg["threads"]
     if variant == "async":
         _check_async_sizes("down_weighted", h.size, down[0].size)
+    extra, es = (list(shared), [e]) if shared is not None else ([], [])
     (y,) = kern(
-        inputs=[h, *down, routing.groups.order, routing.groups.offsets, routing.block_map, scores],
+        inputs=[h, *down, *extra, routing.groups.order, routing.groups.offsets, routing.block_map, scores],
         output_shapes=[(nk, d)],
         output_dtypes=[out_dtype],
         grid=_grid(cfg, mt, d // cfg["bn"]),
         threadgroup=(nt, 1, 1),
-        scalars=[i_dim, d, routing.groups.top_k],
+        scalars=[i_dim, d, routing.groups.top_k, *es],
         **_smem_kw(cfg),
     )
     return y
@@ -786,7 +835,7 @@ def _down(h: mx.array, routing: Routing, down: Sequence, out_dtype: mx.Dtype, va
 
 def moe_experts(
     x: mx.array, routing: Routing, gate_proj, up_proj, down_proj,
-    *, out_dtype: Optional[mx.Dtype] = None, variant: Optional[str] = None,
+    *, shared_expert=None, out_dtype: Optional[mx.Dtype] = None, variant: Optional[str] = None,
 ) -> mx.array:
     """Routed-expert part of the sparse MoE block: ``[N, D]``.
 
@@ -796,13 +845,36 @@ def moe_experts(
     ``variant``: one of :data:`VARIANTS` for both kernels (None:
     :func:`default_variant`).
 
+    With a routing that has the shared slot (``routing.shared_id``, from
+    ``route_and_group(..., shared_logits=...)``), ``shared_expert`` (an
+    mlx-lm MLP of three 4-bit group-64 ``QuantizedLinear``, the routed
+    experts' sizes: :func:`shared_slot_supported`) runs as one more expert
+    group of the same two "wg" launches, its sigmoid gate as the slot's
+    weight: the block's experts + gated shared expert, each expert output
+    rounded to bf16 and all summed in fp32. Measured against the shared
+    expert as its own one-expert launches (:func:`moe_experts_and_shared`)
+    in bench/results/moe-cuda-log.md (thirteenth session).
+
     Raises:
-        ValueError: as :func:`gate_up_swiglu` / :func:`down_weighted`.
+        ValueError: as :func:`gate_up_swiglu` / :func:`down_weighted`; a
+            shared slot without ``shared_expert`` or the reverse, a shared
+            expert of other sizes, a variant other than "wg" with it.
     """
     v = _check_variant("moe_experts", variant, *_dims(lambda: (x.shape[-1], gate_proj["weight"].shape[1])))
     n, d = x.shape
-    h = _gate_up(x, routing, _q_arrays(gate_proj), _q_arrays(up_proj), v)
-    y = _down(h, routing, _q_arrays(down_proj), mx.float32, v)
+    sgu = sd = None
+    if shared_expert is not None:
+        i_dim = gate_proj["weight"].shape[1]
+        if not shared_slot_supported(shared_expert, d, i_dim):
+            raise ValueError(
+                "moe_experts: shared_expert must have gate_proj, up_proj (D -> I) and down_proj (I -> D) "
+                f"as 4-bit group-64 affine QuantizedLinear with bf16 scales/biases, D={d}, I={i_dim} "
+                "(the routed experts' sizes)"
+            )
+        sgu = (_one_expert(shared_expert.gate_proj), _one_expert(shared_expert.up_proj))
+        sd = _one_expert(shared_expert.down_proj)
+    h = _gate_up(x, routing, _q_arrays(gate_proj), _q_arrays(up_proj), v, shared=sgu)
+    y = _down(h, routing, _q_arrays(down_proj), mx.float32, v, shared=sd)
     k = routing.groups.top_k
     return y.reshape(n, k, d).sum(axis=1).astype(out_dtype or x.dtype)
 
@@ -814,12 +886,34 @@ def moe_experts(
 #: ``MLX_QWEN_FAST_MOE_SHARED_GEMM=0`` keeps the shared expert on MLX's dense
 #: quantised matmuls (three ``quantized_matmul`` + elementwise) beside the
 #: grouped GEMMs; otherwise calls of at least :data:`SHARED_GEMM_MIN_TOKENS`
-#: tokens run it through the "wg" grouped kernels as a one-expert group
-#: (:func:`moe_experts_and_shared`).
+#: tokens run it through the "wg" grouped kernels (:func:`shared_form`):
+#: in the routing's shared slot, one more group of the routed experts'
+#: launches (:func:`moe_experts` with ``shared_expert``), or with the value
+#: "group" (and for a shared expert of another size) as a one-expert group
+#: of launches of its own (:func:`moe_experts_and_shared`).
 SHARED_GEMM_ENV = "MLX_QWEN_FAST_MOE_SHARED_GEMM"
 #: Fewest tokens for which the shared expert runs through the grouped kernels
 #: (bench/results/moe-cuda-log.md, eleventh session).
 SHARED_GEMM_MIN_TOKENS = 1024
+
+
+def shared_form(num_tokens: int, d: int, i_dim: int, shared_expert) -> Optional[str]:
+    """How the patched MoE block runs its shared expert for a call: None
+    (MLX's dense matmuls beside the grouped GEMMs), ``"slot"`` (the routing's
+    shared slot: :func:`moe_experts` with ``shared_expert``) or ``"group"``
+    (its own one-expert launches: :func:`moe_experts_and_shared`).
+
+    None unless :func:`shared_in_gemm` and :func:`shared_expert_supported`;
+    then "slot" where :func:`shared_slot_supported` and
+    :data:`SHARED_GEMM_ENV` is not "group", else "group". Never compiles.
+    """
+    import os
+
+    if not (shared_in_gemm(num_tokens, d, i_dim) and shared_expert_supported(shared_expert, d)):
+        return None
+    if os.environ.get(SHARED_GEMM_ENV, "1") != "group" and shared_slot_supported(shared_expert, d, i_dim):
+        return "slot"
+    return "group"
 
 
 def shared_in_gemm(num_tokens: int, d: int, i_dim: int) -> bool:

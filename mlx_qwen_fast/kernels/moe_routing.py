@@ -34,14 +34,14 @@ the MoE block: bench/results/moe-cuda-log.md, eighth session).
 from __future__ import annotations
 
 import numbers
-from typing import Dict, NamedTuple, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
 from ..ops.moe import ExpertGroups, max_tiles
 from . import _cuda_build as cb
 
-__all__ = ["Routing", "route", "group", "route_and_group", "supports", "plan"]
+__all__ = ["Routing", "route", "group", "route_and_group", "supports", "plan", "shared_group_experts"]
 
 _LOGIT = (mx.float32, mx.bfloat16, mx.float16)
 _INTS = (mx.int32, mx.uint32)
@@ -64,7 +64,11 @@ class Routing(NamedTuple):
     Fields: ``inds [N, k]`` int32, ``scores [N, k]`` float32, ``groups``
     (:class:`~mlx_qwen_fast.ops.moe.ExpertGroups`, int32 arrays, ``order`` not
     stable within an expert), ``block_map [max_tiles, 2]`` int32,
-    ``tile_rows`` (Python int).
+    ``tile_rows`` (Python int), ``shared_id``: None, or the expert id that
+    the last of the k slots of every token carries for the shared expert
+    (:func:`route_and_group` with ``shared_logits``: the routed expert count
+    E; ``groups`` then counts :func:`shared_group_experts` experts, the ids
+    above E empty).
     """
 
     inds: mx.array
@@ -72,6 +76,14 @@ class Routing(NamedTuple):
     groups: ExpertGroups
     block_map: mx.array
     tile_rows: int
+    shared_id: Optional[int] = None
+
+
+def shared_group_experts(num_experts: int) -> int:
+    """Experts the grouping counts when every token also takes the shared
+    expert as id ``num_experts``: the next multiple of 32 above
+    ``num_experts`` (the grouping kernels' expert count is a multiple of 32)."""
+    return 32 * (num_experts // 32 + 1)
 
 
 def plan(num_tokens: int, top_k: int, num_experts: int, tile_rows: int) -> dict:
@@ -151,7 +163,8 @@ def _kernel(stage: int, **defs) -> cb.CudaKernel:
     return k
 
 
-def route(logits: mx.array, top_k: int, *, normalize: bool = True) -> Tuple[mx.array, mx.array]:
+def route(logits: mx.array, top_k: int, *, normalize: bool = True,
+          shared_logits: Optional[mx.array] = None) -> Tuple[mx.array, mx.array]:
     """Top-k experts per token (the contract of :func:`ops.moe.route`).
 
     Args:
@@ -160,15 +173,21 @@ def route(logits: mx.array, top_k: int, *, normalize: bool = True) -> Tuple[mx.a
             most 1024.
         top_k: experts per token, ``1 <= top_k <= min(32, E)``.
         normalize: divide the k probabilities by their sum.
+        shared_logits: None, or the shared expert's gate logits ``[..., 1]``
+            (``shared_expert_gate(x)``) in ``logits``' dtype: one more slot
+            per token (``top_k < 32``), expert id ``E`` with weight
+            ``sigmoid(logit)`` in fp32 (Qwen3-Next/Qwen3.5 MoE: the shared
+            expert's output is scaled by that gate and added).
 
     Returns:
         ``(inds [N, k] int32, scores [N, k] float32)`` (``[..., k]`` for
         ``[..., E]`` logits: no reshape node), slots in decreasing
-        probability (ties: lower expert id first).
+        probability (ties: lower expert id first); with ``shared_logits``
+        ``[..., k + 1]``, the shared slot last.
 
     Raises:
-        ValueError: bad ``logits`` shape/dtype or ``top_k`` (names them), or
-            more than ``MAX_TOKENS`` tokens.
+        ValueError: bad ``logits`` shape/dtype or ``top_k`` (names them), bad
+            ``shared_logits``, or more than ``MAX_TOKENS`` tokens.
     """
     if not _shape_ok(logits, top_k):
         got = (f"{logits.dtype} {tuple(logits.shape)}" if isinstance(logits, mx.array)
@@ -182,13 +201,22 @@ def route(logits: mx.array, top_k: int, *, normalize: bool = True) -> Tuple[mx.a
     e = logits.shape[-1]
     n = logits.size // e
     lead = tuple(logits.shape[:-1])
+    shared = shared_logits is not None
+    if shared and (not isinstance(shared_logits, mx.array) or shared_logits.dtype != logits.dtype
+                   or tuple(shared_logits.shape) != (*lead, 1) or top_k >= 32):
+        got = (f"{shared_logits.dtype} {tuple(shared_logits.shape)}" if isinstance(shared_logits, mx.array)
+               else type(shared_logits).__name__)
+        raise ValueError(f"route: shared_logits must be an mx.array {(*lead, 1)} in logits' dtype "
+                         f"{logits.dtype} (and top_k < 32), got {got}, top_k={top_k}")
+    slots = top_k + int(shared)
     if n == 0:
-        return mx.zeros((*lead, top_k), mx.int32), mx.zeros((*lead, top_k), mx.float32)
-    p = plan(n, top_k, e, 1)
-    kern = _kernel(1, MOE_E=e, MOE_K=top_k, MOE_LT=cb.dtype_macro(logits.dtype))
+        return mx.zeros((*lead, slots), mx.int32), mx.zeros((*lead, slots), mx.float32)
+    p = plan(n, slots, e, 1)
+    kern = _kernel(1, MOE_E=e, MOE_K=top_k, MOE_LT=cb.dtype_macro(logits.dtype),
+                   **({"MOE_SHARED": 1} if shared else {}))
     inds, scores = kern(
-        inputs=[logits],
-        output_shapes=[(*lead, top_k), (*lead, top_k)],
+        inputs=[logits, shared_logits] if shared else [logits],
+        output_shapes=[(*lead, slots), (*lead, slots)],
         output_dtypes=[mx.int32, mx.float32],
         grid=p["route_grid"],
         threadgroup=p["route_block"],
@@ -259,9 +287,20 @@ def group(inds: mx.array, num_experts: int, tile_rows: int) -> Tuple[ExpertGroup
 
 
 def route_and_group(
-    logits: mx.array, top_k: int, tile_rows: int, *, normalize: bool = True
+    logits: mx.array, top_k: int, tile_rows: int, *, normalize: bool = True,
+    shared_logits: Optional[mx.array] = None,
 ) -> Routing:
-    """:func:`route` then :func:`group` (three launches). Args/errors as those."""
-    inds, scores = route(logits, top_k, normalize=normalize)
-    groups, bmap = group(inds, logits.shape[-1], tile_rows)
-    return Routing(inds, scores, groups, bmap, tile_rows)
+    """:func:`route` then :func:`group` (three launches). Args/errors as those.
+
+    With ``shared_logits`` every token gets ``top_k + 1`` slots, the last the
+    shared expert as expert ``E`` (``Routing.shared_id``), grouped over
+    :func:`shared_group_experts` ``(E)`` experts: the grouped GEMM then runs
+    the shared expert as one more group of the same launches
+    (``moe_grouped_gemm.moe_experts`` with ``shared_expert``)."""
+    inds, scores = route(logits, top_k, normalize=normalize, shared_logits=shared_logits)
+    e = logits.shape[-1]
+    if shared_logits is None:
+        groups, bmap = group(inds, e, tile_rows)
+        return Routing(inds, scores, groups, bmap, tile_rows)
+    groups, bmap = group(inds, shared_group_experts(e), tile_rows)
+    return Routing(inds, scores, groups, bmap, tile_rows, e)

@@ -503,10 +503,12 @@ def _cuda_kernel(block, x: mx.array) -> mx.array:
     combine), expert outputs rounded to bf16 as ``SwitchGLU``. Checked on the
     H200 against fp32 math on the dequantised weights (tests/test_cuda_moe.py).
     From :data:`~mlx_qwen_fast.kernels.moe_grouped_gemm.SHARED_GEMM_MIN_TOKENS`
-    tokens the shared expert runs through the same kernels as a one-expert
-    group (``moe_experts_and_shared``; its sigmoid gate in fp32, its output
-    added in fp32), below that through :func:`shared_expert` (MLX's dense
-    quantised matmuls).
+    tokens the shared expert runs through the same kernels
+    (``moe_grouped_gemm.shared_form``): in a (k+1)-th routing slot of every
+    token, one more group of the routed experts' launches (its sigmoid gate
+    in fp32 as the slot's weight), or as a one-expert group of its own
+    (``moe_experts_and_shared``); below that through :func:`shared_expert`
+    (MLX's dense quantised matmuls).
     """
     from ..kernels import moe_grouped_gemm as _gg
     from ..kernels import moe_routing as _mr
@@ -523,9 +525,23 @@ def _cuda_kernel(block, x: mx.array) -> mx.array:
         return _stock(block, x)
     i_dim = sm.gate_proj["weight"].shape[1]
     variant = _gg.default_variant(d, i_dim)
-    tile = _gg.choose_tile_rows(tokens.shape[0] * block.top_k, block.num_experts, variant)
-    routing = _mr.route_and_group(logits, block.top_k, tile, normalize=block.norm_topk_prob)
-    if _gg.shared_in_gemm(tokens.shape[0], d, i_dim) and _gg.shared_expert_supported(block.shared_expert, d):
+    n, k, e = tokens.shape[0], block.top_k, block.num_experts
+    form = _gg.shared_form(n, d, i_dim, block.shared_expert)
+    if form == "slot":
+        # the shared expert in a (k+1)-th routing slot of every token: one more
+        # group of the same two launches, its sigmoid gate (fp32) the slot's weight
+        shared_logits = block.shared_expert_gate(tokens)
+        if shared_logits.dtype == logits.dtype:
+            tile = _gg.choose_tile_rows(n * (k + 1), e + 1, variant)
+            routing = _mr.route_and_group(logits, k, tile, normalize=block.norm_topk_prob,
+                                          shared_logits=shared_logits)
+            y = _gg.moe_experts(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj,
+                                shared_expert=block.shared_expert, variant=variant)
+            return y.reshape(*lead, d)
+        form = "group"
+    tile = _gg.choose_tile_rows(n * k, e, variant)
+    routing = _mr.route_and_group(logits, k, tile, normalize=block.norm_topk_prob)
+    if form == "group":
         # the shared expert as a one-expert group of the same kernels; its gate in fp32
         gate = mx.sigmoid(block.shared_expert_gate(tokens).astype(mx.float32))
         y = _gg.moe_experts_and_shared(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj,
