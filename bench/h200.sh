@@ -29,6 +29,7 @@
 #   bash bench/h200.sh s12a      # twelfth session: compressed-fatbin images vs cubins (tests, node cost, decode rows)
 #   bash bench/h200.sh s12b|s12c # twelfth session: issue 4's GDN rows x3 + the 4K A/B; patched decode fatbin vs cubin
 #   bash bench/h200.sh s12d      # twelfth session: the whole model's start-up cost; the prefill/layer CUDA tests with fatbin images
+#   bash bench/h200.sh s13c|s13d # thirteenth session: the slot with one router+gate matmul (tests, ncu); the 4K A/B
 #   bash bench/h200.sh s13b      # thirteenth session: the shared expert in the routing's shared slot (tests, ncu per T, 3 forms)
 #   bash bench/h200.sh s13a      # thirteenth session: the review-fixed nvFatbin path (fatbin_id, tests), decode_step x3
 #   bash bench/h200.sh s11a      # eleventh session: MLX's CUDA graphs on/off: node cost, GDN decode rows, patched decode 4K
@@ -490,5 +491,22 @@ s13b)  # the shared expert in the routing's shared slot (one more group of the w
     echo "shared_gemm=$g"; ncu_calls $M/ncu-block-$g.csv | cut -c1-60; grep -E "rror" $M/ncu-block-$g.err | head -3
   done
   tar czf $OUT/s13b-logs.tgz -C $M . ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s12b|s12c|s12d|s13a|s13b}"; exit 2 ;;
+s13c)  # the shared slot with the router and the shared gate as one matmul: the MoE tests, then ncu GPU time
+       # of one patched MoE-block call: slot at 4096,1024,256,128; the one-expert group and dense at 128
+  M=/tmp/s13c; mkdir -p $M; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 2"
+  timeout 280 python3 -m pytest -q $XD tests/test_cuda_moe.py -k "shared or rout or block or moe_experts" \
+    > $M/tests.txt 2>&1; echo "rc=$?" >> $M/tests.txt; tail -2 $M/tests.txt; grep -E "^FAILED|^ERROR" $M/tests.txt | head -8
+  for g in 1 group 0; do T=128; [ $g = 1 ] && T=4096,1024,256,128
+    MLX_QWEN_FAST_MOE_SHARED_GEMM=$g timeout 120 $NCU --clock-control none --profile-from-start off \
+      --metrics gpu__time_duration.sum --csv python3 bench/profile_kernels.py block $T \
+      shared_min_tokens=128 > $M/ncu-block-$g.csv 2>$M/ncu-block-$g.err
+    echo "shared_gemm=$g"; ncu_calls $M/ncu-block-$g.csv | cut -c1-60; grep -E "rror" $M/ncu-block-$g.err | head -3
+  done
+  tar czf $OUT/s13c-logs.tgz -C $M . ;;
+s13d)  # the end-to-end A/B at 4K (stock vs patched, prefill and decode, alternating), the final tree
+  M=/tmp/s13d; mkdir -p $M
+  timeout 400 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
+    --out $M/ab-4k.json > $M/ab-4k.log 2>&1; tail -14 $M/ab-4k.log
+  tar czf $OUT/s13d-logs.tgz -C $M . ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s12b|s12c|s12d|s13a|s13b|s13c|s13d}"; exit 2 ;;
 esac

@@ -24,8 +24,8 @@ decode):
   ``cuProfilerStart``/``cuProfilerStop``: every kernel of one block call, so
   the routing's share of the block is measured, not estimated.
   ``block T,T,... shared_min_tokens=N``: the shared expert through the
-  grouped kernels from N tokens (``moe_grouped_gemm.SHARED_GEMM_MIN_TOKENS``)
-  instead of the package's threshold; with ``MLX_QWEN_FAST_MOE_SHARED_GEMM``
+  grouped kernels from N tokens (``moe_grouped_gemm.SHARED_GEMM_MIN_TOKENS``
+  and ``SHARED_SLOT_MIN_TOKENS``) instead of the package's thresholds; with ``MLX_QWEN_FAST_MOE_SHARED_GEMM``
   (0: dense beside the kernels, "group": its own one-expert launches, else
   the routing's shared slot) this times each form of issue 5's "shared
   expert fused in or run alongside". (Until the thirteenth session a
@@ -421,7 +421,7 @@ def block_launches(tokens=(4096, 1), skew=1.0, wg_tune=None, shared_min_tokens=N
     from mlx_qwen_fast.kernels import moe_grouped_gemm as gg
 
     if shared_min_tokens is not None:
-        gg.SHARED_GEMM_MIN_TOKENS = int(shared_min_tokens)
+        gg.SHARED_GEMM_MIN_TOKENS = gg.SHARED_SLOT_MIN_TOKENS = int(shared_min_tokens)
     for key, value in (wg_tune or {}).items():
         if key not in gg.WG_TUNE:
             raise SystemExit(f"block: unknown WG_TUNE key {key!r}; known: {sorted(gg.WG_TUNE)}")

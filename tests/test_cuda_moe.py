@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
@@ -938,38 +939,55 @@ def test_block_cuda_kernel_vs_reference(poison, n):
 @cuda
 @needs_cuda
 def test_block_shared_expert_in_gemm_or_dense(poison, monkeypatch):
-    """From SHARED_GEMM_MIN_TOKENS tokens the block runs the shared expert
-    through the grouped kernels: in the routing's shared slot by default, as
-    its own one-expert group with MLX_QWEN_FAST_MOE_SHARED_GEMM=group;
-    =0 keeps the dense matmuls. All are the same block (dense: bf16
+    """The block's shared expert: in the routing's shared slot from
+    SHARED_SLOT_MIN_TOKENS tokens (router and gate as one matmul, the logit
+    read from its column); with MLX_QWEN_FAST_MOE_SHARED_GEMM=group as its own
+    one-expert group from SHARED_GEMM_MIN_TOKENS; =0, or below the
+    thresholds, MLX's dense matmuls. All are the same block (dense: bf16
     products, gemm: fp32)."""
     n = gg.SHARED_GEMM_MIN_TOKENS + 5
+    s = gg.SHARED_SLOT_MIN_TOKENS
     block = moe_blocks.make_block(D=256, H=128, E=64, k=8, dtype=mx.bfloat16, seed=3)
     x = mx.random.normal((1, n, 256), key=mx.random.key(5)).astype(mx.bfloat16)
     monkeypatch.delenv(gg.SHARED_GEMM_ENV, raising=False)
     calls = []
-    real_group, real_experts = gg.moe_experts_and_shared, gg.moe_experts
+    real_group, real_experts, real_route = gg.moe_experts_and_shared, gg.moe_experts, mr.route_and_group
 
     def counted_group(*a, **k):
-        calls.append(("group", a[0].shape))
+        calls.append(("group", a[0].shape[0]))
         return real_group(*a, **k)
 
     def counted_experts(*a, **k):
-        calls.append(("slot" if k.get("shared_expert") is not None else "routed", a[0].shape))
+        calls.append(("slot" if k.get("shared_expert") is not None else "routed", a[0].shape[0]))
         return real_experts(*a, **k)
+
+    def counted_route(*a, **k):
+        calls.append(("column" if k.get("shared_column") else "logits" if k.get("shared_logits") is not None
+                      else "plain", a[0].shape[0]))
+        return real_route(*a, **k)
 
     monkeypatch.setattr(gg, "moe_experts_and_shared", counted_group)
     monkeypatch.setattr(gg, "moe_experts", counted_experts)
-    slot = moe.sparse_moe(block, x, implementation="cuda-kernel")
-    assert calls == [("slot", (n, 256))]
-    moe.sparse_moe(block, x[:, : n - 6], implementation="cuda-kernel")  # below the threshold: dense
-    assert calls[1:] == [("routed", (n - 6, 256))]
+    monkeypatch.setattr(mr, "route_and_group", counted_route)
+
+    def run(tokens):
+        calls.clear()
+        return moe.sparse_moe(block, x[:, :tokens], implementation="cuda-kernel")
+
+    slot = run(n)
+    assert calls == [("column", n), ("slot", n)]
+    run(s)
+    assert calls == [("column", s), ("slot", s)]
+    run(s - 1)  # below both thresholds: dense
+    assert calls == [("plain", s - 1), ("routed", s - 1)]
     monkeypatch.setenv(gg.SHARED_GEMM_ENV, "group")
-    group = moe.sparse_moe(block, x, implementation="cuda-kernel")
-    assert calls[2:] == [("group", (n, 256))]
+    group = run(n)
+    assert calls == [("plain", n), ("group", n)]
+    run(gg.SHARED_GEMM_MIN_TOKENS - 1)
+    assert calls == [("plain", gg.SHARED_GEMM_MIN_TOKENS - 1), ("routed", gg.SHARED_GEMM_MIN_TOKENS - 1)]
     monkeypatch.setenv(gg.SHARED_GEMM_ENV, "0")
-    dense = moe.sparse_moe(block, x, implementation="cuda-kernel")
-    assert calls[3:] == [("routed", (n, 256))]
+    dense = run(n)
+    assert calls == [("plain", n), ("routed", n)]
     assert finite(slot, group, dense)
     assert rel(slot, dense) < GATHER_QMM_TOL
     # slot and group: the same roundings, only the fp32 summation order differs
@@ -987,13 +1005,21 @@ def test_shared_slot_helpers(monkeypatch):
     assert not gg.shared_slot_supported(object(), 256, 128)
     monkeypatch.delenv(gg.SHARED_GEMM_ENV, raising=False)
     monkeypatch.setattr(gg.cb, "gpu_arch", lambda: (9, 0))
-    n = gg.SHARED_GEMM_MIN_TOKENS
+    n, s = gg.SHARED_GEMM_MIN_TOKENS, gg.SHARED_SLOT_MIN_TOKENS
+    assert s < n
     assert gg.shared_form(n, 256, 128, block.shared_expert) == "slot"
+    assert gg.shared_form(s, 256, 128, block.shared_expert) == "slot"
+    assert gg.shared_form(s - 1, 256, 128, block.shared_expert) is None
     assert gg.shared_form(n, 256, 256, block.shared_expert) == "group"  # I_s != I: its own launches
-    assert gg.shared_form(n - 1, 256, 128, block.shared_expert) is None
+    assert gg.shared_form(n - 1, 256, 256, block.shared_expert) is None
+    assert gg.shared_form(n, 256, 64, block.shared_expert) is None  # no "wg" build for I = 64
     monkeypatch.setenv(gg.SHARED_GEMM_ENV, "group")
     assert gg.shared_form(n, 256, 128, block.shared_expert) == "group"
+    assert gg.shared_form(n - 1, 256, 128, block.shared_expert) is None
     monkeypatch.setenv(gg.SHARED_GEMM_ENV, "0")
+    assert gg.shared_form(n, 256, 128, block.shared_expert) is None
+    monkeypatch.setattr(gg.cb, "gpu_arch", lambda: (8, 0))  # no wgmma
+    monkeypatch.delenv(gg.SHARED_GEMM_ENV)
     assert gg.shared_form(n, 256, 128, block.shared_expert) is None
 
 
@@ -1028,21 +1054,55 @@ def test_shared_slot_argument_errors():
         mr.route(logits, k, shared_logits=mx.zeros((n, 2), mx.bfloat16))
     with pytest.raises(ValueError, match="shared_logits"):
         mr.route(mx.zeros((n, 64), mx.bfloat16), 32, shared_logits=mx.zeros((n, 1), mx.bfloat16))  # 33 slots
+    with pytest.raises(ValueError, match="E \\+ 32"):
+        mr.route(mx.zeros((n, E + 16), mx.bfloat16), k, shared_column=True)  # E + 32 columns needed
+    with pytest.raises(ValueError, match="not both"):
+        mr.route(mx.zeros((n, E + 32), mx.bfloat16), k, shared_column=True, shared_logits=mx.zeros((n, 1), mx.bfloat16))
+
+
+def test_router_with_shared_gate_is_both_layers():
+    """The joint router: its columns are the router's and the gate's outputs
+    (then zeros), built once, rebuilt when a weight is replaced; None for
+    layers of other kinds (any backend)."""
+    E, D = 32, 256
+    block = moe_blocks.make_block(D=D, H=128, E=E, k=8, dtype=mx.bfloat16, seed=9)
+    x = mx.random.normal((5, D), key=mx.random.key(2)).astype(mx.bfloat16)
+    joint = moe.router_with_shared_gate(block)
+    assert joint is not None and joint[0][0].shape[0] == E + 32
+    from mlx_qwen_fast.compiled import apply_linear
+
+    out = apply_linear(x, *joint)
+    assert out.shape == (5, E + 32)
+    assert rel(out[:, :E], block.gate(x)) < BF16_EPS and rel(out[:, E:E + 1], block.shared_expert_gate(x)) < BF16_EPS
+    assert not np.asarray(out[:, E + 1:].astype(mx.float32)).any()
+    assert moe.router_with_shared_gate(block) is joint  # cached
+    g = block.shared_expert_gate
+    g.weight = mx.array(g.weight)  # a replaced array (as load_weights does): rebuilt
+    again = moe.router_with_shared_gate(block)
+    assert again is not joint and mx.array_equal(again[0][0], joint[0][0]).item()
+    block.shared_expert_gate = nn.Linear(D, 1, bias=False)  # another kind than the router
+    assert moe.router_with_shared_gate(block) is None
 
 
 @cuda
 @needs_cuda
 @pytest.mark.parametrize("n", [1, 7, 2049, 4099])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
-def test_route_and_group_with_shared_slot(poison, n, dtype):
+@pytest.mark.parametrize("where", ["input", "column"])
+def test_route_and_group_with_shared_slot(poison, n, dtype, where):
     """The shared slot: the first k slots are route()'s without it bit for
     bit, slot k is expert E with sigmoid(logit) in fp32; the grouping counts
     E rounded up to 32 more experts: E's group holds every token once, the
-    ids above it are empty, the rest is the grouping without the slot."""
+    ids above it are empty, the rest is the grouping without the slot. The
+    logit as a second input or as column E of [N, E + 32] logits."""
     E, k, tile = 256, 8, 64
     logits = make_logits(n, E, "skewed", seed=n, dtype=dtype)
     sl = (mx.random.normal((n, 1), key=mx.random.key(n + 1)) * 4).astype(dtype)
-    r = mr.route_and_group(logits, k, tile, shared_logits=sl)
+    if where == "input":
+        r = mr.route_and_group(logits, k, tile, shared_logits=sl)
+    else:
+        wide = mx.concatenate([logits, sl, mx.full((n, 31), 1e4, dtype)], axis=1)  # the rest never read
+        r = mr.route_and_group(wide, k, tile, shared_column=True)
     plain = mr.route_and_group(logits, k, tile)
     assert r.shared_id == E and plain.shared_id is None
     assert r.inds.shape == (n, k + 1) and r.scores.shape == (n, k + 1) and r.groups.top_k == k + 1

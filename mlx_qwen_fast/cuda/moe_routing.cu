@@ -13,10 +13,12 @@
 //   decreasing probability.
 //   Inputs: logits [N, E] (MOE_LT). Outputs: inds [N, K] int32,
 //   scores [N, K] float. Scalars: int N, int normalize.
-//   With MOE_SHARED 1 (the shared expert as one more expert of every token):
-//   a second input, the shared expert's gate logits [N] (MOE_LT), and K + 1
-//   slots per token: slot K holds expert id E (one past the routed ids) with
-//   weight sigmoid(logit) in fp32, outputs inds / scores [N, K + 1].
+//   With MOE_SHARED (the shared expert as one more expert of every token):
+//   K + 1 slots per token, slot K holding expert id E (one past the routed
+//   ids) with weight sigmoid(logit) in fp32, outputs inds / scores
+//   [N, K + 1]; the shared expert's gate logit comes from a second input
+//   [N] (MOE_SHARED 1) or from column E of the logits, whose rows are then
+//   E + 32 wide (MOE_SHARED 2: the router and the gate as one padded matmul).
 //   Launch: ceil(N/8)*256 threads, 256 per block.
 //
 // MOE_STAGE 2 (count) and 3 (scatter): the grouping, over C CTAs of 1024
@@ -44,7 +46,7 @@
 //
 // Build macros: KNAME, MOE_STAGE, MOE_E (experts, multiple of 32, <= 1024),
 // MOE_K (top-k, stage 1), MOE_LT (logit type, stage 1), MOE_SHARED (stage 1,
-// 0 or 1: the shared expert's slot; K + 1 <= 32).
+// 0, 1 or 2: the shared expert's slot and where its logit is; K + 1 <= 32).
 #include "moe_route_common.cuh"
 
 #ifndef MOE_E
@@ -59,13 +61,14 @@
 typedef MOE_LT lt;
 constexpr int E = MOE_E;
 constexpr int K = MOE_K;
-constexpr int KS = K + MOE_SHARED;  // slots per token
+constexpr int KS = K + (MOE_SHARED ? 1 : 0);  // slots per token
+constexpr int LD = MOE_SHARED == 2 ? E + 32 : E;  // logits per row
 constexpr int EPL = E / 32;  // logits per lane
 static_assert(KS <= 32, "top-k plus the shared slot must fit one warp");
 
 extern "C" __global__ void __launch_bounds__(256) KNAME(
     const lt* __restrict__ logits,
-#if MOE_SHARED
+#if MOE_SHARED == 1
     const lt* __restrict__ shared_logits,
 #endif
     int* __restrict__ inds,
@@ -77,7 +80,7 @@ extern "C" __global__ void __launch_bounds__(256) KNAME(
   if (n >= N) {
     return;  // whole warp leaves together
   }
-  const lt* row = logits + (size_t)n * E;
+  const lt* row = logits + (size_t)n * LD;
   float p[EPL];
 #pragma unroll
   for (int i = 0; i < EPL; ++i) {
@@ -92,8 +95,13 @@ extern "C" __global__ void __launch_bounds__(256) KNAME(
   }
 #if MOE_SHARED
   if (lane == K) {
+#if MOE_SHARED == 1
+    const float sl = to_f(shared_logits[n]);
+#else
+    const float sl = to_f(row[E]);
+#endif
     inds[(size_t)n * KS + K] = E;
-    scores[(size_t)n * KS + K] = 1.0f / (1.0f + expf(-to_f(shared_logits[n])));
+    scores[(size_t)n * KS + K] = 1.0f / (1.0f + expf(-sl));
   }
 #endif
 }

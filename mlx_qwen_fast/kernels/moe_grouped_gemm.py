@@ -130,6 +130,7 @@ __all__ = [
     "single_expert_tile_rows",
     "SHARED_GEMM_ENV",
     "SHARED_GEMM_MIN_TOKENS",
+    "SHARED_SLOT_MIN_TOKENS",
     "wg_shapes_ok",
     "wg_down_ft",
 ]
@@ -893,8 +894,15 @@ def moe_experts(
 #: of launches of its own (:func:`moe_experts_and_shared`).
 SHARED_GEMM_ENV = "MLX_QWEN_FAST_MOE_SHARED_GEMM"
 #: Fewest tokens for which the shared expert runs through the grouped kernels
-#: (bench/results/moe-cuda-log.md, eleventh session).
+#: as a one-expert group of its own launches (bench/results/moe-cuda-log.md,
+#: eleventh session).
 SHARED_GEMM_MIN_TOKENS = 1024
+#: Fewest tokens for which it runs in the routing's shared slot. ncu GPU time
+#: of one block call on the H200 (thirteenth session, moe-cuda-log.md), slot
+#: / one-expert group / dense, us: T=4096 1,184.8 / 1,244.2 / 1,354.1; 2048
+#: 742.2 / 784.8 / 845.2; 1024 508.4 / 559.1 / 601.2; 512 379.6 / 422.2 /
+#: 475.5; 256 298.6 / 342.3 / 413.1.
+SHARED_SLOT_MIN_TOKENS = 256
 
 
 def shared_form(num_tokens: int, d: int, i_dim: int, shared_expert) -> Optional[str]:
@@ -903,17 +911,21 @@ def shared_form(num_tokens: int, d: int, i_dim: int, shared_expert) -> Optional[
     shared slot: :func:`moe_experts` with ``shared_expert``) or ``"group"``
     (its own one-expert launches: :func:`moe_experts_and_shared`).
 
-    None unless :func:`shared_in_gemm` and :func:`shared_expert_supported`;
-    then "slot" where :func:`shared_slot_supported` and
-    :data:`SHARED_GEMM_ENV` is not "group", else "group". Never compiles.
+    "slot" from :data:`SHARED_SLOT_MIN_TOKENS` tokens where
+    :func:`shared_slot_supported`, the "wg" variant is the default and
+    :data:`SHARED_GEMM_ENV` is neither "0" nor "group"; otherwise "group"
+    where :func:`shared_in_gemm` and :func:`shared_expert_supported`; else
+    None. The environment is read on every call. Never compiles.
     """
     import os
 
-    if not (shared_in_gemm(num_tokens, d, i_dim) and shared_expert_supported(shared_expert, d)):
-        return None
-    if os.environ.get(SHARED_GEMM_ENV, "1") != "group" and shared_slot_supported(shared_expert, d, i_dim):
+    env = os.environ.get(SHARED_GEMM_ENV, "1")
+    if (env not in ("0", "group") and num_tokens >= SHARED_SLOT_MIN_TOKENS
+            and default_variant(d, i_dim) == "wg" and shared_slot_supported(shared_expert, d, i_dim)):
         return "slot"
-    return "group"
+    if shared_in_gemm(num_tokens, d, i_dim) and shared_expert_supported(shared_expert, d):
+        return "group"
+    return None
 
 
 def shared_in_gemm(num_tokens: int, d: int, i_dim: int) -> bool:

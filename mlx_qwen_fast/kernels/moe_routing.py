@@ -144,12 +144,12 @@ def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
-def _shape_ok(logits, top_k) -> bool:
+def _shape_ok(logits, top_k, pad: int = 0) -> bool:
     if not isinstance(logits, mx.array) or logits.ndim < 1 or logits.dtype not in _LOGIT:
         return False
     if not _is_int(top_k):
         return False
-    e = logits.shape[-1]
+    e = logits.shape[-1] - pad
     return e % 32 == 0 and 32 <= e <= 1024 and 1 <= top_k <= min(32, e)
 
 
@@ -164,7 +164,7 @@ def _kernel(stage: int, **defs) -> cb.CudaKernel:
 
 
 def route(logits: mx.array, top_k: int, *, normalize: bool = True,
-          shared_logits: Optional[mx.array] = None) -> Tuple[mx.array, mx.array]:
+          shared_logits: Optional[mx.array] = None, shared_column: bool = False) -> Tuple[mx.array, mx.array]:
     """Top-k experts per token (the contract of :func:`ops.moe.route`).
 
     Args:
@@ -178,6 +178,11 @@ def route(logits: mx.array, top_k: int, *, normalize: bool = True,
             per token (``top_k < 32``), expert id ``E`` with weight
             ``sigmoid(logit)`` in fp32 (Qwen3-Next/Qwen3.5 MoE: the shared
             expert's output is scaled by that gate and added).
+        shared_column: the same slot, its logit read from ``logits`` itself:
+            rows of ``E + 32`` columns, ``[0, E)`` the router's, column ``E``
+            the shared expert's gate, the rest unused (the router and the
+            gate run as one matmul padded to a multiple of 32 outputs:
+            ``ops.moe``). Not with ``shared_logits``.
 
     Returns:
         ``(inds [N, k] int32, scores [N, k] float32)`` (``[..., k]`` for
@@ -189,33 +194,40 @@ def route(logits: mx.array, top_k: int, *, normalize: bool = True,
         ValueError: bad ``logits`` shape/dtype or ``top_k`` (names them), bad
             ``shared_logits``, or more than ``MAX_TOKENS`` tokens.
     """
-    if not _shape_ok(logits, top_k):
+    pad = 32 if shared_column else 0
+    if not _shape_ok(logits, top_k, pad):
         got = (f"{logits.dtype} {tuple(logits.shape)}" if isinstance(logits, mx.array)
                else type(logits).__name__)
         raise ValueError(
-            "route: logits must be an mx.array [..., E] float32/bfloat16/float16 with E a "
-            f"multiple of 32 (<= 1024) and top_k an int in [1, min(32, E)], got logits {got}, "
+            f"route: logits must be an mx.array [..., E{' + 32' if pad else ''}] float32/bfloat16/float16 "
+            f"with E a multiple of 32 (<= 1024) and top_k an int in [1, min(32, E)], got logits {got}, "
             f"top_k={top_k!r}"
         )
+    if shared_column and shared_logits is not None:
+        raise ValueError("route: give the shared expert's logits either as shared_logits or in logits "
+                         "(shared_column=True), not both")
     top_k = int(top_k)
-    e = logits.shape[-1]
+    e = logits.shape[-1] - pad
     n = logits.size // e
     lead = tuple(logits.shape[:-1])
-    shared = shared_logits is not None
-    if shared and (not isinstance(shared_logits, mx.array) or shared_logits.dtype != logits.dtype
-                   or tuple(shared_logits.shape) != (*lead, 1) or top_k >= 32):
+    if shared_logits is not None and (
+            not isinstance(shared_logits, mx.array) or shared_logits.dtype != logits.dtype
+            or tuple(shared_logits.shape) != (*lead, 1) or top_k >= 32):
         got = (f"{shared_logits.dtype} {tuple(shared_logits.shape)}" if isinstance(shared_logits, mx.array)
                else type(shared_logits).__name__)
         raise ValueError(f"route: shared_logits must be an mx.array {(*lead, 1)} in logits' dtype "
                          f"{logits.dtype} (and top_k < 32), got {got}, top_k={top_k}")
-    slots = top_k + int(shared)
+    if shared_column and top_k >= 32:
+        raise ValueError(f"route: the shared column needs top_k < 32, got {top_k}")
+    mode = 2 if shared_column else int(shared_logits is not None)
+    slots = top_k + int(mode > 0)
     if n == 0:
         return mx.zeros((*lead, slots), mx.int32), mx.zeros((*lead, slots), mx.float32)
     p = plan(n, slots, e, 1)
     kern = _kernel(1, MOE_E=e, MOE_K=top_k, MOE_LT=cb.dtype_macro(logits.dtype),
-                   **({"MOE_SHARED": 1} if shared else {}))
+                   **({"MOE_SHARED": mode} if mode else {}))
     inds, scores = kern(
-        inputs=[logits, shared_logits] if shared else [logits],
+        inputs=[logits, shared_logits] if mode == 1 else [logits],
         output_shapes=[(*lead, slots), (*lead, slots)],
         output_dtypes=[mx.int32, mx.float32],
         grid=p["route_grid"],
@@ -288,18 +300,19 @@ def group(inds: mx.array, num_experts: int, tile_rows: int) -> Tuple[ExpertGroup
 
 def route_and_group(
     logits: mx.array, top_k: int, tile_rows: int, *, normalize: bool = True,
-    shared_logits: Optional[mx.array] = None,
+    shared_logits: Optional[mx.array] = None, shared_column: bool = False,
 ) -> Routing:
     """:func:`route` then :func:`group` (three launches). Args/errors as those.
 
-    With ``shared_logits`` every token gets ``top_k + 1`` slots, the last the
-    shared expert as expert ``E`` (``Routing.shared_id``), grouped over
-    :func:`shared_group_experts` ``(E)`` experts: the grouped GEMM then runs
-    the shared expert as one more group of the same launches
+    With ``shared_logits`` or ``shared_column`` every token gets ``top_k + 1``
+    slots, the last the shared expert as expert ``E`` (``Routing.shared_id``),
+    grouped over :func:`shared_group_experts` ``(E)`` experts: the grouped
+    GEMM then runs the shared expert as one more group of the same launches
     (``moe_grouped_gemm.moe_experts`` with ``shared_expert``)."""
-    inds, scores = route(logits, top_k, normalize=normalize, shared_logits=shared_logits)
-    e = logits.shape[-1]
-    if shared_logits is None:
+    inds, scores = route(logits, top_k, normalize=normalize, shared_logits=shared_logits,
+                         shared_column=shared_column)
+    e = logits.shape[-1] - (32 if shared_column else 0)
+    if shared_logits is None and not shared_column:
         groups, bmap = group(inds, e, tile_rows)
         return Routing(inds, scores, groups, bmap, tile_rows)
     groups, bmap = group(inds, shared_group_experts(e), tile_rows)

@@ -43,6 +43,7 @@ from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from .. import backend as _backend
+from ..compiled import StepPlans, apply_linear, linear_arrays, linear_paths
 from ..kernels import _cuda_build
 
 __all__ = [
@@ -494,6 +495,44 @@ def _stock(block, x: mx.array) -> mx.array:
     return Qwen3NextSparseMoeBlock.__call__(block, x)
 
 
+_JOINT_ROUTER = ("joint-router",)  # StepPlans key of router_with_shared_gate
+
+
+def router_with_shared_gate(block):
+    """The router (``block.gate``, D -> E) and the shared expert's gate
+    (``block.shared_expert_gate``, D -> 1) as one linear layer D -> E + 32:
+    ``(arrays, static)`` for :func:`compiled.apply_linear`, whose output
+    columns ``[0, E)`` are the router's logits, column E the gate's and the
+    rest zeros (rows of zero weights, scales and biases: the width a
+    multiple of 32, as the routing kernel's ``shared_column`` reads it).
+    Every output column comes from the same numbers as the two layers'.
+
+    Built once per block (``StepPlans``: rebuilt when either layer's arrays
+    are replaced, e.g. by ``load_weights``; an array changed in place is not
+    seen). None when the two are not plain (quantised) linear layers with
+    the same settings, or E is not a multiple of 32: the caller runs them
+    apart. Source of the saving: the gate's own 8-bit matmul took 38 us of
+    GPU time per block call at 256 and 4,096 tokens on the H200
+    (bench/results/moe-cuda-log.md, thirteenth session)."""
+    def make():
+        paths = [("gate",), ("shared_expert_gate",)]
+        lins = [linear_arrays(block.gate), linear_arrays(block.shared_expert_gate)]
+        if any(lin is None for lin in lins):
+            return paths, None
+        (r_arr, r_static), (g_arr, g_static) = lins
+        e = r_arr[0].shape[0]
+        if (r_static != g_static or e % 32 or g_arr[0].shape[0] != 1
+                or any(a.shape[1:] != b.shape[1:] or a.dtype != b.dtype for a, b in zip(r_arr, g_arr))):
+            return paths, None
+        joint = tuple(mx.concatenate([a, b, mx.zeros((31,) + b.shape[1:], b.dtype)]) for a, b in zip(r_arr, g_arr))
+        mx.eval(joint)
+        return (linear_paths(("gate",), lins[0]) + linear_paths(("shared_expert_gate",), lins[1]),
+                (joint, r_static))
+
+    _, plan = StepPlans.of(block).get(_JOINT_ROUTER, block, make)
+    return plan
+
+
 def _cuda_kernel(block, x: mx.array) -> mx.array:
     """Routing + grouped expert GEMM kernels (``kernels.moe_routing``,
     ``kernels.moe_grouped_gemm``); the stock block wherever they do not apply
@@ -529,16 +568,22 @@ def _cuda_kernel(block, x: mx.array) -> mx.array:
     form = _gg.shared_form(n, d, i_dim, block.shared_expert)
     if form == "slot":
         # the shared expert in a (k+1)-th routing slot of every token: one more
-        # group of the same two launches, its sigmoid gate (fp32) the slot's weight
-        shared_logits = block.shared_expert_gate(tokens)
-        if shared_logits.dtype == logits.dtype:
-            tile = _gg.choose_tile_rows(n * (k + 1), e + 1, variant)
+        # group of the same two launches, its sigmoid gate (fp32) the slot's
+        # weight; router and gate as one matmul where they are alike
+        tile = _gg.choose_tile_rows(n * (k + 1), e + 1, variant)
+        joint = router_with_shared_gate(block)
+        if joint is not None:
+            routing = _mr.route_and_group(apply_linear(tokens, *joint), k, tile,
+                                          normalize=block.norm_topk_prob, shared_column=True)
+        else:
+            shared_logits = block.shared_expert_gate(tokens)
+            if shared_logits.dtype != logits.dtype:
+                shared_logits = shared_logits.astype(logits.dtype)
             routing = _mr.route_and_group(logits, k, tile, normalize=block.norm_topk_prob,
                                           shared_logits=shared_logits)
-            y = _gg.moe_experts(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj,
-                                shared_expert=block.shared_expert, variant=variant)
-            return y.reshape(*lead, d)
-        form = "group"
+        y = _gg.moe_experts(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj,
+                            shared_expert=block.shared_expert, variant=variant)
+        return y.reshape(*lead, d)
     tile = _gg.choose_tile_rows(n * k, e, variant)
     routing = _mr.route_and_group(logits, k, tile, normalize=block.norm_topk_prob)
     if form == "group":
