@@ -503,8 +503,12 @@ s13c)  # the shared slot with the router and the shared gate as one matmul: the 
     echo "shared_gemm=$g"; ncu_calls $M/ncu-block-$g.csv | cut -c1-60; grep -E "rror" $M/ncu-block-$g.err | head -3
   done
   tar czf $OUT/s13c-logs.tgz -C $M . ;;
-s13d)  # the end-to-end A/B at 4K (stock vs patched, prefill and decode, alternating), the final tree
+s13d)  # the shared column's routing repeated (call 3's one failure), then the end-to-end A/B at 4K
+       # (stock vs patched, prefill and decode, alternating), the final tree
   M=/tmp/s13d; mkdir -p $M
+  timeout 90 python3 bench/route_column_check.py 20 > $M/route-column.txt 2>&1; grep -E "of|rror" $M/route-column.txt | head -12
+  timeout 60 python3 -m pytest -q tests/test_cuda_moe.py -k "test_route_and_group_with_shared_slot" > $M/tests-route.txt 2>&1
+  tail -1 $M/tests-route.txt
   timeout 400 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
     --out $M/ab-4k.json > $M/ab-4k.log 2>&1; tail -14 $M/ab-4k.log
   tar czf $OUT/s13d-logs.tgz -C $M . ;;

@@ -897,12 +897,15 @@ SHARED_GEMM_ENV = "MLX_QWEN_FAST_MOE_SHARED_GEMM"
 #: as a one-expert group of its own launches (bench/results/moe-cuda-log.md,
 #: eleventh session).
 SHARED_GEMM_MIN_TOKENS = 1024
-#: Fewest tokens for which it runs in the routing's shared slot. ncu GPU time
-#: of one block call on the H200 (thirteenth session, moe-cuda-log.md), slot
-#: / one-expert group / dense, us: T=4096 1,184.8 / 1,244.2 / 1,354.1; 2048
-#: 742.2 / 784.8 / 845.2; 1024 508.4 / 559.1 / 601.2; 512 379.6 / 422.2 /
-#: 475.5; 256 298.6 / 342.3 / 413.1.
-SHARED_SLOT_MIN_TOKENS = 256
+#: Fewest tokens for which it runs in the routing's shared slot: the MoE
+#: kernels' own minimum (``ops.moe.MOE_KERNEL_MIN_TOKENS``). ncu GPU time of
+#: one block call on the H200 (thirteenth session, moe-cuda-log.md), slot
+#: (router and gate apart) / one-expert group / dense, us: T=4096 1,184.8 /
+#: 1,244.2 / 1,354.1; 2048 742.2 / 784.8 / 845.2; 1024 508.4 / 559.1 /
+#: 601.2; 512 379.6 / 422.2 / 475.5; 256 298.6 / 342.3 / 413.1; with the
+#: router and gate as one matmul: slot 4096 1,153.6, 1024 475.7, 256 281.7,
+#: 128 236.3 against group 307.5 and dense 373.7 at 128.
+SHARED_SLOT_MIN_TOKENS = 128
 
 
 def shared_form(num_tokens: int, d: int, i_dim: int, shared_expert) -> Optional[str]:
