@@ -29,6 +29,7 @@
 #   bash bench/h200.sh s12a      # twelfth session: compressed-fatbin images vs cubins (tests, node cost, decode rows)
 #   bash bench/h200.sh s12b|s12c # twelfth session: issue 4's GDN rows x3 + the 4K A/B; patched decode fatbin vs cubin
 #   bash bench/h200.sh s12d      # twelfth session: the whole model's start-up cost; the prefill/layer CUDA tests with fatbin images
+#   bash bench/h200.sh s13e      # thirteenth session: the route fix checked (column routing repeated, slot tests)
 #   bash bench/h200.sh s13c|s13d # thirteenth session: the slot with one router+gate matmul (tests, ncu); the 4K A/B
 #   bash bench/h200.sh s13b      # thirteenth session: the shared expert in the routing's shared slot (tests, ncu per T, 3 forms)
 #   bash bench/h200.sh s13a      # thirteenth session: the review-fixed nvFatbin path (fatbin_id, tests), decode_step x3
@@ -512,5 +513,11 @@ s13d)  # the shared column's routing repeated (call 3's one failure), then the e
   timeout 400 $AB --prefill 4k --decode 4k --decode-steps 32 --rounds 2 --max-seconds 60 \
     --out $M/ab-4k.json > $M/ab-4k.log 2>&1; tail -14 $M/ab-4k.log
   tar czf $OUT/s13d-logs.tgz -C $M . ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s12b|s12c|s12d|s13a|s13b|s13c|s13d}"; exit 2 ;;
+s13e)  # after the route fix (N from the logits' rows): the shared column's routing repeated, the slot tests
+  M=/tmp/s13e; mkdir -p $M; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 2"
+  timeout 90 python3 bench/route_column_check.py 20 > $M/route-column.txt 2>&1; grep -E "of|rror" $M/route-column.txt | head -12
+  timeout 200 python3 -m pytest -q $XD tests/test_cuda_moe.py -k "shared or route_launch or block" > $M/tests.txt 2>&1
+  echo "rc=$?" >> $M/tests.txt; tail -2 $M/tests.txt; grep -E "^FAILED|^ERROR" $M/tests.txt | head -8
+  tar czf $OUT/s13e-logs.tgz -C $M . ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s12b|s12c|s12d|s13a|s13b|s13c|s13d|s13e}"; exit 2 ;;
 esac

@@ -1060,6 +1060,34 @@ def test_shared_slot_argument_errors():
         mr.route(mx.zeros((n, E + 32), mx.bfloat16), k, shared_column=True, shared_logits=mx.zeros((n, 1), mx.bfloat16))
 
 
+@pytest.mark.parametrize("mode", ["plain", "input", "column"])
+def test_route_launch_counts_tokens(monkeypatch, mode):
+    """route() launches one warp per token with N = the rows of the logits,
+    whatever their width (the shared column's E + 32 included: an N taken
+    from E alone once made the kernel write rows past its outputs on the
+    H200), and asks for [N, k (+1)] outputs (any backend: the launch is
+    recorded, not run)."""
+    seen = {}
+
+    class Recorder:
+        def __call__(self, inputs, output_shapes, output_dtypes, grid, threadgroup, scalars):
+            seen.update(inputs=inputs, shapes=output_shapes, grid=grid, scalars=scalars)
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+
+    monkeypatch.setattr(mr, "_kernel", lambda stage, **defs: seen.update(defs=defs) or Recorder())
+    n, E, k = 37, 64, 8
+    logits = mx.zeros((n, E + (32 if mode == "column" else 0)), mx.bfloat16)
+    kw = {"shared_column": True} if mode == "column" else (
+        {"shared_logits": mx.zeros((n, 1), mx.bfloat16)} if mode == "input" else {})
+    inds, scores = mr.route(logits, k, **kw)
+    slots = k + (mode != "plain")
+    assert seen["scalars"][0] == n and seen["grid"] == mr.plan(n, slots, E, 1)["route_grid"]
+    assert seen["shapes"] == [(n, slots), (n, slots)] and inds.shape == (n, slots)
+    assert seen["defs"]["MOE_E"] == E and seen["defs"].get("MOE_SHARED", 0) == {"plain": 0, "input": 1,
+                                                                                  "column": 2}[mode]
+    assert len(seen["inputs"]) == (2 if mode == "input" else 1)
+
+
 def test_router_with_shared_gate_is_both_layers():
     """The joint router: its columns are the router's and the gate's outputs
     (then zeros), built once, rebuilt when a weight is replaced; None for

@@ -208,7 +208,7 @@ def route(logits: mx.array, top_k: int, *, normalize: bool = True,
                          "(shared_column=True), not both")
     top_k = int(top_k)
     e = logits.shape[-1] - pad
-    n = logits.size // e
+    n = logits.size // logits.shape[-1]  # tokens (rows of E + pad logits)
     lead = tuple(logits.shape[:-1])
     if shared_logits is not None and (
             not isinstance(shared_logits, mx.array) or shared_logits.dtype != logits.dtype
