@@ -80,13 +80,17 @@ wgmma scale-d starts in down, one lop3 per dequantised register);
 ``async`` is slower than ``pfl`` for gate+up and faster for down, not used
 by default.
 
-The shared expert of a sparse MoE block can run through the same "wg"
-kernels as a one-expert group on the same permuted ``x``
-(:func:`moe_experts_and_shared`, :func:`single_expert_routing`): one MoE
-block call at T=4096 1,257.5 us of GPU time against 1,349.8 us with MLX's
-dense quantised matmuls beside the kernels (eleventh session,
-bench/results/moe-cuda-log.md); the patched block takes it from
-:data:`SHARED_GEMM_MIN_TOKENS` tokens.
+The shared expert of a sparse MoE block runs through the same "wg"
+kernels (:func:`shared_form`): by default in a (k+1)-th routing slot of
+every token (``moe_routing.route_and_group(..., shared_logits=...)`` or its
+``shared_column``), one more expert group of the same two launches whose
+work items read the shared expert's arrays as a second pointer set
+(:func:`moe_experts` with ``shared_expert``); or as a one-expert group of
+launches of its own on the same permuted ``x`` (:func:`moe_experts_and_shared`,
+:func:`single_expert_routing`). ncu GPU time of one MoE block call on the
+H200 (bench/results/moe-cuda-log.md, thirteenth session), slot / own group /
+MLX's dense quantised matmuls beside the kernels: T=4096 1,153.6 / 1,244.2 /
+1,354.1 us, T=128 236.3 / 307.5 / 373.7 us.
 """
 
 from __future__ import annotations

@@ -26,6 +26,12 @@ and ``inverse`` is its exact inverse. Consumers that need only the grouping
 The k slots of a token are in decreasing probability (the reference's
 ``argpartition`` leaves them unordered).
 
+The shared expert of a Qwen3-Next/Qwen3.5 MoE block can take a (k+1)-th
+slot of every token (``shared_logits``, or ``shared_column`` when the router
+and the shared expert's gate ran as one matmul): expert id E, weight
+sigmoid(gate logit), grouped over :func:`shared_group_experts` experts, so
+that the grouped GEMM runs it as one more group (``Routing.shared_id``).
+
 Source: ``mlx_qwen_fast/cuda/moe_routing.cu``. Until 2026-12-02 the grouping
 was one 1024-thread block (68.6 us at N = 4096 with a skewed router, ~5% of
 the MoE block: bench/results/moe-cuda-log.md, eighth session).
