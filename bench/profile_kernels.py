@@ -417,7 +417,8 @@ def block_launches(tokens=(4096, 1), skew=1.0, wg_tune=None, shared_min_tokens=N
     layer 0 per T in ``tokens`` (bf16, the full-size preset, router skew
     ``skew``); the profiled calls run between cuProfilerStart/Stop.
     ``wg_tune``: entries of ``moe_grouped_gemm.WG_TUNE`` to set first;
-    ``shared_min_tokens``: ``SHARED_GEMM_MIN_TOKENS`` for this process."""
+    ``shared_min_tokens``: ``SHARED_GEMM_MIN_TOKENS`` and
+    ``SHARED_SLOT_MIN_TOKENS`` for this process."""
     from mlx_qwen_fast.kernels import moe_grouped_gemm as gg
 
     if shared_min_tokens is not None:
@@ -457,6 +458,7 @@ if __name__ == "__main__":
     elif what == "block":  # optional: token counts, e.g. "4096,2048,1", then WG_TUNE entries, e.g. minb=2
         tokens = tuple(int(t) for t in sys.argv[2].split(",")) if len(sys.argv) > 2 else (4096, 1)
         tune = {k: ast.literal_eval(v) for k, v in (a.split("=", 1) for a in sys.argv[3:])}
-        block_launches(tokens, wg_tune=tune, shared_min_tokens=tune.pop("shared_min_tokens", None))
+        shared_min = tune.pop("shared_min_tokens", None)
+        block_launches(tokens, wg_tune=tune, shared_min_tokens=shared_min)
     else:
         ncu_launches()

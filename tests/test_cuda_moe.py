@@ -976,6 +976,15 @@ def test_block_shared_expert_in_gemm_or_dense(poison, monkeypatch):
 
     slot = run(n)
     assert calls == [("column", n), ("slot", n)]
+    # a shared gate unlike the router (dense fp32): no joint matmul, its logits cast and passed apart
+    joint_gate = block.shared_expert_gate
+    block.shared_expert_gate = nn.Linear(256, 1, bias=False)
+    block.shared_expert_gate.weight = mx.random.normal((1, 256), key=mx.random.key(8)) * 0.05
+    apart = run(n)
+    assert calls == [("logits", n), ("slot", n)]
+    dense_gate = moe.sparse_moe(block, x, implementation="reference")
+    assert finite(apart) and rel(apart, dense_gate) < GATHER_QMM_TOL
+    block.shared_expert_gate = joint_gate
     run(s)
     assert calls == [("column", s), ("slot", s)]
     run(s - 1)  # below both thresholds: dense
@@ -990,7 +999,10 @@ def test_block_shared_expert_in_gemm_or_dense(poison, monkeypatch):
     assert calls == [("plain", n), ("routed", n)]
     assert finite(slot, group, dense)
     assert rel(slot, dense) < GATHER_QMM_TOL
-    # slot and group: the same roundings, only the fp32 summation order differs
+    # slot and group: the same bf16 roundings of the expert outputs; the slot's
+    # router and gate logits come from one joint matmul (bf16 outputs, which
+    # may round differently from the two matmuls apart), the sums in another
+    # fp32 order
     assert rel(slot, group) < BF16_EPS
 
 
@@ -1007,20 +1019,28 @@ def test_shared_slot_helpers(monkeypatch):
     monkeypatch.setattr(gg.cb, "gpu_arch", lambda: (9, 0))
     n, s = gg.SHARED_GEMM_MIN_TOKENS, gg.SHARED_SLOT_MIN_TOKENS
     assert s < n
-    assert gg.shared_form(n, 256, 128, block.shared_expert) == "slot"
-    assert gg.shared_form(s, 256, 128, block.shared_expert) == "slot"
-    assert gg.shared_form(s - 1, 256, 128, block.shared_expert) is None
-    assert gg.shared_form(n, 256, 256, block.shared_expert) == "group"  # I_s != I: its own launches
-    assert gg.shared_form(n - 1, 256, 256, block.shared_expert) is None
-    assert gg.shared_form(n, 256, 64, block.shared_expert) is None  # no "wg" build for I = 64
+
+    def form(tokens, d=256, i=128, E=32, k=8):
+        return gg.shared_form(tokens, d, i, block.shared_expert, num_experts=E, top_k=k)
+
+    assert form(n) == "slot" and form(s) == "slot"
+    assert form(s - 1) is None
+    assert form(n, i=256) == "group"  # I_s != I: its own launches
+    assert form(n - 1, i=256) is None
+    assert form(n, i=64) is None  # no "wg" build for I = 64
+    # the slot needs room in the routing: k + 1 <= 32 slots, E + 32 <= 1024 grouped experts
+    assert form(s, k=31) == "slot" and form(s, E=992) == "slot"
+    assert form(n, k=32) == "group" and form(n, E=1024) == "group" and form(s, E=1024) is None
+    assert [mr.shared_slot_fits(E, k) for E, k in ((256, 8), (992, 31), (1024, 8), (256, 32))] == [
+        True, True, False, False]
     monkeypatch.setenv(gg.SHARED_GEMM_ENV, "group")
-    assert gg.shared_form(n, 256, 128, block.shared_expert) == "group"
-    assert gg.shared_form(n - 1, 256, 128, block.shared_expert) is None
+    assert form(n) == "group"
+    assert form(n - 1) is None
     monkeypatch.setenv(gg.SHARED_GEMM_ENV, "0")
-    assert gg.shared_form(n, 256, 128, block.shared_expert) is None
+    assert form(n) is None
     monkeypatch.setattr(gg.cb, "gpu_arch", lambda: (8, 0))  # no wgmma
     monkeypatch.delenv(gg.SHARED_GEMM_ENV)
-    assert gg.shared_form(n, 256, 128, block.shared_expert) is None
+    assert form(n) is None
 
 
 def test_shared_slot_argument_errors():
@@ -1052,8 +1072,10 @@ def test_shared_slot_argument_errors():
         mr.route(logits, k, shared_logits=mx.zeros((n, 1), mx.float32))  # another dtype
     with pytest.raises(ValueError, match="shared_logits"):
         mr.route(logits, k, shared_logits=mx.zeros((n, 2), mx.bfloat16))
-    with pytest.raises(ValueError, match="shared_logits"):
+    with pytest.raises(ValueError, match="top_k < 32"):
         mr.route(mx.zeros((n, 64), mx.bfloat16), 32, shared_logits=mx.zeros((n, 1), mx.bfloat16))  # 33 slots
+    with pytest.raises(ValueError, match="E <= 992"):  # 1,056 grouped experts: more than the grouping takes
+        mr.route(mx.zeros((n, 1024), mx.bfloat16), k, shared_logits=mx.zeros((n, 1), mx.bfloat16))
     with pytest.raises(ValueError, match="E \\+ 32"):
         mr.route(mx.zeros((n, E + 16), mx.bfloat16), k, shared_column=True)  # E + 32 columns needed
     with pytest.raises(ValueError, match="not both"):
@@ -1152,14 +1174,48 @@ def test_route_and_group_with_shared_slot(poison, n, dtype, where):
 
 @cuda
 @needs_cuda
-@pytest.mark.parametrize("n,tile", [(1, None), (65, None), (1000, None), (2049, 32), (2049, 64), (2049, 128),
-                                    (4099, None)])
-def test_moe_experts_with_shared_slot_vs_fp32(poison, n, tile):
+@pytest.mark.parametrize("E,k,dtype", [(512, 31, mx.float16), (992, 8, mx.bfloat16), (64, 1, mx.float32)])
+@pytest.mark.parametrize("where", ["input", "column"])
+def test_route_shared_slot_other_shapes(poison, E, k, dtype, where):
+    """The shared slot at other expert counts and top-k (the slot in lane 31,
+    the grouping over 544 / 1,024 experts), float16 logits, and no tokens."""
+    for n in (0, 333):
+        logits = make_logits(n, E, "random", seed=E + n, dtype=dtype)
+        sl = (mx.random.normal((n, 1), key=mx.random.key(n + 3)) * 4).astype(dtype)
+        if where == "input":
+            r = mr.route_and_group(logits, k, 32, shared_logits=sl)
+        else:
+            wide = mx.concatenate([logits, sl, mx.zeros((n, 31), dtype)], axis=1)
+            r = mr.route_and_group(wide, k, 32, shared_column=True)
+        plain = mr.route_and_group(logits, k, 32)
+        assert r.inds.shape == (n, k + 1) and r.groups.counts.shape == (mr.shared_group_experts(E),)
+        if n == 0:
+            assert r.groups.order.shape == (0,)
+            continue
+        assert mx.array_equal(r.inds[:, :k], plain.inds).item()
+        assert mx.array_equal(r.scores[:, :k], plain.scores).item()
+        assert np.all(np.asarray(r.inds[:, k]) == E)
+        want = 1.0 / (1.0 + np.exp(-np.asarray(sl.astype(mx.float32), dtype=np.float64)))
+        np.testing.assert_allclose(np.asarray(r.scores[:, k:]), want, rtol=4e-7, atol=0)
+        counts = np.asarray(r.groups.counts)
+        assert counts[E] == n and not counts[E + 1:].any()
+        ref = moe.group_by_expert(r.inds, mr.shared_group_experts(E))
+        assert np.array_equal(np.asarray(r.block_map), np.asarray(moe.block_map(ref, 32)))
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("n,tile,D,I", [(1, None, 2048, 512), (65, None, 2048, 512), (1000, None, 2048, 512),
+                                        (2049, 32, 2048, 512), (2049, 64, 2048, 512), (2049, 128, 2048, 512),
+                                        (4099, None, 2048, 512), (1000, None, 2048, 1024), (333, None, 1024, 640)])
+def test_moe_experts_with_shared_slot_vs_fp32(poison, n, tile, D, I):
     """The shared expert in the routing's shared slot (one more group of the
     routed experts' two launches) = the routed kernels' output + the shared
-    expert in fp32 (ragged N; every tile size at N = 2049), and the same as
-    its own one-expert launches up to the fp32 summation order."""
-    D, I, E, k = 2048, 512, 64, 8
+    expert in fp32 (ragged N; every tile size at N = 2049; I = 1024, whose
+    down kernel takes one feature tile per CTA, and I = 640, an odd number
+    of K chunks), the same as its own one-expert launches up to the fp32
+    summation order, and the same bits with its logit read from column E."""
+    E, k = 64, 8
     block = moe_blocks.make_block(D=D, H=I, E=E, k=k, dtype=mx.bfloat16, seed=n + 11)
     sm, se = block.switch_mlp, block.shared_expert
     assert gg.shared_slot_supported(se, D, I)
@@ -1179,3 +1235,9 @@ def test_moe_experts_with_shared_slot_vs_fp32(poison, n, tile):
     group = gg.moe_experts_and_shared(x, plain, sm.gate_proj, sm.up_proj, sm.down_proj, se, gate,
                                       out_dtype=mx.float32)
     assert rel(got, group) < BF16_EPS
+    wide = mx.concatenate([logits, sl, mx.zeros((n, 31), logits.dtype)], axis=1)
+    column = mr.route_and_group(wide, k, tile, shared_column=True)
+    got_c = gg.moe_experts(x, column, sm.gate_proj, sm.up_proj, sm.down_proj, shared_expert=se, variant="wg",
+                           out_dtype=mx.float32)
+    assert mx.array_equal(column.inds, slot.inds).item() and finite(got_c)
+    assert rel(got_c, got) < 2 * BF16_EPS  # the same routing; rows of one group may be placed in another order

@@ -46,7 +46,9 @@
 //
 // Build macros: KNAME, MOE_STAGE, MOE_E (experts, multiple of 32, <= 1024),
 // MOE_K (top-k, stage 1), MOE_LT (logit type, stage 1), MOE_SHARED (stage 1,
-// 0, 1 or 2: the shared expert's slot and where its logit is; K + 1 <= 32).
+// 0, 1 or 2: the shared expert's slot and where its logit is; K + 1 <= 32, and
+// the grouping then counts E rounded up to the next multiple of 32 experts,
+// at most 1024: E <= 992).
 #include "moe_route_common.cuh"
 
 #ifndef MOE_E

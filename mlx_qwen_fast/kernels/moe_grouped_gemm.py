@@ -103,7 +103,7 @@ import numpy as np
 
 from . import _cuda_build as cb
 from ..ops.moe import ExpertGroups
-from .moe_routing import Routing, shared_group_experts
+from .moe_routing import Routing, shared_group_experts, shared_slot_fits
 
 __all__ = [
     "gate_up_swiglu",
@@ -851,7 +851,7 @@ def moe_experts(
     :func:`default_variant`).
 
     With a routing that has the shared slot (``routing.shared_id``, from
-    ``route_and_group(..., shared_logits=...)``), ``shared_expert`` (an
+    ``route_and_group(..., shared_logits=...)`` or ``shared_column=True``), ``shared_expert`` (an
     mlx-lm MLP of three 4-bit group-64 ``QuantizedLinear``, the routed
     experts' sizes: :func:`shared_slot_supported`) runs as one more expert
     group of the same two "wg" launches, its sigmoid gate as the slot's
@@ -890,19 +890,22 @@ def moe_experts(
 
 #: ``MLX_QWEN_FAST_MOE_SHARED_GEMM=0`` keeps the shared expert on MLX's dense
 #: quantised matmuls (three ``quantized_matmul`` + elementwise) beside the
-#: grouped GEMMs; otherwise calls of at least :data:`SHARED_GEMM_MIN_TOKENS`
-#: tokens run it through the "wg" grouped kernels (:func:`shared_form`):
-#: in the routing's shared slot, one more group of the routed experts'
-#: launches (:func:`moe_experts` with ``shared_expert``), or with the value
-#: "group" (and for a shared expert of another size) as a one-expert group
-#: of launches of its own (:func:`moe_experts_and_shared`).
+#: grouped GEMMs; otherwise it runs through the "wg" grouped kernels
+#: (:func:`shared_form`): from :data:`SHARED_SLOT_MIN_TOKENS` tokens in the
+#: routing's shared slot, one more group of the routed experts' launches
+#: (:func:`moe_experts` with ``shared_expert``), or, with the value "group"
+#: (and for a shared expert of another size or a routing without room for
+#: the slot), from :data:`SHARED_GEMM_MIN_TOKENS` tokens as a one-expert
+#: group of launches of its own (:func:`moe_experts_and_shared`). Only "0"
+#: and "group" (exactly) are recognised; any other value is the default.
 SHARED_GEMM_ENV = "MLX_QWEN_FAST_MOE_SHARED_GEMM"
 #: Fewest tokens for which the shared expert runs through the grouped kernels
 #: as a one-expert group of its own launches (bench/results/moe-cuda-log.md,
 #: eleventh session).
 SHARED_GEMM_MIN_TOKENS = 1024
-#: Fewest tokens for which it runs in the routing's shared slot: the MoE
-#: kernels' own minimum (``ops.moe.MOE_KERNEL_MIN_TOKENS``). ncu GPU time of
+#: Fewest tokens for which it runs in the routing's shared slot: 128, the
+#: smallest call measured (also ``ops.moe.MOE_KERNEL_MIN_TOKENS``, below which
+#: the block runs stock anyway). ncu GPU time of
 #: one block call on the H200 (thirteenth session, moe-cuda-log.md), slot
 #: (router and gate apart) / one-expert group / dense, us: T=4096 1,184.8 /
 #: 1,244.2 / 1,354.1; 2048 742.2 / 784.8 / 845.2; 1024 508.4 / 559.1 /
@@ -912,22 +915,26 @@ SHARED_GEMM_MIN_TOKENS = 1024
 SHARED_SLOT_MIN_TOKENS = 128
 
 
-def shared_form(num_tokens: int, d: int, i_dim: int, shared_expert) -> Optional[str]:
+def shared_form(num_tokens: int, d: int, i_dim: int, shared_expert, *, num_experts: int,
+                top_k: int) -> Optional[str]:
     """How the patched MoE block runs its shared expert for a call: None
     (MLX's dense matmuls beside the grouped GEMMs), ``"slot"`` (the routing's
     shared slot: :func:`moe_experts` with ``shared_expert``) or ``"group"``
     (its own one-expert launches: :func:`moe_experts_and_shared`).
 
     "slot" from :data:`SHARED_SLOT_MIN_TOKENS` tokens where
-    :func:`shared_slot_supported`, the "wg" variant is the default and
-    :data:`SHARED_GEMM_ENV` is neither "0" nor "group"; otherwise "group"
-    where :func:`shared_in_gemm` and :func:`shared_expert_supported`; else
-    None. The environment is read on every call. Never compiles.
+    :func:`shared_slot_supported`, the routing has room for the slot
+    (``moe_routing.shared_slot_fits(num_experts, top_k)``), the "wg" variant
+    is the default and :data:`SHARED_GEMM_ENV` is neither "0" nor "group";
+    otherwise "group" where :func:`shared_in_gemm` and
+    :func:`shared_expert_supported`; else None. The environment is read on
+    every call. Never compiles.
     """
     import os
 
     env = os.environ.get(SHARED_GEMM_ENV, "1")
     if (env not in ("0", "group") and num_tokens >= SHARED_SLOT_MIN_TOKENS
+            and shared_slot_fits(num_experts, top_k)
             and default_variant(d, i_dim) == "wg" and shared_slot_supported(shared_expert, d, i_dim)):
         return "slot"
     if shared_in_gemm(num_tokens, d, i_dim) and shared_expert_supported(shared_expert, d):
@@ -936,7 +943,8 @@ def shared_form(num_tokens: int, d: int, i_dim: int, shared_expert) -> Optional[
 
 
 def shared_in_gemm(num_tokens: int, d: int, i_dim: int) -> bool:
-    """Whether :func:`moe_experts_and_shared` applies to a call: the "wg"
+    """Whether the one-expert-group form (:func:`moe_experts_and_shared`,
+    :func:`shared_form`'s "group") applies to a call: the "wg"
     variant is the default for hidden size ``d`` and the routed experts' size
     ``i_dim`` (a compute capability 9.0 GPU), ``num_tokens >=``
     :data:`SHARED_GEMM_MIN_TOKENS`, and :data:`SHARED_GEMM_ENV` is not "0"

@@ -47,7 +47,8 @@ import mlx.core as mx
 from ..ops.moe import ExpertGroups, max_tiles
 from . import _cuda_build as cb
 
-__all__ = ["Routing", "route", "group", "route_and_group", "supports", "plan", "shared_group_experts"]
+__all__ = ["Routing", "route", "group", "route_and_group", "supports", "plan", "shared_group_experts",
+           "shared_slot_fits"]
 
 _LOGIT = (mx.float32, mx.bfloat16, mx.float16)
 _INTS = (mx.int32, mx.uint32)
@@ -67,14 +68,15 @@ MAX_TILE_ROWS = 2**16
 class Routing(NamedTuple):
     """Everything the grouped GEMM needs, all on the device.
 
-    Fields: ``inds [N, k]`` int32, ``scores [N, k]`` float32, ``groups``
-    (:class:`~mlx_qwen_fast.ops.moe.ExpertGroups`, int32 arrays, ``order`` not
-    stable within an expert), ``block_map [max_tiles, 2]`` int32,
-    ``tile_rows`` (Python int), ``shared_id``: None, or the expert id that
-    the last of the k slots of every token carries for the shared expert
-    (:func:`route_and_group` with ``shared_logits``: the routed expert count
-    E; ``groups`` then counts :func:`shared_group_experts` experts, the ids
-    above E empty).
+    Fields: ``inds [N, k]`` int32, ``scores [N, k]`` float32 (k the slots
+    per token), ``groups`` (:class:`~mlx_qwen_fast.ops.moe.ExpertGroups`,
+    int32 arrays, ``order`` not stable within an expert), ``block_map
+    [max_tiles, 2]`` int32, ``tile_rows`` (Python int), ``shared_id``: None,
+    or the expert id that the last slot of every token carries for the
+    shared expert (:func:`route_and_group` with ``shared_logits`` or
+    ``shared_column``: the routed expert count E, the slots then top_k + 1;
+    ``groups`` counts :func:`shared_group_experts` experts, the ids above E
+    empty).
     """
 
     inds: mx.array
@@ -90,6 +92,14 @@ def shared_group_experts(num_experts: int) -> int:
     expert as id ``num_experts``: the next multiple of 32 above
     ``num_experts`` (the grouping kernels' expert count is a multiple of 32)."""
     return 32 * (num_experts // 32 + 1)
+
+
+def shared_slot_fits(num_experts: int, top_k: int) -> bool:
+    """True when the routing can give every token the shared expert's slot:
+    ``top_k + 1 <= 32`` (one warp holds a token's slots) and
+    :func:`shared_group_experts` ``(num_experts) <= 1024`` (the grouping's
+    limit), i.e. E <= 992 for E a multiple of 32."""
+    return _is_int(num_experts) and _is_int(top_k) and top_k < 32 and shared_group_experts(num_experts) <= 1024
 
 
 def plan(num_tokens: int, top_k: int, num_experts: int, tile_rows: int) -> dict:
@@ -138,8 +148,9 @@ def plan(num_tokens: int, top_k: int, num_experts: int, tile_rows: int) -> dict:
 
 def supports(logits: mx.array, top_k: int) -> bool:
     """True for ``logits [N, E]`` float32/bfloat16/float16 with E a multiple of
-    32, ``E <= 1024`` and ``1 <= top_k <= min(32, E)``, on MLX's CUDA backend.
-    Never compiles."""
+    32, ``E <= 1024`` and ``1 <= top_k <= min(32, E)``, on MLX's CUDA backend
+    (the shared expert's slot needs :func:`shared_slot_fits` too). Never
+    compiles."""
     if not cb.cuda_available():
         return False
     return _shape_ok(logits, top_k)
@@ -193,12 +204,14 @@ def route(logits: mx.array, top_k: int, *, normalize: bool = True,
     Returns:
         ``(inds [N, k] int32, scores [N, k] float32)`` (``[..., k]`` for
         ``[..., E]`` logits: no reshape node), slots in decreasing
-        probability (ties: lower expert id first); with ``shared_logits``
-        ``[..., k + 1]``, the shared slot last.
+        probability (ties: lower expert id first); with ``shared_logits`` or
+        ``shared_column`` ``[..., k + 1]``, the shared slot last.
 
     Raises:
         ValueError: bad ``logits`` shape/dtype or ``top_k`` (names them), bad
-            ``shared_logits``, or more than ``MAX_TOKENS`` tokens.
+            ``shared_logits``, a shared slot where :func:`shared_slot_fits`
+            is False (``top_k >= 32`` or ``E > 992``), or more than
+            ``MAX_TOKENS`` tokens.
     """
     pad = 32 if shared_column else 0
     if not _shape_ok(logits, top_k, pad):
@@ -218,14 +231,15 @@ def route(logits: mx.array, top_k: int, *, normalize: bool = True,
     lead = tuple(logits.shape[:-1])
     if shared_logits is not None and (
             not isinstance(shared_logits, mx.array) or shared_logits.dtype != logits.dtype
-            or tuple(shared_logits.shape) != (*lead, 1) or top_k >= 32):
+            or tuple(shared_logits.shape) != (*lead, 1)):
         got = (f"{shared_logits.dtype} {tuple(shared_logits.shape)}" if isinstance(shared_logits, mx.array)
                else type(shared_logits).__name__)
         raise ValueError(f"route: shared_logits must be an mx.array {(*lead, 1)} in logits' dtype "
-                         f"{logits.dtype} (and top_k < 32), got {got}, top_k={top_k}")
-    if shared_column and top_k >= 32:
-        raise ValueError(f"route: the shared column needs top_k < 32, got {top_k}")
+                         f"{logits.dtype}, got {got}")
     mode = 2 if shared_column else int(shared_logits is not None)
+    if mode and not shared_slot_fits(e, top_k):
+        raise ValueError(f"route: the shared expert's slot needs top_k < 32 and E <= 992 "
+                         f"(shared_slot_fits), got top_k={top_k}, E={e}")
     slots = top_k + int(mode > 0)
     if n == 0:
         return mx.zeros((*lead, slots), mx.int32), mx.zeros((*lead, slots), mx.float32)

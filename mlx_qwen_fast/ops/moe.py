@@ -43,7 +43,7 @@ from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from .. import backend as _backend
-from ..compiled import StepPlans, apply_linear, linear_arrays, linear_paths
+from ..compiled import StepPlans, apply_linear, concat_linears, linear_arrays, linear_paths
 from ..kernels import _cuda_build
 
 __all__ = [
@@ -515,19 +515,16 @@ def router_with_shared_gate(block):
     GPU time per block call at 256 and 4,096 tokens on the H200
     (bench/results/moe-cuda-log.md, thirteenth session)."""
     def make():
-        paths = [("gate",), ("shared_expert_gate",)]
         lins = [linear_arrays(block.gate), linear_arrays(block.shared_expert_gate)]
         if any(lin is None for lin in lins):
+            return [("gate",), ("shared_expert_gate",)], None
+        # the arrays themselves, also when declining: replacing one re-decides
+        paths = linear_paths(("gate",), lins[0]) + linear_paths(("shared_expert_gate",), lins[1])
+        (r_arr, r_static), (g_arr, _) = lins
+        if r_arr[0].shape[0] % 32 or g_arr[0].shape[0] != 1:
             return paths, None
-        (r_arr, r_static), (g_arr, g_static) = lins
-        e = r_arr[0].shape[0]
-        if (r_static != g_static or e % 32 or g_arr[0].shape[0] != 1
-                or any(a.shape[1:] != b.shape[1:] or a.dtype != b.dtype for a, b in zip(r_arr, g_arr))):
-            return paths, None
-        joint = tuple(mx.concatenate([a, b, mx.zeros((31,) + b.shape[1:], b.dtype)]) for a, b in zip(r_arr, g_arr))
-        mx.eval(joint)
-        return (linear_paths(("gate",), lins[0]) + linear_paths(("shared_expert_gate",), lins[1]),
-                (joint, r_static))
+        zeros = (tuple(mx.zeros((31,) + a.shape[1:], a.dtype) for a in g_arr), r_static)
+        return paths, concat_linears([lins[0], lins[1], zeros])  # None: settings or sizes differ
 
     _, plan = StepPlans.of(block).get(_JOINT_ROUTER, block, make)
     return plan
@@ -541,12 +538,14 @@ def _cuda_kernel(block, x: mx.array) -> mx.array:
     Numerics as :func:`sparse_moe_block` (fp32 selection, routing weights and
     combine), expert outputs rounded to bf16 as ``SwitchGLU``. Checked on the
     H200 against fp32 math on the dequantised weights (tests/test_cuda_moe.py).
-    From :data:`~mlx_qwen_fast.kernels.moe_grouped_gemm.SHARED_GEMM_MIN_TOKENS`
-    tokens the shared expert runs through the same kernels
-    (``moe_grouped_gemm.shared_form``): in a (k+1)-th routing slot of every
-    token, one more group of the routed experts' launches (its sigmoid gate
-    in fp32 as the slot's weight), or as a one-expert group of its own
-    (``moe_experts_and_shared``); below that through :func:`shared_expert`
+    The shared expert runs through the same kernels where
+    ``moe_grouped_gemm.shared_form`` says so: from ``SHARED_SLOT_MIN_TOKENS``
+    tokens in a (k+1)-th routing slot of every token, one more group of the
+    routed experts' launches (its sigmoid gate in fp32 as the slot's weight;
+    the router and the gate as one matmul: :func:`router_with_shared_gate`),
+    or (``MLX_QWEN_FAST_MOE_SHARED_GEMM=group``, or where the slot does not
+    fit) from ``SHARED_GEMM_MIN_TOKENS`` as a one-expert group of its own
+    (``moe_experts_and_shared``); otherwise through :func:`shared_expert`
     (MLX's dense quantised matmuls).
     """
     from ..kernels import moe_grouped_gemm as _gg
@@ -565,7 +564,7 @@ def _cuda_kernel(block, x: mx.array) -> mx.array:
     i_dim = sm.gate_proj["weight"].shape[1]
     variant = _gg.default_variant(d, i_dim)
     n, k, e = tokens.shape[0], block.top_k, block.num_experts
-    form = _gg.shared_form(n, d, i_dim, block.shared_expert)
+    form = _gg.shared_form(n, d, i_dim, block.shared_expert, num_experts=e, top_k=k)
     if form == "slot":
         # the shared expert in a (k+1)-th routing slot of every token: one more
         # group of the same two launches, its sigmoid gate (fp32) the slot's
