@@ -422,7 +422,11 @@ def test_routing_argument_errors():
         (lambda: mr.route(mx.array(1.0), 1), "logits"),
         (lambda: mr.route([[0.0] * 64], 1), "logits"),
         (lambda: mr.route(mx.zeros((2, 64)), 2.0), "top_k"),
-        (lambda: mr.route(mx.zeros((2, 48)), 2), "logits"),
+        (lambda: mr.route(mx.zeros((2, 48)), 2), "logits must"),
+        (lambda: mr.route(mx.zeros((2, 64)), 33), "top_k must"),  # the logits are fine: top_k is named alone
+        (lambda: mr.route(mx.zeros((2, 64)), 0), "top_k must"),
+        (lambda: moe.route(mx.zeros((2, 8)), 2.5), "top_k must"),  # the reference op too
+        (lambda: moe.route(np.zeros((2, 8), np.float32), 2), "logits must"),
         (lambda: mr.group(inds, 256, 2**31 - 1), "tile_rows"),
         (lambda: mr.group(inds, 256, 1.5), "tile_rows"),
         (lambda: mr.group(inds, 256.0, 32), "num_experts"),

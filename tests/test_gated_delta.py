@@ -449,6 +449,25 @@ def test_compute_gates_bitwise_stock(rng, dtype):
     assert ((gn > 0) & (gn <= 1)).all()
 
 
+def test_compute_gates_names_bad_shapes(rng):
+    """Wrong gate shapes are named, after a valid call too (the compiled gate
+    expression is shapeless and would broadcast them into wrong numbers)."""
+    a, b, A_log, dt_bias = _gate_inputs(rng, 1, 5, 4, mx.float32)
+    mx.eval(gd.compute_gates(a, b, A_log, dt_bias))  # a valid call first: the compiled trace exists
+    with pytest.raises(ValueError, match="dt_bias"):
+        gd.compute_gates(a, b, A_log, dt_bias[:3])
+    with pytest.raises(ValueError, match="A_log"):
+        gd.compute_gates(a, b, mx.concatenate([A_log, A_log[:3]]), dt_bias)
+    with pytest.raises(ValueError, match="b must"):
+        gd.compute_gates(a, b[..., :3], A_log, dt_bias)
+    with pytest.raises(ValueError, match="a must"):
+        gd.compute_gates(a[0], b[0], A_log, dt_bias)
+    q = mx.zeros((1, 5, 2, 8))
+    v = mx.zeros((1, 5, 4, 8))
+    with pytest.raises(ValueError, match="dt_bias"):
+        gd.gated_delta_update(q, q, v, a, b, A_log, dt_bias[:3])
+
+
 # ------------------------------------------------------------------ dispatch
 
 
@@ -518,7 +537,7 @@ def test_validation_update_and_chunk_size():
             args["q"], args["k"], args["v"], a, a, mx.zeros((4,)), mx.zeros((4,)),
             args["state"].astype(mx.float16),
         )
-    with pytest.raises(ValueError, match=r"beta must have shape"):
+    with pytest.raises(ValueError, match=r"b must have a's shape"):  # the argument, not the computed beta
         gd.gated_delta_update(
             args["q"], args["k"], args["v"], a, mx.zeros((2, 5, 3)),
             mx.zeros((4,)), mx.zeros((4,)),

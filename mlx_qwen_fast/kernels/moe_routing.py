@@ -215,12 +215,14 @@ def route(logits: mx.array, top_k: int, *, normalize: bool = True,
     """
     pad = 32 if shared_column else 0
     if not _shape_ok(logits, top_k, pad):
+        if _shape_ok(logits, 1, pad):  # the logits are fine: top_k is not
+            e = logits.shape[-1] - pad
+            raise ValueError(f"route: top_k must be an int in [1, min(32, E={e})], got top_k={top_k!r}")
         got = (f"{logits.dtype} {tuple(logits.shape)}" if isinstance(logits, mx.array)
                else type(logits).__name__)
         raise ValueError(
             f"route: logits must be an mx.array [..., E{' + 32' if pad else ''}] float32/bfloat16/float16 "
-            f"with E a multiple of 32 (<= 1024) and top_k an int in [1, min(32, E)], got logits {got}, "
-            f"top_k={top_k!r}"
+            f"with E a multiple of 32 (<= 1024), got logits {got}"
         )
     if shared_column and shared_logits is not None:
         raise ValueError("route: give the shared expert's logits either as shared_logits or in logits "

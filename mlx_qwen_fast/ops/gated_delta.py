@@ -600,7 +600,20 @@ def compute_gates(
     Returns:
       (g [B, T, Hv] float32 in (0, 1] (decay per step, dimensionless),
        beta [B, T, Hv] in b's dtype, in (0, 1)).
+
+    Raises:
+      ValueError: ``a`` not of rank 3, ``b`` not of ``a``'s shape, or
+        ``A_log`` / ``dt_bias`` not ``[Hv]`` (Hv = ``a.shape[-1]``); the
+        compiled gate expression is shapeless and would broadcast them.
     """
+    if a.ndim != 3:
+        raise ValueError(f"compute_gates: a must have shape [B, T, Hv], got {tuple(a.shape)}")
+    hv = a.shape[-1]
+    if b.shape != a.shape:
+        raise ValueError(f"compute_gates: b must have a's shape {tuple(a.shape)}, got {tuple(b.shape)}")
+    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
+        if t.shape != (hv,):
+            raise ValueError(f"compute_gates: {name} must have shape [Hv] = ({hv},), got {tuple(t.shape)}")
     return _compute_g(A_log, a, dt_bias), mx.sigmoid(b)
 
 
@@ -707,8 +720,8 @@ def gated_delta_update(
       (y [B, T, Hv, Dv] in q.dtype, state [B, Hv, Dv, Dk] float32).
 
     Raises:
-      ValueError: as :func:`gated_delta_recurrent` (shapes checked on the
-        gates computed from a, b).
+      ValueError: as :func:`compute_gates` for ``a``, ``b``, ``A_log`` and
+        ``dt_bias``, and as :func:`gated_delta_recurrent` for the rest.
     """
     if a.ndim == 4:  # vector gating: not this module's contract
         return _stock.gated_delta_update(

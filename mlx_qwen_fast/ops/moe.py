@@ -34,6 +34,7 @@ tested against.
 from __future__ import annotations
 
 import math
+import numbers
 import os
 from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
@@ -97,15 +98,16 @@ def route(
         ValueError: ``logits`` is 0-d or not floating point; ``top_k`` is
             not in ``[1, E]``.
     """
-    if logits.ndim < 1 or logits.dtype not in _FLOATS:
+    if not isinstance(logits, mx.array) or logits.ndim < 1 or logits.dtype not in _FLOATS:
         raise ValueError(
-            "route: logits must be a float32/float16/bfloat16 array of shape "
-            f"[..., E], got shape {tuple(logits.shape)} dtype {logits.dtype}"
+            "route: logits must be a float32/float16/bfloat16 mx.array of shape "
+            f"[..., E], got {type(logits).__name__} of shape {tuple(getattr(logits, 'shape', ()))} "
+            f"dtype {getattr(logits, 'dtype', None)}"
         )
     num_experts = logits.shape[-1]
-    if not 1 <= top_k <= num_experts:
+    if not isinstance(top_k, numbers.Integral) or isinstance(top_k, bool) or not 1 <= top_k <= num_experts:
         raise ValueError(
-            f"route: top_k must be in [1, E={num_experts}], got top_k={top_k}"
+            f"route: top_k must be an int in [1, E={num_experts}], got top_k={top_k!r}"
         )
     probs = mx.softmax(logits.astype(mx.float32), axis=-1, precise=True)
     inds = mx.stop_gradient(mx.argpartition(probs, kth=-top_k, axis=-1)[..., -top_k:])
