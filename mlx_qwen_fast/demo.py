@@ -85,8 +85,9 @@ def main(argv=None) -> int:
     try:
         stock, tokenizer = mlx_lm.load(str(path))
     except (RuntimeError, ValueError, OSError) as exc:
-        if args.model is not None:
-            raise
+        if args.model is not None:  # e.g. a config.json that is not JSON, no weight files
+            parser.error(f"--model {args.model}: could not load a checkpoint from it "
+                         f"({type(exc).__name__}: {exc})")
         raise SystemExit(f"could not load the demo checkpoint in {path} ({exc}); it may be damaged "
                          f"(an interrupted first run): delete that folder and run the demo again") from exc
     if args.dtype == "float32":

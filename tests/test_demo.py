@@ -23,8 +23,15 @@ def test_demo_bad_arguments_are_usage_errors(tmp_path, capsys):
 
     from mlx_qwen_fast import demo
 
+    bad_json, no_weights = tmp_path / "bad_json", tmp_path / "no_weights"
+    bad_json.mkdir()
+    (bad_json / "config.json").write_text("{")
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text('{"model_type": "qwen3_5_moe"}')
     for argv, words in ((["--max-tokens", "0"], "positive integer"),
-                        (["--model", str(tmp_path / "missing")], "not a checkpoint directory")):
+                        (["--model", str(tmp_path / "missing")], "not a checkpoint directory"),
+                        (["--model", str(bad_json)], f"--model {bad_json}: could not load"),
+                        (["--model", str(no_weights)], f"--model {no_weights}: could not load")):
         with pytest.raises(SystemExit) as e:
             demo.main(argv)
         assert e.value.code == 2
