@@ -487,12 +487,15 @@ def _q_arrays(proj) -> Tuple[mx.array, mx.array, mx.array]:
     return proj["weight"], proj["scales"], proj["biases"]
 
 
-def _q_ok(w, s, b, E=None, O=None, K=None) -> bool:
+def _q_ok(w, s, b, E=None, O=None, K=None, one: bool = False) -> bool:
+    """4-bit group-64 arrays ``[E, O, K/8]`` / ``[E, O, K/64]`` (``one``: one
+    expert's ``[O, K/8]`` / ``[O, K/64]``, as a ``QuantizedLinear`` holds
+    them) of the given sizes."""
     try:
-        if w.ndim != 3 or w.dtype != mx.uint32 or s.dtype != mx.bfloat16 or b.dtype != mx.bfloat16:
+        if w.ndim != (2 if one else 3) or w.dtype != mx.uint32 or s.dtype != mx.bfloat16 or b.dtype != mx.bfloat16:
             return False
-        e, o, kw = w.shape
-        if s.shape != (e, o, kw * 8 // 64) or b.shape != s.shape:
+        e, o, kw = (1, *w.shape) if one else w.shape
+        if s.shape != tuple(w.shape[:-1]) + (kw * 8 // 64,) or b.shape != s.shape:
             return False
         return (
             (E is None or e == E) and (O is None or o == O) and (K is None or kw * 8 == K)
@@ -556,12 +559,12 @@ def shared_expert_supported(shared_expert, d: int) -> bool:
         projs = (shared_expert.gate_proj, shared_expert.up_proj, shared_expert.down_proj)
         if not all(_affine4(p) for p in projs):
             return False
-        g, u, dn = (_one_expert(p) for p in projs)
-        i_s = g[0].shape[1]
+        g, u, dn = (_q_arrays(p) for p in projs)
+        i_s = g[0].shape[0]
     except (AttributeError, KeyError, TypeError, ValueError, IndexError):
         return False
-    return (wg_shapes_ok(d, i_s) and _q_ok(*g, E=1, O=i_s, K=d) and _q_ok(*u, E=1, O=i_s, K=d)
-            and _q_ok(*dn, E=1, O=d, K=i_s))
+    return (wg_shapes_ok(d, i_s) and _q_ok(*g, O=i_s, K=d, one=True) and _q_ok(*u, O=i_s, K=d, one=True)
+            and _q_ok(*dn, O=d, K=i_s, one=True))
 
 
 def shared_slot_supported(shared_expert, d: int, i_dim: int) -> bool:
@@ -569,10 +572,7 @@ def shared_slot_supported(shared_expert, d: int, i_dim: int) -> bool:
     shared slot next to routed experts of size ``i_dim`` on hidden size
     ``d``: :func:`shared_expert_supported` and its intermediate size is
     ``i_dim`` (one kernel build serves both weight sets). Pure, CPU-callable."""
-    try:
-        return shared_expert_supported(shared_expert, d) and shared_expert.gate_proj["weight"].shape[0] == i_dim
-    except (AttributeError, KeyError, TypeError, IndexError):
-        return False
+    return shared_expert_supported(shared_expert, d) and shared_expert.gate_proj["weight"].shape[0] == i_dim
 
 
 def _kernel(kind: int, bm: int, yt: str = "bf16_t", variant: Optional[str] = None,
@@ -712,8 +712,8 @@ def _gate_up(x: mx.array, routing: Routing, gate: Sequence, up: Sequence, varian
     """:func:`gate_up_swiglu` with ``h`` as the kernel writes it (for "wg":
     columns in :func:`permute_k` order); ``x_kernel_order``: ``x`` is already
     ``permute_k(x)`` (one permutation serves the routed and the shared experts);
-    ``shared``: the shared expert's (gate, up) arrays as a one-expert group
-    ``[1, I, ...]``, for a routing with the shared slot."""
+    ``shared``: the shared expert's (gate, up) arrays (``[I, D/8]``, ...: one
+    expert), for a routing with the shared slot."""
     if x.ndim != 2 or x.dtype != mx.bfloat16 or x.shape[1] % BK:
         raise ValueError(f"gate_up_swiglu: x must be bfloat16 [N, D] with D % 64 == 0, got {x.dtype} {tuple(x.shape)}")
     n, d = x.shape
@@ -732,9 +732,10 @@ def _gate_up(x: mx.array, routing: Routing, gate: Sequence, up: Sequence, varian
     nk = n * k
     _check_routing("gate_up_swiglu", routing, nk)
     _check_experts("gate_up_swiglu", routing, e, shared, variant)
-    if shared is not None and not (_q_ok(*shared[0], E=1, O=i_dim, K=d) and _q_ok(*shared[1], E=1, O=i_dim, K=d)):
-        raise ValueError(f"gate_up_swiglu: the shared expert's gate and up must be one-expert arrays "
-                         f"(uint32 [1, {i_dim}, {d // 8}], bf16 scales/biases) as the routed experts'")
+    if shared is not None and not (_q_ok(*shared[0], O=i_dim, K=d, one=True)
+                                   and _q_ok(*shared[1], O=i_dim, K=d, one=True)):
+        raise ValueError(f"gate_up_swiglu: the shared expert's gate and up must be one expert's arrays "
+                         f"(uint32 [{i_dim}, {d // 8}], bf16 scales/biases) as the routed experts'")
     if variant == "wg":
         _check_wg("gate_up_swiglu", d, i_dim, x.size, gate[0].size, up[0].size)
     if nk == 0:
@@ -792,7 +793,7 @@ def _down(h: mx.array, routing: Routing, down: Sequence, out_dtype: mx.Dtype, va
     """:func:`down_weighted` on ``h`` as the gate+up kernel wrote it (for
     "wg": columns in :func:`permute_k` order); ``down_ft``: the "wg" feature
     tiles per CTA (None: :func:`wg_down_ft` of the call); ``shared``: the
-    shared expert's down arrays ``[1, D, ...]``, for a routing with the shared slot."""
+    shared expert's down arrays (``[D, I/8]``, ...: one expert), for a routing with the shared slot."""
     if h.ndim != 2 or h.dtype != mx.bfloat16 or h.shape[1] % BK:
         raise ValueError(f"down_weighted: h must be bfloat16 [N*k, I] with I % 64 == 0, got {h.dtype} {tuple(h.shape)}")
     nk, i_dim = h.shape
@@ -809,9 +810,9 @@ def _down(h: mx.array, routing: Routing, down: Sequence, out_dtype: mx.Dtype, va
         raise ValueError(f"down_weighted: routing.scores must be float32 with {nk} entries, got {scores.dtype} {tuple(routing.scores.shape)}")
     e, d = down[0].shape[0], down[0].shape[1]
     _check_experts("down_weighted", routing, e, shared, variant)
-    if shared is not None and not _q_ok(*shared, E=1, O=d, K=i_dim):
-        raise ValueError(f"down_weighted: the shared expert's down must be one-expert arrays "
-                         f"(uint32 [1, {d}, {i_dim // 8}], bf16 scales/biases) as the routed experts'")
+    if shared is not None and not _q_ok(*shared, O=d, K=i_dim, one=True):
+        raise ValueError(f"down_weighted: the shared expert's down must be one expert's arrays "
+                         f"(uint32 [{d}, {i_dim // 8}], bf16 scales/biases) as the routed experts'")
     if variant == "wg":
         _check_wg("down_weighted", d, i_dim, h.size, down[0].size)
     if nk == 0:
@@ -876,8 +877,8 @@ def moe_experts(
                 f"as 4-bit group-64 affine QuantizedLinear with bf16 scales/biases, D={d}, I={i_dim} "
                 "(the routed experts' sizes)"
             )
-        sgu = (_one_expert(shared_expert.gate_proj), _one_expert(shared_expert.up_proj))
-        sd = _one_expert(shared_expert.down_proj)
+        sgu = (_q_arrays(shared_expert.gate_proj), _q_arrays(shared_expert.up_proj))
+        sd = _q_arrays(shared_expert.down_proj)  # 2-D: the kernels read expert 0's rows
     h = _gate_up(x, routing, _q_arrays(gate_proj), _q_arrays(up_proj), v, shared=sgu)
     y = _down(h, routing, _q_arrays(down_proj), mx.float32, v, shared=sd)
     k = routing.groups.top_k

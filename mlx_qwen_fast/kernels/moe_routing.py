@@ -333,9 +333,7 @@ def route_and_group(
     (``moe_grouped_gemm.moe_experts`` with ``shared_expert``)."""
     inds, scores = route(logits, top_k, normalize=normalize, shared_logits=shared_logits,
                          shared_column=shared_column)
+    shared = shared_logits is not None or shared_column
     e = logits.shape[-1] - (32 if shared_column else 0)
-    if shared_logits is None and not shared_column:
-        groups, bmap = group(inds, e, tile_rows)
-        return Routing(inds, scores, groups, bmap, tile_rows)
-    groups, bmap = group(inds, shared_group_experts(e), tile_rows)
-    return Routing(inds, scores, groups, bmap, tile_rows, e)
+    groups, bmap = group(inds, shared_group_experts(e) if shared else e, tile_rows)
+    return Routing(inds, scores, groups, bmap, tile_rows, e if shared else None)
