@@ -527,6 +527,7 @@ s14a)  # fourteenth session: the one-launch decode MoE kernel rebuilt (clusters 
   echo "rc=$?" >> $M/tests-fused.txt; tail -2 $M/tests-fused.txt; grep -E "^FAILED|^ERROR|^E  " $M/tests-fused.txt | head -12
   timeout 150 python3 bench/moe_decode_cuda.py --out $M --sections build,raw > $M/moe-decode.txt 2>&1
   grep -E "\[raw\]|rror" $M/moe-decode.txt | cut -c1-240 | tail -20
+  [ "${MOE_TESTS:-1}" = 1 ] || exit 0  # (call 1 ran them: 96 passed)
   timeout 170 python3 -m pytest -q $XD tests/test_cuda_moe.py -k "shared or rout or block or moe_experts" \
     > $M/tests-moe.txt 2>&1; echo "rc=$?" >> $M/tests-moe.txt; tail -2 $M/tests-moe.txt
   grep -E "^FAILED|^ERROR" $M/tests-moe.txt | head -8 ;;

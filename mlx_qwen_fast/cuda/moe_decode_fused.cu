@@ -121,21 +121,24 @@ static_assert(GU_SLOT % 128 == 0 && DN_SLOT % 16 == 0, "slot alignment");
 
 // ---- shared memory ----------------------------------------------------------------
 
-struct Smem {
+struct Smem {  // arrays read 16 bytes at a time first (every size here is a multiple of 16 bytes)
   gdn_u16 x[N][D];            // the tokens
-  float lg[N][E];             // router logits (pushed by the cluster's warps)
-  float sg[N];                // sigmoid(shared-gate logit)
-  float red[NW][2][RB][N];    // gate/up warp partial sums
-  float gus[2][4][N];         // a shared slice's 4 gate and 4 up sums
   gdn_u16 hb[2][N][UR];       // a unit's h (the cluster's UR rows), by unit parity
-  gdn_u16 hs[2][N][SR];       // a shared slice's h, by slice parity
+  float lg[N][E];             // router logits (pushed by the cluster's warps)
+  float red[NW][2][RB][N];    // gate/up warp partial sums
   float yl[N][DR];            // this CTA's output rows, fp32
+  gdn_u16 hs[2][N][SR];       // a shared slice's h, by slice parity
+  float gus[2][4][N];         // a shared slice's 4 gate and 4 up sums
+  float sg[N];                // sigmoid(shared-gate logit)
   int inds[NK];
   float scores[NK];
   int items[NK];              // distinct routed experts, order of first appearance
   int nitems;
   int last;
 };
+static_assert(__builtin_offsetof(Smem, hb) % 16 == 0 && __builtin_offsetof(Smem, lg) % 16 == 0 &&
+                  __builtin_offsetof(Smem, yl) % 16 == 0,
+              "16-byte loads of x, hb and yl stay aligned");
 // dynamic shared memory: [gate+up slots][down slot][mbarriers: MT per gate+up slot][Smem]
 constexpr int OFF_DN = GUS * GU_SLOT;
 constexpr int OFF_BAR = OFF_DN + DN_SLOT;
