@@ -136,9 +136,9 @@ struct Smem {  // arrays read 16 bytes at a time first (every size here is a mul
   int nitems;
   int last;
 };
-static_assert(__builtin_offsetof(Smem, hb) % 16 == 0 && __builtin_offsetof(Smem, lg) % 16 == 0 &&
-                  __builtin_offsetof(Smem, yl) % 16 == 0,
-              "16-byte loads of x, hb and yl stay aligned");
+static_assert((N * D * 2) % 16 == 0 && (2 * N * UR * 2) % 16 == 0 && (N * E * 4) % 16 == 0 &&
+                  (NW * 2 * RB * N * 4) % 16 == 0,
+              "x, hb, lg, red fill whole 16-byte units: hb and yl (read 16 bytes at a time) stay aligned");
 // dynamic shared memory: [gate+up slots][down slot][mbarriers: MT per gate+up slot][Smem]
 constexpr int OFF_DN = GUS * GU_SLOT;
 constexpr int OFF_BAR = OFF_DN + DN_SLOT;
