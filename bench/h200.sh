@@ -29,7 +29,7 @@
 #   bash bench/h200.sh s12a      # twelfth session: compressed-fatbin images vs cubins (tests, node cost, decode rows)
 #   bash bench/h200.sh s12b|s12c # twelfth session: issue 4's GDN rows x3 + the 4K A/B; patched decode fatbin vs cubin
 #   bash bench/h200.sh s12d      # twelfth session: the whole model's start-up cost; the prefill/layer CUDA tests with fatbin images
-#   bash bench/h200.sh s14a      # fourteenth session: the cluster split-K one-launch decode MoE (tests, CuPy-graph times, phases)
+#   bash bench/h200.sh s14a      # fourteenth session: one-launch decode MoE tests, CuPy-graph times and phases, slot tests
 #   bash bench/h200.sh s13e      # thirteenth session: the route fix checked (column routing repeated, slot tests)
 #   bash bench/h200.sh s13c|s13d # thirteenth session: the slot with one router+gate matmul (tests, ncu); the 4K A/B
 #   bash bench/h200.sh s13b      # thirteenth session: the shared expert in the routing's shared slot (tests, ncu per T, 3 forms)
@@ -520,8 +520,9 @@ s13e)  # after the route fix (N from the logits' rows): the shared column's rout
   timeout 200 python3 -m pytest -q $XD tests/test_cuda_moe.py -k "shared or route_launch or block" > $M/tests.txt 2>&1
   echo "rc=$?" >> $M/tests.txt; tail -2 $M/tests.txt; grep -E "^FAILED|^ERROR" $M/tests.txt | head -8
   tar czf $OUT/s13e-logs.tgz -C $M . ;;
-s14a)  # fourteenth session: the one-launch decode MoE kernel rebuilt (clusters of 8, split-K down, atomics):
-       # its tests, bench/moe_decode_cuda.py build + raw (CuPy graphs, phase stamps), the deferred slot tests
+s14a)  # fourteenth session: the one-launch decode MoE kernel's tests, bench/moe_decode_cuda.py build + raw (CuPy
+       # graphs, phase stamps), the deferred slot tests. Calls 1-3 ran it on the cluster/split-K rebuild (tree
+       # 6bf8423..3a0fd0b, slower: reverted, moe-cuda-log.md "fourteenth session"); now it runs the kept kernel
   M=$OUT; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 4"
   timeout 170 python3 -m pytest -q $XD tests/test_cuda_moe_decode_fused.py > $M/tests-fused.txt 2>&1
   echo "rc=$?" >> $M/tests-fused.txt; tail -2 $M/tests-fused.txt; grep -E "^FAILED|^ERROR|^E  " $M/tests-fused.txt | head -12

@@ -238,10 +238,10 @@ def cpu_moe(monkeypatch):
     monkeypatch.setattr(md, "_steps", {})  # traces of the fakes stay out of the real cache
 
 
-def fake_launch_fused(x, router, experts, shared, expert_gate, top_k, normalize, workspace, ctas):
+def fake_launch_fused(x, router, experts, shared, expert_gate, top_k, normalize, sync, ctas):
     """Stands in for the one-launch kernel: the router through MLX's quantised
-    matmul, ops.moe's routing, then fake_launch_both; workspace and ctas recorded."""
-    FUSED_CALLS.append((workspace, ctas))
+    matmul, ops.moe's routing, then fake_launch_both; sync and ctas recorded."""
+    FUSED_CALLS.append((sync, ctas))
     logits = mx.quantized_matmul(x, *router, transpose=True, group_size=64, bits=router[0].shape[-1] * 32 // x.shape[-1])
     inds, scores = moe.route(logits, top_k, normalize=normalize)
     y = fake_launch_both(x, inds, scores, experts, shared, expert_gate)
@@ -264,7 +264,7 @@ def cpu_moe_fused(cpu_moe, monkeypatch):
 
 def test_moe_fused_step_plumbing(cpu_moe_fused):
     """The one-launch step: traced once, the block's router and expert arrays
-    in, the block's own workspace appended, 8 CTAs per cluster over the SMs as the grid;
+    in, the block's own barrier buffer appended, the SM count as the grid;
     without MLX_QWEN_FAST_MOE_DECODE_FUSED=1 a block takes the four nodes."""
     import os
 
@@ -274,9 +274,9 @@ def test_moe_fused_step_plumbing(cpu_moe_fused):
         got = md.moe_decode_step(block, x)
         want = fake_launch_fused(x, mf.router_arrays(block.gate), *md.block_arrays(block), 8, True, None, None)[0]
         assert mx.array_equal(got, want).item()
-    wss = [c[0] for c in FUSED_CALLS if c[1] == 128]
-    assert wss and all(w.dtype == mx.uint32 and w.shape == (mf.workspace_words(256),) for w in wss)
-    assert md.block_workspace(blocks[0], 256) is not md.block_workspace(blocks[1], 256)  # one per block
+    syncs = [c[0] for c in FUSED_CALLS if c[1] == 132]
+    assert syncs and all(s.dtype == mx.uint32 and s.shape == (mf.SYNC_WORDS,) for s in syncs)
+    assert md.block_sync(blocks[0]) is not md.block_sync(blocks[1])  # one buffer per block
     os.environ[mf.FUSED_ENV] = "0"
     x = mx.random.normal((1, 1, 256)).astype(mx.bfloat16)
     n = len(FUSED_CALLS)

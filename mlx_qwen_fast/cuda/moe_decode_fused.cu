@@ -2,66 +2,62 @@
 // softmax + top-k, gate + up + SwiGLU of the selected and the shared experts,
 // down + routing weights + shared-expert gate + combine.
 //
-// Clusters of CL = 8 CTAs (compile-time __cluster_dims__), no grid-wide
-// barrier: every cluster computes the router itself, so the only waits are
-// cluster barriers (hardware, ~0.1-0.3 us) and one counter per output slice.
-// CTA rank r of a cluster owns the output rows [r * DR, (r + 1) * DR), DR = D / 8.
+// One persistent grid of G CTAs (G <= the number of SMs, so that every CTA is
+// resident at once) runs three phases separated by two grid-wide barriers:
 //
-//   A  (before the routing is known) each cluster: the router logits, one
-//      warp per expert row over the cluster's 64 warps (8-bit rows loaded at
-//      the kernel's start, fp32 dot, bf16 logit as the router's quantised
-//      matmul), the shared-expert gate's logit (row "E"), pushed into every
-//      CTA of the cluster (distributed shared memory); and the cluster's
-//      slices of the shared expert: slice s = 32 rows of its intermediate
-//      width (clusters take s = cluster, + clusters, ...), CTA r computes 4 of
-//      them (8 warps = 4 gate + 4 up rows), h = bf16(silu(bf16 g) * bf16 u)
-//      pushed into every CTA; after a cluster barrier, each CTA multiplies its
-//      DR down rows by the slice's 32 h values (one thread per row): split-K,
-//      added into the CTA's fp32 output rows yl with the shared gate's weight.
-//   B  every CTA routes each token with one warp (route_warp, the routing
-//      kernel's own code: the same selection and weights as
-//      moe_routing.route on these logits); the distinct experts in order of
-//      first appearance are the items; a unit is (item, UR = 8 * RB rows of
-//      the intermediate width), units u = cluster, + clusters, ... . For each
-//      unit CTA r streams gate and up rows [r * RB, +RB) of the unit (TMA
-//      bulk copies, one per 16-row half and matrix row, rows padded by 16
-//      bytes in shared memory so the mma operand loads do not conflict) and
-//      its down block (rows [r * DR, +DR), the unit's UR inputs: cp.async,
-//      rows padded likewise), all requested as soon as the routing is known;
-//      h of its RB rows goes to every CTA of the cluster; after a cluster
-//      barrier each CTA multiplies its DR down rows by the unit's UR h values
-//      (mma.sync, split-K) and adds coef * partial into yl (fp32).
-//   C  each CTA adds yl into the fp32 accumulator acc (red.global.add.v4.f32)
-//      and counts itself into its slice's counter (acq_rel); the last of the
-//      clusters' rank-r CTAs writes y rows [r * DR, +DR) as bf16 and leaves
-//      acc and the counter at zero for the next launch.
+//   A  router logits (one warp per expert row, the row's weights loaded while
+//      x is staged in shared memory; logit = bf16(fp32 dot), as the router's
+//      bf16 quantised matmul); the shared-expert gate's logit (the same dot on
+//      row "E"): sgate = sigmoid(bf16(x . w)); the shared expert's gate + up
+//      tiles (they do not depend on the routing). CTAs [0, RC) take the router
+//      rows, the last I/16 CTAs the shared expert's tiles.
+//   -- barrier 1 --
+//   B  every CTA reads the N x E logits back (L2) and routes each token with
+//      one warp (route_warp: the routing kernel's own code, so the selection
+//      is the same as moe_routing.route on these logits); the distinct experts
+//      in order of first appearance are the items. Its gate + up tiles (item,
+//      16 rows) u = c, c + G, ... and its phase-C down rows of every item are
+//      requested at once with bulk copies (TMA, cp.async.bulk) into shared
+//      memory rings; the gate + up tiles are computed as they land, the h rows
+//      written to global memory.
+//   -- barrier 2 --
+//   C  CTA c < D/16: output rows [16c, +16) of y: h staged in shared memory,
+//      the down GEMVs of every item from the ring, coef * bf16(out) summed in
+//      fp32 in a fixed order (deterministic, no atomics), stored as bf16.
 //
-// Numerics: the routed experts' gate + up tiles are moe_decode_gemv.cu's
-// arithmetic (same dequantisation, mma order and roundings: their h rows are
-// bit-identical); the shared expert's h and every down product are fp32 dot
-// products / mma sums over split K, weighted in fp32 (no bf16 rounding of an
-// expert's output before its weight), summed over slices and clusters by fp32
-// atomics: y = bf16(sum) within fp32 rounding of the fp32 reference on the
-// same routing; the atomics' order makes the last bits of y vary between runs.
+// Weights stream by TMA into shared-memory slots (one mbarrier each): a gate +
+// up slot holds one tile (16 rows of gate and of up, their scales and biases:
+// 36 KB at D = 2048), GU_SLOTS slots in flight; a down slot holds one item's 16
+// rows (4.5 KB at I = 512), DN_SLOTS slots. The tile arithmetic is that of
+// moe_decode_gemv.cu (same dequantisation, mma.sync m16n8k16 with permuted k
+// order, same roundings and summation order), so h and y equal the two-kernel
+// path's given the same inds and scores.
+//
+// Grid barrier: a 64-bit arrival counter in `sync` (persistent uint32[64],
+// zero at first use: 256 bytes so that MLX's allocator gives device memory,
+// not its managed pool for allocations of <= 8 bytes). Every launch adds
+// exactly 2 * BARW (CTA 0 arrives with weight 1 + BARW - G), so each CTA reads
+// the launch's base (a multiple of 2 * BARW) before its first arrival, arrives
+// with red.release.gpu and waits with ld.acquire.gpu for base + b * BARW. A
+// CTA that waits ~1 s (a grid that is not resident at once) traps: the launch
+// fails instead of hanging. Reads of data written by other CTAs in this launch
+// (logits, h, sgate) go through L2 (ld.global.cg / cp.async.cg).
 //
 // inputs: x [N, D] bf16; rw, rs, rb (router: uint32 [E, D*RBITS/32], bf16
 //   [E, D/64] x2); wg, sg, bg, wu, su, bu ([E, I, D/8], [E, I, D/64]); wd, sd,
-//   bd ([E, D, I/8], [E, D, I/64]); xwg ... xbd (shared expert, the same
-//   without E); gw, gs, gb (shared-expert gate, MDG_SGB 4/8/16);
-//   ws uint32 [64 + 4 * D] workspace (zero before the first launch; every
-//   launch leaves it zero): words 0..7 the slice counters, float acc [N, D]
-//   from word 64.
+//   bd ([E, D, I/8], [E, D, I/64]); xwg, xsg, xbg, xwu, xsu, xbu, xwd, xsd, xbd
+//   (shared expert, the same without E); gw, gs, gb (shared-expert gate, as in
+//   moe_decode_gemv.cu, MDG_SGB 4/8/16); sync uint32 [64] (written).
 // outputs: y [N, D] bf16; logits [N, E] float (bf16 values); inds [N, K]
-//   int32; scores [N, K] float; h [N*K + N, I] bf16 (rows of the pairs, then
-//   the shared expert's per token); sgate [N] float.
-// Launch: G * 256 threads, G a multiple of 8 (clusters); any number of
-// clusters (none waits for another); dynamic shared memory smem_bytes() of
-// kernels/moe_decode_fused.py.
+//   int32; scores [N, K] float; h [N*K + N, I] bf16 (scratch); sgate [N] float.
+// Launch: G * 256 threads, 256 per CTA, G <= min(SM count, BARW); dynamic
+// shared memory smem_bytes() of kernels/moe_decode_fused.py.
 //
 // Build macros: KNAME, MDG_N (1..4), MDG_K, MDG_E (multiple of 32, <= 1024),
-// MDG_D (% 256, <= 2048), MDG_I (% 128), MDG_RBITS (4, 8), MDG_SGB (4, 8, 16),
-// MDG_NORM (1: scores renormalised over the K selected), MDG_GU_SLOTS (1, 2);
-// MDG_TIMING: an extra output [G, 8] uint64 of %globaltimer stamps.
+// MDG_D (% 256), MDG_I (% 128), MDG_RBITS (4, 8), MDG_SGB (4, 8, 16),
+// MDG_NORM (1: scores renormalised over the K selected), MDG_GU_SLOTS,
+// MDG_DN_SLOTS; MDG_TIMING: an extra output [G, 8] uint64 of %globaltimer
+// stamps at the phase points (bench builds).
 #include "moe_decode_common.cuh"
 #include "moe_route_common.cuh"
 
@@ -75,10 +71,12 @@
 #define MDG_NORM 1
 #endif
 #ifndef MDG_GU_SLOTS
-#define MDG_GU_SLOTS 2
+#define MDG_GU_SLOTS 3
+#endif
+#ifndef MDG_DN_SLOTS
+#define MDG_DN_SLOTS 9
 #endif
 
-constexpr int CL = 8;                      // CTAs per cluster
 constexpr int N = MDG_N;
 constexpr int TOPK = MDG_K;
 constexpr int NK = N * TOPK;
@@ -87,106 +85,88 @@ constexpr int D = MDG_D;
 constexpr int I = MDG_I;
 constexpr int NW = 8;
 constexpr int NT = 32 * NW;
-constexpr int RB = I % 256 == 0 ? 32 : 16;  // gate/up rows per CTA and unit
-constexpr int MT = RB / 16;                 // their 16-row mma tiles
-constexpr int UR = CL * RB;                 // intermediate rows per unit
-constexpr int UPE = I / UR;                 // units per expert
-constexpr int NUB = UR / 128;               // 128-input blocks of a unit's down K
-constexpr int UG = UR / 64;                 // quantisation groups of a unit's down K
-constexpr int DR = D / CL;                  // output rows per CTA
-constexpr int NDT = DR / 16;                // their 16-row mma tiles
-constexpr int KW = D / 8, KG = D / 64;      // gate/up row: packed words, groups
-constexpr int DKW = I / 8, DKG = I / 64;    // down row
-constexpr int NCH = D / 256;                // gate/up K chunks of 256 inputs
-constexpr int SR = 32;                      // shared-expert rows per slice (4 per CTA)
-constexpr int NSL = I / SR;                 // shared-expert slices
-constexpr int RPW = (E + CL * NW - 1) / (CL * NW);  // router rows per warp (at most)
-constexpr int GUS = MDG_GU_SLOTS;
-// gate+up slot (bytes): gate rows | up rows (each row KW words + 16 bytes) | gate scales | gate biases | up scales | up biases
-constexpr int GU_RS = KW * 4 + 16;
-constexpr int GU_W = RB * GU_RS, GU_S = RB * KG * 2;
+constexpr int RB = 16;             // rows per tile
+constexpr int HROWS = NK + N;
+constexpr int KW = D / 8, KG = D / 64;     // gate/up row: packed words, groups
+constexpr int DKW = I / 8, DKG = I / 64;   // down row
+constexpr int NCH = D / 256;               // gate/up K chunks of 256 inputs
+constexpr int NU = I / 128;                // down: 16-byte words per lane per row
+constexpr int UT = I / RB;                 // gate/up tiles per expert
+constexpr int SU = I / RB;                 // shared-expert gate/up tiles
+constexpr int BARW = 1024;                 // counter units per barrier (>= G)
+constexpr int GU_SLOTS = MDG_GU_SLOTS;
+constexpr int DN_SLOTS = MDG_DN_SLOTS < NK + 1 ? MDG_DN_SLOTS : NK + 1;
+// slot layouts (bytes): gate rows | up rows | gate scales | gate biases | up scales | up biases
+constexpr int GU_W = RB * KW * 4, GU_S = RB * KG * 2;
 constexpr int GU_SLOT = 2 * GU_W + 4 * GU_S;
-// down slot: DR rows of UR/2 bytes (+16) | scales [DR][UG] | biases [DR][UG]
-constexpr int DN_RS = UR / 2 + 16;
-constexpr int DN_W = DR * DN_RS, DN_S = DR * UG * 2;
+// down: rows | scales | biases
+constexpr int DN_W = RB * DKW * 4, DN_S = RB * DKG * 2;
 constexpr int DN_SLOT = DN_W + 2 * DN_S;
-constexpr int WS_ACC = 64;                  // acc's first word in ws
 static_assert(N >= 1 && N <= 4, "1 <= N <= 4 tokens");
 static_assert(NK <= 32, "N * top_k must fit one warp");
-static_assert(D % 256 == 0 && D <= 2048 && I % 128 == 0, "D % 256 == 0, D <= 2048, I % 128 == 0");
+static_assert(D % 256 == 0 && I % 128 == 0, "D % 256 == 0 and I % 128 == 0");
 static_assert(E % 32 == 0 && E <= 1024, "E must be a multiple of 32, <= 1024");
 static_assert(MDG_RBITS == 4 || MDG_RBITS == 8, "router bits 4 or 8");
-static_assert(GUS == 1 || GUS == 2, "one or two gate+up slots");
-static_assert(GU_SLOT % 128 == 0 && DN_SLOT % 16 == 0, "slot alignment");
+static_assert(GU_SLOT % 128 == 0 && DN_SLOT % 128 == 0, "slots stay 128-byte aligned");
 
 // ---- shared memory ----------------------------------------------------------------
 
-struct Smem {  // arrays read 16 bytes at a time first (every size here is a multiple of 16 bytes)
-  gdn_u16 x[N][D];            // the tokens
-  gdn_u16 hb[2][N][UR];       // a unit's h (the cluster's UR rows), by unit parity
-  float lg[N][E];             // router logits (pushed by the cluster's warps)
-  float red[NW][2][RB][N];    // gate/up warp partial sums
-  float yl[N][DR];            // this CTA's output rows, fp32
-  gdn_u16 hs[2][N][SR];       // a shared slice's h, by slice parity
-  float gus[2][4][N];         // a shared slice's 4 gate and 4 up sums
-  float sg[N];                // sigmoid(shared-gate logit)
+struct Smem {
+  union {
+    gdn_u16 x[N][D];          // phases A, B: the tokens
+    gdn_u16 h[HROWS][I];      // phase C: every h row
+  } u;
+  float red[NW][2][RB][N];    // warp partial sums
   int inds[NK];
   float scores[NK];
-  int items[NK];              // distinct routed experts, order of first appearance
+  int items[NK + 1];          // distinct routed experts, then -1 (shared)
   int nitems;
-  int last;
 };
-static_assert((N * D * 2) % 16 == 0 && (2 * N * UR * 2) % 16 == 0 && (N * E * 4) % 16 == 0 &&
-                  (NW * 2 * RB * N * 4) % 16 == 0,
-              "x, hb, lg, red fill whole 16-byte units: hb and yl (read 16 bytes at a time) stay aligned");
-// dynamic shared memory: [gate+up slots][down slot][mbarriers: MT per gate+up slot][Smem]
-constexpr int OFF_DN = GUS * GU_SLOT;
-constexpr int OFF_BAR = OFF_DN + DN_SLOT;
-constexpr int OFF_SM = (OFF_BAR + 8 * GUS * MT + 127) / 128 * 128;
+// dynamic shared memory: [gate+up slots][down slots][mbarriers][Smem]
+constexpr int OFF_DN = GU_SLOTS * GU_SLOT;
+constexpr int OFF_BAR = OFF_DN + DN_SLOTS * DN_SLOT;
+constexpr int OFF_SM = (OFF_BAR + 8 * (GU_SLOTS + DN_SLOTS) + 127) / 128 * 128;
 constexpr unsigned SMEM_BYTES = OFF_SM + (unsigned)sizeof(Smem);  // = smem_bytes() of the wrapper
 
-// ---- cluster, TMA, atomics -----------------------------------------------------------
+// ---- grid barrier, L2 loads --------------------------------------------------------
 
-__device__ __forceinline__ unsigned cluster_rank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return r;
+__device__ __forceinline__ unsigned long long ld_acquire_u64(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
+  return v;
 }
-__device__ __forceinline__ unsigned cluster_id() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%clusterid.x;" : "=r"(r));
-  return r;
+__device__ __forceinline__ unsigned long long ld_relaxed_u64(const unsigned long long* p) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
+  return v;
 }
-__device__ __forceinline__ unsigned cluster_count() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%nclusterid.x;" : "=r"(r));
-  return r;
+// Arrive (after the CTA's writes): CTA-wide barrier, then thread 0 adds with release.
+__device__ __forceinline__ void grid_arrive(unsigned long long* ctr) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const unsigned long long w = blockIdx.x == 0 ? 1ull + BARW - gridDim.x : 1ull;
+    asm volatile("red.release.gpu.global.add.u64 [%0], %1;\n" ::"l"(ctr), "l"(w) : "memory");
+  }
 }
-__device__ __forceinline__ void cluster_arrive() {
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+// Wait until every CTA arrived `target` (base + b * BARW); thread 0 polls.
+__device__ __forceinline__ void grid_wait(const unsigned long long* ctr, unsigned long long target) {
+  if (threadIdx.x == 0) {
+    unsigned spins = 0;
+    while (ld_acquire_u64(ctr) < target) {
+      if (++spins > 4096u) sleep_ns(128);
+      if (spins > (1u << 23)) __trap();  // ~1 s: the grid is not co-resident
+    }
+  }
+  __syncthreads();
 }
-__device__ __forceinline__ void cluster_wait() {
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+
+__device__ __forceinline__ float ldcg_f(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+  return v;
 }
-__device__ __forceinline__ void cluster_sync() {
-  cluster_arrive();
-  cluster_wait();
-}
-// Address of shared variable `p` (this CTA's) in CTA `rank` of the cluster.
-__device__ __forceinline__ unsigned peer_addr(const void* p, unsigned rank) {
-  unsigned r;
-  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(smem_addr(p)), "r"(rank));
-  return r;
-}
-// Store v at `p` in every CTA of the cluster.
-__device__ __forceinline__ void push_f32(const float* p, float v) {
-#pragma unroll
-  for (unsigned q = 0; q < CL; ++q) asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(peer_addr(p, q)), "f"(v) : "memory");
-}
-__device__ __forceinline__ void push_u16(const gdn_u16* p, gdn_u16 v) {
-#pragma unroll
-  for (unsigned q = 0; q < CL; ++q) asm volatile("st.shared::cluster.u16 [%0], %1;" ::"r"(peer_addr(p, q)), "h"(v) : "memory");
-}
+
+// ---- TMA bulk copies into shared memory, mbarriers ---------------------------------
 
 __device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
@@ -210,25 +190,8 @@ __device__ __forceinline__ void bulk_g2s(unsigned dst, const void* src, unsigned
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
-__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(smem)), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void red_add_v4(float* p, float a, float b, float c, float d) {
-  asm volatile("red.relaxed.gpu.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d)
-               : "memory");
-}
-__device__ __forceinline__ unsigned atom_add_acq_rel(unsigned* p, unsigned v) {
-  unsigned old;
-  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;" : "=r"(old) : "l"(p), "r"(v) : "memory");
-  return old;
-}
-__device__ __forceinline__ float ldcg_f(const float* p) {
-  float v;
-  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-  return v;
-}
 
-// ---- row dot products (router, shared-expert gate, shared-expert gate/up rows) -------
+// ---- router / shared-gate row dot ---------------------------------------------------
 
 // One row of a D-input affine group-64 matrix (BITS 4/8) dotted with the N
 // tokens by one warp. Lane chunk j: 16 bytes = CIN inputs at 16 * (lane + 32 j)
@@ -274,7 +237,7 @@ struct RowRegs {
 #pragma unroll
         for (int i = 0; i < CIN; i += 8) {
           float xv[8];
-          load16(reinterpret_cast<const bf16_t*>(&sm.x[n][k0 + i]), xv);
+          load16(reinterpret_cast<const bf16_t*>(&sm.u.x[n][k0 + i]), xv);
 #pragma unroll
           for (int q = 0; q < 8; ++q) out[n] = fmaf(xv[q], wv[i + q], out[n]);
         }
@@ -288,6 +251,7 @@ struct RowRegs {
 // The shared-expert gate as a bf16 row (MDG_SGB 16).
 struct RowRegsBf16 {
   static constexpr int NCHK = D / 8 / 32;
+  static_assert(D % 256 == 0, "D % 256");
   uint4 w[NCHK];
   __device__ __forceinline__ void load(const void* W, const bf16_t*, const bf16_t*, int) {
     const int lane = threadIdx.x & 31;
@@ -307,7 +271,7 @@ struct RowRegsBf16 {
       unpack_bf16x2(w[j].w, wv[6], wv[7]);
 #pragma unroll
       for (int n = 0; n < N; ++n) {
-        load16(reinterpret_cast<const bf16_t*>(&sm.x[n][8 * (lane + 32 * j)]), xv);
+        load16(reinterpret_cast<const bf16_t*>(&sm.u.x[n][8 * (lane + 32 * j)]), xv);
 #pragma unroll
         for (int q = 0; q < 8; ++q) out[n] = fmaf(xv[q], wv[q], out[n]);
       }
@@ -318,110 +282,74 @@ struct RowRegsBf16 {
 };
 typedef Pick<MDG_SGB == 16, RowRegsBf16, RowRegs<(MDG_SGB == 16 ? 8 : MDG_SGB)>>::type GateRegs;
 
-// One thread's down row of a shared slice: 32 inputs (16 bytes), one group's scale and bias.
-struct SliceDown {
-  uint4 w;
-  unsigned sb;
-  __device__ __forceinline__ void load(const unsigned* W, const bf16_t* S, const bf16_t* B, int d, int s) {
-    w = ldg_stream16(W + (size_t)d * DKW + 4 * s);
-    const size_t gi = (size_t)d * DKG + s / 2;
-    sb = load_sb(S + gi, B + gi);
-  }
-  // sum_k (s * q_k + b) * h[n][k] for every token
-  __device__ __forceinline__ void dot(const gdn_u16 (&h)[N][SR], float* out) const {
-    const float s = __uint_as_float(sb << 16), b = __uint_as_float(sb & 0xffff0000u);
-    const unsigned ww[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int n = 0; n < N; ++n) out[n] = 0.0f;
-#pragma unroll
-    for (int k = 0; k < SR; ++k) {
-      const float wv = fmaf(s, (float)((ww[k / 8] >> (4 * (k % 8))) & 15u), b);
-#pragma unroll
-      for (int n = 0; n < N; ++n) out[n] = fmaf(wv, __uint_as_float((unsigned)h[n][k] << 16), out[n]);
-    }
-  }
-};
-
-// ---- a unit's gate + up rows -----------------------------------------------------------
+// ---- gate + up tile from a slot (16 rows of both matrices, one expert) --------------
 
 struct GUPtr {
   const unsigned *W0, *W1;
   const bf16_t *S0, *S1, *B0, *B1;
 };
 
-// Warp 0: the unit's gate and up rows [row0, +RB) of p into slot `dst`, one
-// mbarrier per 16-row half (the first also counts the scales and biases).
-__device__ __forceinline__ void issue_unit(unsigned dst, unsigned bar, const GUPtr& p, int row0) {
-  const int lane = threadIdx.x & 31;
-  if (lane == 0) {
-    fence_proxy_async();
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) mbar_expect_tx(bar + 8 * mt, 2 * 16 * KW * 4 + (mt == 0 ? 4 * GU_S : 0));
-  }
-  __syncwarp();
-  if (lane < 4) {
-    const bf16_t* src = lane == 0 ? p.S0 : lane == 1 ? p.B0 : lane == 2 ? p.S1 : p.B1;
-    bulk_g2s(dst + 2 * GU_W + lane * GU_S, src + (size_t)row0 * KG, GU_S, bar);
-  }
-  for (int q = lane; q < 2 * RB; q += 32) {  // matrix m = q / RB, row r = q % RB
-    const int m = q / RB, r = q % RB;
-    bulk_g2s(dst + m * GU_W + r * GU_RS, (m ? p.W1 : p.W0) + (size_t)(row0 + r) * KW, KW * 4, bar + 8 * (r / 16));
-  }
+// Thread 0: one tile (gate and up rows [row0, +16) of p) into slot `dst`.
+__device__ __forceinline__ void issue_tile(unsigned dst, unsigned bar, const GUPtr& p, int row0) {
+  fence_proxy_async();
+  mbar_expect_tx(bar, GU_SLOT);
+  bulk_g2s(dst, p.W0 + (size_t)row0 * KW, GU_W, bar);
+  bulk_g2s(dst + GU_W, p.W1 + (size_t)row0 * KW, GU_W, bar);
+  bulk_g2s(dst + 2 * GU_W, p.S0 + (size_t)row0 * KG, GU_S, bar);
+  bulk_g2s(dst + 2 * GU_W + GU_S, p.B0 + (size_t)row0 * KG, GU_S, bar);
+  bulk_g2s(dst + 2 * GU_W + 2 * GU_S, p.S1 + (size_t)row0 * KG, GU_S, bar);
+  bulk_g2s(dst + 2 * GU_W + 3 * GU_S, p.B1 + (size_t)row0 * KG, GU_S, bar);
 }
 
-// The unit's gate and up dot products for every token (weights from the
-// slot, tile by tile as the halves land); the warps' partial sums meet in
-// sm.red and thread (r, n) < RB * N returns h = silu(bf16 g) * bf16 u of row
-// r, token n (moe_decode_gemv.cu's order and roundings, per 16-row tile).
-__device__ __forceinline__ float gate_up_unit(const unsigned char* slot, unsigned bar, unsigned parity, Smem& sm) {
+// The tile's gate and up dot products for every token (weights from the
+// slot); the warps' partial sums meet in sm.red and thread (r, n) < RB * N gets
+// h = silu(bf16 g) * bf16 u of row r, token n (moe_decode_gemv.cu's order and
+// roundings; the caller rounds to bf16).
+__device__ __forceinline__ float gate_up_tile(const unsigned char* slot, Smem& sm) {
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
+  float acc[2][4];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    mbar_wait(bar + 8 * mt, parity);
-    float acc[2][4];
+  for (int m = 0; m < 2; ++m)
 #pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) acc[m][c] = 0.0f;
+    for (int c = 0; c < 4; ++c) acc[m][c] = 0.0f;
 #pragma unroll 1
-    for (int ch = warp; ch < NCH; ch += NW) {
-      const int kb = ch * 256;
+  for (int ch = warp; ch < NCH; ch += NW) {
+    const int kb = ch * 256;
 #pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        uint4 A[2][2];
-        unsigned s2[2][2], b2[2][2];
+    for (int u = 0; u < 2; ++u) {
+      uint4 A[2][2];
+      unsigned s2[2][2], b2[2][2];
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const int row = g + 8 * hh;
+          A[m][hh] = *reinterpret_cast<const uint4*>(slot + m * GU_W + row * (KW * 4) + (kb >> 1) + 64 * u + 16 * t);
+          const int gi = row * KG + (kb >> 6) + 2 * u + (t >> 1);
+          const gdn_u16* sc = reinterpret_cast<const gdn_u16*>(slot + 2 * GU_W + 2 * m * GU_S);
+          const gdn_u16* bi = reinterpret_cast<const gdn_u16*>(slot + 2 * GU_W + (2 * m + 1) * GU_S);
+          const unsigned sb = (unsigned)sc[gi] | ((unsigned)bi[gi] << 16);
+          s2[m][hh] = splat_s(sb);
+          b2[m][hh] = splat_b(sb);
+        }
+#pragma unroll
+      for (int wd = 0; wd < 4; ++wd) {
+        unsigned bb[4] = {0u, 0u, 0u, 0u};
+        if (g < N) b_pairs(*reinterpret_cast<const uint4*>(&sm.u.x[g][kb + 128 * u + 32 * t + 8 * wd]), bb);
 #pragma unroll
         for (int m = 0; m < 2; ++m)
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int row = 16 * mt + g + 8 * hh;
-            A[m][hh] = *reinterpret_cast<const uint4*>(slot + m * GU_W + row * GU_RS + (kb >> 1) + 64 * u + 16 * t);
-            const int gi = row * KG + (kb >> 6) + 2 * u + (t >> 1);
-            const gdn_u16* sc = reinterpret_cast<const gdn_u16*>(slot + 2 * GU_W + 2 * m * GU_S);
-            const gdn_u16* bi = reinterpret_cast<const gdn_u16*>(slot + 2 * GU_W + (2 * m + 1) * GU_S);
-            const unsigned sb = (unsigned)sc[gi] | ((unsigned)bi[gi] << 16);
-            s2[m][hh] = splat_s(sb);
-            b2[m][hh] = splat_b(sb);
-          }
-#pragma unroll
-        for (int wd = 0; wd < 4; ++wd) {
-          unsigned bb[4] = {0u, 0u, 0u, 0u};
-          if (g < N) b_pairs(*reinterpret_cast<const uint4*>(&sm.x[g][kb + 128 * u + 32 * t + 8 * wd]), bb);
-#pragma unroll
-          for (int m = 0; m < 2; ++m)
-            mma_word(acc[m], w4(A[m][0], wd), w4(A[m][1], wd), s2[m][0], b2[m][0], s2[m][1], b2[m][1], bb);
-        }
+          mma_word(acc[m], w4(A[m][0], wd), w4(A[m][1], wd), s2[m][0], b2[m][0], s2[m][1], b2[m][1], bb);
       }
     }
-#pragma unroll
-    for (int m = 0; m < 2; ++m)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const int tok = 2 * t + (c & 1);
-        if (tok < N) sm.red[warp][m][16 * mt + g + 8 * (c >> 1)][tok] = acc[m][c];
-      }
   }
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int tok = 2 * t + (c & 1);
+      if (tok < N) sm.red[warp][m][g + 8 * (c >> 1)][tok] = acc[m][c];
+    }
   __syncthreads();
   float hv = 0.0f;
   if (tid < RB * N) {
@@ -436,83 +364,22 @@ __device__ __forceinline__ float gate_up_unit(const unsigned char* slot, unsigne
     up = from_f_round<bf16_t>(up);
     hv = silu_f(gt) * up;
   }
+  __syncthreads();  // sm.red and the slot are free again
   return hv;
 }
 
-// ---- a unit's down block (split-K) ------------------------------------------------------
+// ---- down item from a slot (16 output rows, one item) ------------------------------
 
-// All threads: the down rows [d0, +DR) of expert matrix W/S/B, inputs [k0, +UR), into the down slot.
-__device__ __forceinline__ void issue_down(unsigned char* dsl, const unsigned* W, const bf16_t* S, const bf16_t* B,
-                                           int d0, int k0) {
-  constexpr int CPR = UR / 32;  // 16-byte chunks per row
-  for (int i = threadIdx.x; i < DR * CPR; i += NT) {
-    const int r = i / CPR, c = i % CPR;
-    cp_async16(dsl + r * DN_RS + 16 * c, W + (size_t)(d0 + r) * DKW + k0 / 8 + 4 * c);
-  }
-  for (int i = threadIdx.x; i < 2 * DR; i += NT) {
-    const int r = i % DR, which = i / DR;
-    const bf16_t* src = (which ? B : S) + (size_t)(d0 + r) * DKG + k0 / 64;
-    unsigned char* dst = dsl + DN_W + which * DN_S + r * UG * 2;
-    if (UG == 4) cp_async8(dst, src);
-    else cp_async4(dst, src);
-  }
-  cp_async_commit();
+__device__ __forceinline__ void issue_down(unsigned dst, unsigned bar, const unsigned* W, const bf16_t* S,
+                                           const bf16_t* B, int row0) {
+  fence_proxy_async();
+  mbar_expect_tx(bar, DN_SLOT);
+  bulk_g2s(dst, W + (size_t)row0 * DKW, DN_W, bar);
+  bulk_g2s(dst + DN_W, S + (size_t)row0 * DKG, DN_S, bar);
+  bulk_g2s(dst + DN_W + DN_S, B + (size_t)row0 * DKG, DN_S, bar);
 }
 
-// yl[n][row] += coef[n] * sum_k W[row, k] h[n][k] over the unit's UR inputs, rows by 16-row tiles over the warps.
-__device__ __forceinline__ void down_unit(const unsigned char* dsl, const gdn_u16 (&h)[N][UR], const float* coef,
-                                          Smem& sm) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  unsigned bb[NUB][4][4];
-#pragma unroll
-  for (int ub = 0; ub < NUB; ++ub)
-#pragma unroll
-    for (int wq = 0; wq < 4; ++wq) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) bb[ub][wq][i] = 0u;
-      if (g < N) b_pairs(*reinterpret_cast<const uint4*>(&h[g][128 * ub + 32 * t + 8 * wq]), bb[ub][wq]);
-    }
-  const gdn_u16* scl = reinterpret_cast<const gdn_u16*>(dsl + DN_W);
-  const gdn_u16* bis = reinterpret_cast<const gdn_u16*>(dsl + DN_W + DN_S);
-  float c0 = 0.0f, c1 = 0.0f;  // the lane's tokens 2t, 2t + 1
-#pragma unroll
-  for (int n = 0; n < N; ++n) {
-    if (n == 2 * t) c0 = coef[n];
-    if (n == 2 * t + 1) c1 = coef[n];
-  }
-#pragma unroll 1
-  for (int dt = warp; dt < NDT; dt += NW) {
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int ub = 0; ub < NUB; ++ub) {
-      uint4 A[2];
-      unsigned s2[2], b2[2];
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int row = 16 * dt + g + 8 * hh;
-        A[hh] = *reinterpret_cast<const uint4*>(dsl + row * DN_RS + 64 * ub + 16 * t);
-        const int gi = row * UG + 2 * ub + (t >> 1);
-        const unsigned sb = (unsigned)scl[gi] | ((unsigned)bis[gi] << 16);
-        s2[hh] = splat_s(sb);
-        b2[hh] = splat_b(sb);
-      }
-#pragma unroll
-      for (int wq = 0; wq < 4; ++wq) mma_word(acc, w4(A[0], wq), w4(A[1], wq), s2[0], b2[0], s2[1], b2[1], bb[ub][wq]);
-    }
-    const int r0 = 16 * dt + g;
-    if (2 * t < N) {
-      sm.yl[2 * t][r0] += c0 * acc[0];
-      sm.yl[2 * t][r0 + 8] += c0 * acc[2];
-    }
-    if (2 * t + 1 < N) {
-      sm.yl[2 * t + 1][r0] += c1 * acc[1];
-      sm.yl[2 * t + 1][r0 + 8] += c1 * acc[3];
-    }
-  }
-}
-
-extern "C" __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(NT, 1) KNAME(
+extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     const bf16_t* __restrict__ x,
     const unsigned* __restrict__ rw, const bf16_t* __restrict__ rs, const bf16_t* __restrict__ rbias,
     const unsigned* __restrict__ wg, const bf16_t* __restrict__ sg, const bf16_t* __restrict__ bg,
@@ -522,13 +389,13 @@ extern "C" __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(NT, 1) K
     const unsigned* __restrict__ xwu, const bf16_t* __restrict__ xsu, const bf16_t* __restrict__ xbu,
     const unsigned* __restrict__ xwd, const bf16_t* __restrict__ xsd, const bf16_t* __restrict__ xbd,
     const void* __restrict__ gw, const bf16_t* __restrict__ gs, const bf16_t* __restrict__ gb,
-    unsigned* ws,
+    unsigned* sync,
     bf16_t* __restrict__ y,
-    float* __restrict__ logits_out,
+    float* logits,
     int* __restrict__ inds_out,
     float* __restrict__ scores_out,
-    bf16_t* __restrict__ hbuf,
-    float* __restrict__ sgate_out
+    bf16_t* hbuf,
+    float* sgate
 #ifdef MDG_TIMING
     , unsigned long long* tim  // [G, 8] %globaltimer (ns) at the phase points, thread 0
 #endif
@@ -536,7 +403,7 @@ extern "C" __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(NT, 1) K
   extern __shared__ __align__(128) unsigned char dsm[];
   Smem& sm = *reinterpret_cast<Smem*>(dsm + OFF_SM);
   const unsigned sbase = smem_addr(dsm);
-  const unsigned gu_bar = sbase + OFF_BAR;
+  const unsigned gu_bar = sbase + OFF_BAR, dn_bar = gu_bar + 8 * GU_SLOTS;
 #ifdef MDG_TIMING
 #define STAMP(i) \
   if (threadIdx.x == 0) { unsigned long long t_; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)); tim[blockIdx.x * 8 + (i)] = t_; }
@@ -550,108 +417,73 @@ extern "C" __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(NT, 1) K
     if (dyn < SMEM_BYTES) __trap();  // launched with too little dynamic shared memory
   }
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int rank = (int)cluster_rank(), cid = (int)cluster_id(), ncl = (int)cluster_count();
-  const int gwarp = rank * NW + warp;  // the warp's index in the cluster
-  float* acc_g = reinterpret_cast<float*>(ws + WS_ACC);
-  cluster_arrive();  // paired with the wait before the first push: every CTA of the cluster has started
+  const int c = blockIdx.x, G = gridDim.x;
+  unsigned long long* ctr = reinterpret_cast<unsigned long long*>(sync);
+  // CTAs [0, RC): router rows (E of them, + row E = the shared gate); the last
+  // SU CTAs: the shared expert's tiles (everything on every CTA when G is small)
+  const int RC = G >= 2 * SU ? G - SU : G;
+  const int sfirst = G >= 2 * SU ? G - 1 - c : c;   // this CTA's shared tiles: sfirst, + G, ...
+  const int nsh = sfirst < SU ? (SU - 1 - sfirst) / G + 1 : 0;
+  auto shared_tile = [&](int j, GUPtr& p) {  // j-th shared tile -> pointers, first row
+    p = GUPtr{xwg, xwu, xsg, xsu, xbg, xbu};
+    return (sfirst + j * G) * RB;
+  };
 
+  unsigned long long base = 0;  // thread 0: the counter at entry (a multiple of 2 * BARW once rounded)
   if (tid == 0) {
 #pragma unroll 1
-    for (int i = 0; i < GUS * MT; ++i) mbar_init(gu_bar + 8 * i, 1);
+    for (int i = 0; i < GU_SLOTS + DN_SLOTS; ++i) mbar_init(gu_bar + 8 * i, 1);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    base = ld_relaxed_u64(ctr);  // used at the first barrier: its latency hides behind phase A
+    // the shared expert's tiles do not depend on the routing: requested now, computed in phase B
+#pragma unroll 1
+    for (int j = 0; j < nsh && j < GU_SLOTS; ++j) {
+      GUPtr p;
+      const int row0 = shared_tile(j, p);
+      issue_tile(sbase + j * GU_SLOT, gu_bar + 8 * j, p, row0);
+    }
   }
 
   // ======================= phase A ===========================================
-  // loads first: router rows, the gate row, the first shared slice's rows
-  RowRegs<MDG_RBITS> rr[RPW];
-#pragma unroll
-  for (int i = 0; i < RPW; ++i) {
-    const int r = gwarp + CL * NW * i;
-    if (r < E) rr[i].load(rw, rs, rbias, r);
-  }
-  const bool has_gate = gwarp == E % (CL * NW);
-  GateRegs gr;
-  if (has_gate) gr.load(gw, gs, gb, 0);
-  const int s0 = cid;  // this cluster's slices: s0, s0 + ncl, ...
-  RowRegs<4> srow;
-  SliceDown sdn[(DR + NT - 1) / NT];
-  const int srow_i = 4 * rank + (warp & 3);  // this warp's row in a slice
-  auto load_slice = [&](int s) {
-    if (warp < 4) srow.load(xwg, xsg, xbg, s * SR + srow_i);
-    else srow.load(xwu, xsu, xbu, s * SR + srow_i);
-#pragma unroll
-    for (int j = 0; j < (DR + NT - 1) / NT; ++j)
-      if (tid + NT * j < DR) sdn[j].load(xwd, xsd, xbd, rank * DR + tid + NT * j, s);
-  };
-  if (s0 < NSL) load_slice(s0);
-  for (int i = tid; i < N * D / 8; i += NT)
-    *reinterpret_cast<uint4*>(&sm.x[0][0] + 8 * i) = ldg16(x + 8 * i);
-  for (int i = tid; i < N * DR; i += NT) (&sm.yl[0][0])[i] = 0.0f;
-  __syncthreads();  // x staged; the mbarriers initialised
-  STAMP(1);
-  cluster_wait();   // every CTA of the cluster runs: pushes may start
-
-#pragma unroll
-  for (int i = 0; i < RPW; ++i) {
-    const int r = gwarp + CL * NW * i;
-    if (r < E) {
+  {
+    const int r0 = c < RC ? c + RC * warp : E + 1;
+    RowRegs<MDG_RBITS> rr;
+    GateRegs gr;
+    if (r0 < E) rr.load(rw, rs, rbias, r0);
+    else if (r0 == E) gr.load(gw, gs, gb, 0);
+    for (int i = tid; i < N * D / 8; i += NT)
+      *reinterpret_cast<uint4*>(&sm.u.x[0][0] + 8 * i) = ldg16(x + 8 * i);
+    __syncthreads();  // x staged; the mbarriers initialised
+    STAMP(1);
+#pragma unroll 1
+    for (int r = r0; r <= E; r += RC * NW) {
       float out[N];
-      rr[i].dot(sm, out);
+      if (r < E) {
+        if (r != r0) rr.load(rw, rs, rbias, r);
+        rr.dot(sm, out);
 #pragma unroll
-      for (int n = 0; n < N; ++n)
-        if (lane == n) push_f32(&sm.lg[n][r], from_f_round<bf16_t>(out[n]));
+        for (int n = 0; n < N; ++n)
+          if (lane == n) logits[(size_t)n * E + r] = from_f_round<bf16_t>(out[n]);
+      } else {
+        if (r != r0) gr.load(gw, gs, gb, 0);
+        gr.dot(sm, out);
+#pragma unroll
+        for (int n = 0; n < N; ++n)
+          if (lane == n) sgate[n] = sigmoid_f(from_f_round<bf16_t>(out[n]));
+      }
     }
-  }
-  if (has_gate) {
-    float out[N];
-    gr.dot(sm, out);
-#pragma unroll
-    for (int n = 0; n < N; ++n)
-      if (lane == n) push_f32(&sm.sg[n], sigmoid_f(from_f_round<bf16_t>(out[n])));
   }
   STAMP(2);
-
-  // the cluster's shared-expert slices (each ends with a cluster barrier; the
-  // first also publishes the logits)
-  int si = 0;
-#pragma unroll 1
-  for (int s = s0; s < NSL; s += ncl, ++si) {
-    if (si > 0) load_slice(s);
-    float out[N];
-    srow.dot(sm, out);
-#pragma unroll
-    for (int n = 0; n < N; ++n)
-      if (lane == n) sm.gus[warp >> 2][warp & 3][n] = out[n];
-    __syncthreads();
-    if (tid < 4 * N) {
-      const int r = tid & 3, n = tid >> 2;
-      const float gt = from_f_round<bf16_t>(sm.gus[0][r][n]), up = from_f_round<bf16_t>(sm.gus[1][r][n]);
-      const bf16_t hb = from_f<bf16_t>(silu_f(gt) * up);
-      const gdn_u16 hu = *reinterpret_cast<const gdn_u16*>(&hb);
-      push_u16(&sm.hs[si & 1][n][4 * rank + r], hu);
-      hbuf[(size_t)(NK + n) * I + s * SR + 4 * rank + r] = hb;
-    }
-    cluster_sync();
-    float sgv[N];
-#pragma unroll
-    for (int n = 0; n < N; ++n) sgv[n] = sm.sg[n];
-#pragma unroll
-    for (int j = 0; j < (DR + NT - 1) / NT; ++j)
-      if (tid + NT * j < DR) {
-        float o[N];
-        sdn[j].dot(sm.hs[si & 1], o);
-#pragma unroll
-        for (int n = 0; n < N; ++n) sm.yl[n][tid + NT * j] += sgv[n] * o[n];
-      }
-  }
-  if (si == 0) cluster_sync();  // no slice: the logits still need the barrier
+  grid_arrive(ctr);
+  base -= base % (2ull * BARW);
+  grid_wait(ctr, base + BARW);
   STAMP(3);
 
   // ======================= phase B ===========================================
   if (warp < N) {
     float p[E / 32];
 #pragma unroll
-    for (int i = 0; i < E / 32; ++i) p[i] = sm.lg[warp][i * 32 + lane];
+    for (int i = 0; i < E / 32; ++i) p[i] = ldcg_f(logits + (size_t)warp * E + i * 32 + lane);
     int my_i;
     float my_p, tot;
     route_warp<E, TOPK>(p, my_i, my_p, tot);
@@ -659,7 +491,7 @@ extern "C" __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(NT, 1) K
       const float sc = MDG_NORM ? my_p / tot : my_p;
       sm.inds[warp * TOPK + lane] = my_i;
       sm.scores[warp * TOPK + lane] = sc;
-      if (blockIdx.x == 0) {
+      if (c == 0) {
         inds_out[warp * TOPK + lane] = my_i;
         scores_out[warp * TOPK + lane] = sc;
       }
@@ -667,7 +499,7 @@ extern "C" __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(NT, 1) K
   }
   __syncthreads();
   if (warp == 0) {
-    // distinct experts in order of first appearance
+    // distinct experts in order of first appearance, then the shared expert
     const int my_e = lane < NK ? sm.inds[lane] : -1;
     bool first = lane < NK;
     for (int q = 0; q < NK; ++q) {
@@ -676,92 +508,177 @@ extern "C" __global__ void __cluster_dims__(CL, 1, 1) __launch_bounds__(NT, 1) K
     }
     const unsigned fmask = __ballot_sync(0xffffffffu, first);
     if (first) sm.items[__popc(fmask & ((1u << lane) - 1u))] = my_e;
-    if (lane == 0) sm.nitems = __popc(fmask);
-  }
-  __syncthreads();
-  const int nunits = sm.nitems * UPE;
-  const int nmine = cid < nunits ? (nunits - 1 - cid) / ncl + 1 : 0;  // units cid, cid + ncl, ...
-  auto unit_gu = [&](int j, GUPtr& p) {  // j-th unit of this cluster -> pointers, first gate/up row
-    const int u = cid + j * ncl;
-    const int e = sm.items[u / UPE];
-    const size_t ow = (size_t)e * I * KW, og = (size_t)e * I * KG;
-    p = GUPtr{wg + ow, wu + ow, sg + og, su + og, bg + og, bu + og};
-    return (u % UPE) * UR + rank * RB;
-  };
-  auto unit_down = [&](int j) {
-    const int u = cid + j * ncl;
-    const size_t e = (size_t)sm.items[u / UPE];
-    issue_down(dsm + OFF_DN, wd + e * D * DKW, sd + e * D * DKG, bd + e * D * DKG, rank * DR, (u % UPE) * UR);
-  };
-  if (warp == 0) {
-#pragma unroll 1
-    for (int j = 0; j < nmine && j < GUS; ++j) {
-      GUPtr p;
-      const int row0 = unit_gu(j, p);
-      issue_unit(sbase + j * GU_SLOT, gu_bar + 8 * MT * j, p, row0);
+    if (lane == 0) {
+      sm.items[__popc(fmask)] = -1;
+      sm.nitems = __popc(fmask) + 1;
     }
   }
-  if (nmine > 0) unit_down(0);
-  if (blockIdx.x == 0) {
-    for (int i = tid; i < N * E; i += NT) logits_out[i] = (&sm.lg[0][0])[i];
-    if (tid < N) sgate_out[tid] = sm.sg[tid];
-  }
+  __syncthreads();
   STAMP(4);
-
+  const int nitems = sm.nitems, nrouted = nitems - 1;
+  const int ntiles = nrouted * UT;
+  const int nmine = c < ntiles ? (ntiles - 1 - c) / G + 1 : 0;  // routed tiles c, c + G, ...
+  auto routed_tile = [&](int i, GUPtr& p) {  // i-th routed tile of this CTA -> pointers, first row
+    const int u = c + i * G;
+    const int e = sm.items[u / UT];
+    const size_t ow = (size_t)e * I * KW, og = (size_t)e * I * KG;
+    p = GUPtr{wg + ow, wu + ow, sg + og, su + og, bg + og, bu + og};
+    return (u % UT) * RB;
+  };
+  auto down_ptrs = [&](int it, const unsigned*& W, const bf16_t*& S, const bf16_t*& B) {
+    const int e = sm.items[it];
+    if (e < 0) {
+      W = xwd; S = xsd; B = xbd;
+    } else {
+      W = wd + (size_t)e * D * DKW; S = sd + (size_t)e * D * DKG; B = bd + (size_t)e * D * DKG;
+    }
+  };
+  // gate+up jobs of this CTA: j < nsh its shared tiles (already requested), then its routed tiles
+  const int njobs = nsh + nmine;
+  auto issue_job = [&](int j) {
+    GUPtr p;
+    const int row0 = j < nsh ? shared_tile(j, p) : routed_tile(j - nsh, p);
+    issue_tile(sbase + (j % GU_SLOTS) * GU_SLOT, gu_bar + 8 * (j % GU_SLOTS), p, row0);
+  };
+  if (tid == 0) {
 #pragma unroll 1
-  for (int j = 0; j < nmine; ++j) {
-    const int u = cid + j * ncl;
-    const int e = sm.items[u / UPE], hf = u % UPE;
-    const float hv = gate_up_unit(dsm + (j % GUS) * GU_SLOT, gu_bar + 8 * MT * (j % GUS), (j / GUS) & 1, sm);
+    for (int j = min(nsh, GU_SLOTS); j < njobs && j < GU_SLOTS; ++j) issue_job(j);
+    if (c < D / RB) {  // this CTA's first down items
+#pragma unroll 1
+      for (int it = 0; it < nitems && it < DN_SLOTS; ++it) {
+        const unsigned* W;
+        const bf16_t *S, *B;
+        down_ptrs(it, W, S, B);
+        issue_down(sbase + OFF_DN + it * DN_SLOT, dn_bar + 8 * it, W, S, B, c * RB);
+      }
+    }
+  }
+#pragma unroll 1
+  for (int j = 0; j < njobs; ++j) {
+    mbar_wait(gu_bar + 8 * (j % GU_SLOTS), (j / GU_SLOTS) & 1);
+    const float hv = gate_up_tile(dsm + (j % GU_SLOTS) * GU_SLOT, sm);
     if (tid < RB * N) {
       const int r = tid % RB, n = tid / RB;
       const bf16_t hb = from_f<bf16_t>(hv);
-      push_u16(&sm.hb[j & 1][n][rank * RB + r], *reinterpret_cast<const gdn_u16*>(&hb));
+      if (j < nsh) {
+        hbuf[(size_t)(NK + n) * I + (sfirst + j * G) * RB + r] = hb;
+      } else {
+        const int u = c + (j - nsh) * G;
+        const int e = sm.items[u / UT], row0 = (u % UT) * RB;
 #pragma unroll
-      for (int q = 0; q < TOPK; ++q)
-        if (sm.inds[n * TOPK + q] == e) hbuf[(size_t)(n * TOPK + q) * I + hf * UR + rank * RB + r] = hb;
+        for (int q = 0; q < TOPK; ++q)
+          if (sm.inds[n * TOPK + q] == e) hbuf[(size_t)(n * TOPK + q) * I + row0 + r] = hb;
+      }
     }
-    __syncthreads();  // the slot and sm.red are free again
-    if (warp == 0 && j + GUS < nmine) {
-      GUPtr p;
-      const int row0 = unit_gu(j + GUS, p);
-      issue_unit(sbase + (j % GUS) * GU_SLOT, gu_bar + 8 * MT * (j % GUS), p, row0);
-    }
-    cluster_sync();  // the unit's h in every CTA
-    if (j == 0) STAMP(5);
-    float coef[N];
-#pragma unroll
-    for (int n = 0; n < N; ++n) {
-      coef[n] = 0.0f;
-#pragma unroll
-      for (int q = 0; q < TOPK; ++q)
-        if (sm.inds[n * TOPK + q] == e) coef[n] += sm.scores[n * TOPK + q];
-    }
-    cp_async_wait_all();
-    __syncthreads();  // the down slot landed (every thread's copies)
-    down_unit(dsm + OFF_DN, sm.hb[j & 1], coef, sm);
-    __syncthreads();  // the down slot is read
-    if (j + 1 < nmine) unit_down(j + 1);
+    if (tid == 0 && j + GU_SLOTS < njobs) issue_job(j + GU_SLOTS);
   }
+  STAMP(5);
+  grid_arrive(ctr);
+  grid_wait(ctr, base + 2 * BARW);
   STAMP(6);
 
   // ======================= phase C ===========================================
-  __syncthreads();  // yl complete
-  for (int i = tid; i < N * DR / 4; i += NT) {
-    const int n = i / (DR / 4), c = 4 * (i % (DR / 4));
-    red_add_v4(acc_g + (size_t)n * D + rank * DR + c, sm.yl[n][c], sm.yl[n][c + 1], sm.yl[n][c + 2], sm.yl[n][c + 3]);
-  }
+  if (c >= D / RB) return;
+  const int g = lane >> 2, t = lane & 3;
+  for (int i = tid; i < HROWS * I / 8; i += NT) cp_async16(&sm.u.h[0][0] + 8 * i, hbuf + 8 * i);  // L2, all in flight
+  cp_async_commit();
+  float sgv[N];
+#pragma unroll
+  for (int n = 0; n < N; ++n) sgv[n] = ldcg_f(sgate + n);
+  cp_async_wait_all();
   __syncthreads();
-  if (tid == 0) sm.last = atom_add_acq_rel(ws + rank, 1u) == (unsigned)(ncl - 1);
-  __syncthreads();
-  if (sm.last) {
-    for (int i = tid; i < N * DR; i += NT) {
-      const int n = i / DR, c = i % DR;
-      float* a = acc_g + (size_t)n * D + rank * DR + c;
-      y[(size_t)n * D + rank * DR + c] = from_f<bf16_t>(ldcg_f(a));
-      *a = 0.0f;
+
+#pragma unroll 1
+  for (int rbk = c; rbk < D / RB; rbk += G) {
+    const int rbi = (rbk - c) / G, row0 = rbk * RB;
+    if (rbi > 0 && tid == 0) {  // a further row block (G < D / 16): its first items
+#pragma unroll 1
+      for (int it = 0; it < nitems && it < DN_SLOTS; ++it) {
+        const unsigned* W;
+        const bf16_t *S, *B;
+        down_ptrs(it, W, S, B);
+        issue_down(sbase + OFF_DN + it * DN_SLOT, dn_bar + 8 * it, W, S, B, row0);
+      }
     }
-    if (tid == 0) ws[rank] = 0u;
+    float yacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll 1
+    for (int w0 = 0; w0 < nitems; w0 += DN_SLOTS) {  // rounds of DN_SLOTS items
+      const int wend = min(w0 + DN_SLOTS, nitems);
+#pragma unroll 1
+      // warp w takes the round's items it with it % NW == w: the same warp and
+      // order per item as the down kernel of moe_decode_gemv.cu (same sums)
+      for (int it = w0 + (warp - w0 % NW + NW) % NW; it < wend; it += NW) {
+        const int slot = it % DN_SLOTS;
+        // fills of this slot before item it: per row block, items slot, slot + DN_SLOTS, ...
+        const int fills = rbi * ((nitems - 1 - slot) / DN_SLOTS + 1) + it / DN_SLOTS;
+        mbar_wait(dn_bar + 8 * slot, fills & 1);
+        const unsigned char* sl = dsm + OFF_DN + slot * DN_SLOT;
+        const int e = sm.items[it];
+        int hrow = -1;
+        float cf0 = 0.0f, cf1 = 0.0f;
+#pragma unroll
+        for (int n = 0; n < N; ++n) {
+          int p = -1;
+          float sc = 0.0f;
+          if (e < 0) {
+            p = NK + n;
+            sc = sgv[n];
+          } else {
+#pragma unroll
+            for (int q = 0; q < TOPK; ++q)
+              if (sm.inds[n * TOPK + q] == e) {
+                if (p < 0) p = n * TOPK + q;
+                sc += sm.scores[n * TOPK + q];
+              }
+          }
+          if (p >= 0) {
+            if (g == n) hrow = p;
+            if (2 * t == n) cf0 = sc;
+            if (2 * t + 1 == n) cf1 = sc;
+          }
+        }
+        const gdn_u16* scl = reinterpret_cast<const gdn_u16*>(sl + DN_W);
+        const gdn_u16* bis = reinterpret_cast<const gdn_u16*>(sl + DN_W + DN_S);
+        down_item<NU>(
+            yacc,
+            [&](int u, uint4(&A)[2], unsigned(&s2)[2], unsigned(&b2)[2]) {
+#pragma unroll
+              for (int hh = 0; hh < 2; ++hh) {
+                const int row = g + 8 * hh;
+                A[hh] = *reinterpret_cast<const uint4*>(sl + row * (DKW * 4) + 64 * u + 16 * t);
+                const int gi = row * DKG + 2 * u + (t >> 1);
+                const unsigned sb = (unsigned)scl[gi] | ((unsigned)bis[gi] << 16);
+                s2[hh] = splat_s(sb);
+                b2[hh] = splat_b(sb);
+              }
+            },
+            hrow >= 0 ? &sm.u.h[hrow][0] : nullptr, t, cf0, cf1);
+      }
+      __syncthreads();  // this round's slots are read
+      if (tid == 0) {
+#pragma unroll 1
+        for (int it = w0 + DN_SLOTS; it < nitems && it < w0 + 2 * DN_SLOTS; ++it) {
+          const unsigned* W;
+          const bf16_t *S, *B;
+          down_ptrs(it, W, S, B);
+          issue_down(sbase + OFF_DN + (it % DN_SLOTS) * DN_SLOT, dn_bar + 8 * (it % DN_SLOTS), W, S, B, row0);
+        }
+      }
+    }
+#pragma unroll
+    for (int cc = 0; cc < 4; ++cc) {
+      const int tok = 2 * t + (cc & 1);
+      if (tok < N) sm.red[warp][0][g + 8 * (cc >> 1)][tok] = yacc[cc];
+    }
+    __syncthreads();
+    if (tid < RB * N) {
+      const int r = tid % RB, n = tid / RB;
+      float v = 0.0f;
+#pragma unroll
+      for (int w = 0; w < NW; ++w) v += sm.red[w][0][r][n];
+      y[(size_t)n * D + row0 + r] = from_f<bf16_t>(v);
+    }
+    __syncthreads();
   }
   STAMP(7);
 }

@@ -6,37 +6,36 @@ and up GEMVs with SwiGLU of the selected experts and of the shared expert, the
 shared expert's sigmoid gate, the down GEMVs, the routing weights and the
 combine: one graph node instead of four (router, routing kernel and the two
 kernels of :mod:`.moe_decode_gemv`), and the expert weights stream from memory
-as soon as the routing is known, with no grid-wide barrier.
+as soon as the routing is known instead of after two kernel boundaries.
 
-Source ``mlx_qwen_fast/cuda/moe_decode_fused.cu``: clusters of 8 CTAs (one per
-SM). Each cluster computes the router logits itself and shares them through
-distributed shared memory, so the routing is known after one cluster barrier;
-meanwhile it computes its slices of the shared expert (which do not depend on
-the routing). Then a cluster takes units of (selected expert, 256 rows of the
-intermediate width): each CTA streams 32 gate and up rows (TMA bulk copies)
-and the down block of its 256 output rows (cp.async), shares its h rows with
-the cluster, and multiplies its down block by the unit's h (split-K). The
-CTAs add their fp32 output rows into an accumulator with vector atomics; the
-last CTA of each output slice (a counter per slice) writes ``y`` as bf16 and
-leaves the accumulator and the counter at zero. That accumulator is a
-persistent ``uint32 [64 + 4 * D]`` workspace (:func:`new_workspace`); launches
-that may overlap must not share one (the patched model keeps one per MoE
-block; launches on one stream run one after another).
+Source ``mlx_qwen_fast/cuda/moe_decode_fused.cu``: a persistent grid of one
+CTA per SM with two grid-wide barriers (router logits -> every CTA routes and
+computes its gate+up tiles -> down and combine). The expert weights stream by
+TMA bulk copies into shared-memory rings (gate+up tiles of 36 KB, down items
+of 4.5 KB), requested as soon as the routing is known. The barriers need
+every CTA resident at once, so the grid is at most the GPU's SM count
+(:func:`mlx_qwen_fast.kernels._cuda_build.sm_count`); a CTA that waits about
+a second traps (the launch fails instead of hanging). The barrier state is a
+persistent ``uint32 [64]`` buffer (:func:`new_sync`) holding a 64-bit arrival
+counter; concurrent launches must not share one (the patched model keeps one
+per MoE block).
 
-Numerics: the routed experts' h rows are :mod:`.moe_decode_gemv`'s bits
-(same tile arithmetic) given the same routing; the down products are summed
-over split K and weighted in fp32 (no bf16 rounding of an expert's output
-before its weight, unlike the two-kernel path and stock MLX), so ``y`` is
-within fp32 rounding of the fp32 reference before its bf16 rounding; the order
-of the atomics varies, so the last bit of ``y`` may differ between runs. The
-router logits are fp32 dot products of ``x`` with ``s * q + b`` rounded to bf16
-(the router's bf16 quantised matmul), and the selection is the routing
-kernel's own code (:func:`.moe_routing.route` on these logits gives the same
-``inds`` and ``scores``).
+Numerics: the gate+up and down tiles are those of :mod:`.moe_decode_gemv`
+(same dequantisation, roundings and summation order): given the same
+``inds`` and ``scores``, ``h`` and ``y`` are bit-identical. The router logits
+are fp32 dot products of ``x`` with ``s * q + b`` rounded to bf16 (the
+router's bf16 quantised matmul), and the selection is the routing kernel's
+own code (:func:`.moe_routing.route` on these logits gives the same ``inds``
+and ``scores``).
 
-Status and measurements: bench/results/moe-cuda-log.md ("fourteenth session").
-Opt-in (``MLX_QWEN_FAST_MOE_DECODE_FUSED=1``) until measured faster than the
-four-node step.
+Status (2026-12-02, H200): correct (tests/test_cuda_moe_decode_fused.py, all
+N, grids of 1..132 CTAs); nvcc 13.0 sm_90a, 0 spills, 84 / 154 registers at
+N = 1 / 4, 162-194 KB of dynamic shared memory. 18.5 us per layer at one
+token in a CUDA graph (router included; the two kernels of
+:mod:`.moe_decode_gemv` take 15.5 us without the router and the routing
+kernel), 41.7 us at four tokens; through MLX as host-bound as the four-node
+step. So it is opt-in (``MLX_QWEN_FAST_MOE_DECODE_FUSED=1``). Phase times and
+the next steps: bench/results/moe-cuda-log.md ("seventh session").
 """
 
 from __future__ import annotations
@@ -52,8 +51,7 @@ from . import moe_decode_gemv as md
 
 __all__ = [
     "moe_decode_fused",
-    "new_workspace",
-    "default_ctas",
+    "new_sync",
     "router_arrays",
     "router_problem",
     "reference",
@@ -62,44 +60,37 @@ __all__ = [
 ]
 
 NT = 256  # threads per CTA
-CLUSTER = 8  # CTAs per cluster (the kernel's __cluster_dims__)
 #: ``MLX_QWEN_FAST_MOE_DECODE_FUSED=1`` makes the patched model's decode step
 #: this one launch; unset (the default) keeps the four-node step (router
-#: matmul, routing kernel, the two kernels of :mod:`.moe_decode_gemv`).
+#: matmul, routing kernel, the two kernels of :mod:`.moe_decode_gemv`). Not
+#: the default: on the H200 (2026-12-02) the one launch takes 18.5 us per layer
+#: at one token in a CUDA graph, about what the four nodes take, and through
+#: MLX the step is host-bound at the same ~100 us per call
+#: (bench/results/moe-cuda-log.md, "seventh session").
 FUSED_ENV = "MLX_QWEN_FAST_MOE_DECODE_FUSED"
 _kernels: Dict[tuple, cb.CudaKernel] = {}
-_default_ws: Dict[int, mx.array] = {}
+_default_sync: Optional[mx.array] = None
 
-WS_ACC = 64  # the accumulator's first word in the workspace (words 0..7: the slice counters)
+
+SYNC_WORDS = 64  # 256 bytes: MLX keeps allocations of <= 8 bytes in managed memory
+
+
+BARW = 1024  # barrier counter units per barrier (the kernel's BARW; >= the grid)
+GU_SLOTS, DN_SLOTS = 3, 9  # shared-memory slots: gate+up tiles, down items (passed as MDG_GU_SLOTS / MDG_DN_SLOTS)
 SMEM_MAX = 227 * 1024  # dynamic shared memory one CTA may use on sm_90
 
 
-def workspace_words(d: int) -> int:
-    """Words of the workspace for model width ``d``: 64 + 4 * d (counters, fp32 accumulator [4, d])."""
-    return WS_ACC + md.MAX_TOKENS * d
+def new_sync() -> mx.array:
+    """A fresh barrier buffer for :func:`moe_decode_fused`: ``uint32 [64]`` zeros, evaluated.
 
-
-def new_workspace(d: int) -> mx.array:
-    """A fresh workspace for :func:`moe_decode_fused` at model width ``d``:
-    ``uint32 [64 + 4 * d]`` zeros, evaluated.
-
-    Words 0..7 count the CTAs done per output slice; the fp32 accumulator
-    ``[N, d]`` starts at word 64. Every launch leaves it zero again.
-
-    Raises:
-        ValueError: ``d`` not a positive int.
+    Words 0-1 hold a 64-bit arrival counter that grows by ``2 * BARW`` per
+    launch. 256 bytes, not 8: MLX's CUDA allocator serves allocations of at
+    most 8 bytes from a managed-memory pool, where the barrier's atomics took
+    ~0.4 ms each (H200, 2026-12-02).
     """
-    if isinstance(d, bool) or not isinstance(d, int) or d < 1:
-        raise ValueError(f"new_workspace: d must be a positive int, got {d!r}")
-    s = mx.zeros((workspace_words(d),), mx.uint32)
+    s = mx.zeros((SYNC_WORDS,), mx.uint32)
     mx.eval(s)
     return s
-
-
-def default_ctas() -> int:
-    """The grid the patched model launches: 8 CTAs per cluster, as many
-    clusters as the SMs hold one CTA each (128 on the H200's 132 SMs)."""
-    return CLUSTER * max(1, cb.sm_count() // CLUSTER)
 
 
 def router_arrays(module) -> Optional[Tuple[mx.array, mx.array, mx.array]]:
@@ -165,45 +156,32 @@ def router_problem(x, router, experts, shared, expert_gate, top_k) -> Optional[s
     if top_k > E:
         return f"top_k must be <= E = {E}, got {top_k}"
     I = experts[0][0].shape[1]
-    if D > 2048:
-        return f"D must be at most 2048 for the kernel's shared memory, got D={D}"
-    if smem_bytes(n, top_k, D, I, E, 1) > SMEM_MAX:
-        return (f"the kernel's shared memory does not fit "
-                f"({smem_bytes(n, top_k, D, I, E, 1)} > {SMEM_MAX} bytes; N={n}, k={top_k}, D={D}, I={I}, E={E})")
+    if smem_bytes(n, top_k, D, I) > SMEM_MAX:
+        return (f"D, I or (N*k + N) * I too large for the kernel's shared memory "
+                f"({smem_bytes(n, top_k, D, I)} > {SMEM_MAX} bytes; N={n}, k={top_k}, D={D}, I={I})")
     return None
 
 
-def _tile_rows(I: int) -> int:
-    """Gate/up rows per CTA and unit: 32 where I % 256 == 0, else 16."""
-    return 32 if I % 256 == 0 else 16
-
-
-def smem_bytes(n: int, k: int, D: int, I: int, E: int, gu_slots: int = 2) -> int:
-    """Dynamic shared memory of the kernel (bytes) for N = ``n`` tokens,
-    top-``k``, sizes D, I, E and ``gu_slots`` gate+up slots: its layout,
-    computed as the source does (the kernel traps when launched with less).
+def smem_bytes(n: int, k: int, D: int, I: int) -> int:
+    """Dynamic shared memory of the kernel (bytes) for N = ``n`` tokens, top-``k``,
+    sizes D and I: its layout, computed as the source does (the kernel traps
+    when launched with less).
 
     Raises:
         ValueError: a size that is not a positive int.
     """
-    for name, v in (("n", n), ("k", k), ("D", D), ("I", I), ("E", E), ("gu_slots", gu_slots)):
+    for name, v in (("n", n), ("k", k), ("D", D), ("I", I)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"smem_bytes: {name} must be a positive int, got {v!r}")
-    rb, nw = _tile_rows(I), 8
-    ur, dr = CLUSTER * rb, D // CLUSTER
-    gu_slot = 2 * rb * (D // 2 + 16) + 4 * rb * (D // 64) * 2
-    dn_slot = dr * (ur // 2 + 16) + 2 * dr * (ur // 64) * 2
-    off_bar = gu_slots * gu_slot + dn_slot
-    off_sm = -(-(off_bar + 8 * gu_slots * (rb // 16)) // 128) * 128
+    rb, nw = 16, 8
+    gu_slot = 2 * rb * (D // 8) * 4 + 4 * rb * (D // 64) * 2
+    dn_slot = rb * (I // 8) * 4 + 2 * rb * (I // 64) * 2
+    ds = min(DN_SLOTS, n * k + 1)
+    off_bar = GU_SLOTS * gu_slot + ds * dn_slot
+    off_sm = -(-(off_bar + 8 * (GU_SLOTS + ds)) // 128) * 128
     nk = n * k
-    sm = (2 * n * D + 4 * n * E + 4 * n + 4 * nw * 2 * rb * n + 4 * 2 * 4 * n + 2 * 2 * n * ur
-          + 2 * 2 * n * 32 + 4 * n * dr + 4 * 3 * nk + 4 + 4)
+    sm = 2 * max(n * D, (nk + n) * I) + 4 * (nw * 2 * rb * n + nk + nk + nk + 1 + 1)
     return off_sm + sm
-
-
-def _gu_slots(n, k, D, I, E) -> int:
-    """Two gate+up slots where they fit in shared memory, else one."""
-    return 2 if smem_bytes(n, k, D, I, E, 2) <= SMEM_MAX else 1
 
 
 def _kernel(n, k, E, D, I, rbits, sgb, normalize) -> cb.CudaKernel:
@@ -211,7 +189,7 @@ def _kernel(n, k, E, D, I, rbits, sgb, normalize) -> cb.CudaKernel:
     kern = _kernels.get(key)
     if kern is None:
         defs = dict(MDG_N=n, MDG_K=k, MDG_E=E, MDG_D=D, MDG_I=I, MDG_RBITS=rbits, MDG_SGB=sgb,
-                    MDG_NORM=int(bool(normalize)), MDG_GU_SLOTS=_gu_slots(n, k, D, I, E))
+                    MDG_NORM=int(bool(normalize)), MDG_GU_SLOTS=GU_SLOTS, MDG_DN_SLOTS=DN_SLOTS)
         kern = _kernels[key] = cb.CudaKernel("moe_decode_fused.cu", "mqf_moe_dec_fused", defs)
     return kern
 
@@ -225,7 +203,7 @@ def moe_decode_fused(
     top_k: int,
     normalize: bool = True,
     *,
-    workspace: Optional[mx.array] = None,
+    sync: Optional[mx.array] = None,
     ctas: Optional[int] = None,
     return_all: bool = False,
 ):
@@ -235,65 +213,60 @@ def moe_decode_fused(
     + sigmoid(bf16(x[n] . w_gate)) * shared_expert(x[n])``, with
     ``(inds, scores)`` = top-``top_k`` of ``softmax(bf16(x[n] W_router^T))``
     (fp32; ties to the lower expert id; renormalised over the k when
-    ``normalize``); h = bf16(silu(bf16 g) * bf16 u) per expert, the down
-    products and the weighted sum in fp32, one bf16 rounding at the end.
+    ``normalize``).
 
     Args:
-        x: ``[..., D]`` bfloat16, 1..4 tokens, D % 256 == 0, D <= 2048.
+        x: ``[..., D]`` bfloat16, 1..4 tokens, D % 256 == 0.
         router: ``(weight uint32 [E, D*bits/32], scales, biases bf16 [E, D/64])``,
             bits 4 or 8, group 64 (:func:`router_arrays`).
         experts, shared, expert_gate: as :func:`.moe_decode_gemv.gate_up_swiglu`
-            (routed experts ``[E, I, D/8]`` ..., 4-bit group 64; the shared
-            expert of the same sizes).
+            (routed experts ``[E, I, D/8]`` ..., 4-bit group 64).
         top_k: experts per token (N * top_k <= 32).
         normalize: renormalise the k probabilities (``norm_topk_prob``).
-        workspace: :func:`new_workspace` ``(D)``; default one module-wide
-            workspace per D (fine while launches run one after another on one
-            stream).
-        ctas: grid size, a positive multiple of 8 (clusters of 8 CTAs);
-            default :func:`default_ctas`.
+        sync: the barrier buffer (:func:`new_sync`); default one module-wide
+            buffer (fine while launches run one after another on one stream).
+        ctas: grid size; default the SM count. Must not exceed it (the
+            barriers need every CTA resident; more traps after ~1 s) nor 1024.
         return_all: also return the router logits ``[N, E]`` float32 (bf16
-            values), ``inds [N, k]`` int32, ``scores [N, k]`` float32, the
-            intermediates ``h [N*k + N, I]`` bfloat16 (row ``n*k + j`` of pair
-            (n, j), row ``N*k + n`` the shared expert's) and ``sgate [N]``
-            float32, as :func:`.moe_decode_gemv.gate_up_swiglu`.
+            values), ``inds [N, k]`` int32, ``scores [N, k]`` float32 and
+            the intermediates ``h [N*k + N, I]`` bfloat16 (row ``n*k + j`` of
+            pair (n, j), row ``N*k + n`` the shared expert's) and
+            ``sgate [N]`` float32, as :func:`.moe_decode_gemv.gate_up_swiglu`.
 
     Returns:
         ``y`` shaped like ``x``, or ``(y, logits, inds, scores, h, sgate)``.
 
     Raises:
-        ValueError: a shape/dtype the kernel does not take (named), a
-            workspace that is not ``uint32 [64 + 4 * D]``, or ``ctas`` not a
-            positive multiple of 8.
+        ValueError: a shape/dtype the kernel does not take (named), or
+            ``ctas`` outside ``[1, SM count]``.
         RuntimeError: no CUDA GPU of compute capability 9.0 or newer.
     """
     problem = router_problem(x, router, experts, shared, expert_gate, top_k)
     if problem is not None:
         raise ValueError(f"moe_decode_fused: {problem}")
-    D = x.shape[-1]
-    if workspace is not None and (
-        not isinstance(workspace, mx.array) or workspace.dtype != mx.uint32
-        or tuple(workspace.shape) != (workspace_words(D),)
+    if sync is not None and (
+        not isinstance(sync, mx.array) or sync.dtype != mx.uint32 or tuple(sync.shape) != (SYNC_WORDS,)
     ):
-        raise ValueError(f"moe_decode_fused: workspace must be the uint32 [{workspace_words(D)}] array of "
-                         f"new_workspace({D}), got {getattr(workspace, 'dtype', type(workspace))} "
-                         f"{tuple(getattr(workspace, 'shape', ()))}")
-    if ctas is not None and (isinstance(ctas, bool) or not isinstance(ctas, int) or ctas < CLUSTER
-                             or ctas % CLUSTER):
-        raise ValueError(f"moe_decode_fused: ctas must be a positive multiple of {CLUSTER} "
-                         f"(clusters of {CLUSTER} CTAs), got {ctas!r}")
+        raise ValueError(f"moe_decode_fused: sync must be the uint32 [{SYNC_WORDS}] buffer of new_sync(), got "
+                         f"{getattr(sync, 'dtype', type(sync))} {tuple(getattr(sync, 'shape', ()))}")
+    if ctas is not None and (isinstance(ctas, bool) or not isinstance(ctas, int) or ctas < 1):
+        raise ValueError(f"moe_decode_fused: ctas must be a positive int (at most the SM count), got {ctas!r}")
     if not supported_gpu():
         raise RuntimeError("moe_decode_fused: needs an NVIDIA GPU of compute capability 9.0 or newer "
-                           "(thread-block clusters, TMA bulk copies, ~200 KB of shared memory per CTA)")
-    if workspace is None:
-        workspace = _default_ws.get(D)
-        if workspace is None:
-            workspace = _default_ws[D] = new_workspace(D)
-    out = _launch(x, router, experts, shared, expert_gate, top_k, normalize, workspace, ctas or default_ctas())
+                           "(TMA bulk copies, ~190 KB of shared memory per CTA)")
+    sms = min(cb.sm_count(), BARW)
+    if ctas is not None and ctas > sms:
+        raise ValueError(f"moe_decode_fused: ctas must be at most {sms} (the SM count), got {ctas}")
+    if sync is None:
+        global _default_sync
+        if _default_sync is None:
+            _default_sync = new_sync()
+        sync = _default_sync
+    out = _launch(x, router, experts, shared, expert_gate, top_k, normalize, sync, ctas or sms)
     return out if return_all else out[0]
 
 
-def _launch(x, router, experts, shared, expert_gate, top_k, normalize, workspace, ctas):
+def _launch(x, router, experts, shared, expert_gate, top_k, normalize, sync, ctas):
     """:func:`moe_decode_fused` on checked arguments; returns ``(y, logits, inds, scores, h, sgate)``."""
     D = x.shape[-1]
     n = x.size // D
@@ -302,13 +275,12 @@ def _launch(x, router, experts, shared, expert_gate, top_k, normalize, workspace
     kern = _kernel(n, top_k, E, D, I, _router_bits(router, D), int(bits), normalize)
     nk = n * top_k
     return kern(
-        inputs=[x, *router, *(a for m in experts for a in m), *(a for m in shared for a in m), gw, gs, gb,
-                workspace],
+        inputs=[x, *router, *(a for m in experts for a in m), *(a for m in shared for a in m), gw, gs, gb, sync],
         output_shapes=[x.shape, (n, E), (n, top_k), (n, top_k), (nk + n, I), (n,)],
         output_dtypes=[mx.bfloat16, mx.float32, mx.int32, mx.float32, mx.bfloat16, mx.float32],
         grid=(ctas * NT, 1, 1),
         threadgroup=(NT, 1, 1),
-        shared_memory=smem_bytes(n, top_k, D, I, E, _gu_slots(n, top_k, D, I, E)),
+        shared_memory=smem_bytes(n, top_k, D, I),
     )
 
 

@@ -460,7 +460,7 @@ def _step_plan(block, x):
     router, routed experts gate/up/down, shared expert gate/up/down (weight,
     scales, biases each), shared-expert gate (weight, scales, biases).
     ``fused``: the step is :func:`.moe_decode_fused.moe_decode_fused` (one
-    launch; the caller appends the block's workspace), chosen where the
+    launch; the caller appends the block's barrier buffer), chosen where the
     router is 4/8-bit group 64, the GPU is compute capability 9.0+ and
     ``MLX_QWEN_FAST_MOE_DECODE_FUSED=1``; else
     router matmul, routing kernel and the two kernels here (the default)."""
@@ -479,7 +479,7 @@ def _step_plan(block, x):
     if (rq is not None and mf.fused_enabled() and mf.supported_gpu()
             and mf.router_problem(x, rq, *arrs, block.top_k) is None):
         paths = tuple(("gate", n) for n in ("weight", "scales", "biases")) + _EXPERT_PATHS + gate
-        return paths, (_compiled_fused_step(block.top_k, block.norm_topk_prob, bits, mf.default_ctas()), True)
+        return paths, (_compiled_fused_step(block.top_k, block.norm_topk_prob, bits, cb.sm_count()), True)
     paths = linear_paths(("gate",), router) + _EXPERT_PATHS + gate
     return paths, (_compiled_step(block.top_k, block.norm_topk_prob, router[1], len(router[0]), bits), False)
 
@@ -522,15 +522,15 @@ def _compiled_fused_step(top_k: int, normalize: bool, gate_bits: int, ctas: int)
     return fn
 
 
-def block_workspace(block, d: int) -> mx.array:
-    """The block's own workspace for the one-launch step at model width ``d`` (created on first use)."""
-    from . import moe_decode_fused as mf
+def block_sync(block) -> mx.array:
+    """The block's own barrier buffer for the one-launch step (created on first use)."""
+    sync = block.__dict__.get("_mqf_moe_sync")
+    if sync is None:
+        from . import moe_decode_fused as mf
 
-    ws = block.__dict__.get("_mqf_moe_ws")
-    if ws is None or ws.shape[0] != mf.workspace_words(d):
-        ws = mf.new_workspace(d)
-        object.__setattr__(block, "_mqf_moe_ws", ws)
-    return ws
+        sync = mf.new_sync()
+        object.__setattr__(block, "_mqf_moe_sync", sync)
+    return sync
 
 
 def moe_decode_step(block, x: mx.array) -> Optional[mx.array]:
@@ -562,7 +562,7 @@ def moe_decode_step(block, x: mx.array) -> Optional[mx.array]:
         return None
     fn, fused = p
     if fused:
-        return fn(x, *arrays, block_workspace(block, x.shape[-1]))
+        return fn(x, *arrays, block_sync(block))
     return fn(x, *arrays)  # [..., D] in and out: the kernels need no reshape node
 
 
