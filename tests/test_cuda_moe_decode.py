@@ -376,3 +376,68 @@ def test_moe_decode_step_declines_unsupported():
     assert md.moe_decode_step(block, x[:, :1].astype(mx.float32)) is None
     if not HAS_CUDA:
         assert md.moe_decode_step(block, x[:, :1]) is None
+
+
+# ---------------------------------------------------------------------------
+# L2 prefetch (MLX_QWEN_FAST_MOE_DECODE_PREFETCH): same outputs, checked arguments
+# ---------------------------------------------------------------------------
+
+
+def test_route_prefetch_arguments_checked():
+    """route(prefetch=...) names bad arrays before anything asks the GPU."""
+    from mlx_qwen_fast.kernels import moe_routing as mr
+
+    experts, _, _ = make_arrays(32, 256, 128, seed=1)
+    (wg, sg, bg), (wu, su, bu), _ = experts
+    assert mr._prefetch_problem((wg, sg, bg, wu, su, bu), 32) is None
+    logits = mx.zeros((1, 32), mx.float32)
+    for bad in ((wg, sg, bg), (wg, sg, bg, wu, su, bu.astype(mx.float32)), (wg, sg, bg, wu, sg[:, :64], bu)):
+        with pytest.raises(ValueError, match="prefetch must be"):
+            mr.route(logits, 8, prefetch=bad)
+    with pytest.raises(ValueError, match="E=64"):
+        mr.route(mx.zeros((1, 64), mx.float32), 8, prefetch=(wg, sg, bg, wu, su, bu))
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("n,E,D,I,dtype", [(1, 256, 2048, 512, mx.bfloat16), (3, 64, 2048, 512, mx.float32),
+                                           (4, 32, 256, 128, mx.bfloat16)])
+def test_prefetching_kernels_give_the_same_bits(poison, n, E, D, I, dtype):
+    """The routing kernel with the gate/up prefetch and the gate+up kernel
+    with the down prefetch: inds, scores, h, sgate and y equal the plain
+    kernels' bits (a prefetch changes no value). D = 256, I = 128: 7 spare
+    CTAs for N*k + 1 = 33 down prefetches (each CTA loops)."""
+    from mlx_qwen_fast.kernels import moe_routing as mr
+
+    experts, shared, eg = make_arrays(E, D, I, seed=30 + n)
+    x = x_tokens(n, D, 40 + n)
+    logits = (mx.random.normal((n, E), key=mx.random.key(50 + n)) * 2).astype(dtype)
+    i0, s0 = mr.route(logits, 8)
+    i1, s1 = mr.route(logits, 8, prefetch=[*experts[0], *experts[1]])
+    assert mx.array_equal(i0, i1).item() and mx.array_equal(s0, s1).item()
+    h0, g0 = md._launch_gate_up(x, i0, experts, shared, eg)
+    h1, g1 = md._launch_gate_up(x, i0, experts, shared, eg, prefetch_down=True)
+    assert finite(h1, g1)
+    assert mx.array_equal(h0, h1).item() and mx.array_equal(g0, g1).item()
+    y0 = md._launch_both(x, i0, s0, experts, shared, eg)
+    y1 = md._launch_both(x, i1, s1, experts, shared, eg, prefetch=True)
+    assert mx.array_equal(y0, y1).item()
+
+
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("n", [1, 4])
+def test_moe_decode_step_prefetch_switch(poison, n, monkeypatch):
+    """MLX_QWEN_FAST_MOE_DECODE_PREFETCH=1: the compiled step (and the eager
+    path) give the same bits as without."""
+    from mlx_qwen_fast.kernels import moe_decode_fused as mf
+
+    monkeypatch.delenv(mf.FUSED_ENV, raising=False)
+    block = moe_blocks.make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=7)
+    x = (mx.random.normal((1, n, 256), key=mx.random.key(70 + n)) * 1.5).astype(mx.bfloat16)
+    monkeypatch.delenv(md.PREFETCH_ENV, raising=False)
+    plain = md.moe_decode_step(block, x)
+    monkeypatch.setenv(md.PREFETCH_ENV, "1")
+    assert md.prefetch_enabled()
+    assert mx.array_equal(md.moe_decode_step(block, x), plain).item()
+    assert mx.array_equal(md.moe_decode(block, x), plain).item()

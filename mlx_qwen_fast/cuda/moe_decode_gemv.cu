@@ -36,6 +36,11 @@
 //   outputs: h [NK + N, I] bf16: row n*k + j = bf16(silu(bf16(x.Wg)) *
 //   bf16(x.Wu)) of pair (n, j), row NK + n = the shared expert's for token n;
 //   sgate [N] float = sigmoid(bf16(x[n] . w_gate)).
+//   With MDG_PF_DOWN (sm_90+): six more inputs after gb, the down arrays of
+//   the routed experts (wd, sd, bd as MDG_KIND 1) and of the shared expert;
+//   the otherwise idle CTAs (rb > 0, item NK + 1) ask the L2 for the down
+//   matrices the down kernel reads next (each selected expert once, and the
+//   shared expert's), without waiting. Outputs unchanged.
 // MDG_KIND 1: down + routing weights + shared expert + combine.
 //   grid D/16 CTAs, 256 threads. CTA rb: output rows [16 rb, +16) of y for all
 //   tokens. Items = the distinct experts of inds (in order of first
@@ -50,11 +55,15 @@
 //   (shared [D, I/8] / [D, I/64]); output y [N, D] MDG_YT.
 //
 // Build macros: KNAME, MDG_KIND, MDG_N (1..4), MDG_K (top-k, N*k <= 32),
-// MDG_D, MDG_I (D % 256 == 0, I % 128 == 0), MDG_SGB (4, 8, 16), MDG_YT.
+// MDG_D, MDG_I (D % 256 == 0, I % 128 == 0), MDG_SGB (4, 8, 16), MDG_YT,
+// MDG_PF_DOWN (kind 0: 0 or 1).
 #include "moe_decode_common.cuh"
 
 #ifndef MDG_YT
 #define MDG_YT bf16_t
+#endif
+#ifndef MDG_PF_DOWN
+#define MDG_PF_DOWN 0
 #endif
 
 constexpr int N = MDG_N;
@@ -87,6 +96,11 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
     const unsigned* __restrict__ xwg, const bf16_t* __restrict__ xsg, const bf16_t* __restrict__ xbg,
     const unsigned* __restrict__ xwu, const bf16_t* __restrict__ xsu, const bf16_t* __restrict__ xbu,
     const void* __restrict__ gw, const bf16_t* __restrict__ gs, const bf16_t* __restrict__ gb,
+#if MDG_PF_DOWN
+    const unsigned char* __restrict__ pf_wd, const unsigned char* __restrict__ pf_sd,
+    const unsigned char* __restrict__ pf_bd, const unsigned char* __restrict__ pf_xwd,
+    const unsigned char* __restrict__ pf_xsd, const unsigned char* __restrict__ pf_xbd,
+#endif
     bf16_t* __restrict__ h,
     float* __restrict__ sgate) {
   __shared__ __align__(16) gdn_u16 xs[NW][N][KC];
@@ -98,6 +112,32 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
   const int g = lane >> 2, t = lane & 3;
 
   if (item == NK + 1) {
+#if MDG_PF_DOWN
+    // ---- the spare CTAs of this row: L2 prefetch of the down matrices -------
+    if (rb != 0) {
+      if (tid == 0) {
+        constexpr unsigned DW = (unsigned)D * I / 2, DS = (unsigned)D * (I / 64) * 2;
+#pragma unroll 1
+        for (int p = rb - 1; p <= NK; p += gridDim.x - 1) {  // p == NK: the shared expert
+          if (p == NK) {
+            prefetch_l2(pf_xwd, DW);
+            prefetch_l2(pf_xsd, DS);
+            prefetch_l2(pf_xbd, DS);
+            continue;
+          }
+          const int e = inds[p];
+          bool first = true;
+#pragma unroll 1
+          for (int q = 0; q < p; ++q) first = first && inds[q] != e;
+          if (!first) continue;
+          prefetch_l2(pf_wd + (size_t)e * DW, DW);
+          prefetch_l2(pf_sd + (size_t)e * DS, DS);
+          prefetch_l2(pf_bd + (size_t)e * DS, DS);
+        }
+      }
+      return;
+    }
+#endif
     // ---- shared-expert gate: sigmoid(bf16(x[n] . w)) ----------------------
     if (rb != 0) return;
     float dot[N];

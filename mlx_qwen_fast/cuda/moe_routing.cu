@@ -19,6 +19,12 @@
 //   [N, K + 1]; the shared expert's gate logit comes from a second input
 //   [N] (MOE_SHARED 1) or from column E of the logits, whose rows are then
 //   E + 32 wide (MOE_SHARED 2: the router and the gate as one padded matmul).
+//   With MOE_PF (decode, sm_90+): six more inputs after the logits, the
+//   routed experts' gate and up weights, scales and biases ([E, I, D/8]
+//   uint32, [E, I, D/64] x2, then the same for up); lane j < K of each token
+//   asks the L2 for its expert's six arrays (cp.async.bulk.prefetch.L2,
+//   MOE_PF_W / MOE_PF_S bytes per expert), so the gate+up kernel that follows
+//   finds them on chip or in flight. Outputs unchanged.
 //   Launch: ceil(N/8)*256 threads, 256 per block.
 //
 // MOE_STAGE 2 (count) and 3 (scatter): the grouping, over C CTAs of 1024
@@ -48,7 +54,8 @@
 // MOE_K (top-k, stage 1), MOE_LT (logit type, stage 1), MOE_SHARED (stage 1,
 // 0, 1 or 2: the shared expert's slot and where its logit is; K + 1 <= 32, and
 // the grouping then counts E rounded up to the next multiple of 32 experts,
-// at most 1024: E <= 992).
+// at most 1024: E <= 992), MOE_PF (stage 1: 0 or 1, with MOE_PF_W and MOE_PF_S
+// the bytes of one expert's packed weight and of its scales).
 #include "moe_route_common.cuh"
 
 #ifndef MOE_E
@@ -59,6 +66,9 @@
 
 #ifndef MOE_SHARED
 #define MOE_SHARED 0
+#endif
+#ifndef MOE_PF
+#define MOE_PF 0
 #endif
 typedef MOE_LT lt;
 constexpr int E = MOE_E;
@@ -72,6 +82,11 @@ extern "C" __global__ void __launch_bounds__(256) KNAME(
     const lt* __restrict__ logits,
 #if MOE_SHARED == 1
     const lt* __restrict__ shared_logits,
+#endif
+#if MOE_PF
+    const unsigned char* __restrict__ pf_wg, const unsigned char* __restrict__ pf_sg,
+    const unsigned char* __restrict__ pf_bg, const unsigned char* __restrict__ pf_wu,
+    const unsigned char* __restrict__ pf_su, const unsigned char* __restrict__ pf_bu,
 #endif
     int* __restrict__ inds,
     float* __restrict__ scores,
@@ -91,6 +106,17 @@ extern "C" __global__ void __launch_bounds__(256) KNAME(
   int my_i;
   float my_p, tot;
   route_warp<E, K>(p, my_i, my_p, tot);
+#if MOE_PF
+  if (lane < K) {
+    const size_t ow = (size_t)my_i * MOE_PF_W, os = (size_t)my_i * MOE_PF_S;
+    prefetch_l2(pf_wg + ow, MOE_PF_W);
+    prefetch_l2(pf_wu + ow, MOE_PF_W);
+    prefetch_l2(pf_sg + os, MOE_PF_S);
+    prefetch_l2(pf_bg + os, MOE_PF_S);
+    prefetch_l2(pf_su + os, MOE_PF_S);
+    prefetch_l2(pf_bu + os, MOE_PF_S);
+  }
+#endif
   if (lane < K) {
     inds[(size_t)n * KS + lane] = my_i;
     scores[(size_t)n * KS + lane] = normalize ? my_p / tot : my_p;
