@@ -545,7 +545,7 @@ s14c)  # fourteenth session: L2 prefetch in the four-node decode step (MLX_QWEN_
        # the decode tests, then routing kernel + both kernels with / without the prefetch (CuPy graphs)
   M=$OUT; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 4"
   timeout 170 python3 -m pytest -q $XD tests/test_cuda_moe_decode.py tests/test_compiled_steps.py \
-    tests/test_cuda_moe.py -k "decode or prefetch or route or step" > $M/tests.txt 2>&1
+    tests/test_cuda_moe.py -k "${TESTS_K:-decode or prefetch or route or step}" > $M/tests.txt 2>&1
   echo "rc=$?" >> $M/tests.txt; tail -2 $M/tests.txt; grep -E "^FAILED|^ERROR|^E  " $M/tests.txt | head -10
   MOE_DECODE_RAW=prefetch timeout 170 python3 bench/moe_decode_cuda.py --out $M --sections build,raw \
     > $M/moe-decode.txt 2>&1; grep -E "\[raw\]|rror" $M/moe-decode.txt | cut -c1-200 | tail -22 ;;

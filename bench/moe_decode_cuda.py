@@ -94,7 +94,8 @@ for n in (1, 2, 4):  # gate+up kernels that prefetch the down arrays into L2
     names[f"k0pf_n{n}"] = k.name
     open(f"{OUTDIR}/k0pf_n{n}.cubin", "wb").write(k.cubin)
 from mlx_qwen_fast.kernels import moe_routing as mr
-for tag, pf in (("route", {}), ("routepf", dict(MOE_PF=1, MOE_PF_W=512 * 2048 // 2, MOE_PF_S=512 * 32 * 2))):
+for tag, pf in (("route", {}), ("routepf", dict(MOE_PF=mr.PREFETCH_CTAS, MOE_PF_W=512 * 2048 // 2,
+                                                 MOE_PF_S=512 * 32 * 2))):
     k = mr._kernel(1, MOE_E=256, MOE_K=8, MOE_LT="bf16_t", **pf)
     names[tag] = k.name
     open(f"{OUTDIR}/{tag}.cubin", "wb").write(k.cubin)
@@ -309,6 +310,8 @@ def section_raw(args):
     for ly in layers:  # 8-bit router [E, D/4]
         ly["r"] = (cp.random.randint(0, 2**31, size=(E, D // 4), dtype=cp.int64).astype(cp.uint32),
                    bf16_bits(rng.uniform(0.002, 0.02, size=(E, D // 64))), bf16_bits(np.full((E, D // 64), -0.5)))
+    from mlx_qwen_fast.kernels import moe_routing as mr
+
     pf_only = os.environ.get("MOE_DECODE_RAW", "") == "prefetch"  # only the prefetch comparison
     kr = cp.RawModule(path=str(cubdir / "route.cubin")).get_function(names["route"])
     krp = cp.RawModule(path=str(cubdir / "routepf.cubin")).get_function(names["routepf"])
@@ -342,7 +345,7 @@ def section_raw(args):
                 pf = which.endswith("pf")
                 rg = ((n + 7) // 8, 1, 1)
                 if pf:
-                    krp(rg, (256, 1, 1), (lgs[r], *ly["g"], *ly["u"], ris[r], rss[r], np.int32(n), np.int32(1)))
+                    krp(((n + 7) // 8 + mr.PREFETCH_CTAS, 1, 1), (256, 1, 1), (lgs[r], *ly["g"], *ly["u"], ris[r], rss[r], np.int32(n), np.int32(1)))
                     k0p(((I // 16), n * K + 2, 1), (256, 1, 1),
                         (xs[r], ris[r], *ly["g"], *ly["u"], *ly["sg"], *ly["su"], ly["gw"], ly["gs"], ly["gb"],
                          *ly["d"], *ly["sd"], hs[r], sgs[r]))

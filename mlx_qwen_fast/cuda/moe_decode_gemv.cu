@@ -40,7 +40,8 @@
 //   the routed experts (wd, sd, bd as MDG_KIND 1) and of the shared expert;
 //   the otherwise idle CTAs (rb > 0, item NK + 1) ask the L2 for the down
 //   matrices the down kernel reads next (each selected expert once, and the
-//   shared expert's), without waiting. Outputs unchanged.
+//   shared expert's; 32 KiB pieces spread over those CTAs), without waiting.
+//   Outputs unchanged.
 // MDG_KIND 1: down + routing weights + shared expert + combine.
 //   grid D/16 CTAs, 256 threads. CTA rb: output rows [16 rb, +16) of y for all
 //   tokens. Items = the distinct experts of inds (in order of first
@@ -114,25 +115,31 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
   if (item == NK + 1) {
 #if MDG_PF_DOWN
     // ---- the spare CTAs of this row: L2 prefetch of the down matrices -------
+    // (32 KiB pieces of every selected expert's three arrays, once per
+    // expert, and the shared expert's; piece q to spare CTA q mod (I/16 - 1))
     if (rb != 0) {
       if (tid == 0) {
         constexpr unsigned DW = (unsigned)D * I / 2, DS = (unsigned)D * (I / 64) * 2;
+        constexpr unsigned PW = (DW + 32767u) / 32768u, PS = (DS + 32767u) / 32768u, PPE = PW + 2 * PS;
+        const unsigned spare = gridDim.x - 1;
 #pragma unroll 1
-        for (int p = rb - 1; p <= NK; p += gridDim.x - 1) {  // p == NK: the shared expert
+        for (unsigned q = rb - 1; q < (unsigned)(NK + 1) * PPE; q += spare) {
+          const int p = q / PPE;  // pair p, or the shared expert (p == NK)
+          const unsigned pi = q % PPE;
+          const unsigned a = pi < PW ? 0 : 1 + (pi - PW) / PS;  // weight, scales, biases
+          const unsigned off = (pi < PW ? pi : (pi - PW) % PS) * 32768u, len = a == 0 ? DW : DS;
+          const unsigned char* base;
           if (p == NK) {
-            prefetch_l2(pf_xwd, DW);
-            prefetch_l2(pf_xsd, DS);
-            prefetch_l2(pf_xbd, DS);
-            continue;
-          }
-          const int e = inds[p];
-          bool first = true;
+            base = a == 0 ? pf_xwd : a == 1 ? pf_xsd : pf_xbd;
+          } else {
+            const int e = inds[p];
+            bool first = true;
 #pragma unroll 1
-          for (int q = 0; q < p; ++q) first = first && inds[q] != e;
-          if (!first) continue;
-          prefetch_l2(pf_wd + (size_t)e * DW, DW);
-          prefetch_l2(pf_sd + (size_t)e * DS, DS);
-          prefetch_l2(pf_bd + (size_t)e * DS, DS);
+            for (int j = 0; j < p; ++j) first = first && inds[j] != e;
+            if (!first) continue;
+            base = (a == 0 ? pf_wd : a == 1 ? pf_sd : pf_bd) + (size_t)e * len;
+          }
+          prefetch_l2(base + off, len - off < 32768u ? len - off : 32768u);
         }
       }
       return;
