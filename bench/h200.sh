@@ -30,7 +30,7 @@
 #   bash bench/h200.sh s12b|s12c # twelfth session: issue 4's GDN rows x3 + the 4K A/B; patched decode fatbin vs cubin
 #   bash bench/h200.sh s12d      # twelfth session: the whole model's start-up cost; the prefill/layer CUDA tests with fatbin images
 #   bash bench/h200.sh s14a      # fourteenth session: one-launch decode MoE tests, CuPy-graph times and phases, slot tests
-#   bash bench/h200.sh s14c      # fourteenth session: L2 prefetch in the decode step (tests, CuPy-graph times with/without)
+#   (s14c, the fourteenth session's L2-prefetch trial of the decode step, was removed with the prefetch: calls 6-7, moe-cuda-log.md)
 #   bash bench/h200.sh s14b      # fourteenth session: bench.ops moe.decode, stock / four-node step / one launch
 #   bash bench/h200.sh s13e      # thirteenth session: the route fix checked (column routing repeated, slot tests)
 #   bash bench/h200.sh s13c|s13d # thirteenth session: the slot with one router+gate matmul (tests, ncu); the 4K A/B
@@ -541,13 +541,5 @@ s14b)  # fourteenth session: issue 5's "moe.decode" op through MLX (one call per
   MLX_QWEN_FAST_MOE_DECODE_FUSED=1 timeout 150 python3 -m bench.ops $P --ops moe.decode --impls cuda-decode-kernel \
     --repeats 20 --no-ceilings --out $OUT/ops-moe-decode-fused.json > $OUT/ops-moe-decode-fused.log 2>&1
   tail -4 $OUT/ops-moe-decode-fused.log ;;
-s14c)  # fourteenth session: L2 prefetch in the four-node decode step (MLX_QWEN_FAST_MOE_DECODE_PREFETCH):
-       # the decode tests, then routing kernel + both kernels with / without the prefetch (CuPy graphs)
-  M=$OUT; XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 4"
-  timeout 170 python3 -m pytest -q $XD tests/test_cuda_moe_decode.py tests/test_compiled_steps.py \
-    tests/test_cuda_moe.py -k "${TESTS_K:-decode or prefetch or route or step}" > $M/tests.txt 2>&1
-  echo "rc=$?" >> $M/tests.txt; tail -2 $M/tests.txt; grep -E "^FAILED|^ERROR|^E  " $M/tests.txt | head -10
-  MOE_DECODE_RAW=prefetch timeout 170 python3 bench/moe_decode_cuda.py --out $M --sections build,raw \
-    > $M/moe-decode.txt 2>&1; grep -E "\[raw\]|rror" $M/moe-decode.txt | cut -c1-200 | tail -22 ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s12b|s12c|s12d|s13a|s13b|s13c|s13d|s13e|s14a|s14b|s14c}"; exit 2 ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s12b|s12c|s12d|s13a|s13b|s13c|s13d|s13e|s14a|s14b}"; exit 2 ;;
 esac

@@ -17,9 +17,7 @@ steps, N = 1 and 4, 32 calls per evaluation over 4 layers x 16 inputs so the
 weights come from HBM, not L2), raw (the same cubins launched through CuPy,
 64 layers per CUDA graph, CUDA-event timing: kernel time without MLX's
 per-node cost; the one-launch kernel's %globaltimer stamps at its phase
-points; the routing kernel + both kernels with and without the L2 prefetch
-of ``MLX_QWEN_FAST_MOE_DECODE_PREFETCH``, alone with ``MOE_DECODE_RAW=prefetch``;
-plus a device copy for the bandwidth ceiling).
+points; plus a device copy for the bandwidth ceiling).
 
 Bytes per layer: the distinct experts of the call x 3 matrices x (packed
 weights + bf16 scales + biases) + the shared expert + its gate: at N = 1 ~15.1
@@ -89,16 +87,6 @@ for n in (1, 2, 3, 4):
         t = time.perf_counter(); cub = k.cubin; res[f"k{kind}_n{n}"] = time.perf_counter() - t
         names[f"k{kind}_n{n}"] = k.name
         open(f"{OUTDIR}/k{kind}_n{n}.cubin", "wb").write(cub)
-for n in (1, 2, 4):  # gate+up kernels that prefetch the down arrays into L2
-    k = md._kernel(0, n, 8, 2048, 512, 8, pf_down=True)
-    names[f"k0pf_n{n}"] = k.name
-    open(f"{OUTDIR}/k0pf_n{n}.cubin", "wb").write(k.cubin)
-from mlx_qwen_fast.kernels import moe_routing as mr
-for tag, pf in (("route", {}), ("routepf", dict(MOE_PF=mr.PREFETCH_CTAS, MOE_PF_W=512 * 2048 // 2,
-                                                 MOE_PF_S=512 * 32 * 2))):
-    k = mr._kernel(1, MOE_E=256, MOE_K=8, MOE_LT="bf16_t", **pf)
-    names[tag] = k.name
-    open(f"{OUTDIR}/{tag}.cubin", "wb").write(k.cubin)
 from mlx_qwen_fast.kernels import moe_decode_fused as mf
 for n in (1, 2, 4):
     k = mf._kernel(n, 8, 256, 2048, 512, 8, 8, True)
@@ -310,13 +298,7 @@ def section_raw(args):
     for ly in layers:  # 8-bit router [E, D/4]
         ly["r"] = (cp.random.randint(0, 2**31, size=(E, D // 4), dtype=cp.int64).astype(cp.uint32),
                    bf16_bits(rng.uniform(0.002, 0.02, size=(E, D // 64))), bf16_bits(np.full((E, D // 64), -0.5)))
-    from mlx_qwen_fast.kernels import moe_routing as mr
-
-    pf_only = os.environ.get("MOE_DECODE_RAW", "") == "prefetch"  # only the prefetch comparison
-    kr = cp.RawModule(path=str(cubdir / "route.cubin")).get_function(names["route"])
-    krp = cp.RawModule(path=str(cubdir / "routepf.cubin")).get_function(names["routepf"])
     for n in (1, 2, 4):
-        k0p = cp.RawModule(path=str(cubdir / f"k0pf_n{n}.cubin")).get_function(names[f"k0pf_n{n}"])
         k0 = cp.RawModule(path=str(cubdir / f"k0_n{n}.cubin")).get_function(names[f"k0_n{n}"])
         k1 = cp.RawModule(path=str(cubdir / f"k1_n{n}.cubin")).get_function(names[f"k1_n{n}"])
         kf = cp.RawModule(path=str(cubdir / f"fused_n{n}.cubin")).get_function(names[f"fused_n{n}"])
@@ -334,28 +316,9 @@ def section_raw(args):
         fo = [(cp.empty((n, E), dtype=cp.float32), cp.empty((n, K), dtype=cp.int32), cp.empty((n, K), dtype=cp.float32))
               for _ in range(R)]
         nbytes = float(np.mean([layer_bytes(len(np.unique(cp.asnumpy(i))), n) for i in inds]))
-        # router logits for the routing kernel (bf16 bits), its outputs per launch
-        lgs = [bf16_bits(2 * rng.standard_normal((n, E))) for _ in range(R)]
-        ris = [cp.empty((n, K), dtype=cp.int32) for _ in range(R)]
-        rss = [cp.empty((n, K), dtype=cp.float32) for _ in range(R)]
 
         def launch(which, r):
             ly = layers[r % L]
-            if which.startswith("route+both"):  # routing kernel, gate+up, down (the default step less the router)
-                pf = which.endswith("pf")
-                rg = ((n + 7) // 8, 1, 1)
-                if pf:
-                    krp(((n + 7) // 8 + mr.PREFETCH_CTAS, 1, 1), (256, 1, 1), (lgs[r], *ly["g"], *ly["u"], ris[r], rss[r], np.int32(n), np.int32(1)))
-                    k0p(((I // 16), n * K + 2, 1), (256, 1, 1),
-                        (xs[r], ris[r], *ly["g"], *ly["u"], *ly["sg"], *ly["su"], ly["gw"], ly["gs"], ly["gb"],
-                         *ly["d"], *ly["sd"], hs[r], sgs[r]))
-                else:
-                    kr(rg, (256, 1, 1), (lgs[r], ris[r], rss[r], np.int32(n), np.int32(1)))
-                    k0(((I // 16), n * K + 2, 1), (256, 1, 1),
-                       (xs[r], ris[r], *ly["g"], *ly["u"], *ly["sg"], *ly["su"], ly["gw"], ly["gs"], ly["gb"],
-                        hs[r], sgs[r]))
-                k1(((D // 16), 1, 1), (256, 1, 1), (hs[r], ris[r], rss[r], sgs[r], *ly["d"], *ly["sd"], ys[r]))
-                return
             if which in ("both", "k0"):
                 k0(((I // 16), n * K + 2, 1), (256, 1, 1),
                    (xs[r], inds[r], *ly["g"], *ly["u"], *ly["sg"], *ly["su"], ly["gw"], ly["gs"], ly["gb"], hs[r], sgs[r]))
@@ -367,11 +330,7 @@ def section_raw(args):
                    shared_mem=smf)
 
         stream = cp.cuda.Stream(non_blocking=True)
-        variants = ((("both", 1.0), ("route+both", 1.0), ("route+both pf", 1.0), ("route+both", 1.0),
-                     ("route+both pf", 1.0), ("both", 1.0)) if pf_only else
-                    (("both", 1.0), ("k0", 2 / 3), ("k1", 1 / 3), ("fused", 1.0), ("both", 1.0), ("fused", 1.0),
-                     ("route+both", 1.0), ("route+both pf", 1.0)))
-        for which, frac in variants:
+        for which, frac in (("both", 1.0), ("k0", 2 / 3), ("k1", 1 / 3), ("fused", 1.0), ("both", 1.0), ("fused", 1.0)):
             with stream:
                 for r in range(R):
                     launch("both", r)  # warm-up, and h / sgate for k1 alone
@@ -401,8 +360,6 @@ def section_raw(args):
                 res[key]["sync_count_zero"] = bool(st[0] == 0)
             log(f"[raw] N={n} {which:10s} {s * 1e6:7.2f} us/layer  {gbs:6.0f} GB/s  {gbs / COPY_GBS:5.2f} of 3382  "
                 f"{gbs / res['copy_GBps']:5.2f} of copy here  finite={ok}")
-        if pf_only:
-            continue
         # phase times of the one-launch kernel (timing build: %globaltimer at 8 points per CTA)
         kt = cp.RawModule(path=str(cubdir / f"fusedt_n{n}.cubin")).get_function(names[f"fusedt_n{n}"])
         _set_smem(cp, kt, smf)

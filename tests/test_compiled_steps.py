@@ -300,35 +300,3 @@ def test_moe_compiled_step_equals_eager(cpu_moe):
     # a child replaced by one the kernels do not take: the step declines
     block.shared_expert_gate = nn.Sequential(block.shared_expert_gate)
     assert md.moe_decode_step(block, x) is None
-
-
-def test_moe_step_prefetch_plumbing(cpu_moe, monkeypatch):
-    """MLX_QWEN_FAST_MOE_DECODE_PREFETCH=1: the compiled step hands the routed
-    experts' gate/up arrays to the routing kernel and asks the two kernels to
-    prefetch (its own trace: the switch is part of the step's key); unset,
-    neither. Same values either way."""
-    from mlx_qwen_fast.kernels import moe_routing as mr
-
-    seen = []
-
-    def route(logits, k, normalize=True, prefetch=None):
-        seen.append(("route", None if prefetch is None else len(prefetch)))
-        return moe.route(logits, k, normalize=normalize)
-
-    def both(x, inds, scores, experts, shared, expert_gate, prefetch=False):
-        seen.append(("both", prefetch))
-        return fake_launch_both(x, inds, scores, experts, shared, expert_gate)
-
-    monkeypatch.setattr(mr, "route", route)
-    monkeypatch.setattr(md, "_launch_both", both)
-    monkeypatch.setattr(mr, "_prefetch_supported", lambda: True)
-    block = moe_blocks.make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=8)
-    x = mx.random.normal((1, 1, 256), key=mx.random.key(8)).astype(mx.bfloat16)
-    monkeypatch.setenv(md.PREFETCH_ENV, "1")
-    with_pf = md.moe_decode_step(block, x)
-    assert ("route", 6) in seen and ("both", True) in seen
-    seen.clear()
-    monkeypatch.delenv(md.PREFETCH_ENV)
-    without = md.moe_decode_step(block, x)
-    assert ("route", None) in seen and ("both", False) in seen and ("both", True) not in seen
-    assert mx.array_equal(with_pf, without).item()

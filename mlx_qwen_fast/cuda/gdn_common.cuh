@@ -231,21 +231,6 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-// ---- L2 prefetch (sm_90+) ----------------------------------------------------
-
-// Ask the L2 for bytes [p, p + n) without waiting (cp.async.bulk.prefetch.L2),
-// in pieces of at most 32 KiB; p and n multiples of 16. A no-op before sm_90.
-__device__ __forceinline__ void prefetch_l2(const void* p, unsigned n) {
-#if __CUDA_ARCH__ >= 900
-  const char* c = static_cast<const char*>(p);
-#pragma unroll 1
-  for (unsigned o = 0; o < n; o += 32768u) {
-    const unsigned piece = n - o < 32768u ? n - o : 32768u;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(c + o), "r"(piece) : "memory");
-  }
-#endif
-}
-
 // ---- cross-block progress flags -----------------------------------------------
 
 // Load with acquire semantics at GPU scope: reads after it (in this thread,

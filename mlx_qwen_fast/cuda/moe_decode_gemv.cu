@@ -36,12 +36,6 @@
 //   outputs: h [NK + N, I] bf16: row n*k + j = bf16(silu(bf16(x.Wg)) *
 //   bf16(x.Wu)) of pair (n, j), row NK + n = the shared expert's for token n;
 //   sgate [N] float = sigmoid(bf16(x[n] . w_gate)).
-//   With MDG_PF_DOWN (sm_90+): six more inputs after gb, the down arrays of
-//   the routed experts (wd, sd, bd as MDG_KIND 1) and of the shared expert;
-//   the otherwise idle CTAs (rb > 0, item NK + 1) ask the L2 for the down
-//   matrices the down kernel reads next (each selected expert once, and the
-//   shared expert's; 32 KiB pieces spread over those CTAs), without waiting.
-//   Outputs unchanged.
 // MDG_KIND 1: down + routing weights + shared expert + combine.
 //   grid D/16 CTAs, 256 threads. CTA rb: output rows [16 rb, +16) of y for all
 //   tokens. Items = the distinct experts of inds (in order of first
@@ -56,15 +50,11 @@
 //   (shared [D, I/8] / [D, I/64]); output y [N, D] MDG_YT.
 //
 // Build macros: KNAME, MDG_KIND, MDG_N (1..4), MDG_K (top-k, N*k <= 32),
-// MDG_D, MDG_I (D % 256 == 0, I % 128 == 0), MDG_SGB (4, 8, 16), MDG_YT,
-// MDG_PF_DOWN (kind 0: 0 or 1).
+// MDG_D, MDG_I (D % 256 == 0, I % 128 == 0), MDG_SGB (4, 8, 16), MDG_YT.
 #include "moe_decode_common.cuh"
 
 #ifndef MDG_YT
 #define MDG_YT bf16_t
-#endif
-#ifndef MDG_PF_DOWN
-#define MDG_PF_DOWN 0
 #endif
 
 constexpr int N = MDG_N;
@@ -97,11 +87,6 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
     const unsigned* __restrict__ xwg, const bf16_t* __restrict__ xsg, const bf16_t* __restrict__ xbg,
     const unsigned* __restrict__ xwu, const bf16_t* __restrict__ xsu, const bf16_t* __restrict__ xbu,
     const void* __restrict__ gw, const bf16_t* __restrict__ gs, const bf16_t* __restrict__ gb,
-#if MDG_PF_DOWN
-    const unsigned char* __restrict__ pf_wd, const unsigned char* __restrict__ pf_sd,
-    const unsigned char* __restrict__ pf_bd, const unsigned char* __restrict__ pf_xwd,
-    const unsigned char* __restrict__ pf_xsd, const unsigned char* __restrict__ pf_xbd,
-#endif
     bf16_t* __restrict__ h,
     float* __restrict__ sgate) {
   __shared__ __align__(16) gdn_u16 xs[NW][N][KC];
@@ -113,38 +98,6 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
   const int g = lane >> 2, t = lane & 3;
 
   if (item == NK + 1) {
-#if MDG_PF_DOWN
-    // ---- the spare CTAs of this row: L2 prefetch of the down matrices -------
-    // (32 KiB pieces of every selected expert's three arrays, once per
-    // expert, and the shared expert's; piece q to spare CTA q mod (I/16 - 1))
-    if (rb != 0) {
-      if (tid == 0) {
-        constexpr unsigned DW = (unsigned)D * I / 2, DS = (unsigned)D * (I / 64) * 2;
-        constexpr unsigned PW = (DW + 32767u) / 32768u, PS = (DS + 32767u) / 32768u, PPE = PW + 2 * PS;
-        const unsigned spare = gridDim.x - 1;
-#pragma unroll 1
-        for (unsigned q = rb - 1; q < (unsigned)(NK + 1) * PPE; q += spare) {
-          const int p = q / PPE;  // pair p, or the shared expert (p == NK)
-          const unsigned pi = q % PPE;
-          const unsigned a = pi < PW ? 0 : 1 + (pi - PW) / PS;  // weight, scales, biases
-          const unsigned off = (pi < PW ? pi : (pi - PW) % PS) * 32768u, len = a == 0 ? DW : DS;
-          const unsigned char* base;
-          if (p == NK) {
-            base = a == 0 ? pf_xwd : a == 1 ? pf_xsd : pf_xbd;
-          } else {
-            const int e = inds[p];
-            bool first = true;
-#pragma unroll 1
-            for (int j = 0; j < p; ++j) first = first && inds[j] != e;
-            if (!first) continue;
-            base = (a == 0 ? pf_wd : a == 1 ? pf_sd : pf_bd) + (size_t)e * len;
-          }
-          prefetch_l2(base + off, len - off < 32768u ? len - off : 32768u);
-        }
-      }
-      return;
-    }
-#endif
     // ---- shared-expert gate: sigmoid(bf16(x[n] . w)) ----------------------
     if (rb != 0) return;
     float dot[N];

@@ -19,17 +19,6 @@
 //   [N, K + 1]; the shared expert's gate logit comes from a second input
 //   [N] (MOE_SHARED 1) or from column E of the logits, whose rows are then
 //   E + 32 wide (MOE_SHARED 2: the router and the gate as one padded matmul).
-//   With MOE_PF = P (decode, sm_90+): six more inputs after the logits, the
-//   routed experts' gate and up weights, scales and biases ([E, I, D/8]
-//   uint32, [E, I, D/64] x2, then the same for up), and P more CTAs after
-//   the routing ones: each routes every token again (the same code, so the
-//   same experts) and asks the L2 for its share of the selected experts'
-//   arrays (cp.async.bulk.prefetch.L2 in pieces of 32 KiB, piece q of all
-//   the token-slot-piece triples to CTA q mod P: one SM's bulk-copy unit
-//   alone is far too slow for ~10 MB), so the gate+up kernel that follows
-//   finds them on chip or in flight. MOE_PF_W / MOE_PF_S: bytes of one
-//   expert's packed weight / scales. Outputs unchanged. Launch: (ceil(N/8) +
-//   P) * 256 threads.
 //   Launch: ceil(N/8)*256 threads, 256 per block.
 //
 // MOE_STAGE 2 (count) and 3 (scatter): the grouping, over C CTAs of 1024
@@ -59,9 +48,7 @@
 // MOE_K (top-k, stage 1), MOE_LT (logit type, stage 1), MOE_SHARED (stage 1,
 // 0, 1 or 2: the shared expert's slot and where its logit is; K + 1 <= 32, and
 // the grouping then counts E rounded up to the next multiple of 32 experts,
-// at most 1024: E <= 992), MOE_PF (stage 1: 0, or the number of prefetch CTAs,
-// with MOE_PF_W and MOE_PF_S the bytes of one expert's packed weight and of its
-// scales).
+// at most 1024: E <= 992).
 #include "moe_route_common.cuh"
 
 #ifndef MOE_E
@@ -72,9 +59,6 @@
 
 #ifndef MOE_SHARED
 #define MOE_SHARED 0
-#endif
-#ifndef MOE_PF
-#define MOE_PF 0
 #endif
 typedef MOE_LT lt;
 constexpr int E = MOE_E;
@@ -89,47 +73,11 @@ extern "C" __global__ void __launch_bounds__(256) KNAME(
 #if MOE_SHARED == 1
     const lt* __restrict__ shared_logits,
 #endif
-#if MOE_PF
-    const unsigned char* __restrict__ pf_wg, const unsigned char* __restrict__ pf_sg,
-    const unsigned char* __restrict__ pf_bg, const unsigned char* __restrict__ pf_wu,
-    const unsigned char* __restrict__ pf_su, const unsigned char* __restrict__ pf_bu,
-#endif
     int* __restrict__ inds,
     float* __restrict__ scores,
     int N,
     int normalize) {
   const int lane = threadIdx.x & 31;
-#if MOE_PF
-  const int nroute = (N + 7) / 8;
-  if ((int)blockIdx.x >= nroute) {  // a prefetch CTA
-    constexpr unsigned PW = (MOE_PF_W + 32767u) / 32768u, PS = (MOE_PF_S + 32767u) / 32768u;
-    constexpr unsigned PPE = 2 * PW + 4 * PS;  // 32 KiB pieces per expert
-    const unsigned c = blockIdx.x - nroute;
-#pragma unroll 1
-    for (int t = threadIdx.x >> 5; t < N; t += 8) {
-      const lt* row = logits + (size_t)t * LD;
-      float p[EPL];
-#pragma unroll
-      for (int i = 0; i < EPL; ++i) p[i] = to_f(row[i * 32 + lane]);
-      int my_i;
-      float my_p, tot;
-      route_warp<E, K>(p, my_i, my_p, tot);
-      if (lane < K) {
-        const unsigned first = (unsigned)(t * K + lane) * PPE;
-#pragma unroll 1
-        for (unsigned pi = (c + MOE_PF - first % MOE_PF) % MOE_PF; pi < PPE; pi += MOE_PF) {
-          const unsigned a = pi < 2 * PW ? pi / PW : 2 + (pi - 2 * PW) / PS;  // array 0..5
-          const unsigned piece = pi < 2 * PW ? pi % PW : (pi - 2 * PW) % PS;
-          const unsigned len = a < 2 ? MOE_PF_W : MOE_PF_S, off = piece * 32768u;
-          const unsigned char* base = a == 0 ? pf_wg : a == 1 ? pf_wu : a == 2 ? pf_sg : a == 3 ? pf_bg
-                                    : a == 4 ? pf_su : pf_bu;
-          prefetch_l2(base + (size_t)my_i * len + off, len - off < 32768u ? len - off : 32768u);
-        }
-      }
-    }
-    return;
-  }
-#endif
   const int n = blockIdx.x * 8 + (threadIdx.x >> 5);
   if (n >= N) {
     return;  // whole warp leaves together

@@ -41,9 +41,7 @@ N = 1 and 32.4 us at N = 4 (CUDA graph, kernels alone: 24-40 % of the copy
 rate). The patched model runs them by default on CUDA through
 :func:`moe_decode_step` (``MLX_QWEN_FAST_MOE_DECODE_KERNEL=0`` keeps stock;
 ``MLX_QWEN_FAST_MOE_DECODE_FUSED=1`` takes :mod:`.moe_decode_fused` instead;
-``MLX_QWEN_FAST_MOE_DECODE_PREFETCH=1`` makes the routing kernel and the
-gate+up kernel ask the L2 for the selected experts' gate/up and down arrays
-ahead of the kernels that read them; bench/results/moe-cuda-log.md). Since 2026-12-02 the down kernel keeps one
+bench/results/moe-cuda-log.md). Since 2026-12-02 the down kernel keeps one
 mma chain per 128-input block and adds them in block order (the one-launch
 kernel does the same, so both give the same bits).
 """
@@ -70,16 +68,10 @@ __all__ = [
     "supports_arrays",
     "block_arrays",
     "reference",
-    "prefetch_enabled",
     "MAX_TOKENS",
-    "PREFETCH_ENV",
 ]
 
 MAX_TOKENS = 4
-#: ``MLX_QWEN_FAST_MOE_DECODE_PREFETCH=1``: the decode step's routing kernel
-#: prefetches the selected experts' gate/up arrays into L2 and the gate+up
-#: kernel their down arrays (:func:`prefetch_enabled`; same outputs).
-PREFETCH_ENV = "MLX_QWEN_FAST_MOE_DECODE_PREFETCH"
 NT = 256  # threads per CTA
 RB = 16  # weight rows per CTA
 SMEM_LIMIT = 46 * 1024  # static shared memory of the down kernel
@@ -265,16 +257,13 @@ def _plan_shapes(block, x) -> Optional[tuple]:
 # ---------------------------------------------------------------------------
 
 
-def _kernel(kind: int, n: int, k: int, D: int, I: int, sgb: int = 8, yt: str = "bf16_t",
-            pf_down: bool = False) -> cb.CudaKernel:
-    key = (kind, n, k, D, I, sgb, yt, pf_down)
+def _kernel(kind: int, n: int, k: int, D: int, I: int, sgb: int = 8, yt: str = "bf16_t") -> cb.CudaKernel:
+    key = (kind, n, k, D, I, sgb, yt)
     kern = _kernels.get(key)
     if kern is None:
         defs = dict(MDG_KIND=kind, MDG_N=n, MDG_K=k, MDG_D=D, MDG_I=I)
         if kind == 0:
             defs["MDG_SGB"] = sgb
-            if pf_down:
-                defs["MDG_PF_DOWN"] = 1
         else:
             defs["MDG_YT"] = yt
         kern = cb.CudaKernel(
@@ -282,16 +271,6 @@ def _kernel(kind: int, n: int, k: int, D: int, I: int, sgb: int = 8, yt: str = "
         )
         _kernels[key] = kern
     return kern
-
-
-def prefetch_enabled() -> bool:
-    """True when ``MLX_QWEN_FAST_MOE_DECODE_PREFETCH=1`` and the GPU has
-    compute capability 9.0+ (``cp.async.bulk.prefetch.L2``)."""
-    import os
-
-    from . import moe_routing as mr
-
-    return os.environ.get(PREFETCH_ENV, "") == "1" and mr._prefetch_supported()
 
 
 def _check(fn: str, problem: Optional[str]):
@@ -329,22 +308,19 @@ def gate_up_swiglu(
     return _launch_gate_up(x, inds, experts, shared, expert_gate)
 
 
-def _launch_gate_up(x, inds, experts, shared, expert_gate, prefetch_down: bool = False):
+def _launch_gate_up(x, inds, experts, shared, expert_gate):
     """:func:`gate_up_swiglu` on arguments already checked (x ``[..., D]``,
-    inds ``[..., k]``: the kernel reads them as ``[N, D]``, ``[N, k]``);
-    ``prefetch_down``: its idle CTAs also ask the L2 for the down arrays of the
-    selected and the shared experts (sm_90+; same outputs)."""
+    inds ``[..., k]``: the kernel reads them as ``[N, D]``, ``[N, k]``)."""
     D = x.shape[-1]
     n, k = x.size // D, inds.shape[-1]
-    (wg, sg, bg), (wu, su, bu), down = experts
+    (wg, sg, bg), (wu, su, bu), _ = experts
     I = wg.shape[1]
-    (xwg, xsg, xbg), (xwu, xsu, xbu), xdown = shared
+    (xwg, xsg, xbg), (xwu, xsu, xbu), _ = shared
     gw, gs, gb, bits = expert_gate
     nk = n * k
-    kern = _kernel(0, n, k, D, I, int(bits), pf_down=prefetch_down)
-    pf = [*down, *xdown] if prefetch_down else []
+    kern = _kernel(0, n, k, D, I, int(bits))
     h, sgate = kern(
-        inputs=[x, inds, wg, sg, bg, wu, su, bu, xwg, xsg, xbg, xwu, xsu, xbu, gw, gs, gb, *pf],
+        inputs=[x, inds, wg, sg, bg, wu, su, bu, xwg, xsg, xbg, xwu, xsu, xbu, gw, gs, gb],
         output_shapes=[(nk + n, I), (n,)],
         output_dtypes=[mx.bfloat16, mx.float32],
         grid=((I // RB) * NT, nk + 2, 1),
@@ -432,8 +408,8 @@ def moe_decode_arrays(
     return _launch_both(x, inds, scores, experts, shared, expert_gate)
 
 
-def _launch_both(x, inds, scores, experts, shared, expert_gate, prefetch: bool = False):
-    h, sgate = _launch_gate_up(x, inds, experts, shared, expert_gate, prefetch_down=prefetch)
+def _launch_both(x, inds, scores, experts, shared, expert_gate):
+    h, sgate = _launch_gate_up(x, inds, experts, shared, expert_gate)
     return _launch_down(h, inds, scores, sgate, experts[2], shared[2])
 
 
@@ -467,10 +443,6 @@ def moe_decode(block, x: mx.array, arrays: Optional[tuple] = None) -> mx.array:
         raise ValueError("moe_decode: the block's modules or x do not fit the kernels (see supports)")
     lead, d = x.shape[:-1], x.shape[-1]
     tokens = x.reshape(-1, d)
-    if prefetch_enabled():
-        inds, scores = mr.route(block.gate(tokens), block.top_k, normalize=block.norm_topk_prob,
-                                prefetch=[*arrs[0][0], *arrs[0][1]])
-        return _launch_both(tokens, inds, scores, *arrs, prefetch=True).reshape(*lead, d)
     inds, scores = mr.route(block.gate(tokens), block.top_k, normalize=block.norm_topk_prob)
     return _launch_both(tokens, inds, scores, *arrs).reshape(*lead, d)
 
@@ -509,17 +481,15 @@ def _step_plan(block, x):
         paths = tuple(("gate", n) for n in ("weight", "scales", "biases")) + _EXPERT_PATHS + gate
         return paths, (_compiled_fused_step(block.top_k, block.norm_topk_prob, bits, cb.sm_count()), True)
     paths = linear_paths(("gate",), router) + _EXPERT_PATHS + gate
-    return paths, (_compiled_step(block.top_k, block.norm_topk_prob, router[1], len(router[0]), bits,
-                                  prefetch_enabled()), False)
+    return paths, (_compiled_step(block.top_k, block.norm_topk_prob, router[1], len(router[0]), bits), False)
 
 
 _steps: Dict[tuple, object] = {}
 
 
-def _compiled_step(top_k: int, normalize: bool, router_static: tuple, n_router: int, gate_bits: int,
-                   prefetch: bool = False):
+def _compiled_step(top_k: int, normalize: bool, router_static: tuple, n_router: int, gate_bits: int):
     """The ``mx.compile``d decode step for one static setting (shared by all layers)."""
-    key = (top_k, bool(normalize), router_static, n_router, gate_bits, prefetch)
+    key = (top_k, bool(normalize), router_static, n_router, gate_bits)
     fn = _steps.get(key)
     if fn is None:
         from ..compiled import apply_linear
@@ -527,14 +497,10 @@ def _compiled_step(top_k: int, normalize: bool, router_static: tuple, n_router: 
 
         def step(x, *arrays):
             logits = apply_linear(x, arrays[:n_router], router_static)
+            inds, scores = mr.route(logits, top_k, normalize=normalize)
             a = arrays[n_router:]
-            pf = {"prefetch": a[0:6]} if prefetch else {}
-            inds, scores = mr.route(logits, top_k, normalize=normalize, **pf)
             experts, shared = (a[0:3], a[3:6], a[6:9]), (a[9:12], a[12:15], a[15:18])
-            eg = (a[18], a[19], a[20], gate_bits)
-            if prefetch:
-                return _launch_both(x, inds, scores, experts, shared, eg, prefetch=True)
-            return _launch_both(x, inds, scores, experts, shared, eg)
+            return _launch_both(x, inds, scores, experts, shared, (a[18], a[19], a[20], gate_bits))
 
         fn = _steps[key] = mx.compile(step)
     return fn
@@ -590,7 +556,7 @@ def moe_decode_step(block, x: mx.array) -> Optional[mx.array]:
     from ..compiled import StepPlans
     from . import moe_decode_fused as mf
 
-    key = (tuple(x.shape), x.dtype, mf.fused_enabled(), prefetch_enabled())
+    key = (tuple(x.shape), x.dtype, mf.fused_enabled())
     arrays, p = StepPlans.of(block).get(key, block, lambda: _step_plan(block, x))
     if p is None:
         return None

@@ -40,7 +40,7 @@ the MoE block: bench/results/moe-cuda-log.md, eighth session).
 from __future__ import annotations
 
 import numbers
-from typing import Dict, NamedTuple, Optional, Sequence, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
 
@@ -181,8 +181,7 @@ def _kernel(stage: int, **defs) -> cb.CudaKernel:
 
 
 def route(logits: mx.array, top_k: int, *, normalize: bool = True,
-          shared_logits: Optional[mx.array] = None, shared_column: bool = False,
-          prefetch: Optional[Sequence[mx.array]] = None) -> Tuple[mx.array, mx.array]:
+          shared_logits: Optional[mx.array] = None, shared_column: bool = False) -> Tuple[mx.array, mx.array]:
     """Top-k experts per token (the contract of :func:`ops.moe.route`).
 
     Args:
@@ -201,12 +200,6 @@ def route(logits: mx.array, top_k: int, *, normalize: bool = True,
             the shared expert's gate, the rest unused (the router and the
             gate run as one matmul padded to a multiple of 32 outputs:
             ``ops.moe``). Not with ``shared_logits``.
-        prefetch: None, or the routed experts' gate and up arrays ``(wg,
-            sg, bg, wu, su, bu)`` (``uint32 [E, I, D/8]``, ``bf16 [E, I,
-            D/64]`` x2, twice): each selected expert's six arrays are asked
-            of the L2 (``cp.async.bulk.prefetch.L2``) as soon as it is
-            known, for the gate+up kernel that follows (decode). Changes no
-            output; ignored before compute capability 9.0.
 
     Returns:
         ``(inds [N, k] int32, scores [N, k] float32)`` (``[..., k]`` for
@@ -217,8 +210,8 @@ def route(logits: mx.array, top_k: int, *, normalize: bool = True,
     Raises:
         ValueError: bad ``logits`` shape/dtype or ``top_k`` (names them), bad
             ``shared_logits``, a shared slot where :func:`shared_slot_fits`
-            is False (``top_k >= 32`` or ``E > 992``), more than
-            ``MAX_TOKENS`` tokens, or ``prefetch`` arrays not as above.
+            is False (``top_k >= 32`` or ``E > 992``), or more than
+            ``MAX_TOKENS`` tokens.
     """
     pad = 32 if shared_column else 0
     if not _shape_ok(logits, top_k, pad):
@@ -250,62 +243,20 @@ def route(logits: mx.array, top_k: int, *, normalize: bool = True,
         raise ValueError(f"route: the shared expert's slot needs top_k < 32 and E <= 992 "
                          f"(shared_slot_fits), got top_k={top_k}, E={e}")
     slots = top_k + int(mode > 0)
-    pf = {}
-    if prefetch is not None:
-        problem = _prefetch_problem(prefetch, e)
-        if problem is not None:
-            raise ValueError(f"route: {problem}")
-        if _prefetch_supported():
-            w, sc = prefetch[0], prefetch[1]
-            pf = dict(MOE_PF=PREFETCH_CTAS, MOE_PF_W=w.shape[1] * w.shape[2] * 4,
-                      MOE_PF_S=sc.shape[1] * sc.shape[2] * 2)
     if n == 0:
         return mx.zeros((*lead, slots), mx.int32), mx.zeros((*lead, slots), mx.float32)
     p = plan(n, slots, e, 1)
     kern = _kernel(1, MOE_E=e, MOE_K=top_k, MOE_LT=cb.dtype_macro(logits.dtype),
-                   **({"MOE_SHARED": mode} if mode else {}), **pf)
+                   **({"MOE_SHARED": mode} if mode else {}))
     inds, scores = kern(
-        inputs=([logits, shared_logits] if mode == 1 else [logits]) + (list(prefetch) if pf else []),
+        inputs=[logits, shared_logits] if mode == 1 else [logits],
         output_shapes=[(*lead, slots), (*lead, slots)],
         output_dtypes=[mx.int32, mx.float32],
-        grid=(p["route_grid"][0] + (PREFETCH_CTAS * 256 if pf else 0), 1, 1),
+        grid=p["route_grid"],
         threadgroup=p["route_block"],
         scalars=[n, int(bool(normalize))],
     )
     return inds, scores
-
-
-#: CTAs that :func:`route` adds for its ``prefetch``: each asks the L2 for
-#: 1/64 of the selected experts' gate/up bytes (one SM's bulk-copy unit alone
-#: took ~50 us for the ~10 MB of one token, H200 2026-12-02).
-PREFETCH_CTAS = 64
-
-
-def _prefetch_problem(arrays, E: int) -> Optional[str]:
-    """None when ``arrays`` are six gate/up arrays of E experts that :func:`route` can prefetch."""
-    try:
-        wg, sg, bg, wu, su, bu = arrays
-        _, I, kw = wg.shape
-        ok = all(
-            isinstance(w, mx.array) and w.dtype == mx.uint32 and tuple(w.shape) == (E, I, kw)
-            and all(isinstance(a, mx.array) and a.dtype == mx.bfloat16 and tuple(a.shape) == (E, I, kw // 8)
-                    for a in (sc, b))
-            for w, sc, b in ((wg, sg, bg), (wu, su, bu))
-        )
-        if ok and kw % 8 == 0 and (I * kw * 4) % 16 == 0 and (I * kw // 8 * 2) % 16 == 0:
-            return None
-    except (TypeError, ValueError, AttributeError):
-        pass
-    return (f"prefetch must be the routed experts' (wg, sg, bg, wu, su, bu): uint32 [E={E}, I, D/8] and "
-            f"bfloat16 [E={E}, I, D/64] scales and biases, twice")
-
-
-def _prefetch_supported() -> bool:
-    """True on a CUDA GPU of compute capability 9.0+ (cp.async.bulk.prefetch.L2)."""
-    try:
-        return cb.gpu_arch() >= (9, 0)
-    except RuntimeError:
-        return False
 
 
 def group(inds: mx.array, num_experts: int, tile_rows: int) -> Tuple[ExpertGroups, mx.array]:
