@@ -276,26 +276,20 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
   // the item's weight set: a routed expert's slice, or the shared expert's arrays
 #if MOE_SHARED
   const bool sh = e >= es;
-  const unsigned ew = sh ? 0u : (unsigned)e;
-  const unsigned* const W0 = sh ? ws0 : w0;
-  const bf16_t* const S0 = sh ? ss0 : s0;
-  const bf16_t* const B0 = sh ? bs0 : b0;
-#if MOE_KIND == 0
-  const unsigned* const W1 = sh ? ws1 : w1;
-  const bf16_t* const S1 = sh ? ss1 : s1;
-  const bf16_t* const B1 = sh ? bs1 : b1;
-#endif
+#define PICK(routed, shared) (sh ? (shared) : (routed))
 #else
-  const unsigned ew = (unsigned)e;
-  const unsigned* const W0 = w0;
-  const bf16_t* const S0 = s0;
-  const bf16_t* const B0 = b0;
+#define PICK(routed, shared) (routed)
+#endif
+  const unsigned ew = PICK((unsigned)e, 0u);
+  const unsigned* const W0 = PICK(w0, ws0);
+  const bf16_t* const S0 = PICK(s0, ss0);
+  const bf16_t* const B0 = PICK(b0, bs0);
 #if MOE_KIND == 0
-  const unsigned* const W1 = w1;
-  const bf16_t* const S1 = s1;
-  const bf16_t* const B1 = b1;
+  const unsigned* const W1 = PICK(w1, ws1);
+  const bf16_t* const S1 = PICK(s1, ss1);
+  const bf16_t* const B1 = PICK(b1, bs1);
 #endif
-#endif
+#undef PICK
   unsigned w_off[2][2], s_off[2][2];
 #pragma unroll
   for (int m = 0; m < 2; ++m)

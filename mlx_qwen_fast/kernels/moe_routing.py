@@ -48,7 +48,7 @@ from ..ops.moe import ExpertGroups, max_tiles
 from . import _cuda_build as cb
 
 __all__ = ["Routing", "route", "group", "route_and_group", "supports", "plan", "shared_group_experts",
-           "shared_slot_fits"]
+           "shared_slot_fits", "SHARED_COLUMN_PAD"]
 
 _LOGIT = (mx.float32, mx.bfloat16, mx.float16)
 _INTS = (mx.int32, mx.uint32)
@@ -85,6 +85,12 @@ class Routing(NamedTuple):
     block_map: mx.array
     tile_rows: int
     shared_id: Optional[int] = None
+
+
+#: Extra logit columns of ``route(..., shared_column=True)``: the router's E,
+#: then the shared expert's gate and zeros up to a multiple of 32 (the
+#: kernel's MOE_SHARED 2 rows are E + 32 wide).
+SHARED_COLUMN_PAD = 32
 
 
 def shared_group_experts(num_experts: int) -> int:
@@ -213,7 +219,7 @@ def route(logits: mx.array, top_k: int, *, normalize: bool = True,
             is False (``top_k >= 32`` or ``E > 992``), or more than
             ``MAX_TOKENS`` tokens.
     """
-    pad = 32 if shared_column else 0
+    pad = SHARED_COLUMN_PAD if shared_column else 0
     if not _shape_ok(logits, top_k, pad):
         if _shape_ok(logits, 1, pad):  # the logits are fine: top_k is not
             e = logits.shape[-1] - pad
@@ -221,7 +227,7 @@ def route(logits: mx.array, top_k: int, *, normalize: bool = True,
         got = (f"{logits.dtype} {tuple(logits.shape)}" if isinstance(logits, mx.array)
                else type(logits).__name__)
         raise ValueError(
-            f"route: logits must be an mx.array [..., E{' + 32' if pad else ''}] float32/bfloat16/float16 "
+            f"route: logits must be an mx.array [..., E{f' + {pad}' if pad else ''}] float32/bfloat16/float16 "
             f"with E a multiple of 32 (<= 1024), got logits {got}"
         )
     if shared_column and shared_logits is not None:
@@ -334,6 +340,6 @@ def route_and_group(
     inds, scores = route(logits, top_k, normalize=normalize, shared_logits=shared_logits,
                          shared_column=shared_column)
     shared = shared_logits is not None or shared_column
-    e = logits.shape[-1] - (32 if shared_column else 0)
+    e = logits.shape[-1] - (SHARED_COLUMN_PAD if shared_column else 0)
     groups, bmap = group(inds, shared_group_experts(e) if shared else e, tile_rows)
     return Routing(inds, scores, groups, bmap, tile_rows, e if shared else None)

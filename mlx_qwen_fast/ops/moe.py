@@ -525,7 +525,9 @@ def router_with_shared_gate(block):
         (r_arr, r_static), (g_arr, _) = lins
         if r_arr[0].shape[0] % 32 or g_arr[0].shape[0] != 1:
             return paths, None
-        zeros = (tuple(mx.zeros((31,) + a.shape[1:], a.dtype) for a in g_arr), r_static)
+        from ..kernels.moe_routing import SHARED_COLUMN_PAD
+
+        zeros = (tuple(mx.zeros((SHARED_COLUMN_PAD - 1,) + a.shape[1:], a.dtype) for a in g_arr), r_static)
         return paths, concat_linears([lins[0], lins[1], zeros])  # None: settings or sizes differ
 
     _, plan = StepPlans.of(block).get(_JOINT_ROUTER, block, make)
