@@ -32,6 +32,7 @@
 #   bash bench/h200.sh s14a      # fourteenth session: one-launch decode MoE tests, CuPy-graph times and phases, slot tests
 #   (s14c, the fourteenth session's L2-prefetch trial of the decode step, was removed with the prefetch: calls 6-7, moe-cuda-log.md)
 #   bash bench/h200.sh s14b      # fourteenth session: bench.ops moe.decode, stock / four-node step / one launch
+#   bash bench/h200.sh s15a      # fifteenth session: the one-token decode block's read floor vs its kernels, 4 and 40 layers
 #   bash bench/h200.sh s13e      # thirteenth session: the route fix checked (column routing repeated, slot tests)
 #   bash bench/h200.sh s13c|s13d # thirteenth session: the slot with one router+gate matmul (tests, ncu); the 4K A/B
 #   bash bench/h200.sh s13b      # thirteenth session: the shared expert in the routing's shared slot (tests, ncu per T, 3 forms)
@@ -541,5 +542,9 @@ s14b)  # fourteenth session: issue 5's "moe.decode" op through MLX (one call per
   MLX_QWEN_FAST_MOE_DECODE_FUSED=1 timeout 150 python3 -m bench.ops $P --ops moe.decode --impls cuda-decode-kernel \
     --repeats 20 --no-ceilings --out $OUT/ops-moe-decode-fused.json > $OUT/ops-moe-decode-fused.log 2>&1
   tail -4 $OUT/ops-moe-decode-fused.log ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s12b|s12c|s12d|s13a|s13b|s13c|s13d|s13e|s14a|s14b}"; exit 2 ;;
+s15a)  # fifteenth session: bench/cuda/decode_read_floor.cu (the block's bytes read with the kernels' CTAs and
+       # lane addresses, no arithmetic) vs the decode kernels, CuPy graphs of 64 layers over 4 and 40 layers' weights
+  timeout 400 python3 bench/moe_decode_cuda.py --out $OUT --sections build,floor > $OUT/moe-decode-floor.txt 2>&1
+  grep -E "\[floor\]|rror|Trace" $OUT/moe-decode-floor.txt | cut -c1-200 | tail -40 ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s12b|s12c|s12d|s13a|s13b|s13c|s13d|s13e|s14a|s14b|s15a}"; exit 2 ;;
 esac

@@ -386,7 +386,154 @@ def section_raw(args):
     return {"raw": res}
 
 
-SECTIONS = {"build": section_build, "check": section_check, "time": section_time, "raw": section_raw}
+def _graph_us(cp, stream, launches, R, reps=7):
+    """Median us per layer of a CUDA graph of ``R`` layers, ``launches(r)`` issuing layer r's kernels."""
+    e0, e1 = cp.cuda.Event(), cp.cuda.Event()
+    with stream:
+        for r in range(R):
+            launches(r)
+        stream.synchronize()
+        stream.begin_capture()
+        for r in range(R):
+            launches(r)
+        graph = stream.end_capture()
+        graph.launch(stream)
+        stream.synchronize()
+        ts = []
+        for _ in range(reps):
+            e0.record(stream)
+            graph.launch(stream)
+            e1.record(stream)
+            e1.synchronize()
+            ts.append(cp.cuda.get_elapsed_time(e0, e1) * 1e3 / R)
+    return sorted(ts)[len(ts) // 2]
+
+
+# bytes of the read floor's parts (bench/cuda/decode_read_floor.cu, N = 1, k = 8)
+FLOOR_BYTES = {"router": 16 * (16 * 2048 + 16 * 32 * 4), "gu": 32 * 9 * (32768 + 2 * 16 * 32 * 4),
+               "dn": 128 * 9 * (16 * 256 + 16 * 8 * 4)}
+
+
+def section_floor(args):
+    """One token: a read-only kernel over the block's bytes (the floor) vs the decode kernels, 4 and 40 layers.
+
+    ``bench/cuda/decode_read_floor.cu`` reads what the router, the gate+up and
+    the down kernels read, with their CTAs and 16-byte lane addresses, and
+    computes nothing. Each variant is a CuPy CUDA graph of 64 layers cycling
+    over L layers' weights (uninitialised memory: neither kernel's time
+    depends on the values); L = 40 is the model's layer count (no layer's
+    experts in L2 when it comes round again). Needs the build section's cubins.
+    """
+    import cupy as cp
+    import numpy as np
+
+    from mlx_qwen_fast.kernels import _cuda_build as cb
+
+    cubdir = Path(args.out) / "cubins"
+    cubdir.mkdir(parents=True, exist_ok=True)
+    names = json.loads((Path(args.out) / "moe_decode_build.json").read_text())["cached"]["names"]
+    src = str(ROOT / "bench" / "cuda" / "decode_read_floor.cu")
+    fns = {}
+    for tag, defs in (("probe", {}), ("static", {"PROBE_STATIC": 1}), ("linear", {"PROBE_LINEAR": 1})):
+        kb = cb.CudaKernel(src, "mqf_read_floor_" + tag, defs)
+        (cubdir / f"floor_{tag}.cubin").write_bytes(kb.cubin)
+        fns[tag] = cp.RawModule(path=str(cubdir / f"floor_{tag}.cubin")).get_function(kb.name)
+    k0 = cp.RawModule(path=str(cubdir / "k0_n1.cubin")).get_function(names["k0_n1"])
+    k1 = cp.RawModule(path=str(cubdir / "k1_n1.cubin")).get_function(names["k1_n1"])
+    kf = cp.RawModule(path=str(cubdir / "fused_n1.cubin")).get_function(names["fused_n1"])
+    from mlx_qwen_fast.kernels import moe_decode_fused as mf
+
+    smf = mf.smem_bytes(1, K, D, I)
+    _set_smem(cp, kf, smf)
+    rng = np.random.default_rng(1)
+    R, n = 64, 1
+    res = {}
+    a = cp.empty(1 << 30, dtype=cp.uint8)
+    b2 = cp.empty_like(a)
+    stream = cp.cuda.Stream(non_blocking=True)
+    res["copy_GBps"] = 2 * a.nbytes / (_graph_us(cp, stream, lambda r: b2.__setitem__(Ellipsis, a), 4) * 1e-6) / 1e9
+    del a, b2
+    log(f"[floor] copy 1 GiB: {res['copy_GBps']:.0f} GB/s")
+    total = sum(FLOOR_BYTES.values())
+    for L in (4, 40):
+        def q(lead, O, Kd, bits=4):
+            return (cp.empty((*lead, O, Kd * bits // 32), cp.uint32), cp.empty((*lead, O, Kd // 64), cp.uint16),
+                    cp.empty((*lead, O, Kd // 64), cp.uint16))
+        layers = [dict(r=q((), E, D, 8), g=q((E,), I, D), u=q((E,), I, D), d=q((E,), D, I), sg=q((), I, D),
+                       su=q((), I, D), sd=q((), D, I), gw=cp.empty((1, D // 4), cp.uint32),
+                       gs=cp.empty((1, D // 64), cp.uint16), gb=cp.empty((1, D // 64), cp.uint16),
+                       lin=cp.empty(432 * 32768, cp.uint8), cpy=cp.empty(total, cp.uint8)) for _ in range(L)]
+        inds = [cp.asarray(rng.choice(E, K, replace=False).astype(np.int32)[None]) for _ in range(R)]
+        out = cp.zeros(432 * 256, cp.uint32)
+        dst = cp.empty(total, cp.uint8)
+        xs = [cp.zeros((n, D), cp.uint16) for _ in range(R)]
+        hs = [cp.empty((n * K + n, I), cp.uint16) for _ in range(R)]
+        sgs = [cp.zeros((n,), cp.float32) for _ in range(R)]
+        ys = [cp.empty((n, D), cp.uint16) for _ in range(R)]
+        sc = [cp.full((n, K), 1.0 / K, dtype=cp.float32) for _ in range(R)]
+        sync = cp.zeros((64,), dtype=cp.uint32)
+        fo = [(cp.empty((n, E), cp.float32), cp.empty((n, K), cp.int32), cp.empty((n, K), cp.float32)) for _ in range(R)]
+
+        def probe(tag, cta0, grid):
+            def go(r):
+                ly = layers[r % L]
+                fns[tag]((grid, 1, 1), (256, 1, 1), (ly["lin"] if tag == "linear" else ly["r"][0], *ly["r"][1:],
+                                                     *ly["g"], *ly["u"], *ly["d"], *ly["sg"], *ly["su"], *ly["sd"],
+                                                     inds[r], np.int32(cta0), out))
+            return go
+
+        def real(which):
+            def go(r):
+                ly = layers[r % L]
+                if which == "k0":
+                    k0(((I // 16), n * K + 2, 1), (256, 1, 1), (xs[r], inds[r], *ly["g"], *ly["u"], *ly["sg"],
+                                                                *ly["su"], ly["gw"], ly["gs"], ly["gb"], hs[r], sgs[r]))
+                elif which == "k1":
+                    k1(((D // 16), 1, 1), (256, 1, 1), (hs[r], inds[r], sc[r], sgs[r], *ly["d"], *ly["sd"], ys[r]))
+                else:
+                    kf((cb.sm_count(), 1, 1), (256, 1, 1),
+                       (xs[r], *ly["r"], *ly["g"], *ly["u"], *ly["d"], *ly["sg"], *ly["su"], *ly["sd"], ly["gw"],
+                        ly["gs"], ly["gb"], sync, ys[r], *fo[r], hs[r], sgs[r]), shared_mem=smf)
+            return go
+
+        def seq(*fs):
+            return lambda r: [f(r) for f in fs]
+
+        B = FLOOR_BYTES
+        variants = [
+            ("floor: router", probe("probe", 0, 16), B["router"]),
+            ("floor: gate+up", probe("probe", 16, 288), B["gu"]),
+            ("floor: down", probe("probe", 304, 128), B["dn"]),
+            ("floor: all, 1 kernel", probe("probe", 0, 432), total),
+            ("floor: all, 1 kernel, static ids", probe("static", 0, 432), total),
+            ("floor: gate+up | down", seq(probe("probe", 16, 288), probe("probe", 304, 128)), B["gu"] + B["dn"]),
+            ("floor: router+gate+up | down", seq(probe("probe", 0, 304), probe("probe", 304, 128)), total),
+            ("floor: router | gate+up | down", seq(probe("probe", 0, 16), probe("probe", 16, 288),
+                                                   probe("probe", 304, 128)), total),
+            ("floor: contiguous 14.2 MB, lane-linear", probe("linear", 0, 432), 432 * 32768),
+            ("copy 16.5 MB (read bytes)", lambda r: dst.__setitem__(Ellipsis, layers[r % L]["cpy"]), total),
+            ("kernel: gate+up (k0)", real("k0"), B["gu"]),
+            ("kernel: down (k1)", real("k1"), B["dn"]),
+            ("kernel: gate+up | down", seq(real("k0"), real("k1")), B["gu"] + B["dn"]),
+            ("kernel: one launch (router incl.)", real("fused"), total),
+            ("floor: all, 1 kernel (again)", probe("probe", 0, 432), total),
+            ("kernel: gate+up | down (again)", seq(real("k0"), real("k1")), B["gu"] + B["dn"]),
+        ]
+        for name, fn, nb in variants:
+            us = _graph_us(cp, stream, fn, R)
+            gbs = nb / us / 1e3
+            res[f"L={L} {name}"] = {"us": us, "bytes": nb, "GBps": gbs, "frac_copy": gbs / COPY_GBS,
+                                    "frac_copy_here": gbs / res["copy_GBps"]}
+            log(f"[floor] L={L:2d} {name:42s} {us:7.2f} us/layer  {nb / 1e6:5.2f} MB  {gbs:6.0f} GB/s  "
+                f"{gbs / COPY_GBS:5.2f} of 3382  {gbs / res['copy_GBps']:5.2f} of copy here")
+        res[f"L={L} out_untouched"] = bool(int(cp.count_nonzero(out)) == 0)
+        del layers, variants
+        cp.get_default_memory_pool().free_all_blocks()
+    return {"floor": res}
+
+
+SECTIONS = {"build": section_build, "check": section_check, "time": section_time, "raw": section_raw,
+            "floor": section_floor}
 
 
 def main():
@@ -420,6 +567,13 @@ def summary(results):
                 lines.append(f"{key:48s} {v['us']:9.2f} {v['GBps']:7.0f} {v['frac_copy']:8.2f}")
             elif isinstance(v, dict):
                 lines.append(f"{key}: " + "; ".join(f"{k} {p['median_us']:.2f} (max {p['max_us']:.2f})" for k, p in v.items()))
+    fl = results.get("floor", {}).get("floor", {})
+    if fl:
+        lines.append(f"{'read floor vs kernels, N = 1 (CuPy graph of 64 layers)':52s} {'us/layer':>9s} {'GB/s':>7s} "
+                     f"{'of 3382':>8s}   copy here: {fl.get('copy_GBps', 0):.0f} GB/s")
+        for key, v in fl.items():
+            if isinstance(v, dict):
+                lines.append(f"{key:52s} {v['us']:9.2f} {v['GBps']:7.0f} {v['frac_copy']:8.2f}")
     log("\n".join(lines))
 
 
