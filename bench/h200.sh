@@ -33,6 +33,7 @@
 #   (s14c, the fourteenth session's L2-prefetch trial of the decode step, was removed with the prefetch: calls 6-7, moe-cuda-log.md)
 #   bash bench/h200.sh s14b      # fourteenth session: bench.ops moe.decode, stock / four-node step / one launch
 #   bash bench/h200.sh s15a      # fifteenth session: the one-token decode block's read floor vs its kernels, 4 and 40 layers
+#   bash bench/h200.sh s15b      # fifteenth session: decode MoE kernel tests, then s15a with the kernels' phase stamps
 #   bash bench/h200.sh s13e      # thirteenth session: the route fix checked (column routing repeated, slot tests)
 #   bash bench/h200.sh s13c|s13d # thirteenth session: the slot with one router+gate matmul (tests, ncu); the 4K A/B
 #   bash bench/h200.sh s13b      # thirteenth session: the shared expert in the routing's shared slot (tests, ncu per T, 3 forms)
@@ -546,5 +547,13 @@ s15a)  # fifteenth session: bench/cuda/decode_read_floor.cu (the block's bytes r
        # lane addresses, no arithmetic) vs the decode kernels, CuPy graphs of 64 layers over 4 and 40 layers' weights
   timeout 400 python3 bench/moe_decode_cuda.py --out $OUT --sections build,floor > $OUT/moe-decode-floor.txt 2>&1
   grep -E "\[floor\]|rror|Trace" $OUT/moe-decode-floor.txt | cut -c1-200 | tail -40 ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s12b|s12c|s12d|s13a|s13b|s13c|s13d|s13e|s14a|s14b|s15a}"; exit 2 ;;
+s15b)  # fifteenth session: the decode MoE kernels' tests (gate+up weights through cp.async), then the read
+       # floor vs the kernels with their phase stamps and the 9-warp down build (bench/moe_decode_cuda.py floor)
+  XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 6"
+  timeout 200 python3 -m pytest -q $XD tests/test_cuda_moe_decode.py tests/test_cuda_moe_decode_fused.py \
+    > $OUT/tests-moe-decode.txt 2>&1; echo "rc=$?" >> $OUT/tests-moe-decode.txt; tail -2 $OUT/tests-moe-decode.txt
+  grep -E "^FAILED|^ERROR" $OUT/tests-moe-decode.txt | head -8
+  timeout 300 python3 bench/moe_decode_cuda.py --out $OUT --sections build,floor > $OUT/moe-decode-floor.txt 2>&1
+  grep -E "\[floor\]|rror|Trace" $OUT/moe-decode-floor.txt | cut -c1-420 | tail -44 ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s12b|s12c|s12d|s13a|s13b|s13c|s13d|s13e|s14a|s14b|s15a|s15b}"; exit 2 ;;
 esac

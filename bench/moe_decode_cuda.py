@@ -87,6 +87,12 @@ for n in (1, 2, 3, 4):
         t = time.perf_counter(); cub = k.cubin; res[f"k{kind}_n{n}"] = time.perf_counter() - t
         names[f"k{kind}_n{n}"] = k.name
         open(f"{OUTDIR}/k{kind}_n{n}.cubin", "wb").write(cub)
+for tag, kind, extra in (("k0t", 0, dict(MDG_TIMING=1)), ("k1t", 1, dict(MDG_TIMING=1)), ("k1w9", 1, dict(MDG_DNW=9)),
+                         ("k1w9t", 1, dict(MDG_DNW=9, MDG_TIMING=1))):
+    k = md._kernel(kind, 1, 8, 2048, 512, 8)
+    kx = cb.CudaKernel("moe_decode_gemv.cu", k.base_name + "_" + tag, dict(k.defines, **extra))
+    names[f"{tag}_n1"] = kx.name
+    open(f"{OUTDIR}/{tag}_n1.cubin", "wb").write(kx.cubin)
 from mlx_qwen_fast.kernels import moe_decode_fused as mf
 for n in (1, 2, 4):
     k = mf._kernel(n, 8, 256, 2048, 512, 8, 8, True)
@@ -496,6 +502,25 @@ def section_floor(args):
                         ly["gs"], ly["gb"], sync, ys[r], *fo[r], hs[r], sgs[r]), shared_mem=smf)
             return go
 
+        kx = {tag: cp.RawModule(path=str(cubdir / f"{tag}_n1.cubin")).get_function(names[f"{tag}_n1"])
+              for tag in ("k0t", "k1t", "k1w9", "k1w9t")}
+        tim0 = cp.zeros((R, 320, 8), cp.uint64)
+        tim1 = cp.zeros((R, 128, 8), cp.uint64)
+
+        def real_x(tag, stamps=False):
+            """The N = 1 benchmark builds: timing (stamps into tim0 / tim1) and the 9-warp down."""
+            def go(r):
+                ly = layers[r % L]
+                if tag == "k0t":
+                    kx[tag](((I // 16), n * K + 2, 1), (256, 1, 1),
+                            (xs[r], inds[r], *ly["g"], *ly["u"], *ly["sg"], *ly["su"], ly["gw"], ly["gs"], ly["gb"],
+                             hs[r], sgs[r], tim0[r]))
+                else:
+                    nt = 288 if tag.startswith("k1w9") else 256
+                    kx[tag](((D // 16), 1, 1), (nt, 1, 1), (hs[r], inds[r], sc[r], sgs[r], *ly["d"], *ly["sd"], ys[r],
+                                                            *((tim1[r],) if stamps else ())))
+            return go
+
         def seq(*fs):
             return lambda r: [f(r) for f in fs]
 
@@ -516,6 +541,8 @@ def section_floor(args):
             ("kernel: down (k1)", real("k1"), B["dn"]),
             ("kernel: gate+up | down", seq(real("k0"), real("k1")), B["gu"] + B["dn"]),
             ("kernel: one launch (router incl.)", real("fused"), total),
+            ("kernel: down, 9 warps", real_x("k1w9"), B["dn"]),
+            ("kernel: gate+up | down, 9 warps", seq(real("k0"), real_x("k1w9")), B["gu"] + B["dn"]),
             ("floor: all, 1 kernel (again)", probe("probe", 0, 432), total),
             ("kernel: gate+up | down (again)", seq(real("k0"), real("k1")), B["gu"] + B["dn"]),
         ]
@@ -527,6 +554,25 @@ def section_floor(args):
             log(f"[floor] L={L:2d} {name:42s} {us:7.2f} us/layer  {nb / 1e6:5.2f} MB  {gbs:6.0f} GB/s  "
                 f"{gbs / COPY_GBS:5.2f} of 3382  {gbs / res['copy_GBps']:5.2f} of copy here")
         res[f"L={L} out_untouched"] = bool(int(cp.count_nonzero(out)) == 0)
+        # phase stamps: the timing builds of both kernels in one graph (ns from the first
+        # CTA start of the layer's gate+up kernel; median over layers of min/median/max over CTAs)
+        for k1tag in ("k1t", "k1w9t"):
+            us = _graph_us(cp, stream, seq(real_x("k0t"), real_x(k1tag, stamps=True)), R)
+            t0 = cp.asnumpy(tim0).astype(np.int64)[:, : 32 * (n * K + 1)]  # routed + shared CTAs
+            t1 = cp.asnumpy(tim1).astype(np.int64)
+            base = t0[:, :, 0].min(axis=1)[:, None]
+            ph = {"both kernels us/layer": us}
+            for nm, arr, i in (("k0 start", t0, 0), ("k0 expert known", t0, 1), ("k0 weights in", t0, 2),
+                               ("k0 dots done", t0, 3), ("k0 all warps", t0, 4), ("k0 h stored", t0, 5),
+                               ("k1 start", t1, 0), ("k1 weights requested", t1, 1), ("k1 h staged", t1, 2),
+                               ("k1 first item", t1, 3), ("k1 warp 0 done", t1, 4), ("k1 all warps", t1, 5),
+                               ("k1 y stored", t1, 6)):
+                v = (arr[:, :, i] - base) / 1e3
+                ph[nm] = [float(np.median(v.min(1))), float(np.median(np.median(v, 1))), float(np.median(v.max(1)))]
+            res[f"L={L} phases ({k1tag})"] = ph
+            log(f"[floor] L={L:2d} phases, k0t | {k1tag} ({us:.2f} us/layer; us from k0's first CTA, min/median/max "
+                "over CTAs): " + "; ".join(f"{k} {v[0]:.2f}/{v[1]:.2f}/{v[2]:.2f}" for k, v in ph.items()
+                                          if isinstance(v, list)))
         del layers, variants
         cp.get_default_memory_pool().free_all_blocks()
     return {"floor": res}
@@ -572,8 +618,11 @@ def summary(results):
         lines.append(f"{'read floor vs kernels, N = 1 (CuPy graph of 64 layers)':52s} {'us/layer':>9s} {'GB/s':>7s} "
                      f"{'of 3382':>8s}   copy here: {fl.get('copy_GBps', 0):.0f} GB/s")
         for key, v in fl.items():
-            if isinstance(v, dict):
+            if isinstance(v, dict) and "us" in v:
                 lines.append(f"{key:52s} {v['us']:9.2f} {v['GBps']:7.0f} {v['frac_copy']:8.2f}")
+            elif isinstance(v, dict):
+                lines.append(f"{key}: " + "; ".join(f"{k} {p[1]:.2f}" if isinstance(p, list) else f"{k} {p:.2f}"
+                                                   for k, p in v.items()))
     log("\n".join(lines))
 
 

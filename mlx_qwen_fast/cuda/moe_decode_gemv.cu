@@ -50,7 +50,8 @@
 //   (shared [D, I/8] / [D, I/64]); output y [N, D] MDG_YT.
 //
 // Build macros: KNAME, MDG_KIND, MDG_N (1..4), MDG_K (top-k, N*k <= 32),
-// MDG_D, MDG_I (D % 256 == 0, I % 128 == 0), MDG_SGB (4, 8, 16), MDG_YT.
+// MDG_D, MDG_I (D % 256 == 0, I % 128 == 0), MDG_SGB (4, 8, 16), MDG_YT; MDG_DNW
+// (down only, default 8): warps per CTA; MDG_TIMING: phase stamps (benchmarks).
 #include "moe_decode_common.cuh"
 
 #ifndef MDG_YT
@@ -62,13 +63,32 @@ constexpr int TOPK = MDG_K;
 constexpr int NK = N * TOPK;
 constexpr int D = MDG_D;
 constexpr int I = MDG_I;
+#if MDG_KIND == 1 && defined(MDG_DNW)
+constexpr int NW = MDG_DNW;  // down: warps per CTA (MDG_DNW = N*k + 1 gives every item its own warp at N = 1)
+#else
 constexpr int NW = 8;  // warps per CTA
+#endif
 constexpr int NT = 32 * NW;
 constexpr int RB = 16;  // weight rows per CTA (one m16 tile)
 static_assert(N >= 1 && N <= 4, "1 <= N <= 4 tokens (B columns 0..3 of the m16n8 tile)");
 static_assert(NK <= 32, "N * top_k must fit one warp");
 static_assert(D % 256 == 0 && I % 128 == 0, "D % 256 == 0 and I % 128 == 0");
 typedef MDG_YT yt;
+
+// MDG_TIMING (benchmark builds only): an extra last argument, [CTAs, 8] uint64
+// of %globaltimer (ns) at the kernel's phase points, written by thread 0.
+#ifdef MDG_TIMING
+#define TIMING_ARG , unsigned long long* __restrict__ tim
+#define STAMP(i)                                                             \
+  if (threadIdx.x == 0) {                                                    \
+    unsigned long long t_;                                                   \
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                   \
+    tim[((size_t)blockIdx.y * gridDim.x + blockIdx.x) * 8 + (i)] = t_;       \
+  }
+#else
+#define TIMING_ARG
+#define STAMP(i)
+#endif
 
 #if MDG_KIND == 0
 // ============================================================================
@@ -88,14 +108,22 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
     const unsigned* __restrict__ xwu, const bf16_t* __restrict__ xsu, const bf16_t* __restrict__ xbu,
     const void* __restrict__ gw, const bf16_t* __restrict__ gs, const bf16_t* __restrict__ gb,
     bf16_t* __restrict__ h,
-    float* __restrict__ sgate) {
+    float* __restrict__ sgate TIMING_ARG) {
   __shared__ __align__(16) gdn_u16 xs[NW][N][KC];
-  __shared__ float red[NW][2][RB][N];
+  // a warp's weights of one chunk, [m * 4 + hh * 2 + u][lane] (32 KB): copied
+  // with cp.async so that all eight 16-byte pieces of a lane are in flight at
+  // once (as register loads, ptxas sinks three of them behind the first mma
+  // under the 80-register cap: a second DRAM round trip); after the last
+  // chunk the warp's slice holds its partial sums, red(w) = [2][RB][N] floats
+  __shared__ __align__(16) uint4 wsm[NW][8][32];
+  static_assert(2 * RB * N * sizeof(float) <= sizeof(wsm[0]), "partial sums fit a warp's weight slice");
+  auto red = [&](int w) { return reinterpret_cast<float (*)[RB][N]>(&wsm[w][0][0]); };
 
   const int item = blockIdx.y;
   const int rb = blockIdx.x;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
+  STAMP(0);  // start
 
   if (item == NK + 1) {
     // ---- shared-expert gate: sigmoid(bf16(x[n] . w)) ----------------------
@@ -130,13 +158,13 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
 #pragma unroll
     for (int n = 0; n < N; ++n) {
       const float v = warp_sum(dot[n]);
-      if (lane == 0) red[warp][0][0][n] = v;
+      if (lane == 0) red(warp)[0][0][n] = v;
     }
     __syncthreads();
     if (tid < N) {
       float v = 0.0f;
 #pragma unroll
-      for (int w = 0; w < NW; ++w) v += red[w][0][0][tid];
+      for (int w = 0; w < NW; ++w) v += red(w)[0][0][tid];
       sgate[tid] = sigmoid_f(from_f_round<bf16_t>(v));
     }
     return;
@@ -151,6 +179,7 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
     const unsigned dup = __ballot_sync(0xffffffffu, lane < item && my_e == e);
     if (dup) return;  // a lower pair owns this expert (uniform over the CTA)
   }
+  STAMP(1);  // expert known
   const unsigned* W0 = shared ? xwg : wg + (size_t)e * I * KW;
   const unsigned* W1 = shared ? xwu : wu + (size_t)e * I * KW;
   const bf16_t* S0 = shared ? xsg : sg + (size_t)e * I * KG;
@@ -168,7 +197,7 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
   for (int ch = warp; ch < NCH; ch += NW) {
     const int kb = ch * KC;
     // weights: [mat][row g / g+8][u] 16 bytes each, all in flight at once
-    uint4 A[2][2][2];
+    // (the lane reads back only what it copied: its own wait suffices)
     unsigned sb[2][2][2];  // (scale, bias) of the lane's group
 #pragma unroll
     for (int m = 0; m < 2; ++m)
@@ -180,17 +209,20 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
         const bf16_t* Bm = m ? B1 : B0;
 #pragma unroll
         for (int u = 0; u < 2; ++u) {
-          A[m][hh][u] = ldg_stream16(Wm + row * KW + (kb >> 3) + 16 * u + 4 * t);
+          cp_async16(&wsm[warp][4 * m + 2 * hh + u][lane], Wm + row * KW + (kb >> 3) + 16 * u + 4 * t);
           // the lane's 32 inputs lie in group kb/64 + 2u + t/2
           const size_t gi = row * KG + (kb >> 6) + 2 * u + (t >> 1);
           sb[m][hh][u] = load_sb(Sm + gi, Bm + gi);
         }
       }
+    cp_async_commit();
     // x[:, kb : kb + 256] -> this warp's shared slice
 #pragma unroll
     for (int n = 0; n < N; ++n)
       *reinterpret_cast<uint4*>(&xs[warp][n][8 * lane]) = ldg16(x + (size_t)n * D + kb + 8 * lane);
+    cp_async_wait_all();
     __syncwarp();
+    STAMP(2);  // warp 0's weights arrived
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       unsigned s2[2][2], b2[2][2];
@@ -201,19 +233,24 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
           s2[m][hh] = splat_s(sb[m][hh][u]);
           b2[m][hh] = splat_b(sb[m][hh][u]);
         }
+      uint4 A[2][2];
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) A[m][hh] = wsm[warp][4 * m + 2 * hh + u][lane];
 #pragma unroll
       for (int wd = 0; wd < 4; ++wd) {
         unsigned bb[4] = {0u, 0u, 0u, 0u};
         if (g < N) b_pairs(*reinterpret_cast<const uint4*>(&xs[warp][g][128 * u + 32 * t + 8 * wd]), bb);
 #pragma unroll
         for (int m = 0; m < 2; ++m)
-          mma_word(acc[m], w4(A[m][0][u], wd), w4(A[m][1][u], wd), s2[m][0], b2[m][0], s2[m][1],
-                   b2[m][1], bb);
+          mma_word(acc[m], w4(A[m][0], wd), w4(A[m][1], wd), s2[m][0], b2[m][0], s2[m][1], b2[m][1], bb);
       }
     }
     __syncwarp();
   }
 
+  STAMP(3);  // warp 0's dot products done
   // ---- reduce the warps' partial sums, SwiGLU, store -----------------------
   // c0, c1: row g, tokens 2t, 2t+1; c2, c3: row g + 8.
 #pragma unroll
@@ -221,16 +258,17 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int tok = 2 * t + (c & 1);
-      if (tok < N) red[warp][m][g + 8 * (c >> 1)][tok] = acc[m][c];
+      if (tok < N) red(warp)[m][g + 8 * (c >> 1)][tok] = acc[m][c];
     }
   __syncthreads();
+  STAMP(4);  // every warp done
   if (tid < RB * N) {
     const int r = tid % RB, n = tid / RB;
     float gt = 0.0f, up = 0.0f;
 #pragma unroll
     for (int w = 0; w < NW; ++w) {
-      gt += red[w][0][r][n];
-      up += red[w][1][r][n];
+      gt += red(w)[0][r][n];
+      up += red(w)[1][r][n];
     }
     gt = from_f_round<bf16_t>(gt);
     up = from_f_round<bf16_t>(up);
@@ -245,6 +283,7 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
         if (inds[n * TOPK + j] == e) h[(size_t)(n * TOPK + j) * I + row0 + r] = hv;
     }
   }
+  STAMP(5);  // h stored
 }
 
 #else
@@ -270,7 +309,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     const float* __restrict__ sgate,
     const unsigned* __restrict__ wd, const bf16_t* __restrict__ sd, const bf16_t* __restrict__ bd,
     const unsigned* __restrict__ xwd, const bf16_t* __restrict__ xsd, const bf16_t* __restrict__ xbd,
-    yt* __restrict__ y) {
+    yt* __restrict__ y TIMING_ARG) {
   __shared__ __align__(16) gdn_u16 hs[HROWS][I];
   __shared__ float red[NW][RB][N];
 
@@ -278,6 +317,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
   const int row0 = rb * RB;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
+  STAMP(0);  // start
 
   // ---- distinct experts of inds, in order of first appearance (every warp) --
   const int my_e = lane < NK ? inds[lane] : -1;
@@ -366,13 +406,20 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     eB = item_expert(it + NW);
     load_item(RB_, eB);
   }
+  STAMP(1);  // warp 0's weights requested
   // h [NK + N, I] -> shared memory
   for (int i = tid; i < HROWS * I / 8; i += NT)
     *reinterpret_cast<uint4*>(&hs[0][0] + 8 * i) = ldg16(hin + 8 * i);
   __syncthreads();
+  STAMP(2);  // h staged
+  bool first_item = true;
 
   while (it < nitems) {
     compute_item(RA, eA);
+    if (first_item) {
+      STAMP(3);  // warp 0's first item arrived and computed
+      first_item = false;
+    }
     if (it + 2 * NW < nitems) {
       eA = item_expert(it + 2 * NW);
       load_item(RA, eA);
@@ -392,7 +439,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     const int tok = 2 * t + (c & 1);
     if (tok < N) red[warp][g + 8 * (c >> 1)][tok] = yacc[c];
   }
+  STAMP(4);  // warp 0's items done
   __syncthreads();
+  STAMP(5);  // every warp done
   if (tid < RB * N) {
     const int r = tid % RB, n = tid / RB;
     float v = 0.0f;
@@ -400,5 +449,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     for (int w = 0; w < NW; ++w) v += red[w][r][n];
     y[(size_t)n * D + row0 + r] = from_f<yt>(v);
   }
+  STAMP(6);  // y stored
 }
 #endif
