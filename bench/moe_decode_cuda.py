@@ -87,8 +87,8 @@ for n in (1, 2, 3, 4):
         t = time.perf_counter(); cub = k.cubin; res[f"k{kind}_n{n}"] = time.perf_counter() - t
         names[f"k{kind}_n{n}"] = k.name
         open(f"{OUTDIR}/k{kind}_n{n}.cubin", "wb").write(cub)
-for tag, kind, extra in (("k0t", 0, dict(MDG_TIMING=1)), ("k1t", 1, dict(MDG_TIMING=1)), ("k1w9", 1, dict(MDG_DNW=9)),
-                         ("k1w9t", 1, dict(MDG_DNW=9, MDG_TIMING=1))):
+for tag, kind, extra in (("k0t", 0, dict(MDG_TIMING=1)), ("k1t", 1, dict(MDG_TIMING=1)), ("k1w8", 1, dict(MDG_DNW=8)),
+                         ("k1w8t", 1, dict(MDG_DNW=8, MDG_TIMING=1))):
     k = md._kernel(kind, 1, 8, 2048, 512, 8)
     kx = cb.CudaKernel("moe_decode_gemv.cu", k.base_name + "_" + tag, dict(k.defines, **extra))
     names[f"{tag}_n1"] = kx.name
@@ -264,6 +264,7 @@ def section_raw(args):
     import numpy as np
 
     from mlx_qwen_fast.kernels import moe_decode_fused as mf
+    from mlx_qwen_fast.kernels import moe_decode_gemv as md
 
     cubdir = Path(args.out) / "cubins"
     names = json.loads((Path(args.out) / "moe_decode_build.json").read_text())["cached"]["names"]
@@ -309,8 +310,8 @@ def section_raw(args):
         k1 = cp.RawModule(path=str(cubdir / f"k1_n{n}.cubin")).get_function(names[f"k1_n{n}"])
         kf = cp.RawModule(path=str(cubdir / f"fused_n{n}.cubin")).get_function(names[f"fused_n{n}"])
         smf = mf.smem_bytes(n, K, D, I)
-        for fn in (kf,):
-            _set_smem(cp, fn, smf)
+        _set_smem(cp, kf, smf)
+        _set_smem(cp, k0, md.gate_up_smem_bytes(n))
         R = 64
         xs = [bf16_bits(rng.standard_normal((n, D))) for _ in range(R)]
         inds = [cp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(n)]).astype(np.int32)) for _ in range(R)]
@@ -327,9 +328,11 @@ def section_raw(args):
             ly = layers[r % L]
             if which in ("both", "k0"):
                 k0(((I // 16), n * K + 2, 1), (256, 1, 1),
-                   (xs[r], inds[r], *ly["g"], *ly["u"], *ly["sg"], *ly["su"], ly["gw"], ly["gs"], ly["gb"], hs[r], sgs[r]))
+                   (xs[r], inds[r], *ly["g"], *ly["u"], *ly["sg"], *ly["su"], ly["gw"], ly["gs"], ly["gb"], hs[r], sgs[r]),
+                   shared_mem=md.gate_up_smem_bytes(n))
             if which in ("both", "k1"):
-                k1(((D // 16), 1, 1), (256, 1, 1), (hs[r], inds[r], sc[r], sgs[r], *ly["d"], *ly["sd"], ys[r]))
+                k1(((D // 16), 1, 1), (32 * md.down_warps(n, K), 1, 1),
+                   (hs[r], inds[r], sc[r], sgs[r], *ly["d"], *ly["sd"], ys[r]))
             if which == "fused":
                 kf((G, 1, 1), (256, 1, 1), (xs[r], *ly["r"], *ly["g"], *ly["u"], *ly["d"], *ly["sg"], *ly["su"],
                                             *ly["sd"], ly["gw"], ly["gs"], ly["gb"], sync, ys[r], *fo[r], hs[r], sgs[r]),
@@ -448,9 +451,11 @@ def section_floor(args):
     k1 = cp.RawModule(path=str(cubdir / "k1_n1.cubin")).get_function(names["k1_n1"])
     kf = cp.RawModule(path=str(cubdir / "fused_n1.cubin")).get_function(names["fused_n1"])
     from mlx_qwen_fast.kernels import moe_decode_fused as mf
+    from mlx_qwen_fast.kernels import moe_decode_gemv as md
 
     smf = mf.smem_bytes(1, K, D, I)
     _set_smem(cp, kf, smf)
+    gus, dnt = md.gate_up_smem_bytes(1), 32 * md.down_warps(1, K)
     rng = np.random.default_rng(1)
     R, n = 64, 1
     res = {}
@@ -493,9 +498,10 @@ def section_floor(args):
                 ly = layers[r % L]
                 if which == "k0":
                     k0(((I // 16), n * K + 2, 1), (256, 1, 1), (xs[r], inds[r], *ly["g"], *ly["u"], *ly["sg"],
-                                                                *ly["su"], ly["gw"], ly["gs"], ly["gb"], hs[r], sgs[r]))
+                                                                *ly["su"], ly["gw"], ly["gs"], ly["gb"], hs[r], sgs[r]),
+                       shared_mem=gus)
                 elif which == "k1":
-                    k1(((D // 16), 1, 1), (256, 1, 1), (hs[r], inds[r], sc[r], sgs[r], *ly["d"], *ly["sd"], ys[r]))
+                    k1(((D // 16), 1, 1), (dnt, 1, 1), (hs[r], inds[r], sc[r], sgs[r], *ly["d"], *ly["sd"], ys[r]))
                 else:
                     kf((cb.sm_count(), 1, 1), (256, 1, 1),
                        (xs[r], *ly["r"], *ly["g"], *ly["u"], *ly["d"], *ly["sg"], *ly["su"], *ly["sd"], ly["gw"],
@@ -503,20 +509,20 @@ def section_floor(args):
             return go
 
         kx = {tag: cp.RawModule(path=str(cubdir / f"{tag}_n1.cubin")).get_function(names[f"{tag}_n1"])
-              for tag in ("k0t", "k1t", "k1w9", "k1w9t")}
+              for tag in ("k0t", "k1t", "k1w8", "k1w8t")}
         tim0 = cp.zeros((R, 320, 8), cp.uint64)
         tim1 = cp.zeros((R, 128, 8), cp.uint64)
 
         def real_x(tag, stamps=False):
-            """The N = 1 benchmark builds: timing (stamps into tim0 / tim1) and the 9-warp down."""
+            """The N = 1 benchmark builds: timing (stamps into tim0 / tim1) and the 8-warp down."""
             def go(r):
                 ly = layers[r % L]
                 if tag == "k0t":
                     kx[tag](((I // 16), n * K + 2, 1), (256, 1, 1),
                             (xs[r], inds[r], *ly["g"], *ly["u"], *ly["sg"], *ly["su"], ly["gw"], ly["gs"], ly["gb"],
-                             hs[r], sgs[r], tim0[r]))
+                             hs[r], sgs[r], tim0[r]), shared_mem=gus)
                 else:
-                    nt = 288 if tag.startswith("k1w9") else 256
+                    nt = 256 if tag.startswith("k1w8") else dnt
                     kx[tag](((D // 16), 1, 1), (nt, 1, 1), (hs[r], inds[r], sc[r], sgs[r], *ly["d"], *ly["sd"], ys[r],
                                                             *((tim1[r],) if stamps else ())))
             return go
@@ -541,8 +547,8 @@ def section_floor(args):
             ("kernel: down (k1)", real("k1"), B["dn"]),
             ("kernel: gate+up | down", seq(real("k0"), real("k1")), B["gu"] + B["dn"]),
             ("kernel: one launch (router incl.)", real("fused"), total),
-            ("kernel: down, 9 warps", real_x("k1w9"), B["dn"]),
-            ("kernel: gate+up | down, 9 warps", seq(real("k0"), real_x("k1w9")), B["gu"] + B["dn"]),
+            ("kernel: down, 8 warps", real_x("k1w8"), B["dn"]),
+            ("kernel: gate+up | down, 8 warps", seq(real("k0"), real_x("k1w8")), B["gu"] + B["dn"]),
             ("floor: all, 1 kernel (again)", probe("probe", 0, 432), total),
             ("kernel: gate+up | down (again)", seq(real("k0"), real("k1")), B["gu"] + B["dn"]),
         ]
@@ -556,7 +562,7 @@ def section_floor(args):
         res[f"L={L} out_untouched"] = bool(int(cp.count_nonzero(out)) == 0)
         # phase stamps: the timing builds of both kernels in one graph (ns from the first
         # CTA start of the layer's gate+up kernel; median over layers of min/median/max over CTAs)
-        for k1tag in ("k1t", "k1w9t"):
+        for k1tag in ("k1t", "k1w8t"):
             us = _graph_us(cp, stream, seq(real_x("k0t"), real_x(k1tag, stamps=True)), R)
             t0 = cp.asnumpy(tim0).astype(np.int64)[:, : 32 * (n * K + 1)]  # routed + shared CTAs
             t1 = cp.asnumpy(tim1).astype(np.int64)

@@ -291,6 +291,15 @@ def test_kernels_all_tokens_same_experts(poison):
 
 @cuda
 @needs_cuda
+@pytest.mark.parametrize("k", [4, 11])
+def test_kernels_one_token_warp_per_item(poison, k):
+    """One token: the down kernel runs k + 1 warps (5 and 12 here), one per item."""
+    assert md.down_warps(1, k) == k + 1 and md.down_warps(2, k) == 8
+    check_kernels(1, k=k, seed=50 + k)
+
+
+@cuda
+@needs_cuda
 @pytest.mark.parametrize("n,k", [(1, 32), (2, 16)])
 def test_kernels_32_pairs(poison, n, k):
     """N*k = 32: every lane a pair; k = 32 takes the whole ballot as token 0's mask."""

@@ -210,6 +210,11 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
       "cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)),
       "l"(gmem));
 }
+__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
+  asm volatile(
+      "cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(smem)),
+      "l"(gmem));
+}
 __device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
   asm volatile(
       "cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(smem)),

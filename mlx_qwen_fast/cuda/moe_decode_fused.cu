@@ -117,6 +117,7 @@ struct Smem {
     gdn_u16 h[HROWS][I];      // phase C: every h row
   } u;
   float red[NW][2][RB][N];    // warp partial sums
+  float ired[NK + 1][RB][N];  // down: each item's weighted output, summed in item order
   int inds[NK];
   float scores[NK];
   int items[NK + 1];          // distinct routed experts, then -1 (shared)
@@ -600,13 +601,13 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
         issue_down(sbase + OFF_DN + it * DN_SLOT, dn_bar + 8 * it, W, S, B, row0);
       }
     }
-    float yacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll 1
     for (int w0 = 0; w0 < nitems; w0 += DN_SLOTS) {  // rounds of DN_SLOTS items
       const int wend = min(w0 + DN_SLOTS, nitems);
 #pragma unroll 1
-      // warp w takes the round's items it with it % NW == w: the same warp and
-      // order per item as the down kernel of moe_decode_gemv.cu (same sums)
+      // warp w takes the round's items it with it % NW == w; each item's
+      // output goes to sm.ired[it], summed in item order at the end, as the
+      // down kernel of moe_decode_gemv.cu sums its slots (same bits)
       for (int it = w0 + (warp - w0 % NW + NW) % NW; it < wend; it += NW) {
         const int slot = it % DN_SLOTS;
         // fills of this slot before item it: per row block, items slot, slot + DN_SLOTS, ...
@@ -639,6 +640,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
         }
         const gdn_u16* scl = reinterpret_cast<const gdn_u16*>(sl + DN_W);
         const gdn_u16* bis = reinterpret_cast<const gdn_u16*>(sl + DN_W + DN_S);
+        float yacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
         down_item<NU>(
             yacc,
             [&](int u, uint4(&A)[2], unsigned(&s2)[2], unsigned(&b2)[2]) {
@@ -653,6 +655,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
               }
             },
             hrow >= 0 ? &sm.u.h[hrow][0] : nullptr, t, cf0, cf1);
+#pragma unroll
+        for (int cc = 0; cc < 4; ++cc) {
+          const int tok = 2 * t + (cc & 1);
+          if (tok < N) sm.ired[it][g + 8 * (cc >> 1)][tok] = yacc[cc];
+        }
       }
       __syncthreads();  // this round's slots are read
       if (tid == 0) {
@@ -665,17 +672,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
         }
       }
     }
-#pragma unroll
-    for (int cc = 0; cc < 4; ++cc) {
-      const int tok = 2 * t + (cc & 1);
-      if (tok < N) sm.red[warp][0][g + 8 * (cc >> 1)][tok] = yacc[cc];
-    }
-    __syncthreads();
+    // (the last round ended with __syncthreads: every item's output is in)
     if (tid < RB * N) {
       const int r = tid % RB, n = tid / RB;
       float v = 0.0f;
-#pragma unroll
-      for (int w = 0; w < NW; ++w) v += sm.red[w][0][r][n];
+#pragma unroll 1
+      for (int it = 0; it < nitems; ++it) v += sm.ired[it][r][n];
       y[(size_t)n * D + row0 + r] = from_f<bf16_t>(v);
     }
     __syncthreads();

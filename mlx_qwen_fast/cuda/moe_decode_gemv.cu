@@ -27,7 +27,11 @@
 //   and writes the h row of every pair that selected it); item == NK: the
 //   shared expert (all tokens); item == NK + 1, rb == 0: shared-expert gate.
 //   Warps split K: warp w takes inputs [256c, +256) for c = w, w+8, ...;
-//   partial sums meet in shared memory, summed in warp order (deterministic).
+//   its weights, scales and biases go to shared memory through cp.async in
+//   two halves (inputs [0, 128) then [128, 256) of the chunk) so that the
+//   first half is computed while the second is in flight; x is staged in the
+//   mma's B-pair order. Dynamic shared memory: 36864 + 4096 N bytes.
+//   Partial sums meet in shared memory, summed in warp order (deterministic).
 //   inputs: x [N, D] bf16, inds [NK] int32/uint32, wg, sg, bg, wu, su, bu
 //   (routed [E, I, D/8] / [E, I, D/64]), xwg, xsg, xbg, xwu, xsu, xbu (shared
 //   [I, D/8] / [I, D/64]), gw, gs, gb (shared-expert gate, 1 x D: MDG_SGB 4 or
@@ -37,14 +41,17 @@
 //   bf16(x.Wu)) of pair (n, j), row NK + n = the shared expert's for token n;
 //   sgate [N] float = sigmoid(bf16(x[n] . w_gate)).
 // MDG_KIND 1: down + routing weights + shared expert + combine.
-//   grid D/16 CTAs, 256 threads. CTA rb: output rows [16 rb, +16) of y for all
-//   tokens. Items = the distinct experts of inds (in order of first
-//   appearance) + the shared expert; warp w takes items w, w+8, ... (whole
-//   K = I each, double-buffered loads); per item and token
+//   grid D/16 CTAs of 32 MDG_DNW threads (kernels/moe_decode_gemv.py
+//   down_warps: N*k + 1 at one token up to 12, so that every item has its own
+//   warp; 8 otherwise). CTA rb: output rows [16 rb, +16) of y
+//   for all tokens. Items = the pair slots whose expert no lower slot lists,
+//   then the shared expert (slot N*k); warp w takes slots w, w + NW, ...
+//   (whole K = I each, double-buffered loads; a duplicate slot is skipped);
+//   per item and token
 //   coef * bf16(h . Wd) is added in fp32 (coef = score of the pair, the sum
 //   of both if the token listed the expert twice, 0 if it did not pick it;
 //   sgate[n] for the shared expert), then the
-//   8 warps' sums are added in warp order (deterministic, no atomics).
+//   warps' sums are added in warp order (deterministic, no atomics).
 //   inputs: h [NK + N, I] bf16, inds [NK], scores [NK] float, sgate [N]
 //   float, wd, sd, bd (routed [E, D, I/8] / [E, D, I/64]), xwd, xsd, xbd
 //   (shared [D, I/8] / [D, I/64]); output y [N, D] MDG_YT.
@@ -98,6 +105,9 @@ constexpr int KC = 256;       // inputs per warp chunk
 constexpr int NCH = D / KC;   // chunks (warp w: c = w, w + NW, ...)
 constexpr int KW = D / 8;     // packed words per row
 constexpr int KG = D / 64;    // groups per row
+constexpr int GU_OFF_SB = NW * 8 * 32 * 16;
+constexpr int GU_OFF_X = GU_OFF_SB + NW * 2 * 2 * RB * 4 * 2;
+constexpr int GU_SMEM = GU_OFF_X + NW * N * KC * 2;  // = 36864 + 4096 N (kernels/moe_decode_gemv.py)
 
 extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
     const bf16_t* __restrict__ x,
@@ -109,15 +119,28 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
     const void* __restrict__ gw, const bf16_t* __restrict__ gs, const bf16_t* __restrict__ gb,
     bf16_t* __restrict__ h,
     float* __restrict__ sgate TIMING_ARG) {
-  __shared__ __align__(16) gdn_u16 xs[NW][N][KC];
-  // a warp's weights of one chunk, [m * 4 + hh * 2 + u][lane] (32 KB): copied
-  // with cp.async so that all eight 16-byte pieces of a lane are in flight at
-  // once (as register loads, ptxas sinks three of them behind the first mma
-  // under the 80-register cap: a second DRAM round trip); after the last
-  // chunk the warp's slice holds its partial sums, red(w) = [2][RB][N] floats
-  __shared__ __align__(16) uint4 wsm[NW][8][32];
-  static_assert(2 * RB * N * sizeof(float) <= sizeof(wsm[0]), "partial sums fit a warp's weight slice");
+  // Dynamic shared memory (GU_SMEM bytes; the kernel traps when given less):
+  // every global read of the dot products goes through cp.async, so that all
+  // of a lane's pieces are in flight at once (as register loads, ptxas sinks
+  // three of the eight weight loads -- and then scale loads -- behind the
+  // first mma under the 80-register cap: a second DRAM round trip).
+  //   wsm [NW][8][32] uint4: a warp's weights of one chunk, [m*4 + hh*2 + u][lane];
+  //       after the last chunk the warp's slice holds its partial sums,
+  //       red(w) = [2][RB][N] floats
+  //   sbs [NW][2][2][RB][4] bf16: the chunk's scales (0) and biases (1) of
+  //       both matrices, 4 groups per row
+  //   xs  [NW][N][KC] bf16: x's chunk, each 8 inputs stored as B pairs
+  extern __shared__ __align__(16) unsigned char dsm[];
+  uint4 (*wsm)[8][32] = reinterpret_cast<uint4 (*)[8][32]>(dsm);
+  gdn_u16 (*sbs)[2][2][RB][4] = reinterpret_cast<gdn_u16 (*)[2][2][RB][4]>(dsm + GU_OFF_SB);
+  gdn_u16 (*xs)[N][KC] = reinterpret_cast<gdn_u16 (*)[N][KC]>(dsm + GU_OFF_X);
+  static_assert(2 * RB * N * sizeof(float) <= 8 * 32 * 16, "partial sums fit a warp's weight slice");
   auto red = [&](int w) { return reinterpret_cast<float (*)[RB][N]>(&wsm[w][0][0]); };
+  {
+    unsigned dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    if (dyn < GU_SMEM) __trap();
+  }
 
   const int item = blockIdx.y;
   const int rb = blockIdx.x;
@@ -196,55 +219,68 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
 
   for (int ch = warp; ch < NCH; ch += NW) {
     const int kb = ch * KC;
-    // weights: [mat][row g / g+8][u] 16 bytes each, all in flight at once
-    // (the lane reads back only what it copied: its own wait suffices)
-    unsigned sb[2][2][2];  // (scale, bias) of the lane's group
+    // weights: 16 bytes per (u, mat, row g / g+8), copied in four groups in
+    // the order they are used, (u, m) = (0, 0), (0, 1), (1, 0), (1, 1), so
+    // that the first can be computed while the later ones are in flight (the
+    // lane reads back only what it copied: its own waits suffice)
+    // first group: the chunk's scales and biases, 8 bytes (4 groups) per
+    // (array, mat, row), two pieces per lane
 #pragma unroll
-    for (int m = 0; m < 2; ++m)
+    for (int i = 0; i < 2; ++i) {
+      const int p = lane + 32 * i, arr = p & 1, m = (p >> 1) & 1, r = p >> 2;
+      const bf16_t* src = (arr ? (m ? B1 : B0) : (m ? S1 : S0)) + (size_t)(row0 + r) * KG + (kb >> 6);
+      cp_async8(&sbs[warp][arr][m][r][0], src);
+    }
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const size_t row = (size_t)(row0 + g + 8 * hh);
-        const unsigned* Wm = m ? W1 : W0;
-        const bf16_t* Sm = m ? S1 : S0;
-        const bf16_t* Bm = m ? B1 : B0;
+    for (int u = 0; u < 2; ++u)
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          cp_async16(&wsm[warp][4 * m + 2 * hh + u][lane], Wm + row * KW + (kb >> 3) + 16 * u + 4 * t);
-          // the lane's 32 inputs lie in group kb/64 + 2u + t/2
-          const size_t gi = row * KG + (kb >> 6) + 2 * u + (t >> 1);
-          sb[m][hh][u] = load_sb(Sm + gi, Bm + gi);
-        }
-      }
-    cp_async_commit();
-    // x[:, kb : kb + 256] -> this warp's shared slice
-#pragma unroll
-    for (int n = 0; n < N; ++n)
-      *reinterpret_cast<uint4*>(&xs[warp][n][8 * lane]) = ldg16(x + (size_t)n * D + kb + 8 * lane);
-    cp_async_wait_all();
-    __syncwarp();
-    STAMP(2);  // warp 0's weights arrived
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      unsigned s2[2][2], b2[2][2];
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
+      for (int m = 0; m < 2; ++m) {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          s2[m][hh] = splat_s(sb[m][hh][u]);
-          b2[m][hh] = splat_b(sb[m][hh][u]);
+          const size_t row = (size_t)(row0 + g + 8 * hh);
+          cp_async16(&wsm[warp][4 * m + 2 * hh + u][lane], (m ? W1 : W0) + row * KW + (kb >> 3) + 16 * u + 4 * t);
         }
-      uint4 A[2][2];
+        cp_async_commit();
+      }
+    // x[:, kb : kb + 256] -> this warp's shared slice, each 8 inputs stored as
+    // the mma's B pairs (0,4), (1,5), (2,6), (3,7) (b_pairs once per input)
 #pragma unroll
-      for (int m = 0; m < 2; ++m)
+    for (int n = 0; n < N; ++n) {
+      unsigned bb[4];
+      b_pairs(ldg16(x + (size_t)n * D + kb + 8 * lane), bb);
+      *reinterpret_cast<uint4*>(&xs[warp][n][8 * lane]) = make_uint4(bb[0], bb[1], bb[2], bb[3]);
+    }
+    __syncwarp();
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh) A[m][hh] = wsm[warp][4 * m + 2 * hh + u][lane];
+    for (int u = 0; u < 2; ++u) {
+      uint4 xb[4] = {};  // B pairs of the 128 inputs of u (token g; zero for g >= N)
 #pragma unroll
-      for (int wd = 0; wd < 4; ++wd) {
-        unsigned bb[4] = {0u, 0u, 0u, 0u};
-        if (g < N) b_pairs(*reinterpret_cast<const uint4*>(&xs[warp][g][128 * u + 32 * t + 8 * wd]), bb);
+      for (int wd = 0; wd < 4; ++wd)
+        if (g < N) xb[wd] = *reinterpret_cast<const uint4*>(&xs[warp][g][128 * u + 32 * t + 8 * wd]);
 #pragma unroll
-        for (int m = 0; m < 2; ++m)
-          mma_word(acc[m], w4(A[m][0], wd), w4(A[m][1], wd), s2[m][0], b2[m][0], s2[m][1], b2[m][1], bb);
+      for (int m = 0; m < 2; ++m) {
+        // group (u, m) has landed: at most 3 - (2u + m) younger groups pending
+        if (2 * u + m == 0) cp_async_wait<3>();
+        else if (2 * u + m == 1) cp_async_wait<2>();
+        else if (2 * u + m == 2) cp_async_wait<1>();
+        else cp_async_wait<0>();
+        if (u == 0 && m == 0) STAMP(2);  // warp 0's first weights arrived
+        unsigned s2[2], b2[2];
+        uint4 A[2];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          // the lane's 32 inputs lie in group kb/64 + 2u + t/2
+          const unsigned sv = sbs[warp][0][m][g + 8 * hh][2 * u + (t >> 1)];
+          const unsigned bv = sbs[warp][1][m][g + 8 * hh][2 * u + (t >> 1)];
+          s2[hh] = sv | (sv << 16);
+          b2[hh] = bv | (bv << 16);
+          A[hh] = wsm[warp][4 * m + 2 * hh + u][lane];
+        }
+#pragma unroll
+        for (int wd = 0; wd < 4; ++wd) {
+          const unsigned bb[4] = {xb[wd].x, xb[wd].y, xb[wd].z, xb[wd].w};
+          mma_word(acc[m], w4(A[0], wd), w4(A[1], wd), s2[0], b2[0], s2[1], b2[1], bb);
+        }
       }
     }
     __syncwarp();
@@ -294,7 +330,7 @@ constexpr int NU = I / 128;  // 16-byte words per lane per row
 constexpr int KW = I / 8;
 constexpr int KG = I / 64;
 constexpr int HROWS = NK + N;
-static_assert(sizeof(gdn_u16) * HROWS * I + sizeof(float) * NW * RB * N <= 46 * 1024,
+static_assert(sizeof(gdn_u16) * HROWS * I + sizeof(float) * (NK + 1) * RB * N <= 46 * 1024,
               "h staging over the 48 KB static shared-memory limit");
 
 struct ItemRegs {
@@ -311,7 +347,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     const unsigned* __restrict__ xwd, const bf16_t* __restrict__ xsd, const bf16_t* __restrict__ xbd,
     yt* __restrict__ y TIMING_ARG) {
   __shared__ __align__(16) gdn_u16 hs[HROWS][I];
-  __shared__ float red[NW][RB][N];
+  __shared__ float ired[NK + 1][RB][N];  // each item's weighted output, by slot
 
   const int rb = blockIdx.x;
   const int row0 = rb * RB;
@@ -319,25 +355,22 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
   const int g = lane >> 2, t = lane & 3;
   STAMP(0);  // start
 
-  // ---- distinct experts of inds, in order of first appearance (every warp) --
+  // ---- items: the pair slots whose expert no lower slot lists, then the
+  // shared expert (slot NK); warp w takes slots w, w + NW, ... A duplicate slot
+  // costs its warp nothing: an expert's first slot serves every token that
+  // picked it (compute_item gathers their coefficients).
   const int my_e = lane < NK ? inds[lane] : -1;
   const float my_s = lane < NK ? scores[lane] : 0.0f;
-  bool first = lane < NK;
-  for (int q = 0; q < NK; ++q) {
-    const int eq = __shfl_sync(0xffffffffu, my_e, q);
-    if (q < lane && eq == my_e) first = false;
-  }
-  const unsigned fmask = __ballot_sync(0xffffffffu, first);
-  const int nitems = __popc(fmask) + 1;  // + the shared expert (last)
-
-  // item -> expert id (-1: shared)
+  const int nitems = NK + 1;
+  constexpr int SKIP = -2;
+  // slot -> expert id (-1: shared, SKIP: a lower slot lists the same expert)
   auto item_expert = [&](int it) -> int {
-    if (it == nitems - 1) return -1;
-    unsigned m = fmask;
-    for (int i = 0; i < it; ++i) m &= m - 1;  // drop the lowest it set bits
-    return __shfl_sync(0xffffffffu, my_e, __ffs(m) - 1);
+    if (it == NK) return -1;
+    const int e = __shfl_sync(0xffffffffu, my_e, it);
+    return __ballot_sync(0xffffffffu, lane < it && my_e == e) ? SKIP : e;
   };
   auto load_item = [&](ItemRegs& R, int e) {
+    if (e == SKIP) return;
     const unsigned* Wm = e < 0 ? xwd : wd + (size_t)e * D * KW;
     const bf16_t* Sm = e < 0 ? xsd : sd + (size_t)e * D * KG;
     const bf16_t* Bm = e < 0 ? xbd : bd + (size_t)e * D * KG;
@@ -353,8 +386,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     }
   };
 
-  float yacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  auto compute_item = [&](const ItemRegs& R, int e) {
+  // an item's coef * bf16(out) goes to ired[slot]; y sums them in slot order
+  // (the one-launch kernel sums its items in the same order: the same bits,
+  // whatever the warp count)
+  auto compute_item = [&](const ItemRegs& R, int e, int slot) {
+    if (e == SKIP) return;
     // h row of token g and the coefficients of tokens 2t, 2t + 1
     int hrow = -1;
     float cf0 = 0.0f, cf1 = 0.0f;
@@ -381,6 +417,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
         }
       }
     }
+    float yacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     down_item<NU>(
         yacc,
         [&](int u, uint4(&A)[2], unsigned(&s2)[2], unsigned(&b2)[2]) {
@@ -392,6 +429,11 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
           }
         },
         hrow >= 0 ? &hs[hrow][0] : nullptr, t, cf0, cf1);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int tok = 2 * t + (c & 1);
+      if (tok < N) ired[slot][g + 8 * (c >> 1)][tok] = yacc[c];
+    }
   };
 
   // first item's weights in flight before the h copy and the barrier
@@ -415,7 +457,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
   bool first_item = true;
 
   while (it < nitems) {
-    compute_item(RA, eA);
+    compute_item(RA, eA, it);
     if (first_item) {
       STAMP(3);  // warp 0's first item arrived and computed
       first_item = false;
@@ -425,7 +467,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
       load_item(RA, eA);
     }
     if (it + NW >= nitems) break;
-    compute_item(RB_, eB);
+    compute_item(RB_, eB, it + NW);
     if (it + 3 * NW < nitems) {
       eB = item_expert(it + 3 * NW);
       load_item(RB_, eB);
@@ -433,20 +475,20 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     it += 2 * NW;
   }
 
-  // ---- sum the warps in order, store --------------------------------------
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const int tok = 2 * t + (c & 1);
-    if (tok < N) red[warp][g + 8 * (c >> 1)][tok] = yacc[c];
-  }
+  // ---- sum the items in slot order, store ---------------------------------
+  // items: the slots whose expert no lower slot lists, then the shared slot
+  const unsigned same = __match_any_sync(0xffffffffu, my_e);
+  const unsigned items = __ballot_sync(0xffffffffu, lane < NK && __ffs(same) - 1 == lane);
   STAMP(4);  // warp 0's items done
   __syncthreads();
   STAMP(5);  // every warp done
   if (tid < RB * N) {
     const int r = tid % RB, n = tid / RB;
     float v = 0.0f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) v += red[w][r][n];
+#pragma unroll 1
+    for (int sl = 0; sl < NK; ++sl)
+      if ((items >> sl) & 1u) v += ired[sl][r][n];
+    v += ired[NK][r][n];
     y[(size_t)n * D + row0 + r] = from_f<yt>(v);
   }
   STAMP(6);  // y stored

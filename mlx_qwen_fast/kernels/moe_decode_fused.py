@@ -180,7 +180,7 @@ def smem_bytes(n: int, k: int, D: int, I: int) -> int:
     off_bar = GU_SLOTS * gu_slot + ds * dn_slot
     off_sm = -(-(off_bar + 8 * (GU_SLOTS + ds)) // 128) * 128
     nk = n * k
-    sm = 2 * max(n * D, (nk + n) * I) + 4 * (nw * 2 * rb * n + nk + nk + nk + 1 + 1)
+    sm = 2 * max(n * D, (nk + n) * I) + 4 * (nw * 2 * rb * n + (nk + 1) * rb * n + nk + nk + nk + 1 + 1)
     return off_sm + sm
 
 

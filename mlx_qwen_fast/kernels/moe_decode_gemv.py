@@ -19,7 +19,9 @@ Replaces, for decode-sized calls, the three ``mx.gather_qmm`` of mlx-lm's
 
 A pair whose expert another token of the call also picked is computed once
 (the weights are read once per call and per expert). Grids: gate+up
-``(I/16) x (N*k + 2)`` CTAs of 256 threads, down ``D/16`` CTAs.
+``(I/16) x (N*k + 2)`` CTAs of 256 threads (weights, scales and x staged in
+dynamic shared memory through ``cp.async``, :func:`gate_up_smem_bytes`), down
+``D/16`` CTAs of :func:`down_warps` warps.
 
 Weights: MLX affine quantisation, 4 bits, group 64, bf16 scales and biases
 (the routed experts ``[E, O, K/8]``, the shared expert ``[O, K/8]``); the
@@ -113,9 +115,28 @@ def _gate_bits(expert_gate, D: int) -> int:
     return 0
 
 
+def down_warps(n: int, k: int) -> int:
+    """Warps per CTA of the down kernel for ``n`` tokens, top-``k``.
+
+    One warp per item (``n*k`` pair slots + the shared expert) at one token
+    when that is at most 12 warps (the ~165-register kernel still fits one CTA
+    per SM), so no warp computes two items in series (k = 8: 9 warps, measured
+    6.5 -> 5.9 us per layer, bench/results/moe-cuda-log.md, 2026-12-03);
+    8 otherwise.
+    """
+    return n * k + 1 if n == 1 and k + 1 <= 12 else 8
+
+
 def smem_bytes(n: int, k: int, I: int) -> int:
-    """Static shared memory of the down kernel: h rows + the warps' sums."""
-    return 2 * (n * k + n) * I + 4 * 8 * RB * n
+    """Static shared memory of the down kernel: h rows + each item's output."""
+    return 2 * (n * k + n) * I + 4 * (n * k + 1) * RB * n
+
+
+def gate_up_smem_bytes(n: int) -> int:
+    """Dynamic shared memory of the gate+up kernel for ``n`` tokens (bytes):
+    8 warps x (4 KB of weights + 512 B of scales/biases + 512 n B of x),
+    as ``GU_SMEM`` in ``moe_decode_gemv.cu``."""
+    return 36864 + 4096 * n
 
 
 def _shape_problem(x, inds, scores, experts, shared, expert_gate, down_smem: bool = True) -> Optional[str]:
@@ -266,6 +287,7 @@ def _kernel(kind: int, n: int, k: int, D: int, I: int, sgb: int = 8, yt: str = "
             defs["MDG_SGB"] = sgb
         else:
             defs["MDG_YT"] = yt
+            defs["MDG_DNW"] = down_warps(n, k)
         kern = cb.CudaKernel(
             "moe_decode_gemv.cu", "mqf_moe_dec_gate_up" if kind == 0 else "mqf_moe_dec_down", defs
         )
@@ -325,6 +347,7 @@ def _launch_gate_up(x, inds, experts, shared, expert_gate):
         output_dtypes=[mx.bfloat16, mx.float32],
         grid=((I // RB) * NT, nk + 2, 1),
         threadgroup=(NT, 1, 1),
+        shared_memory=gate_up_smem_bytes(n),
     )
     return h, sgate
 
@@ -382,12 +405,13 @@ def _launch_down(h, inds, scores, sgate, down, shared_down):
     n = inds.size // k
     D, I = down[0].shape[1], h.shape[1]
     kern = _kernel(1, n, k, D, I)
+    nt = 32 * down_warps(n, k)
     (y,) = kern(
         inputs=[h, inds, scores, sgate, *down, *shared_down],
         output_shapes=[(*inds.shape[:-1], D)],
         output_dtypes=[mx.bfloat16],
-        grid=((D // RB) * NT, 1, 1),
-        threadgroup=(NT, 1, 1),
+        grid=((D // RB) * nt, 1, 1),
+        threadgroup=(nt, 1, 1),
     )
     return y
 
