@@ -1,0 +1,257 @@
+// Decode MoE experts in one launch (one token, N*k + 1 items small enough for
+// shared memory): the two kernels of moe_decode_gemv.cu in one grid, with the
+// down weights streaming while gate + up runs.
+//
+// Fuses: gate + up + SwiGLU (+ shared expert, + shared-expert gate) and down
+// + routing weights + shared expert + combine, i.e. moe_decode_gemv.cu's
+// MDG_KIND 0 and 1, with the same tile arithmetic and the same summation
+// order (equal bits, tests/test_cuda_moe_decode_overlap.py).
+//
+// Grid: GU = (I/16) (NK + 2) gate+up CTAs (moe_decode_gate_up.cuh, CTA c ->
+// rb = c % (I/16), item = c / (I/16)), then DN = D/16 down CTAs, 256 threads.
+// A down CTA reads the routing (inds), issues cp.async copies of all its
+// items' weight rows, scales and biases into shared memory (they depend on
+// inds only), then waits for h: every gate+up CTA, after its last store,
+// adds 1 to a counter (release: __syncthreads, then thread 0's
+// __threadfence and atomicAdd); thread 0 of a down CTA polls it with
+// ld.acquire.gpu until it reads GU, then the CTA stages h and sgate
+// through L2 (ld.global.cg), computes its items from shared memory and
+// stores y. The last down CTA to finish resets the counters to zero (the
+// next launch, later in the stream, sees zeros).
+//
+// No deadlock whatever the CTA dispatch order: gate+up CTAs never wait, and
+// the DN down CTAs, the only ones that wait, cannot fill the GPU (the wrapper
+// checks DN < the SM count; with 3 CTAs per SM there are >= 3 x SMs slots).
+//
+// sync: uint32 [64] persistent, zero before the first launch (the block's
+// barrier buffer of moe_decode_fused, words SY_GU and SY_DN here).
+//
+// Down CTA shared memory (dynamic; the gate+up tile's layout overlaps it):
+//   dw  [NK + 1][RB][DROW] bytes: the items' 16 weight rows (I/2 bytes
+//       each, rows padded to DROW = I/2 + 64 bytes: conflict-free LDS.128)
+//   dsb [NK + 1][2][RB][I/64] bf16: scales (0), biases (1)
+//   hs  [NK + N][I] bf16: h
+//   ired [NK + 1][RB][N] float: each item's weighted output, summed in slot
+//        order (as moe_decode_gemv.cu's down kernel)
+//
+// Inputs: x [N, D] bf16, inds [N*k] int32/uint32, scores [N*k] float, the
+// routed experts (wg, sg, bg, wu, su, bu, wd, sd, bd), the shared expert
+// (xwg, xsg, xbg, xwu, xsu, xbu, xwd, xsd, xbd), the shared-expert gate (gw,
+// gs, gb), sync. Outputs: h [NK + N, I] bf16 (workspace), sgate [N] float,
+// y [N, D] bf16.
+//
+// Build macros: KNAME, MDG_N, MDG_K, MDG_D, MDG_I, MDG_SGB as
+// moe_decode_gemv.cu; MDG_TIMING: phase stamps (benchmarks).
+#include "moe_decode_common.cuh"
+
+constexpr int N = MDG_N;
+constexpr int TOPK = MDG_K;
+constexpr int NK = N * TOPK;
+constexpr int D = MDG_D;
+constexpr int I = MDG_I;
+constexpr int NW = 8;
+constexpr int NT = 32 * NW;
+constexpr int RB = 16;
+typedef bf16_t yt;
+static_assert(N >= 1 && N <= 4 && NK < 32, "1 <= N <= 4, N * k < 32 (slot N*k is a bit of a 32-bit mask)");
+static_assert(D % 256 == 0 && I % 128 == 0, "D % 256 == 0 and I % 128 == 0");
+
+#ifdef MDG_TIMING
+#define TIMING_ARG , unsigned long long* __restrict__ tim
+#define STAMP(i)                                                             \
+  if (threadIdx.x == 0) {                                                    \
+    unsigned long long t_;                                                   \
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                   \
+    tim[(size_t)blockIdx.x * 8 + (i)] = t_;                                  \
+  }
+#else
+#define TIMING_ARG
+#define STAMP(i)
+#endif
+
+#include "moe_decode_gate_up.cuh"
+
+constexpr int GU = (I / RB) * (NK + 2);  // gate+up CTAs
+constexpr int DN = D / RB;               // down CTAs
+constexpr int ITEMS = NK + 1;
+constexpr int NU = I / 128;      // 16-byte words per lane per row (down)
+constexpr int DKW = I / 8;       // packed words per down row
+constexpr int DKG = I / 64;      // groups per down row
+constexpr int DROW = I / 2 + 64;  // padded row bytes in shared memory
+constexpr int OFF_DSB = ITEMS * RB * DROW;
+constexpr int OFF_H = OFF_DSB + ITEMS * 2 * RB * DKG * 2;
+constexpr int OFF_IRED = OFF_H + (NK + N) * I * 2;
+constexpr int DN_SMEM = OFF_IRED + ITEMS * RB * N * 4;
+constexpr int SMEM = DN_SMEM > GU_SMEM ? DN_SMEM : GU_SMEM;  // = smem_bytes() of kernels/moe_decode_overlap.py
+constexpr int SY_GU = 32, SY_DN = 33;  // words of sync
+static_assert(OFF_DSB % 16 == 0 && OFF_H % 16 == 0 && OFF_IRED % 16 == 0, "16-byte aligned regions");
+
+__device__ __forceinline__ unsigned ld_acquire_u32(const unsigned* p) {
+  unsigned v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
+    const bf16_t* __restrict__ x,
+    const int* __restrict__ inds,
+    const float* __restrict__ scores,
+    const unsigned* __restrict__ wg, const bf16_t* __restrict__ sg, const bf16_t* __restrict__ bg,
+    const unsigned* __restrict__ wu, const bf16_t* __restrict__ su, const bf16_t* __restrict__ bu,
+    const unsigned* __restrict__ wd, const bf16_t* __restrict__ sd, const bf16_t* __restrict__ bd,
+    const unsigned* __restrict__ xwg, const bf16_t* __restrict__ xsg, const bf16_t* __restrict__ xbg,
+    const unsigned* __restrict__ xwu, const bf16_t* __restrict__ xsu, const bf16_t* __restrict__ xbu,
+    const unsigned* __restrict__ xwd, const bf16_t* __restrict__ xsd, const bf16_t* __restrict__ xbd,
+    const void* __restrict__ gw, const bf16_t* __restrict__ gs, const bf16_t* __restrict__ gb,
+    const unsigned* sync_in,
+    bf16_t* h,
+    float* sgate,
+    yt* __restrict__ y TIMING_ARG) {
+  extern __shared__ __align__(16) unsigned char dsm[];
+  unsigned* sync = const_cast<unsigned*>(sync_in);  // a persistent buffer the kernel owns
+  {
+    unsigned dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    if (dyn < SMEM) __trap();
+  }
+  const int c = blockIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+
+  if (c < GU) {
+    // ---- gate + up: the tile of moe_decode_gemv.cu, then arrive -------------
+    const GateUpArgs a{x, inds, wg, wu, xwg, xwu, sg, bg, su, bu, xsg, xbg, xsu, xbu, gw, gs, gb, h, sgate
+#ifdef MDG_TIMING
+                       , tim
+#endif
+    };
+    gate_up_cta(a, c / (I / RB), c % (I / RB), dsm);
+    __syncthreads();  // every store of the CTA (h rows, sgate) is made
+    if (tid == 0) {
+      __threadfence();
+      atomicAdd(sync + SY_GU, 1u);
+    }
+    return;
+  }
+
+  // ---- down CTA rb: rows [16 rb, +16) of y --------------------------------
+  const int rb = c - GU, row0 = rb * RB;
+  const int g = lane >> 2, t = lane & 3;
+  unsigned char* dw = dsm;
+  gdn_u16 (*dsb)[2][RB][DKG] = reinterpret_cast<gdn_u16 (*)[2][RB][DKG]>(dsm + OFF_DSB);
+  gdn_u16 (*hs)[I] = reinterpret_cast<gdn_u16 (*)[I]>(dsm + OFF_H);
+  float (*ired)[RB][N] = reinterpret_cast<float (*)[RB][N]>(dsm + OFF_IRED);
+  STAMP(0);
+
+  // items: the pair slots whose expert no lower slot lists, then the shared
+  // expert (slot NK), as moe_decode_gemv.cu's down kernel
+  const int my_e = lane < NK ? inds[lane] : -1;
+  const unsigned same = __match_any_sync(0xffffffffu, my_e);
+  const unsigned items = __ballot_sync(0xffffffffu, lane < NK && __ffs(same) - 1 == lane) | (1u << NK);
+  // every item's rows, scales and biases -> shared memory (one cp.async group)
+#pragma unroll 1
+  for (int sl = 0; sl < ITEMS; ++sl) {
+    if (!((items >> sl) & 1u)) continue;
+    const int e = sl == NK ? -1 : __shfl_sync(0xffffffffu, my_e, sl);
+    const unsigned* W = e < 0 ? xwd : wd + (size_t)e * D * DKW;
+    const bf16_t* S = e < 0 ? xsd : sd + (size_t)e * D * DKG;
+    const bf16_t* B = e < 0 ? xbd : bd + (size_t)e * D * DKG;
+    for (int p = tid; p < RB * (I / 32); p += NT) {  // 16-byte pieces of the rows
+      const int r = p / (I / 32), q = p % (I / 32);
+      cp_async16(dw + (sl * RB + r) * DROW + 16 * q, W + (size_t)(row0 + r) * DKW + 4 * q);
+    }
+    for (int p = tid; p < 2 * RB * (DKG / 2); p += NT) {  // scales, biases: 4 bytes = 2 groups
+      const int arr = p / (RB * (DKG / 2)), r = (p / (DKG / 2)) % RB, q = p % (DKG / 2);
+      cp_async4(&dsb[sl][arr][r][2 * q], (arr ? B : S) + (size_t)(row0 + r) * DKG + 2 * q);
+    }
+  }
+  cp_async_commit();
+  const float my_s = lane < NK ? scores[lane] : 0.0f;
+  STAMP(1);
+
+  // wait for every gate+up CTA, then h and sgate through L2
+  if (tid == 0) {
+    // (~2 s without progress means a broken buffer or launch: fail loudly)
+    unsigned spins = 0;
+    while (ld_acquire_u32(sync + SY_GU) < (unsigned)GU) {
+      __nanosleep(100);
+      if (++spins == (1u << 24)) __trap();
+    }
+  }
+  __syncthreads();
+  STAMP(2);
+  for (int i = tid; i < (NK + N) * I / 8; i += NT)
+    *reinterpret_cast<uint4*>(&hs[0][0] + 8 * i) = __ldcg(reinterpret_cast<const uint4*>(h) + i);
+  float sgv[N];
+#pragma unroll
+  for (int n = 0; n < N; ++n) sgv[n] = __ldcg(sgate + n);
+  cp_async_wait_all();
+  __syncthreads();
+  STAMP(3);
+
+  // warp w computes slots w, w + NW, ... from shared memory
+#pragma unroll 1
+  for (int sl = warp; sl < ITEMS; sl += NW) {
+    if (!((items >> sl) & 1u)) continue;
+    const int e = sl == NK ? -1 : __shfl_sync(0xffffffffu, my_e, sl);
+    int hrow = -1;
+    float cf0 = 0.0f, cf1 = 0.0f;
+    if (e < 0) {
+      if (g < N) hrow = NK + g;
+      if (2 * t < N) cf0 = sgv[2 * t];
+      if (2 * t + 1 < N) cf1 = sgv[2 * t + 1];
+    } else {
+      const unsigned pm = __ballot_sync(0xffffffffu, lane < NK && my_e == e);
+#pragma unroll
+      for (int n = 0; n < N; ++n) {
+        const unsigned sub = (pm >> (n * TOPK)) & (TOPK >= 32 ? 0xffffffffu : (1u << (TOPK & 31)) - 1u);
+        const int p = sub ? n * TOPK + __ffs(sub) - 1 : 0;
+        float scv = __shfl_sync(0xffffffffu, my_s, p);
+        for (unsigned more = sub & (sub - 1u); more; more &= more - 1u)
+          scv += __shfl_sync(0xffffffffu, my_s, n * TOPK + __ffs(more) - 1);
+        if (sub) {
+          if (g == n) hrow = p;
+          if (2 * t == n) cf0 = scv;
+          if (2 * t + 1 == n) cf1 = scv;
+        }
+      }
+    }
+    float yacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    down_item<NU>(
+        yacc,
+        [&](int u, uint4(&A)[2], unsigned(&s2)[2], unsigned(&b2)[2]) {
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int r = g + 8 * hh;
+            A[hh] = *reinterpret_cast<const uint4*>(dw + (sl * RB + r) * DROW + 64 * u + 16 * t);
+            const unsigned sv = dsb[sl][0][r][2 * u + (t >> 1)], bv = dsb[sl][1][r][2 * u + (t >> 1)];
+            s2[hh] = sv | (sv << 16);
+            b2[hh] = bv | (bv << 16);
+          }
+        },
+        hrow >= 0 ? &hs[hrow][0] : nullptr, t, cf0, cf1);
+#pragma unroll
+    for (int cc = 0; cc < 4; ++cc) {
+      const int tok = 2 * t + (cc & 1);
+      if (tok < N) ired[sl][g + 8 * (cc >> 1)][tok] = yacc[cc];
+    }
+  }
+  __syncthreads();
+  STAMP(4);
+  if (tid < RB * N) {
+    const int r = tid % RB, n = tid / RB;
+    float v = 0.0f;
+#pragma unroll 1
+    for (int sl = 0; sl < ITEMS; ++sl)
+      if ((items >> sl) & 1u) v += ired[sl][r][n];
+    y[(size_t)n * D + row0 + r] = from_f<yt>(v);
+  }
+  STAMP(5);
+  // the last down CTA resets the counters for the next launch
+  if (tid == 0) {
+    if (atomicAdd(sync + SY_DN, 1u) == (unsigned)DN - 1u) {
+      sync[SY_GU] = 0u;
+      sync[SY_DN] = 0u;
+      __threadfence();
+    }
+  }
+}
