@@ -131,3 +131,57 @@ __device__ __forceinline__ void down_item(float (&yacc)[4], GetA getA, const gdn
   yacc[2] += from_f_round<bf16_t>(acc[0][2]) * cf0;
   yacc[3] += from_f_round<bf16_t>(acc[0][3]) * cf1;
 }
+
+// The h row (hrow: of token g; -1: none) and the coefficients (cf0, cf1: of
+// tokens 2t, 2t + 1) of a down item, expert e (-1: the shared expert, whose
+// coefficient is sg(n) = sigmoid of its gate). A routed item's coefficient is
+// the score of the token's pair with e, the sum of both if the token listed e
+// twice, 0 if it did not pick e; its h row is the token's first pair with e
+// (the gate+up tile writes every pair's row). my_e, my_s: inds[lane],
+// scores[lane] for lane < N*k (warp-uniform call).
+template <int N, int TOPK, class SG>
+__device__ __forceinline__ void item_coefs(int e, int my_e, float my_s, SG sg, int lane, int g, int t, int& hrow,
+                                           float& cf0, float& cf1) {
+  constexpr int NK = N * TOPK;
+  hrow = -1;
+  cf0 = 0.0f, cf1 = 0.0f;
+  if (e < 0) {
+    if (g < N) hrow = NK + g;
+    if (2 * t < N) cf0 = sg(2 * t);
+    if (2 * t + 1 < N) cf1 = sg(2 * t + 1);
+    return;
+  }
+  const unsigned pm = __ballot_sync(0xffffffffu, lane < NK && my_e == e);
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    // token n's pairs (TOPK == 32: 1u << 32 would be undefined)
+    const unsigned sub = (pm >> (n * TOPK)) & (TOPK >= 32 ? 0xffffffffu : (1u << (TOPK & 31)) - 1u);
+    const int p = sub ? n * TOPK + __ffs(sub) - 1 : 0;
+    float sc = __shfl_sync(0xffffffffu, my_s, p);
+    // (sub is warp-uniform, so is this loop)
+    for (unsigned more = sub & (sub - 1u); more; more &= more - 1u)
+      sc += __shfl_sync(0xffffffffu, my_s, n * TOPK + __ffs(more) - 1);
+    if (sub) {
+      if (g == n) hrow = p;
+      if (2 * t == n) cf0 = sc;
+      if (2 * t + 1 == n) cf1 = sc;
+    }
+  }
+}
+
+// MDG_TIMING (benchmark builds only): a kernel takes TIMING_ARG as its last
+// parameter, [CTAs, 8] uint64, and STAMP(i) writes %globaltimer (ns) there,
+// thread 0, slot i of the CTA's linear index.
+#define MDG_STAMP_TO(ptr, i)                                                 \
+  if (threadIdx.x == 0) {                                                    \
+    unsigned long long t_;                                                   \
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                   \
+    (ptr)[((size_t)blockIdx.y * gridDim.x + blockIdx.x) * 8 + (i)] = t_;     \
+  }
+#ifdef MDG_TIMING
+#define TIMING_ARG , unsigned long long* __restrict__ tim
+#define STAMP(i) MDG_STAMP_TO(tim, i)
+#else
+#define TIMING_ARG
+#define STAMP(i)
+#endif

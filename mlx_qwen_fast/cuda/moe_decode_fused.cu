@@ -397,20 +397,12 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     float* __restrict__ scores_out,
     bf16_t* hbuf,
     float* sgate
-#ifdef MDG_TIMING
-    , unsigned long long* tim  // [G, 8] %globaltimer (ns) at the phase points, thread 0
-#endif
+    TIMING_ARG  // [G, 8] %globaltimer (ns) at the phase points, thread 0
     ) {
   extern __shared__ __align__(128) unsigned char dsm[];
   Smem& sm = *reinterpret_cast<Smem*>(dsm + OFF_SM);
   const unsigned sbase = smem_addr(dsm);
   const unsigned gu_bar = sbase + OFF_BAR, dn_bar = gu_bar + 8 * GU_SLOTS;
-#ifdef MDG_TIMING
-#define STAMP(i) \
-  if (threadIdx.x == 0) { unsigned long long t_; asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_)); tim[blockIdx.x * 8 + (i)] = t_; }
-#else
-#define STAMP(i)
-#endif
   STAMP(0);
   {
     unsigned dyn;

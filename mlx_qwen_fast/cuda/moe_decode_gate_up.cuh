@@ -34,12 +34,7 @@ struct GateUpArgs {
 };
 
 #ifdef MDG_TIMING
-#define GU_STAMP(i)                                                          \
-  if (threadIdx.x == 0) {                                                    \
-    unsigned long long t_;                                                   \
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                   \
-    a.tim[((size_t)blockIdx.y * gridDim.x + blockIdx.x) * 8 + (i)] = t_;     \
-  }
+#define GU_STAMP(i) MDG_STAMP_TO(a.tim, i)
 #else
 #define GU_STAMP(i)
 #endif

@@ -82,20 +82,6 @@ static_assert(NK <= 32, "N * top_k must fit one warp");
 static_assert(D % 256 == 0 && I % 128 == 0, "D % 256 == 0 and I % 128 == 0");
 typedef MDG_YT yt;
 
-// MDG_TIMING (benchmark builds only): an extra last argument, [CTAs, 8] uint64
-// of %globaltimer (ns) at the kernel's phase points, written by thread 0.
-#ifdef MDG_TIMING
-#define TIMING_ARG , unsigned long long* __restrict__ tim
-#define STAMP(i)                                                             \
-  if (threadIdx.x == 0) {                                                    \
-    unsigned long long t_;                                                   \
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                   \
-    tim[((size_t)blockIdx.y * gridDim.x + blockIdx.x) * 8 + (i)] = t_;       \
-  }
-#else
-#define TIMING_ARG
-#define STAMP(i)
-#endif
 
 #if MDG_KIND == 0
 // ============================================================================
@@ -191,32 +177,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
   // whatever the warp count)
   auto compute_item = [&](const ItemRegs& R, int e, int slot) {
     if (e == SKIP) return;
-    // h row of token g and the coefficients of tokens 2t, 2t + 1
-    int hrow = -1;
-    float cf0 = 0.0f, cf1 = 0.0f;
-    if (e < 0) {
-      if (g < N) hrow = NK + g;
-      if (2 * t < N) cf0 = sgate[2 * t];
-      if (2 * t + 1 < N) cf1 = sgate[2 * t + 1];
-    } else {
-      const unsigned pm = __ballot_sync(0xffffffffu, lane < NK && my_e == e);
-#pragma unroll
-      for (int n = 0; n < N; ++n) {
-        // token n's pairs (TOPK == 32: 1u << 32 would be undefined)
-        const unsigned sub = (pm >> (n * TOPK)) & (TOPK >= 32 ? 0xffffffffu : (1u << (TOPK & 31)) - 1u);
-        const int p = sub ? n * TOPK + __ffs(sub) - 1 : 0;
-        float sc = __shfl_sync(0xffffffffu, my_s, p);
-        // an expert listed twice by one token: the sum of its scores (sub is
-        // warp-uniform, so is this loop)
-        for (unsigned more = sub & (sub - 1u); more; more &= more - 1u)
-          sc += __shfl_sync(0xffffffffu, my_s, n * TOPK + __ffs(more) - 1);
-        if (sub) {
-          if (g == n) hrow = p;
-          if (2 * t == n) cf0 = sc;
-          if (2 * t + 1 == n) cf1 = sc;
-        }
-      }
-    }
+    int hrow;
+    float cf0, cf1;
+    item_coefs<N, TOPK>(e, my_e, my_s, [&](int n) { return sgate[n]; }, lane, g, t, hrow, cf0, cf1);
     float yacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     down_item<NU>(
         yacc,

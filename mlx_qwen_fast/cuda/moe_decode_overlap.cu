@@ -56,18 +56,6 @@ typedef bf16_t yt;
 static_assert(N >= 1 && N <= 4 && NK < 32, "1 <= N <= 4, N * k < 32 (slot N*k is a bit of a 32-bit mask)");
 static_assert(D % 256 == 0 && I % 128 == 0, "D % 256 == 0 and I % 128 == 0");
 
-#ifdef MDG_TIMING
-#define TIMING_ARG , unsigned long long* __restrict__ tim
-#define STAMP(i)                                                             \
-  if (threadIdx.x == 0) {                                                    \
-    unsigned long long t_;                                                   \
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                   \
-    tim[(size_t)blockIdx.x * 8 + (i)] = t_;                                  \
-  }
-#else
-#define TIMING_ARG
-#define STAMP(i)
-#endif
 
 #include "moe_decode_gate_up.cuh"
 
@@ -193,28 +181,9 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
   for (int sl = warp; sl < ITEMS; sl += NW) {
     if (!((items >> sl) & 1u)) continue;
     const int e = sl == NK ? -1 : __shfl_sync(0xffffffffu, my_e, sl);
-    int hrow = -1;
-    float cf0 = 0.0f, cf1 = 0.0f;
-    if (e < 0) {
-      if (g < N) hrow = NK + g;
-      if (2 * t < N) cf0 = sgv[2 * t];
-      if (2 * t + 1 < N) cf1 = sgv[2 * t + 1];
-    } else {
-      const unsigned pm = __ballot_sync(0xffffffffu, lane < NK && my_e == e);
-#pragma unroll
-      for (int n = 0; n < N; ++n) {
-        const unsigned sub = (pm >> (n * TOPK)) & (TOPK >= 32 ? 0xffffffffu : (1u << (TOPK & 31)) - 1u);
-        const int p = sub ? n * TOPK + __ffs(sub) - 1 : 0;
-        float scv = __shfl_sync(0xffffffffu, my_s, p);
-        for (unsigned more = sub & (sub - 1u); more; more &= more - 1u)
-          scv += __shfl_sync(0xffffffffu, my_s, n * TOPK + __ffs(more) - 1);
-        if (sub) {
-          if (g == n) hrow = p;
-          if (2 * t == n) cf0 = scv;
-          if (2 * t + 1 == n) cf1 = scv;
-        }
-      }
-    }
+    int hrow;
+    float cf0, cf1;
+    item_coefs<N, TOPK>(e, my_e, my_s, [&](int n) { return sgv[n]; }, lane, g, t, hrow, cf0, cf1);
     float yacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     down_item<NU>(
         yacc,
