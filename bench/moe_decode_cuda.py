@@ -520,7 +520,7 @@ def section_floor(args):
 
         kx = {tag: cp.RawModule(path=str(cubdir / f"{tag}_n1.cubin")).get_function(names[f"{tag}_n1"])
               for tag in ("k0t", "k1t", "k1w8", "k1w8t")}
-        ov_ctas = (I // 16) * (n * K + 2) + D // 16
+        ov_ctas = (I // 16) * (n * K + 2)
         sync_ov = cp.zeros((64,), cp.uint32)
         tim_ov = cp.zeros((R, ov_ctas, 8), cp.uint64)
 
@@ -594,11 +594,10 @@ def section_floor(args):
         gu = (I // 16) * (n * K + 1)  # routed + shared gate+up CTAs (the gate CTAs stamp slot 0 only)
         base = tv[:, :, 0].min(axis=1)[:, None]
         ph = {"overlap us/layer": us}
+        dn = D // 16  # the CTAs that also compute down rows (slots 6, 7)
         for nm, lo, hi, i in (("gu start", 0, gu, 0), ("gu expert known", 0, gu, 1), ("gu weights in", 0, gu, 2),
                               ("gu dots done", 0, gu, 3), ("gu h stored", 0, gu, 5),
-                              ("dn start", ov_ctas - D // 16, ov_ctas, 0), ("dn copies issued", ov_ctas - D // 16, ov_ctas, 1),
-                              ("dn h ready", ov_ctas - D // 16, ov_ctas, 2), ("dn weights+h in", ov_ctas - D // 16, ov_ctas, 3),
-                              ("dn items done", ov_ctas - D // 16, ov_ctas, 4), ("dn y stored", ov_ctas - D // 16, ov_ctas, 5)):
+                              ("dn h ready", 0, dn, 6), ("dn y stored", 0, dn, 7)):
             v = (tv[:, lo:hi, i] - base) / 1e3
             ph[nm] = [float(np.median(v.min(1))), float(np.median(np.median(v, 1))), float(np.median(v.max(1)))]
         res[f"L={L} phases (overlap)"] = ph

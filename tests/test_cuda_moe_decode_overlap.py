@@ -7,7 +7,7 @@ with NaN before every launch; weights and tokens are fresh random draws.
 - ``y``, ``h`` and ``sgate`` equal the two kernels' of
   :mod:`mlx_qwen_fast.kernels.moe_decode_gemv` bit for bit (same tile
   arithmetic, items summed in the same slot order), for one token and for
-  several tokens that share experts, k from 1 to 10, the model's and a small
+  several tokens that share experts, k from 2 to 10, the model's and a small
   shape;
 - ``y`` vs the fp32 reference: ``2 * BF16_EPS`` relative L2;
 - the counter words of the barrier buffer are zero after every launch, and
@@ -39,7 +39,7 @@ def test_smem_bytes_matches_the_layout():
 @pytest.mark.parametrize("n,k,D,I,why", [
     (1, 32, 2048, 512, "N*k"), (4, 8, 2048, 512, "N*k"), (2, 8, 2048, 512, "shared memory"),
     (1, 8, 2048, 1024, "shared memory"), (1, 8, 2000, 512, "D % 256"), (1, 8, 2048, 500, "I % 128"),
-    (5, 1, 2048, 512, "N*k"),
+    (5, 1, 2048, 512, "N*k"), (1, 1, 2048, 128, "down row blocks"),
 ])
 def test_problem_names_the_reason(n, k, D, I, why):
     assert why in mo.problem(n, k, D, I)
@@ -51,6 +51,8 @@ def test_problem_without_cuda_or_with_too_many_down_ctas(monkeypatch):
     monkeypatch.setattr(cb, "cuda_available", lambda: False)
     assert "CUDA GPU" in mo.problem(1, 8, 2048, 512)
     monkeypatch.setattr(cb, "cuda_available", lambda: True)
+    monkeypatch.setattr(cb, "gpu_arch", lambda: (8, 0))
+    assert "9.0" in mo.problem(1, 8, 2048, 512)
     monkeypatch.setattr(cb, "gpu_arch", lambda: (9, 0))
     monkeypatch.setattr(cb, "sm_count", lambda: 128)
     assert "fewer than the 128 SMs" in mo.problem(1, 8, 2048, 512)
@@ -94,7 +96,7 @@ def check_overlap(n, k, E=64, D=2048, I=512, seed=0, gate_bits=8, sync=None):
 
 @cuda
 @needs_cuda
-@pytest.mark.parametrize("n,k", [(1, 8), (1, 1), (1, 10), (2, 4), (3, 2)])
+@pytest.mark.parametrize("n,k", [(1, 8), (1, 2), (1, 10), (2, 4), (3, 2)])
 def test_overlap_equals_two_kernels(poison, n, k):
     check_overlap(n, k, seed=10 * n + k)
 

@@ -1,32 +1,38 @@
 // Decode MoE experts in one launch (one token, N*k + 1 items small enough for
-// shared memory): the two kernels of moe_decode_gemv.cu in one grid, with the
-// down weights streaming while gate + up runs.
+// shared memory): the two kernels of moe_decode_gemv.cu in one grid, the down
+// weights fetched into L2 while gate + up runs.
 //
 // Fuses: gate + up + SwiGLU (+ shared expert, + shared-expert gate) and down
 // + routing weights + shared expert + combine, i.e. moe_decode_gemv.cu's
 // MDG_KIND 0 and 1, with the same tile arithmetic and the same summation
 // order (equal bits, tests/test_cuda_moe_decode_overlap.py).
 //
-// Grid: GU = (I/16) (NK + 2) gate+up CTAs (moe_decode_gate_up.cuh, CTA c ->
-// rb = c % (I/16), item = c / (I/16)), then DN = D/16 down CTAs, 256 threads.
-// A down CTA reads the routing (inds), issues cp.async copies of all its
-// items' weight rows, scales and biases into shared memory (they depend on
-// inds only), then waits for h: every gate+up CTA, after its last store,
-// adds 1 to a counter (release: __syncthreads, then thread 0's
-// __threadfence and atomicAdd); thread 0 of a down CTA polls it with
-// ld.acquire.gpu until it reads GU, then the CTA stages h and sgate
-// through L2 (ld.global.cg), computes its items from shared memory and
-// stores y. The last down CTA to finish resets the counters to zero (the
-// next launch, later in the stream, sees zeros).
+// Grid: GU = (I/16) (NK + 2) CTAs of 256 threads, CTA c the gate+up tile of
+// moe_decode_gate_up.cuh (rb = c % (I/16), item = c / (I/16)); CTAs c < DN =
+// D/16 also compute y rows [16 c, +16):
+//   1. first of all (the down weights depend on inds only) warp 0 issues
+//      cp.async.bulk.prefetch.L2 of its items' 16 down rows, scales and
+//      biases (one lane per item: 4 KB + 2 x 256 B at I = 512);
+//   2. the gate+up tile; then every CTA adds 1 to a counter (release:
+//      __syncthreads, then thread 0's __threadfence and atomicAdd);
+//   3. thread 0 polls the counter with ld.acquire.gpu until it reads GU; the
+//      CTA copies the items' rows from L2 into its (now free) shared memory,
+//      stages h and sgate through L2 (ld.global.cg), computes the items and
+//      stores y; the last of the DN CTAs resets the counter to zero (the next
+//      launch, later in the stream, sees zero).
+// A first version with DN separate down CTAs that copied their rows into
+// shared memory at once was slower than the two kernels (14.3 vs 13.4 us per
+// layer, H200): their copies issued behind the gate+up CTAs' (~5 us late)
+// and the 448 CTAs did not fit one wave (bench/results/moe-cuda-log.md).
 //
-// No deadlock whatever the CTA dispatch order: gate+up CTAs never wait, and
-// the DN down CTAs, the only ones that wait, cannot fill the GPU (the wrapper
-// checks DN < the SM count; with 3 CTAs per SM there are >= 3 x SMs slots).
+// No deadlock whatever the CTA dispatch order: only the DN CTAs wait, after
+// their own tile, and they cannot hold every slot of the GPU (the wrapper
+// checks DN < the SM count); the others never wait.
 //
 // sync: uint32 [64] persistent, zero before the first launch (the block's
 // barrier buffer of moe_decode_fused, words SY_GU and SY_DN here).
 //
-// Down CTA shared memory (dynamic; the gate+up tile's layout overlaps it):
+// Down shared memory (dynamic; reuses the gate+up tile's, which is done):
 //   dw  [NK + 1][RB][DROW] bytes: the items' 16 weight rows (I/2 bytes
 //       each, rows padded to DROW = I/2 + 64 bytes: conflict-free LDS.128)
 //   dsb [NK + 1][2][RB][I/64] bf16: scales (0), biases (1)
@@ -72,7 +78,13 @@ constexpr int OFF_IRED = OFF_H + (NK + N) * I * 2;
 constexpr int DN_SMEM = OFF_IRED + ITEMS * RB * N * 4;
 constexpr int SMEM = DN_SMEM > GU_SMEM ? DN_SMEM : GU_SMEM;  // = smem_bytes() of kernels/moe_decode_overlap.py
 constexpr int SY_GU = 32, SY_DN = 33;  // words of sync
+static_assert(DN <= GU, "the first D/16 CTAs compute the down rows");
 static_assert(OFF_DSB % 16 == 0 && OFF_H % 16 == 0 && OFF_IRED % 16 == 0, "16-byte aligned regions");
+
+// Fetch [p, p + bytes) into L2 (bytes a multiple of 16, p 16-byte aligned; sm_90).
+__device__ __forceinline__ void prefetch_l2(const void* p, unsigned bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
+}
 
 __device__ __forceinline__ unsigned ld_acquire_u32(const unsigned* p) {
   unsigned v;
@@ -104,38 +116,63 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
   }
   const int c = blockIdx.x;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const bool dn = c < DN;  // this CTA also computes y rows [16 c, +16)
+  const int row0 = c * RB;
 
-  if (c < GU) {
-    // ---- gate + up: the tile of moe_decode_gemv.cu, then arrive -------------
+  // ---- down CTA: its items, and their rows into L2 before anything else ----
+  // items: the pair slots whose expert no lower slot lists, then the shared
+  // expert (slot NK), as moe_decode_gemv.cu's down kernel
+  int my_e = -1;
+  unsigned items = 0;
+  if (dn) {
+    my_e = lane < NK ? inds[lane] : -1;
+    const unsigned same = __match_any_sync(0xffffffffu, my_e);
+    items = __ballot_sync(0xffffffffu, lane < NK && __ffs(same) - 1 == lane) | (1u << NK);
+    if (warp == 0 && lane < ITEMS && ((items >> lane) & 1u)) {  // lane = slot
+      const unsigned* W = lane == NK ? xwd : wd + (size_t)my_e * D * DKW;
+      const bf16_t* S = lane == NK ? xsd : sd + (size_t)my_e * D * DKG;
+      const bf16_t* B = lane == NK ? xbd : bd + (size_t)my_e * D * DKG;
+      prefetch_l2(W + (size_t)row0 * DKW, RB * DKW * 4);
+      prefetch_l2(S + (size_t)row0 * DKG, RB * DKG * 2);
+      prefetch_l2(B + (size_t)row0 * DKG, RB * DKG * 2);
+    }
+  }
+
+  // ---- gate + up: the tile of moe_decode_gemv.cu, then arrive ---------------
+  {
     const GateUpArgs a{x, inds, wg, wu, xwg, xwu, sg, bg, su, bu, xsg, xbg, xsu, xbu, gw, gs, gb, h, sgate
 #ifdef MDG_TIMING
                        , tim
 #endif
     };
     gate_up_cta(a, c / (I / RB), c % (I / RB), dsm);
-    __syncthreads();  // every store of the CTA (h rows, sgate) is made
-    if (tid == 0) {
-      __threadfence();
-      atomicAdd(sync + SY_GU, 1u);
-    }
-    return;
   }
+  __syncthreads();  // every store of the CTA (h rows, sgate) is made; its shared memory is free
+  if (tid == 0) {
+    __threadfence();
+    atomicAdd(sync + SY_GU, 1u);
+  }
+  if (!dn) return;
 
-  // ---- down CTA rb: rows [16 rb, +16) of y --------------------------------
-  const int rb = c - GU, row0 = rb * RB;
-  const int g = lane >> 2, t = lane & 3;
+  // ---- down rows [16 c, +16) of y -------------------------------------------
   unsigned char* dw = dsm;
   gdn_u16 (*dsb)[2][RB][DKG] = reinterpret_cast<gdn_u16 (*)[2][RB][DKG]>(dsm + OFF_DSB);
   gdn_u16 (*hs)[I] = reinterpret_cast<gdn_u16 (*)[I]>(dsm + OFF_H);
   float (*ired)[RB][N] = reinterpret_cast<float (*)[RB][N]>(dsm + OFF_IRED);
-  STAMP(0);
-
-  // items: the pair slots whose expert no lower slot lists, then the shared
-  // expert (slot NK), as moe_decode_gemv.cu's down kernel
-  const int my_e = lane < NK ? inds[lane] : -1;
-  const unsigned same = __match_any_sync(0xffffffffu, my_e);
-  const unsigned items = __ballot_sync(0xffffffffu, lane < NK && __ffs(same) - 1 == lane) | (1u << NK);
-  // every item's rows, scales and biases -> shared memory (one cp.async group)
+  const float my_s = lane < NK ? scores[lane] : 0.0f;
+  // wait for every gate+up CTA (~2 s without progress: a broken buffer or
+  // launch, fail loudly)
+  if (tid == 0) {
+    unsigned spins = 0;
+    while (ld_acquire_u32(sync + SY_GU) < (unsigned)GU) {
+      __nanosleep(64);
+      if (++spins == (1u << 25)) __trap();
+    }
+  }
+  __syncthreads();
+  STAMP(6);  // h ready
+  // the items' rows, scales, biases (from L2 by now) -> shared memory
 #pragma unroll 1
   for (int sl = 0; sl < ITEMS; ++sl) {
     if (!((items >> sl) & 1u)) continue;
@@ -153,20 +190,7 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
     }
   }
   cp_async_commit();
-  const float my_s = lane < NK ? scores[lane] : 0.0f;
-  STAMP(1);
-
-  // wait for every gate+up CTA, then h and sgate through L2
-  if (tid == 0) {
-    // (~2 s without progress means a broken buffer or launch: fail loudly)
-    unsigned spins = 0;
-    while (ld_acquire_u32(sync + SY_GU) < (unsigned)GU) {
-      __nanosleep(100);
-      if (++spins == (1u << 24)) __trap();
-    }
-  }
-  __syncthreads();
-  STAMP(2);
+  // h and sgate through L2 (written by other CTAs of this launch)
   for (int i = tid; i < (NK + N) * I / 8; i += NT)
     *reinterpret_cast<uint4*>(&hs[0][0] + 8 * i) = __ldcg(reinterpret_cast<const uint4*>(h) + i);
   float sgv[N];
@@ -174,7 +198,6 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
   for (int n = 0; n < N; ++n) sgv[n] = __ldcg(sgate + n);
   cp_async_wait_all();
   __syncthreads();
-  STAMP(3);
 
   // warp w computes slots w, w + NW, ... from shared memory
 #pragma unroll 1
@@ -205,7 +228,6 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
     }
   }
   __syncthreads();
-  STAMP(4);
   if (tid < RB * N) {
     const int r = tid % RB, n = tid / RB;
     float v = 0.0f;
@@ -214,7 +236,7 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
       if ((items >> sl) & 1u) v += ired[sl][r][n];
     y[(size_t)n * D + row0 + r] = from_f<yt>(v);
   }
-  STAMP(5);
+  STAMP(7);  // y stored
   // the last down CTA resets the counters for the next launch
   if (tid == 0) {
     if (atomicAdd(sync + SY_DN, 1u) == (unsigned)DN - 1u) {

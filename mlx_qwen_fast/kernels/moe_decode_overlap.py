@@ -2,12 +2,13 @@
 
 Fuses the two kernels of :mod:`.moe_decode_gemv` (:func:`~.moe_decode_gemv.gate_up_swiglu`
 and :func:`~.moe_decode_gemv.down_combine`) into one grid (source
-``mlx_qwen_fast/cuda/moe_decode_overlap.cu``): the gate+up CTAs are those of
-the first kernel; the down CTAs copy their items' weights into shared memory
-as soon as they know the routing, then wait on a counter for ``h`` (no grid
-barrier: the gate+up CTAs never wait) and compute from shared memory. One
-launch gap and the down weights' DRAM time leave the chain. Same tile
-arithmetic and summation order as the two kernels: equal bits.
+``mlx_qwen_fast/cuda/moe_decode_overlap.cu``): the CTAs are those of the
+first kernel; the first D/16 of them fetch their down rows into L2 as soon as
+they know the routing, run their gate+up tile, wait on a counter for every
+tile's ``h`` (no grid barrier: the other CTAs never wait) and then compute
+the down rows from L2. One launch gap and the down weights' DRAM time leave
+the chain. Same tile arithmetic and summation order as the two kernels:
+equal bits.
 
 Where: one token's worth of items (``N*k + 1`` of them, each 16 rows x I/2
 bytes per down CTA) must fit the down CTA's shared memory with three CTAs per
@@ -51,19 +52,23 @@ def smem_bytes(n: int, k: int, D: int, I: int) -> int:
 def problem(n: int, k: int, D: int, I: int) -> Optional[str]:
     """None when the kernel runs this call shape, else why not (one line).
 
-    Needs N*k < 32, D % 256 == 0, I % 128 == 0, shared memory for three CTAs
-    per SM, fewer down CTAs (D/16) than SMs (the deadlock-freedom argument of
-    the source), and a CUDA GPU of compute capability 8.0+ (cp.async).
+    Needs N*k < 32, D % 256 == 0, I % 128 == 0, D/16 <= (I/16) (N*k + 2)
+    (the first D/16 of the gate+up CTAs compute the down rows), shared memory
+    for three CTAs per SM, fewer than D/16 SMs (the deadlock-freedom argument
+    of the source), and a CUDA GPU of compute capability 9.0+ (its L2 bulk
+    prefetch).
     """
     if not (1 <= n <= md.MAX_TOKENS and 1 <= k and n * k < 32):
         return f"N*k must be < 32 with 1 <= N <= {md.MAX_TOKENS}, got N={n}, k={k}"
     if D % 256 or I % 128:
         return f"D % 256 == 0 and I % 128 == 0 needed, got D={D}, I={I}"
+    if D // RB > (I // RB) * (n * k + 2):
+        return f"D/16 = {D // RB} down row blocks > the {(I // RB) * (n * k + 2)} gate+up CTAs"
     if smem_bytes(n, k, D, I) > SMEM_3_PER_SM:
         return f"{smem_bytes(n, k, D, I)} bytes of shared memory per CTA (> {SMEM_3_PER_SM}: fewer than 3 CTAs/SM)"
     try:
-        if not cb.cuda_available() or cb.gpu_arch() < (8, 0):
-            return "needs a CUDA GPU of compute capability 8.0 or newer"
+        if not cb.cuda_available() or cb.gpu_arch() < (9, 0):
+            return "needs a CUDA GPU of compute capability 9.0 or newer"
         if D // RB >= cb.sm_count():
             return f"D/16 = {D // RB} down CTAs must be fewer than the {cb.sm_count()} SMs"
     except RuntimeError as exc:
@@ -123,7 +128,7 @@ def _launch(x, inds, scores, experts, shared, expert_gate, sync, timing: bool = 
     (xwg, xsg, xbg), (xwu, xsu, xbu), (xwd, xsd, xbd) = shared
     gw, gs, gb, bits = expert_gate
     I = wg.shape[1]
-    ctas = (I // RB) * (n * k + 2) + D // RB
+    ctas = (I // RB) * (n * k + 2)
     kern = _kernel(n, k, D, I, int(bits), timing)
     outs = kern(
         inputs=[x, inds, scores, wg, sg, bg, wu, su, bu, wd, sd, bd, xwg, xsg, xbg, xwu, xsu, xbu,
