@@ -34,7 +34,7 @@
 #   bash bench/h200.sh s14b      # fourteenth session: bench.ops moe.decode, stock / four-node step / one launch
 #   bash bench/h200.sh s15a      # fifteenth session: the one-token decode block's read floor vs its kernels, 4 and 40 layers
 #   bash bench/h200.sh s15b      # fifteenth session: decode MoE kernel tests, then s15a with the kernels' phase stamps
-#   bash bench/h200.sh s15c      # fifteenth session: s15b with the one-launch overlap kernel's tests and compiled-step tests
+#   (s15c, the fifteenth session's one-launch "overlap" expert kernel, was removed with it: calls 4-5, moe-cuda-log.md)
 #   bash bench/h200.sh s13e      # thirteenth session: the route fix checked (column routing repeated, slot tests)
 #   bash bench/h200.sh s13c|s13d # thirteenth session: the slot with one router+gate matmul (tests, ncu); the 4K A/B
 #   bash bench/h200.sh s13b      # thirteenth session: the shared expert in the routing's shared slot (tests, ncu per T, 3 forms)
@@ -551,19 +551,10 @@ s15a)  # fifteenth session: bench/cuda/decode_read_floor.cu (the block's bytes r
 s15b)  # fifteenth session: the decode MoE kernels' tests (gate+up weights through cp.async), then the read
        # floor vs the kernels with their phase stamps and the 9-warp down build (bench/moe_decode_cuda.py floor)
   XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 6"
-  timeout 200 python3 -m pytest -q $XD tests/test_cuda_moe_decode.py tests/test_cuda_moe_decode_fused.py \
+  timeout 200 python3 -m pytest -q $XD tests/test_cuda_moe_decode.py tests/test_cuda_moe_decode_fused.py tests/test_compiled_steps.py \
     > $OUT/tests-moe-decode.txt 2>&1; echo "rc=$?" >> $OUT/tests-moe-decode.txt; tail -2 $OUT/tests-moe-decode.txt
   grep -E "^FAILED|^ERROR" $OUT/tests-moe-decode.txt | head -8
   timeout 300 python3 bench/moe_decode_cuda.py --out $OUT --sections build,floor > $OUT/moe-decode-floor.txt 2>&1
   grep -E "\[floor\]|rror|Trace" $OUT/moe-decode-floor.txt | cut -c1-420 | tail -44 ;;
-s15c)  # fifteenth session: the overlap kernel (both expert kernels in one launch), its tests and the decode
-       # tests, the compiled decode steps on the GPU, then the floor section (overlap timed and stamped)
-  XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 6"
-  timeout 240 python3 -m pytest -q $XD tests/test_cuda_moe_decode_overlap.py tests/test_cuda_moe_decode.py \
-    tests/test_cuda_moe_decode_fused.py tests/test_compiled_steps.py > $OUT/tests-moe-decode.txt 2>&1
-  echo "rc=$?" >> $OUT/tests-moe-decode.txt; tail -2 $OUT/tests-moe-decode.txt
-  grep -E "^FAILED|^ERROR|Error" $OUT/tests-moe-decode.txt | head -12
-  timeout 300 python3 bench/moe_decode_cuda.py --out $OUT --sections build,floor > $OUT/moe-decode-floor.txt 2>&1
-  grep -E "\[floor\]|rror|Trace" $OUT/moe-decode-floor.txt | grep -v "floor: " | cut -c1-600 | tail -30 ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s12b|s12c|s12d|s13a|s13b|s13c|s13d|s13e|s14a|s14b|s15a|s15b|s15c}"; exit 2 ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s12b|s12c|s12d|s13a|s13b|s13c|s13d|s13e|s14a|s14b|s15a|s15b}"; exit 2 ;;
 esac

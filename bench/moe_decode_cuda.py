@@ -456,16 +456,6 @@ def section_floor(args):
     smf = mf.smem_bytes(1, K, D, I)
     _set_smem(cp, kf, smf)
     gus, dnt = md.gate_up_smem_bytes(1), 32 * md.down_warps(1, K)
-    from mlx_qwen_fast.kernels import moe_decode_overlap as mo
-
-    ovs = mo.smem_bytes(1, K, D, I)
-    ov, ovt = None, None
-    for timing in (False, True):
-        kb = mo._kernel(1, K, D, I, 8, timing)
-        (cubdir / f"overlap{'t' * timing}_n1.cubin").write_bytes(kb.cubin)
-        fn = cp.RawModule(path=str(cubdir / f"overlap{'t' * timing}_n1.cubin")).get_function(kb.name)
-        _set_smem(cp, fn, ovs)
-        ov, ovt = (fn, ovt) if not timing else (ov, fn)
     rng = np.random.default_rng(1)
     R, n = 64, 1
     res = {}
@@ -520,38 +510,6 @@ def section_floor(args):
 
         kx = {tag: cp.RawModule(path=str(cubdir / f"{tag}_n1.cubin")).get_function(names[f"{tag}_n1"])
               for tag in ("k0t", "k1t", "k1w8", "k1w8t")}
-        ov_ctas = (I // 16) * (n * K + 2)
-        sync_ov = cp.zeros((64,), cp.uint32)
-        tim_ov = cp.zeros((R, ov_ctas, 8), cp.uint64)
-
-        def overlap(timing=False):
-            """kernels/moe_decode_overlap.py: both expert kernels as one launch."""
-            f = ovt if timing else ov
-
-            def go(r):
-                ly = layers[r % L]
-                f((ov_ctas, 1, 1), (256, 1, 1),
-                  (xs[r], inds[r], sc[r], *ly["g"], *ly["u"], *ly["d"], *ly["sg"], *ly["su"], *ly["sd"], ly["gw"],
-                   ly["gs"], ly["gb"], sync_ov, hs[r], sgs[r], ys[r], *((tim_ov[r],) if timing else ())),
-                  shared_mem=ovs)
-            return go
-        tim0 = cp.zeros((R, 320, 8), cp.uint64)
-        tim1 = cp.zeros((R, 128, 8), cp.uint64)
-
-        def real_x(tag, stamps=False):
-            """The N = 1 benchmark builds: timing (stamps into tim0 / tim1) and the 8-warp down."""
-            def go(r):
-                ly = layers[r % L]
-                if tag == "k0t":
-                    kx[tag](((I // 16), n * K + 2, 1), (256, 1, 1),
-                            (xs[r], inds[r], *ly["g"], *ly["u"], *ly["sg"], *ly["su"], ly["gw"], ly["gs"], ly["gb"],
-                             hs[r], sgs[r], tim0[r]), shared_mem=gus)
-                else:
-                    nt = 256 if tag.startswith("k1w8") else dnt
-                    kx[tag](((D // 16), 1, 1), (nt, 1, 1), (hs[r], inds[r], sc[r], sgs[r], *ly["d"], *ly["sd"], ys[r],
-                                                            *((tim1[r],) if stamps else ())))
-            return go
-
         def seq(*fs):
             return lambda r: [f(r) for f in fs]
 
@@ -572,12 +530,10 @@ def section_floor(args):
             ("kernel: down (k1)", real("k1"), B["dn"]),
             ("kernel: gate+up | down", seq(real("k0"), real("k1")), B["gu"] + B["dn"]),
             ("kernel: one launch (router incl.)", real("fused"), total),
-            ("kernel: overlap, gate+up and down in one launch", overlap(), B["gu"] + B["dn"]),
             ("kernel: down, 8 warps", real_x("k1w8"), B["dn"]),
             ("kernel: gate+up | down, 8 warps", seq(real("k0"), real_x("k1w8")), B["gu"] + B["dn"]),
             ("floor: all, 1 kernel (again)", probe("probe", 0, 432), total),
             ("kernel: gate+up | down (again)", seq(real("k0"), real("k1")), B["gu"] + B["dn"]),
-            ("kernel: overlap (again)", overlap(), B["gu"] + B["dn"]),
         ]
         for name, fn, nb in variants:
             us = _graph_us(cp, stream, fn, R)
@@ -587,22 +543,6 @@ def section_floor(args):
             log(f"[floor] L={L:2d} {name:42s} {us:7.2f} us/layer  {nb / 1e6:5.2f} MB  {gbs:6.0f} GB/s  "
                 f"{gbs / COPY_GBS:5.2f} of 3382  {gbs / res['copy_GBps']:5.2f} of copy here")
         res[f"L={L} out_untouched"] = bool(int(cp.count_nonzero(out)) == 0)
-        res[f"L={L} overlap sync words zero"] = bool(int(cp.count_nonzero(sync_ov)) == 0)
-        # the overlap kernel's phases: its gate+up CTAs (slots 0-5 as k0's) and down CTAs
-        us = _graph_us(cp, stream, overlap(timing=True), R)
-        tv = cp.asnumpy(tim_ov).astype(np.int64)
-        gu = (I // 16) * (n * K + 1)  # routed + shared gate+up CTAs (the gate CTAs stamp slot 0 only)
-        base = tv[:, :, 0].min(axis=1)[:, None]
-        ph = {"overlap us/layer": us}
-        dn = D // 16  # the CTAs that also compute down rows (slots 6, 7)
-        for nm, lo, hi, i in (("gu start", 0, gu, 0), ("gu expert known", 0, gu, 1), ("gu weights in", 0, gu, 2),
-                              ("gu dots done", 0, gu, 3), ("gu h stored", 0, gu, 5),
-                              ("dn h ready", 0, dn, 6), ("dn y stored", 0, dn, 7)):
-            v = (tv[:, lo:hi, i] - base) / 1e3
-            ph[nm] = [float(np.median(v.min(1))), float(np.median(np.median(v, 1))), float(np.median(v.max(1)))]
-        res[f"L={L} phases (overlap)"] = ph
-        log(f"[floor] L={L:2d} phases, overlap ({us:.2f} us/layer; us from the first CTA, min/median/max over CTAs): "
-            + "; ".join(f"{k} {v[0]:.2f}/{v[1]:.2f}/{v[2]:.2f}" for k, v in ph.items() if isinstance(v, list)))
         # phase stamps: the timing builds of both kernels in one graph (ns from the first
         # CTA start of the layer's gate+up kernel; median over layers of min/median/max over CTAs)
         for k1tag in ("k1t", "k1w8t"):

@@ -20,7 +20,6 @@ from mlx_qwen_fast.compiled import StepPlans, apply_linear, concat_linears, gath
 from mlx_qwen_fast.kernels import gated_delta_decode as k_decode
 from mlx_qwen_fast.kernels import moe_decode_fused as mf
 from mlx_qwen_fast.kernels import moe_decode_gemv as md
-from mlx_qwen_fast.kernels import moe_decode_overlap as mo
 from mlx_qwen_fast.ops import gated_delta as gated_delta_ops
 from mlx_qwen_fast.ops import moe
 
@@ -236,7 +235,6 @@ def cpu_moe(monkeypatch):
     monkeypatch.setattr(md, "_launch_both", fake_launch_both)
     monkeypatch.setattr(mr, "route", lambda logits, k, normalize=True: moe.route(logits, k, normalize=normalize))
     monkeypatch.setenv(mf.FUSED_ENV, "0")  # the four-node step; the one-launch step: cpu_moe_fused
-    monkeypatch.setenv(mo.OVERLAP_ENV, "0")  # the two expert kernels (faked above), not the overlap launch
     monkeypatch.setattr(md, "_steps", {})  # traces of the fakes stay out of the real cache
 
 

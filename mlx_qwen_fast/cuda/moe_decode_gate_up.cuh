@@ -1,5 +1,5 @@
-// Gate + up + SwiGLU tile of the decode MoE kernels (moe_decode_gemv.cu
-// MDG_KIND 0, moe_decode_overlap.cu): one CTA of NT = 256 threads computes
+// Gate + up + SwiGLU tile of the decode MoE kernel moe_decode_gemv.cu
+// (MDG_KIND 0): one CTA of NT = 256 threads computes
 // rows [16 rb, +16) of the gate and the up matrix of one item for the N
 // tokens, or the shared-expert gate (see moe_decode_gemv.cu for the layouts,
 // the numerics and the shared-memory use).

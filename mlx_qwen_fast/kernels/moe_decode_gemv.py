@@ -478,21 +478,18 @@ _EXPERT_PATHS = tuple((parent, proj, leaf) for parent in ("switch_mlp", "shared_
 
 
 def _step_plan(block, x):
-    """``(paths, (compiled step, needs_sync))`` of ``block`` for inputs like ``x``
+    """``(paths, (compiled step, fused))`` of ``block`` for inputs like ``x``
     (see :class:`mlx_qwen_fast.compiled.StepPlans`); ``(children, None)``
     where :func:`plan` declines. Path order = the compiled step's array order:
     router, routed experts gate/up/down, shared expert gate/up/down (weight,
     scales, biases each), shared-expert gate (weight, scales, biases).
-    The step is :func:`.moe_decode_fused.moe_decode_fused` (one launch) where
-    the router is 4/8-bit group 64, the GPU is compute capability 9.0+ and
-    ``MLX_QWEN_FAST_MOE_DECODE_FUSED=1``; else router matmul, routing kernel
-    and the experts: :func:`.moe_decode_overlap.moe_decode_overlap` (one
-    launch) where it runs the call shape (the default; ``MLX_QWEN_FAST_MOE_DECODE_OVERLAP=0``
-    turns it off), else the two kernels here. ``needs_sync``: the caller
-    appends the block's barrier buffer (both one-launch forms)."""
+    ``fused``: the step is :func:`.moe_decode_fused.moe_decode_fused` (one
+    launch; the caller appends the block's barrier buffer), chosen where the
+    router is 4/8-bit group 64, the GPU is compute capability 9.0+ and
+    ``MLX_QWEN_FAST_MOE_DECODE_FUSED=1``; else
+    router matmul, routing kernel and the two kernels here (the default)."""
     from ..compiled import linear_arrays, linear_paths
     from . import moe_decode_fused as mf
-    from . import moe_decode_overlap as mo
 
     declined = [(c,) for c in _CHILDREN if c in block], None
     router = linear_arrays(block.gate) if "gate" in block else None
@@ -508,25 +505,18 @@ def _step_plan(block, x):
         paths = tuple(("gate", n) for n in ("weight", "scales", "biases")) + _EXPERT_PATHS + gate
         return paths, (_compiled_fused_step(block.top_k, block.norm_topk_prob, bits, cb.sm_count()), True)
     paths = linear_paths(("gate",), router) + _EXPERT_PATHS + gate
-    n, D, I = x.size // x.shape[-1], x.shape[-1], arrs[0][0][0].shape[1]
-    overlap = mo.enabled() and mo.problem(n, block.top_k, D, I) is None
-    return paths, (_compiled_step(block.top_k, block.norm_topk_prob, router[1], len(router[0]), bits, overlap),
-                   overlap)
+    return paths, (_compiled_step(block.top_k, block.norm_topk_prob, router[1], len(router[0]), bits), False)
 
 
 _steps: Dict[tuple, object] = {}
 
 
-def _compiled_step(top_k: int, normalize: bool, router_static: tuple, n_router: int, gate_bits: int,
-                   overlap: bool = False):
-    """The ``mx.compile``d decode step for one static setting (shared by all
-    layers); ``overlap``: the experts in one launch (:mod:`.moe_decode_overlap`,
-    the block's barrier buffer the last argument)."""
-    key = (top_k, bool(normalize), router_static, n_router, gate_bits, overlap)
+def _compiled_step(top_k: int, normalize: bool, router_static: tuple, n_router: int, gate_bits: int):
+    """The ``mx.compile``d decode step for one static setting (shared by all layers)."""
+    key = (top_k, bool(normalize), router_static, n_router, gate_bits)
     fn = _steps.get(key)
     if fn is None:
         from ..compiled import apply_linear
-        from . import moe_decode_overlap as mo
         from . import moe_routing as mr
 
         def step(x, *arrays):
@@ -534,10 +524,7 @@ def _compiled_step(top_k: int, normalize: bool, router_static: tuple, n_router: 
             inds, scores = mr.route(logits, top_k, normalize=normalize)
             a = arrays[n_router:]
             experts, shared = (a[0:3], a[3:6], a[6:9]), (a[9:12], a[12:15], a[15:18])
-            gate = (a[18], a[19], a[20], gate_bits)
-            if overlap:
-                return mo._launch(x, inds, scores, experts, shared, gate, a[21])[0]
-            return _launch_both(x, inds, scores, experts, shared, gate)
+            return _launch_both(x, inds, scores, experts, shared, (a[18], a[19], a[20], gate_bits))
 
         fn = _steps[key] = mx.compile(step)
     return fn
@@ -573,9 +560,8 @@ def block_sync(block) -> mx.array:
 def moe_decode_step(block, x: mx.array) -> Optional[mx.array]:
     """The block's decode step traced once with ``mx.compile``, or None where it does not apply.
 
-    By default the computation of :func:`moe_decode`, bit for bit (its two
-    expert kernels as one launch, :mod:`.moe_decode_overlap`, where that runs
-    the call shape); with ``MLX_QWEN_FAST_MOE_DECODE_FUSED=1`` one launch
+    By default the computation of :func:`moe_decode` (same kernels, bit for
+    bit); with ``MLX_QWEN_FAST_MOE_DECODE_FUSED=1`` one launch
     (:func:`.moe_decode_fused.moe_decode_fused`) where the router is 4/8-bit
     group 64. The block's arrays are inputs of the compiled function, so one trace
     per token count serves every layer. The :func:`plan` checks run once per
@@ -593,14 +579,13 @@ def moe_decode_step(block, x: mx.array) -> Optional[mx.array]:
     """
     from ..compiled import StepPlans
     from . import moe_decode_fused as mf
-    from . import moe_decode_overlap as mo
 
-    key = (tuple(x.shape), x.dtype, mf.fused_enabled(), mo.enabled())
+    key = (tuple(x.shape), x.dtype, mf.fused_enabled())
     arrays, p = StepPlans.of(block).get(key, block, lambda: _step_plan(block, x))
     if p is None:
         return None
-    fn, needs_sync = p
-    if needs_sync:
+    fn, fused = p
+    if fused:
         return fn(x, *arrays, block_sync(block))
     return fn(x, *arrays)  # [..., D] in and out: the kernels need no reshape node
 
