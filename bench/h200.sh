@@ -549,7 +549,7 @@ s15a)  # fifteenth session: bench/cuda/decode_read_floor.cu (the block's bytes r
   timeout 400 python3 bench/moe_decode_cuda.py --out $OUT --sections build,floor > $OUT/moe-decode-floor.txt 2>&1
   grep -E "\[floor\]|rror|Trace" $OUT/moe-decode-floor.txt | cut -c1-200 | tail -40 ;;
 s15b)  # fifteenth session: the decode MoE kernels' tests (gate+up weights through cp.async), then the read
-       # floor vs the kernels with their phase stamps and the 9-warp down build (bench/moe_decode_cuda.py floor)
+       # floor vs the kernels with their phase stamps and the 8-warp down build (bench/moe_decode_cuda.py floor)
   XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 6"
   timeout 200 python3 -m pytest -q $XD tests/test_cuda_moe_decode.py tests/test_cuda_moe_decode_fused.py tests/test_compiled_steps.py \
     > $OUT/tests-moe-decode.txt 2>&1; echo "rc=$?" >> $OUT/tests-moe-decode.txt; tail -2 $OUT/tests-moe-decode.txt

@@ -35,17 +35,22 @@ stay fp32 (stock rounds probabilities, weighted outputs and the sum to bf16),
 the shared gate's sigmoid is not rounded, selection uses fp32 probabilities
 (:func:`mlx_qwen_fast.kernels.moe_routing.route`).
 
-Status: compiled with nvcc 13.0 for sm_90a (no spills: gate+up 80 registers,
-3 CTAs/SM; down 158-165 registers since 2026-12-02). On the H200 (2026-12-01): the check of
-bench/moe_decode_cuda.py 10/10 (rel. error 4-6e-3 vs the fp32 reference) and
-tests/test_cuda_moe_decode.py pass; both kernels take 15.4 us per layer at
-N = 1 and 32.4 us at N = 4 (CUDA graph, kernels alone: 24-40 % of the copy
-rate). The patched model runs them by default on CUDA through
+Status: compiled with nvcc 13.0 for sm_90a (no spills: gate+up 79-80
+registers, 3 CTAs/SM, 40-52 KB of dynamic shared memory; down 150-164
+registers). On the H200 (2026-12-03, CUDA graph of 64 layers over 40 layers'
+weights, kernels alone): 13.4 us per layer at N = 1 (gate+up 7.3, down 5.9;
+35% of the 3,382 GB/s copy rate), down from 14.8 (the gate+up weights staged
+through cp.async in two halves, one down warp per item at one token); a
+kernel that only reads the same bytes the same way takes 6.0 us in one
+launch and 8.1 us as two (bench/cuda/decode_read_floor.cu). N = 4: 32.4 us
+(2026-12-01, before these changes). tests/test_cuda_moe_decode.py passes.
+The patched model runs them by default on CUDA through
 :func:`moe_decode_step` (``MLX_QWEN_FAST_MOE_DECODE_KERNEL=0`` keeps stock;
 ``MLX_QWEN_FAST_MOE_DECODE_FUSED=1`` takes :mod:`.moe_decode_fused` instead;
-bench/results/moe-cuda-log.md). Since 2026-12-02 the down kernel keeps one
-mma chain per 128-input block and adds them in block order (the one-launch
-kernel does the same, so both give the same bits).
+bench/results/moe-cuda-log.md). The down kernel keeps one mma chain per
+128-input block, adds them in block order, and sums the items' weighted
+outputs in slot order (the one-launch kernel does the same: both give the
+same bits).
 """
 
 from __future__ import annotations
