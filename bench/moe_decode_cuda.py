@@ -510,6 +510,23 @@ def section_floor(args):
 
         kx = {tag: cp.RawModule(path=str(cubdir / f"{tag}_n1.cubin")).get_function(names[f"{tag}_n1"])
               for tag in ("k0t", "k1t", "k1w8", "k1w8t")}
+        tim0 = cp.zeros((R, 320, 8), cp.uint64)
+        tim1 = cp.zeros((R, 128, 8), cp.uint64)
+
+        def real_x(tag, stamps=False):
+            """The N = 1 benchmark builds: timing (stamps into tim0 / tim1) and the 8-warp down."""
+            def go(r):
+                ly = layers[r % L]
+                if tag == "k0t":
+                    kx[tag](((I // 16), n * K + 2, 1), (256, 1, 1),
+                            (xs[r], inds[r], *ly["g"], *ly["u"], *ly["sg"], *ly["su"], ly["gw"], ly["gs"], ly["gb"],
+                             hs[r], sgs[r], tim0[r]), shared_mem=gus)
+                else:
+                    nt = 256 if tag.startswith("k1w8") else dnt
+                    kx[tag](((D // 16), 1, 1), (nt, 1, 1), (hs[r], inds[r], sc[r], sgs[r], *ly["d"], *ly["sd"], ys[r],
+                                                            *((tim1[r],) if stamps else ())))
+            return go
+
         def seq(*fs):
             return lambda r: [f(r) for f in fs]
 
