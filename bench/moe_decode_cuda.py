@@ -331,7 +331,7 @@ def section_raw(args):
                    (xs[r], inds[r], *ly["g"], *ly["u"], *ly["sg"], *ly["su"], ly["gw"], ly["gs"], ly["gb"], hs[r], sgs[r]),
                    shared_mem=md.gate_up_smem_bytes(n))
             if which in ("both", "k1"):
-                k1(((D // 16), 1, 1), (32 * md.down_warps(n, K), 1, 1),
+                k1(((D // 16), 1, 1), (32 * md.down_warps(n, K, I), 1, 1),
                    (hs[r], inds[r], sc[r], sgs[r], *ly["d"], *ly["sd"], ys[r]))
             if which == "fused":
                 kf((G, 1, 1), (256, 1, 1), (xs[r], *ly["r"], *ly["g"], *ly["u"], *ly["d"], *ly["sg"], *ly["su"],
@@ -455,7 +455,7 @@ def section_floor(args):
 
     smf = mf.smem_bytes(1, K, D, I)
     _set_smem(cp, kf, smf)
-    gus, dnt = md.gate_up_smem_bytes(1), 32 * md.down_warps(1, K)
+    gus, dnt = md.gate_up_smem_bytes(1), 32 * md.down_warps(1, K, I)
     rng = np.random.default_rng(1)
     R, n = 64, 1
     res = {}

@@ -294,7 +294,8 @@ def test_kernels_all_tokens_same_experts(poison):
 @pytest.mark.parametrize("k", [4, 11])
 def test_kernels_one_token_warp_per_item(poison, k):
     """One token: the down kernel runs k + 1 warps (5 and 12 here), one per item."""
-    assert md.down_warps(1, k) == k + 1 and md.down_warps(2, k) == 8
+    assert md.down_warps(1, k, 512) == k + 1 and md.down_warps(2, k, 512) == 8
+    assert md.down_warps(1, k, 1024) == 8  # wider experts: 8 warps (no spills)
     check_kernels(1, k=k, seed=50 + k)
 
 

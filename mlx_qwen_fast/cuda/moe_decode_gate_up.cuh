@@ -143,10 +143,12 @@ __device__ __forceinline__ void gate_up_cta(const GateUpArgs& a, const int item,
     const int kb = ch * KC;
     // weights: 16 bytes per (u, mat, row g / g+8), copied in four groups in
     // the order they are used, (u, m) = (0, 0), (0, 1), (1, 0), (1, 1), so
-    // that the first can be computed while the later ones are in flight (the
-    // lane reads back only what it copied: its own waits suffice)
-    // first group: the chunk's scales and biases, 8 bytes (4 groups) per
-    // (array, mat, row), two pieces per lane
+    // that the first can be computed while the later ones are in flight
+    // (ptxas hoists the second wait of each u next to the first: in effect
+    // two halves, u = 0 and u = 1). A lane reads back only the weights it
+    // copied (its own waits suffice); the scales and biases, in the first
+    // group, 8 bytes (4 groups) per (array, mat, row), two pieces per lane,
+    // are read by other lanes: a __syncwarp after the first wait.
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int p = lane + 32 * i, arr = p & 1, m = (p >> 1) & 1, r = p >> 2;
@@ -182,7 +184,10 @@ __device__ __forceinline__ void gate_up_cta(const GateUpArgs& a, const int item,
 #pragma unroll
       for (int m = 0; m < 2; ++m) {
         // group (u, m) has landed: at most 3 - (2u + m) younger groups pending
-        if (2 * u + m == 0) cp_async_wait<3>();
+        if (2 * u + m == 0) {
+          cp_async_wait<3>();
+          __syncwarp();  // the other lanes' scale/bias copies are visible
+        }
         else if (2 * u + m == 1) cp_async_wait<2>();
         else if (2 * u + m == 2) cp_async_wait<1>();
         else cp_async_wait<0>();

@@ -28,9 +28,11 @@
 //   shared expert (all tokens); item == NK + 1, rb == 0: shared-expert gate.
 //   Warps split K: warp w takes inputs [256c, +256) for c = w, w+8, ...;
 //   its weights, scales and biases go to shared memory through cp.async in
-//   two halves (inputs [0, 128) then [128, 256) of the chunk) so that the
-//   first half is computed while the second is in flight; x is staged in the
-//   mma's B-pair order. Dynamic shared memory: 36864 + 4096 N bytes.
+//   four commit groups (scales and biases with the first), waited for in
+//   the order they are used -- in effect two halves, inputs [0, 128) then
+//   [128, 256) of the chunk -- so that the first half is computed while the
+//   second is in flight; x is staged in the mma's B-pair order. Dynamic
+//   shared memory: 36864 + 4096 N bytes (moe_decode_gate_up.cuh).
 //   Partial sums meet in shared memory, summed in warp order (deterministic).
 //   inputs: x [N, D] bf16, inds [NK] int32/uint32, wg, sg, bg, wu, su, bu
 //   (routed [E, I, D/8] / [E, I, D/64]), xwg, xsg, xbg, xwu, xsu, xbu (shared
@@ -50,8 +52,9 @@
 //   per item and token
 //   coef * bf16(h . Wd) is added in fp32 (coef = score of the pair, the sum
 //   of both if the token listed the expert twice, 0 if it did not pick it;
-//   sgate[n] for the shared expert), then the
-//   warps' sums are added in warp order (deterministic, no atomics).
+//   sgate[n] for the shared expert); the items' sums are added in slot
+//   order (deterministic, no atomics; the one-launch kernel moe_decode_fused.cu
+//   adds its distinct items in the same order: equal bits).
 //   inputs: h [NK + N, I] bf16, inds [NK], scores [NK] float, sgate [N]
 //   float, wd, sd, bd (routed [E, D, I/8] / [E, D, I/64]), xwd, xsd, xbd
 //   (shared [D, I/8] / [D, I/64]); output y [N, D] MDG_YT.

@@ -40,7 +40,7 @@ registers, 3 CTAs/SM, 40-52 KB of dynamic shared memory; down 150-164
 registers). On the H200 (2026-12-03, CUDA graph of 64 layers over 40 layers'
 weights, kernels alone): 13.4 us per layer at N = 1 (gate+up 7.3, down 5.9;
 35% of the 3,382 GB/s copy rate), down from 14.8 (the gate+up weights staged
-through cp.async in two halves, one down warp per item at one token); a
+through cp.async, computed in two halves, one down warp per item at one token); a
 kernel that only reads the same bytes the same way takes 6.0 us in one
 launch and 8.1 us as two (bench/cuda/decode_read_floor.cu). N = 4: 32.4 us
 (2026-12-01, before these changes). tests/test_cuda_moe_decode.py passes.
@@ -120,16 +120,17 @@ def _gate_bits(expert_gate, D: int) -> int:
     return 0
 
 
-def down_warps(n: int, k: int) -> int:
-    """Warps per CTA of the down kernel for ``n`` tokens, top-``k``.
+def down_warps(n: int, k: int, I: int) -> int:
+    """Warps per CTA of the down kernel for ``n`` tokens, top-``k``, expert width ``I``.
 
     One warp per item (``n*k`` pair slots + the shared expert) at one token
-    when that is at most 12 warps (the ~165-register kernel still fits one CTA
-    per SM), so no warp computes two items in series (k = 8: 9 warps, measured
-    6.5 -> 5.9 us per layer, bench/results/moe-cuda-log.md, 2026-12-03);
-    8 otherwise.
+    when that is at most 12 warps and ``I <= 768`` (the kernel then needs at
+    most 168 registers, so one CTA per SM still fits without spills; nvcc
+    13.0 spills at I = 1024 with 9 warps), so no warp computes two items in
+    series (k = 8: 9 warps, measured 6.5 -> 5.9 us per layer,
+    bench/results/moe-cuda-log.md, 2026-12-03); 8 otherwise.
     """
-    return n * k + 1 if n == 1 and k + 1 <= 12 else 8
+    return n * k + 1 if n == 1 and k + 1 <= 12 and I <= 768 else 8
 
 
 def smem_bytes(n: int, k: int, I: int) -> int:
@@ -292,7 +293,7 @@ def _kernel(kind: int, n: int, k: int, D: int, I: int, sgb: int = 8, yt: str = "
             defs["MDG_SGB"] = sgb
         else:
             defs["MDG_YT"] = yt
-            defs["MDG_DNW"] = down_warps(n, k)
+            defs["MDG_DNW"] = down_warps(n, k, I)
         kern = cb.CudaKernel(
             "moe_decode_gemv.cu", "mqf_moe_dec_gate_up" if kind == 0 else "mqf_moe_dec_down", defs
         )
@@ -410,7 +411,7 @@ def _launch_down(h, inds, scores, sgate, down, shared_down):
     n = inds.size // k
     D, I = down[0].shape[1], h.shape[1]
     kern = _kernel(1, n, k, D, I)
-    nt = 32 * down_warps(n, k)
+    nt = 32 * down_warps(n, k, I)
     (y,) = kern(
         inputs=[h, inds, scores, sgate, *down, *shared_down],
         output_shapes=[(*inds.shape[:-1], D)],
