@@ -172,15 +172,14 @@ __device__ __forceinline__ void item_coefs(int e, int my_e, float my_s, SG sg, i
 // MDG_TIMING (benchmark builds only): a kernel takes TIMING_ARG as its last
 // parameter, [CTAs, 8] uint64, and STAMP(i) writes %globaltimer (ns) there,
 // thread 0, slot i of the CTA's linear index.
-#define MDG_STAMP_TO(ptr, i)                                                 \
+#ifdef MDG_TIMING
+#define TIMING_ARG , unsigned long long* __restrict__ tim
+#define STAMP(i)                                                             \
   if (threadIdx.x == 0) {                                                    \
     unsigned long long t_;                                                   \
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                   \
-    (ptr)[((size_t)blockIdx.y * gridDim.x + blockIdx.x) * 8 + (i)] = t_;     \
+    tim[((size_t)blockIdx.y * gridDim.x + blockIdx.x) * 8 + (i)] = t_;       \
   }
-#ifdef MDG_TIMING
-#define TIMING_ARG , unsigned long long* __restrict__ tim
-#define STAMP(i) MDG_STAMP_TO(tim, i)
 #else
 #define TIMING_ARG
 #define STAMP(i)
