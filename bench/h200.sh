@@ -34,6 +34,7 @@
 #   bash bench/h200.sh s14b      # fourteenth session: bench.ops moe.decode, stock / four-node step / one launch
 #   bash bench/h200.sh s15a      # fifteenth session: the one-token decode block's read floor vs its kernels, 4 and 40 layers
 #   bash bench/h200.sh s15b      # fifteenth session: decode MoE kernel tests, then s15a with the kernels' phase stamps
+#   bash bench/h200.sh s16a      # sixteenth session: s15b's tests, then the read floors incl. the dependent one-launch floor
 #   (s15c, the fifteenth session's one-launch "overlap" expert kernel, was removed with it: calls 4-5, moe-cuda-log.md)
 #   bash bench/h200.sh s13e      # thirteenth session: the route fix checked (column routing repeated, slot tests)
 #   bash bench/h200.sh s13c|s13d # thirteenth session: the slot with one router+gate matmul (tests, ncu); the 4K A/B
@@ -556,5 +557,13 @@ s15b)  # fifteenth session: the decode MoE kernels' tests (gate+up weights throu
   grep -E "^FAILED|^ERROR" $OUT/tests-moe-decode.txt | head -8
   timeout 300 python3 bench/moe_decode_cuda.py --out $OUT --sections build,floor > $OUT/moe-decode-floor.txt 2>&1
   grep -E "\[floor\]|rror|Trace" $OUT/moe-decode-floor.txt | cut -c1-420 | tail -44 ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s12b|s12c|s12d|s13a|s13b|s13c|s13d|s13e|s14a|s14b|s15a|s15b}"; exit 2 ;;
+s16a)  # sixteenth session: the decode MoE kernel tests (the __syncwarp build), then the read floors incl. the
+       # dependent one-launch floor (bench/cuda/decode_dep_floor.cu) and the one-launch kernel's phase stamps
+  XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 6"
+  timeout 200 python3 -m pytest -q $XD tests/test_cuda_moe_decode.py tests/test_cuda_moe_decode_fused.py tests/test_compiled_steps.py \
+    > $OUT/tests-moe-decode.txt 2>&1; echo "rc=$?" >> $OUT/tests-moe-decode.txt; tail -2 $OUT/tests-moe-decode.txt
+  grep -E "^FAILED|^ERROR" $OUT/tests-moe-decode.txt | head -8
+  timeout 330 python3 bench/moe_decode_cuda.py --out $OUT --sections build,floor > $OUT/moe-decode-floor.txt 2>&1
+  grep -E "\[floor\]|rror|Trace" $OUT/moe-decode-floor.txt | grep -v "L= 4" | cut -c1-520 | tail -40 ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s12b|s12c|s12d|s13a|s13b|s13c|s13d|s13e|s14a|s14b|s15a|s15b|s16a}"; exit 2 ;;
 esac

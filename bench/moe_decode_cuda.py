@@ -423,6 +423,9 @@ FLOOR_BYTES = {"router": 16 * (16 * 2048 + 16 * 32 * 4), "gu": 32 * 9 * (32768 +
                "dn": 128 * 9 * (16 * 256 + 16 * 8 * 4)}
 
 
+DEP_SMEM = 128 * 1024 + 2 * 1024  # decode_dep_floor.cu's SMEM_BYTES (129,856) rounded up
+
+
 def section_floor(args):
     """One token: a read-only kernel over the block's bytes (the floor) vs the decode kernels, 4 and 40 layers.
 
@@ -447,6 +450,15 @@ def section_floor(args):
         kb = cb.CudaKernel(src, "mqf_read_floor_" + tag, defs)
         (cubdir / f"floor_{tag}.cubin").write_bytes(kb.cubin)
         fns[tag] = cp.RawModule(path=str(cubdir / f"floor_{tag}.cubin")).get_function(kb.name)
+    # the dependent floor (one launch, grid barriers, routing): DEP_BARRIERS / DEP_ROUTE builds
+    dsrc = str(ROOT / "bench" / "cuda" / "decode_dep_floor.cu")
+    deps = {}
+    for tag, defs in (("b0", {"DEP_BARRIERS": 0, "DEP_ROUTE": 0}), ("b1", {"DEP_BARRIERS": 1, "DEP_ROUTE": 1}),
+                      ("b2", {"DEP_BARRIERS": 2, "DEP_ROUTE": 1}), ("b2s", {"DEP_BARRIERS": 2, "DEP_ROUTE": 0})):
+        kb = cb.CudaKernel(dsrc, "mqf_dep_floor_" + tag, defs)
+        (cubdir / f"dep_{tag}.cubin").write_bytes(kb.cubin)
+        deps[tag] = cp.RawModule(path=str(cubdir / f"dep_{tag}.cubin")).get_function(kb.name)
+        _set_smem(cp, deps[tag], DEP_SMEM)
     k0 = cp.RawModule(path=str(cubdir / "k0_n1.cubin")).get_function(names["k0_n1"])
     k1 = cp.RawModule(path=str(cubdir / "k1_n1.cubin")).get_function(names["k1_n1"])
     kf = cp.RawModule(path=str(cubdir / "fused_n1.cubin")).get_function(names["fused_n1"])
@@ -527,6 +539,28 @@ def section_floor(args):
                                                             *((tim1[r],) if stamps else ())))
             return go
 
+        dsync = {tag: cp.zeros((64,), dtype=cp.uint32) for tag in deps}
+        dlog, dh = cp.zeros((E,), cp.float32), cp.zeros(((K + 1) * I,), cp.uint16)
+        dtim = cp.zeros((R, 128, 8), cp.uint64)
+
+        def dep(tag):
+            def go(r):
+                ly = layers[r % L]
+                deps[tag]((128, 1, 1), (256, 1, 1), (*ly["r"], *ly["g"], *ly["u"], *ly["d"], *ly["sg"], *ly["su"],
+                                                     *ly["sd"], inds[r], np.uint32(r * 7919 + L), dlog, dh,
+                                                     dsync[tag], out, dtim[r]), shared_mem=DEP_SMEM)
+            return go
+
+        timf = cp.zeros((R, cb.sm_count(), 8), cp.uint64)
+        kft = cp.RawModule(path=str(cubdir / "fusedt_n1.cubin")).get_function(names["fusedt_n1"])
+        _set_smem(cp, kft, smf)
+
+        def fused_t(r):
+            ly = layers[r % L]
+            kft((cb.sm_count(), 1, 1), (256, 1, 1),
+                (xs[r], *ly["r"], *ly["g"], *ly["u"], *ly["d"], *ly["sg"], *ly["su"], *ly["sd"], ly["gw"],
+                 ly["gs"], ly["gb"], sync, ys[r], *fo[r], hs[r], sgs[r], timf[r]), shared_mem=smf)
+
         def seq(*fs):
             return lambda r: [f(r) for f in fs]
 
@@ -542,6 +576,10 @@ def section_floor(args):
             ("floor: router | gate+up | down", seq(probe("probe", 0, 16), probe("probe", 16, 288),
                                                    probe("probe", 304, 128)), total),
             ("floor: contiguous 14.2 MB, lane-linear", probe("linear", 0, 432), 432 * 32768),
+            ("dep floor: 1 launch, no barrier, static ids", dep("b0"), total),
+            ("dep floor: router | barrier | routed", dep("b1"), total),
+            ("dep floor: + barrier before down", dep("b2"), total),
+            ("dep floor: 2 barriers, ids read (no top-k)", dep("b2s"), total),
             ("copy 16.5 MB (read bytes)", lambda r: dst.__setitem__(Ellipsis, layers[r % L]["cpy"]), total),
             ("kernel: gate+up (k0)", real("k0"), B["gu"]),
             ("kernel: down (k1)", real("k1"), B["dn"]),
@@ -577,6 +615,23 @@ def section_floor(args):
                 ph[nm] = [float(np.median(v.min(1))), float(np.median(np.median(v, 1))), float(np.median(v.max(1)))]
             res[f"L={L} phases ({k1tag})"] = ph
             log(f"[floor] L={L:2d} phases, k0t | {k1tag} ({us:.2f} us/layer; us from k0's first CTA, min/median/max "
+                "over CTAs): " + "; ".join(f"{k} {v[0]:.2f}/{v[1]:.2f}/{v[2]:.2f}" for k, v in ph.items()
+                                          if isinstance(v, list)))
+        # phase stamps of the dependent floor (2 barriers, routing) and of the one-launch kernel
+        for nm_k, fn, tim, pts in (
+                ("dep floor b2", dep("b2"), dtim, ("start", "router in", "barrier 1 out", "routed", "gate+up in",
+                                                   "barrier 2 out", "down in", "end")),
+                ("one launch (fusedt)", fused_t, timf, ("start", "x staged", "router done", "barrier 1 out",
+                                                        "routed+issued", "gate+up done", "barrier 2 out", "end"))):
+            us = _graph_us(cp, stream, lambda r: fn(r), R)
+            t = cp.asnumpy(tim).astype(np.int64)
+            base = t[:, :, 0].min(axis=1)[:, None]
+            ph = {"us/layer": us}
+            for i, nm in enumerate(pts):
+                v = (t[:, :, i] - base) / 1e3
+                ph[nm] = [float(np.median(v.min(1))), float(np.median(np.median(v, 1))), float(np.median(v.max(1)))]
+            res[f"L={L} phases ({nm_k})"] = ph
+            log(f"[floor] L={L:2d} phases, {nm_k} ({us:.2f} us/layer; us from the first CTA's start, min/median/max "
                 "over CTAs): " + "; ".join(f"{k} {v[0]:.2f}/{v[1]:.2f}/{v[2]:.2f}" for k, v in ph.items()
                                           if isinstance(v, list)))
         del layers, variants

@@ -60,6 +60,7 @@
 // stamps at the phase points (bench builds).
 #include "moe_decode_common.cuh"
 #include "moe_route_common.cuh"
+#include "grid_sync.cuh"
 
 #ifndef MDG_E
 #define MDG_E 256
@@ -128,69 +129,6 @@ constexpr int OFF_DN = GU_SLOTS * GU_SLOT;
 constexpr int OFF_BAR = OFF_DN + DN_SLOTS * DN_SLOT;
 constexpr int OFF_SM = (OFF_BAR + 8 * (GU_SLOTS + DN_SLOTS) + 127) / 128 * 128;
 constexpr unsigned SMEM_BYTES = OFF_SM + (unsigned)sizeof(Smem);  // = smem_bytes() of the wrapper
-
-// ---- grid barrier, L2 loads --------------------------------------------------------
-
-__device__ __forceinline__ unsigned long long ld_acquire_u64(const unsigned long long* p) {
-  unsigned long long v;
-  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ unsigned long long ld_relaxed_u64(const unsigned long long* p) {
-  unsigned long long v;
-  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-// Arrive (after the CTA's writes): CTA-wide barrier, then thread 0 adds with release.
-__device__ __forceinline__ void grid_arrive(unsigned long long* ctr) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned long long w = blockIdx.x == 0 ? 1ull + BARW - gridDim.x : 1ull;
-    asm volatile("red.release.gpu.global.add.u64 [%0], %1;\n" ::"l"(ctr), "l"(w) : "memory");
-  }
-}
-// Wait until every CTA arrived `target` (base + b * BARW); thread 0 polls.
-__device__ __forceinline__ void grid_wait(const unsigned long long* ctr, unsigned long long target) {
-  if (threadIdx.x == 0) {
-    unsigned spins = 0;
-    while (ld_acquire_u64(ctr) < target) {
-      if (++spins > 4096u) sleep_ns(128);
-      if (spins > (1u << 23)) __trap();  // ~1 s: the grid is not co-resident
-    }
-  }
-  __syncthreads();
-}
-
-__device__ __forceinline__ float ldcg_f(const float* p) {
-  float v;
-  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-  return v;
-}
-
-// ---- TMA bulk copies into shared memory, mbarriers ---------------------------------
-
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n WAIT_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      " @!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
-// bytes: a multiple of 16; both addresses 16-byte aligned.
-__device__ __forceinline__ void bulk_g2s(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-// Order earlier generic-proxy reads of a slot before the async-proxy refill.
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
 
 // ---- router / shared-gate row dot ---------------------------------------------------
 
@@ -467,7 +405,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     }
   }
   STAMP(2);
-  grid_arrive(ctr);
+  grid_arrive<BARW>(ctr);
   base -= base % (2ull * BARW);
   grid_wait(ctr, base + BARW);
   STAMP(3);
@@ -566,7 +504,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     if (tid == 0 && j + GU_SLOTS < njobs) issue_job(j + GU_SLOTS);
   }
   STAMP(5);
-  grid_arrive(ctr);
+  grid_arrive<BARW>(ctr);
   grid_wait(ctr, base + 2 * BARW);
   STAMP(6);
 
