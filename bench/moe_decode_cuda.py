@@ -454,7 +454,8 @@ def section_floor(args):
     dsrc = str(ROOT / "bench" / "cuda" / "decode_dep_floor.cu")
     deps = {}
     for tag, defs in (("b0", {"DEP_BARRIERS": 0, "DEP_ROUTE": 0}), ("b1", {"DEP_BARRIERS": 1, "DEP_ROUTE": 1}),
-                      ("b2", {"DEP_BARRIERS": 2, "DEP_ROUTE": 1}), ("b2s", {"DEP_BARRIERS": 2, "DEP_ROUTE": 0})):
+                      ("b2", {"DEP_BARRIERS": 2, "DEP_ROUTE": 1}), ("b2s", {"DEP_BARRIERS": 2, "DEP_ROUTE": 0}),
+                      ("f", {"DEP_FLAGS": 1, "DEP_ROUTE": 1}), ("fs", {"DEP_FLAGS": 1, "DEP_ROUTE": 0})):
         kb = cb.CudaKernel(dsrc, "mqf_dep_floor_" + tag, defs)
         (cubdir / f"dep_{tag}.cubin").write_bytes(kb.cubin)
         deps[tag] = cp.RawModule(path=str(cubdir / f"dep_{tag}.cubin")).get_function(kb.name)
@@ -540,14 +541,14 @@ def section_floor(args):
             return go
 
         dsync = {tag: cp.zeros((64,), dtype=cp.uint32) for tag in deps}
-        dlog, dh = cp.zeros((E,), cp.float32), cp.zeros(((K + 1) * I,), cp.uint16)
+        dlog, dh = {t: cp.zeros((E,), cp.uint64) for t in deps}, {t: cp.zeros(((K + 1) * I,), cp.uint32) for t in deps}
         dtim = cp.zeros((R, 128, 8), cp.uint64)
 
         def dep(tag):
             def go(r):
                 ly = layers[r % L]
                 deps[tag]((128, 1, 1), (256, 1, 1), (*ly["r"], *ly["g"], *ly["u"], *ly["d"], *ly["sg"], *ly["su"],
-                                                     *ly["sd"], inds[r], np.uint32(r * 7919 + L), dlog, dh,
+                                                     *ly["sd"], inds[r], np.uint32(r * 7919 + L), dlog[tag], dh[tag],
                                                      dsync[tag], out, dtim[r]), shared_mem=DEP_SMEM)
             return go
 
@@ -580,6 +581,8 @@ def section_floor(args):
             ("dep floor: router | barrier | routed", dep("b1"), total),
             ("dep floor: + barrier before down", dep("b2"), total),
             ("dep floor: 2 barriers, ids read (no top-k)", dep("b2s"), total),
+            ("dep floor: flags in the data (no barrier)", dep("f"), total),
+            ("dep floor: flags in the data, ids read", dep("fs"), total),
             ("copy 16.5 MB (read bytes)", lambda r: dst.__setitem__(Ellipsis, layers[r % L]["cpy"]), total),
             ("kernel: gate+up (k0)", real("k0"), B["gu"]),
             ("kernel: down (k1)", real("k1"), B["dn"]),
@@ -618,9 +621,9 @@ def section_floor(args):
                 "over CTAs): " + "; ".join(f"{k} {v[0]:.2f}/{v[1]:.2f}/{v[2]:.2f}" for k, v in ph.items()
                                           if isinstance(v, list)))
         # phase stamps of the dependent floor (2 barriers, routing) and of the one-launch kernel
+        dpts = ("start", "router in", "logits in", "routed", "gate+up in", "h in", "down in", "end")
         for nm_k, fn, tim, pts in (
-                ("dep floor b2", dep("b2"), dtim, ("start", "router in", "barrier 1 out", "routed", "gate+up in",
-                                                   "barrier 2 out", "down in", "end")),
+                ("dep floor b2", dep("b2"), dtim, dpts), ("dep floor f", dep("f"), dtim, dpts),
                 ("one launch (fusedt)", fused_t, timf, ("start", "x staged", "router done", "barrier 1 out",
                                                         "routed+issued", "gate+up done", "barrier 2 out", "end"))):
             us = _graph_us(cp, stream, lambda r: fn(r), R)

@@ -25,11 +25,18 @@
 // of bench/moe_decode_cuda.py up to the scales' layout).
 //
 // Arguments: weights as decode_read_floor.cu; inds int32 [8] (DEP_ROUTE 0);
-// seed (per launch, mixed into the logits); logits float [256], hbuf u16
-// [9 * 512] (scratch); sync uint32 [64] (persistent barrier counter, zero at
+// seed (per launch, mixed into the logits); logits u64 [256] ({tag, float}),
+// hbuf u32 [9 * 512] ({tag, value}) (scratch, zero at first use); sync uint32 [64] (persistent barrier counter, zero at
 // first use, one buffer per build); out uint32 [128 * 256]; tim uint64 [128, 8]
 // (%globaltimer at the phase points, thread 0). Dynamic shared memory SMEM_BYTES.
-// Build macros: KNAME, DEP_BARRIERS (0, 1, 2), DEP_ROUTE (0, 1).
+// DEP_FLAGS 1: no counter barriers; the exchanged values carry the launch's
+// epoch (flags in the data): logits as u64 {epoch, float bits}, h as u32
+// {epoch & 0xffff, value}; readers poll until every tag is this launch's, so
+// each exchange costs one write and one polled read instead of a release,
+// an acquire poll and a read. epoch = exits / G + 1 (sync's u64 counter: each
+// CTA adds 1 with red at exit; a launch starts after the previous one's
+// exits landed).
+// Build macros: KNAME, DEP_BARRIERS (0, 1, 2), DEP_ROUTE (0, 1), DEP_FLAGS.
 #include "grid_sync.cuh"
 #include "moe_route_common.cuh"
 
@@ -38,6 +45,9 @@
 #endif
 #ifndef DEP_ROUTE
 #define DEP_ROUTE 1
+#endif
+#ifndef DEP_FLAGS
+#define DEP_FLAGS 0
 #endif
 
 typedef unsigned short u16;
@@ -80,6 +90,23 @@ __device__ __forceinline__ unsigned warp_xor(unsigned v) {
   for (int o = 16; o > 0; o >>= 1) v ^= __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
+__device__ __forceinline__ unsigned long long ld_relaxed_b64(const void* p) {
+  unsigned long long v;
+  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint4 ld_relaxed_v4(const void* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_relaxed_b64(void* p, unsigned long long v) {
+  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void st_relaxed_u32(void* p, unsigned v) {
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
 __device__ __forceinline__ void stamp(unsigned long long* tim, int i) {
   if (threadIdx.x == 0) {
     unsigned long long t;
@@ -96,8 +123,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) KNAME(
     const unsigned char* __restrict__ xwg, const u16* __restrict__ xsg, const u16* __restrict__ xbg,
     const unsigned char* __restrict__ xwu, const u16* __restrict__ xsu, const u16* __restrict__ xbu,
     const unsigned char* __restrict__ xwd, const u16* __restrict__ xsd, const u16* __restrict__ xbd,
-    const int* __restrict__ inds, unsigned seed, float* __restrict__ logits, u16* __restrict__ hbuf,
-    unsigned* __restrict__ sync, unsigned* __restrict__ out, unsigned long long* __restrict__ tim) {
+    const int* __restrict__ inds, unsigned seed, unsigned long long* __restrict__ logits,
+    unsigned* __restrict__ hbuf, unsigned* __restrict__ sync, unsigned* __restrict__ out,
+    unsigned long long* __restrict__ tim) {
   extern __shared__ __align__(128) unsigned char dsm[];
   const unsigned sb = smem_addr(dsm), bar_r = sb + OFF_BAR, bar_s = bar_r + 8, bar_g = bar_r + 16,
                  bar_d = bar_r + 24;
@@ -106,6 +134,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) KNAME(
   unsigned long long* ctr = reinterpret_cast<unsigned long long*>(sync);
   if (gridDim.x != G || blockDim.x != 256) __trap();
   stamp(tim, 0);
+#if DEP_FLAGS
+  const unsigned ep = (unsigned)(ld_relaxed_u64(ctr) / G) + 1u;  // this launch's tag
+#else
+  const unsigned ep = 0;
+#endif
   unsigned long long base = 0;
   if (tid == 0) {
     mbar_init(bar_r, 1);
@@ -127,7 +160,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) KNAME(
     bulk_g2s(sb + OFF_SD, xwd + (size_t)16 * c * (I / 2), SDW, bar_s);
     bulk_g2s(sb + OFF_SD + SDW, xsd + 16 * c * (I / 64), SDS, bar_s);
     bulk_g2s(sb + OFF_SD + SDW + SDS, xbd + 16 * c * (I / 64), SDS, bar_s);
+#if !DEP_FLAGS
     base = ld_relaxed_u64(ctr);
+#endif
   }
   __syncthreads();  // mbarriers initialised
 
@@ -144,32 +179,38 @@ extern "C" __global__ void __launch_bounds__(256, 1) KNAME(
     }
     a ^= *reinterpret_cast<const unsigned*>(dsm + OFF_R + RW + 4 * lane);
     a = warp_xor(a);
-    if (lane == 0) logits[2 * c + warp] = (hash32(a ^ seed ^ (2 * c + warp) * 0x9e3779b9u) >> 8) * (8.0f / 16777216.0f);
+    const float lg = (hash32(a ^ seed ^ (2 * c + warp) * 0x9e3779b9u) >> 8) * (8.0f / 16777216.0f);
+    if (lane == 0) st_relaxed_b64(logits + 2 * c + warp, ((unsigned long long)__float_as_uint(lg) << 32) | ep);
   }
-#if DEP_BARRIERS >= 1
+#if DEP_BARRIERS >= 1 && !DEP_FLAGS
   grid_arrive<BARW>(ctr);
-#endif
-  // the shared expert's 4 gate/up rows -> 4 "h" values
-  mbar_wait(bar_s, 0);
-  unsigned acc = fold_smem(dsm + OFF_S, S_BYTES);
-  if (tid < 4) hbuf[NK * I + 4 * c + tid] = (u16)(acc ^ tid);
-#if DEP_BARRIERS >= 1
   if (tid == 0) base -= base % ((unsigned long long)DEP_BARRIERS * BARW);
   grid_wait(ctr, base + BARW);
 #endif
-  stamp(tim, 2);
 
   // ---- phase B: route, request the routed rows ----
   if (warp == 0) {
 #if DEP_ROUTE
     float p[E / 32];
+    unsigned spins = 0;
+    for (;;) {  // DEP_FLAGS: until every logit carries this launch's tag
+      bool ok = true;
 #pragma unroll
-    for (int i = 0; i < E / 32; ++i) p[i] = ldcg_f(logits + 32 * i + lane);
+      for (int i = 0; i < E / 32; ++i) {
+        const unsigned long long v = ld_relaxed_b64(logits + 32 * i + lane);
+        p[i] = __uint_as_float((unsigned)(v >> 32));
+        ok &= !DEP_FLAGS || (unsigned)v == ep;
+      }
+      if (__all_sync(0xffffffffu, ok)) break;
+      if (++spins > (1u << 22)) __trap();
+    }
+    stamp(tim, 2);
     int my_i;
     float my_p, tot;
     route_warp<E, NK>(p, my_i, my_p, tot);
     if (lane < NK) ids[lane] = my_i;
 #else
+    stamp(tim, 2);
     if (lane < NK) ids[lane] = inds[lane];
 #endif
   }
@@ -183,14 +224,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) KNAME(
     }
     __syncwarp();
     if (lane < 6) {
-      const size_t e = ids[item], r0 = e * I + 32 * rb;
-      const unsigned char* src[6] = {wg + r0 * (D / 2), wu + r0 * (D / 2),
-                                     reinterpret_cast<const unsigned char*>(sg + r0 * (D / 64)),
-                                     reinterpret_cast<const unsigned char*>(bg + r0 * (D / 64)),
-                                     reinterpret_cast<const unsigned char*>(su + r0 * (D / 64)),
-                                     reinterpret_cast<const unsigned char*>(bu + r0 * (D / 64))};
+      const size_t r0 = (size_t)ids[item] * I + 32 * rb;
+      const unsigned char* src = lane == 0 ? wg + r0 * (D / 2) : lane == 1 ? wu + r0 * (D / 2)
+          : reinterpret_cast<const unsigned char*>((lane == 2 ? sg : lane == 3 ? bg : lane == 4 ? su : bu) + r0 * (D / 64));
       const int off = lane < 2 ? lane * GW : 2 * GW + (lane - 2) * GS;
-      bulk_g2s(sb + OFF_G + off, src[lane], lane < 2 ? GW : GS, bar_g);
+      bulk_g2s(sb + OFF_G + off, src, lane < 2 ? GW : GS, bar_g);
     } else if (lane >= 8) {
       const int j = (lane - 8) / 3, part = (lane - 8) % 3;  // expert slot, rows | scales | biases
       const size_t r0 = (size_t)ids[j] * D + 16 * c;
@@ -200,28 +238,43 @@ extern "C" __global__ void __launch_bounds__(256, 1) KNAME(
                part == 0 ? DW : DS, bar_d);
     }
   }
+  // the shared expert's 4 gate/up rows -> 4 "h" values
+  mbar_wait(bar_s, 0);
+  unsigned acc = fold_smem(dsm + OFF_S, S_BYTES);
+  if (tid < 4) st_relaxed_u32(hbuf + NK * I + 4 * c + tid, (ep << 16) | ((acc ^ tid) & 0xffffu));
   mbar_wait(bar_g, 0);
   stamp(tim, 4);
   acc ^= fold_smem(dsm + OFF_G, G_BYTES);
   acc = warp_xor(acc);
-  if (lane == 0) hbuf[(c / 16) * I + 32 * (c % 16) + warp] = (u16)acc;
-#if DEP_BARRIERS == 2
+  if (lane == 0) st_relaxed_u32(hbuf + (c / 16) * I + 32 * (c % 16) + warp, (ep << 16) | (acc & 0xffffu));
+#if DEP_BARRIERS == 2 && !DEP_FLAGS
   grid_arrive<BARW>(ctr);
   grid_wait(ctr, base + 2 * BARW);
 #endif
-  stamp(tim, 5);
 
-  // ---- phase C: h back, the down rows ----
-  for (int i = tid; i < (NK + 1) * I / 8; i += 256) {
-    uint4 v;
-    asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(hbuf + 8 * i));
-    acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  // ---- phase C: h back (DEP_FLAGS: until every value carries this launch's tag), the down rows ----
+  {
+    unsigned spins = 0;
+    for (int i = tid; i < (NK + 1) * I / 4; i += 256) {
+      uint4 v;
+      for (;;) {
+        v = ld_relaxed_v4(hbuf + 4 * i);
+        if (!DEP_FLAGS || ((v.x >> 16) == (ep & 0xffffu) && (v.y >> 16) == (ep & 0xffffu) &&
+                           (v.z >> 16) == (ep & 0xffffu) && (v.w >> 16) == (ep & 0xffffu)))
+          break;
+        if (++spins > (1u << 22)) __trap();
+      }
+      acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
   }
+  __syncthreads();
+  stamp(tim, 5);
   mbar_wait(bar_d, 0);
   stamp(tim, 6);
   acc ^= fold_smem(dsm + OFF_D, D_BYTES) ^ fold_smem(dsm + OFF_SD, SD_BYTES);
   if (acc == 0x9e3779b9u) out[c * 256 + tid] = acc;
+#if DEP_FLAGS
+  if (tid == 0) asm volatile("red.relaxed.gpu.global.add.u64 [%0], 1;" ::"l"(ctr) : "memory");
+#endif
   stamp(tim, 7);
 }
