@@ -35,7 +35,7 @@
 #   bash bench/h200.sh s15a      # fifteenth session: the one-token decode block's read floor vs its kernels, 4 and 40 layers
 #   bash bench/h200.sh s15b      # fifteenth session: decode MoE kernel tests, then s15a with the kernels' phase stamps
 #   bash bench/h200.sh s16a      # sixteenth session: s15b's tests, then the read floors incl. the dependent one-launch floor
-#   bash bench/h200.sh s16b      # sixteenth session: the read floors only (dependent floor: barriers vs flags in the data)
+#   bash bench/h200.sh s16b      # sixteenth session: the read floors (dependent floor: barriers vs flags in the data), kernel times N = 1, 2, 4
 #   (s15c, the fifteenth session's one-launch "overlap" expert kernel, was removed with it: calls 4-5, moe-cuda-log.md)
 #   bash bench/h200.sh s13e      # thirteenth session: the route fix checked (column routing repeated, slot tests)
 #   bash bench/h200.sh s13c|s13d # thirteenth session: the slot with one router+gate matmul (tests, ncu); the 4K A/B
@@ -567,7 +567,7 @@ s16a)  # sixteenth session: the decode MoE kernel tests (the __syncwarp build), 
   timeout 330 python3 bench/moe_decode_cuda.py --out $OUT --sections build,floor > $OUT/moe-decode-floor.txt 2>&1
   grep -E "\[floor\]|rror|Trace" $OUT/moe-decode-floor.txt | grep -v "L= 4" | cut -c1-520 | tail -40 ;;
 s16b)  # sixteenth session: the read floors only (dependent one-launch floor: counter barriers vs flags in the data)
-  timeout 300 python3 bench/moe_decode_cuda.py --out $OUT --sections build,floor > $OUT/moe-decode-floor.txt 2>&1
-  grep -E "\[floor\]|rror|Trace" $OUT/moe-decode-floor.txt | grep -v "L= 4" | grep -E "dep|phases|all, 1|gate\+up \| down|copy" | cut -c1-520 | tail -30 ;;
+  timeout 330 python3 bench/moe_decode_cuda.py --out $OUT --sections build,floor,raw > $OUT/moe-decode-floor.txt 2>&1
+  grep -E "\[floor\]|\[raw\]|rror|Trace" $OUT/moe-decode-floor.txt | grep -v "L= 4" | grep -E "dep|phases|all, 1|gate\+up \| down|copy|raw" | cut -c1-520 | tail -40 ;;
 *) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s12b|s12c|s12d|s13a|s13b|s13c|s13d|s13e|s14a|s14b|s15a|s15b|s16a|s16b}"; exit 2 ;;
 esac

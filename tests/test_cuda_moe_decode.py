@@ -294,9 +294,15 @@ def test_kernels_all_tokens_same_experts(poison):
 @pytest.mark.parametrize("k", [4, 11])
 def test_kernels_one_token_warp_per_item(poison, k):
     """One token: the down kernel runs k + 1 warps (5 and 12 here), one per item."""
-    assert md.down_warps(1, k, 512) == k + 1 and md.down_warps(2, k, 512) == 8
-    assert md.down_warps(1, k, 1024) == 8  # wider experts: 8 warps (no spills)
+    assert md.down_warps(1, k, 512) == k + 1
     check_kernels(1, k=k, seed=50 + k)
+
+
+@pytest.mark.parametrize("n,k,I,warps", [(1, 8, 512, 9), (1, 4, 512, 5), (1, 11, 512, 12), (1, 11, 768, 12),
+                                         (1, 12, 512, 8), (1, 8, 1024, 8), (2, 4, 512, 8), (4, 8, 512, 8)])
+def test_down_warps(n, k, I, warps):
+    """Host rule (no GPU): one warp per item at one token up to 12 warps and I <= 768, else 8."""
+    assert md.down_warps(n, k, I) == warps
 
 
 @cuda
