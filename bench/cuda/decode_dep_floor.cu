@@ -246,7 +246,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) KNAME(
   stamp(tim, 4);
   acc ^= fold_smem(dsm + OFF_G, G_BYTES);
   acc = warp_xor(acc);
-  if (lane == 0) st_relaxed_u32(hbuf + (c / 16) * I + 32 * (c % 16) + warp, (ep << 16) | (acc & 0xffffu));
+  // the CTA's 32 h values (rows [32 (c % 16), +32) of its expert): 4 per warp
+  if (lane < 4) st_relaxed_u32(hbuf + (c / 16) * I + 32 * (c % 16) + 4 * warp + lane, (ep << 16) | ((acc ^ lane) & 0xffffu));
 #if DEP_BARRIERS == 2 && !DEP_FLAGS
   grid_arrive<BARW>(ctr);
   grid_wait(ctr, base + 2 * BARW);
