@@ -567,7 +567,7 @@ s16a)  # sixteenth session: the decode MoE kernel tests (the __syncwarp build), 
   timeout 330 python3 bench/moe_decode_cuda.py --out $OUT --sections build,floor > $OUT/moe-decode-floor.txt 2>&1
   grep -E "\[floor\]|rror|Trace" $OUT/moe-decode-floor.txt | grep -v "L= 4" | cut -c1-520 | tail -40 ;;
 s16b)  # sixteenth session: the read floors only (dependent one-launch floor: counter barriers vs flags in the data)
-  timeout 330 python3 bench/moe_decode_cuda.py --out $OUT --sections build,floor,raw > $OUT/moe-decode-floor.txt 2>&1
+  timeout 330 python3 bench/moe_decode_cuda.py --out $OUT --sections ${SECTIONS:-build,floor,raw} > $OUT/moe-decode-floor.txt 2>&1
   grep -E "\[floor\]|\[raw\]|rror|Trace" $OUT/moe-decode-floor.txt | grep -v "L= 4" | grep -E "dep|phases|all, 1|gate\+up \| down|copy|raw" | cut -c1-520 | tail -40 ;;
 *) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s12b|s12c|s12d|s13a|s13b|s13c|s13d|s13e|s14a|s14b|s15a|s15b|s16a|s16b}"; exit 2 ;;
 esac
