@@ -35,6 +35,7 @@
 #   bash bench/h200.sh s15a      # fifteenth session: the one-token decode block's read floor vs its kernels, 4 and 40 layers
 #   bash bench/h200.sh s15b      # fifteenth session: decode MoE kernel tests, then s15a with the kernels' phase stamps
 #   bash bench/h200.sh s16a      # sixteenth session: s15b's tests, then the read floors incl. the dependent one-launch floor
+#   bash bench/h200.sh s16c      # sixteenth session: route_warp in registers (routing tests, exact ties), one-launch tests, floors
 #   bash bench/h200.sh s16b      # sixteenth session: the read floors (dependent floor: barriers vs flags in the data), kernel times N = 1, 2, 4
 #   (s15c, the fifteenth session's one-launch "overlap" expert kernel, was removed with it: calls 4-5, moe-cuda-log.md)
 #   bash bench/h200.sh s13e      # thirteenth session: the route fix checked (column routing repeated, slot tests)
@@ -569,5 +570,13 @@ s16a)  # sixteenth session: the decode MoE kernel tests (the __syncwarp build), 
 s16b)  # sixteenth session: the read floors only (dependent one-launch floor: counter barriers vs flags in the data)
   timeout 330 python3 bench/moe_decode_cuda.py --out $OUT --sections ${SECTIONS:-build,floor,raw} > $OUT/moe-decode-floor.txt 2>&1
   grep -E "\[floor\]|\[raw\]|rror|Trace" $OUT/moe-decode-floor.txt | grep -v "L= 4" | grep -E "dep|phases|all, 1|gate\+up \| down|copy|raw" | cut -c1-520 | tail -40 ;;
-*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s12b|s12c|s12d|s13a|s13b|s13c|s13d|s13e|s14a|s14b|s15a|s15b|s16a|s16b}"; exit 2 ;;
+s16c)  # sixteenth session: route_warp without local memory: the routing tests (exact ties), the one-launch and
+       # decode kernel tests, then the read floors (build,floor)
+  XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n 6"
+  timeout 240 python3 -m pytest -q $XD tests/test_cuda_moe.py -k "route or routing" tests/test_cuda_moe_decode_fused.py \
+    > $OUT/tests-route.txt 2>&1; echo "rc=$?" >> $OUT/tests-route.txt; tail -2 $OUT/tests-route.txt
+  grep -E "^FAILED|^ERROR" $OUT/tests-route.txt | head -8
+  timeout 300 python3 bench/moe_decode_cuda.py --out $OUT --sections build,floor > $OUT/moe-decode-floor.txt 2>&1
+  grep -E "\[floor\]|rror|Trace" $OUT/moe-decode-floor.txt | grep -v "L= 4" | grep -E "dep|phases|all, 1|gate\+up \| down|one launch" | cut -c1-520 | tail -30 ;;
+*) echo "usage: bash bench/h200.sh {prefill|decode|ab|tests|layers|checks|moe|kernels|scan|profile|prefill-check|diag|fused|final|check|frontend|steady|decodecheck|ab4k|wgmma|moedecode|gemmncu|s8a|s8b|s8c|s8d|s9b|s9c|s10a|s10b|s10c|s10d|s11a|s11b|s11c|s12a|s12b|s12c|s12d|s13a|s13b|s13c|s13d|s13e|s14a|s14b|s15a|s15b|s16a|s16b|s16c}"; exit 2 ;;
 esac

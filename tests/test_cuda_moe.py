@@ -521,6 +521,21 @@ def test_route_takes_leading_axes(poison):
     assert e_i.shape == (1, 0, 8) and e_s.shape == (1, 0, 8)
 
 
+@cuda
+@needs_cuda
+@pytest.mark.parametrize("E,k", [(256, 8), (64, 4), (992, 31)])
+def test_route_ties_take_the_lowest_id_first(poison, E, k):
+    """Exact ties (logits from {0, 1, 2, 3}): slot j is the j-th expert by
+    (probability descending, id ascending), every token (route_warp's rule)."""
+    rng = np.random.default_rng(E + k)
+    lg = rng.integers(0, 4, size=(33, E)).astype(np.float32)
+    lg[0] = 0.0  # every expert tied
+    inds, scores = mr.route(mx.array(lg), k)
+    want = np.stack([np.lexsort((np.arange(E), -row))[:k] for row in lg])
+    assert np.array_equal(np.asarray(inds), want)
+    assert np.all(np.diff(np.asarray(scores), axis=1) <= 0)
+
+
 def check_routing(logits, k, tile, normalize=True):
     E = logits.shape[1]
     r = mr.route_and_group(logits, k, tile, normalize=normalize)

@@ -255,17 +255,26 @@ extern "C" __global__ void __launch_bounds__(256, 1) KNAME(
 
   // ---- phase C: h back (DEP_FLAGS: until every value carries this launch's tag), the down rows ----
   {
+    constexpr int HV = (NK + 1) * I / 4, PER = (HV + 255) / 256;  // 16-byte h vectors, per thread
+    const unsigned t16 = ep & 0xffffu;
     unsigned spins = 0;
-    for (int i = tid; i < (NK + 1) * I / 4; i += 256) {
-      uint4 v;
-      for (;;) {
-        v = ld_relaxed_v4(hbuf + 4 * i);
-        if (!DEP_FLAGS || ((v.x >> 16) == (ep & 0xffffu) && (v.y >> 16) == (ep & 0xffffu) &&
-                           (v.z >> 16) == (ep & 0xffffu) && (v.w >> 16) == (ep & 0xffffu)))
-          break;
-        if (++spins > (1u << 22)) __trap();
+    for (;;) {  // all of the thread's vectors in flight at once: one round trip per poll
+      bool ok = true;
+      unsigned a = 0;
+#pragma unroll
+      for (int j = 0; j < PER; ++j) {
+        const int i = tid + 256 * j;
+        if (i < HV) {
+          const uint4 v = ld_relaxed_v4(hbuf + 4 * i);
+          ok &= !DEP_FLAGS || ((v.x >> 16) == t16 && (v.y >> 16) == t16 && (v.z >> 16) == t16 && (v.w >> 16) == t16);
+          a ^= v.x ^ v.y ^ v.z ^ v.w;
+        }
       }
-      acc ^= v.x ^ v.y ^ v.z ^ v.w;
+      if (ok) {
+        acc ^= a;
+        break;
+      }
+      if (++spins > (1u << 22)) __trap();
     }
   }
   __syncthreads();
