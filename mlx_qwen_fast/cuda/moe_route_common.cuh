@@ -34,44 +34,48 @@ __device__ __forceinline__ void route_warp(float (&p)[E / 32], int& my_i, float&
   const float inv = 1.0f / s;
 #pragma unroll
   for (int i = 0; i < EPL; ++i) {
-    p[i] = p[i] * inv;  // >= 0 (the pre-sm_80 path marks taken entries -1)
+    p[i] = p[i] * inv;  // >= 0; taken entries become -1
   }
   my_p = 0.0f;
   tot = 0.0f;
   my_i = 0;
 #if __CUDA_ARCH__ >= 800
-  // keys: probability bits + 1 (p >= 0: the bits order as the values). Round
-  // j takes the largest (key, lowest id) pair after the one round j - 1 took
-  // (mk, mid): every lane rescans its EPL keys for the best pair still below
-  // it, so no entry is ever written (a store at a data-dependent index would
-  // put the keys in local memory: ~0.1 us per round).
+  // keys: probability bits + 1 (p >= 0: the bits order as the values), 0 once taken
   unsigned key[EPL];
 #pragma unroll
   for (int i = 0; i < EPL; ++i) key[i] = __float_as_uint(p[i]) + 1u;
-  unsigned mk = 0xffffffffu, mid = 0xffffffffu;  // the last pair taken (none yet)
+  unsigned bk = key[0];
+  int bi = 0;  // the lane's best: the lowest i among its largest keys
+#pragma unroll
+  for (int i = 1; i < EPL; ++i)
+    if (key[i] > bk) {
+      bk = key[i];
+      bi = i;
+    }
 #pragma unroll 1
   for (int j = 0; j < K; ++j) {
-    unsigned bk = 0u, bi = 0u;  // the lane's best pair below (mk, mid); key 0: none
-#pragma unroll
-    for (int i = 0; i < EPL; ++i) {
-      const unsigned id = (unsigned)(i * 32 + lane);
-      const bool below = key[i] < mk || (key[i] == mk && id > mid);
-      if (below && key[i] > bk) {  // strict: the lowest id wins ties within a lane
-        bk = key[i];
-        bi = id;
-      }
-    }
     const unsigned m = __reduce_max_sync(0xffffffffu, bk);
-    // the lowest expert id among the lanes holding the maximum
-    const unsigned id = __reduce_min_sync(0xffffffffu, bk == m ? bi : 0xffffffffu);
+    // the lowest expert id (i * 32 + lane) among the lanes holding the maximum
+    const unsigned id = __reduce_min_sync(0xffffffffu, bk == m ? (unsigned)(bi * 32 + lane) : 0xffffffffu);
     const float bp = __uint_as_float(m - 1u);
     tot += bp;
     if (lane == j) {
       my_p = bp;
       my_i = (int)id;
     }
-    mk = m;
-    mid = id;
+    if (lane == (int)(id & 31u)) {
+#pragma unroll
+      for (int i = 0; i < EPL; ++i)
+        if (i == (int)(id >> 5)) key[i] = 0u;
+      bk = key[0];
+      bi = 0;
+#pragma unroll
+      for (int i = 1; i < EPL; ++i)
+        if (key[i] > bk) {
+          bk = key[i];
+          bi = i;
+        }
+    }
   }
 #else
 #pragma unroll
