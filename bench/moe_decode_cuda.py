@@ -418,6 +418,24 @@ def _graph_us(cp, stream, launches, R, reps=7):
     return sorted(ts)[len(ts) // 2]
 
 
+def _phases(us, base, points):
+    """Phase stamps -> {name: [min, median, max] over CTAs (medians over layers), us after ``base``}.
+
+    ``points``: (name, stamps [layers, CTAs, 8] int64 ns, slot); ``base``
+    [layers, 1] ns; the graph's ``us`` per layer is kept as "us/layer"."""
+    import numpy as np
+
+    ph = {"us/layer": us}
+    for nm, arr, i in points:
+        v = (arr[:, :, i] - base) / 1e3
+        ph[nm] = [float(np.median(v.min(1))), float(np.median(np.median(v, 1))), float(np.median(v.max(1)))]
+    return ph
+
+
+def _phase_text(ph) -> str:
+    return "; ".join(f"{k} {v[0]:.2f}/{v[1]:.2f}/{v[2]:.2f}" for k, v in ph.items() if isinstance(v, list))
+
+
 # bytes of the read floor's parts (bench/cuda/decode_read_floor.cu, N = 1, k = 8)
 FLOOR_BYTES = {"router": 16 * (16 * 2048 + 16 * 32 * 4), "gu": 32 * 9 * (32768 + 2 * 16 * 32 * 4),
                "dn": 128 * 9 * (16 * 256 + 16 * 8 * 4)}
@@ -607,19 +625,14 @@ def section_floor(args):
             us = _graph_us(cp, stream, seq(real_x("k0t"), real_x(k1tag, stamps=True)), R)
             t0 = cp.asnumpy(tim0).astype(np.int64)[:, : 32 * (n * K + 1)]  # routed + shared CTAs
             t1 = cp.asnumpy(tim1).astype(np.int64)
-            base = t0[:, :, 0].min(axis=1)[:, None]
-            ph = {"both kernels us/layer": us}
-            for nm, arr, i in (("k0 start", t0, 0), ("k0 expert known", t0, 1), ("k0 weights in", t0, 2),
-                               ("k0 dots done", t0, 3), ("k0 all warps", t0, 4), ("k0 h stored", t0, 5),
-                               ("k1 start", t1, 0), ("k1 weights requested", t1, 1), ("k1 h staged", t1, 2),
-                               ("k1 first item", t1, 3), ("k1 warp 0 done", t1, 4), ("k1 all warps", t1, 5),
-                               ("k1 y stored", t1, 6)):
-                v = (arr[:, :, i] - base) / 1e3
-                ph[nm] = [float(np.median(v.min(1))), float(np.median(np.median(v, 1))), float(np.median(v.max(1)))]
+            ph = _phases(us, t0[:, :, 0].min(axis=1)[:, None], (
+                ("k0 start", t0, 0), ("k0 expert known", t0, 1), ("k0 weights in", t0, 2), ("k0 dots done", t0, 3),
+                ("k0 all warps", t0, 4), ("k0 h stored", t0, 5), ("k1 start", t1, 0), ("k1 weights requested", t1, 1),
+                ("k1 h staged", t1, 2), ("k1 first item", t1, 3), ("k1 warp 0 done", t1, 4),
+                ("k1 all warps", t1, 5), ("k1 y stored", t1, 6)))
             res[f"L={L} phases ({k1tag})"] = ph
-            log(f"[floor] L={L:2d} phases, k0t | {k1tag} ({us:.2f} us/layer; us from k0's first CTA, min/median/max "
-                "over CTAs): " + "; ".join(f"{k} {v[0]:.2f}/{v[1]:.2f}/{v[2]:.2f}" for k, v in ph.items()
-                                          if isinstance(v, list)))
+            log(f"[floor] L={L:2d} phases, k0t | {k1tag} ({us:.2f} us/layer; us from k0's first CTA, "
+                "min/median/max over CTAs): " + _phase_text(ph))
         # phase stamps of the dependent floor (2 barriers, routing) and of the one-launch kernel
         dpts = ("start", "router in", "logits in", "routed", "gate+up in", "h in", "down in", "end")
         for nm_k, fn, tim, pts in (
@@ -628,15 +641,10 @@ def section_floor(args):
                                                         "routed+issued", "gate+up done", "barrier 2 out", "end"))):
             us = _graph_us(cp, stream, lambda r: fn(r), R)
             t = cp.asnumpy(tim).astype(np.int64)
-            base = t[:, :, 0].min(axis=1)[:, None]
-            ph = {"us/layer": us}
-            for i, nm in enumerate(pts):
-                v = (t[:, :, i] - base) / 1e3
-                ph[nm] = [float(np.median(v.min(1))), float(np.median(np.median(v, 1))), float(np.median(v.max(1)))]
+            ph = _phases(us, t[:, :, 0].min(axis=1)[:, None], [(nm, t, i) for i, nm in enumerate(pts)])
             res[f"L={L} phases ({nm_k})"] = ph
-            log(f"[floor] L={L:2d} phases, {nm_k} ({us:.2f} us/layer; us from the first CTA's start, min/median/max "
-                "over CTAs): " + "; ".join(f"{k} {v[0]:.2f}/{v[1]:.2f}/{v[2]:.2f}" for k, v in ph.items()
-                                          if isinstance(v, list)))
+            log(f"[floor] L={L:2d} phases, {nm_k} ({us:.2f} us/layer; us from the first CTA's start, "
+                "min/median/max over CTAs): " + _phase_text(ph))
         del layers, variants
         cp.get_default_memory_pool().free_all_blocks()
     return {"floor": res}
