@@ -676,25 +676,22 @@ def summary(results):
     lines.append(f"{'variant (through MLX, 32 calls/eval)':48s} {'us/layer':>9s} {'GB/s':>7s} {'of 3382':>8s}")
     for key, v in results.get("time", {}).get("timings", {}).items():
         lines.append(f"{key:48s} {v['us']:9.1f} {v['GBps']:7.0f} {v['frac_copy']:8.2f}")
-    raw = results.get("raw", {}).get("raw", {})
-    if raw:
-        lines.append(f"{'kernel only (CuPy graph of 64 layers)':48s} {'us/layer':>9s} {'GB/s':>7s} {'of 3382':>8s}"
-                     f"   copy here: {raw.get('copy_GBps', 0):.0f} GB/s")
-        for key, v in raw.items():
+    def graph_table(title, w, rows, phase_text):
+        """A CuPy-graph section: a header, a row per timed variant, a line per phase dict."""
+        if not rows:
+            return
+        lines.append(f"{title:{w}s} {'us/layer':>9s} {'GB/s':>7s} {'of 3382':>8s}"
+                     f"   copy here: {rows.get('copy_GBps', 0):.0f} GB/s")
+        for key, v in rows.items():
             if isinstance(v, dict) and "us" in v:
-                lines.append(f"{key:48s} {v['us']:9.2f} {v['GBps']:7.0f} {v['frac_copy']:8.2f}")
+                lines.append(f"{key:{w}s} {v['us']:9.2f} {v['GBps']:7.0f} {v['frac_copy']:8.2f}")
             elif isinstance(v, dict):
-                lines.append(f"{key}: " + "; ".join(f"{k} {p['median_us']:.2f} (max {p['max_us']:.2f})" for k, p in v.items()))
-    fl = results.get("floor", {}).get("floor", {})
-    if fl:
-        lines.append(f"{'read floor vs kernels, N = 1 (CuPy graph of 64 layers)':52s} {'us/layer':>9s} {'GB/s':>7s} "
-                     f"{'of 3382':>8s}   copy here: {fl.get('copy_GBps', 0):.0f} GB/s")
-        for key, v in fl.items():
-            if isinstance(v, dict) and "us" in v:
-                lines.append(f"{key:52s} {v['us']:9.2f} {v['GBps']:7.0f} {v['frac_copy']:8.2f}")
-            elif isinstance(v, dict):
-                lines.append(f"{key}: " + "; ".join(f"{k} {p[1]:.2f}" if isinstance(p, list) else f"{k} {p:.2f}"
-                                                   for k, p in v.items()))
+                lines.append(f"{key}: " + "; ".join(phase_text(k, p) for k, p in v.items()))
+
+    graph_table("kernel only (CuPy graph of 64 layers)", 48, results.get("raw", {}).get("raw", {}),
+                lambda k, p: f"{k} {p['median_us']:.2f} (max {p['max_us']:.2f})")
+    graph_table("read floor vs kernels, N = 1 (CuPy graph of 64 layers)", 52, results.get("floor", {}).get("floor", {}),
+                lambda k, p: f"{k} {p[1]:.2f}" if isinstance(p, list) else f"{k} {p:.2f}")
     log("\n".join(lines))
 
 
