@@ -8,9 +8,11 @@ Usage::
     # or: mlx_qwen_fast.install() before any mlx_lm.load / CLI entry point
 """
 
-from .backend import raise_cuda_graph_byte_limit as _raise_cuda_graph_byte_limit
+from . import backend as _backend
+from . import config as _config
 
-_raise_cuda_graph_byte_limit()  # before MLX's first GPU evaluation: see its docstring
+# before MLX's first GPU evaluation and first run-time compile: see its docstring
+_config.apply_process_settings(_backend.current())
 
 from .models import register as _register  # noqa: E402
 from .patch import (  # noqa: E402

@@ -3,7 +3,7 @@
 import os
 import sys
 
-from .backend import restore_cuda_graph_byte_limit
+from . import config
 from .patch import install
 
 
@@ -65,9 +65,9 @@ def check_subcommand(argv) -> None:
 def run_mlx_lm_main(main, argv=None) -> None:
     """Call ``main()`` (an mlx-lm CLI) with :func:`install` applied.
 
-    ``--stock`` anywhere in ``argv`` skips the install and undoes the
-    import's graph-limit setting (``backend.restore_cuda_graph_byte_limit``),
-    so the same command runs stock mlx-lm for an A/B comparison.
+    ``--stock`` anywhere in ``argv`` skips the install and undoes what the
+    import set in the environment (``config.restore_process_settings``), so
+    the same command runs stock mlx-lm for an A/B comparison.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     stock = "--stock" in argv
@@ -77,7 +77,7 @@ def run_mlx_lm_main(main, argv=None) -> None:
         print("mlx_qwen_fast: mlx-lm's own flags follow; add --stock to run stock mlx-lm "
               "(MLX_QWEN_FAST=0 does the same).\n")
     if stock:
-        restore_cuda_graph_byte_limit()
+        config.restore_process_settings()
         print("mlx_qwen_fast: --stock: running stock mlx-lm", file=sys.stderr)
     else:
         install(verbose=True)

@@ -17,7 +17,6 @@ only fp32 makes token identity a check of the code rather than of rounding.
 """
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import mlx.core as mx
 import mlx_lm
 from mlx_lm.generate import stream_generate
 
+from . import config
 from .checkpoint import DEMO_LM_HEAD_SCALE, SHARD_GLOB, write_checkpoint
 from .patch import patched_copy
 
@@ -32,9 +32,9 @@ DEFAULT_PROMPT = "Explain in one paragraph why the sky looks blue during the day
 
 
 def default_checkpoint_dir() -> Path:
-    """Cache folder of the demo checkpoint (``$XDG_CACHE_HOME/mlx_qwen_fast``)."""
-    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(root) / "mlx_qwen_fast" / "tiny-demo"
+    """Cache folder of the demo checkpoint (``tiny-demo`` under
+    :func:`mlx_qwen_fast.config.cache_root`)."""
+    return config.cache_root() / "tiny-demo"
 
 
 def ensure_demo_checkpoint(path: Path) -> Path:

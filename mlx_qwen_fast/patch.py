@@ -14,7 +14,6 @@ warning naming the reason.
 """
 
 import functools
-import os
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -23,14 +22,15 @@ from typing import Dict, Optional
 import mlx.nn as nn
 import mlx_lm.utils
 
-from . import backend
+from . import backend, config
+from mlx_lm.models.qwen3_next import Qwen3NextAttention
+
 from .layers import FAST_CLASSES, rebind
-from .ops import attention as attention_ops
 from .ops import gated_delta as gated_delta_ops
 from .ops import moe as moe_ops
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5", "qwen3_5_moe_fast")
-_SLOTS = ("linear_attn", "self_attn", "mlp")
+_SLOTS = ("linear_attn", "mlp")  # the modules with a fast class (attention stays mlx-lm's)
 _PREFILL_TOKENS = 2048  # mlx-lm's default prefill_step_size, for the report
 
 
@@ -43,13 +43,14 @@ class PatchReport:
         reason: why the model was left stock (None when patched).
         model_type: the model's ``model_type``.
         backend: "cpu", "cuda" or "metal" (the default device's backend).
-        swapped: number of modules swapped per slot
-            (``linear_attn``, ``self_attn``, ``mlp``).
+        swapped: number of modules swapped per slot (``linear_attn``,
+            ``mlp``; gated attention has no fast class and stays mlx-lm's).
         ops: implementation each op uses on this backend, e.g.
             ``{"gated_delta.prefill": "chunked", "moe.decode": "stock"}``.
-        graph_limit: on CUDA, MLX's per-graph byte limit in force and who
-            set it (:func:`mlx_qwen_fast.backend.raise_cuda_graph_byte_limit`);
-            empty elsewhere.
+        graph_limit: on CUDA, MLX's variables that the import sets where
+            the user has not, as they stand and who set them
+            (:func:`mlx_qwen_fast.config.process_settings_report`); empty
+            elsewhere.
     """
 
     patched: bool
@@ -83,15 +84,12 @@ def op_implementations(backend_name: Optional[str] = None) -> Dict[str, str]:
     Raises:
         ValueError: an unknown backend name (the empty string included).
     """
-    b = backend.current() if backend_name is None else backend_name
+    b = backend.current() if backend_name is None else backend.resolve(backend_name)
     table = {}
-    for name, module in (
-        ("gated_delta", gated_delta_ops),
-        ("attention", attention_ops),
-        ("moe", moe_ops),
-    ):
+    for name, module in (("gated_delta", gated_delta_ops), ("moe", moe_ops)):
         table[f"{name}.prefill"] = module.implementation_for(_PREFILL_TOKENS, b)
         table[f"{name}.decode"] = module.implementation_for(1, b)
+    table["attention.prefill"] = table["attention.decode"] = "stock"
     return table
 
 
@@ -109,10 +107,10 @@ def _unsupported_reason(model: nn.Module) -> Optional[str]:
     layers = getattr(model, "layers", None)
     if not layers:
         return "the model has no decoder layers"
-    stock_or_fast = set(FAST_CLASSES) | set(FAST_CLASSES.values())
+    mixers = set(FAST_CLASSES) | set(FAST_CLASSES.values()) | {Qwen3NextAttention}
     for i, layer in enumerate(layers):
         mixer = getattr(layer, "linear_attn", None) or getattr(layer, "self_attn", None)
-        if mixer is None or type(mixer) not in stock_or_fast:
+        if mixer is None or type(mixer) not in mixers:
             return f"layer {i} has an unsupported token mixer {type(mixer).__name__}"
         if hasattr(layer, "linear_attn"):
             la = layer.linear_attn
@@ -143,8 +141,8 @@ def _swap(model: nn.Module, to_fast: bool) -> Dict[str, int]:
 def patch(model: nn.Module, *, warn: bool = True) -> PatchReport:
     """Swap the fast-path modules into a loaded mlx-lm Qwen3.5/3.6 model, in place.
 
-    Swaps every Gated DeltaNet (``linear_attn``), gated attention
-    (``self_attn``) and sparse-MoE (``mlp``) module for its fast subclass in
+    Swaps every Gated DeltaNet (``linear_attn``) and sparse-MoE (``mlp``)
+    module for its fast subclass in
     :mod:`mlx_qwen_fast.layers`, sharing the loaded (quantised) arrays under
     the same parameter paths. Dense MLPs stay as they are. Patching an
     already patched model is a no-op.
@@ -154,7 +152,8 @@ def patch(model: nn.Module, *, warn: bool = True) -> PatchReport:
         warn: emit one ``UserWarning`` when the model is left stock.
 
     Returns:
-        A :class:`PatchReport`. If the model type or a layer's shape is not
+        A :class:`PatchReport`, also kept as ``model.patch_report``. If the
+        model type or a layer's shape is not
         supported, or the environment sets ``MLX_QWEN_FAST=0`` (see
         :func:`enabled`), nothing is changed, ``report.patched`` is False and
         ``report.reason`` says why.
@@ -166,21 +165,31 @@ def patch(model: nn.Module, *, warn: bool = True) -> PatchReport:
     _check_module("patch", model)
     reason = _unsupported_reason(model)
     if reason is None and not enabled():
-        reason = f"disabled by the environment ({_ENV_SWITCH}={os.environ[_ENV_SWITCH]})"
+        reason = f"disabled by the environment ({_off_setting()})"
     if reason is not None:
         if warn:
             warnings.warn(f"mlx_qwen_fast: model left on the stock path: {reason}", stacklevel=2)
-        return PatchReport(False, reason, _model_type(model), backend.current())
+        report = PatchReport(False, reason, _model_type(model), backend.current())
+        if not is_patched(model):
+            _set_report(model, report)
+        return report
     swapped = _swap(model, to_fast=True)
-    return PatchReport(
+    report = PatchReport(
         True,
         None,
         _model_type(model),
         backend.current(),
         swapped,
         op_implementations(),
-        backend.cuda_graph_settings(),
+        config.process_settings_report(backend.current()),
     )
+    _set_report(model, report)
+    return report
+
+
+def _set_report(model: nn.Module, report: "PatchReport") -> None:
+    """Keep ``report`` as ``model.patch_report`` (a plain attribute, not a parameter)."""
+    object.__setattr__(model, "patch_report", report)
 
 
 def _check_module(fn: str, model) -> None:
@@ -196,12 +205,16 @@ def _check_module(fn: str, model) -> None:
 
 def unpatch(model: nn.Module) -> Dict[str, int]:
     """Restore the stock mlx-lm modules (same arrays); returns counts per slot.
+    ``model.patch_report`` then says the model is stock.
 
     Raises:
         TypeError: ``model`` is not an ``mlx.nn.Module``.
     """
     _check_module("unpatch", model)
-    return _swap(model, to_fast=False) if hasattr(model, "layers") else {}
+    swapped = _swap(model, to_fast=False) if hasattr(model, "layers") else {}
+    _set_report(model, PatchReport(False, "unpatched (mlx_qwen_fast.unpatch)", _model_type(model),
+                                   backend.current()))
+    return swapped
 
 
 def is_patched(model: nn.Module) -> bool:
@@ -253,14 +266,16 @@ def patched_copy(model: nn.Module, *, warn: bool = True):
     return twin, patch(twin, warn=warn)
 
 
-_ENV_SWITCH = backend.ENV_SWITCH
-
-
 def enabled() -> bool:
     """False when the environment sets ``MLX_QWEN_FAST`` to 0, false, no or off
-    (any case): then :func:`patch` (and so :func:`install`, the CLIs, the demo
-    and ``patched_copy``) leaves every model stock."""
-    return backend.fast_path_enabled()
+    (any case; :data:`mlx_qwen_fast.config.FAST_PATH`): then :func:`patch`
+    (and so :func:`install`, the CLIs, the demo and ``patched_copy``) leaves
+    every model stock."""
+    return config.FAST_PATH.get()
+
+
+def _off_setting() -> str:
+    return f"{config.FAST_PATH.name} is off"
 
 
 def install(*, verbose: bool = False) -> bool:
@@ -275,8 +290,8 @@ def install(*, verbose: bool = False) -> bool:
     """
     if not enabled():
         if verbose:
-            print(f"mlx_qwen_fast: not installed, the environment sets "
-                  f"{_ENV_SWITCH}={os.environ[_ENV_SWITCH]}: stock mlx-lm", file=sys.stderr)
+            print(f"mlx_qwen_fast: not installed, the environment sets {_off_setting()}: stock mlx-lm",
+                  file=sys.stderr)
         return False
     current = mlx_lm.utils.load_model
     if getattr(current, "_mlx_qwen_fast", False):

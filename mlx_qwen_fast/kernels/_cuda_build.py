@@ -44,15 +44,10 @@ wheel ships no CUDA headers), so kernels include only this package's own
 ``*.cuh`` files from ``mlx_qwen_fast/cuda/``, which are handed to NVRTC as
 in-memory headers.
 
-Environment:
-  MLX_QWEN_FAST_CACHE   cache directory (overrides XDG_CACHE_HOME)
-  MLX_QWEN_FAST_NVRTC   path of a libnvrtc to use
-  MLX_QWEN_FAST_NVFATBIN  path of a libnvfatbin to use (warned about and
-                        skipped if it does not load); exactly "0": launch
-                        plain cubins
-  MLX_QWEN_FAST_ARCH    target such as "sm_90a" instead of asking the driver
-  MLX_QWEN_FAST_POISON  "1": fill kernel outputs with NaN before each launch
-                        (tests; shows elements a kernel failed to write)
+Switches (:mod:`mlx_qwen_fast.config`): ``KERNEL_CACHE`` (cache folder),
+``NVRTC`` (the libnvrtc to use), ``NVFATBIN`` (the libnvfatbin, or off),
+``ARCH`` (build target instead of asking the driver), ``POISON`` (fill
+kernel outputs with NaN before each launch).
 """
 
 from __future__ import annotations
@@ -77,6 +72,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .. import config
+
 __all__ = [
     "CUDA_SOURCE_DIR",
     "CudaKernel",
@@ -92,16 +89,17 @@ __all__ = [
 CUDA_SOURCE_DIR = Path(__file__).resolve().parent.parent / "cuda"
 
 _lock = threading.Lock()
-_POISON = os.environ.get("MLX_QWEN_FAST_POISON", "") == "1"
+_poison: Optional[bool] = None  # set_poison's override of config.POISON
 
 #: Per-kernel build records: name -> dict(seconds, source="compiled"|"cache").
 build_stats: Dict[str, dict] = {}
 
 
-def set_poison(on: bool) -> None:
-    """Fill every output with NaN before each launch (tests only: costs a pass)."""
-    global _POISON
-    _POISON = bool(on)
+def set_poison(on: Optional[bool]) -> None:
+    """Fill every output with NaN before each launch (tests only: costs a
+    pass); None goes back to :data:`mlx_qwen_fast.config.POISON`."""
+    global _poison
+    _poison = None if on is None else bool(on)
 
 
 def cuda_available() -> bool:
@@ -117,14 +115,9 @@ def cuda_available() -> bool:
 
 
 def cache_dir() -> Path:
-    """Directory of the cubin cache (created on first write)."""
-    d = os.environ.get("MLX_QWEN_FAST_CACHE")
-    if d:
-        return Path(d)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(
-        os.path.expanduser("~"), ".cache"
-    )
-    return Path(base) / "mlx_qwen_fast"
+    """Directory of the cubin cache (created on first write;
+    :func:`mlx_qwen_fast.config.kernel_cache_dir`)."""
+    return config.kernel_cache_dir()
 
 
 # ---------------------------------------------------------------------------
@@ -184,7 +177,7 @@ def sm_count() -> int:
 
 
 def _arch_option() -> str:
-    forced = os.environ.get("MLX_QWEN_FAST_ARCH")
+    forced = config.ARCH.get()
     if forced:  # e.g. "sm_90a": build without a GPU (cache warming, CI)
         return forced
     major, minor = gpu_arch()
@@ -209,16 +202,16 @@ def _lib_dirs(subdirs: Sequence[str]) -> List[str]:
     except Exception:
         pass
     out = [os.path.join(r, sub) for r in roots for sub in subdirs]
-    out += [os.path.join(os.environ[v], "lib64") for v in ("CUDA_HOME", "CUDA_PATH") if os.environ.get(v)]
+    out += config.cuda_toolkit_lib_dirs()
     return out + ["/usr/local/cuda/lib64"]
 
 
 def _nvrtc_candidates() -> List[str]:
     """Places to look for libnvrtc, best first."""
     out: List[str] = []
-    env = os.environ.get("MLX_QWEN_FAST_NVRTC")
-    if env:
-        out.append(env)
+    chosen = config.NVRTC.get()
+    if chosen:
+        out.append(chosen)
     # The library MLX's CUDA backend already loaded (its exact version).
     try:
         with open("/proc/self/maps") as f:
@@ -386,9 +379,6 @@ def _compile_nvcc(source_path: Path, options: List[str], arch: str) -> bytes:
 # nvFatbin: the launched image as a compressed fatbin
 # ---------------------------------------------------------------------------
 
-NVFATBIN_ENV = "MLX_QWEN_FAST_NVFATBIN"
-
-
 class _NvFatbin:
     """ctypes binding of nvFatbin (nvFatbin.h): one compressed fatbin per cubin."""
 
@@ -448,14 +438,14 @@ class _NvFatbin:
 
 @functools.lru_cache(maxsize=None)
 def _get_nvfatbin() -> Optional[_NvFatbin]:
-    """The nvFatbin library, or None (not installed, or ``$MLX_QWEN_FAST_NVFATBIN=0``);
+    """The nvFatbin library, or None (not installed, or ``config.NVFATBIN`` off);
     looked up once per process."""
-    env = os.environ.get(NVFATBIN_ENV, "")
-    if env == "0":
+    chosen = config.NVFATBIN.get()
+    if chosen is False:
         return None
-    found = _load_first([env], "nvFatbinAddCubin") if env else None
-    if env and found is None:
-        warnings.warn(f"{NVFATBIN_ENV}={env!r} is not a loadable libnvfatbin; searching the usual places",
+    found = _load_first([chosen], "nvFatbinAddCubin") if chosen else None
+    if chosen and found is None:
+        warnings.warn(f"{config.NVFATBIN.name}={chosen!r} is not a loadable libnvfatbin; searching the usual places",
                       RuntimeWarning)
     if found is None:
         cands = ["libnvfatbin.so.13", "libnvfatbin.so.12", "libnvfatbin.so"]
@@ -655,7 +645,7 @@ class CudaKernel:
             grid=grid,
             threadgroup=threadgroup,
             shared_memory=shared_memory,
-            init_value=_NAN if _POISON else None,
+            init_value=_NAN if (config.POISON.get() if _poison is None else _poison) else None,
             ensure_row_contiguous=True,
         )
 

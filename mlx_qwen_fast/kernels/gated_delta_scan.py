@@ -65,21 +65,17 @@ class ScanConfig(tuple):
         return W * (32 // L) * R
 
 
-#: Fastest measured on the H200 at B=1, T=4096, bf16: 0.88 ms as the latency
-#: of one call in a chain of dependent calls (64-token stages within noise,
-#: 16-token stages 1.0 ms; smaller blocks, token groups, fp32 k/q copies and
-#: lazy decay slower): bench/results/gdn-cuda-log.md, 2026-12-01.
+#: The build the layers use: the fastest of the measured configurations at
+#: B=1, T=4096, bf16 (bench/results/gdn-cuda-log.md, the scan sweep).
 DEFAULT_CONFIG = ScanConfig(8, 2, 4, 32, 0, 1)
 
 _kernels: Dict[tuple, cb.CudaKernel] = {}
 
 
-def kernel(dtype, Hv: int, Hk: int, cfg: ScanConfig, fused: Optional[dict] = None) -> cb.CudaKernel:
+def kernel(dtype, Hv: int, Hk: int, cfg: ScanConfig) -> cb.CudaKernel:
     """The scan kernel for these dtypes/heads/config, built once per process
-    (and cached on disk); ``fused``: the front end's build macros
-    (``gated_delta_frontend.defines``) for the fused front end + scan kernel
-    (GDN_FUSED, see ``kernels/gated_delta_prefill``)."""
-    key = (dtype, Hv, Hk, tuple(cfg), tuple(sorted((fused or {}).items())))
+    (and cached on disk)."""
+    key = (dtype, Hv, Hk, tuple(cfg))
     kern = _kernels.get(key)
     if kern is None:
         L, R, W, TB, KQF, U = cfg
@@ -87,9 +83,7 @@ def kernel(dtype, Hv: int, Hk: int, cfg: ScanConfig, fused: Optional[dict] = Non
             GDN_X=cb.dtype_macro(dtype), GDN_HV=Hv, GDN_HK=Hk, GDN_L=L,
             GDN_R=R, GDN_NW=W, GDN_TB=TB, GDN_KQF32=KQF, GDN_U=U,
         )
-        if fused:
-            defs.update(fused, GDN_FUSED=1)
-        kern = cb.CudaKernel("gated_delta_scan.cu", "mqf_gdn_prefill" if fused else "mqf_gdn_scan", defs)
+        kern = cb.CudaKernel("gated_delta_scan.cu", "mqf_gdn_scan", defs)
         _kernels[key] = kern
     return kern
 

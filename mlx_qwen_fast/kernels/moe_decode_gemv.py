@@ -35,46 +35,28 @@ stay fp32 (stock rounds probabilities, weighted outputs and the sum to bf16),
 the shared gate's sigmoid is not rounded, selection uses fp32 probabilities
 (:func:`mlx_qwen_fast.kernels.moe_routing.route`).
 
-Status: compiled with nvcc 13.0 for sm_90a (no spills: gate+up 79-80
-registers, 3 CTAs/SM, 40-52 KB of dynamic shared memory; down 150-164
-registers). On the H200 (2026-12-03, CUDA graph of 64 layers over 40 layers'
-weights, kernels alone): 13.4 us per layer at N = 1 (gate+up 7.3, down 5.9;
-35% of the 3,382 GB/s copy rate), down from 14.8 (the gate+up weights staged
-through cp.async, computed in two halves, one down warp per item at one token); a
-kernel that only reads the same bytes the same way takes 6.0 us in one
-launch and 8.1 us as two (bench/cuda/decode_read_floor.cu). N = 4: 32.4 us
-(2026-12-01, before these changes). tests/test_cuda_moe_decode.py passes.
-The patched model runs them by default on CUDA through
-:func:`moe_decode_step` (``MLX_QWEN_FAST_MOE_DECODE_KERNEL=0`` keeps stock;
-``MLX_QWEN_FAST_MOE_DECODE_FUSED=1`` takes :mod:`.moe_decode_fused` instead;
-bench/results/moe-cuda-log.md). The down kernel keeps one mma chain per
-128-input block, adds them in block order, and sums the items' weighted
-outputs in slot order (the one-launch kernel does the same: both give the
-same bits).
+The patched model runs them through :func:`mlx_qwen_fast.ops.moe.sparse_moe`
+("cuda-decode": the router, the routing kernel and these two kernels as one
+``mx.compile``-d step). The down kernel keeps one mma chain per 128-input
+block, adds them in block order, and sums the items' weighted outputs in
+slot order. Measured GPU times and the block's read floor:
+bench/results/INDEX.md (kind "moe_decode").
 """
 
 from __future__ import annotations
 
-import math
 from typing import Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
-import numpy as np
 
 from . import _cuda_build as cb
-from .moe_grouped_gemm import bf16_round  # host reference rounding, shared
 
 __all__ = [
-    "moe_decode",
-    "moe_decode_step",
     "moe_decode_arrays",
     "gate_up_swiglu",
     "down_combine",
-    "supports",
-    "plan",
     "supports_arrays",
-    "block_arrays",
-    "reference",
+    "down_warps",
     "MAX_TOKENS",
 ]
 
@@ -195,109 +177,30 @@ def supports_arrays(x, inds, experts, shared, expert_gate, scores=None) -> bool:
     return _shape_problem(x, inds, scores, experts, shared, expert_gate) is None
 
 
-def _qlinear_ok(m, bits=(4,)) -> bool:
-    return (
-        type(m).__name__ in ("QuantizedLinear", "QuantizedSwitchLinear")
-        and getattr(m, "bits", None) in bits and getattr(m, "group_size", None) == 64
-        and getattr(m, "mode", "affine") in ("affine", None)
-        and "biases" in m and "bias" not in m
-        and m["scales"].dtype == mx.bfloat16
-    )
-
-
-def block_arrays(block):
-    """``(experts, shared, expert_gate)`` of a ``Qwen3NextSparseMoeBlock``.
-
-    Returns the tuples :func:`moe_decode_arrays` takes, or None when a module
-    is not quantised the way the kernels need (routed and shared experts
-    4-bit group 64 affine with bf16 scales; shared gate 4/8-bit group 64 or a
-    bias-free bf16 ``nn.Linear``).
-    """
-    try:
-        sm, se, sgm = block.switch_mlp, block.shared_expert, block.shared_expert_gate
-        mods = (sm.gate_proj, sm.up_proj, sm.down_proj, se.gate_proj, se.up_proj, se.down_proj)
-    except AttributeError:
-        return None
-    if not all(_qlinear_ok(m) for m in mods):
-        return None
-    q = lambda m: (m["weight"], m["scales"], m["biases"])  # noqa: E731
-    if _qlinear_ok(sgm, bits=(4, 8)):
-        eg = (sgm["weight"], sgm["scales"], sgm["biases"], sgm.bits)
-    elif type(sgm).__name__ == "Linear" and "bias" not in sgm and sgm["weight"].dtype == mx.bfloat16:
-        w = sgm["weight"]
-        eg = (w, w, w, 16)
-    else:
-        return None
-    return tuple(q(m) for m in mods[:3]), tuple(q(m) for m in mods[3:]), eg
-
-
-def supports(block, x) -> bool:
-    """True when :func:`moe_decode` can run ``block`` on ``x``. Never compiles.
-
-    Needs MLX's CUDA backend, an unsharded ``Qwen3NextSparseMoeBlock`` whose
-    experts and shared expert are 4-bit group-64 affine with bf16 scales (shared
-    gate 4/8-bit or bf16), ``x [..., D]`` bf16 with 1..4 tokens, ``N*k <= 32``,
-    ``D % 256 == 0``, ``I % 128 == 0``, the shared expert's size equal to the
-    experts', and E a multiple of 32 (<= 1024) for the routing kernel.
-    """
-    return plan(block, x) is not None
-
-
-def plan(block, x) -> Optional[tuple]:
-    """The arrays :func:`moe_decode` runs ``block`` on ``x`` with
-    (:func:`block_arrays`, shapes checked), or None where :func:`supports`
-    is False. Never compiles."""
-    if not cb.cuda_available():
-        return None
-    return _plan_shapes(block, x)
-
-
-def _supports_shapes(block, x) -> bool:
-    """:func:`supports` without the backend check (CPU-testable)."""
-    return _plan_shapes(block, x) is not None
-
-
-def _plan_shapes(block, x) -> Optional[tuple]:
-    try:
-        if getattr(block, "sharding_group", None) is not None:
-            return None
-        if not isinstance(x, mx.array) or x.ndim < 1 or x.dtype != mx.bfloat16:
-            return None
-        n = math.prod(x.shape[:-1])
-        if not 1 <= n <= MAX_TOKENS:
-            return None
-        E, k = block.num_experts, block.top_k
-        if E % 32 or E > 1024 or not 1 <= k <= min(32, E):
-            return None
-        arrs = block_arrays(block)
-        if arrs is None:
-            return None
-        tok = mx.zeros((n, x.shape[-1]), mx.bfloat16)  # shape only, never evaluated
-        inds = mx.zeros((n, k), mx.int32)
-        return arrs if supports_arrays(tok, inds, *arrs) else None
-    except (AttributeError, TypeError, ValueError):
-        return None
-
-
 # ---------------------------------------------------------------------------
 # kernels
 # ---------------------------------------------------------------------------
 
 
-def _kernel(kind: int, n: int, k: int, D: int, I: int, sgb: int = 8, yt: str = "bf16_t") -> cb.CudaKernel:
-    key = (kind, n, k, D, I, sgb, yt)
+_STAGES = {"gate_up": 0, "down": 1}  # the source's MDG_KIND
+
+
+def _kernel(stage: str, n: int, k: int, D: int, I: int, shared_gate_bits: int = 8,
+            yt: str = "bf16_t") -> cb.CudaKernel:
+    """One build of ``moe_decode_gemv.cu``: ``stage`` "gate_up" (with the
+    shared-expert gate's bit width) or "down"; cached per configuration."""
+    key = (stage, n, k, D, I, shared_gate_bits, yt)
     kern = _kernels.get(key)
     if kern is None:
-        defs = dict(MDG_KIND=kind, MDG_N=n, MDG_K=k, MDG_D=D, MDG_I=I)
-        if kind == 0:
-            defs["MDG_SGB"] = sgb
+        defs = dict(MDG_KIND=_STAGES[stage], MDG_N=n, MDG_K=k, MDG_D=D, MDG_I=I)
+        if stage == "gate_up":
+            defs["MDG_SGB"] = shared_gate_bits
         else:
             defs["MDG_YT"] = yt
             defs["MDG_DNW"] = down_warps(n, k, I)
-        kern = cb.CudaKernel(
-            "moe_decode_gemv.cu", "mqf_moe_dec_gate_up" if kind == 0 else "mqf_moe_dec_down", defs
+        kern = _kernels[key] = cb.CudaKernel(
+            "moe_decode_gemv.cu", "mqf_moe_dec_gate_up" if stage == "gate_up" else "mqf_moe_dec_down", defs
         )
-        _kernels[key] = kern
     return kern
 
 
@@ -346,7 +249,7 @@ def _launch_gate_up(x, inds, experts, shared, expert_gate):
     (xwg, xsg, xbg), (xwu, xsu, xbu), _ = shared
     gw, gs, gb, bits = expert_gate
     nk = n * k
-    kern = _kernel(0, n, k, D, I, int(bits))
+    kern = _kernel("gate_up", n, k, D, I, int(bits))
     h, sgate = kern(
         inputs=[x, inds, wg, sg, bg, wu, su, bu, xwg, xsg, xbg, xwu, xsu, xbu, gw, gs, gb],
         output_shapes=[(nk + n, I), (n,)],
@@ -410,7 +313,7 @@ def _launch_down(h, inds, scores, sgate, down, shared_down):
     k = inds.shape[-1]
     n = inds.size // k
     D, I = down[0].shape[1], h.shape[1]
-    kern = _kernel(1, n, k, D, I)
+    kern = _kernel("down", n, k, D, I)
     nt = 32 * down_warps(n, k, I)
     (y,) = kern(
         inputs=[h, inds, scores, sgate, *down, *shared_down],
@@ -423,252 +326,23 @@ def _launch_down(h, inds, scores, sgate, down, shared_down):
 
 
 def moe_decode_arrays(
-    x: mx.array, inds: mx.array, scores: mx.array, experts: Sequence, shared: Sequence, expert_gate: Sequence
+    x: mx.array, inds: mx.array, scores: mx.array, experts: Sequence, shared: Sequence, expert_gate: Sequence,
+    *, checked: bool = False,
 ) -> mx.array:
     """The MoE block's output for routed ``(inds, scores)``: ``[N, D]`` bfloat16.
 
     ``sum_j scores[n, j] * expert_{inds[n, j]}(x[n])
     + sigmoid(shared_gate(x[n])) * shared_expert(x[n])``: two launches
-    (:func:`gate_up_swiglu`, :func:`down_combine`). Arguments as those.
+    (:func:`gate_up_swiglu`, :func:`down_combine`). Arguments as those;
+    ``checked=True`` skips the shape checks (the caller ran
+    :func:`supports_arrays` on the same shapes: the compiled decode step).
+    ``x`` may be ``[..., D]`` with ``inds [..., k]`` (read as ``[N, D]``,
+    ``[N, k]``); y is shaped ``inds.shape[:-1] + (D,)``.
 
     Raises:
         ValueError: a shape/dtype the kernels do not take (named).
     """
-    _check("moe_decode_arrays", _shape_problem(x, inds, scores, experts, shared, expert_gate))
-    return _launch_both(x, inds, scores, experts, shared, expert_gate)
-
-
-def _launch_both(x, inds, scores, experts, shared, expert_gate):
+    if not checked:
+        _check("moe_decode_arrays", _shape_problem(x, inds, scores, experts, shared, expert_gate))
     h, sgate = _launch_gate_up(x, inds, experts, shared, expert_gate)
     return _launch_down(h, inds, scores, sgate, experts[2], shared[2])
-
-
-def moe_decode(block, x: mx.array, arrays: Optional[tuple] = None) -> mx.array:
-    """``Qwen3NextSparseMoeBlock(x)`` for 1..4 tokens: router, routing kernel, two MoE kernels.
-
-    Four graph nodes: ``block.gate`` (quantised matmul), the routing kernel
-    (:func:`mlx_qwen_fast.kernels.moe_routing.route`: fp32 softmax, top-k,
-    renormalised as ``block.norm_topk_prob``), :func:`gate_up_swiglu`,
-    :func:`down_combine`. Call only where :func:`supports` is True.
-    :func:`moe_decode_step` is the same computation traced once with
-    ``mx.compile`` (what the patched model runs).
-
-    Args:
-        block: a quantised ``Qwen3NextSparseMoeBlock`` (see :func:`supports`).
-        x: ``[..., D]`` bfloat16, 1..4 tokens.
-        arrays: ``plan(block, x)`` when the caller has it (the checks then
-            are not repeated); None: planned here.
-
-    Returns:
-        ``[..., D]`` bfloat16.
-
-    Raises:
-        ValueError: the block's modules are not quantised as the kernels need,
-            or ``x`` does not fit.
-    """
-    from . import moe_routing as mr
-
-    arrs = plan(block, x) if arrays is None else arrays
-    if arrs is None:
-        raise ValueError("moe_decode: the block's modules or x do not fit the kernels (see supports)")
-    lead, d = x.shape[:-1], x.shape[-1]
-    tokens = x.reshape(-1, d)
-    inds, scores = mr.route(block.gate(tokens), block.top_k, normalize=block.norm_topk_prob)
-    return _launch_both(tokens, inds, scores, *arrs).reshape(*lead, d)
-
-
-_CHILDREN = ("gate", "shared_expert_gate", "switch_mlp", "shared_expert")
-_EXPERT_PATHS = tuple((parent, proj, leaf) for parent in ("switch_mlp", "shared_expert")
-                      for proj in ("gate_proj", "up_proj", "down_proj")
-                      for leaf in ("weight", "scales", "biases"))
-
-
-def _step_plan(block, x):
-    """``(paths, (compiled step, fused))`` of ``block`` for inputs like ``x``
-    (see :class:`mlx_qwen_fast.compiled.StepPlans`); ``(children, None)``
-    where :func:`plan` declines. Path order = the compiled step's array order:
-    router, routed experts gate/up/down, shared expert gate/up/down (weight,
-    scales, biases each), shared-expert gate (weight, scales, biases).
-    ``fused``: the step is :func:`.moe_decode_fused.moe_decode_fused` (one
-    launch; the caller appends the block's barrier buffer), chosen where the
-    router is 4/8-bit group 64, the GPU is compute capability 9.0+ and
-    ``MLX_QWEN_FAST_MOE_DECODE_FUSED=1``; else
-    router matmul, routing kernel and the two kernels here (the default)."""
-    from ..compiled import linear_arrays, linear_paths
-    from . import moe_decode_fused as mf
-
-    declined = [(c,) for c in _CHILDREN if c in block], None
-    router = linear_arrays(block.gate) if "gate" in block else None
-    arrs = plan(block, x)
-    if router is None or arrs is None:
-        return declined
-    bits = arrs[2][3]
-    gate = (("shared_expert_gate", "weight"),) * 3 if bits == 16 else tuple(
-        ("shared_expert_gate", n) for n in ("weight", "scales", "biases"))
-    rq = mf.router_arrays(block.gate)
-    if (rq is not None and mf.fused_enabled() and mf.supported_gpu()
-            and mf.router_problem(x, rq, *arrs, block.top_k) is None):
-        paths = tuple(("gate", n) for n in ("weight", "scales", "biases")) + _EXPERT_PATHS + gate
-        return paths, (_compiled_fused_step(block.top_k, block.norm_topk_prob, bits, cb.sm_count()), True)
-    paths = linear_paths(("gate",), router) + _EXPERT_PATHS + gate
-    return paths, (_compiled_step(block.top_k, block.norm_topk_prob, router[1], len(router[0]), bits), False)
-
-
-_steps: Dict[tuple, object] = {}
-
-
-def _compiled_step(top_k: int, normalize: bool, router_static: tuple, n_router: int, gate_bits: int):
-    """The ``mx.compile``d decode step for one static setting (shared by all layers)."""
-    key = (top_k, bool(normalize), router_static, n_router, gate_bits)
-    fn = _steps.get(key)
-    if fn is None:
-        from ..compiled import apply_linear
-        from . import moe_routing as mr
-
-        def step(x, *arrays):
-            logits = apply_linear(x, arrays[:n_router], router_static)
-            inds, scores = mr.route(logits, top_k, normalize=normalize)
-            a = arrays[n_router:]
-            experts, shared = (a[0:3], a[3:6], a[6:9]), (a[9:12], a[12:15], a[15:18])
-            return _launch_both(x, inds, scores, experts, shared, (a[18], a[19], a[20], gate_bits))
-
-        fn = _steps[key] = mx.compile(step)
-    return fn
-
-
-def _compiled_fused_step(top_k: int, normalize: bool, gate_bits: int, ctas: int):
-    """The ``mx.compile``d one-launch step (:mod:`.moe_decode_fused`) for one static setting."""
-    key = ("fused", top_k, bool(normalize), gate_bits, ctas)
-    fn = _steps.get(key)
-    if fn is None:
-        from . import moe_decode_fused as mf
-
-        def step(x, *a):
-            experts, shared = (a[3:6], a[6:9], a[9:12]), (a[12:15], a[15:18], a[18:21])
-            return mf._launch(x, a[0:3], experts, shared, (a[21], a[22], a[23], gate_bits), top_k,
-                              normalize, a[24], ctas)[0]
-
-        fn = _steps[key] = mx.compile(step)
-    return fn
-
-
-def block_sync(block) -> mx.array:
-    """The block's own barrier buffer for the one-launch step (created on first use)."""
-    sync = block.__dict__.get("_mqf_moe_sync")
-    if sync is None:
-        from . import moe_decode_fused as mf
-
-        sync = mf.new_sync()
-        object.__setattr__(block, "_mqf_moe_sync", sync)
-    return sync
-
-
-def moe_decode_step(block, x: mx.array) -> Optional[mx.array]:
-    """The block's decode step traced once with ``mx.compile``, or None where it does not apply.
-
-    By default the computation of :func:`moe_decode` (same kernels, bit for
-    bit); with ``MLX_QWEN_FAST_MOE_DECODE_FUSED=1`` one launch
-    (:func:`.moe_decode_fused.moe_decode_fused`) where the router is 4/8-bit
-    group 64. The block's arrays are inputs of the compiled function, so one trace
-    per token count serves every layer. The :func:`plan` checks run once per
-    layer and input signature (cached on the block, re-run when one of its
-    arrays is replaced), so a call costs the array lookups and the compiled
-    call.
-
-    Args:
-        block: a ``Qwen3NextSparseMoeBlock``.
-        x: ``[..., D]``, 1..4 tokens.
-
-    Returns:
-        ``[..., D]`` bfloat16, or None when :func:`supports` is False (the
-        caller runs another implementation).
-    """
-    from ..compiled import StepPlans
-    from . import moe_decode_fused as mf
-
-    key = (tuple(x.shape), x.dtype, mf.fused_enabled())
-    arrays, p = StepPlans.of(block).get(key, block, lambda: _step_plan(block, x))
-    if p is None:
-        return None
-    fn, fused = p
-    if fused:
-        return fn(x, *arrays, block_sync(block))
-    return fn(x, *arrays)  # [..., D] in and out: the kernels need no reshape node
-
-
-# ---------------------------------------------------------------------------
-# host reference (numpy fp32)
-# ---------------------------------------------------------------------------
-
-
-def _np(a) -> np.ndarray:
-    if isinstance(a, mx.array):
-        return np.asarray(a.astype(mx.float32) if a.dtype in (mx.bfloat16, mx.float16) else a)
-    return np.asarray(a)
-
-
-def dequant_f32(w, s, b, bits: int = 4, group_size: int = 64) -> np.ndarray:
-    """``s * q + b`` in fp32 (no bf16 rounding) from packed affine arrays."""
-    w = _np(w).astype(np.uint32)
-    per = 32 // bits
-    shifts = bits * np.arange(per, dtype=np.uint32)
-    q = (w[..., None] >> shifts) & np.uint32((1 << bits) - 1)
-    q = q.reshape(*w.shape[:-1], w.shape[-1] * per).astype(np.float32)
-    s = np.repeat(_np(s).astype(np.float32), group_size, axis=-1)
-    b = np.repeat(_np(b).astype(np.float32), group_size, axis=-1)
-    return s * q + b
-
-
-def _silu(v):
-    return v / (1.0 + np.exp(-v))
-
-
-def reference(x, inds, scores, experts, shared, expert_gate):
-    """fp32 host reference of :func:`moe_decode_arrays` (numpy).
-
-    Weights ``s * q + b`` in fp32; bf16 rounding where mlx-lm rounds: the
-    gate and up outputs, ``silu(g) * u``, each expert's (and the shared
-    expert's) down output, the shared gate's logit; routing weights, sigmoid
-    and the sums in fp32.
-
-    Returns:
-        ``(h [N*k + N, I], sgate [N], y [N, D])`` float32 numpy arrays (y not
-        rounded; the kernel stores ``bf16(y)``).
-    """
-    xf = _np(x).astype(np.float32)
-    ii = _np(inds).astype(np.int64)
-    sc = _np(scores).astype(np.float32)
-    n, k = ii.shape
-    (wg, sg, bg), (wu, su, bu), (wd, sd, bd) = experts
-    cache = {}
-
-    def mats(e):
-        if e not in cache:
-            if e < 0:
-                (a, b_, c), (d_, f, g_), (h_, i_, j_) = shared
-                cache[e] = (dequant_f32(a, b_, c), dequant_f32(d_, f, g_), dequant_f32(h_, i_, j_))
-            else:
-                cache[e] = (dequant_f32(wg[e], sg[e], bg[e]), dequant_f32(wu[e], su[e], bu[e]),
-                            dequant_f32(wd[e], sd[e], bd[e]))
-        return cache[e]
-
-    I = wg.shape[1]
-    h = np.zeros((n * k + n, I), np.float32)
-    outs = np.zeros((n * k + n, xf.shape[1]), np.float32)
-    for row in range(n * k + n):
-        tok, e = (row // k, int(ii[row // k, row % k])) if row < n * k else (row - n * k, -1)
-        g_, u_, d_ = mats(e)
-        gt = bf16_round(g_ @ xf[tok])
-        up = bf16_round(u_ @ xf[tok])
-        h[row] = bf16_round(_silu(gt) * up)
-        outs[row] = bf16_round(d_ @ h[row])
-    gw, gs, gb, bits = expert_gate
-    wgate = _np(gw).astype(np.float32) if bits == 16 else dequant_f32(gw, gs, gb, bits=bits)
-    logit = bf16_round((wgate @ xf.T)[0])
-    sgate = (1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
-    y = np.zeros_like(xf)
-    for tok in range(n):
-        for j in range(k):
-            y[tok] += sc[tok, j] * outs[tok * k + j]
-        y[tok] += sgate[tok] * outs[n * k + tok]
-    return h, sgate, y

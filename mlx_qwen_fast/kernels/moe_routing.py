@@ -40,11 +40,11 @@ the MoE block: bench/results/moe-cuda-log.md, eighth session).
 from __future__ import annotations
 
 import numbers
-from typing import Dict, NamedTuple, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
-from ..ops.moe import ExpertGroups, max_tiles
+from ..moe_types import ExpertGroups, Routing, max_tiles
 from . import _cuda_build as cb
 
 __all__ = ["Routing", "route", "group", "route_and_group", "supports", "plan", "shared_group_experts",
@@ -63,28 +63,6 @@ GROUP_MAX_CTAS = 128
 MAX_TOKENS = 2**24
 MAX_ASSIGNMENTS = 2**28
 MAX_TILE_ROWS = 2**16
-
-
-class Routing(NamedTuple):
-    """Everything the grouped GEMM needs, all on the device.
-
-    Fields: ``inds [N, k]`` int32, ``scores [N, k]`` float32 (k the slots
-    per token), ``groups`` (:class:`~mlx_qwen_fast.ops.moe.ExpertGroups`,
-    int32 arrays, ``order`` not stable within an expert), ``block_map
-    [max_tiles, 2]`` int32, ``tile_rows`` (Python int), ``shared_id``: None,
-    or the expert id that the last slot of every token carries for the
-    shared expert (:func:`route_and_group` with ``shared_logits`` or
-    ``shared_column``: the routed expert count E, the slots then top_k + 1;
-    ``groups`` counts :func:`shared_group_experts` experts, the ids above E
-    empty).
-    """
-
-    inds: mx.array
-    scores: mx.array
-    groups: ExpertGroups
-    block_map: mx.array
-    tile_rows: int
-    shared_id: Optional[int] = None
 
 
 #: Extra logit columns of ``route(..., shared_column=True)``: the router's E,

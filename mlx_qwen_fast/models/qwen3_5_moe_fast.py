@@ -18,4 +18,4 @@ __all__ = ["Model", "ModelArgs"]
 class Model(_StockModel):
     def __init__(self, args: ModelArgs):
         super().__init__(args)
-        self.patch_report = patch(self)
+        patch(self)  # keeps its report as self.patch_report

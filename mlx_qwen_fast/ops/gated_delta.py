@@ -54,14 +54,19 @@ import mlx.nn as nn
 from mlx_lm.models import gated_delta as _stock
 
 from .. import backend as _backend
+from ..compiled import StepPlans, apply_linear, concat_linears, linear_arrays, linear_paths
 from ..kernels import _cuda_build
+from ..kernels import gated_delta_decode as _k_decode
+from ..kernels import gated_delta_frontend as _k_frontend
 from ..kernels import gated_delta_scan as _k_scan
+from ..kernels import gated_rms_norm as _k_norm
 
 __all__ = [
     "gated_delta_recurrent",
     "gated_delta_chunked",
     "compute_gates",
     "gated_delta_update",
+    "gated_delta_net",
     "implementation_for",
     "IMPLEMENTATIONS",
     "RECURRENT_MAX_T",
@@ -743,3 +748,251 @@ def gated_delta_update(
     if name == "mlx-lm-metal":
         _check_inputs(q, k, v, g, beta, state, mask)
     return _TABLE[name](q, k, v, g, beta, state, mask)
+
+
+# --------------------------------------------------------------------------
+# 5. the whole layer (mlx-lm's GatedDeltaNet) and its dispatch
+# --------------------------------------------------------------------------
+
+
+def _layer_takes_kernels(layer, num_tokens: int, mask, cache) -> bool:
+    """Whether a layer call runs the fused CUDA kernels (front end + scan +
+    gated norm for prefill, :func:`_cuda_decode` for one token): the
+    recurrence's implementation is "cuda-kernel" and the call has no padding
+    mask, no per-row cache lengths (batched prompts of unequal length) and
+    no tensor-parallel sharding. Elsewhere :func:`_layer_reference` runs."""
+    return (
+        mask is None
+        and getattr(layer, "sharding_group", None) is None
+        and (cache is None or cache.lengths is None)
+        and implementation_for(num_tokens) == CUDA_KERNEL
+    )
+
+
+def gated_delta_net(layer, inputs: mx.array, mask: Optional[mx.array] = None, cache=None) -> mx.array:
+    """``GatedDeltaNet.__call__`` (mlx_lm/models/qwen3_5.py) through this
+    module: the dispatch entry of the fast layer.
+
+    Where :func:`_layer_takes_kernels`, the fused CUDA kernels (prefill:
+    front end, scan, gated RMSNorm; decode: one compiled step, projections
+    included); where a kernel declines the shapes, and on every other
+    backend, mlx-lm's layer math with :func:`gated_delta_update` for the
+    recurrence.
+
+    Args:
+        layer: an mlx-lm ``GatedDeltaNet`` (possibly quantised, LoRA-wrapped
+            or sharded).
+        inputs: ``[B, S, D]`` hidden states.
+        mask: ``[B, S]`` bool or None (padding of batched prompts).
+        cache: mlx-lm's ``ArraysCache`` of the layer (conv state, recurrent
+            state) or None; updated in place and advanced by S.
+
+    Returns:
+        ``[B, S, D]`` in the activation dtype.
+    """
+    S = inputs.shape[1]
+    if _layer_takes_kernels(layer, S, mask, cache):
+        out = (_cuda_decode if S == 1 else _cuda_prefill)(layer, inputs, cache)
+        if out is not None:
+            return out
+    return _layer_reference(layer, inputs, mask, cache)
+
+
+def _heads(layer) -> dict:
+    return dict(num_k_heads=layer.num_k_heads, num_v_heads=layer.num_v_heads)
+
+
+def _states(cache):
+    return (cache[0], cache[1]) if cache is not None else (None, None)
+
+
+def _store(cache, conv_state, state, S: int) -> None:
+    if cache is not None:
+        cache[0] = conv_state
+        cache[1] = state
+        cache.advance(S)
+
+
+def _cuda_prefill(layer, inputs, cache):
+    """Front end + scan + gated-norm kernels between mlx-lm's projections;
+    None (before touching the cache) where a kernel does not take the call."""
+    B, S, _ = inputs.shape
+    qkv = layer.in_proj_qkv(inputs)
+    conv_state, state = _states(cache)
+    if conv_state is None:
+        conv_state = mx.zeros((B, layer.conv_kernel_size - 1, layer.conv_dim), qkv.dtype)
+    if not _k_frontend.supports(qkv, conv_state, layer.conv1d.weight, **_heads(layer),
+                                head_k_dim=layer.head_k_dim, head_v_dim=layer.head_v_dim):
+        return None
+    z = layer.in_proj_z(inputs).reshape(B, S, layer.num_v_heads, layer.head_v_dim)
+    a, b = layer.in_proj_a(inputs), layer.in_proj_b(inputs)
+    q, k, v, g, beta, conv_state = _k_frontend.gated_delta_frontend(
+        qkv, a, b, layer.conv1d.weight, conv_state, layer.A_log, layer.dt_bias, **_heads(layer),
+    )
+    if not _k_scan.supports(q, k, v, g, beta, state):
+        return None
+    y, state = _k_scan.gated_delta_scan(q, k, v, g, beta, state)
+    _store(cache, conv_state, state, S)
+    if _k_norm.supports(y, z, layer.norm.weight):
+        out = _k_norm.gated_rms_norm(y, z, layer.norm.weight, layer.norm.eps)
+    else:
+        out = layer.norm(y, z)
+    return layer.out_proj(out.reshape(B, S, -1))
+
+
+_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")
+_STEP_ARRAYS = (("conv1d", "weight"), ("A_log",), ("dt_bias",), ("norm", "weight"))
+
+
+def _cuda_decode(layer, inputs, cache):
+    """The layer's decode step in one ``mx.compile``d call
+    (:func:`_decode_step`: the four input projections as one quantised
+    matmul over their concatenated weights, the decode kernel, ``out_proj``);
+    the kernel between module calls where a projection is not a plain
+    (quantised) linear layer (LoRA). None where the kernel does not take
+    the call."""
+    conv_state, state = _states(cache)
+    B = inputs.shape[0]
+    if conv_state is None:
+        conv_state = mx.zeros((B, layer.conv_kernel_size - 1, layer.conv_dim), inputs.dtype)
+    if state is None:
+        state = mx.zeros((B, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), mx.float32)
+    key = (tuple(inputs.shape), inputs.dtype, conv_state.dtype, state.dtype)
+    arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _decode_plan(layer, inputs, state))
+    if plan is None:
+        return None
+    if plan == "modules":
+        return _cuda_decode_modules(layer, inputs, conv_state, state, cache)
+    fn, n_used, extra = plan
+    out, conv_state, state = fn(inputs, conv_state, state, *arrays[:n_used], *extra)
+    _store(cache, conv_state, state, 1)
+    return out
+
+
+def _decode_plan(layer, inputs, state):
+    """``(paths, plan)`` for :class:`StepPlans`: plan = ``(compiled step,
+    number of the gathered arrays it takes, extra arrays)``, "modules" (a
+    projection of another kind, or four that do not concatenate) or None
+    (the kernel does not apply).
+
+    The step takes out_proj's arrays, the layer's constants packed by
+    ``decode_params`` and one concatenated input projection
+    (:func:`concat_linears`: ~14 MB more GPU memory per Qwen3.6 layer), the
+    last two as the extra arrays; their sources stay in the paths, so
+    replacing one (``update``, ``load_weights``) rebuilds the plan. Both are
+    copies: an array changed in place (``layer.A_log[0] = v``, the same
+    object) is not seen."""
+    qkv = mx.zeros((inputs.shape[0], 1, layer.conv_dim), inputs.dtype)  # shape only, never evaluated
+    children = [(n,) for n in _PROJECTIONS]
+    if not _k_decode.supports(qkv, state, **_heads(layer), head_k_dim=layer.head_k_dim,
+                              head_v_dim=layer.head_v_dim):
+        return children, None
+    lins = [linear_arrays(getattr(layer, n)) for n in _PROJECTIONS]
+    in_proj = None if any(lin is None for lin in lins) else concat_linears(lins[:4])
+    if in_proj is None:
+        return children, "modules"
+    paths = linear_paths(("out_proj",), lins[4])
+    n_used = len(paths)
+    paths += _STEP_ARRAYS + tuple(p for n, lin in zip(_PROJECTIONS[:4], lins) for p in linear_paths((n,), lin))
+    params = _k_decode.decode_params(layer.conv1d.weight, layer.A_log, layer.dt_bias, layer.norm.weight)
+    mx.eval(params)  # built once, outside the first step's graph
+    fn = _decode_step(layer.num_k_heads, layer.num_v_heads, layer.norm.eps,
+                      (len(lins[4][0]), lins[4][1]), (len(in_proj[0]), in_proj[1]))
+    return paths, (fn, n_used, (params,) + tuple(in_proj[0]))
+
+
+def _cuda_decode_modules(layer, inputs, conv_state, state, cache):
+    """The decode kernel between the projections called as modules (LoRA
+    layers): their outputs concatenated as the kernel reads them."""
+    proj = mx.concatenate([getattr(layer, n)(inputs) for n in _PROJECTIONS[:4]], axis=-1)
+    params = _k_decode.decode_params(layer.conv1d.weight, layer.A_log, layer.dt_bias, layer.norm.weight)
+    out, conv_state, state = _k_decode.gated_delta_decode(
+        proj, params, conv_state, state, **_heads(layer), norm_eps=layer.norm.eps)
+    _store(cache, conv_state, state, 1)
+    return layer.out_proj(out)
+
+
+_decode_steps: Dict[tuple, Callable] = {}
+
+
+def _decode_step(num_k_heads: int, num_v_heads: int, norm_eps: float, out_static: tuple, in_static: tuple):
+    """The ``mx.compile``d decode step of a Gated DeltaNet layer for one
+    static setting (all arrays are inputs: one trace per input signature,
+    shared by every layer)::
+
+        fn(x, conv_state, state, *out_proj, params, *in_proj_concatenated)
+        -> (y [B, 1, D], conv_state, state)
+
+    ``out_static`` / ``in_static``: ``(number of arrays, linear_arrays static)``.
+    """
+    key = (int(num_k_heads), int(num_v_heads), float(norm_eps), out_static, in_static)
+    fn = _decode_steps.get(key)
+    if fn is None:
+        n_out = out_static[0]
+
+        def step(x, conv_state, state, *flat):
+            proj = apply_linear(x, flat[n_out + 1:], in_static[1])
+            out, conv_state, state = _k_decode.gated_delta_decode(
+                proj, flat[n_out], conv_state, state,
+                num_k_heads=key[0], num_v_heads=key[1], norm_eps=key[2],
+            )
+            return apply_linear(out, flat[:n_out], out_static[1]), conv_state, state
+
+        fn = _decode_steps[key] = mx.compile(step)
+    return fn
+
+
+def _layer_reference(layer, inputs, mask, cache):
+    """mlx-lm's ``GatedDeltaNet.__call__`` (0.32.2) with the recurrence
+    through :func:`gated_delta_update`: sharding collectives, padding masks
+    and per-row cache lengths included."""
+    from mlx.nn.layers.distributed import sum_gradients
+    from mlx_lm.models.gated_delta import normalize_qk
+
+    B, S, _ = inputs.shape
+    if layer.sharding_group is not None:
+        inputs = sum_gradients(layer.sharding_group)(inputs)
+
+    qkv = layer.in_proj_qkv(inputs)
+    z = layer.in_proj_z(inputs).reshape(B, S, layer.num_v_heads, layer.head_v_dim)
+    b = layer.in_proj_b(inputs)
+    a = layer.in_proj_a(inputs)
+
+    if cache is not None and cache[0] is not None:
+        conv_state = cache[0]
+    else:
+        conv_state = mx.zeros((B, layer.conv_kernel_size - 1, layer.conv_dim), dtype=inputs.dtype)
+    if mask is not None:
+        qkv = mx.where(mask[..., None], qkv, 0)
+    conv_input = mx.concatenate([conv_state, qkv], axis=1)
+    if cache is not None:
+        n_keep = layer.conv_kernel_size - 1
+        if cache.lengths is not None:
+            ends = mx.clip(cache.lengths, 0, S)
+            positions = (ends[:, None] + mx.arange(n_keep))[..., None]
+            cache[0] = mx.take_along_axis(conv_input, positions, axis=1)
+        else:
+            cache[0] = mx.contiguous(conv_input[:, -n_keep:, :])
+    conv_out = nn.silu(layer.conv1d(conv_input))
+
+    q, k, v = [
+        t.reshape(B, S, h, d)
+        for t, h, d in zip(
+            mx.split(conv_out, [layer.key_dim, 2 * layer.key_dim], -1),
+            [layer.num_k_heads, layer.num_k_heads, layer.num_v_heads],
+            [layer.head_k_dim, layer.head_k_dim, layer.head_v_dim],
+        )
+    ]
+    q, k = normalize_qk(q, k, inv_scale=layer.head_k_dim**-0.5, eps=1e-6)
+
+    state = cache[1] if cache else None
+    out, state = gated_delta_update(q, k, v, a, b, layer.A_log, layer.dt_bias, state, mask)
+    if cache is not None:
+        cache[1] = state
+        cache.advance(S)
+
+    out = layer.norm(out, z)
+    out = layer.out_proj(out.reshape(B, S, -1))
+    if layer.sharding_group is not None:
+        out = mx.distributed.all_sum(out, group=layer.sharding_group)
+    return out

@@ -18,25 +18,29 @@ contract (shapes, dtypes) and a reference in plain MLX ops:
 3. :func:`expert_swiglu`: per-assignment expert outputs; :func:`combine`:
    weighted sum over the k experts of each token.
 4. :func:`sparse_moe_block`: the whole block from those stages (reference);
-   :func:`sparse_moe`: the dispatch entry the fast module calls.
+   :func:`sparse_moe`: the dispatch entry the fast module calls, and
+   :func:`implementation_for`, the one place that decides which
+   implementation runs for a call (backend, token count, switches).
 
 Nothing here synchronises with the host or produces a shape that depends on
 the data: every shape follows from ``N``, ``k``, ``E`` and the tile size, so
 the graph can be recorded once (CUDA graphs, ``mx.compile``).
 
-Until a kernel exists the dispatch runs the *stock* block's own math on every
-backend: the reference adds sorting work (histogram, scan, inverse
-permutation) that the stock ``SwitchGLU`` does not need, so it must not make a
-patched model slower. The reference stays the contract that kernels are
-tested against.
+Implementations (:data:`IMPLEMENTATIONS`): "stock" (mlx-lm's block: the
+reference adds sorting work that the stock ``SwitchGLU`` does not need, so
+backends without a kernel keep stock), "reference", "cuda-prefill" (routing
+kernels + grouped expert GEMMs, :mod:`mlx_qwen_fast.kernels.moe_routing`,
+:mod:`~mlx_qwen_fast.kernels.moe_grouped_gemm`) and "cuda-decode" (router +
+routing kernel + two fused GEMV kernels in one ``mx.compile``d step,
+:mod:`~mlx_qwen_fast.kernels.moe_decode_gemv`). Each falls back to stock for
+a block its kernels do not take (sharded, other quantisation, other dtypes).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-import os
-from typing import Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.activations import swiglu
@@ -44,8 +48,13 @@ from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from .. import backend as _backend
+from .. import config
 from ..compiled import StepPlans, apply_linear, concat_linears, linear_arrays, linear_paths
 from ..kernels import _cuda_build
+from ..kernels import moe_decode_gemv as _decode_gemv
+from ..kernels import moe_grouped_gemm as _grouped_gemm
+from ..kernels import moe_routing as _routing
+from ..moe_types import ExpertGroups, max_tiles  # noqa: F401 (part of this module's API)
 
 __all__ = [
     "ExpertGroups",
@@ -122,45 +131,6 @@ def route(
 # ---------------------------------------------------------------------------
 
 
-class ExpertGroups(NamedTuple):
-    """Assignments of ``N`` tokens to their ``k`` experts, grouped by expert.
-
-    Assignment ``a = n * k + j`` is slot ``j`` of token ``n`` (row-major
-    ``inds [N, k]``). All arrays are int32 and live on the device; a kernel
-    that fills this contract must produce the same values.
-
-    Fields:
-        counts: ``[E]`` assignments per expert (histogram); sums to ``N*k``.
-        offsets: ``[E+1]`` exclusive prefix sum of ``counts``;
-            ``offsets[0] = 0``, ``offsets[E] = N*k``. Expert ``e`` owns grouped
-            rows ``[offsets[e], offsets[e+1])``.
-        order: ``[N*k]`` grouped row ``r`` holds assignment ``order[r]``.
-            Experts are non-decreasing along it and assignments of one expert
-            keep their original (increasing) order: the stable sort of
-            ``inds.flatten()``. The token of row ``r`` is ``order[r] // k``.
-        sorted_experts: ``[N*k]`` expert of grouped row ``r``
-            (``inds.flatten()[order]``).
-        inverse: ``[N*k]`` grouped row of assignment ``a``
-            (``order[inverse[a]] == a``).
-        top_k: ``k`` (a Python int, from the shape of ``inds``).
-    """
-
-    counts: mx.array
-    offsets: mx.array
-    order: mx.array
-    sorted_experts: mx.array
-    inverse: mx.array
-    top_k: int
-
-    @property
-    def num_experts(self) -> int:
-        return self.counts.shape[0]
-
-    @property
-    def num_assignments(self) -> int:
-        return self.order.shape[0]
-
-
 def group_by_expert(
     inds: mx.array, num_experts: int, *, check_range: bool = False
 ) -> ExpertGroups:
@@ -221,11 +191,6 @@ def group_by_expert(
     sorted_experts = flat[order]
     inverse = mx.put_along_axis(mx.zeros((nk,), mx.int32), order, arange, axis=0)
     return ExpertGroups(counts, offsets, order, sorted_experts, inverse, k)
-
-
-def max_tiles(num_assignments: int, num_experts: int, tile_rows: int) -> int:
-    """Worst-case number of row tiles: ``ceil(N*k / tile_rows) + E``."""
-    return -(-num_assignments // tile_rows) + num_experts
 
 
 def block_map(groups: ExpertGroups, tile_rows: int) -> mx.array:
@@ -497,6 +462,10 @@ def _stock(block, x: mx.array) -> mx.array:
     return Qwen3NextSparseMoeBlock.__call__(block, x)
 
 
+# ---------------------------------------------------------------------------
+# CUDA prefill: routing kernels + grouped expert GEMMs
+# ---------------------------------------------------------------------------
+
 _JOINT_ROUTER = ("joint-router",)  # StepPlans key of router_with_shared_gate
 
 
@@ -507,15 +476,15 @@ def router_with_shared_gate(block):
     columns ``[0, E)`` are the router's logits, column E the gate's and the
     rest zeros (rows of zero weights, scales and biases: the width a
     multiple of 32, as the routing kernel's ``shared_column`` reads it).
-    Every output column comes from the same numbers as the two layers'.
+    Every output column comes from the same numbers as the two layers'; one
+    matmul instead of two saves the gate's own launch (bench/results/INDEX.md,
+    "ncu" of the MoE block).
 
     Built once per block (``StepPlans``: rebuilt when either layer's arrays
     are replaced, e.g. by ``load_weights``; an array changed in place is not
     seen). None when the two are not plain (quantised) linear layers with
     the same settings, or E is not a multiple of 32: the caller runs them
-    apart. Source of the saving: the gate's own 8-bit matmul took 38 us of
-    GPU time per block call at 256 and 4,096 tokens on the H200
-    (bench/results/moe-cuda-log.md, thirteenth session)."""
+    apart."""
     def make():
         lins = [linear_arrays(block.gate), linear_arrays(block.shared_expert_gate)]
         if any(lin is None for lin in lins):
@@ -525,163 +494,275 @@ def router_with_shared_gate(block):
         (r_arr, r_static), (g_arr, _) = lins
         if r_arr[0].shape[0] % 32 or g_arr[0].shape[0] != 1:
             return paths, None
-        from ..kernels.moe_routing import SHARED_COLUMN_PAD
-
-        zeros = (tuple(mx.zeros((SHARED_COLUMN_PAD - 1,) + a.shape[1:], a.dtype) for a in g_arr), r_static)
+        pad = _routing.SHARED_COLUMN_PAD - 1
+        zeros = (tuple(mx.zeros((pad,) + a.shape[1:], a.dtype) for a in g_arr), r_static)
         return paths, concat_linears([lins[0], lins[1], zeros])  # None: settings or sizes differ
 
     _, plan = StepPlans.of(block).get(_JOINT_ROUTER, block, make)
     return plan
 
 
-def _cuda_kernel(block, x: mx.array) -> mx.array:
-    """Routing + grouped expert GEMM kernels (``kernels.moe_routing``,
-    ``kernels.moe_grouped_gemm``); the stock block wherever they do not apply
-    (sharded block, non-bf16 activations, other quantisation, no CUDA).
+def _shared_in_slot(block, num_tokens: int, d: int, i_dim: int, variant: str) -> bool:
+    """Whether the prefill kernels run the shared expert in a (k+1)-th
+    routing slot of every token (one more expert group of the same two
+    "wgmma" launches, its sigmoid gate the slot's weight) rather than on
+    MLX's dense quantised matmuls beside them: where the routing has room
+    for the slot, the build is "wgmma" and the shared expert has the routed
+    experts' quantisation and sizes. Faster from the smallest call the
+    prefill kernels take (bench/results/INDEX.md, "ncu" of the MoE block)."""
+    return (variant == "wgmma" and _routing.shared_slot_fits(block.num_experts, block.top_k)
+            and _grouped_gemm.shared_slot_supported(block.shared_expert, d, i_dim))
+
+
+def _cuda_prefill(block, x: mx.array) -> mx.array:
+    """Routing + grouped expert GEMM kernels; the stock block wherever they
+    do not apply (sharded block, non-bf16 activations, other quantisation).
 
     Numerics as :func:`sparse_moe_block` (fp32 selection, routing weights and
-    combine), expert outputs rounded to bf16 as ``SwitchGLU``. Checked on the
-    H200 against fp32 math on the dequantised weights (tests/test_cuda_moe.py).
-    The shared expert runs through the same kernels where
-    ``moe_grouped_gemm.shared_form`` says so: from ``SHARED_SLOT_MIN_TOKENS``
-    tokens in a (k+1)-th routing slot of every token, one more group of the
-    routed experts' launches (its sigmoid gate in fp32 as the slot's weight;
-    the router and the gate as one matmul: :func:`router_with_shared_gate`),
-    or (``MLX_QWEN_FAST_MOE_SHARED_GEMM=group``, or where the slot does not
-    fit) from ``SHARED_GEMM_MIN_TOKENS`` as a one-expert group of its own
-    (``moe_experts_and_shared``); otherwise through :func:`shared_expert`
-    (MLX's dense quantised matmuls).
+    combine), expert outputs rounded to bf16 as ``SwitchGLU``; the shared
+    expert in the routing's slot where :func:`_shared_in_slot` (the router
+    and its gate as one matmul: :func:`router_with_shared_gate`), else
+    :func:`shared_expert` on MLX's dense quantised matmuls.
     """
-    from ..kernels import moe_grouped_gemm as _gg
-    from ..kernels import moe_routing as _mr
-
     sm = block.switch_mlp
     lead, d = x.shape[:-1], x.shape[-1]
     tokens = x.reshape(-1, d)
-    if getattr(block, "sharding_group", None) is not None or not _gg.supports(
+    if getattr(block, "sharding_group", None) is not None or not _grouped_gemm.supports(
         tokens, sm.gate_proj, sm.up_proj, sm.down_proj
     ):
         return _stock(block, x)
     logits = block.gate(tokens)
-    if not _mr.supports(logits, block.top_k):
+    if not _routing.supports(logits, block.top_k):
         return _stock(block, x)
     i_dim = sm.gate_proj["weight"].shape[1]
-    variant = _gg.default_variant(d, i_dim)
+    variant = _grouped_gemm.default_variant(d, i_dim)
     n, k, e = tokens.shape[0], block.top_k, block.num_experts
-    form = _gg.shared_form(n, d, i_dim, block.shared_expert, num_experts=e, top_k=k)
-    if form == "slot":
-        # the shared expert in a (k+1)-th routing slot of every token: one more
-        # group of the same two launches, its sigmoid gate (fp32) the slot's
-        # weight; router and gate as one matmul where they are alike
-        tile = _gg.choose_tile_rows(n * (k + 1), e + 1, variant)
+    if _shared_in_slot(block, n, d, i_dim, variant):
+        tile = _grouped_gemm.choose_tile_rows(n * (k + 1), e + 1, variant)
         joint = router_with_shared_gate(block)
         if joint is not None:
-            routing = _mr.route_and_group(apply_linear(tokens, *joint), k, tile,
-                                          normalize=block.norm_topk_prob, shared_column=True)
+            routing = _routing.route_and_group(apply_linear(tokens, *joint), k, tile,
+                                               normalize=block.norm_topk_prob, shared_column=True)
         else:
             shared_logits = block.shared_expert_gate(tokens)
             if shared_logits.dtype != logits.dtype:
                 shared_logits = shared_logits.astype(logits.dtype)
-            routing = _mr.route_and_group(logits, k, tile, normalize=block.norm_topk_prob,
-                                          shared_logits=shared_logits)
-        y = _gg.moe_experts(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj,
-                            shared_expert=block.shared_expert, variant=variant)
+            routing = _routing.route_and_group(logits, k, tile, normalize=block.norm_topk_prob,
+                                               shared_logits=shared_logits)
+        y = _grouped_gemm.moe_experts(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj,
+                                      shared_expert=block.shared_expert, variant=variant)
         return y.reshape(*lead, d)
-    tile = _gg.choose_tile_rows(n * k, e, variant)
-    routing = _mr.route_and_group(logits, k, tile, normalize=block.norm_topk_prob)
-    if form == "group":
-        # the shared expert as a one-expert group of the same kernels; its gate in fp32
-        gate = mx.sigmoid(block.shared_expert_gate(tokens).astype(mx.float32))
-        y = _gg.moe_experts_and_shared(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj,
-                                       block.shared_expert, gate)
-        return y.reshape(*lead, d)
-    y = _gg.moe_experts(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj, variant=variant)
+    tile = _grouped_gemm.choose_tile_rows(n * k, e, variant)
+    routing = _routing.route_and_group(logits, k, tile, normalize=block.norm_topk_prob)
+    y = _grouped_gemm.moe_experts(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj, variant=variant)
     return y.reshape(*lead, d) + shared_expert(block, x)
 
 
-def _cuda_decode_kernel(block, x: mx.array) -> mx.array:
-    """Decode (1..4 tokens) through ``kernels.moe_decode_gemv``: router,
-    routing kernel, fused gate+up SwiGLU GEMV and fused down + routing
-    weights + shared expert + combine (4 graph nodes), traced once with
-    ``mx.compile`` (``moe_decode_step``); the stock block where the kernels
-    do not apply (see ``moe_decode_gemv.supports``)."""
-    from ..kernels import moe_decode_gemv as _dg
-
-    y = _dg.moe_decode_step(block, x)  # None for a sharded or unsupported block
-    return _stock(block, x) if y is None else y
+# ---------------------------------------------------------------------------
+# CUDA decode: router + routing kernel + two fused GEMV kernels, compiled
+# ---------------------------------------------------------------------------
 
 
-#: name -> fn(block, x). Add a kernel here and pick it in ``_BY_BACKEND``.
+def _quantized_ok(m, bits=(4,)) -> bool:
+    """An affine group-64 quantised (switch) linear layer of one of ``bits``,
+    bf16 scales and biases, no bias term."""
+    return (
+        type(m).__name__ in ("QuantizedLinear", "QuantizedSwitchLinear")
+        and getattr(m, "bits", None) in bits and getattr(m, "group_size", None) == 64
+        and getattr(m, "mode", "affine") in ("affine", None)
+        and "biases" in m and "bias" not in m
+        and m["scales"].dtype == mx.bfloat16
+    )
+
+
+def decode_arrays(block):
+    """``(experts, shared, expert_gate)`` of a ``Qwen3NextSparseMoeBlock`` as
+    :func:`mlx_qwen_fast.kernels.moe_decode_gemv.moe_decode_arrays` takes them,
+    or None when a module is not quantised the way the kernels need (routed
+    and shared experts 4-bit group 64 affine with bf16 scales; shared gate
+    4/8-bit group 64 or a bias-free bf16 ``nn.Linear``)."""
+    try:
+        sm, se, sgm = block.switch_mlp, block.shared_expert, block.shared_expert_gate
+        mods = (sm.gate_proj, sm.up_proj, sm.down_proj, se.gate_proj, se.up_proj, se.down_proj)
+    except AttributeError:
+        return None
+    if not all(_quantized_ok(m) for m in mods):
+        return None
+    q = lambda m: (m["weight"], m["scales"], m["biases"])  # noqa: E731
+    if _quantized_ok(sgm, bits=(4, 8)):
+        eg = (sgm["weight"], sgm["scales"], sgm["biases"], sgm.bits)
+    elif type(sgm).__name__ == "Linear" and "bias" not in sgm and sgm["weight"].dtype == mx.bfloat16:
+        w = sgm["weight"]
+        eg = (w, w, w, 16)
+    else:
+        return None
+    return tuple(q(m) for m in mods[:3]), tuple(q(m) for m in mods[3:]), eg
+
+
+def decode_plan(block, x) -> Optional[tuple]:
+    """The arrays (:func:`decode_arrays`) the decode kernels run ``block`` on
+    ``x`` with, or None where they do not apply: a sharded block, ``x`` not
+    bf16 ``[..., D]`` with 1..4 tokens, E not a multiple of 32 (<= 1024),
+    ``top_k`` not in ``[1, min(32, E)]``, or arrays the kernels do not take
+    (:func:`mlx_qwen_fast.kernels.moe_decode_gemv.supports_arrays`). Pure
+    (no backend check, never compiles)."""
+    try:
+        if getattr(block, "sharding_group", None) is not None:
+            return None
+        if not isinstance(x, mx.array) or x.ndim < 1 or x.dtype != mx.bfloat16:
+            return None
+        n = math.prod(x.shape[:-1])
+        if not 1 <= n <= _decode_gemv.MAX_TOKENS:
+            return None
+        E, k = block.num_experts, block.top_k
+        if E % 32 or E > 1024 or not 1 <= k <= min(32, E):
+            return None
+        arrs = decode_arrays(block)
+        if arrs is None:
+            return None
+        tok = mx.zeros((n, x.shape[-1]), mx.bfloat16)  # shape only, never evaluated
+        inds = mx.zeros((n, k), mx.int32)
+        return arrs if _decode_gemv.supports_arrays(tok, inds, *arrs) else None
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def moe_decode(block, x: mx.array) -> mx.array:
+    """``Qwen3NextSparseMoeBlock(x)`` for 1..4 tokens through the decode
+    kernels, op by op (what :func:`_cuda_decode` runs as one compiled step):
+    ``block.gate`` (quantised matmul), the routing kernel (fp32 softmax,
+    top-k, renormalised as ``block.norm_topk_prob``), the gate+up SwiGLU
+    kernel and the down + routing weights + shared expert + combine kernel.
+
+    Args:
+        block: a quantised ``Qwen3NextSparseMoeBlock`` (see :func:`decode_plan`).
+        x: ``[..., D]`` bfloat16, 1..4 tokens.
+
+    Returns:
+        ``[..., D]`` bfloat16.
+
+    Raises:
+        ValueError: the block or ``x`` does not fit the kernels.
+    """
+    arrs = decode_plan(block, x)
+    if arrs is None:
+        raise ValueError("moe_decode: the block's modules or x do not fit the decode kernels (see decode_plan)")
+    lead, d = x.shape[:-1], x.shape[-1]
+    tokens = x.reshape(-1, d)
+    inds, scores = _routing.route(block.gate(tokens), block.top_k, normalize=block.norm_topk_prob)
+    return _decode_gemv.moe_decode_arrays(tokens, inds, scores, *arrs).reshape(*lead, d)
+
+
+_DECODE_CHILDREN = ("gate", "shared_expert_gate", "switch_mlp", "shared_expert")
+_EXPERT_PATHS = tuple((parent, proj, leaf) for parent in ("switch_mlp", "shared_expert")
+                      for proj in ("gate_proj", "up_proj", "down_proj")
+                      for leaf in ("weight", "scales", "biases"))
+
+
+def _decode_step_plan(block, x):
+    """``(paths, compiled step)`` of ``block`` for inputs like ``x`` (see
+    :class:`mlx_qwen_fast.compiled.StepPlans`); ``(children, None)`` where
+    :func:`decode_plan` declines. Path order = the compiled step's array
+    order: router, routed experts gate/up/down, shared expert gate/up/down
+    (weight, scales, biases each), shared-expert gate (weight, scales,
+    biases)."""
+    declined = [(c,) for c in _DECODE_CHILDREN if c in block], None
+    router = linear_arrays(block.gate) if "gate" in block else None
+    arrs = decode_plan(block, x)
+    if router is None or arrs is None:
+        return declined
+    bits = arrs[2][3]
+    gate = (("shared_expert_gate", "weight"),) * 3 if bits == 16 else tuple(
+        ("shared_expert_gate", n) for n in ("weight", "scales", "biases"))
+    paths = linear_paths(("gate",), router) + _EXPERT_PATHS + gate
+    return paths, _compiled_decode_step(block.top_k, block.norm_topk_prob, router[1], len(router[0]), bits)
+
+
+_decode_steps: Dict[tuple, Callable] = {}
+
+
+def _compiled_decode_step(top_k: int, normalize: bool, router_static: tuple, n_router: int,
+                          shared_gate_bits: int):
+    """The ``mx.compile``d decode step for one static setting (one trace per
+    input signature, shared by every layer: all arrays are inputs)."""
+    key = (top_k, bool(normalize), router_static, n_router, shared_gate_bits)
+    fn = _decode_steps.get(key)
+    if fn is None:
+
+        def step(x, *arrays):
+            logits = apply_linear(x, arrays[:n_router], router_static)
+            inds, scores = _routing.route(logits, top_k, normalize=normalize)
+            a = arrays[n_router:]
+            experts, shared = (a[0:3], a[3:6], a[6:9]), (a[9:12], a[12:15], a[15:18])
+            return _decode_gemv.moe_decode_arrays(x, inds, scores, experts, shared,
+                                                  (a[18], a[19], a[20], shared_gate_bits), checked=True)
+
+        fn = _decode_steps[key] = mx.compile(step)
+    return fn
+
+
+def _cuda_decode(block, x: mx.array) -> mx.array:
+    """The block's decode step (:func:`moe_decode`'s computation, bit for bit)
+    traced once with ``mx.compile``; the stock block where the kernels do
+    not apply (:func:`decode_plan`). The block's arrays are inputs of the
+    compiled function, so one trace per token count serves every layer; the
+    :func:`decode_plan` checks run once per layer and input signature
+    (cached on the block, re-run when one of its arrays is replaced), so a
+    call costs the array lookups and the compiled call."""
+    arrays, fn = StepPlans.of(block).get((tuple(x.shape), x.dtype), block, lambda: _decode_step_plan(block, x))
+    if fn is None:
+        return _stock(block, x)
+    return fn(x, *arrays)  # [..., D] in and out: the kernels need no reshape node
+
+
+# ---------------------------------------------------------------------------
+# dispatch
+# ---------------------------------------------------------------------------
+
+#: name -> fn(block, x). :func:`implementation_for` picks one per call.
 IMPLEMENTATIONS: Dict[str, Callable[..., mx.array]] = {
     "stock": _stock,
     "reference": sparse_moe_block,
-    "cuda-kernel": _cuda_kernel,
-    "cuda-decode-kernel": _cuda_decode_kernel,
+    "cuda-prefill": _cuda_prefill,
+    "cuda-decode": _cuda_decode,
 }
 
-#: ``MLX_QWEN_FAST_MOE_KERNEL=0`` keeps the stock block on CUDA too (A/B
-#: runs, debugging); unset or any other value lets the kernels run.
-MOE_KERNEL_ENV = "MLX_QWEN_FAST_MOE_KERNEL"
-#: Fewest tokens per call that take the CUDA kernels (prefill); fewer tokens
-#: (decode, small batches) keep mlx-lm's block. Measured on the H200 through
-#: bench.ops (whole block, one call per eval): at 16 tokens stock 0.84 ms vs
-#: the kernels 1.05 ms (stock faster); at 512 tokens the expert GEMMs take
-#: 0.63 ms vs 5.85 ms. The crossover in between is not measured yet; 128
-#: keeps every call that stock may win on stock (its gather_qmm cost grows
-#: ~linearly: ~1.5 ms of experts at 128 tokens against ~0.5 ms of kernels).
-MOE_KERNEL_MIN_TOKENS = 128
+#: Fewest tokens per call that take the prefill kernels on CUDA; fewer
+#: tokens above :data:`DECODE_MAX_TOKENS` keep mlx-lm's block (the kernels'
+#: and stock's times near the crossover: bench/results/INDEX.md, "ops").
+PREFILL_MIN_TOKENS = 128
 
-#: The decode kernels run on CUDA for calls of at most this many tokens;
-#: ``MLX_QWEN_FAST_MOE_DECODE_KERNEL=0`` keeps the stock block there. Measured
-#: on the H200 (bench/results/moe-cuda-log.md, 2026-12-01): the two kernels
-#: take 15.4 us per layer at 1 token (CUDA graph, kernels alone), the stock
-#: block 250 us through MLX; patched decode at 4K context 43.3 -> 63.6 tok/s.
-MOE_DECODE_KERNEL_ENV = "MLX_QWEN_FAST_MOE_DECODE_KERNEL"
-MOE_DECODE_KERNEL_MAX_TOKENS = 4
-
-# backend -> implementation name for calls the kernels do not take.
-_BY_BACKEND = {
-    _backend.CPU: "stock",
-    _backend.CUDA: "stock",
-    _backend.METAL: "stock",
-}
+#: Most tokens per call that take the decode kernels on CUDA (the kernels'
+#: limit, :data:`mlx_qwen_fast.kernels.moe_decode_gemv.MAX_TOKENS`).
+DECODE_MAX_TOKENS = _decode_gemv.MAX_TOKENS
 
 
 def implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:
     """Name in :data:`IMPLEMENTATIONS` used for ``num_tokens`` on ``backend``.
+
+    On CUDA (where MLX has a CUDA device): "cuda-prefill" for
+    ``num_tokens >= PREFILL_MIN_TOKENS`` unless
+    :data:`mlx_qwen_fast.config.MOE_PREFILL_KERNEL` is off; "cuda-decode"
+    for 1 to :data:`DECODE_MAX_TOKENS` tokens unless
+    :data:`~mlx_qwen_fast.config.MOE_DECODE_KERNEL` is off; "stock"
+    otherwise, and on every other backend.
 
     Args:
         num_tokens: tokens in the call (product of ``x``'s leading axes).
         backend: ``"cpu" | "cuda" | "metal"``; default
             :func:`mlx_qwen_fast.backend.current`.
 
-    ``"cuda-kernel"`` on CUDA for ``num_tokens >= MOE_KERNEL_MIN_TOKENS``
-    (prefill) unless the environment sets ``MLX_QWEN_FAST_MOE_KERNEL=0``;
-    "cuda-decode-kernel" on CUDA for 1..4 tokens unless the environment
-    sets ``MLX_QWEN_FAST_MOE_DECODE_KERNEL=0``; "stock" otherwise, and for
-    ``"cuda"`` where MLX has no CUDA device (as ``ops.gated_delta``). Measured on the H200 (bench/results/moe-cuda-log.md):
-    the expert GEMMs take 2.67 ms at T = 4096 against 43.1 ms for mlx-lm's
-    ``gather_qmm``, 1.07 ms against 5.85 ms at T = 512.
-
     Raises:
         ValueError: unknown backend.
     """
     name = _backend.resolve(backend)
-    if name == _backend.CUDA and not _cuda_build.cuda_available():
-        return _BY_BACKEND[name]  # "cuda" asked for where MLX has no CUDA device: stock
-    if (
-        name == _backend.CUDA
-        and num_tokens >= MOE_KERNEL_MIN_TOKENS
-        and os.environ.get(MOE_KERNEL_ENV, "") != "0"
-    ):
-        return "cuda-kernel"
-    if (
-        name == _backend.CUDA
-        and 0 < num_tokens <= MOE_DECODE_KERNEL_MAX_TOKENS
-        and os.environ.get(MOE_DECODE_KERNEL_ENV, "") != "0"
-    ):
-        return "cuda-decode-kernel"
-    return _BY_BACKEND[name]
+    if name != _backend.CUDA or not _cuda_build.cuda_available():
+        return "stock"
+    if num_tokens >= PREFILL_MIN_TOKENS and config.MOE_PREFILL_KERNEL.get():
+        return "cuda-prefill"
+    if 0 < num_tokens <= DECODE_MAX_TOKENS and config.MOE_DECODE_KERNEL.get():
+        return "cuda-decode"
+    return "stock"
 
 
 def sparse_moe(block, x: mx.array, *, implementation: Optional[str] = None) -> mx.array:
