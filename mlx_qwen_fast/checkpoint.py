@@ -71,14 +71,12 @@ QUANT_BITS = 4
 QUANT_MODE = "affine"
 
 # Multiplier of the lm_head weights for the demo and token-identity tests.
-# With scale 1 the logits of a random model are flat (std ~1; measured on the
-# tiny preset: top-1/top-2 margin median 0.2, 10% below 0.03), and mlx-lm's
+# With scale 1 the logits of a random model are flat (std ~1), and mlx-lm's
 # sampler takes the argmax of bf16 log-probabilities around -ln(vocab), where
 # the bf16 spacing is 0.03-0.06: near-ties are settled by rounding, and even
-# one-shot vs step-by-step decoding of stock mlx-lm disagree on 0.5-1% of the
-# tokens. With 16 the logits have std ~16, the median margin is ~3 (10% below
-# ~0.5, i.e. > 12 bf16 ulps of the logits at the median), the top token has
-# probability ~0.95 and one-shot vs step-by-step agree on every token measured.
+# one-shot vs step-by-step decoding of stock mlx-lm disagree on some tokens.
+# With 16 the logits have std ~16 and the top-1/top-2 margins are many bf16
+# ulps (bench/results/package-figures.md, "Random checkpoints").
 # A uniform scale cannot help against noise in the hidden state itself: margin
 # and noise scale together, so bf16 vs fp32 (or two bf16 implementations with
 # different rounding) still pick different top-1 tokens where the float32
@@ -442,8 +440,8 @@ def build_model(
             parity tests (mlx's CPU ``gather_mm`` accepts float32 only).
             ``mx.float32`` with ``quantize=True`` quantizes the float32 draws
             (not their bf16 rounding), so its 4-bit values differ slightly
-            from the checkpoint's; on the CPU backend it runs ~10x faster
-            than bf16. To run the checkpoint's exact weights in fp32, cast
+            from the checkpoint's; on the CPU backend it runs much faster
+            than bf16 (MLX's CPU bf16 quantised matmuls are slow). To run the checkpoint's exact weights in fp32, cast
             the floating arrays of the bf16 model (bf16 -> fp32 is exact).
         quantize: quantize as the checkpoint does; ``False`` keeps every
             weight in ``dtype``.
@@ -552,8 +550,8 @@ def write_checkpoint(
     Streams: the embedding, each decoder layer, the final norm and the lm_head
     are generated, quantized and evaluated one module at a time and dropped as
     soon as their shard is written, so memory peaks at about one shard plus
-    one module's float32 draws. Measured for the full preset (19.5 GB in 4
-    shards) on a 2-core CPU machine: 11.7 min, 7.0 GB peak RSS.
+    one module's float32 draws (time and memory for the full preset:
+    bench/results/package-figures.md, "Random checkpoints").
 
     ``router_skew`` (``S >= 0``) makes expert popularity uneven, Zipf-like: in
     each layer the experts get popularity ranks r = 1..E from a seeded
@@ -561,11 +559,9 @@ def write_checkpoint(
     ``r ** (-0.4 * S)``: its logits spread more, so it wins the top-k more
     often. The 0.4 is calibrated so that, for the full preset (256 experts,
     top-8), the selection share falls like ``rank ** -S`` over the top half of
-    the ranks (Zipf exponent ~S). Measured on isotropic inputs, full preset:
-    S = 0.5 / 1 / 1.5 give the most popular expert 2.7% / 4.5% / 5.3% of the
-    selections (uniform: 0.39%), and the top 10% of the experts 34% / 56% /
-    70%. With the tiny preset's 32 experts, top-8, the effect is weaker
-    (most popular expert 1.4x / 1.6x / 1.8x uniform). ``S = 0`` leaves the
+    the ranks (Zipf exponent ~S; the measured shares:
+    bench/results/package-figures.md, "Random checkpoints"). With the tiny
+    preset's 32 experts, top-8, the effect is weaker. ``S = 0`` leaves the
     router untouched.
 
     Args:

@@ -208,7 +208,7 @@ class _ProcessSetting:
 #: nodes. Every MoE node lists a whole layer's expert weights as inputs
 #: (~126 M elements per layer of Qwen3.6-35B-A3B at 4 bits), so decode would
 #: commit a graph every ~8 layers; set to :data:`GRAPH_LIMIT_VALUE`, only the
-#: node count commits. Measured: bench/results/README.md, "MLX's graph limit".
+#: node count commits. Measured: bench/results/package-figures.md, "MLX's graph limit".
 MLX_GRAPH_LIMIT = _ProcessSetting(
     "MLX_MAX_MB_PER_BUFFER", "so that a decode step is not split into extra CUDA graphs")
 GRAPH_LIMIT_VALUE = "1000000"
@@ -216,7 +216,7 @@ GRAPH_LIMIT_VALUE = "1000000"
 #: ``MLX_PTX_CACHE_DIR``: where MLX keeps the kernels it compiles at run time
 #: (quantised matmuls, gathers, fused elementwise kernels). MLX's default is
 #: ``/tmp/mlx/<version>/ptx``, which a reboot may empty; the first use of a
-#: fresh cache compiles for minutes (bench/results/INDEX.md, "first_use").
+#: fresh cache compiles for minutes (bench/results/package-figures.md, "First use").
 #: Set to ``<cache_root()>/mlx-ptx/<mlx version>`` it is kept with the
 #: package's own kernels.
 MLX_PTX_CACHE = _ProcessSetting(

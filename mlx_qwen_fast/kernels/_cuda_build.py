@@ -15,12 +15,11 @@ into machine code.  Every CUDA kernel of the package is built here:
 3. The cubin is wrapped in a compressed fatbin with NVIDIA's nvFatbin
    library (pip package nvidia-nvfatbin, or a CUDA toolkit's) when one is
    found: MLX hashes the whole binary it is given on every launch
-   (``std::hash`` for the JIT module's name, ~0.2 us per KiB on the H200's
-   host, bench/node_cost.py), and compression makes it ~3.7x smaller; the
+   (``std::hash`` for the JIT module's name: a host cost per KiB, measured by
+   bench/node_cost.py), and compression makes it several times smaller; the
    driver unpacks it once at module load.  Compression: nvFatbin's default
-   (ZSTD in nvFatbin 13) where the driver is CUDA 13 or newer (measured on
-   the H200, driver 580), LZ4 (``-compress-mode=speed``, the older format)
-   otherwise.  Without nvFatbin, or if it fails, the plain cubin is
+   (ZSTD in nvFatbin 13) where the driver is CUDA 13 or newer, LZ4
+   (``-compress-mode=speed``, the older format) otherwise.  Without nvFatbin, or if it fails, the plain cubin is
    used (same kernel, same results).
 4. Launches go through ``mx.fast.precompiled_cuda_kernel``: the kernel is an
    ``extern "C" __global__`` function whose parameters are the input arrays,
@@ -28,10 +27,10 @@ into machine code.  Every CUDA kernel of the package is built here:
    precompiled kernels).  Float scalars are rounded to fp32 here (MLX rejects
    a Python float that is not exactly an fp32 value).
 
-Measured on the H200 (bench/results/gdn-cuda-log.md): a first use compiles in
-20-45 ms per kernel (the sources include no headers); a process that finds the
-cubins cached loads and launches all four GDN kernels in ~12 ms.  MLX's own
-``mx.fast.cuda_kernel`` takes ~1.5 s per kernel per process.
+A first use compiles each kernel in well under a second (the sources include
+no headers but the package's own); a process that finds the cubins cached
+only loads them.  MLX's own ``mx.fast.cuda_kernel`` compiles in every
+process.  Figures: bench/results/package-figures.md, "Kernel builds".
 
 Kernel names: every distinct build (source + options) gets its own name,
 ``<base>_<hash>``, passed to the source as the ``KNAME`` macro.  MLX keeps a
@@ -167,7 +166,7 @@ def _driver_version() -> int:
 
 
 def sm_count() -> int:
-    """Number of SMs of CUDA device 0 (132 on the H200).
+    """Number of SMs of CUDA device 0 (e.g. 132 on an H200).
 
     Raises:
       RuntimeError: as :func:`gpu_arch`.
@@ -396,9 +395,9 @@ class _NvFatbin:
         major, minor = c.c_uint(), c.c_uint()
         self._check(lib.nvFatbinVersion(c.byref(major), c.byref(minor)), "nvFatbinVersion")
         self.version = (major.value, minor.value)
-        # nvFatbin 13's default compression is ZSTD, measured with a CUDA 13
-        # driver (580 on the H200); elsewhere LZ4, which drivers have read for
-        # far longer (the fatbin is unpacked by the driver at module load)
+        # nvFatbin 13's default compression is ZSTD, which CUDA 13 drivers
+        # read; elsewhere LZ4, which drivers have read for far longer (the
+        # fatbin is unpacked by the driver at module load)
         self.mode = "zstd" if _driver_version() >= 13000 and self.version[0] >= 13 else "lz4"
 
     def _check(self, rc: int, what: str) -> None:

@@ -32,9 +32,8 @@ and the shared expert's gate ran as one matmul): expert id E, weight
 sigmoid(gate logit), grouped over :func:`shared_group_experts` experts, so
 that the grouped GEMM runs it as one more group (``Routing.shared_id``).
 
-Source: ``mlx_qwen_fast/cuda/moe_routing.cu``. Until 2026-12-02 the grouping
-was one 1024-thread block (68.6 us at N = 4096 with a skewed router, ~5% of
-the MoE block: bench/results/moe-cuda-log.md, eighth session).
+Source: ``mlx_qwen_fast/cuda/moe_routing.cu``. Several CTAs rather than one
+block for the grouping: bench/results/package-figures.md, "MoE routing kernels".
 """
 
 from __future__ import annotations

@@ -76,28 +76,19 @@ __all__ = [
 
 DEFAULT_CHUNK_SIZE = 64
 
-# Largest T that the dispatcher sends to the per-token recurrence on CPU/CUDA;
-# longer inputs go to the chunked form.  Measured on CPU (mlx 0.32.4 CPU
-# build, 2 cores shared with other jobs, Hk=16, Hv=32, D=128, B=1, bf16
-# q/k/v, min of 10, ms, recurrent / chunked C=16 / stock mlx-lm loop):
-# T=1 1.6 / 2.2 / 1.8 (all bound by the 2 MB state); T=2 4.6 / 4.3 / 5.5;
-# T=3 7.7 / 7.9 / 8.8; T=4 10.6 / 8.0 / 12.1; T=8 17.8 / 9.5 / 19.0;
-# T=16 34 / 19 / 35; T=64 139 / 75 / 148.  So decode (T=1) takes the
-# recurrence (one compiled graph, fewest nodes); T=2-3 is a tie; longer
-# inputs take the chunked form.  On CUDA the crossover is set by graph nodes
-# rather than bytes and should be re-measured there (counted with
-# mx.export_to_dot, Dk=Dv=128, not counting views: chunked ~90 nodes + ~9 per
-# chunk, e.g. 378 at T=2048, C=64; recurrence 12 for T=1, ~6 per token:
-# 390 at T=64).
+# Largest T that the dispatcher sends to the per-token recurrence on the CPU;
+# longer inputs go to the chunked form.  Decode (T=1) takes the recurrence
+# (one compiled graph, fewest nodes; all forms are bound by the state's
+# bytes there); from T=4 the chunked form is faster, T=2-3 is a tie
+# (bench/results/package-figures.md, "GDN recurrence on the CPU").
 RECURRENT_MAX_T = 1
 
 # Chunk size the dispatcher uses per backend.  Per token the chunked form
 # spends ~6*Dk*Dv flops carrying the state between chunks and ~8*C*D on the
-# intra-chunk matmuls, so a small chunk costs fewer flops.  MLX's CPU build
-# runs matmuls through a reference BLAS (~2 GFLOP/s here), where C=16 was the
-# fastest (same setup, min of 3: T=512 C=16 0.55 s, C=32 0.63 s, C=64 0.84 s;
-# T=2048 2.86 / 2.97 / 3.73 s).  On a GPU flops are cheap and the chunk loop
-# is sequential, so the usual C=64 (fla's choice) keeps the loop short.
+# intra-chunk matmuls, so a small chunk costs fewer flops: on the CPU, where
+# MLX's matmuls are slow, C=16 is the fastest (same file, "chunk size").
+# On a GPU flops are cheap and the chunk loop is sequential, so the usual
+# C=64 (fla's choice) keeps the loop short.
 CHUNK_SIZE = {_backend.CPU: 16, _backend.CUDA: 64, _backend.METAL: 64}
 
 
@@ -327,7 +318,7 @@ def _recurrent_one_masked(q, k, v, g, beta, state, mask):
 # x86 CPUs handle subnormal floats through microcode assists, ~100x slower
 # than normal ones (MLX does not set flush-to-zero).  Decay ratios across a
 # chunk (g^C) and products of small UT-transform entries land there easily
-# (measured: a whole call 3x slower at T=512 with real gate values).  So on
+# (bench/results/package-figures.md: a whole call several times slower).  So on
 # CPU every matmul operand is flushed to 0 below _FTZ = 2^-60 (~8.7e-19):
 # a product of two kept values is then >= 2^-120, still a normal float.
 # The operands are O(1)-scaled (unit keys, activations, ratios <= 1), so the
@@ -360,9 +351,9 @@ def _unit_lower_inverse(A: mx.array, ftz: Callable = _no_ftz) -> mx.array:
     block of A below the diagonal inside each 2s block.  log2(C) levels of
     two small batched matmuls (s x s) and a few copies each, ~C^3/3 flops in
     all; exact algebra, no series truncation (recursive triangular inversion,
-    cf. Du Croz & Higham, IMA J. Numer. Anal. 12 (1992)).  Measured with the
-    full chunked form against a float64 loop: relative error <= ~2e-6 even
-    for strongly correlated keys with beta ~ 1 and g ~ 1.  ``ftz`` is applied
+    cf. Du Croz & Higham, IMA J. Numer. Anal. 12 (1992)); the chunked form's
+    error against a float64 loop stays at fp32 rounding level even for
+    strongly correlated keys (the op's tests check it).  ``ftz`` is applied
     to each new off-diagonal block (see _FTZ).
     """
     C = A.shape[-1]
