@@ -6,6 +6,12 @@ Usage::
     model, tokenizer = mlx_lm.load("mlx-community/Qwen3.6-35B-A3B-4bit")
     print(mlx_qwen_fast.patch(model))      # PatchReport
     # or: mlx_qwen_fast.install() before any mlx_lm.load / CLI entry point
+
+Importing the package is light (MLX's core, no mlx-lm): it sets MLX's
+process-wide variables (:func:`mlx_qwen_fast.config.apply_process_settings`)
+and registers the model type ``qwen3_5_moe_fast`` with mlx-lm's loader; the
+public functions below load :mod:`mlx_qwen_fast.patching` (and so mlx-lm) on
+first use, so the CLIs can check their arguments first.
 """
 
 from . import backend as _backend
@@ -15,16 +21,6 @@ from . import config as _config
 _config.apply_process_settings(_backend.current())
 
 from .models import register as _register  # noqa: E402
-from .patch import (  # noqa: E402
-    PatchReport,
-    install,
-    is_patched,
-    op_implementations,
-    patch,
-    patched_copy,
-    uninstall,
-    unpatch,
-)
 
 __version__ = "0.1.0"
 
@@ -38,5 +34,21 @@ __all__ = [
     "uninstall",
     "unpatch",
 ]
+
+
+def __getattr__(name):
+    # PEP 562: the public API from .patching, imported on first access
+    if name in __all__:
+        from . import patching
+
+        value = getattr(patching, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'mlx_qwen_fast' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
 
 _register()

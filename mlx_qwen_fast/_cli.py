@@ -1,78 +1,271 @@
-"""Run one of mlx-lm's command-line entry points with the fast path installed."""
+"""Run one of mlx-lm's command-line entry points with the fast path installed.
 
+The package's CLIs (``python -m mlx_qwen_fast.generate``, ``.server`` and
+``python -m mlx_qwen_fast SUBCOMMAND``) take exactly mlx-lm's flags plus
+``--stock``. Before anything heavy is imported (mlx-lm, transformers) the
+arguments a user most often gets wrong are checked here, each failure one
+line naming the argument and what was expected, exit code 2 (argparse's
+usage-error code): the ``--model`` folder (exists, is a folder, parseable
+``config.json``, complete safetensors weights, a tokenizer) and the counts
+(``--max-tokens``, benchmark's ``-p/-g/-b/-n``), and an empty prompt. An
+error raised while mlx-lm loads the checkpoint (weights that do not fit the
+config, a repo id that cannot be fetched) is printed as one line too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
 import os
+import re
+import struct
 import sys
+import traceback
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence
 
 from . import config
-from .patch import install
+
+#: argv flag spellings -> the name used in messages, per kind of check.
+_COUNT_FLAGS = {
+    "generate": {"--max-tokens": "--max-tokens", "-m": "--max-tokens"},
+    "chat": {"--max-tokens": "--max-tokens", "-m": "--max-tokens"},
+    "server": {"--max-tokens": "--max-tokens"},
+    "benchmark": {"--prompt-tokens": "--prompt-tokens", "-p": "--prompt-tokens",
+                  "--generation-tokens": "--generation-tokens", "-g": "--generation-tokens",
+                  "--batch-size": "--batch-size", "-b": "--batch-size",
+                  "--num-trials": "--num-trials", "-n": "--num-trials"},
+}
+_PROMPT_FLAGS = {"generate": ("--prompt", "-p")}
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
 
 
-def _model_arg(argv):
-    """The value of ``--model`` in argv (mlx-lm's flag; its ``-m`` is
-    ``--max-tokens``), or None."""
-    for i, a in enumerate(argv):
-        if a == "--model" and i + 1 < len(argv):
-            return argv[i + 1]
-        if a.startswith("--model="):
-            return a.split("=", 1)[1]
-    return None
-
-
-def _usage_error(message: str) -> None:
-    """Print ``message`` to stderr and exit with code 2 (argparse's usage-error code)."""
-    print(f"mlx_qwen_fast: {message}", file=sys.stderr)
+def usage_error(message: str) -> None:
+    """Print ``mlx_qwen_fast: error: message`` to stderr and exit with code 2."""
+    print(f"mlx_qwen_fast: error: {message}", file=sys.stderr)
     raise SystemExit(2)
 
 
-def _check_local_model(argv) -> None:
-    """Exit with a clear message (code 2) when ``--model`` is written as a
-    local path (absolute, ``./``, ``../`` or ``~``) that is not a checkpoint
-    folder (missing, or without ``config.json``); mlx-lm would take a missing
-    one for a Hugging Face repo id and fail with a validation traceback, and
-    fail deep inside its loader on a folder without a config. Other values
-    (repo ids, checkpoint folders) go to mlx-lm as given."""
-    model = _model_arg(argv)
-    if not model or not model.startswith(("/", "./", "../", "~")):
+def _flag_values(argv: Sequence[str], names: Sequence[str]) -> List[str]:
+    """Every value given to one of the flags ``names`` (``--f v`` or ``--f=v``)."""
+    out = []
+    for i, a in enumerate(argv):
+        if a in names:
+            if i + 1 < len(argv):
+                out.append(argv[i + 1])
+        else:
+            for n in names:
+                if n.startswith("--") and a.startswith(n + "="):
+                    out.append(a.split("=", 1)[1])
+    return out
+
+
+def _check_counts(command: str, argv: Sequence[str]) -> None:
+    flags = _COUNT_FLAGS.get(command, {})
+    by_name: Dict[str, List[str]] = {}
+    for spelling, name in flags.items():
+        by_name.setdefault(name, []).append(spelling)
+    for name, spellings in by_name.items():
+        for v in _flag_values(argv, spellings):
+            try:
+                n = int(v)
+            except ValueError:
+                usage_error(f"{name} {v}: expected a whole number >= 1")
+            if n < 1:
+                usage_error(f"{name} {v}: expected a whole number >= 1")
+
+
+def _check_prompt(command: str, argv: Sequence[str]) -> None:
+    for v in _flag_values(argv, _PROMPT_FLAGS.get(command, ())):
+        if v != "-" and not v.strip():
+            usage_error("--prompt is empty: expected the text to continue (or - to read it from stdin)")
+
+
+def _safetensors_problem(path: Path) -> Optional[str]:
+    """None when ``path`` is a complete safetensors file (its header parses
+    and the file holds every byte the header's tensors span), else why not.
+    Reads the header only."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{path.name} is empty or truncated ({size} bytes)"
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > 100 << 20:
+                return f"{path.name} is not a safetensors file or is truncated (header of {n} bytes, file {size})"
+            header = json.loads(f.read(n))
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        return f"{path.name} is not a readable safetensors file ({exc})"
+    end = max((int(t["data_offsets"][1]) for k, t in header.items()
+               if k != "__metadata__" and isinstance(t, dict) and "data_offsets" in t), default=0)
+    if 8 + n + end > size:
+        return f"{path.name} is truncated: {size} bytes, its header needs {8 + n + end}"
+    return None
+
+
+def check_checkpoint_folder(path: Path) -> Optional[str]:
+    """None when ``path`` looks like a loadable mlx-lm checkpoint folder, else
+    what is wrong (one line, without the flag name). Reads config.json, the
+    safetensors headers and the tokenizer's file names; loads nothing."""
+    if not path.exists():
+        return "no such folder"
+    if not path.is_dir():
+        return "is a file; expected a checkpoint folder (config.json, *.safetensors, tokenizer)"
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        return "not a checkpoint folder (no config.json in it)"
+    try:
+        data = json.loads(cfg.read_text())
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        return f"config.json is not valid JSON ({exc})"
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        return "config.json has no \"model_type\" (not an mlx-lm / Hugging Face model config)"
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            return f"model.safetensors.index.json is not a valid weight index ({exc})"
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            return f"weight file {missing[0]} named by model.safetensors.index.json is missing"
+        files = [path / n for n in names]
+    else:
+        files = sorted(path.glob("model*.safetensors"))
+        if not files:
+            return "no weights (model*.safetensors) in the folder"
+    for f in files:
+        problem = _safetensors_problem(f)
+        if problem:
+            return problem
+    if not any((path / n).is_file() for n in _TOKENIZER_FILES):
+        return f"no tokenizer in the folder (expected one of {', '.join(_TOKENIZER_FILES)})"
+    tok = path / "tokenizer.json"
+    if tok.is_file():
+        try:
+            vocab = json.loads(tok.read_text()).get("model", {}).get("vocab")
+        except (OSError, ValueError, UnicodeDecodeError, AttributeError) as exc:
+            return f"tokenizer.json is not valid JSON ({exc})"
+        if vocab is not None and len(vocab) == 0:
+            return "tokenizer.json has an empty vocabulary"
+    return None
+
+
+def _hub_cached(repo: str) -> Optional[bool]:
+    """True/False: the repo's config.json is / is not in the Hugging Face
+    cache; None when huggingface_hub cannot tell."""
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return None
+    try:
+        return isinstance(try_to_load_from_cache(repo, "config.json"), str)
+    except Exception:  # an id huggingface_hub rejects: mlx-lm will say so
+        return None
+
+
+def _hub_offline() -> bool:
+    try:
+        from huggingface_hub import constants
+    except ImportError:
+        return False
+    return bool(getattr(constants, "HF_HUB_OFFLINE", False))
+
+
+def _check_model(argv: Sequence[str]) -> None:
+    for model in _flag_values(argv, ("--model",)):
+        path = Path(os.path.expanduser(model))
+        if path.exists() or model.startswith(("/", "./", "../", "~")):
+            problem = check_checkpoint_folder(path)
+            if problem:
+                usage_error(f"--model {model}: {problem}")
+            continue
+        if not _REPO_ID.fullmatch(model):
+            usage_error(f"--model {model}: no such folder (a Hugging Face repo id is written namespace/name)")
+        if _hub_cached(model) is False and _hub_offline():
+            usage_error(f"--model {model}: not a folder, and not in the Hugging Face cache (HF_HUB_OFFLINE is set)")
+
+
+def check_arguments(command: str, argv: Sequence[str]) -> None:
+    """Exit with one line and code 2 for the usage errors this module checks
+    (see the module docstring) in ``argv`` of mlx-lm's ``command`` (e.g.
+    "generate", "benchmark", "server"). Imports nothing heavy."""
+    if "-h" in argv or "--help" in argv:
         return
-    path = os.path.expanduser(model)
-    if not os.path.exists(path):
-        _usage_error(f"--model {model}: no such file or directory "
-                     "(a local checkpoint folder; a Hugging Face repo is written namespace/name)")
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        _usage_error(f"--model {model}: not a checkpoint folder (no config.json in it)")
+    _check_model(argv)
+    _check_counts(command, argv)
+    _check_prompt(command, argv)
+
+
+def versions() -> str:
+    """``mlx_qwen_fast X (mlx Y, mlx-lm Z)``, read from the installed packages' metadata."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from . import __version__
+
+    def ver(dist):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"mlx_qwen_fast {__version__} (mlx {ver('mlx')}, mlx-lm {ver('mlx-lm')})"
+
+
+def _mlx_lm_dir() -> Optional[Path]:
+    spec = importlib.util.find_spec("mlx_lm")  # locates the package without importing it
+    return Path(spec.origin).parent if spec and spec.origin else None
 
 
 def check_subcommand(argv) -> None:
     """Exit with a usage message (code 2) when ``python -m mlx_qwen_fast``
     has no subcommand, or one that is not an mlx-lm CLI module
-    (``mlx_lm.<name>`` or ``mlx_lm.quant.<name>``); mlx-lm's dispatcher would
-    raise a ValueError traceback. ``-h``, ``--help``, ``--version`` pass."""
-    import importlib.util
-
+    (``mlx_lm/<name>.py`` or ``mlx_lm/quant/<name>.py``); mlx-lm's dispatcher
+    would raise a ValueError traceback. ``-h``, ``--help`` and ``--version``
+    pass. Imports nothing heavy."""
     usage = ("usage: python -m mlx_qwen_fast SUBCOMMAND [--stock] [mlx-lm flags], SUBCOMMAND one of "
              "mlx-lm's (generate, chat, server, benchmark, ...; --help lists them)")
     if not argv:
-        _usage_error(f"a subcommand is needed\n{usage}")
+        usage_error(f"a subcommand is needed\n{usage}")
     sub = argv[0]
     if sub in ("-h", "--help", "--version"):
         return
-    known = not sub.startswith("-") and sub.isidentifier() and any(
-        importlib.util.find_spec(f"{pkg}.{sub}") is not None for pkg in ("mlx_lm", "mlx_lm.quant"))
+    root = _mlx_lm_dir()
+    known = (not sub.startswith("-") and sub.isidentifier() and root is not None
+             and any((root / p / f"{sub}.py").is_file() for p in ("", "quant")))
     if not known:
-        _usage_error(f"unknown subcommand {sub!r}\n{usage}")
+        usage_error(f"unknown subcommand {sub!r}\n{usage}")
 
 
-def run_mlx_lm_main(main, argv=None) -> None:
-    """Call ``main()`` (an mlx-lm CLI) with :func:`install` applied.
+def _loading_error(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while mlx-lm located or loaded a checkpoint
+    (mlx_lm.utils / tokenizer_utils, huggingface_hub, safetensors), as
+    opposed to a failure of the run itself."""
+    files = [f.filename.replace("\\", "/") for f in traceback.extract_tb(exc.__traceback__)]
+    return any(("/mlx_lm/utils.py" in f or "/mlx_lm/tokenizer_utils.py" in f or "/huggingface_hub/" in f
+                or "/safetensors/" in f or "/transformers/" in f) for f in files)
+
+
+def run_mlx_lm_main(module: str, argv=None) -> None:
+    """Run mlx-lm's CLI ``module`` (e.g. "mlx_lm.generate") with :func:`install` applied.
 
     ``--stock`` anywhere in ``argv`` skips the install and undoes what the
     import set in the environment (``config.restore_process_settings``), so
-    the same command runs stock mlx-lm for an A/B comparison.
+    the same command runs stock mlx-lm for an A/B comparison. ``--version``
+    prints this package's version with mlx's and mlx-lm's. The arguments
+    are checked first (:func:`check_arguments`); an error while mlx-lm loads
+    the checkpoint is printed as one line (exit code 2).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--version" in argv:
+        print(versions())
+        return
     stock = "--stock" in argv
     argv = [a for a in argv if a != "--stock"]
-    _check_local_model(argv)
+    command = module.rsplit(".", 1)[-1]
+    check_arguments(command, argv)
     if "-h" in argv or "--help" in argv:
         print("mlx_qwen_fast: mlx-lm's own flags follow; add --stock to run stock mlx-lm "
               "(MLX_QWEN_FAST=0 does the same).\n")
@@ -80,6 +273,16 @@ def run_mlx_lm_main(main, argv=None) -> None:
         config.restore_process_settings()
         print("mlx_qwen_fast: --stock: running stock mlx-lm", file=sys.stderr)
     else:
+        from .patching import install
+
         install(verbose=True)
+    main = importlib.import_module(module).main
     sys.argv = [sys.argv[0]] + argv
-    main()
+    try:
+        main()
+    except (ValueError, OSError, KeyError, RuntimeError) as exc:
+        if not _loading_error(exc):
+            raise
+        model = (_flag_values(argv, ("--model",)) or ["(default)"])[0]
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        usage_error(f"--model {model}: mlx-lm could not load it: {type(exc).__name__}: {first[:300]}")

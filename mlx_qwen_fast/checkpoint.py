@@ -51,6 +51,7 @@ import io
 import json
 import math
 import numbers
+import sys
 import time
 from pathlib import Path
 from typing import Dict, Iterator, List, Optional, Tuple, Union
@@ -65,6 +66,7 @@ from mlx_lm.utils import (
     quantize_model,
     save_config,
 )
+from tqdm import tqdm
 
 QUANT_GROUP_SIZE = 64
 QUANT_BITS = 4
@@ -570,7 +572,8 @@ def write_checkpoint(
             loads every such file it finds).
         preset, seed, router_skew, lm_head_scale: as in ``build_model``.
         max_shard_bytes: positive int, shard size limit in bytes.
-        verbose: print progress.
+        verbose: show progress (a tqdm bar on stderr: bytes written, time
+            left) and a summary line.
 
     Returns:
         ``Path(out_dir)``.
@@ -602,24 +605,26 @@ def write_checkpoint(
     shards = _plan_shards(group_bytes, max_shard_bytes)
 
     weight_map = {}
-    for i, shard_groups in enumerate(shards):
-        shard_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        shard = {}
-        for name in shard_groups:
-            group = groups.pop(name)
-            _eval_by_module(group)
-            shard.update(group)
-            del group
-        mx.save_safetensors(str(out_dir / shard_name), shard, metadata={"format": "mlx"})
-        weight_map.update({k: shard_name for k in shard})
-        del shard
-        mx.clear_cache()
-        if verbose:
-            print(
-                f"[{time.perf_counter() - tic:7.1f}s] wrote {shard_name} "
-                f"({', '.join(shard_groups[:1] + shard_groups[-1:])})",
-                flush=True,
-            )
+    sizes = dict(group_bytes)
+    # the weights are drawn and quantised module by module (the slow part),
+    # then each shard is written: progress in bytes, with the time left
+    with tqdm(total=total_size, unit="B", unit_scale=True, desc=f"writing {out_dir.name}",
+              disable=not verbose, file=sys.stderr) as bar:
+        for i, shard_groups in enumerate(shards):
+            shard_name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            shard = {}
+            for name in shard_groups:
+                group = groups.pop(name)
+                bar.set_postfix_str(name, refresh=False)
+                _eval_by_module(group)
+                shard.update(group)
+                del group
+                bar.update(sizes[name])
+            bar.set_postfix_str(f"saving {shard_name}")
+            mx.save_safetensors(str(out_dir / shard_name), shard, metadata={"format": "mlx"})
+            weight_map.update({k: shard_name for k in shard})
+            del shard
+            mx.clear_cache()
 
     index = {
         "metadata": {"total_size": total_size, "total_parameters": total_parameters},

@@ -26,7 +26,7 @@ from mlx_lm.generate import stream_generate
 
 from . import config
 from .checkpoint import DEMO_LM_HEAD_SCALE, SHARD_GLOB, write_checkpoint
-from .patch import patched_copy
+from .patching import patched_copy
 
 DEFAULT_PROMPT = "Explain in one paragraph why the sky looks blue during the day."
 

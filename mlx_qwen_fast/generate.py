@@ -1,15 +1,14 @@
 """`python -m mlx_qwen_fast.generate`: `mlx_lm.generate` with the fast path installed.
 
-Takes exactly ``mlx_lm.generate``'s flags, plus ``--stock`` to run stock mlx-lm.
+Takes exactly ``mlx_lm.generate``'s flags, plus ``--stock`` to run stock
+mlx-lm and ``--version``; see :func:`mlx_qwen_fast._cli.run_mlx_lm_main`.
 """
-
-from mlx_lm.generate import main as _main
 
 from ._cli import run_mlx_lm_main
 
 
 def main() -> None:
-    run_mlx_lm_main(_main)
+    run_mlx_lm_main("mlx_lm.generate")
 
 
 if __name__ == "__main__":

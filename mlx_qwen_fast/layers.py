@@ -6,7 +6,7 @@ with its op family's dispatch entry (:func:`ops.gated_delta.gated_delta_net`,
 parameters (quantised or not) stay the same arrays under the same paths, so
 ``model.parameters()``, saving, ``load_weights`` and sharding are unchanged.
 :func:`rebind` moves an existing module instance to another class without
-copying anything; :mod:`mlx_qwen_fast.patch` uses it in both directions.
+copying anything; :mod:`mlx_qwen_fast.patching` uses it in both directions.
 
 Gated attention has no fast path: its module stays mlx-lm's own.
 """
@@ -52,7 +52,7 @@ class FastSparseMoeBlock(Qwen3NextSparseMoeBlock):
         return moe_ops.sparse_moe(self, x)
 
 
-#: stock class -> fast class, for :mod:`mlx_qwen_fast.patch`.
+#: stock class -> fast class, for :mod:`mlx_qwen_fast.patching`.
 FAST_CLASSES = {
     GatedDeltaNet: FastGatedDeltaNet,
     Qwen3NextSparseMoeBlock: FastSparseMoeBlock,

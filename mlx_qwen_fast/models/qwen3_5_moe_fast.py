@@ -10,7 +10,7 @@ The classes are mlx-lm's own; the fast modules are swapped in at construction
 from mlx_lm.models.qwen3_5_moe import Model as _StockModel
 from mlx_lm.models.qwen3_5_moe import ModelArgs
 
-from ..patch import patch
+from ..patching import patch
 
 __all__ = ["Model", "ModelArgs"]
 

@@ -132,7 +132,7 @@ def route(
 
 
 def group_by_expert(
-    inds: mx.array, num_experts: int, *, check_range: bool = False
+    inds: mx.array, num_experts: int, *, check_range: bool = True
 ) -> ExpertGroups:
     """Group the ``N*k`` (token, expert) assignments by expert.
 
@@ -146,41 +146,44 @@ def group_by_expert(
         inds: ``[N, k]`` integer expert ids in ``[0, num_experts)`` (the
             ``inds`` of :func:`route`, int32 or uint32).
         num_experts: ``E``.
-        check_range: also check that every id is in range. This reads a
-            value back to the host (a synchronisation), so it is off by
-            default and meant for tests and debugging; out-of-range ids are
-            otherwise undefined behaviour (as in ``mx.gather_qmm``).
+        check_range: check that every id is in range before grouping. This
+            reads two values back to the host (one synchronisation; not
+            allowed inside ``mx.compile``); callers whose ids come from
+            :func:`route` pass False. Without the check an out-of-range id
+            is clamped into range before any indexing (memory stays safe;
+            the result is then meaningless).
 
     Returns:
         :class:`ExpertGroups`.
 
     Raises:
-        ValueError: ``inds`` is not a 2-D integer array; ``num_experts < 1``;
-            ``k > num_experts``; with ``check_range``, an id outside
-            ``[0, num_experts)``.
+        ValueError: ``inds`` is not a 2-D integer array; ``num_experts`` is
+            not an int >= 1; ``k > num_experts``; with ``check_range``, an id
+            outside ``[0, num_experts)`` (the offending range is named).
     """
-    if inds.ndim != 2 or inds.dtype not in _INTS:
+    if not isinstance(inds, mx.array) or inds.ndim != 2 or inds.dtype not in _INTS:
         raise ValueError(
-            "group_by_expert: inds must be an integer array of shape [N, k], "
-            f"got shape {tuple(inds.shape)} dtype {inds.dtype}"
+            "group_by_expert: inds must be an integer mx.array of shape [N, k], "
+            f"got {type(inds).__name__} of shape {tuple(getattr(inds, 'shape', ()))} "
+            f"dtype {getattr(inds, 'dtype', None)}"
         )
-    if num_experts < 1:
-        raise ValueError(f"group_by_expert: num_experts must be >= 1, got {num_experts}")
+    if not isinstance(num_experts, numbers.Integral) or isinstance(num_experts, bool) or num_experts < 1:
+        raise ValueError(f"group_by_expert: num_experts must be an int >= 1, got {num_experts!r}")
     n, k = inds.shape
     if k > num_experts:
         raise ValueError(
             f"group_by_expert: inds [N, k] has k={k} > num_experts={num_experts}"
         )
     if check_range and inds.size > 0:
-        bad = mx.logical_or(inds < 0, inds >= num_experts).any().item()
-        if bad:
+        lo, hi = mx.min(inds).item(), mx.max(inds).item()
+        if lo < 0 or hi >= num_experts:
             raise ValueError(
                 f"group_by_expert: inds must lie in [0, num_experts={num_experts}), "
-                f"got values in [{mx.min(inds).item()}, {mx.max(inds).item()}]"
+                f"got values in [{lo}, {hi}]"
             )
 
     nk = n * k
-    flat = inds.reshape(-1).astype(mx.int32)
+    flat = mx.clip(inds.reshape(-1).astype(mx.int64), 0, num_experts - 1).astype(mx.int32)
     counts = mx.zeros((num_experts,), mx.int32).at[flat].add(mx.ones_like(flat))
     offsets = mx.concatenate([mx.zeros((1,), mx.int32), mx.cumsum(counts)])
 
@@ -445,7 +448,7 @@ def sparse_moe_block(block, x: mx.array) -> mx.array:
     lead, d = x.shape[:-1], x.shape[-1]
     inds, scores = route(block.gate(x), block.top_k, normalize=block.norm_topk_prob)
     tokens = x.reshape(-1, d)
-    groups = group_by_expert(inds.reshape(tokens.shape[0], -1), block.num_experts)
+    groups = group_by_expert(inds.reshape(tokens.shape[0], -1), block.num_experts, check_range=False)
     sm = block.switch_mlp
     y = expert_swiglu(tokens, groups, sm.gate_proj, sm.up_proj, sm.down_proj)
     y = combine(y, scores.reshape(tokens.shape[0], -1)).reshape(*lead, d)

@@ -284,8 +284,9 @@ def install(*, verbose: bool = False) -> bool:
     Wraps ``mlx_lm.utils.load_model`` (which ``mlx_lm.load``, ``sharded_load``
     and so ``generate``, ``benchmark``, ``chat`` and ``server`` all call).
     Other model types pass through untouched (no warning). Idempotent.
-    ``verbose``: print each load's :class:`PatchReport` to stderr (and, when
-    the environment switches the fast path off, one line saying so).
+    ``verbose``: print each load's :class:`PatchReport` to stderr, one line
+    for a model type without a fast path, and, when the environment switches
+    the fast path off, one line saying so.
     Returns False (and installs nothing) when ``MLX_QWEN_FAST=0``.
     """
     if not enabled():
@@ -299,12 +300,18 @@ def install(*, verbose: bool = False) -> bool:
 
     @functools.wraps(current)
     def load_model(*args, **kwargs):
-        model, config = current(*args, **kwargs)
-        if enabled() and _model_type(model) in SUPPORTED_MODEL_TYPES:
+        model, model_config = current(*args, **kwargs)
+        if not enabled():
+            return model, model_config
+        model_type = _model_type(model)
+        if model_type in SUPPORTED_MODEL_TYPES:
             report = patch(model)
             if verbose:
                 print(report, file=sys.stderr)
-        return model, config
+        elif verbose:
+            print(f"mlx_qwen_fast: model_type {model_type!r} has no fast path (supported: "
+                  f"{', '.join(SUPPORTED_MODEL_TYPES)}): running stock mlx-lm", file=sys.stderr)
+        return model, model_config
 
     load_model._mlx_qwen_fast = True
     load_model._wrapped = current
