@@ -239,6 +239,32 @@ def check_subcommand(argv) -> None:
         usage_error(f"unknown subcommand {sub!r}\n{usage}")
 
 
+def _start_warmup(argv: Sequence[str]):
+    """Start :class:`mlx_qwen_fast.warmup.Warmup` for the ``--model`` folder
+    when :data:`config.WARMUP` is on, the fast path is on, the backend is
+    CUDA and the model's kernels are not in the compile cache yet; None
+    otherwise. Says so in one line."""
+    models = _flag_values(argv, ("--model",))
+    if not (models and config.WARMUP.get() and config.FAST_PATH.get()):
+        return None
+    path = Path(os.path.expanduser(models[0]))
+    from . import backend
+
+    if not path.is_dir() or backend.current() != backend.CUDA:
+        return None
+    from .warmup import Warmup, is_warm
+
+    if is_warm(path):
+        return None
+    warm = Warmup(path)
+    if warm.jobs == 0:
+        return None
+    print(f"mlx_qwen_fast: first use of this model's GPU kernels on this machine: compiling them in "
+          f"{warm.jobs} processes while it loads (once per machine; `python -m mlx_qwen_fast warmup "
+          f"--model {models[0]}` does this ahead of time, MLX_QWEN_FAST_WARMUP=0 skips it)", file=sys.stderr)
+    return warm.start()
+
+
 def _loading_error(exc: BaseException) -> bool:
     """Whether ``exc`` was raised while mlx-lm located or loaded a checkpoint
     (mlx_lm.utils / tokenizer_utils, huggingface_hub, safetensors), as
@@ -275,7 +301,8 @@ def run_mlx_lm_main(module: str, argv=None) -> None:
     else:
         from .patching import install
 
-        install(verbose=True)
+        warm = _start_warmup(argv)
+        install(verbose=True, after_load=None if warm is None else warm.wait)
     main = importlib.import_module(module).main
     sys.argv = [sys.argv[0]] + argv
     try:
