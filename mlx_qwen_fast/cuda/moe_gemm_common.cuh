@@ -1,8 +1,8 @@
-// Shared by the two sources of the grouped expert GEMM (moe_grouped_gemm.cu,
-// moe_grouped_gemm_async.cu): one kernel contract (moe_grouped_gemm.cu's
-// header), so one parameter list, one launch-bounds macro and the bf16
-// pair packing both use (prmt lives in gdn_common.cuh). Include after MOE_KIND, NT and the `yt` typedef
-// are defined.
+// Shared by the two builds of the grouped expert GEMM (moe_grouped_gemm.cu,
+// mma.sync; moe_grouped_gemm_wgmma.cu, wgmma): one kernel contract
+// (moe_grouped_gemm.cu's header), so one parameter list, one launch-bounds
+// macro and the bf16 pair packing (prmt lives in gdn_common.cuh). Include
+// after MOE_KIND, NT and the `yt` typedef are defined.
 #pragma once
 #include "gdn_common.cuh"
 
@@ -10,7 +10,7 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
   return (unsigned)from_f<bf16_t>(lo).x | ((unsigned)from_f<bf16_t>(hi).x << 16);
 }
 
-#ifdef MOE_MINB  // optional register cap: at least MOE_MINB CTAs per SM
+#ifdef MOE_MINB  // optional register cap: at least MOE_MINB CTAs per SM (the mma build sets it)
 #define MOE_LB __launch_bounds__(NT, MOE_MINB)
 #else
 #define MOE_LB __launch_bounds__(NT)
@@ -27,7 +27,7 @@ __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
 #define MOE_SECOND_WEIGHT
 #define MOE_OUTPUT const float* __restrict__ scores, yt* __restrict__ y,
 #endif
-// MOE_SHARED 1 ("wg" only): the shared expert's weights as a second set
+// MOE_SHARED 1 (wgmma build only): the shared expert's weights as a second set
 // (ws0, ss0, bs0 [, ws1, ss1, bs1]: [O, K/8] / [O, K/64], one expert) after
 // the routed ones, and a last scalar `es`: work items of expert id >= es
 // read that set (the routing's shared slot carries id es = the routed count).

@@ -1,19 +1,19 @@
-// Grouped expert GEMM with fused 4-bit affine dequantisation (prefill MoE).
+// Grouped expert GEMM with fused 4-bit affine dequantisation (prefill MoE),
+// mma.sync build (the "mma" build of kernels/moe_grouped_gemm.py; the "wgmma"
+// build, moe_grouped_gemm_wgmma.cu, takes the same work items).
 //
 // Weights: MLX affine 4-bit, group 64: packed uint32 W [E, O, K/8] (eight
 // nibbles per word, lowest nibble = lowest input index), bf16 scales and
-// biases [E, O, K/64]; baseline (MOE_DEQ 0): w[o, i] = bf16(bf16(scale * q)
-// + bias), the two bf16 roundings of the CPU mx.dequantize (checked bit-exact
-// on CPU against its output); MOE_DEQ 1: bf16(scale * q + bias), one rounding
-// (MLX's CUDA mx.dequantize). Dequantised tiles live only in shared memory.
+// biases [E, O, K/64]; w[o, i] = bf16(scale * q + bias), one rounding (MLX's
+// CUDA mx.dequantize). Dequantised tiles live only in shared memory.
 //
 // Work items come from the block map of ops.moe.block_map (tile rows = MOE_BM):
 // CTA (blockIdx.x = item, blockIdx.y = column tile) computes rows
 // [offsets[e] + t*BM, min(+BM, offsets[e+1])) of the grouped order times
-// BN output columns of expert e; (-1, -1) items return at once.
-// Tensor cores: mma.sync m16n8k16 bf16 -> fp32, MOE_WM x MOE_WN warps (baseline
-// 2 x 2), each warp a BM/MOE_WM x BN/MOE_WN block of every output matrix.
-// K step 64 (= one quantisation group), single shared-memory stage.
+// BN = 64 output columns of expert e; (-1, -1) items return at once.
+// Tensor cores: mma.sync m16n8k16 bf16 -> fp32, MOE_WM x MOE_WN warps, each
+// warp a BM/MOE_WM x BN/MOE_WN block of every output matrix, fragments
+// loaded with ldmatrix.x4. K step 64 (= one quantisation group).
 //
 // MOE_KIND 0 (gate + up + SwiGLU):
 //   inputs x [N, K] bf16, wg, sg, bg, wu, su, bu, order [NK] int32,
@@ -27,33 +27,30 @@
 //   scalars: int K, int O, int topk (unused).
 // The caller sums y over the k assignments of each token (fp32).
 //
-// Requirements (the Python wrapper checks them): K % 64 == 0, O % MOE_BN == 0,
-// 16-byte aligned rows (K % 8 == 0 holds). Launch: grid (T*NT, O/BN, 1)
-// threads, NT = 32 * MOE_WM * MOE_WN per block (128 for the baseline).
+// Dequantisation: nibbles OR-ed into the mantissa of bf16 128.0 (0x4300 | q
+// = 128 + q, exact), minus 128 (exact), then one fma.rn.bf16x2. Nibbles j and
+// j+4 of a word share one bf16x2 register, so the weight tiles store K in the
+// order (0,4,1,5,2,6,3,7) within every 8 inputs, and the A tile (x or h) is
+// staged in the same order (4 prmt per 16 bytes): the dot products are
+// unchanged.
+// Pipeline: one shared-memory stage, two barriers per K step; the next K
+// step's global words (x/h rows, packed weights, scales, biases) are fetched
+// into registers before the current step's mma and stored (dequantised)
+// after it.
 //
-// Build macros: KNAME, MOE_KIND, MOE_BM (32, 64 or 128), MOE_BN (64 or 128),
-// MOE_MINB (optional: __launch_bounds__ minimum CTAs per SM),
-// MOE_YT, and the variant switches (defaults = the baseline kernel above):
-//   MOE_DEQ  0: scalar fp32 dequantisation, two bf16 roundings (as the CPU
-//               mx.dequantize); 1: packed bf16x2: nibbles OR-ed into the
-//               mantissa of bf16 128.0 (0x4300 | q = 128 + q, exact), minus
-//               128 (exact), then one fma.rn.bf16x2: w = bf16(s * q + b), one
-//               rounding (as MLX's CUDA mx.dequantize). Nibbles j and j+4 of a
-//               word share one bf16x2 register, so MOE_DEQ 1 stores K in the
-//               order (0,4,1,5,2,6,3,7) within every 8 inputs, and the A tile
-//               (x or h) is staged in the same order (4 prmt per 16 bytes):
-//               the dot products are unchanged.
-//   MOE_PF   0: load -> sync -> mma -> sync; 1: the next K step's global
-//               words (x/h rows, packed weights, scales, biases) are fetched
-//               into registers before the current step's mma and stored
-//               (dequantised) after it (single shared stage, two syncs).
-//   MOE_LDM  0: 32-bit shared loads for fragments; 1: ldmatrix.x4.
+// Requirements (the Python wrapper checks them): K % 64 == 0, O % 64 == 0,
+// 16-byte aligned rows (K % 8 == 0 holds). Launch: grid (T*NT, O/64, 1)
+// threads, NT = 32 * MOE_WM * MOE_WN per block.
+//
+// Build macros: KNAME, MOE_KIND, MOE_BM (32, 64 or 128), MOE_YT (down output
+// type), MOE_MINB (optional: __launch_bounds__ minimum CTAs per SM), and
 //   MOE_WV   0: each thread fetches WPT single words of different rows and
 //               their scales/biases (8 threads load the same scale); 1 (needs
-//               WPT == 4, i.e. BN == NT / 2; MOE_PF only): a thread fetches
-//               half a row of a K step (4 words, one 16-byte load) and the
-//               row's scale and bias once; down's fp32 output leaves in
-//               8-byte stores.
+//               WPT == 4, i.e. NT == 128): a thread fetches half a row of a K
+//               step (4 words, one 16-byte load) and the row's scale and bias
+//               once, loads all B fragments of a k16 slice before its
+//               (non-volatile) mma, and down's two columns of a thread leave
+//               in one store (8 bytes fp32, 4 bytes bf16).
 //   MOE_WM, MOE_WN: warps along rows and columns (default 2 x 2); threads
 //               per CTA = 32 * MOE_WM * MOE_WN (the launch must match).
 #include "gdn_common.cuh"
@@ -61,20 +58,8 @@
 #ifndef MOE_BM
 #define MOE_BM 64
 #endif
-#ifndef MOE_BN
-#define MOE_BN 64
-#endif
 #ifndef MOE_YT
 #define MOE_YT float
-#endif
-#ifndef MOE_DEQ
-#define MOE_DEQ 0
-#endif
-#ifndef MOE_PF
-#define MOE_PF 0
-#endif
-#ifndef MOE_LDM
-#define MOE_LDM 0
 #endif
 #ifndef MOE_WV
 #define MOE_WV 0
@@ -87,7 +72,7 @@
 #endif
 
 constexpr int BM = MOE_BM;
-constexpr int BN = MOE_BN;
+constexpr int BN = 64;  // output columns per CTA
 constexpr int BK = 64;
 constexpr int LDS = BK + 8;  // padded row (halves): conflict-free fragment loads
 constexpr int NT = 32 * MOE_WM * MOE_WN;
@@ -99,12 +84,11 @@ constexpr int NTL = WN / 8;
 constexpr int XPT = BM * 8 / NT;  // 16-byte x chunks per thread per K step
 constexpr int WPT = BN * 8 / NT;  // packed words per thread per matrix per K step
 static_assert(BM == 32 || BM == 64 || BM == 128, "BM must be 32, 64 or 128");
-static_assert(BN == 64 || BN == 128, "BN must be 64 or 128");
 static_assert(WM % 16 == 0 && WN % 8 == 0, "warp tile must be a multiple of 16 x 8");
 static_assert(XPT >= 1 && XPT * NT == BM * 8 && WPT >= 1 && WPT * NT == BN * 8, "loads must split evenly");
-static_assert(!MOE_WV || (WPT == 4 && MOE_PF), "MOE_WV needs 4 words per thread (BN == NT / 2) and MOE_PF");
+static_assert(!MOE_WV || WPT == 4, "MOE_WV needs 4 words per thread (BN == NT / 2)");
 constexpr int SPT = MOE_WV ? 1 : WPT;  // scales (and biases) per thread per matrix per K step
-static_assert(!MOE_LDM || NTL % 2 == 0, "ldmatrix B path loads two n-tiles at once");
+static_assert(NTL % 2 == 0, "ldmatrix B path loads two n-tiles at once");
 static_assert(sizeof(gdn_u16) * LDS * (BM + NMAT * BN) <= 48 * 1024, "static shared memory over 48 KB");
 typedef MOE_YT yt;
 #include "moe_gemm_common.cuh"
@@ -118,7 +102,7 @@ __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b
 }
 
 // Not volatile: the compiler may move it past the (volatile) ldmatrix of the
-// next slice, so shared-memory loads run ahead of the tensor cores (MOE_WV).
+// next slice, so shared-memory loads run ahead of the tensor cores (MOE_WV 1).
 __device__ __forceinline__ void mma_bf16_nv(float* c, const unsigned* a, unsigned b0, unsigned b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
       "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
@@ -132,21 +116,11 @@ __device__ __forceinline__ void ldsm_x4(unsigned* r, const void* p) {
                : "r"(smem_addr(p)));
 }
 
-// One packed word (8 nibbles) -> 8 bf16 in shared memory.
-// MOE_DEQ 0: natural order, bf16(bf16(s * q) + b) (fp32 arithmetic, two roundings).
-// MOE_DEQ 1: order (q0,q4),(q1,q5),(q2,q6),(q3,q7), bf16(s * q + b) (one fma).
+// One packed word (8 nibbles) -> 8 bf16 in shared memory, in the order
+// (q0,q4),(q1,q5),(q2,q6),(q3,q7), each bf16(s * q + b) (one fma).
 __device__ __forceinline__ uint4 dequant_word(unsigned word, gdn_u16 sb, gdn_u16 bb) {
   uint4 v;
   unsigned* pv = &v.x;
-#if MOE_DEQ == 0
-  const float s = __uint_as_float((unsigned)sb << 16), b = __uint_as_float((unsigned)bb << 16);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float q0 = (float)((word >> (8 * j)) & 15u);
-    const float q1 = (float)((word >> (8 * j + 4)) & 15u);
-    pv[j] = pack_bf16(from_f_round<bf16_t>(s * q0) + b, from_f_round<bf16_t>(s * q1) + b);
-  }
-#else
   const unsigned s2 = (unsigned)sb | ((unsigned)sb << 16);
   const unsigned b2 = (unsigned)bb | ((unsigned)bb << 16);
   const unsigned magic = 0x43004300u;  // bf16x2 (128, 128)
@@ -159,42 +133,20 @@ __device__ __forceinline__ uint4 dequant_word(unsigned word, gdn_u16 sb, gdn_u16
     asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(w) : "r"(q), "r"(s2), "r"(b2));
     pv[j] = w;
   }
-#endif
   return v;
 }
 
-// 8 consecutive bf16 of an A row, in the shared-memory K order of MOE_DEQ.
+// 8 consecutive bf16 of an A row, in the shared-memory K order of the weights.
 __device__ __forceinline__ uint4 a_order(uint4 v) {
-#if MOE_DEQ == 0
-  return v;
-#else
   uint4 r;
   r.x = prmt(v.x, v.z, 0x5410u);  // (e0, e4)
   r.y = prmt(v.x, v.z, 0x7632u);  // (e1, e5)
   r.z = prmt(v.y, v.w, 0x5410u);  // (e2, e6)
   r.w = prmt(v.y, v.w, 0x7632u);  // (e3, e7)
   return r;
-#endif
 }
 
-#if MOE_DEQ == 0 && MOE_PF == 0
-// Baseline: dequantise BN rows x 64 inputs of one expert matrix into ws (bf16).
-__device__ __forceinline__ void load_w(
-    gdn_u16 (*ws)[LDS], const unsigned* __restrict__ W, const bf16_t* __restrict__ S,
-    const bf16_t* __restrict__ B, int e, int n0, int k0, int K, int O) {
-  const int kw = K >> 3, kg = K >> 6;
-#pragma unroll
-  for (int i = threadIdx.x; i < BN * 8; i += NT) {
-    const int rr = i >> 3, wq = i & 7;
-    const size_t row = (size_t)e * O + n0 + rr;
-    const unsigned word = W[row * kw + (k0 >> 3) + wq];
-    *reinterpret_cast<uint4*>(&ws[rr][wq * 8]) =
-        dequant_word(word, S[row * kg + (k0 >> 6)].x, B[row * kg + (k0 >> 6)].x);
-  }
-}
-#endif
-
-// Registers of one K step (MOE_PF path).
+// Registers of one K step.
 struct Stage {
   uint4 x[XPT];
   unsigned w[NMAT][WPT];
@@ -214,18 +166,15 @@ __device__ __forceinline__ void fetch_w(
     const bf16_t* __restrict__ B, int e, int n0, int k0, int K, int O) {
   const int kw = K >> 3, kg = K >> 6;
 #if MOE_WV
-  {
-    const size_t row = (size_t)e * O + n0 + w_row(0);
-    const uint4 v = *reinterpret_cast<const uint4*>(W + row * kw + (k0 >> 3) + w_word(0));
-    st.w[m][0] = v.x;
-    st.w[m][1] = v.y;
-    st.w[m][2] = v.z;
-    st.w[m][3] = v.w;
-    st.s[m][0] = S[row * kg + (k0 >> 6)].x;
-    st.b[m][0] = B[row * kg + (k0 >> 6)].x;
-    return;
-  }
-#endif
+  const size_t row = (size_t)e * O + n0 + w_row(0);
+  const uint4 v = *reinterpret_cast<const uint4*>(W + row * kw + (k0 >> 3) + w_word(0));
+  st.w[m][0] = v.x;
+  st.w[m][1] = v.y;
+  st.w[m][2] = v.z;
+  st.w[m][3] = v.w;
+  st.s[m][0] = S[row * kg + (k0 >> 6)].x;
+  st.b[m][0] = B[row * kg + (k0 >> 6)].x;
+#else
 #pragma unroll
   for (int u = 0; u < WPT; ++u) {
     const int i = threadIdx.x + u * NT;
@@ -235,6 +184,7 @@ __device__ __forceinline__ void fetch_w(
     st.s[m][u] = S[row * kg + (k0 >> 6)].x;
     st.b[m][u] = B[row * kg + (k0 >> 6)].x;
   }
+#endif
 }
 
 extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
@@ -274,13 +224,6 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
 #pragma unroll
         for (int c = 0; c < 4; ++c) acc[m][i][j][c] = 0.0f;
 
-#if MOE_DEQ == 0 && MOE_PF == 0
-#define MOE_BASELINE_LOOP 1
-#else
-#define MOE_BASELINE_LOOP 0
-#endif
-
-#if !MOE_BASELINE_LOOP
   Stage st;
   // global -> registers for the K step at k0
   auto fetch = [&](int k0) {
@@ -312,53 +255,20 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
             dequant_word(st.w[m][u], st.s[m][MOE_WV ? 0 : u], st.b[m][MOE_WV ? 0 : u]);
       }
   };
-#if MOE_PF
   fetch(0);
-#endif
-#endif
 
   for (int k0 = 0; k0 < K; k0 += BK) {
-#if MOE_BASELINE_LOOP
-#pragma unroll
-    for (int i = tid; i < BM * 8; i += NT) {
-      const int r = i >> 3, c = (i & 7) * 8;
-      const int sr = src[r];
-      uint4 v = make_uint4(0u, 0u, 0u, 0u);
-      if (sr >= 0) v = *reinterpret_cast<const uint4*>(x + (size_t)sr * K + k0 + c);
-      *reinterpret_cast<uint4*>(&xs[r][c]) = v;
-    }
-    load_w(ws[0], w0, s0, b0, e, n0, k0, K, O);
-#if MOE_KIND == 0
-    load_w(ws[1], w1, s1, b1, e, n0, k0, K, O);
-#endif
-    __syncthreads();
-#else
-#if !MOE_PF
-    fetch(k0);
-#endif
     store();
     __syncthreads();
-#if MOE_PF
     if (k0 + BK < K) fetch(k0 + BK);  // in flight during this step's mma
-#endif
-#endif
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 16) {
       unsigned a[MT][4];
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
-#if MOE_LDM
         ldsm_x4(a[i], &xs[wm * WM + i * 16 + (lane & 15)][kk + (lane >> 4) * 8]);
-#else
-        const int r = wm * WM + i * 16 + g;
-        const int c = kk + 2 * tq;
-        a[i][0] = *reinterpret_cast<const unsigned*>(&xs[r][c]);
-        a[i][1] = *reinterpret_cast<const unsigned*>(&xs[r + 8][c]);
-        a[i][2] = *reinterpret_cast<const unsigned*>(&xs[r][c + 8]);
-        a[i][3] = *reinterpret_cast<const unsigned*>(&xs[r + 8][c + 8]);
-#endif
       }
-#if MOE_LDM && MOE_WV
+#if MOE_WV
       {  // all B fragments of this slice first, then its mma (non-volatile)
         unsigned bfr[NMAT][NTL / 2][4];
 #pragma unroll
@@ -379,7 +289,6 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
 #else
 #pragma unroll
       for (int m = 0; m < NMAT; ++m) {
-#if MOE_LDM
 #pragma unroll
         for (int j = 0; j < NTL; j += 2) {
           unsigned bb[4];  // b0, b1 of n-tile j, then of n-tile j + 1
@@ -390,18 +299,8 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
             mma_bf16(acc[m][i][j + 1], a[i], bb[2], bb[3]);
           }
         }
-#else
-#pragma unroll
-        for (int j = 0; j < NTL; ++j) {
-          const int n = wn * WN + j * 8 + g;
-          const unsigned bb0 = *reinterpret_cast<const unsigned*>(&ws[m][n][kk + 2 * tq]);
-          const unsigned bb1 = *reinterpret_cast<const unsigned*>(&ws[m][n][kk + 2 * tq + 8]);
-#pragma unroll
-          for (int i = 0; i < MT; ++i) mma_bf16(acc[m][i][j], a[i], bb0, bb1);
-        }
-#endif
       }
-#endif  // MOE_LDM && MOE_WV
+#endif  // MOE_WV
     }
     __syncthreads();
   }

@@ -1,6 +1,7 @@
 // Grouped expert GEMM with fused 4-bit dequantisation on Hopper's warpgroup
-// tensor-core instructions (wgmma): the "wg" variant of the prefill MoE
-// kernels (moe_grouped_gemm.cu holds the mma.sync variants and the contract).
+// tensor-core instructions (wgmma): the "wgmma" build of the prefill MoE
+// kernels (kernels/moe_grouped_gemm.py; moe_grouped_gemm.cu is the mma.sync
+// build of the same contract, on the natural K order).
 //
 // The GEMM is computed transposed, out^T[features, rows] = W[features, K] .
 // A^T[K, rows], so that the quantised weights are wgmma's A operand, taken
@@ -55,9 +56,10 @@
 // loads running on across tile boundaries.
 //
 // Requirements (the wrapper checks): K % 128 == 0, O % 128 == 0 (gate+up) or
-// % (256 * MOE_FT) == 0 (down), K <= 128 * MOE_STAGES when MOE_FT > 1, every weight array < 2^31 elements, dynamic shared
-// memory >= SMEM_BYTES (checked here: trap). Launch: grid (items * 256,
-// O / FEAT, 1) threads, 256 threads per CTA.
+// % (256 * MOE_FT) == 0 (down), K <= 128 * MOE_STAGES when MOE_FT > 1, every
+// weight array < 2^31 elements (32-bit offsets), dynamic shared memory >=
+// SMEM_BYTES (checked here: trap). Launch: grid (items * 256, O / (FEAT *
+// MOE_FT), 1) threads, 256 threads per CTA.
 //
 // The shared expert as one more group (MOE_SHARED 1): its weights are a
 // second pointer set (one expert, the routed experts' O and K) and work items
@@ -66,8 +68,8 @@
 // shared expert's rows run in the same launches as the routed ones.
 //
 // Build macros: KNAME, MOE_KIND, MOE_BM (32/64/128), MOE_STAGES (3..6),
-// MOE_YT (down output type), MOE_MINB (optional minimum CTAs per SM),
-// MOE_FT (down: feature tiles per CTA; tile rows 32/64 only), MOE_SHARED.
+// MOE_YT (down output type), MOE_FT (down: feature tiles per CTA; tile rows
+// 32/64 only), MOE_SHARED (0/1).
 #include "gdn_common.cuh"
 
 #ifndef MOE_BM
@@ -101,7 +103,7 @@ static_assert(S >= 3 && S <= 6, "MOE_STAGES must be 3..6");
 static_assert(CPT * NT == BM * 16, "copies must split evenly");
 static_assert(OUT_LD % 16 == 0, "staging rows must stay 16-byte aligned");
 static_assert(MOE_FT >= 1 && (MOE_KIND == 1 || MOE_FT == 1), "MOE_FT > 1 is for the down kernel");
-static_assert(MOE_FT == 1 || BM <= 64, "MOE_FT > 1 only at 32/64 rows (wrong results seen at 128: moe-cuda-log.md)");
+static_assert(MOE_FT == 1 || BM <= 64, "MOE_FT > 1 only at 32/64 rows (wrong rows at 128: bench/results/moe-cuda-log.md)");
 typedef MOE_YT yt;
 #include "moe_gemm_common.cuh"
 

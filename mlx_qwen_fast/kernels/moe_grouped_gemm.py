@@ -227,7 +227,7 @@ def build_config(variant: str, stage: str, bm: int, out_cols: int, in_cols: Opti
         raise ValueError(f"build_config: out_cols must be a positive multiple of 64, got {out_cols!r}")
     if variant == "wgmma":
         return _wgmma_config(stage, bm, out_cols, in_cols, down_ft)
-    d = dict(MOE_BM=bm, MOE_BN=BN, MOE_DEQ=1, MOE_PF=1, MOE_LDM=1)
+    d = dict(MOE_BM=bm)
     wm, wn = (4, 2) if bm == 128 else (2, 2)
     if bm != 128:  # 16-byte weight fetches: BN 64 = half of 128 threads
         d["MOE_WV"] = 1
