@@ -1,0 +1,162 @@
+"""The CLIs' argument checks (mlx_qwen_fast/_cli.py): one line, exit code 2,
+before anything heavy is imported; --version; a model type without a fast
+path says so."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlx_qwen_fast import _cli
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(*args, timeout=120):
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               MLX_QWEN_FAST_WARMUP="0")
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory, tiny_checkpoint):
+    """Copies of the tiny checkpoint, each broken one way."""
+    root = tmp_path_factory.mktemp("broken")
+    out = {}
+    for name in ("cfg", "nocfg", "trunc", "notok", "noweights", "shape", "emptyvocab"):
+        shutil.copytree(tiny_checkpoint, root / name)
+        out[name] = root / name
+    (out["cfg"] / "config.json").write_text("{not json")
+    (out["nocfg"] / "config.json").unlink()
+    shard = sorted(out["trunc"].glob("model*.safetensors"))[0]
+    with open(shard, "r+b") as f:
+        f.truncate(shard.stat().st_size // 2)
+    (out["notok"] / "tokenizer.json").unlink()
+    for f in out["noweights"].glob("model*.safetensors"):
+        f.unlink()
+    (out["noweights"] / "model.safetensors.index.json").unlink()
+    cfg = json.loads((out["shape"] / "config.json").read_text())
+    text = cfg.get("text_config", cfg)
+    text["moe_intermediate_size"] = 2 * text["moe_intermediate_size"]
+    (out["shape"] / "config.json").write_text(json.dumps(cfg))
+    tok = json.loads((out["emptyvocab"] / "tokenizer.json").read_text())
+    tok["model"]["vocab"] = {}
+    (out["emptyvocab"] / "tokenizer.json").write_text(json.dumps(tok))
+    out["file"] = shard
+    return out
+
+
+@pytest.mark.parametrize("case, expect", [
+    ("cfg", "config.json is not valid JSON"),
+    ("nocfg", "no config.json"),
+    ("trunc", "is truncated"),
+    ("notok", "no tokenizer"),
+    ("noweights", "no weights"),
+    ("emptyvocab", "empty vocabulary"),
+    ("file", "is a file"),
+])
+def test_broken_checkpoint_is_one_line_exit_2(broken, case, expect):
+    r = _run("-m", "mlx_qwen_fast.generate", "--model", str(broken[case]), "--prompt", "hi", "-m", "2")
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"--model {broken[case]}" in lines[0] and expect in lines[0], r.stderr
+    assert r.stdout == ""
+
+
+def test_weights_that_do_not_fit_the_config_are_one_line(broken):
+    r = _run("-m", "mlx_qwen_fast.generate", "--model", str(broken["shape"]), "--prompt", "hi", "-m", "2")
+    assert r.returncode == 2
+    last = r.stderr.strip().splitlines()[-1]
+    assert "could not load it" in last and "shape" in last
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["-m", "mlx_qwen_fast.generate", "--model", "no-such-model-here"], "no such folder"),
+    (["-m", "mlx_qwen_fast.generate", "--model", "./no-such-model-here"], "no such folder"),
+    (["-m", "mlx_qwen_fast", "bogus"], "unknown subcommand"),
+    (["-m", "mlx_qwen_fast"], "a subcommand is needed"),
+])
+def test_usage_errors_without_a_checkpoint(argv, expect):
+    r = _run(*argv)
+    assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["-m", "mlx_qwen_fast.generate", "-m", "0"], "--max-tokens 0"),
+    (["-m", "mlx_qwen_fast.generate", "--max-tokens=-3"], "--max-tokens -3"),
+    (["-m", "mlx_qwen_fast.generate", "--prompt", "  "], "--prompt is empty"),
+    (["-m", "mlx_qwen_fast", "benchmark", "-p", "0"], "--prompt-tokens 0"),
+    (["-m", "mlx_qwen_fast", "benchmark", "-g", "x"], "--generation-tokens x"),
+    (["-m", "mlx_qwen_fast", "benchmark", "-b", "0"], "--batch-size 0"),
+])
+def test_bad_counts_and_prompts(tiny_checkpoint, argv, expect):
+    r = _run(*argv, "--model", str(tiny_checkpoint))
+    assert r.returncode == 2 and expect in r.stderr, r.stderr
+
+
+def test_checks_run_before_mlx_lm_is_imported(monkeypatch, tmp_path):
+    """A usage error exits before mlx-lm (and transformers) are imported."""
+    code = ("import sys; from mlx_qwen_fast import _cli\n"
+            "try:\n    _cli.check_arguments('generate', ['--model', sys.argv[1]])\n"
+            "except SystemExit as e:\n    print(e.code, 'mlx_lm' in sys.modules, 'transformers' in sys.modules)\n")
+    r = _run("-c", code, str(tmp_path / "missing"))
+    assert r.stdout.split() == ["2", "False", "False"], r.stdout + r.stderr
+
+
+def test_version_names_ours_mlx_and_mlx_lm():
+    import mlx.core as mx
+    import mlx_qwen_fast
+
+    r = _run("-m", "mlx_qwen_fast", "--version")
+    assert r.returncode == 0
+    out = r.stdout.strip()
+    assert out.startswith(f"mlx_qwen_fast {mlx_qwen_fast.__version__}") and f"mlx {mx.__version__}" in out
+    assert "mlx-lm " in out
+    assert _run("-m", "mlx_qwen_fast.generate", "--version").stdout.strip() == out
+
+
+def test_generate_runs_and_reports_the_patch(tiny_checkpoint):
+    r = _run("-m", "mlx_qwen_fast.generate", "--model", str(tiny_checkpoint), "--prompt", "hello", "-m", "3")
+    assert r.returncode == 0, r.stderr
+    assert "mlx_qwen_fast: patched" in r.stderr and "Generation: 3 tokens" in r.stdout
+
+
+def test_model_type_without_fast_path_says_so(tmp_path):
+    """A llama-type checkpoint through the CLI: stock, with one line saying so."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    from mlx_qwen_fast.checkpoint import make_tokenizer
+
+    args = llama.ModelArgs(model_type="llama", hidden_size=64, num_hidden_layers=1, intermediate_size=128,
+                           num_attention_heads=2, rms_norm_eps=1e-5, vocab_size=512, num_key_value_heads=2)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    mx.save_safetensors(str(tmp_path / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (tmp_path / "config.json").write_text(json.dumps(
+        dict(model_type="llama", hidden_size=64, num_hidden_layers=1, intermediate_size=128,
+             num_attention_heads=2, rms_norm_eps=1e-5, vocab_size=512, num_key_value_heads=2)))
+    make_tokenizer(tmp_path)
+    r = _run("-m", "mlx_qwen_fast.generate", "--model", str(tmp_path), "--prompt", "hi", "-m", "2")
+    assert r.returncode == 0, r.stderr
+    assert "model_type 'llama' has no fast path" in r.stderr and "running stock" in r.stderr
+
+
+def test_safetensors_check_reads_headers(tmp_path):
+    import mlx.core as mx
+
+    p = tmp_path / "model.safetensors"
+    mx.save_safetensors(str(p), {"w": mx.ones((64, 64))})
+    assert _cli._safetensors_problem(p) is None
+    p.write_bytes(p.read_bytes()[:-1])
+    assert "truncated" in _cli._safetensors_problem(p)
+    p.write_bytes(b"\x00" * 4)
+    assert "truncated" in _cli._safetensors_problem(p)
+    p.write_bytes(b"\xff" * 64)
+    assert _cli._safetensors_problem(p) is not None
