@@ -1,7 +1,7 @@
-// Helpers of the fused decode MoE kernels (moe_decode_gemv.cu,
-// moe_decode_fused.cu): 16-byte weight loads, in-register 4-bit dequantisation
-// into bf16x2 and the m16n8k16 tensor-core step with the permuted k order
-// documented in moe_decode_gemv.cu.
+// Helpers of the decode MoE kernels (moe_decode_gemv.cu): 16-byte weight
+// loads, in-register 4-bit dequantisation into bf16x2, the m16n8k16
+// tensor-core step with the permuted k order documented in moe_decode_gemv.cu,
+// and the down kernel's per-item GEMV and coefficients.
 #pragma once
 #include "gdn_common.cuh"
 
@@ -168,19 +168,3 @@ __device__ __forceinline__ void item_coefs(int e, int my_e, float my_s, SG sg, i
     }
   }
 }
-
-// MDG_TIMING (benchmark builds only): a kernel takes TIMING_ARG as its last
-// parameter, [CTAs, 8] uint64, and STAMP(i) writes %globaltimer (ns) there,
-// thread 0, slot i of the CTA's linear index.
-#ifdef MDG_TIMING
-#define TIMING_ARG , unsigned long long* __restrict__ tim
-#define STAMP(i)                                                             \
-  if (threadIdx.x == 0) {                                                    \
-    unsigned long long t_;                                                   \
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t_));                   \
-    tim[((size_t)blockIdx.y * gridDim.x + blockIdx.x) * 8 + (i)] = t_;       \
-  }
-#else
-#define TIMING_ARG
-#define STAMP(i)
-#endif

@@ -53,15 +53,14 @@
 //   coef * bf16(h . Wd) is added in fp32 (coef = score of the pair, the sum
 //   of both if the token listed the expert twice, 0 if it did not pick it;
 //   sgate[n] for the shared expert); the items' sums are added in slot
-//   order (deterministic, no atomics; the one-launch kernel moe_decode_fused.cu
-//   adds its distinct items in the same order: equal bits).
+//   order (deterministic, no atomics, the same bits whatever MDG_DNW).
 //   inputs: h [NK + N, I] bf16, inds [NK], scores [NK] float, sgate [N]
 //   float, wd, sd, bd (routed [E, D, I/8] / [E, D, I/64]), xwd, xsd, xbd
 //   (shared [D, I/8] / [D, I/64]); output y [N, D] MDG_YT.
 //
 // Build macros: KNAME, MDG_KIND, MDG_N (1..4), MDG_K (top-k, N*k <= 32),
-// MDG_D, MDG_I (D % 256 == 0, I % 128 == 0), MDG_SGB (4, 8, 16), MDG_YT; MDG_DNW
-// (down only, default 8): warps per CTA; MDG_TIMING: phase stamps (benchmarks).
+// MDG_D, MDG_I (D % 256 == 0, I % 128 == 0), MDG_SGB (4, 8, 16; gate+up),
+// MDG_YT (down output type); MDG_DNW (down only, default 8): warps per CTA.
 #include "moe_decode_common.cuh"
 
 #ifndef MDG_YT
@@ -106,7 +105,7 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
     const unsigned* __restrict__ xwu, const bf16_t* __restrict__ xsu, const bf16_t* __restrict__ xbu,
     const void* __restrict__ gw, const bf16_t* __restrict__ gs, const bf16_t* __restrict__ gb,
     bf16_t* __restrict__ h,
-    float* __restrict__ sgate TIMING_ARG) {
+    float* __restrict__ sgate) {
   extern __shared__ __align__(16) unsigned char dsm[];
   // Dynamic shared memory (GU_SMEM bytes; the kernel traps when given less):
   // every global read of the dot products goes through cp.async, so that all
@@ -133,7 +132,6 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
   const int item = blockIdx.y, rb = blockIdx.x;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  STAMP(0);  // start
 
   if (item == NK + 1) {
     // ---- shared-expert gate: sigmoid(bf16(x[n] . w)) ----------------------
@@ -189,7 +187,6 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
     const unsigned dup = __ballot_sync(0xffffffffu, lane < item && my_e == e);
     if (dup) return;  // a lower pair owns this expert (uniform over the CTA)
   }
-  STAMP(1);  // expert known
   const unsigned* W0 = shared ? xwg : wg + (size_t)e * I * GKW;
   const unsigned* W1 = shared ? xwu : wu + (size_t)e * I * GKW;
   const bf16_t* S0 = shared ? xsg : sg + (size_t)e * I * GKG;
@@ -256,7 +253,6 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
         else if (2 * u + m == 1) cp_async_wait<2>();
         else if (2 * u + m == 2) cp_async_wait<1>();
         else cp_async_wait<0>();
-        if (u == 0 && m == 0) STAMP(2);  // warp 0's first weights arrived
         unsigned s2[2], b2[2];
         uint4 A[2];
 #pragma unroll
@@ -278,7 +274,6 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
     __syncwarp();
   }
 
-  STAMP(3);  // warp 0's dot products done
   // ---- reduce the warps' partial sums, SwiGLU, store -----------------------
   // c0, c1: row g, tokens 2t, 2t+1; c2, c3: row g + 8.
 #pragma unroll
@@ -289,7 +284,6 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
       if (tok < N) red(warp)[m][g + 8 * (c >> 1)][tok] = acc[m][c];
     }
   __syncthreads();
-  STAMP(4);  // every warp done
   if (tid < RB * N) {
     const int r = tid % RB, n = tid / RB;
     float gt = 0.0f, up = 0.0f;
@@ -311,7 +305,6 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
         if (inds[n * TOPK + j] == e) h[(size_t)(n * TOPK + j) * I + row0 + r] = hv;
     }
   }
-  STAMP(5);  // h stored
 }
 
 #else
@@ -337,7 +330,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     const float* __restrict__ sgate,
     const unsigned* __restrict__ wd, const bf16_t* __restrict__ sd, const bf16_t* __restrict__ bd,
     const unsigned* __restrict__ xwd, const bf16_t* __restrict__ xsd, const bf16_t* __restrict__ xbd,
-    yt* __restrict__ y TIMING_ARG) {
+    yt* __restrict__ y) {
   __shared__ __align__(16) gdn_u16 hs[HROWS][I];
   __shared__ float ired[NK + 1][RB][N];  // each item's weighted output, by slot
 
@@ -345,7 +338,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
   const int row0 = rb * RB;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
-  STAMP(0);  // start
 
   // ---- items: the pair slots whose expert no lower slot lists, then the
   // shared expert (slot NK); warp w takes slots w, w + NW, ... A duplicate slot
@@ -379,8 +371,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
   };
 
   // an item's coef * bf16(out) goes to ired[slot]; y sums them in slot order
-  // (the one-launch kernel sums its items in the same order: the same bits,
-  // whatever the warp count)
+  // (the same bits whatever the warp count)
   auto compute_item = [&](const ItemRegs& R, int e, int slot) {
     if (e == SKIP) return;
     int hrow;
@@ -417,20 +408,13 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     eB = item_expert(it + NW);
     load_item(RB_, eB);
   }
-  STAMP(1);  // warp 0's weights requested
   // h [NK + N, I] -> shared memory
   for (int i = tid; i < HROWS * I / 8; i += NT)
     *reinterpret_cast<uint4*>(&hs[0][0] + 8 * i) = ldg16(hin + 8 * i);
   __syncthreads();
-  STAMP(2);  // h staged
-  bool first_item = true;
 
   while (it < nitems) {
     compute_item(RA, eA, it);
-    if (first_item) {
-      STAMP(3);  // warp 0's first item arrived and computed
-      first_item = false;
-    }
     if (it + 2 * NW < nitems) {
       eA = item_expert(it + 2 * NW);
       load_item(RA, eA);
@@ -448,9 +432,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
   // items: the slots whose expert no lower slot lists, then the shared slot
   const unsigned same = __match_any_sync(0xffffffffu, my_e);
   const unsigned items = __ballot_sync(0xffffffffu, lane < NK && __ffs(same) - 1 == lane);
-  STAMP(4);  // warp 0's items done
   __syncthreads();
-  STAMP(5);  // every warp done
   if (tid < RB * N) {
     const int r = tid % RB, n = tid / RB;
     float v = 0.0f;
@@ -460,6 +442,5 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     v += ired[NK][r][n];
     y[(size_t)n * D + row0 + r] = from_f<yt>(v);
   }
-  STAMP(6);  // y stored
 }
 #endif
