@@ -30,7 +30,7 @@ def main(argv=None) -> None:
         return
     sub = argv[0]
     module = f"mlx_lm.quant.{sub}" if sub in ("awq", "dwq", "dynamic_quant", "gptq") else f"mlx_lm.{sub}"
-    sys.argv = [f"{sys.argv[0]} {sub}"]
+    sys.argv = [f"mlx_qwen_fast {sub}"]  # argparse's prog in mlx-lm's usage lines
     run_mlx_lm_main(module, argv[1:])
 
 

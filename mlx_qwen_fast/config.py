@@ -243,6 +243,25 @@ MLX_PTX_CACHE = _ProcessSetting(
 
 _PROCESS_SETTINGS = (MLX_GRAPH_LIMIT, MLX_PTX_CACHE)
 
+#: Records, for child processes, which of MLX's variables the package set and
+#: to what (``NAME=value`` entries joined by ``;``): a child that imports the
+#: package then still knows them as the package's, so its ``--stock`` removes
+#: them rather than taking them for the user's.
+_SET_BY_PACKAGE = "MLX_QWEN_FAST_SET_VARIABLES"
+
+
+def _inherited() -> Dict[str, str]:
+    raw = os.environ.get(_SET_BY_PACKAGE, "")
+    return dict(part.split("=", 1) for part in raw.split(";") if "=" in part)
+
+
+def _record() -> None:
+    entries = [f"{s.name}={s.written}" for s in _PROCESS_SETTINGS if s.written is not None]
+    if entries:
+        os.environ[_SET_BY_PACKAGE] = ";".join(entries)
+    else:
+        os.environ.pop(_SET_BY_PACKAGE, None)
+
 
 def _mlx_version() -> str:
     import mlx.core as mx
@@ -260,18 +279,24 @@ def apply_process_settings(backend: str) -> List[str]:
     evaluation (graph limit) or first run-time compile (PTX cache), so this
     takes effect only before those (``import mlx_qwen_fast`` calls it). Both
     apply to the whole process, stock models included, and to child
-    processes. Returns the names it set.
+    processes, which are told that the package set them (a child's
+    :func:`restore_process_settings` removes them too). Returns the names it
+    set.
     """
     if backend != "cuda" or not FAST_PATH.get():
         return []
     values = {MLX_GRAPH_LIMIT.name: GRAPH_LIMIT_VALUE,
               MLX_PTX_CACHE.name: str(cache_root() / "mlx-ptx" / _mlx_version())}
+    inherited = _inherited()
     done = []
     for s in _PROCESS_SETTINGS:
         if s.name in os.environ:
+            if inherited.get(s.name) == os.environ[s.name]:  # a parent process's setting of ours
+                s.written = os.environ[s.name]
             continue
         s.written = os.environ[s.name] = values[s.name]
         done.append(s.name)
+    _record()
     return done
 
 
@@ -286,6 +311,7 @@ def restore_process_settings() -> List[str]:
             del os.environ[s.name]
             done.append(s.name)
         s.written = None
+    _record()
     return done
 
 
