@@ -19,38 +19,20 @@
 // prefill scan (sk = S k, sq = S q from the old state) and the gated RMSNorm
 // runs over the head's 128 outputs.
 //
-// Build macros: KNAME, GDN_X (qkv, z, a, b, conv state, out), GDN_W (conv
-// weight), GDN_A (A_log), GDN_DT (dt_bias), GDN_N (norm weight), GDN_HV, GDN_HK;
-// GDN_PACKED (0/1): four inputs instead of ten (MLX's host cost of a graph
-// node grows with its inputs: bench/node_cost.py): qkv, z, a and b are one
-// array, the output of the four input projections concatenated,
-// [B, C + HV*D + 2*HV] = [qkv | z | a | b] (each row read at its offset), and
-// the layer's constants are one fp32 array, params = [conv_w (C*4) | A_log
-// (HV) | dt_bias (HV) | norm_w (D)] (exact copies of any float type; GDN_W,
-// GDN_A, GDN_DT, GDN_N are then unused).
-// Parameters, GDN_PACKED 0: inputs qkv [B,C], z [B,HV*D], a [B,HV], b [B,HV],
-// conv_w [C,4], conv_state [B,3,C], A_log [HV], dt_bias [HV], norm_w [D],
-// state [B,HV,D,D]; GDN_PACKED 1: inputs proj [B,P], params [C*4+2*HV+D],
-// conv_state, state. Outputs out [B,HV*D], conv_state_out [B,3,C], state_out
-// [B,HV,D,D]; scalars float eps_qk, float eps_norm. Launch: B*HV blocks of 512
-// threads.
+// Inputs: four arrays (MLX's host cost of a graph node grows with its
+// inputs: bench/node_cost.py). proj [B, P], P = C + HV*D + 2*HV: the four
+// input projections' outputs concatenated, [qkv | z | a | b] (each row read
+// at its offsets); params [C*4 + 2*HV + D] fp32: the layer's constants,
+// [conv_w (C*4) | A_log (HV) | dt_bias (HV) | norm_w (D)] (fp32 holds the
+// layer's bf16/f16/f32 values exactly); conv_state [B,3,C]; state
+// [B,HV,D,D] fp32. Outputs out [B,HV*D], conv_state_out [B,3,C], state_out
+// [B,HV,D,D]; scalars float eps_qk, float eps_norm. Launch: B*HV blocks of
+// 512 threads.
+//
+// Build macros: KNAME, GDN_X (proj, conv state, out), GDN_HV, GDN_HK.
 #include "gdn_common.cuh"
 
-#ifndef GDN_PACKED
-#define GDN_PACKED 0
-#endif
 typedef GDN_X xt;
-#if GDN_PACKED
-typedef float wt;
-typedef float at;
-typedef float dtt;
-typedef float nwt;
-#else
-typedef GDN_W wt;
-typedef GDN_A at;
-typedef GDN_DT dtt;
-typedef GDN_N nwt;
-#endif
 
 namespace {
 constexpr int D = 128;
@@ -59,14 +41,11 @@ constexpr int HK = GDN_HK;
 constexpr int GQA = HV / HK;
 constexpr int C = (2 * HK + HV) * D;
 constexpr int KW = 4;
-// Row strides and offsets (elements) of qkv, z, a, b in their arrays.
-constexpr int P = C + HV * D + 2 * HV;  // packed row
-constexpr int RS_QKV = GDN_PACKED ? P : C;
-constexpr int RS_Z = GDN_PACKED ? P : HV * D;
-constexpr int RS_AB = GDN_PACKED ? P : HV;
-constexpr int OFF_Z = GDN_PACKED ? C : 0;
-constexpr int OFF_A = GDN_PACKED ? C + HV * D : 0;
-constexpr int OFF_B = GDN_PACKED ? C + HV * D + HV : 0;
+// Row stride of proj and offsets (elements) of z, a, b in its rows (qkv at 0).
+constexpr int P = C + HV * D + 2 * HV;
+constexpr int OFF_Z = C;
+constexpr int OFF_A = C + HV * D;
+constexpr int OFF_B = C + HV * D + HV;
 constexpr int NT = 512;
 constexpr int L = 4;       // lanes per state row
 constexpr int E = D / L;   // 32 columns per lane
@@ -79,14 +58,14 @@ __device__ __forceinline__ int col_of(int j, int e) {
 
 // silu(conv) of channel c for batch b: taps over [conv_state rows 0..2 ; x].
 __device__ __forceinline__ float conv_silu(
-    const xt* conv_state, const wt* conv_w, int b, int c, float x, float* s) {
+    const xt* conv_state, const float* conv_w, int b, int c, float x, float* s) {
   float acc = 0.0f;
 #pragma unroll
   for (int i = 0; i < KW - 1; ++i) {
     s[i] = to_f(conv_state[((size_t)b * (KW - 1) + i) * C + c]);
-    acc = fmaf(s[i], to_f(conv_w[c * KW + i]), acc);
+    acc = fmaf(s[i], conv_w[c * KW + i], acc);
   }
-  acc = fmaf(x, to_f(conv_w[c * KW + KW - 1]), acc);
+  acc = fmaf(x, conv_w[c * KW + KW - 1], acc);
   return silu_f(acc);
 }
 
@@ -99,28 +78,20 @@ __device__ __forceinline__ void write_conv_state(
 }
 } // namespace
 
-// GDN_PACKED 0: this function is the kernel; 1: the four-input kernel below calls it.
-#if GDN_PACKED
-#define GDN_DECODE_STEP __device__ __forceinline__ void decode_step
-#else
-#define GDN_DECODE_STEP extern "C" __global__ void __launch_bounds__(NT) KNAME
-#endif
-GDN_DECODE_STEP(
-    const xt* __restrict__ qkv,
-    const xt* __restrict__ z,
-    const xt* __restrict__ a_in,
-    const xt* __restrict__ b_in,
-    const wt* __restrict__ conv_w,
+extern "C" __global__ void __launch_bounds__(NT) KNAME(
+    const xt* __restrict__ proj,
+    const float* __restrict__ params,
     const xt* __restrict__ conv_state,
-    const at* __restrict__ A_log,
-    const dtt* __restrict__ dt_bias,
-    const nwt* __restrict__ norm_w,
     const float* __restrict__ state_in,
     xt* __restrict__ out,
     xt* __restrict__ conv_state_out,
     float* __restrict__ state_out,
     float eps_qk,
     float eps_norm) {
+  const float* const conv_w = params;
+  const float* const A_log = params + C * KW;
+  const float* const dt_bias = params + C * KW + HV;
+  const float* const norm_w = params + C * KW + 2 * HV;
   __shared__ __align__(16) float qsh[D];
   __shared__ __align__(16) float ksh[D];
   __shared__ float vsh[D];
@@ -147,7 +118,7 @@ GDN_DECODE_STEP(
   }
   float zv = 0.0f;
   if (tid < D) {
-    zv = to_f(z[(size_t)b * RS_Z + OFF_Z + h * D + tid]);
+    zv = to_f(proj[(size_t)b * P + OFF_Z + h * D + tid]);
   }
 
   // 2. Front end for the channels of this head.
@@ -155,8 +126,8 @@ GDN_DECODE_STEP(
   if (tid < D) {
     const int cq = hk * D + tid;
     const int ck = HK * D + hk * D + tid;
-    const float xq = to_f(qkv[(size_t)b * RS_QKV + cq]);
-    const float xk = to_f(qkv[(size_t)b * RS_QKV + ck]);
+    const float xq = to_f(proj[(size_t)b * P + cq]);
+    const float xk = to_f(proj[(size_t)b * P + ck]);
     float sq_[KW - 1], sk_[KW - 1];
     qv = conv_silu(conv_state, conv_w, b, cq, xq, sq_);
     kv = conv_silu(conv_state, conv_w, b, ck, xk, sk_);
@@ -172,16 +143,16 @@ GDN_DECODE_STEP(
     }
   } else if (tid < 2 * D) {
     const int cv = 2 * HK * D + h * D + (tid - D);
-    const float xv = to_f(qkv[(size_t)b * RS_QKV + cv]);
+    const float xv = to_f(proj[(size_t)b * P + cv]);
     float sv_[KW - 1];
     const float vv = conv_silu(conv_state, conv_w, b, cv, xv, sv_);
     write_conv_state(conv_state_out, b, cv, sv_, xv);
     vsh[tid - D] = from_f_round<xt>(vv);
   } else if (tid == 2 * D) {
-    const float A = expf(to_f(A_log[h]));
-    const float sp = softplus_f(to_f(a_in[(size_t)b * RS_AB + OFF_A + h]) + to_f(dt_bias[h]));
+    const float A = expf(A_log[h]);
+    const float sp = softplus_f(to_f(proj[(size_t)b * P + OFF_A + h]) + dt_bias[h]);
     gate[0] = expf(-A * sp);
-    gate[1] = sigmoid_f(to_f(b_in[(size_t)b * RS_AB + OFF_B + h]));
+    gate[1] = sigmoid_f(to_f(proj[(size_t)b * P + OFF_B + h]));
   }
   __syncthreads();
   if (tid < D) {
@@ -249,24 +220,7 @@ GDN_DECODE_STEP(
     const float ss = red[0][2] + red[1][2] + red[2][2] + red[3][2];
     const float rstd = rsqrtf(ss / D + eps_norm);
     const float n = from_f_round<xt>(yr * rstd);
-    const float wn = from_f_round<xt>(to_f(norm_w[tid]) * n);
+    const float wn = from_f_round<xt>(norm_w[tid] * n);
     out[(size_t)b * HV * D + h * D + tid] = from_f<xt>(silu_f(zv) * wn);
   }
 }
-
-#if GDN_PACKED
-// params = [conv_w (C*4) | A_log (HV) | dt_bias (HV) | norm_w (D)], fp32.
-extern "C" __global__ void __launch_bounds__(NT) KNAME(
-    const xt* __restrict__ proj,
-    const float* __restrict__ params,
-    const xt* __restrict__ conv_state,
-    const float* __restrict__ state_in,
-    xt* __restrict__ out,
-    xt* __restrict__ conv_state_out,
-    float* __restrict__ state_out,
-    float eps_qk,
-    float eps_norm) {
-  decode_step(proj, proj, proj, proj, params, conv_state, params + C * KW, params + C * KW + HV,
-              params + C * KW + 2 * HV, state_in, out, conv_state_out, state_out, eps_qk, eps_norm);
-}
-#endif

@@ -9,8 +9,8 @@
 //   k = k / sqrt(sum(k^2) + eps)
 //   g = exp(-exp(A_log) * softplus(a + dt_bias)),  beta = sigmoid(b)
 //   new conv_state = conv_input[:, -3:]
-// All arithmetic in fp32 (SiLU with the hardware exp/reciprocal, ~2 ulp); q, k,
-// v are rounded once to the activation type.
+// All arithmetic in fp32 (SiLU with the hardware exp and reciprocal:
+// silu_fast, gdn_common.cuh); q, k, v are rounded once to the activation type.
 //
 // Work split: one warp per (b, 128-channel head slice, tile of TT tokens); a
 // lane owns 4 consecutive channels and walks the tile keeping the previous

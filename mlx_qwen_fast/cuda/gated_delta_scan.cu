@@ -42,26 +42,13 @@
 //   GDN_KQF32 (0/1): convert the staged k and q rows to fp32 in shared memory
 //     once per stage instead of in every lane and token.
 //   GDN_U (1, 2, 4): tokens per group, as above.
-//
-//   GDN_FUSED (0/1): the front end (conv + SiLU + norms + gates, see
-//     gated_delta_frontend.cu) runs in the same launch, in blocks after the
-//     scan blocks, and the scan waits per stage on its progress flags (see
-//     the kernel's signature below); needs the front end's macros too
-//     (GDN_W, GDN_A, GDN_DT, GDN_TT).
 // Build macros: KNAME, GDN_X (bf16_t | f16_t | float), GDN_HV, GDN_HK, GDN_L,
 // GDN_R, GDN_NW (warps per block), GDN_TB (tokens per stage, a multiple of 4
-// and of GDN_U; of 8 when GDN_U == 1), GDN_KQF32, GDN_U, GDN_FUSED.
+// and of GDN_U; of 8 when GDN_U == 1), GDN_KQF32, GDN_U.
 // Launch: grid = B * HV * (128 / RB) blocks of GDN_NW * 32 threads,
-// dynamic shared memory = gdn_scan_smem_bytes (see the Python wrapper).
+// dynamic shared memory = smem_bytes of kernels/gated_delta_scan.py.
 // Parameters: inputs q, k, v, g, beta, state_in; outputs y, state_out; int T.
 #include "gdn_common.cuh"
-
-#ifndef GDN_FUSED
-#define GDN_FUSED 0
-#endif
-#if GDN_FUSED
-#include "gdn_frontend.cuh"
-#endif
 
 #ifndef GDN_KQF32
 #define GDN_KQF32 0
@@ -114,69 +101,6 @@ __device__ __forceinline__ int col_of(int j, int e) {
 }
 } // namespace
 
-#if GDN_FUSED
-// Fused front end + scan: blocks [0, NSCAN) scan (as below), blocks after them
-// run the front end (gdn_frontend.cuh), NW warps each looping over the work
-// items in token order. A front-end warp stores its outputs, fences and bumps
-// flags[b * ntiles + tile]; a scan block waits (warp 0, acquire loads of 32
-// tiles' flags at a time, then a barrier) until every tile of a stage has all
-// NHC slices done before it copies the stage in. The
-// front end never waits, so the grid cannot deadlock whatever the order in
-// which blocks become resident; scan blocks come first in the grid, so they
-// start while the front end is still running and overlap it.
-// flags: [B * ceil(T / TT)] int32, zero at launch (the wrapper passes a fresh
-// zero array as an input and the kernel writes it: scratch, never read back).
-// Parameters: inputs qkv, a, b, conv_w, conv_state, A_log, dt_bias,
-// state_in, flags; outputs q, k, v, g, beta (the front end's, read back by the
-// scan), conv_state_out, y, state_out; scalars int B, int T, float eps.
-extern "C" __global__ void __launch_bounds__(NT) KNAME(
-    const xt* __restrict__ qkv,
-    const xt* __restrict__ a_in,
-    const xt* __restrict__ b_in,
-    const gdnfe::wt* __restrict__ conv_w,
-    const xt* __restrict__ conv_state,
-    const gdnfe::at* __restrict__ A_log,
-    const gdnfe::dtt* __restrict__ dt_bias,
-    const float* __restrict__ state_in,
-    const int* flags_in,
-    xt* q_mut,
-    xt* k_mut,
-    xt* v_mut,
-    float* g_mut,
-    float* beta_mut,
-    xt* __restrict__ conv_state_out,
-    xt* __restrict__ y,
-    float* __restrict__ state_out,
-    int B,
-    int T,
-    float eps) {
-  int* flags = const_cast<int*>(flags_in);
-  const int ntiles_fe = (T + gdnfe::TT - 1) / gdnfe::TT;
-  const int nscan = B * HV * (D / RB);
-  if ((int)blockIdx.x >= nscan) {
-    // Front-end blocks are persistent (the wrapper launches about one per
-    // SM): each warp walks the work items in token order, so the front end
-    // shares each SM with one scan block instead of crowding it out.
-    const int nfe_warps = ((int)gridDim.x - nscan) * NW;
-    const int nitems = B * ntiles_fe * gdnfe::NHC;
-    for (int gw = ((int)blockIdx.x - nscan) * NW + (int)(threadIdx.x >> 5); gw < nitems;
-         gw += nfe_warps) {
-      gdnfe::frontend_warp(gw, threadIdx.x & 31, qkv, a_in, b_in, conv_w, conv_state, A_log,
-                           dt_bias, q_mut, k_mut, v_mut, g_mut, beta_mut, conv_state_out, B, T, eps);
-      __threadfence();
-      __syncwarp();
-      if ((threadIdx.x & 31) == 0) {
-        atomicAdd(flags + gw / gdnfe::NHC, 1);
-      }
-    }
-    return;
-  }
-  const xt* q = q_mut;
-  const xt* k = k_mut;
-  const xt* v = v_mut;
-  const float* g = g_mut;
-  const float* beta = beta_mut;
-#else
 extern "C" __global__ void __launch_bounds__(NT) KNAME(
     const xt* __restrict__ q,
     const xt* __restrict__ k,
@@ -187,7 +111,6 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
     xt* __restrict__ y,
     float* __restrict__ state_out,
     int T) {
-#endif
   extern __shared__ __align__(16) unsigned char smem[];
   // Shared memory layout (the wrapper computes the same total).
   xt* ks = reinterpret_cast<xt*>(smem);  // [2][TB][D] staged k
@@ -274,42 +197,13 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
     }
   };
 
-  // Fused: warp 0 waits until the front end has finished every token tile up
-  // to stage s (the barrier after it orders the block's copies after that).
-  // horizon: tiles [0, horizon) seen complete; one poll reads 32 tiles' flags
-  // (acquire), so once the front end is ahead a stage costs no global load.
-  int horizon = 0;
-  auto wait_ready = [&](int s) {
-#if GDN_FUSED
-    if (warp == 0) {
-      const int need = (min(T, s * TB + TB) - 1) / gdnfe::TT + 1;
-      while (horizon < need) {
-        const int tile = horizon + lane;
-        const bool ok = tile >= ntiles_fe || ld_acquire_gpu(flags + b * ntiles_fe + tile) >= gdnfe::NHC;
-        const unsigned late = __ballot_sync(0xffffffffu, !ok);
-        horizon += late ? __ffs(late) - 1 : 32;
-        if (horizon < need) {
-          sleep_ns(128);
-        }
-      }
-    }
-#endif
-  };
-
   if (nstages > 0) {
-    wait_ready(0);
-#if GDN_FUSED
-    __syncthreads();
-#endif
     issue(0);
   }
   for (int s = 0; s < nstages; ++s) {
     const int nt = min(TB, T - s * TB);
     const int buf = s & 1;
     cp_async_wait_all();
-    if (s + 1 < nstages) {
-      wait_ready(s + 1);
-    }
     __syncthreads();  // stage s is in shared memory; stage s-1 is finished
     if (s + 1 < nstages) {
       issue(s + 1);
@@ -346,7 +240,7 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
       } else if (U == 1) {
         // k_t . q_t of 8 tokens: lanes 4i..4i+3 share token t0 + i, each
         // summing 32 of its 128 products (16-byte chunks c*4 + j of the row),
-        // then two shuffle levels (was: one token per warp, five levels each)
+        // then two shuffle levels (a whole warp per token would need five)
         const int t = (wi - NCONV) * 8 + (lane >> 2);
         const int jq = lane & 3;
         float acc0 = 0.0f, acc1 = 0.0f;

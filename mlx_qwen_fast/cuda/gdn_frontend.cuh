@@ -1,10 +1,10 @@
-// Gated DeltaNet prefill front end: the work of one warp (see
-// gated_delta_frontend.cu for what it computes and the layout). Shared by the
-// front-end kernel and the fused front end + scan kernel (gated_delta_scan.cu
-// with GDN_FUSED): the caller passes its warp's work-item index gw in
-// [0, B * ceil(T / TT) * (2 HK + HV)): slice fastest, then token tile, then
-// batch (so gw / (2 HK + HV) = b * ceil(T / TT) + tile); gw past the end
-// (b >= B) does nothing.
+// Gated DeltaNet prefill front end: the work of one warp, as a device
+// function (gated_delta_frontend.cu is the kernel around it and documents
+// what it computes and the layout). The caller passes its warp's work-item
+// index gw in [0, B * ceil(T / TT) * (2 HK + HV)): slice fastest, then token
+// tile, then batch (so gw / (2 HK + HV) = b * ceil(T / TT) + tile); gw past
+// the end (b >= B) does nothing. All 32 lanes of the warp call it with the
+// same gw (lane = 0..31; the L2 norms are warp sums).
 //
 // Build macros: GDN_X, GDN_W, GDN_A, GDN_DT, GDN_HV, GDN_HK, GDN_TT.
 #pragma once

@@ -80,11 +80,8 @@ def _kernel(x, Hv: int, Hk: int) -> cb.CudaKernel:
     key = (x, Hv, Hk)
     kern = _kernels.get(key)
     if kern is None:
-        f32 = cb.dtype_macro(mx.float32)
         kern = _kernels[key] = cb.CudaKernel(
-            "gated_delta_decode.cu", "mqf_gdn_decode",
-            dict(GDN_X=cb.dtype_macro(x), GDN_W=f32, GDN_A=f32, GDN_DT=f32, GDN_N=f32,
-                 GDN_HV=Hv, GDN_HK=Hk, GDN_PACKED=1),
+            "gated_delta_decode.cu", "mqf_gdn_decode", dict(GDN_X=cb.dtype_macro(x), GDN_HV=Hv, GDN_HK=Hk),
         )
     return kern
 
