@@ -1,20 +1,42 @@
-// Grid-wide barrier on a persistent arrival counter, L2 loads, and TMA bulk
-// copies into shared memory with mbarriers: the one-launch decode MoE kernel
-// (moe_decode_fused.cu) and the benchmark's dependent read floor
-// (bench/cuda/decode_dep_floor.cu).
+// Building blocks for one-launch kernels whose CTAs exchange data: a
+// grid-wide barrier on a persistent arrival counter, an L2-only load, and
+// TMA bulk copies into shared memory completed on mbarriers (sm_90). No
+// package kernel includes it; bench/cuda/decode_dep_floor.cu does.
 //
-// Barrier protocol (the grid must be resident at once): a 64-bit counter,
-// zero at first use, never reset. A launch with B barriers adds exactly
-// B * BARW (BARW >= gridDim.x): CTA 0 arrives with weight 1 + BARW - G, the
-// others with 1. Thread 0 reads the counter at entry (the launch's base, a
-// multiple of B * BARW), arrives with red.release.gpu and waits with
-// ld.acquire.gpu for base + b * BARW at barrier b. A CTA waiting ~1 s (a grid
-// not resident at once) traps: the launch fails instead of hanging.
+// Grid barrier contract (the whole grid must be resident at once):
+// - ctr: a 64-bit global counter, zero before its first use, never reset,
+//   used by one launch at a time, every launch with the same number B of
+//   barriers and the same BARW >= gridDim.x.
+// - Each barrier adds exactly BARW (grid_arrive: CTA 0 with weight
+//   1 + BARW - gridDim.x, every other CTA with 1), so a launch adds B * BARW
+//   and the counter is a multiple of B * BARW between launches.
+// - Thread 0 of each CTA reads the counter (ld_relaxed_u64) before its first
+//   arrival and rounds it down to a multiple of B * BARW: the launch's base
+//   (no barrier of the launch completes before every CTA arrived once).
+// - Barrier b = 1..B: grid_arrive<BARW>(ctr), then grid_wait(ctr, base +
+//   b * BARW). Writes of every CTA before its arrive are visible to every
+//   thread of a CTA after its wait (red.release.gpu / ld.acquire.gpu by
+//   thread 0, each side of a __syncthreads); read them with ldcg_f or other
+//   loads that skip the non-coherent read-only path (ld.global.nc).
+// - A CTA still waiting after 2^23 polls (of the order of a second: a grid
+//   not resident at once) traps, so the launch fails instead of hanging.
+//
+// Bulk copies: addresses of shared memory are 32-bit shared-window addresses
+// (smem_addr, gdn_common.cuh). One thread initialises an mbarrier
+// (mbar_init, then fence.mbarrier_init and a __syncthreads before other
+// threads use it); a copy's issuer calls mbar_expect_tx with the bytes of
+// the copies that complete on it, then bulk_g2s; consumers mbar_wait on the
+// phase parity. fence_proxy_async orders this thread's earlier generic
+// accesses of shared memory before later async-proxy writes (refilling a
+// slot that was read).
 #pragma once
 #include "gdn_common.cuh"
 
 // ---- grid barrier, L2 loads --------------------------------------------------------
 
+__device__ __forceinline__ void sleep_ns(unsigned ns) {
+  asm volatile("nanosleep.u32 %0;\n" ::"r"(ns));
+}
 __device__ __forceinline__ unsigned long long ld_acquire_u64(const unsigned long long* p) {
   unsigned long long v;
   asm volatile("ld.acquire.gpu.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
@@ -40,12 +62,13 @@ __device__ __forceinline__ void grid_wait(const unsigned long long* ctr, unsigne
     unsigned spins = 0;
     while (ld_acquire_u64(ctr) < target) {
       if (++spins > 4096u) sleep_ns(128);
-      if (spins > (1u << 23)) __trap();  // ~1 s: the grid is not co-resident
+      if (spins > (1u << 23)) __trap();  // the grid is not resident at once
     }
   }
   __syncthreads();
 }
 
+// fp32 load through L2 only (ld.global.cg): data other CTAs wrote in this launch.
 __device__ __forceinline__ float ldcg_f(const float* p) {
   float v;
   asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
