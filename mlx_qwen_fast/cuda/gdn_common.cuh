@@ -1,4 +1,6 @@
-// Shared device helpers for the Gated DeltaNet CUDA kernels.
+// Device helpers shared by the package's CUDA kernels (Gated DeltaNet and
+// MoE): element types and conversions, 16-byte loads and stores, 4-bit
+// dequantisation of a nibble pair, warp sums, cp.async copies, activations.
 //
 // Self-contained on purpose: it needs no CUDA header, so NVRTC compiles the
 // kernels with no include path (the mlx-cuda wheel ships no CUDA headers) and
