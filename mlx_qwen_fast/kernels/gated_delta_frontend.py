@@ -23,14 +23,14 @@ __all__ = ["gated_delta_frontend", "supports", "prepare", "defines"]
 
 D = 128
 KW = 4
-TT = 16  # tokens per warp (a build macro; read at each call, so benches can try others)
+TT = 16  # tokens per warp (the source's GDN_TT)
 _FLOAT = (mx.bfloat16, mx.float16, mx.float32)
 _kernels: Dict[tuple, cb.CudaKernel] = {}
 
 
 def defines(x, w, A_log, dt_bias, Hv, Hk) -> dict:
     """Build macros of the front end (``gdn_frontend.cuh``) for these dtypes
-    and head counts; the fused prefill kernel takes them too."""
+    and head counts."""
     return dict(
         GDN_X=cb.dtype_macro(x), GDN_W=cb.dtype_macro(w),
         GDN_A=cb.dtype_macro(A_log), GDN_DT=cb.dtype_macro(dt_bias),

@@ -109,8 +109,8 @@ def down_warps(n: int, k: int, I: int) -> int:
     when that is at most 12 warps and ``I <= 768`` (the kernel then needs at
     most 168 registers, so one CTA per SM still fits without spills; nvcc
     13.0 spills at I = 1024 with 9 warps), so no warp computes two items in
-    series (k = 8: 9 warps, measured 6.5 -> 5.9 us per layer,
-    bench/results/moe-cuda-log.md, 2026-12-03); 8 otherwise.
+    series (faster than 8 warps at k = 8: bench/results/package-figures.md,
+    "Decode MoE down kernel"); 8 otherwise.
     """
     return n * k + 1 if n == 1 and k + 1 <= 12 and I <= 768 else 8
 
@@ -209,6 +209,16 @@ def _check(fn: str, problem: Optional[str]):
         raise ValueError(f"{fn}: {problem}")
 
 
+def _check_ids(fn: str, inds: mx.array, num_experts: int) -> None:
+    """Every id in ``[0, num_experts)``: the kernels index the experts'
+    weights by it. One host synchronisation; the compiled decode step, whose
+    ids come from the routing kernel, skips it (``checked=True``)."""
+    if inds.size:
+        lo, hi = mx.min(inds).item(), mx.max(inds).item()
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"{fn}: inds must lie in [0, E={num_experts}), got values in [{lo}, {hi}]")
+
+
 def gate_up_swiglu(
     x: mx.array, inds: mx.array, experts: Sequence, shared: Sequence, expert_gate: Sequence
 ) -> Tuple[mx.array, mx.array]:
@@ -216,8 +226,8 @@ def gate_up_swiglu(
 
     Args:
         x: ``[N, D]`` bfloat16, 1 <= N <= 4, D % 256 == 0.
-        inds: ``[N, k]`` int32/uint32 expert ids in ``[0, E)`` (out of range:
-            undefined behaviour, as ``gather_qmm``), N*k <= 32.
+        inds: ``[N, k]`` int32/uint32 expert ids in ``[0, E)`` (checked: one
+            host synchronisation), N*k <= 32.
         experts: ``(gate, up, down)`` of the routed experts, each
             ``(weight, scales, biases)``: gate/up ``uint32 [E, I, D/8]``,
             ``bf16 [E, I, D/64]``; down ``uint32 [E, D, I/8]``, ``bf16 [E, D, I/64]``
@@ -236,6 +246,7 @@ def gate_up_swiglu(
         ValueError: a shape/dtype the kernel does not take (named).
     """
     _check("gate_up_swiglu", _shape_problem(x, inds, None, experts, shared, expert_gate))
+    _check_ids("gate_up_swiglu", inds, experts[0][0].shape[0])
     return _launch_gate_up(x, inds, experts, shared, expert_gate)
 
 
@@ -304,6 +315,7 @@ def down_combine(
         raise ValueError(f"down_combine: shared_down must be uint32 [{D}, {I // 8}] + bf16 [{D}, {I // 64}] x2")
     if smem_bytes(n, k, I) > SMEM_LIMIT:
         raise ValueError(f"down_combine: (N*k + N) * I too large (N={n}, k={k}, I={I})")
+    _check_ids("down_combine", inds, E)
     return _launch_down(h, inds, scores, sgate, down, shared_down)
 
 
@@ -334,8 +346,9 @@ def moe_decode_arrays(
     ``sum_j scores[n, j] * expert_{inds[n, j]}(x[n])
     + sigmoid(shared_gate(x[n])) * shared_expert(x[n])``: two launches
     (:func:`gate_up_swiglu`, :func:`down_combine`). Arguments as those;
-    ``checked=True`` skips the shape checks (the caller ran
-    :func:`supports_arrays` on the same shapes: the compiled decode step).
+    ``checked=True`` skips the shape and id checks (the caller ran
+    :func:`supports_arrays` on the same shapes and its ids come from the
+    routing kernel: the compiled decode step).
     ``x`` may be ``[..., D]`` with ``inds [..., k]`` (read as ``[N, D]``,
     ``[N, k]``); y is shaped ``inds.shape[:-1] + (D,)``.
 
@@ -344,5 +357,6 @@ def moe_decode_arrays(
     """
     if not checked:
         _check("moe_decode_arrays", _shape_problem(x, inds, scores, experts, shared, expert_gate))
+        _check_ids("moe_decode_arrays", inds, experts[0][0].shape[0])
     h, sgate = _launch_gate_up(x, inds, experts, shared, expert_gate)
     return _launch_down(h, inds, scores, sgate, experts[2], shared[2])

@@ -68,6 +68,7 @@ __all__ = [
     "default_variant",
     "down_feature_tiles",
     "build_config",
+    "check_routing_values",
     "permute_k",
     "unpermute_k",
     "wgmma_shapes_ok",
@@ -405,6 +406,32 @@ def _check_routing(fn: str, routing: Routing, nk: int):
         raise ValueError(f"{fn}: routing.groups.offsets must be int32 [{e + 1}], got {tuple(g.offsets.shape)}")
 
 
+def check_routing_values(fn: str, routing: Routing, nk: int) -> None:
+    """Raise ValueError unless the routing's index arrays are a grouping the
+    kernels can follow without leaving their arrays: ``offsets`` runs from 0
+    to ``nk`` without decreasing, every ``order`` entry is in ``[0, nk)``,
+    and every used block-map item ``(e, t)`` names an expert of the routing
+    and a tile that starts inside that expert's rows (unused items are
+    ``(-1, -1)``). One host synchronisation; the routing kernels' own output
+    always passes, so the package's hot path does not call this."""
+    g = routing.groups
+    e = g.counts.shape[0]
+    ex, tile = routing.block_map[:, 0], routing.block_map[:, 1]
+    used = ex >= 0
+    offs = g.offsets
+    ok = (offs[0] == 0) & (offs[-1] == nk) & mx.all(offs[1:] >= offs[:-1])
+    ok = ok & mx.all(mx.where(used, (ex < e) & (tile >= 0), (ex == -1) & (tile == -1)))
+    first = mx.clip(ex, 0, e - 1)
+    start = offs[first] + tile * routing.tile_rows
+    ok = ok & mx.all(mx.where(used, start < offs[first + 1], True))
+    if nk:
+        ok = ok & (mx.min(g.order) >= 0) & (mx.max(g.order) < nk)
+    if not ok.item():
+        raise ValueError(f"{fn}: routing is not a grouping of {nk} assignments over {e} experts "
+                         "(offsets, block_map or order out of range); build it with "
+                         "moe_routing.route_and_group")
+
+
 def _check_experts(fn: str, routing: Routing, e: int, shared, variant: str) -> None:
     """The routing's expert count against the weights' ``e`` (with the shared
     slot: :func:`~.moe_routing.shared_group_experts` ``(e)`` and
@@ -426,7 +453,8 @@ def _check_experts(fn: str, routing: Routing, e: int, shared, variant: str) -> N
 
 
 def gate_up_swiglu(
-    x: mx.array, routing: Routing, gate: Sequence, up: Sequence, *, variant: Optional[str] = None
+    x: mx.array, routing: Routing, gate: Sequence, up: Sequence, *, variant: Optional[str] = None,
+    check: bool = True,
 ) -> mx.array:
     """``silu(x W_gate^T) * (x W_up^T)`` per assignment, in grouped order.
 
@@ -444,15 +472,19 @@ def gate_up_swiglu(
         ``routing.groups.order[r]``.
 
     Raises:
-        ValueError: bad shape/dtype of an argument (named in the message).
+        ValueError: bad shape/dtype of an argument (named in the message);
+            with ``check`` (default), a routing whose index arrays would
+            send the kernel outside its arrays (:func:`check_routing_values`,
+            one host synchronisation; the package's own calls pass False).
     """
     v = _check_variant("gate_up_swiglu", variant, *_dims(lambda: (x.shape[-1], gate[0].shape[1])))
-    h = _gate_up(x, routing, gate, up, v)
+    h = _gate_up(x, routing, gate, up, v, check=check)
     return unpermute_k(h) if v == "wgmma" else h
 
 
 def _gate_up(x: mx.array, routing: Routing, gate: Sequence, up: Sequence, variant: str,
-             x_kernel_order: bool = False, shared: Optional[Tuple[Sequence, Sequence]] = None) -> mx.array:
+             x_kernel_order: bool = False, shared: Optional[Tuple[Sequence, Sequence]] = None,
+             check: bool = False) -> mx.array:
     """:func:`gate_up_swiglu` with ``h`` as the kernel writes it (for "wgmma":
     columns in :func:`permute_k` order); ``x_kernel_order``: ``x`` is already
     ``permute_k(x)`` (one permutation serves the routed and the shared experts);
@@ -475,6 +507,8 @@ def _gate_up(x: mx.array, routing: Routing, gate: Sequence, up: Sequence, varian
     k = routing.groups.top_k
     nk = n * k
     _check_routing("gate_up_swiglu", routing, nk)
+    if check:
+        check_routing_values("gate_up_swiglu", routing, nk)
     _check_experts("gate_up_swiglu", routing, e, shared, variant)
     if shared is not None and not (_q_ok(*shared[0], O=i_dim, K=d, one=True)
                                    and _q_ok(*shared[1], O=i_dim, K=d, one=True)):
@@ -502,7 +536,7 @@ def _gate_up(x: mx.array, routing: Routing, gate: Sequence, up: Sequence, varian
 
 def down_weighted(
     h: mx.array, routing: Routing, down: Sequence, *, out_dtype: mx.Dtype = mx.float32,
-    variant: Optional[str] = None,
+    variant: Optional[str] = None, check: bool = True,
 ) -> mx.array:
     """``scores[a] * (h[r] W_down^T)`` written to row ``a = order[r]``.
 
@@ -519,16 +553,19 @@ def down_weighted(
         applied (as ``SwitchGLU`` on bf16 does).
 
     Raises:
-        ValueError: bad shape/dtype of an argument (named in the message).
+        ValueError: bad shape/dtype of an argument (named in the message);
+            with ``check`` (default), a routing whose index arrays would
+            send the kernel outside its arrays (:func:`check_routing_values`,
+            one host synchronisation; the package's own calls pass False).
     """
     v = _check_variant("down_weighted", variant, *_dims(lambda: (down[0].shape[1], h.shape[-1])))
     if v == "wgmma" and h.ndim == 2 and h.shape[-1] % WG_KC == 0:
         h = permute_k(h)
-    return _down(h, routing, down, out_dtype, v)
+    return _down(h, routing, down, out_dtype, v, check=check)
 
 
 def _down(h: mx.array, routing: Routing, down: Sequence, out_dtype: mx.Dtype, variant: str,
-          down_ft: Optional[int] = None, shared: Optional[Sequence] = None) -> mx.array:
+          down_ft: Optional[int] = None, shared: Optional[Sequence] = None, check: bool = False) -> mx.array:
     """:func:`down_weighted` on ``h`` as the gate+up kernel wrote it (for
     "wgmma": columns in :func:`permute_k` order); ``down_ft``: the "wgmma"
     feature tiles per CTA (None: :func:`down_feature_tiles` of the call); ``shared``: the
@@ -544,6 +581,8 @@ def _down(h: mx.array, routing: Routing, down: Sequence, out_dtype: mx.Dtype, va
     if out_dtype not in (mx.float32, mx.bfloat16):
         raise ValueError(f"down_weighted: out_dtype must be float32 or bfloat16, got {out_dtype}")
     _check_routing("down_weighted", routing, nk)
+    if check:
+        check_routing_values("down_weighted", routing, nk)
     scores = routing.scores.reshape(-1)
     if scores.shape != (nk,) or scores.dtype != mx.float32:
         raise ValueError(f"down_weighted: routing.scores must be float32 with {nk} entries, got {scores.dtype} {tuple(routing.scores.shape)}")
@@ -576,6 +615,7 @@ def _down(h: mx.array, routing: Routing, down: Sequence, out_dtype: mx.Dtype, va
 def moe_experts(
     x: mx.array, routing: Routing, gate_proj, up_proj, down_proj,
     *, shared_expert=None, out_dtype: Optional[mx.Dtype] = None, variant: Optional[str] = None,
+    check: bool = True,
 ) -> mx.array:
     """Routed-expert part of the sparse MoE block: ``[N, D]``.
 
@@ -583,7 +623,8 @@ def moe_experts(
     ``QuantizedSwitchLinear`` of a ``SwitchGLU`` (see :func:`supports`),
     combined in fp32 and returned in ``out_dtype`` (default ``x.dtype``).
     ``variant``: one of :data:`VARIANTS` for both kernels (None:
-    :func:`default_variant`).
+    :func:`default_variant`). ``check``: validate the routing's index arrays
+    first (:func:`check_routing_values`; one host synchronisation).
 
     With a routing that has the shared slot (``routing.shared_id``, from
     ``route_and_group(..., shared_logits=...)`` or ``shared_column=True``), ``shared_expert`` (an
@@ -611,7 +652,7 @@ def moe_experts(
             )
         sgu = (_q_arrays(shared_expert.gate_proj), _q_arrays(shared_expert.up_proj))
         sd = _q_arrays(shared_expert.down_proj)  # 2-D: the kernels read expert 0's rows
-    h = _gate_up(x, routing, _q_arrays(gate_proj), _q_arrays(up_proj), v, shared=sgu)
+    h = _gate_up(x, routing, _q_arrays(gate_proj), _q_arrays(up_proj), v, shared=sgu, check=check)
     y = _down(h, routing, _q_arrays(down_proj), mx.float32, v, shared=sd)
     k = routing.groups.top_k
     return y.reshape(n, k, d).sum(axis=1).astype(out_dtype or x.dtype)

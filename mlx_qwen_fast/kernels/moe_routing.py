@@ -242,14 +242,19 @@ def route(logits: mx.array, top_k: int, *, normalize: bool = True,
     return inds, scores
 
 
-def group(inds: mx.array, num_experts: int, tile_rows: int) -> Tuple[ExpertGroups, mx.array]:
+def group(inds: mx.array, num_experts: int, tile_rows: int, *,
+          check_range: bool = True) -> Tuple[ExpertGroups, mx.array]:
     """Group assignments by expert and list the grouped GEMM's work items.
 
     Args:
-        inds: ``[N, k]`` int32/uint32 expert ids in ``[0, num_experts)``
-            (out-of-range ids are undefined behaviour).
+        inds: ``[N, k]`` int32/uint32 expert ids in ``[0, num_experts)``.
         num_experts: ``E``, a multiple of 32, at most 1024.
         tile_rows: rows per work item, ``>= 1``.
+        check_range: check every id against ``[0, num_experts)`` first (two
+            values read back to the host: one synchronisation). The kernels
+            index shared and global memory by the id, so an id out of range
+            would write outside them; only callers whose ids come from
+            :func:`route` (:func:`route_and_group`) pass False.
 
     Returns:
         ``(groups, block_map)``: :class:`ExpertGroups` (int32; ``order`` not
@@ -261,7 +266,8 @@ def group(inds: mx.array, num_experts: int, tile_rows: int) -> Tuple[ExpertGroup
         ValueError: ``inds`` not a 2-D int32/uint32 array, ``num_experts`` not
             an int multiple of 32 in [32, 1024], ``tile_rows`` not an int in
             ``[1, MAX_TILE_ROWS]``, ``k`` not in ``[1, E]``, ``N >
-            MAX_TOKENS`` or ``N*k > MAX_ASSIGNMENTS``.
+            MAX_TOKENS`` or ``N*k > MAX_ASSIGNMENTS``; with ``check_range``,
+            an id out of range (the values found are named).
     """
     if not isinstance(inds, mx.array) or inds.ndim != 2 or inds.dtype not in _INTS:
         got = f"{inds.dtype} {tuple(inds.shape)}" if isinstance(inds, mx.array) else type(inds).__name__
@@ -282,6 +288,11 @@ def group(inds: mx.array, num_experts: int, tile_rows: int) -> Tuple[ExpertGroup
             mx.zeros((num_experts,), mx.int32), mx.zeros((num_experts + 1,), mx.int32), z, z, z, k
         )
         return groups, mx.full((mt, 2), -1, mx.int32)
+    if check_range:
+        lo, hi = mx.min(inds).item(), mx.max(inds).item()
+        if lo < 0 or hi >= num_experts:
+            raise ValueError(f"group: inds must lie in [0, num_experts={num_experts}), "
+                             f"got values in [{lo}, {hi}]")
     flat = inds.reshape(-1).astype(mx.int32)
     chunk, grid, block = p["group_chunk"], p["group_grid"], p["group_block"]
     (part,) = _kernel(2, MOE_E=num_experts)(
@@ -318,5 +329,5 @@ def route_and_group(
                          shared_column=shared_column)
     shared = shared_logits is not None or shared_column
     e = logits.shape[-1] - (SHARED_COLUMN_PAD if shared_column else 0)
-    groups, bmap = group(inds, shared_group_experts(e) if shared else e, tile_rows)
+    groups, bmap = group(inds, shared_group_experts(e) if shared else e, tile_rows, check_range=False)
     return Routing(inds, scores, groups, bmap, tile_rows, e if shared else None)

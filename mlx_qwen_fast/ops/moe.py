@@ -553,11 +553,12 @@ def _cuda_prefill(block, x: mx.array) -> mx.array:
             routing = _routing.route_and_group(logits, k, tile, normalize=block.norm_topk_prob,
                                                shared_logits=shared_logits)
         y = _grouped_gemm.moe_experts(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj,
-                                      shared_expert=block.shared_expert, variant=variant)
+                                      shared_expert=block.shared_expert, variant=variant, check=False)
         return y.reshape(*lead, d)
     tile = _grouped_gemm.choose_tile_rows(n * k, e, variant)
     routing = _routing.route_and_group(logits, k, tile, normalize=block.norm_topk_prob)
-    y = _grouped_gemm.moe_experts(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj, variant=variant)
+    y = _grouped_gemm.moe_experts(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj, variant=variant,
+                                  check=False)
     return y.reshape(*lead, d) + shared_expert(block, x)
 
 
