@@ -25,9 +25,20 @@
 // k [B,T,HK,D], v [B,T,HV,D], g [B,T,HV] f32, beta [B,T,HV] f32,
 // conv_state_out [B,3,C]; scalars int B, int T, float eps.
 // Launch: B * ceil(T / TT) * (2 HK + HV) warps, 4 warps per block.
-#include "gdn_frontend.cuh"
+#include "gdn_common.cuh"
 
-using namespace gdnfe;
+typedef GDN_X xt;
+typedef GDN_W wt;
+typedef GDN_A at;
+typedef GDN_DT dtt;
+constexpr int D = 128;
+constexpr int HV = GDN_HV;
+constexpr int HK = GDN_HK;
+constexpr int NHC = 2 * HK + HV;  // 128-channel slices
+constexpr int C = NHC * D;        // conv channels
+constexpr int TT = GDN_TT;        // tokens per warp
+constexpr int KW = 4;             // conv kernel width
+static_assert(TT <= 32, "gate lanes: one token per lane");
 
 extern "C" __global__ void __launch_bounds__(128) KNAME(
     const xt* __restrict__ qkv,
@@ -46,7 +57,141 @@ extern "C" __global__ void __launch_bounds__(128) KNAME(
     int B,
     int T,
     float eps) {
-  frontend_warp(blockIdx.x * 4 + (threadIdx.x >> 5), threadIdx.x & 31, qkv, a_in, b_in, conv_w,
-                conv_state, A_log, dt_bias, q_out, k_out, v_out, g_out, beta_out, conv_state_out,
-                B, T, eps);
+  // The warp's work item gw in [0, B * ceil(T / TT) * (2 HK + HV)): slice
+  // fastest, then token tile, then batch; all 32 lanes share it (the L2 norms
+  // are warp sums) and an item past the end (b >= B) does nothing.
+  const int gw = blockIdx.x * 4 + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  const int ntiles = (T + TT - 1) / TT;
+  const int hc = gw % NHC;
+  const int tile = (gw / NHC) % ntiles;
+  const int b = gw / (NHC * ntiles);
+  if (b >= B || T <= 0) {
+    return;
+  }
+  const int t0 = tile * TT;
+  const int t1 = min(T, t0 + TT);
+  const int c0 = hc * D + lane * 4;  // first of this lane's 4 channels
+
+  // Gates: the warps of v slices, one token per lane.
+  if (hc >= 2 * HK) {
+    const int h = hc - 2 * HK;
+    const int t = t0 + lane;
+    if (t < t1) {
+      const size_t i = ((size_t)b * T + t) * HV + h;
+      const float A = expf(to_f(A_log[h]));
+      const float sp = softplus_f(to_f(a_in[i]) + to_f(dt_bias[h]));
+      g_out[i] = expf(-A * sp);
+      beta_out[i] = sigmoid_f(to_f(b_in[i]));
+    }
+  }
+
+  // Conv taps of the lane's 4 channels: 4 x KW contiguous elements, read
+  // with 16-byte loads when the weight array is 16-byte aligned (2 loads for
+  // a 2-byte type instead of 16 scalar ones, each of which touched a sector
+  // of its own per lane).
+  float w[4][KW];  // [channel][tap]
+  {
+    const wt* wp = conv_w + (size_t)c0 * KW;
+    float* wf = &w[0][0];
+    if ((reinterpret_cast<size_t>(conv_w) & 15) == 0) {
+      constexpr int N = Vec16<wt>::N;
+#pragma unroll
+      for (int j = 0; j < 4 * KW; j += N) {
+        load16(wp + j, wf + j);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 4 * KW; ++j) {
+        wf[j] = to_f(wp[j]);
+      }
+    }
+  }
+
+  // Row u of conv_input (u = t + 3 for token t); rows u < 3 come from the state.
+  const xt* xb = qkv + (size_t)b * T * C + c0;
+  const xt* sb = conv_state + (size_t)b * (KW - 1) * C + c0;
+  auto row_ptr = [&](int u) {
+    return u < KW - 1 ? sb + (size_t)u * C : xb + (size_t)(u - (KW - 1)) * C;
+  };
+  auto row = [&](int u, float* o) { load4(row_ptr(u), o); };
+
+  // Issue every load of the tile first (3 halo rows + TT rows). The tile's
+  // rows stay as loaded (Raw4: 2 registers per row for a 2-byte type) until
+  // used, so the warp keeps all TT + 3 loads in flight in fewer registers.
+  float win[KW - 1][4];  // rows t-3, t-2, t-1
+#pragma unroll
+  for (int i = 0; i < KW - 1; ++i) {
+    row(t0 + i, win[i]);
+  }
+  Raw4<xt> xs[TT];
+#pragma unroll
+  for (int i = 0; i < TT; ++i) {
+    if (t0 + i < t1) {
+      xs[i].load(row_ptr(t0 + i + KW - 1));
+    }
+  }
+
+  const bool is_q = hc < HK;
+  const bool is_k = hc >= HK && hc < 2 * HK;
+  const float qscale = rsqrtf((float)D);
+  xt* ob;
+  size_t ostride;
+  if (is_q) {
+    ob = q_out + ((size_t)b * T * HK + hc) * D + lane * 4;
+    ostride = (size_t)HK * D;
+  } else if (is_k) {
+    ob = k_out + ((size_t)b * T * HK + (hc - HK)) * D + lane * 4;
+    ostride = (size_t)HK * D;
+  } else {
+    ob = v_out + ((size_t)b * T * HV + (hc - 2 * HK)) * D + lane * 4;
+    ostride = (size_t)HV * D;
+  }
+
+#pragma unroll
+  for (int i = 0; i < TT; ++i) {
+    if (t0 + i < t1) {  // warp-uniform
+      float o[4], x[4];
+      xs[i].get(x);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        float acc = win[0][c] * w[c][0];
+        acc = fmaf(win[1][c], w[c][1], acc);
+        acc = fmaf(win[2][c], w[c][2], acc);
+        acc = fmaf(x[c], w[c][3], acc);
+        o[c] = silu_fast(acc);
+        win[0][c] = win[1][c];
+        win[1][c] = win[2][c];
+        win[2][c] = x[c];
+      }
+      if (is_q || is_k) {
+        float ss = o[0] * o[0];
+        ss = fmaf(o[1], o[1], ss);
+        ss = fmaf(o[2], o[2], ss);
+        ss = fmaf(o[3], o[3], ss);
+        ss = warp_sum(ss);
+        float sc = rsqrtf(ss + eps);
+        if (is_q) {
+          sc *= qscale;
+        }
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          o[c] *= sc;
+        }
+      }
+      store4(ob + (size_t)(t0 + i) * ostride, o);
+    }
+  }
+
+  // The tile holding the last token writes the new conv state:
+  // new_state[r] = conv_input[T + r], r = 0..2.
+  if (t1 == T) {
+    xt* so = conv_state_out + (size_t)b * (KW - 1) * C + c0;
+#pragma unroll
+    for (int r = 0; r < KW - 1; ++r) {
+      float o[4];
+      row(T + r, o);
+      store4(so + (size_t)r * C, o);
+    }
+  }
 }

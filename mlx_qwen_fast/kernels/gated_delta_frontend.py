@@ -29,7 +29,7 @@ _kernels: Dict[tuple, cb.CudaKernel] = {}
 
 
 def defines(x, w, A_log, dt_bias, Hv, Hk) -> dict:
-    """Build macros of the front end (``gdn_frontend.cuh``) for these dtypes
+    """Build macros of the front end (``gated_delta_frontend.cu``) for these dtypes
     and head counts."""
     return dict(
         GDN_X=cb.dtype_macro(x), GDN_W=cb.dtype_macro(w),

@@ -123,58 +123,40 @@ def supports(
     if not cb.cuda_available():
         return False
     try:
-        if q.ndim != 4 or k.shape != q.shape or v.ndim != 4:
-            return False
-        B, T, Hk, Dk = q.shape
-        Hv, Dv = v.shape[2], v.shape[3]
-        if Dk != D or Dv != D or v.shape[:2] != (B, T) or Hk == 0 or Hv % Hk:
-            return False
-        if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (
-            mx.bfloat16, mx.float16, mx.float32
-        ):
-            return False
-        if g.shape != (B, T, Hv) or beta.shape != (B, T, Hv):
-            return False
-        if not (mx.issubdtype(g.dtype, mx.floating) and mx.issubdtype(beta.dtype, mx.floating)):
-            return False
-        if state is not None and (state.shape != (B, Hv, D, D) or state.dtype != mx.float32):
-            return False
-        if mask is not None and mask.shape != (B, T):
-            return False
-    except AttributeError:
+        return _problem(q, k, v, g, beta, state, mask) is None
+    except AttributeError:  # not arrays
         return False
-    return True
+
+
+def _problem(q, k, v, g, beta, state, mask) -> Optional[str]:
+    """None when the arguments fit the kernel, else what does not (one line)."""
+    if q.ndim != 4 or q.shape[3] != D:
+        return f"q must have shape [B, T, Hk, {D}], got {tuple(q.shape)}"
+    B, T, Hk, _ = q.shape
+    if k.shape != q.shape:
+        return f"k must have shape {tuple(q.shape)} (like q), got {tuple(k.shape)}"
+    if v.ndim != 4 or v.shape[:2] != (B, T) or v.shape[3] != D:
+        return f"v must have shape [{B}, {T}, Hv, {D}], got {tuple(v.shape)}"
+    Hv = v.shape[2]
+    if Hk == 0 or Hv % Hk:
+        return f"v's head count Hv={Hv} must be a positive multiple of Hk={Hk}"
+    if q.dtype not in (mx.bfloat16, mx.float16, mx.float32) or not (q.dtype == k.dtype == v.dtype):
+        return f"q, k, v must share one dtype among bfloat16/float16/float32, got {q.dtype}, {k.dtype}, {v.dtype}"
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != (B, T, Hv) or not mx.issubdtype(x.dtype, mx.floating):
+            return f"{name} must be a float array of shape [{B}, {T}, {Hv}], got {x.dtype} {tuple(x.shape)}"
+    if state is not None and (state.shape != (B, Hv, D, D) or state.dtype != mx.float32):
+        return f"state must be float32 of shape [{B}, {Hv}, {D}, {D}], got {state.dtype} {tuple(state.shape)}"
+    if mask is not None and mask.shape != (B, T):
+        return f"mask must have shape [{B}, {T}], got {tuple(mask.shape)}"
+    return None
 
 
 def _check(q, k, v, g, beta, state, mask):
-    if q.ndim != 4 or q.shape[3] != D:
-        raise ValueError(f"q must have shape [B, T, Hk, {D}], got {tuple(q.shape)}")
-    B, T, Hk, _ = q.shape
-    if k.shape != q.shape:
-        raise ValueError(f"k must have shape {tuple(q.shape)} (like q), got {tuple(k.shape)}")
-    if v.ndim != 4 or v.shape[:2] != (B, T) or v.shape[3] != D:
-        raise ValueError(f"v must have shape [{B}, {T}, Hv, {D}], got {tuple(v.shape)}")
-    Hv = v.shape[2]
-    if Hv % Hk:
-        raise ValueError(f"v's head count Hv={Hv} must be a multiple of Hk={Hk}")
-    if q.dtype not in (mx.bfloat16, mx.float16, mx.float32) or not (
-        q.dtype == k.dtype == v.dtype
-    ):
-        raise ValueError(
-            f"q, k, v must share one dtype among bfloat16/float16/float32, got "
-            f"{q.dtype}, {k.dtype}, {v.dtype}"
-        )
-    for name, x in (("g", g), ("beta", beta)):
-        if x.shape != (B, T, Hv):
-            raise ValueError(f"{name} must have shape [{B}, {T}, {Hv}], got {tuple(x.shape)}")
-    if state is not None and (state.shape != (B, Hv, D, D) or state.dtype != mx.float32):
-        raise ValueError(
-            f"state must be float32 of shape [{B}, {Hv}, {D}, {D}], got "
-            f"{state.dtype} {tuple(state.shape)}"
-        )
-    if mask is not None and mask.shape != (B, T):
-        raise ValueError(f"mask must have shape [{B}, {T}], got {tuple(mask.shape)}")
-    return B, T, Hk, Hv
+    problem = _problem(q, k, v, g, beta, state, mask)
+    if problem is not None:
+        raise ValueError(problem)
+    return q.shape[0], q.shape[1], q.shape[2], v.shape[2]
 
 
 def gated_delta_scan(
