@@ -1,6 +1,139 @@
-"""Shared pytest fixtures (keep this file small)."""
+"""Shared fixtures and the suite's run rules (how to run it: tests/README.md).
+
+* ``tests/`` is put on ``sys.path`` here, so every test module imports the
+  helper modules beside this file by name (``import moe_blocks``,
+  ``from compare import assert_close``); test file names are unique across
+  the subfolders (pytest's default ``prepend`` import mode needs that).
+* Marker ``cuda``: needs an NVIDIA GPU with MLX's CUDA backend; skipped here
+  when there is none. The one way to mark a CUDA test (no per-file skipif).
+* Marker ``large``: builds full-size-shape models or arrays (several GB of
+  GPU memory). Under pytest-xdist workers they are skipped unless
+  ``--run-large`` is given: run them alone, serially
+  (``python -m pytest -q -m "cuda and large" tests``).
+* Every test starts and ends with the package's switches re-read from the
+  environment (:func:`mlx_qwen_fast.config.reload`), so an environment
+  changed by ``monkeypatch`` never leaks into the next test. Use the ``env``
+  fixture to change a switch inside a test.
+* On CUDA, MLX's buffer cache is emptied after every test; under xdist each
+  worker's MLX memory limit is set to its share of the GPU.
+"""
+
+import os
+import sys
+from pathlib import Path
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import mlx.core as mx  # noqa: E402
+
+from mlx_qwen_fast import config  # noqa: E402  (sets MLX's variables before any GPU use)
+
+from cuda_helpers import HAS_CUDA  # noqa: E402
+
+#: Share of the GPU's memory that all xdist workers together may hold
+#: (MLX's memory limit of each worker: this share divided by the workers).
+GPU_SHARE = 0.9
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--run-large", action="store_true", default=False,
+        help="run tests marked 'large' under pytest-xdist workers too (skipped there by default)",
+    )
+
+
+def _xdist_worker():
+    return os.environ.get("PYTEST_XDIST_WORKER")
+
+
+def _gpu_memory_bytes():
+    try:
+        info = mx.device_info(mx.gpu)
+    except (RuntimeError, ValueError, TypeError):
+        return None
+    for key in ("total_memory", "memory_size"):
+        if isinstance(info.get(key), int) and info[key] > 0:
+            return info[key]
+    return None
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs an NVIDIA GPU with MLX's CUDA backend (skipped otherwise)")
+    config.addinivalue_line(
+        "markers",
+        "large: full-size shapes, several GB of GPU memory; skipped under pytest-xdist workers "
+        "unless --run-large (run them alone: -m 'cuda and large')",
+    )
+    if HAS_CUDA and _xdist_worker():
+        workers = max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+        total = _gpu_memory_bytes()
+        if total:
+            mx.set_memory_limit(int(total * GPU_SHARE / workers))
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_cuda = pytest.mark.skip(reason="needs an NVIDIA GPU with MLX's CUDA backend")
+    skip_large = pytest.mark.skip(
+        reason="large: skipped under pytest-xdist workers; run alone (-m 'cuda and large') or pass --run-large")
+    large_off = bool(_xdist_worker()) and not config.getoption("--run-large")
+    for item in items:
+        if not HAS_CUDA and item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip_cuda)
+        if large_off and item.get_closest_marker("large") is not None:
+            item.add_marker(skip_large)
+
+
+@pytest.fixture(autouse=True)
+def _switches_and_memory():
+    """Switches re-read from the environment before and after each test; on
+    CUDA, MLX's cached buffers freed after it."""
+    config.reload()
+    yield
+    config.reload()
+    if HAS_CUDA:
+        mx.clear_cache()
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """Set (``env.set(name, value)``) or remove (``env.unset(name)``) an
+    environment variable for this test; the package's switches see the
+    change at once (:func:`mlx_qwen_fast.config.reload`), and it is undone
+    after the test."""
+
+    class _Env:
+        def set(self, name, value):
+            monkeypatch.setenv(name, value)
+            config.reload()
+
+        def unset(self, name):
+            monkeypatch.delenv(name, raising=False)
+            config.reload()
+
+    return _Env()
+
+
+@pytest.fixture
+def process_environment():
+    """For tests of MLX's variables that the package sets
+    (``config.apply_process_settings`` / ``restore_process_settings``, which
+    write ``os.environ`` directly): both start unset and unclaimed, and the
+    whole environment and what the package remembers having set are put
+    back after the test."""
+    saved_env = dict(os.environ)
+    saved = [(s, s.written) for s in config._PROCESS_SETTINGS]
+    for s in config._PROCESS_SETTINGS:
+        os.environ.pop(s.name, None)
+        s.written = None
+    config.reload()
+    yield
+    os.environ.clear()
+    os.environ.update(saved_env)
+    for s, w in saved:
+        s.written = w
+    config.reload()
 
 
 @pytest.fixture(scope="session")
@@ -32,9 +165,10 @@ def demo_checkpoint(tmp_path_factory):
 @pytest.fixture
 def poison():
     """Fill every CUDA kernel output with NaN before the launch (a row the
-    kernel forgets to write then fails the ``finite`` checks)."""
+    kernel forgets to write then fails the ``finite`` checks); afterwards the
+    setting goes back to ``MLX_QWEN_FAST_POISON``."""
     from mlx_qwen_fast.kernels import _cuda_build as cb
 
     cb.set_poison(True)
     yield
-    cb.set_poison(False)
+    cb.set_poison(None)

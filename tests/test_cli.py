@@ -160,3 +160,78 @@ def test_safetensors_check_reads_headers(tmp_path):
     assert "truncated" in _cli._safetensors_problem(p)
     p.write_bytes(b"\xff" * 64)
     assert _cli._safetensors_problem(p) is not None
+
+
+# ---------------------------------------------------------------------------
+# in process, mlx-lm's main replaced by a recording stand-in module
+# ---------------------------------------------------------------------------
+
+FAKE = "mqf_test_fake_cli"
+
+
+@pytest.fixture
+def fake_main(monkeypatch):
+    """A module ``FAKE`` whose ``main`` records sys.argv[1:] and the graph
+    limit variable at the time it runs."""
+    import types
+
+    from mlx_qwen_fast import config
+
+    seen = []
+    mod = types.ModuleType(FAKE)
+    mod.main = lambda: seen.append((list(sys.argv[1:]), os.environ.get(config.MLX_GRAPH_LIMIT.name)))
+    monkeypatch.setitem(sys.modules, FAKE, mod)
+    monkeypatch.setattr("sys.argv", ["prog"])  # run_mlx_lm_main rewrites sys.argv
+    return seen
+
+
+def test_cli_says_when_it_runs_stock(fake_main, env, capsys):
+    from mlx_qwen_fast.patching import install, uninstall
+
+    _cli.run_mlx_lm_main(FAKE, ["--temp", "0", "--stock"])
+    assert [argv for argv, _ in fake_main] == [["--temp", "0"]]
+    assert "--stock: running stock mlx-lm" in capsys.readouterr().err
+    env.set("MLX_QWEN_FAST", "off")
+    try:
+        assert install(verbose=True) is False
+        err = capsys.readouterr().err
+        assert "not installed" in err and "MLX_QWEN_FAST" in err and "stock mlx-lm" in err
+    finally:
+        uninstall()
+
+
+def test_cli_model_flag_forms(fake_main, monkeypatch, tmp_path, capsys, tiny_checkpoint):
+    """--model=PATH is checked like --model PATH; a checkpoint folder and a
+    repo id pass; -m is mlx-lm's --max-tokens, not a model."""
+    monkeypatch.setattr(_cli, "_hub_offline", lambda: False)  # a repo id is left to mlx-lm to fetch
+    for argv, what in (([f"--model={tmp_path}/nope", "--stock"], "no such folder"),
+                       (["--model", str(tmp_path), "--stock"], "no config.json")):
+        with pytest.raises(SystemExit) as exc:
+            _cli.run_mlx_lm_main(FAKE, argv)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert what in err and err.count("\n") == 1, err  # one line
+    assert not fake_main  # mlx-lm's main never ran
+    _cli.run_mlx_lm_main(FAKE, ["--model", str(tiny_checkpoint), "--stock"])
+    _cli.run_mlx_lm_main(FAKE, ["--model", "mlx-community/some-model", "--stock"])
+    _cli.run_mlx_lm_main(FAKE, ["-m", "/x", "--stock"])
+    assert len(fake_main) == 3
+
+
+def test_cli_subcommands_that_pass(capsys):
+    for argv in (["generate", "--prompt", "hi"], ["server"], ["dwq"], ["--help"], ["--version"]):
+        _cli.check_subcommand(argv)  # mlx-lm's CLI modules (mlx_lm.quant's too) and its own flags pass
+    with pytest.raises(SystemExit) as exc:
+        _cli.check_subcommand(["--model", "m"])
+    assert exc.value.code == 2 and "unknown subcommand" in capsys.readouterr().err
+
+
+def test_stock_cli_undoes_the_graph_limit(fake_main, process_environment):
+    """--stock removes what the import set (a process that has not used the
+    GPU yet then runs with MLX's defaults)."""
+    from mlx_qwen_fast import config
+
+    assert config.apply_process_settings("cuda")
+    _cli.run_mlx_lm_main(FAKE, ["--stock"])
+    assert fake_main == [([], None)]
+    assert config.MLX_PTX_CACHE.name not in os.environ

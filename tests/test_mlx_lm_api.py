@@ -18,7 +18,7 @@ import pytest
 from mlx_lm import batch_generate, generate, stream_generate
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
-from mlx_qwen_fast.patch import patched_copy
+from mlx_qwen_fast.patching import patched_copy
 
 PROMPTS = ["Tell me about rivers.", "Why do cats purr when they are happy and calm?"]
 

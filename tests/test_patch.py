@@ -1,8 +1,11 @@
-"""Patched vs stock mlx-lm model on the tiny random checkpoint."""
+"""``mlx_qwen_fast.patching``: patched vs stock mlx-lm model on the tiny
+random checkpoint; install(), the off switch, the patch report.
 
+(The CLIs: tests/test_cli.py; the switches themselves: tests/test_config.py.)
+"""
 
-import importlib
-import os
+import warnings
+
 import mlx.core as mx
 import mlx_lm
 import numpy as np
@@ -10,12 +13,12 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
 import mlx_qwen_fast
+from compare import BF16_EPS
 from mlx_qwen_fast.layers import FAST_CLASSES
-from mlx_qwen_fast.patch import patch, patched_copy, unpatch
-
-BF16_EPS = 2.0**-8
+from mlx_qwen_fast.patching import enabled, patch, patched_copy, unpatch
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +49,12 @@ def test_patch_swaps_every_module_and_shares_arrays(tiny):
     n_attn = sum(not l.is_linear for l in model.layers)
     assert report.swapped == {
         "linear_attn": n_layers - n_attn,
-        "self_attn": n_attn,
         "mlp": n_layers,
-    }
+    }  # gated attention has no fast class: it stays mlx-lm's
+    assert all(type(l.self_attn) is Qwen3NextAttention for l in fast.layers if not l.is_linear)
     assert set(report.ops) >= {"gated_delta.prefill", "gated_delta.decode"}
+    assert report.ops["attention.prefill"] == report.ops["attention.decode"] == "stock"
+    assert fast.patch_report is report
     fast_params = dict(tree_flatten(fast.parameters()))
     assert fast_params.keys() == stock_params.keys()
     # Same arrays, not copies: identical buffers (same id of the underlying array).
@@ -61,21 +66,25 @@ def test_patch_swaps_every_module_and_shares_arrays(tiny):
 def test_unpatch_restores_stock_classes(tiny):
     model, _ = tiny
     fast, _ = patched_copy(model)
+    assert fast.patch_report.patched
     counts = unpatch(fast)
     n_modules = sum(
-        hasattr(l, s) for l in fast.layers for s in ("linear_attn", "self_attn", "mlp")
+        hasattr(l, s) for l in fast.layers for s in ("linear_attn", "mlp")
     )
     assert sum(counts.values()) == n_modules
     assert not mlx_qwen_fast.is_patched(fast)
-    stock_types = set(FAST_CLASSES)
+    stock_types = set(FAST_CLASSES) | {Qwen3NextAttention}
     assert all(
         type(getattr(l, s)) in stock_types
         for l in fast.layers
         for s in ("linear_attn", "self_attn", "mlp")
         if hasattr(l, s)
     )
+    # the report follows: the model says it is stock now
+    assert not fast.patch_report.patched and "unpatch" in fast.patch_report.reason
     # Patching twice is a no-op the second time.
     patch(fast)
+    assert fast.patch_report.patched
     assert patch(fast).swapped == {}
 
 
@@ -187,12 +196,12 @@ def test_registered_model_type_loads_patched(tiny_checkpoint):
     assert _rel_l2(model(tokens).astype(mx.float32), stock(tokens).astype(mx.float32)) < BF16_EPS * 8
 
 
-def test_install_patches_mlx_lm_load_and_env_switch(tiny_checkpoint, monkeypatch):
+def test_install_patches_mlx_lm_load_and_env_switch(tiny_checkpoint, env):
     try:
         assert mlx_qwen_fast.install()
         model, _ = mlx_lm.load(str(tiny_checkpoint))
         assert mlx_qwen_fast.is_patched(model)
-        monkeypatch.setenv("MLX_QWEN_FAST", "0")
+        env.set("MLX_QWEN_FAST", "0")
         model, _ = mlx_lm.load(str(tiny_checkpoint))
         assert not mlx_qwen_fast.is_patched(model)
     finally:
@@ -201,8 +210,8 @@ def test_install_patches_mlx_lm_load_and_env_switch(tiny_checkpoint, monkeypatch
     assert not mlx_qwen_fast.is_patched(model)
 
 
-def test_install_is_off_when_env_says_so(monkeypatch):
-    monkeypatch.setenv("MLX_QWEN_FAST", "0")
+def test_install_is_off_when_env_says_so(env):
+    env.set("MLX_QWEN_FAST", "0")
     assert mlx_qwen_fast.install() is False
     assert not getattr(mlx_lm.utils.load_model, "_mlx_qwen_fast", False)
 
@@ -217,17 +226,20 @@ def test_non_module_input_is_a_type_error(fn, bad):
 def test_load_tuple_gets_a_hint(tiny):
     with pytest.raises(TypeError, match=r"mlx_lm.load returns \(model, tokenizer\)"):
         mlx_qwen_fast.patch(tiny)  # the (model, tokenizer) pair itself
+    with pytest.raises(TypeError, match="patched_copy expects"):
+        patched_copy((None, None))
 
 
 @pytest.mark.parametrize("value", ["0", "false", "OFF", " no "])
-def test_env_switch_leaves_patch_stock(tiny, monkeypatch, value):
+def test_env_switch_leaves_patch_stock(tiny, env, value):
     tiny, _ = tiny
-    monkeypatch.setenv("MLX_QWEN_FAST", value)
+    env.set("MLX_QWEN_FAST", value)
     with pytest.warns(UserWarning, match="disabled by the environment"):
         report = mlx_qwen_fast.patch(tiny)
     assert not report.patched and "MLX_QWEN_FAST" in report.reason
     assert not mlx_qwen_fast.is_patched(tiny)
-    monkeypatch.setenv("MLX_QWEN_FAST", "1")
+    assert tiny.patch_report is report
+    env.set("MLX_QWEN_FAST", "1")
     assert mlx_qwen_fast.patch(tiny).patched
     mlx_qwen_fast.unpatch(tiny)
 
@@ -279,64 +291,13 @@ def test_lora_adapters_before_or_after_patch(tiny_checkpoint):
         assert _rel_l2(one, _prefill_logits(stock, tokens[:3], 1)) < 1e-4
 
 
-def test_cli_says_when_it_runs_stock(monkeypatch, capsys):
-    from mlx_qwen_fast._cli import run_mlx_lm_main
-    from mlx_qwen_fast.patch import install, uninstall
-
-    monkeypatch.setattr("sys.argv", ["prog"])  # run_mlx_lm_main rewrites sys.argv
-    seen = []
-    run_mlx_lm_main(lambda: seen.append(list(__import__("sys").argv[1:])), ["--model", "m", "--stock"])
-    assert seen == [["--model", "m"]]
-    assert "--stock: running stock mlx-lm" in capsys.readouterr().err
-    monkeypatch.setenv("MLX_QWEN_FAST", "off")
-    try:
-        assert install(verbose=True) is False
-        assert "MLX_QWEN_FAST=off: stock mlx-lm" in capsys.readouterr().err
-    finally:
-        uninstall()
-    with pytest.raises(TypeError, match="patched_copy expects"):
-        patched_copy((None, None))
-
-
-def test_cli_names_a_missing_local_model(monkeypatch, tmp_path, capsys):
-    from mlx_qwen_fast._cli import run_mlx_lm_main
-
-    monkeypatch.setattr("sys.argv", ["prog"])
-    seen = []
-    main = lambda: seen.append(1)  # noqa: E731
-    for argv, what in (([ "--model", str(tmp_path / "nope")], "no such file or directory"),
-                       ([f"--model={tmp_path}/nope", "--stock"], "no such file or directory"),
-                       (["-m", "5", "--model", "./no/such/dir", "--prompt", "hi"], "no such file or directory"),
-                       (["--model", str(tmp_path), "--stock"], "no config.json")):
-        with pytest.raises(SystemExit) as exc:
-            run_mlx_lm_main(main, argv)
-        assert exc.value.code == 2 and what in capsys.readouterr().err
-    assert not seen  # mlx-lm's main never ran
-    (tmp_path / "config.json").write_text("{}")
-    run_mlx_lm_main(main, ["--model", str(tmp_path), "--stock"])  # a checkpoint folder passes
-    run_mlx_lm_main(main, ["--model", "mlx-community/some-model", "--stock"])  # a repo id passes
-    run_mlx_lm_main(main, ["-m", "/x", "--stock"])  # -m is mlx-lm's --max-tokens, not a model
-    assert seen == [1, 1, 1]
-
-
-def test_cli_needs_a_known_subcommand(capsys):
-    from mlx_qwen_fast._cli import check_subcommand
-
-    for argv, what in (([], "a subcommand is needed"), (["bogus", "--x"], "unknown subcommand 'bogus'"),
-                       (["--model", "m"], "unknown subcommand")):
-        with pytest.raises(SystemExit) as exc:
-            check_subcommand(argv)
-        assert exc.value.code == 2 and what in capsys.readouterr().err
-    for argv in (["generate", "--prompt", "hi"], ["server"], ["dwq"], ["--help"], ["--version"]):
-        check_subcommand(argv)  # mlx-lm's CLI modules (mlx_lm.quant's too) and its own flags pass
-
-
 def test_op_implementations_per_backend():
     from mlx_qwen_fast import op_implementations
     from mlx_qwen_fast.kernels import _cuda_build as cb
 
     cur = op_implementations()
     assert set(cur) == {f"{f}.{p}" for f in ("gated_delta", "attention", "moe") for p in ("prefill", "decode")}
+    assert cur["attention.prefill"] == cur["attention.decode"] == "stock"  # no fast path: mlx-lm's
     cpu = op_implementations("cpu")
     assert cpu["moe.prefill"] == cpu["moe.decode"] == "stock"
     assert cpu["gated_delta.prefill"] == "chunked"
@@ -349,71 +310,17 @@ def test_op_implementations_per_backend():
             op_implementations(bad)
 
 
-def test_cuda_graph_byte_limit(monkeypatch):
-    from mlx_qwen_fast import backend as bk
-
-    monkeypatch.setattr(bk, "_we_set", None)
-    monkeypatch.delenv("MLX_MAX_MB_PER_BUFFER", raising=False)
-    monkeypatch.delenv("MLX_QWEN_FAST", raising=False)
-    monkeypatch.setattr(bk, "current", lambda: bk.CPU)
-    assert not bk.raise_cuda_graph_byte_limit()  # not CUDA: untouched
-    assert "MLX_MAX_MB_PER_BUFFER" not in os.environ and bk.cuda_graph_settings() == ""
-    monkeypatch.setattr(bk, "current", lambda: bk.CUDA)
-    assert bk.cuda_graph_settings() == "MLX_MAX_MB_PER_BUFFER unset (MLX default)"
-    for off in ("off", " No ", "FALSE", "0"):
-        monkeypatch.setenv("MLX_QWEN_FAST", off)
-        assert not bk.raise_cuda_graph_byte_limit()  # switched off: untouched
-        assert "MLX_MAX_MB_PER_BUFFER" not in os.environ
-        assert bk.fast_path_enabled() is False and importlib.import_module("mlx_qwen_fast.patch").enabled() is False
-    monkeypatch.delenv("MLX_QWEN_FAST")
-    assert bk.raise_cuda_graph_byte_limit()
-    assert not bk.raise_cuda_graph_byte_limit()  # idempotent
-    assert os.environ["MLX_MAX_MB_PER_BUFFER"] == str(bk.CUDA_GRAPH_MB)
-    assert bk.cuda_graph_settings() == f"MLX_MAX_MB_PER_BUFFER={bk.CUDA_GRAPH_MB} (mlx_qwen_fast)"
-    monkeypatch.setenv("MLX_MAX_MB_PER_BUFFER", "1000")  # changed later by the user: theirs
-    assert bk.cuda_graph_settings() == "MLX_MAX_MB_PER_BUFFER=1000 (environment)"
-    assert not bk.restore_cuda_graph_byte_limit()  # not ours any more: kept
-    assert os.environ["MLX_MAX_MB_PER_BUFFER"] == "1000"
-    monkeypatch.delenv("MLX_MAX_MB_PER_BUFFER")
-    assert bk.raise_cuda_graph_byte_limit()
-    assert bk.restore_cuda_graph_byte_limit()  # ours: removed (--stock)
-    assert "MLX_MAX_MB_PER_BUFFER" not in os.environ
-    assert not bk.restore_cuda_graph_byte_limit()
-    monkeypatch.setenv("MLX_MAX_MB_PER_BUFFER", "2000")  # the user's value wins
-    assert not bk.raise_cuda_graph_byte_limit()
-    assert os.environ["MLX_MAX_MB_PER_BUFFER"] == "2000"
-    assert bk.cuda_graph_settings() == "MLX_MAX_MB_PER_BUFFER=2000 (environment)"
-
-
-def test_stock_cli_undoes_the_graph_limit(monkeypatch):
-    from mlx_qwen_fast import _cli
-    from mlx_qwen_fast import backend as bk
-
-    monkeypatch.delenv("MLX_MAX_MB_PER_BUFFER", raising=False)
-    monkeypatch.delenv("MLX_QWEN_FAST", raising=False)
-    monkeypatch.setattr(bk, "_we_set", None)
-    monkeypatch.setattr(bk, "current", lambda: bk.CUDA)
-    assert bk.raise_cuda_graph_byte_limit()
-    seen = {}
-    _cli.run_mlx_lm_main(lambda: seen.update(v=os.environ.get("MLX_MAX_MB_PER_BUFFER")), ["--stock"])
-    assert seen == {"v": None}
-
-
-def test_switch_values(monkeypatch):
+def test_enabled_follows_the_switch(env):
     """MLX_QWEN_FAST: off values switch the fast path off, on values and
     unset leave it on silently, anything else is on with a warning that
     names the value."""
-    import warnings
-
-    from mlx_qwen_fast import backend as bk
-
     for value, on in (("0", False), (" Off ", False), ("1", True), ("yes", True), ("", True)):
-        monkeypatch.setenv("MLX_QWEN_FAST", value)
+        env.set("MLX_QWEN_FAST", value)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert bk.fast_path_enabled() is on
-    monkeypatch.delenv("MLX_QWEN_FAST")
-    assert bk.fast_path_enabled() is True
-    monkeypatch.setenv("MLX_QWEN_FAST", "banana")
-    with pytest.warns(RuntimeWarning, match="'banana'.*taken as on"):
-        assert bk.fast_path_enabled() is True
+            assert enabled() is on
+    env.unset("MLX_QWEN_FAST")
+    assert enabled() is True
+    env.set("MLX_QWEN_FAST", "banana")
+    with pytest.warns(RuntimeWarning, match="'banana'.*not understood"):
+        assert enabled() is True

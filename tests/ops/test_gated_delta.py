@@ -1,29 +1,45 @@
-"""Tests for mlx_qwen_fast.ops.gated_delta (Gated DeltaNet recurrence).
+"""The Gated DeltaNet op family (``mlx_qwen_fast.ops.gated_delta``): the
+recurrence's reference forms vs a float64 loop and mlx-lm, the dispatch, and
+the layer's fast paths (``gated_delta_net``).
 
-Every test draws fresh random inputs from a generator seeded by the test's own
-node id (different for every parametrised case, reproducible on a rerun).
+Every reference test draws fresh random inputs from a generator seeded by
+the test's own node id (different for every parametrised case, reproducible
+on a rerun).
 
 Tolerances come from the dtype, never tuned to pass:
 
 * fp32 (y or state computed in fp32 math): relative L2 error <= FP32_RTOL
-  = 128 fp32 eps = 2**-16 ~ 1.5e-5 (measured errors are ~1e-7..2e-6).
+  = compare.FP32_TOL = 128 fp32 eps = 2**-16 ~ 1.5e-5.
 * bf16 outputs: both sides compute in fp32 and round to bf16 once, so an
   element may differ by one bf16 ulp of its magnitude plus the fp32-level
   difference (FP32_RTOL * max |ref|).
+
+The layer's decode step (the compiled call: projections, kernel, out_proj)
+is checked on any backend with a stand-in for the kernel; the kernels and
+the whole layer against stock mlx-lm in the ``cuda`` tests (bounds from
+compare.py).
 """
 
 import zlib
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
+from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.qwen3_5 import GatedDeltaNet, TextModelArgs
 
+from compare import FP32_TOL, assert_close, tolerance
+from gdn_helpers import FULL_ARGS, full_size_layer
 from mlx_lm.models import gated_delta as stock
+from mlx_qwen_fast import layers
+from mlx_qwen_fast.compiled import StepPlans
+from mlx_qwen_fast.kernels import _cuda_build as cb
+from mlx_qwen_fast.kernels import gated_delta_decode as k_decode
 from mlx_qwen_fast.ops import gated_delta as gd
 
-EPS32 = float(np.finfo(np.float32).eps)  # 2**-23
-EPS_BF16 = 2.0**-7  # bf16 has 8 significant bits (7 stored)
-FP32_RTOL = 128 * EPS32  # ~1.5e-5
+EPS_BF16 = 2.0**-7  # bf16 has 8 significant bits (7 stored): one ulp at 1
+FP32_RTOL = FP32_TOL  # 128 fp32 eps = 2**-16 ~ 1.5e-5
 
 
 # ----------------------------------------------------------------- helpers
@@ -471,15 +487,19 @@ def test_compute_gates_names_bad_shapes(rng):
 # ------------------------------------------------------------------ dispatch
 
 
-def test_implementation_for():
+def test_implementation_for(monkeypatch):
     assert set(gd.IMPLEMENTATIONS) == set(gd._TABLE)
     assert gd.implementation_for(1, "metal") == "mlx-lm-metal"
     assert gd.implementation_for(4096, "metal") == "mlx-lm-metal"
+    monkeypatch.setattr(cb, "cuda_available", lambda: False)  # "cuda" without a CUDA device: as the CPU
     for be in ("cpu", "cuda"):
         assert gd.implementation_for(1, be) == "recurrent"
         assert gd.implementation_for(gd.RECURRENT_MAX_T, be) == "recurrent"
         assert gd.implementation_for(gd.RECURRENT_MAX_T + 1, be) == "chunked"
         assert gd.implementation_for(2048, be) == "chunked"
+    monkeypatch.setattr(cb, "cuda_available", lambda: True)
+    assert gd.implementation_for(1, "cuda") == gd.implementation_for(2048, "cuda") == gd.CUDA_KERNEL
+    assert gd.implementation_for(2048, "cpu") == "chunked"
     for T in (1, 2048):
         assert gd.implementation_for(T) in gd.IMPLEMENTATIONS
     with pytest.raises(ValueError, match="backend"):
@@ -544,76 +564,224 @@ def test_validation_update_and_chunk_size():
         )
 
 
-@pytest.mark.parametrize("bad, field", [
-    (dict(L=0), "L"), (dict(L=3), "L"), (dict(L=8.0), "L"), (dict(R=-1), "R"),
-    (dict(warps=3), "rows per block"), (dict(tb=7), "tb"), (dict(tb=4), "tb"), (dict(tb=256), "tb"),
-    (dict(u=3), "u"), (dict(kqf32=5), "kqf32"),
-])
-def test_scan_config_rejects_bad_fields(bad, field):
-    """The CUDA scan's configuration is checked where it is built (CPU), with
-    the field named, instead of failing in the compiler on a GPU."""
-    from mlx_qwen_fast.kernels.gated_delta_scan import DEFAULT_CONFIG, ScanConfig
+# ---------------------------------------------------------------------------
+# the layer's decode step: plumbing with a stand-in kernel (any backend)
+# ---------------------------------------------------------------------------
 
-    with pytest.raises(ValueError, match=field):
-        ScanConfig(**bad)
-    assert ScanConfig() == DEFAULT_CONFIG == (8, 2, 4, 32, 0, 1)
-    assert ScanConfig(8, 2, 4, 64, 0, 1).rows_per_block == 32
-    assert ScanConfig(16, 2, 8, 16, 1, 4).rows_per_block == 32
+SMALL_ARGS = TextModelArgs(
+    model_type="qwen3_5_moe_text", hidden_size=256, num_hidden_layers=4,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=64,
+    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4,
+)
+
+
+def _fake_kernel_math(qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
+                      *, num_v_heads, norm_eps):
+    """The stand-in's arithmetic: the contract's shapes, every input used."""
+    B, C = qkv.shape[0], qkv.shape[-1]
+    x = qkv.reshape(B, 1, C)
+    new_conv = mx.concatenate([conv_state[:, 1:], x], axis=1)
+    mixed = (mx.concatenate([conv_state, x], axis=1) * conv_weight.reshape(C, -1).T).sum(1)
+    hv = num_v_heads * 128
+    gate = (a.reshape(B, -1) * A_log + b.reshape(B, -1) * dt_bias).sum(-1, keepdims=True)
+    out = mixed[:, -hv:] * z.reshape(B, hv) * mx.tile(norm_weight, num_v_heads) + gate + norm_eps
+    new_state = state * 0.5 + out.reshape(B, num_v_heads, 128, 1).astype(mx.float32)
+    return out.reshape(B, 1, hv), new_conv, new_state
+
+
+def fake_decode_kernel(proj, params, conv_state, state, *, num_k_heads, num_v_heads, norm_eps=1e-6, qk_eps=1e-6):
+    """Stands in for the CUDA decode kernel: the pieces of proj and of params
+    (``decode_params``' layout) at their offsets."""
+    C, hv = (2 * num_k_heads + num_v_heads) * 128, num_v_heads * 128
+    assert proj.shape[-1] == C + hv + 2 * num_v_heads
+    assert params.dtype == mx.float32 and params.shape == (4 * C + 2 * num_v_heads + 128,)
+    qkv, z = proj[..., :C], proj[..., C:C + hv]
+    a, b = proj[..., C + hv:C + hv + num_v_heads], proj[..., C + hv + num_v_heads:]
+    conv_weight, A_log = params[:4 * C].reshape(C, 4, 1), params[4 * C:4 * C + num_v_heads]
+    dt_bias, norm_weight = params[4 * C + num_v_heads:4 * C + 2 * num_v_heads], params[4 * C + 2 * num_v_heads:]
+    return _fake_kernel_math(qkv, z, a, b, conv_weight, conv_state, A_log, dt_bias, norm_weight, state,
+                             num_v_heads=num_v_heads, norm_eps=norm_eps)
+
+
+@pytest.fixture
+def cpu_device():
+    """The stand-in's results are compared with eager calls to fp32 rounding,
+    which holds on the CPU device (on CUDA a dense fp32 matmul of
+    concatenated projection weights rounds differently from the separate
+    ones: relative differences up to 5e-5 on the H200): run there."""
+    old = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(old)
+
+
+@pytest.fixture
+def fake_decode(cpu_device, monkeypatch):
+    monkeypatch.setattr(gd, "implementation_for", lambda *_a, **_k: gd.CUDA_KERNEL)
+    monkeypatch.setattr(k_decode, "supports", lambda *_a, **_k: True)
+    monkeypatch.setattr(k_decode, "gated_delta_decode", fake_decode_kernel)
+    monkeypatch.setattr(gd, "_decode_steps", {})  # traces of the stand-in stay out of the real cache
+
+
+def gdn_layer(seed, quantize):
+    mx.random.seed(seed)
+    layer = GatedDeltaNet(SMALL_ARGS)
+    if quantize:
+        nn.quantize(layer, group_size=64, bits=4, class_predicate=lambda _p, m: isinstance(m, nn.Linear)
+                    and m.weight.shape[0] % 32 == 0)
+    mx.eval(layer.parameters())
+    return layers.rebind(layer, layers.FastGatedDeltaNet)
+
+
+def _eager(layer, x, cache, B=2):
+    """The kernel between the projections called as modules (the reference of the compiled step)."""
+    conv = cache[0] if cache[0] is not None else mx.zeros((B, 3, layer.conv_dim))
+    st = cache[1] if cache[1] is not None else mx.zeros((B, 4, 128, 128))
+    return gd._cuda_decode_modules(layer, x, conv, st, cache)
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+def test_gdn_compiled_step_equals_eager(fake_decode, quantize):
+    """Two layers through one trace, state carried over three steps. The four
+    input projections run as one where they are alike (dense here; quantised,
+    in_proj_a/b stay dense, so the step calls the projections as modules)."""
+    for seed in (1, 2):
+        layer = gdn_layer(seed, quantize)
+        c_step, c_eager = ArraysCache(size=2), ArraysCache(size=2)
+        for t in range(3):
+            x = mx.random.normal((2, 1, SMALL_ARGS.hidden_size), key=mx.random.key(10 * seed + t))
+            y = layer(x, cache=c_step)
+            y_ref = _eager(layer, x, c_eager)
+            assert mx.allclose(y, y_ref, rtol=1e-5, atol=1e-5).item()
+            assert mx.allclose(c_step[1], c_eager[1], rtol=1e-5, atol=1e-5).item()
+            assert mx.array_equal(c_step[0], c_eager[0]).item()
+    plan = next(iter(StepPlans.of(layer)._plans.values()))[2]
+    if quantize:
+        assert plan == "modules"
+    else:  # decode_params' array and the concatenated weight
+        assert len(plan[2]) == 2
+    # a replaced weight is read by the next call
+    x = mx.random.normal((2, 1, SMALL_ARGS.hidden_size))
+    y1 = layer(x, cache=ArraysCache(size=2))
+    for mod, name in ((layer.norm, "weight"), (layer.conv1d, "weight"), (layer, "A_log"), (layer, "dt_bias")):
+        # each of the constants decode_params packs (a copy)
+        y0 = y1
+        setattr(mod, name, getattr(mod, name) * 3 + 0.5)
+        y1 = layer(x, cache=ArraysCache(size=2))
+        assert not mx.allclose(y0, y1).item(), name
+        y_ref = _eager(layer, x, ArraysCache(size=2))
+        assert mx.allclose(y1, y_ref, rtol=1e-5, atol=1e-5).item(), name
+    layer.in_proj_z.weight = layer.in_proj_z.weight * 2  # an input projection too
+    y2 = layer(x, cache=ArraysCache(size=2))
+    y_ref = _eager(layer, x, ArraysCache(size=2))
+    assert not mx.allclose(y1, y2).item() and mx.allclose(y2, y_ref, rtol=1e-5, atol=1e-5).item()
+
+
+def test_gdn_other_projection_kind_runs_the_modules(fake_decode):
+    layer = gdn_layer(3, quantize=False)
+    layer.in_proj_a = nn.Sequential(layer.in_proj_a)  # not a plain linear layer
+    x = mx.random.normal((1, 1, SMALL_ARGS.hidden_size))
+    y = layer(x, cache=ArraysCache(size=2))
+    y_ref = _eager(layer, x, ArraysCache(size=2), B=1)
+    assert mx.array_equal(y, y_ref).item()  # the same calls
+
+
+def test_layer_takes_kernels_only_where_they_apply(monkeypatch):
+    """The fused kernels run for a layer call only with the CUDA recurrence
+    and no padding mask, no per-row cache lengths, no sharding."""
+    layer = gdn_layer(4, quantize=False)
+    monkeypatch.setattr(gd, "implementation_for", lambda *_a, **_k: gd.CUDA_KERNEL)
+    cache = ArraysCache(size=2)
+    assert gd._layer_takes_kernels(layer, 1, None, None)
+    assert gd._layer_takes_kernels(layer, 64, None, cache)
+    assert not gd._layer_takes_kernels(layer, 64, mx.ones((1, 64), mx.bool_), cache)
+    cache.lengths = mx.array([3])
+    assert not gd._layer_takes_kernels(layer, 64, None, cache)
+    layer.sharding_group = object()
+    assert not gd._layer_takes_kernels(layer, 64, None, None)
+    layer.sharding_group = None
+    monkeypatch.setattr(gd, "implementation_for", lambda *_a, **_k: "chunked")
+    assert not gd._layer_takes_kernels(layer, 64, None, None)
 
 
 # ---------------------------------------------------------------------------
-# the CUDA decode step's packed constants (argument checks run on any backend)
+# the whole layer on CUDA vs the stock layer (fused kernels)
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
-@pytest.mark.parametrize("Hk,Hv", [(16, 32), (2, 4), (1, 1)])
-def test_decode_params_layout(Hk, Hv, dtype):
-    """[conv_weight | A_log | dt_bias | norm_weight] as exact float32 copies,
-    at the offsets the kernel reads (gated_delta_decode.cu, GDN_PACKED 1)."""
-    from mlx_qwen_fast.kernels.gated_delta_decode import decode_params, params_width
-
-    C = (2 * Hk + Hv) * 128
-    ks = mx.random.split(mx.random.key(Hk * 100 + Hv), 4)
-    w = mx.random.normal((C, 4, 1), key=ks[0]).astype(dtype)
-    A_log = mx.random.normal((Hv,), key=ks[1]).astype(dtype)
-    dt_bias = mx.random.normal((Hv,), key=ks[2]).astype(dtype)
-    nw = mx.random.normal((128,), key=ks[3]).astype(dtype)
-    p = decode_params(w, A_log, dt_bias, nw)
-    assert p.dtype == mx.float32 and p.shape == (params_width(Hk, Hv),)
-    for t, lo in ((w, 0), (A_log, 4 * C), (dt_bias, 4 * C + Hv), (nw, 4 * C + 2 * Hv)):
-        assert mx.array_equal(p[lo:lo + t.size], t.reshape(-1).astype(mx.float32)).item()
-    assert mx.array_equal(decode_params(w.reshape(C, 4), A_log, dt_bias, nw), p).item()
+def _run(layer, x, pieces):
+    cache = ArraysCache(size=2)
+    outs, start = [], 0
+    for n in pieces:
+        outs.append(layer(x[:, start : start + n], cache=cache))
+        start += n
+    mx.eval(outs, cache.state)
+    return mx.concatenate(outs, axis=1).astype(mx.float32), cache
 
 
-def test_decode_params_and_packed_step_refuse_bad_input():
-    from mlx_qwen_fast.kernels.gated_delta_decode import (
-        decode_params, gated_delta_decode_packed, packed_width)
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("B,pieces", [(1, [1]), (1, [3, 1, 1]), (2, [64, 1]),
+                                      (1, [65, 2, 1, 1]), (1, [2048, 1, 1])])
+def test_fused_layer_matches_stock(dtype, B, pieces):
+    """Real Qwen3.6-35B-A3B layer shapes, 4-bit projections: prefill across
+    chunk boundaries with the cache carried, then decode steps. fp32: both
+    compute the same function with fp32 accumulation in another order
+    (compare.FP32_TOL). bf16: the stock layer rounds softplus/gates and
+    intermediates to bf16 where the kernels keep fp32 (roundings=4)."""
+    assert gd.implementation_for(64) == gd.CUDA_KERNEL
+    seed = int(np.random.default_rng().integers(1 << 30))
+    stock_layer = full_size_layer(seed, dtype)
+    fast = layers.rebind(stock_layer, layers.FastGatedDeltaNet)
+    x = (mx.random.normal((B, sum(pieces), FULL_ARGS.hidden_size)) * 0.5).astype(dtype)
+    y_stock, c_stock = _run(stock_layer, x, pieces)
+    y_fast, c_fast = _run(fast, x, pieces)
+    tol = tolerance(dtype, roundings=4)
+    assert_close(y_fast, y_stock, tol, f"seed {seed}: output")
+    assert_close(c_fast[1], c_stock[1], tol, f"seed {seed}: recurrent state")
+    assert_close(c_fast[0], c_stock[0], tol, f"seed {seed}: conv state")
+    assert c_fast[1].dtype == mx.float32
 
-    Hk, Hv = 2, 4
-    C = (2 * Hk + Hv) * 128
-    w, v, nw = mx.zeros((C, 4, 1)), mx.zeros((Hv,)), mx.zeros((128,))
-    for args, name in (((w.reshape(1, 4, C), v, v, nw), "conv_weight"),
-                       ((w[:100], v, v, nw), "conv_weight"),
-                       ((w.astype(mx.int32), v, v, nw), "conv_weight"),
-                       ((w, v[:3], v, nw), "A_log"),
-                       ((w, v.reshape(2, 2), v.reshape(2, 2), nw), "A_log"),
-                       ((w, v, v, nw[:64]), "norm_weight")):
-        with pytest.raises(ValueError, match=name):
-            decode_params(*args)
-    params = decode_params(w, v, v, nw)
-    proj = mx.zeros((1, 1, packed_width(Hk, Hv)))
-    kw = dict(num_k_heads=Hk, num_v_heads=Hv)
-    for args, name in (((proj[..., 1:], params, None, None), "proj"),
-                       ((proj.astype(mx.int32), params, None, None), "proj"),
-                       ((proj, params[1:], None, None), "params"),
-                       ((proj, params.astype(mx.bfloat16), None, None), "params"),
-                       ((proj, params, mx.zeros((1, 3, C - 1)), None), "conv_state"),
-                       ((proj, params, mx.zeros((1, 3, C), mx.int32), None), "conv_state"),
-                       ((proj, params, None, mx.zeros((1, Hv, 128, 128), mx.bfloat16)), "state"),
-                       ((proj, params, None, mx.zeros((2, Hv, 128, 128))), "state")):
-        with pytest.raises(ValueError, match=name):
-            gated_delta_decode_packed(*args, **kw)
-    with pytest.raises(ValueError, match="num_v_heads"):
-        gated_delta_decode_packed(proj, params, None, None, num_k_heads=3, num_v_heads=4)
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("B", [1, 2])
+def test_compiled_decode_step_equals_eager(dtype, B):
+    """The layer's mx.compile'd decode step (the four input projections as one
+    concatenated quantised matmul read in place by the kernel, then out_proj)
+    gives the eager launches' results (four projections called as modules,
+    concatenated) bit for bit, two layers through one trace, state carried
+    over steps; a replaced weight is read."""
+    seed = int(np.random.default_rng().integers(1 << 30))
+    lays = [layers.rebind(full_size_layer(seed + i, dtype), layers.FastGatedDeltaNet) for i in range(2)]
+    xs = (mx.random.normal((3, B, 1, FULL_ARGS.hidden_size)) * 0.5).astype(dtype)
+    hv, dv, dk = lays[0].num_v_heads, lays[0].head_v_dim, lays[0].head_k_dim
+    for layer in lays:
+        c_fast, c_eager = ArraysCache(size=2), ArraysCache(size=2)
+        for x in xs:
+            y = layer(x, cache=c_fast)
+            conv = c_eager[0] if c_eager[0] is not None else mx.zeros((B, 3, layer.conv_dim), dtype)
+            st = c_eager[1] if c_eager[1] is not None else mx.zeros((B, hv, dv, dk), mx.float32)
+            y_ref = gd._cuda_decode_modules(layer, x, conv, st, c_eager)
+            mx.eval(y, y_ref, c_fast.state, c_eager.state)
+            assert mx.array_equal(y, y_ref).item(), f"seed {seed}"
+            assert mx.array_equal(c_fast[1], c_eager[1]).item() and mx.array_equal(c_fast[0], c_eager[0]).item()
+    layer = lays[0]
+    x = xs[0]
+    y0 = layer(x, cache=ArraysCache(size=2))
+    # doubling scales and biases doubles every dequantised weight exactly
+    layer.out_proj.scales = layer.out_proj.scales * 2
+    layer.out_proj.biases = layer.out_proj.biases * 2
+    y1 = layer(x, cache=ArraysCache(size=2))
+    mx.eval(y0, y1)
+    assert mx.array_equal(y1, 2 * y0).item()
+    # an input projection replaced: the plan re-concatenates it
+    layer.in_proj_z.scales = layer.in_proj_z.scales * 2
+    layer.in_proj_z.biases = layer.in_proj_z.biases * 2
+    zero_conv = mx.zeros((B, 3, layer.conv_dim), dtype)
+    zero_state = mx.zeros((B, hv, dv, dk), mx.float32)
+    y2 = layer(x, cache=ArraysCache(size=2))
+    y2_ref = gd._cuda_decode_modules(layer, x, zero_conv, zero_state, ArraysCache(size=2))
+    mx.eval(y2, y2_ref)
+    assert mx.array_equal(y2, y2_ref).item() and not mx.array_equal(y2, y1).item()

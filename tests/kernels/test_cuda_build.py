@@ -1,9 +1,8 @@
-"""The kernel build path (``kernels/_cuda_build.py``): disk cache and the
-launched image (compressed fatbin or plain cubin).
+"""The kernel build path (``kernels/_cuda_build.py``): its switches, the disk
+cache and the launched image (compressed fatbin or plain cubin).
 
-The CPU tests check the switch; the ``cuda`` ones run on the GPU machine:
-
-    source .mlxcuda/boot.sh && PYTHONPATH=. python3 -m pytest -q -m cuda tests/test_cuda_build.py
+The CPU tests check the switches and the image choice with stand-ins; the
+``cuda`` ones build and launch a real kernel.
 """
 
 from __future__ import annotations
@@ -11,7 +10,8 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
-from cuda_helpers import cuda, finite, needs_cuda
+from compare import finite
+from mlx_qwen_fast import config
 from mlx_qwen_fast.kernels import _cuda_build as cb
 
 D, HK, HV = 128, 16, 32
@@ -31,21 +31,43 @@ def fresh_nvfatbin(monkeypatch):
     lookup.cache_clear()
 
 
-def test_nvfatbin_switch_off(monkeypatch, fresh_nvfatbin):
+def test_nvfatbin_switch_off(env, fresh_nvfatbin):
     """MLX_QWEN_FAST_NVFATBIN=0: no nvFatbin, plain cubins are launched."""
-    monkeypatch.setenv(cb.NVFATBIN_ENV, "0")
+    env.set(config.NVFATBIN.name, "0")
     assert cb._get_nvfatbin() is None
     assert cb.fatbin_id() == "cubin"
 
 
-def test_nvfatbin_bad_path_warns(monkeypatch, fresh_nvfatbin, tmp_path):
+def test_nvfatbin_bad_path_warns(env, fresh_nvfatbin, tmp_path):
     """A path that is not a library is named in a warning, then skipped."""
     bogus = tmp_path / "libnvfatbin.so.13"
     bogus.write_bytes(b"not a library")
-    monkeypatch.setenv(cb.NVFATBIN_ENV, str(bogus))
+    env.set(config.NVFATBIN.name, str(bogus))
     with pytest.warns(RuntimeWarning, match="not a loadable libnvfatbin"):
         nf = cb._get_nvfatbin()
     assert nf is None or nf.path != str(bogus)
+
+
+def test_cache_dir_follows_the_switch(env, tmp_path):
+    """The cubin cache: MLX_QWEN_FAST_CACHE where set, else
+    $XDG_CACHE_HOME/mlx_qwen_fast."""
+    env.set(config.KERNEL_CACHE.name, str(tmp_path / "kernels"))
+    assert cb.cache_dir() == tmp_path / "kernels"
+    env.unset(config.KERNEL_CACHE.name)
+    env.set("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cb.cache_dir() == tmp_path / "xdg" / "mlx_qwen_fast"
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_89", "sm_100"])
+def test_arch_switch_builds_without_asking_the_driver(env, monkeypatch, arch):
+    """MLX_QWEN_FAST_ARCH names the build target; the driver is not asked."""
+
+    def no_driver():
+        raise AssertionError("the driver must not be asked")
+
+    monkeypatch.setattr(cb, "gpu_arch", no_driver)
+    env.set(config.ARCH.name, arch)
+    assert cb._arch_option() == arch
 
 
 class _FakeNvFatbin:
@@ -139,8 +161,7 @@ def _decode_kernel_inputs(seed):
     return proj, params, cs, st
 
 
-@cuda
-@needs_cuda
+@pytest.mark.cuda
 def test_image_runs_bit_identical_to_cubin():
     """The launched image (a compressed fatbin where nvFatbin is installed)
     computes exactly what the plain cubin does: the GDN decode kernel over
@@ -149,7 +170,7 @@ def test_image_runs_bit_identical_to_cubin():
 
     if cb._get_nvfatbin() is None:
         pytest.skip("no libnvfatbin: the image is the cubin itself")
-    kern = kd._kernel(mx.bfloat16, mx.float32, mx.float32, mx.float32, mx.float32, HV, HK, True)
+    kern = kd._kernel(mx.bfloat16, HV, HK)
     image, cubin = kern.image, kern.cubin
     assert cubin[:4] == ELF_MAGIC
     # MLX keys its loaded modules by kernel name *and* a hash of the binary
@@ -162,26 +183,26 @@ def test_image_runs_bit_identical_to_cubin():
     try:
         for binary in (image, cubin):
             kern._image = binary
-            o, c1, s1 = kd.gated_delta_decode_packed(proj, params, cs, st, num_k_heads=HK, num_v_heads=HV)
-            o, c1, s1 = kd.gated_delta_decode_packed(proj, params, c1, s1, num_k_heads=HK, num_v_heads=HV)
+            o, c1, s1 = kd.gated_delta_decode(proj, params, cs, st, num_k_heads=HK, num_v_heads=HV)
+            o, c1, s1 = kd.gated_delta_decode(proj, params, c1, s1, num_k_heads=HK, num_v_heads=HV)
             mx.eval(o, c1, s1)
             assert finite(o, c1, s1)
             results.append((o, c1, s1))
     finally:
-        cb.set_poison(False)
+        cb.set_poison(None)
         kern._image = image
     for u, v in zip(*results):
         assert mx.array_equal(u, v).item()
 
 
-@cuda
-@needs_cuda
-def test_disk_cache_is_reused(monkeypatch, tmp_path):
+@pytest.mark.cuda
+def test_disk_cache_is_reused(env, monkeypatch, tmp_path):
     """A second process (here: the in-memory caches cleared) loads the cubin
     from the disk cache instead of compiling, byte for byte the same."""
-    monkeypatch.setenv("MLX_QWEN_FAST_CACHE", str(tmp_path))
-    cfg = dict(GDN_X="bf16_t", GDN_W="float", GDN_A="float", GDN_DT="float", GDN_N="float",
-               GDN_HV=HV, GDN_HK=HK, GDN_PACKED=1, MQF_TEST_CACHE=1)  # an extra macro: a fresh name
+    from mlx_qwen_fast.kernels import gated_delta_decode as kd
+
+    env.set(config.KERNEL_CACHE.name, str(tmp_path))
+    cfg = dict(kd._kernel(mx.bfloat16, HV, HK).defines, MQF_TEST_CACHE=1)  # an extra macro: a fresh name
     first = cb.CudaKernel("gated_delta_decode.cu", "mqf_gdn_decode", cfg)
     data = first.cubin
     assert cb.build_stats[first.name]["source"] == "compiled"

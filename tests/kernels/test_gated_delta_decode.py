@@ -1,0 +1,159 @@
+"""The decode-step kernel (``kernels/gated_delta_decode.py``: conv + norms +
+gates + state update + gated RMSNorm of one token, inputs read from one
+packed projection row and one array of the layer's constants).
+
+The argument checks and the constants' layout run on any backend; the
+kernel against fp32 references on CUDA. Outputs are poisoned with NaN
+before every launch; inputs are fresh random data.
+
+Bounds (compare.tolerance): in fp32 everything is fp32. In bf16 the kernel
+stores q, k, v in the activation dtype before the recurrence, as the
+reference here does, so the fp32 state follows one independent rounding
+(roundings=1); the output adds y's rounding and the gated norm's three (the
+normalised value, times the weight, the output: roundings=5); the new conv
+state is a copy of inputs (exact).
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.qwen3_next import Qwen3NextRMSNormGated
+
+from compare import assert_close, finite, tolerance
+from gdn_helpers import C, D, HK, HV, fe_params, ref_frontend, reference
+from mlx_qwen_fast.kernels.gated_delta_decode import (
+    decode_params, gated_delta_decode, packed_width, params_width, supports)
+
+# ---------------------------------------------------------------------------
+# host side (any backend)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+@pytest.mark.parametrize("Hk,Hv", [(16, 32), (2, 4), (1, 1)])
+def test_decode_params_layout(Hk, Hv, dtype):
+    """[conv_weight | A_log | dt_bias | norm_weight] as exact float32 copies,
+    at the offsets the kernel reads (gated_delta_decode.cu, GDN_PACKED 1)."""
+    C_ = (2 * Hk + Hv) * 128
+    ks = mx.random.split(mx.random.key(Hk * 100 + Hv), 4)
+    w = mx.random.normal((C_, 4, 1), key=ks[0]).astype(dtype)
+    A_log = mx.random.normal((Hv,), key=ks[1]).astype(dtype)
+    dt_bias = mx.random.normal((Hv,), key=ks[2]).astype(dtype)
+    nw = mx.random.normal((128,), key=ks[3]).astype(dtype)
+    p = decode_params(w, A_log, dt_bias, nw)
+    assert p.dtype == mx.float32 and p.shape == (params_width(Hk, Hv),)
+    for t, lo in ((w, 0), (A_log, 4 * C_), (dt_bias, 4 * C_ + Hv), (nw, 4 * C_ + 2 * Hv)):
+        assert mx.array_equal(p[lo:lo + t.size], t.reshape(-1).astype(mx.float32)).item()
+    assert mx.array_equal(decode_params(w.reshape(C_, 4), A_log, dt_bias, nw), p).item()
+
+
+def test_decode_params_and_step_refuse_bad_input():
+    Hk, Hv = 2, 4
+    C_ = (2 * Hk + Hv) * 128
+    w, v, nw = mx.zeros((C_, 4, 1)), mx.zeros((Hv,)), mx.zeros((128,))
+    for args, name in (((w.reshape(1, 4, C_), v, v, nw), "conv_weight"),
+                       ((w[:100], v, v, nw), "conv_weight"),
+                       ((w.astype(mx.int32), v, v, nw), "conv_weight"),
+                       ((w, v[:3], v, nw), "A_log"),
+                       ((w, v.reshape(2, 2), v.reshape(2, 2), nw), "A_log"),
+                       ((w, v, v, nw[:64]), "norm_weight")):
+        with pytest.raises(ValueError, match=name):
+            decode_params(*args)
+    params = decode_params(w, v, v, nw)
+    proj = mx.zeros((1, 1, packed_width(Hk, Hv)))
+    kw = dict(num_k_heads=Hk, num_v_heads=Hv)
+    for args, name in (((proj[..., 1:], params, None, None), "proj"),
+                       ((proj.astype(mx.int32), params, None, None), "proj"),
+                       ((proj, params[1:], None, None), "params"),
+                       ((proj, params.astype(mx.bfloat16), None, None), "params"),
+                       ((proj, params, mx.zeros((1, 3, C_ - 1)), None), "conv_state"),
+                       ((proj, params, mx.zeros((1, 3, C_), mx.int32), None), "conv_state"),
+                       ((proj, params, None, mx.zeros((1, Hv, 128, 128), mx.bfloat16)), "state"),
+                       ((proj, params, None, mx.zeros((2, Hv, 128, 128))), "state")):
+        with pytest.raises(ValueError, match=name):
+            gated_delta_decode(*args, **kw)
+    with pytest.raises(ValueError, match="num_v_heads"):
+        gated_delta_decode(proj, params, None, None, num_k_heads=3, num_v_heads=4)
+
+
+def test_packed_width_is_the_four_projections():
+    """proj = concat(qkv, z, a, b): (2 Hk + Hv) * 128 + Hv * 128 + 2 Hv."""
+    assert packed_width(HK, HV) == C + HV * D + 2 * HV
+
+
+# ---------------------------------------------------------------------------
+# kernel (CUDA)
+# ---------------------------------------------------------------------------
+
+
+def _step_inputs(key, B, dtype):
+    kt = mx.random.split(key, 4)
+    qkv = mx.random.normal((B, 1, C), key=kt[0]).astype(dtype)
+    z = mx.random.normal((B, 1, HV * D), key=kt[1]).astype(dtype)
+    a = mx.random.normal((B, 1, HV), key=kt[2]).astype(dtype)
+    b = mx.random.normal((B, 1, HV), key=kt[3]).astype(dtype)
+    return qkv, z, a, b
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("poison")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("B", [1, 2])
+def test_decode_matches_reference(B, dtype):
+    """Two steps, the states carried from the kernel's first step: each
+    against fp32 conv + norms + gates (mlx-lm's expressions), the fp32
+    recurrence and mlx-lm's gated norm; the four projections read from one
+    packed row and the constants from decode_params' array."""
+    w, A_log, dt_bias = fe_params(B, dtype)
+    ks = mx.random.split(mx.random.key(200 + B), 4)
+    cs = mx.random.normal((B, 3, C), key=ks[0]).astype(dtype)
+    s0 = 0.5 * mx.random.normal((B, HV, D, D), key=ks[1])
+    wn = (1 + 0.3 * mx.random.normal((D,), key=ks[2])).astype(dtype)
+    params = decode_params(w, A_log, dt_bias, wn)
+    m = Qwen3NextRMSNormGated(D, eps=1e-6)
+    m.weight = wn
+    for step in range(2):
+        qkv, z, a, b = _step_inputs(mx.random.split(ks[3], 2)[step], B, dtype)
+        proj = mx.concatenate([qkv, z, a, b], axis=-1)
+        assert supports(qkv, s0, num_k_heads=HK, num_v_heads=HV)
+        out, ncs, ns = gated_delta_decode(proj, params, cs, s0, num_k_heads=HK, num_v_heads=HV)
+        q, k, v, g, beta, rcs = ref_frontend(qkv, a, b, w, cs, A_log, dt_bias)
+        q, k, v = (x.astype(dtype) for x in (q, k, v))  # the kernel stores them in dtype
+        y, rs = reference(q, k, v, g, beta, s0)
+        ro = m(y.astype(dtype), z.reshape(B, 1, HV, D)).reshape(B, 1, HV * D)
+        assert out.shape == (B, 1, HV * D) and out.dtype == dtype
+        assert finite(out, ns, ncs)
+        assert_close(ncs, rcs, 0.0, "conv state (exact)")
+        assert_close(ns, rs, tolerance(dtype, roundings=1), "state")
+        assert_close(out, ro, tolerance(dtype, roundings=5), "out")
+        cs, s0 = ncs, ns
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("poison")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("B", [1, 2])
+def test_decode_compiled_equals_eager(B, dtype):
+    """Inside mx.compile (as the layer's decode step runs it) the kernel gives
+    the eager launch's bits, over several chained steps (state and conv state
+    carried) from None states; a bad state is still refused by name."""
+    w, A_log, dt_bias = fe_params(B, dtype)
+    ks = mx.random.split(mx.random.key(300 + B), 5)
+    wn = (1 + 0.3 * mx.random.normal((D,), key=ks[0])).astype(dtype)
+    params = decode_params(w, A_log, dt_bias, wn)
+    kw = dict(num_k_heads=HK, num_v_heads=HV)
+    compiled = mx.compile(lambda p, prm, c, s: gated_delta_decode(p, prm, c, s, **kw))
+    ce, se, cc, sc = None, None, None, None
+    for t in range(3):
+        proj = mx.concatenate(_step_inputs(ks[1 + t], B, dtype), axis=-1)
+        oe, ce, se = gated_delta_decode(proj, params, ce, se, **kw)
+        if cc is None:  # mx.compile takes arrays only: the first step's zeros as the kernel makes them
+            cc, sc = mx.zeros((B, 3, C), dtype), mx.zeros((B, HV, D, D), mx.float32)
+        oc, cc, sc = compiled(proj, params, cc, sc)
+        assert finite(oc, cc, sc)
+        for x, y in ((oe, oc), (ce, cc), (se, sc)):
+            assert x.shape == y.shape and x.dtype == y.dtype
+            assert mx.array_equal(x, y).item()
+    with pytest.raises(ValueError, match="state"):
+        compiled(proj, params, cc, sc[:, :4])

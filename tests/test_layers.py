@@ -1,0 +1,71 @@
+"""``mlx_qwen_fast.layers``: the fast subclasses of mlx-lm's modules share
+the stock module's arrays (``rebind``) and compute its function through
+their op family's dispatch.
+
+On this backend (CPU in CI) the layers take the plain-MLX paths; the CUDA
+paths of the same layers: tests/ops/test_gated_delta.py (the whole Gated
+DeltaNet layer vs stock on CUDA) and tests/ops/test_moe.py.
+"""
+
+import mlx.core as mx
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import ArraysCache
+from mlx_lm.models.qwen3_5 import GatedDeltaNet, TextModelArgs
+from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
+
+from compare import assert_close, tolerance
+from mlx_qwen_fast import layers
+
+ARGS = TextModelArgs(
+    model_type="qwen3_5_moe_text", hidden_size=128, num_hidden_layers=4,
+    num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=64,
+    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
+    linear_value_head_dim=32, linear_conv_kernel_dim=4,
+)
+
+
+def test_fast_classes_pair_with_their_stock_class():
+    assert layers.FAST_CLASSES == {GatedDeltaNet: layers.FastGatedDeltaNet,
+                                   Qwen3NextSparseMoeBlock: layers.FastSparseMoeBlock}
+    for stock, fast in layers.FAST_CLASSES.items():
+        assert issubclass(fast, stock) and fast.stock_class is stock
+
+
+def test_rebind_shares_every_array_both_ways():
+    mx.random.seed(0)
+    stock = GatedDeltaNet(ARGS)
+    fast = layers.rebind(stock, layers.FastGatedDeltaNet)
+    assert type(fast) is layers.FastGatedDeltaNet and type(stock) is GatedDeltaNet
+    a, b = dict(tree_flatten(stock.parameters())), dict(tree_flatten(fast.parameters()))
+    assert a.keys() == b.keys() and all(a[k] is b[k] for k in a)
+    assert fast.in_proj_qkv is stock.in_proj_qkv  # children shared, not copied
+    back = layers.rebind(fast, fast.stock_class)
+    assert type(back) is GatedDeltaNet
+    assert all(v is a[k] for k, v in tree_flatten(back.parameters()))
+
+
+def _run(layer, x, pieces):
+    cache = ArraysCache(size=2)
+    outs, start = [], 0
+    for n in pieces:
+        outs.append(layer(x[:, start:start + n], cache=cache))
+        start += n
+    mx.eval(outs, cache.state)
+    return mx.concatenate(outs, axis=1), cache
+
+
+def test_fast_gated_delta_net_computes_the_stock_layer():
+    """Prefill in pieces (the chunked form) then decode steps (the
+    recurrence), the cache carried: the stock layer's outputs and states to
+    fp32 rounding (compare.FP32_TOL)."""
+    mx.random.seed(1)
+    stock = GatedDeltaNet(ARGS)
+    fast = layers.rebind(stock, layers.FastGatedDeltaNet)
+    x = mx.random.normal((2, 70, ARGS.hidden_size)) * 0.5
+    pieces = [65, 3, 1, 1]
+    y_s, c_s = _run(stock, x, pieces)
+    y_f, c_f = _run(fast, x, pieces)
+    tol = tolerance(mx.float32)
+    assert_close(y_f, y_s, tol, "output")
+    assert_close(c_f[1], c_s[1], tol, "recurrent state")
+    assert_close(c_f[0], c_s[0], tol, "conv state")
