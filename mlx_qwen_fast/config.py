@@ -45,6 +45,7 @@ __all__ = [
     "POISON",
     "WARMUP",
     "reload",
+    "raw_value",
     "cache_root",
     "kernel_cache_dir",
     "cuda_toolkit_lib_dirs",
@@ -124,6 +125,11 @@ def _parse(switch: Switch) -> Any:
 
 
 _values: Dict[str, Any] = {}
+
+
+def raw_value(switch: Switch) -> str:
+    """The switch's variable as the environment holds it ("" when unset), for messages."""
+    return os.environ.get(switch.name, "")
 
 
 def reload() -> None:

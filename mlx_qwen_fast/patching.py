@@ -275,7 +275,7 @@ def enabled() -> bool:
 
 
 def _off_setting() -> str:
-    return f"{config.FAST_PATH.name} is off"
+    return f"{config.FAST_PATH.name}={config.raw_value(config.FAST_PATH)}"
 
 
 def install(*, verbose: bool = False, after_load: Optional[Callable[[], object]] = None) -> bool:

@@ -51,6 +51,9 @@ PROMPT_TOKENS = (1, 3, 12, 27, 60, 100, 300, 2100)
 #: GPU memory one worker may take (bytes): two layers, the embedding and the
 #: lm_head of Qwen3.6-35B-A3B at 4 bits, MLX's buffers and the prompts.
 WORKER_BYTES = 4 << 30
+#: Seconds after which :meth:`Warmup.wait` stops waiting for its workers (the
+#: longest single compile measured is about half a minute).
+TIMEOUT_S = 300.0
 _MARKER_PREFIX = "mlx_qwen_fast-warm-"
 
 
@@ -152,17 +155,23 @@ class Warmup:
             self.procs.append((proc, private, log, lengths))
         return self
 
-    def wait(self, progress: bool = True) -> Dict:
+    def wait(self, progress: bool = True, timeout: float = TIMEOUT_S) -> Dict:
         """Join the workers (a tqdm bar on stderr when ``progress``), publish
-        their caches, write the marker. Returns ``{"seconds", "workers",
-        "failed", "published"}``."""
+        their caches, write the marker. A worker still running ``timeout``
+        seconds after the start is killed and counted as failed. Returns
+        ``{"seconds", "workers", "failed", "published"}``."""
         from tqdm import tqdm
 
         failed, published = [], 0
         with tqdm(total=len(self.procs), desc="compiling GPU kernels (once per machine)", unit="job",
                   disable=not progress or not self.procs, file=sys.stderr) as bar:
             for proc, private, log, lengths in self.procs:
-                rc = proc.wait()
+                left = max(1.0, timeout - (time.perf_counter() - self.started))
+                try:
+                    rc = proc.wait(timeout=left)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    rc = proc.wait()
                 if rc != 0:
                     log.seek(0)
                     tail = log.read().decode(errors="replace").strip().splitlines()[-1:]

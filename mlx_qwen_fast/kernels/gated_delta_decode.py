@@ -87,7 +87,7 @@ def _kernel(x, Hv: int, Hk: int) -> cb.CudaKernel:
 
 
 def packed_width(num_k_heads: int, num_v_heads: int) -> int:
-    """Last-axis size of :func:`gated_delta_decode_packed`'s ``proj``:
+    """Last-axis size of :func:`gated_delta_decode`'s ``proj``:
     (2 Hk + Hv) * 128 + Hv * 128 + 2 Hv (qkv | z | a | b)."""
     return (2 * num_k_heads + num_v_heads) * D + num_v_heads * D + 2 * num_v_heads
 
@@ -99,7 +99,7 @@ def params_width(num_k_heads: int, num_v_heads: int) -> int:
 
 def decode_params(conv_weight: mx.array, A_log: mx.array, dt_bias: mx.array, norm_weight: mx.array) -> mx.array:
     """A layer's decode-step constants as one float32 array, for
-    :func:`gated_delta_decode_packed`: ``[conv_weight (C*4) | A_log (Hv) |
+    :func:`gated_delta_decode`: ``[conv_weight (C*4) | A_log (Hv) |
     dt_bias (Hv) | norm_weight (128)]``. Every float type converts to float32
     exactly, so the kernel's results do not change; build it once per layer
     (one graph input instead of four: MLX's host cost per node grows with its

@@ -27,8 +27,8 @@ Weights: MLX affine quantisation, 4 bits, group 64, bf16 scales and biases
 (the routed experts ``[E, O, K/8]``, the shared expert ``[O, K/8]``); the
 shared-expert gate (``D -> 1``) 4- or 8-bit group 64, or plain bf16.
 Dequantised as ``bf16(s * q + b)``, one rounding (MLX's CUDA
-``mx.dequantize``); :func:`reference` is the fp32 host reference (weights
-``s * q + b`` in fp32, bf16 roundings where mlx-lm rounds).
+``mx.dequantize``). The tests' fp32 host reference takes the weights as
+``s * q + b`` in fp32 and rounds to bf16 where mlx-lm rounds.
 
 Numerics against the stock block (bf16): the routing weights and the combine
 stay fp32 (stock rounds probabilities, weighted outputs and the sum to bf16),

@@ -708,11 +708,13 @@ def _compiled_decode_step(top_k: int, normalize: bool, router_static: tuple, n_r
 def _cuda_decode(block, x: mx.array) -> mx.array:
     """The block's decode step (:func:`moe_decode`'s computation, bit for bit)
     traced once with ``mx.compile``; the stock block where the kernels do
-    not apply (:func:`decode_plan`). The block's arrays are inputs of the
+    not apply (no CUDA device, or :func:`decode_plan` declines). The block's arrays are inputs of the
     compiled function, so one trace per token count serves every layer; the
     :func:`decode_plan` checks run once per layer and input signature
     (cached on the block, re-run when one of its arrays is replaced), so a
     call costs the array lookups and the compiled call."""
+    if not _cuda_build.cuda_available():
+        return _stock(block, x)
     arrays, fn = StepPlans.of(block).get((tuple(x.shape), x.dtype), block, lambda: _decode_step_plan(block, x))
     if fn is None:
         return _stock(block, x)
