@@ -636,7 +636,18 @@ def fake_decode_kernels(cpu_device, monkeypatch):
     monkeypatch.setattr(md, "moe_decode_arrays", fake_moe_decode_arrays)
     monkeypatch.setattr(mr, "route", lambda logits, k, normalize=True: moe.route(logits, k, normalize=normalize))
     monkeypatch.setattr(moe, "_decode_steps", {})  # traces of the fakes stay out of the real cache
+    monkeypatch.setattr(moe._cuda_build, "cuda_available", lambda: True)  # the fakes stand in for the GPU
     FAKE_CALLS.clear()
+
+
+def test_forced_cuda_decode_without_cuda_runs_stock(cpu_device):
+    """sparse_moe(..., implementation="cuda-decode") where MLX has no CUDA
+    device gives the stock block's result instead of failing in the kernels."""
+    block = moe_blocks.make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=3)
+    x = mx.random.normal((1, 1, 256)).astype(mx.bfloat16)
+    if moe._cuda_build.cuda_available():
+        pytest.skip("needs a process without a CUDA device")
+    assert mx.array_equal(moe.sparse_moe(block, x, implementation="cuda-decode"), moe._stock(block, x)).item()
 
 
 def test_decode_compiled_step_equals_eager(fake_decode_kernels):
