@@ -2,7 +2,7 @@
 
 One process holds one checkpoint and two engines that share every weight
 array: ``stock`` (the model as mlx-lm builds it) and ``patched``
-(``mlx_qwen_fast.patch.patched_copy``). See bench/README.md for the method.
+(``mlx_qwen_fast.patched_copy``). See bench/README.md for the method.
 
 Prefill: for each prompt length, random token ids (fixed seed, never 0) are
 fed exactly as ``mlx_lm.generate_step`` feeds them -- chunks of
@@ -18,11 +18,23 @@ Decode: for each context length, the cache is filled once by the fill engine
 (default patched); each engine then decodes ``--decode-steps`` greedy tokens
 from its own copy of that cache (``mx.array`` copies of every cache array),
 pipelined as ``generate_step`` does (``mx.async_eval`` of step n+1 before
-``.item()`` of step n). tok/s = steps / time. Before the timed rounds, each
-engine runs the same steps synchronously once (warm-up), which gives the
-host/device split: ``host_ms_per_token`` = median time to build one step's
-graph (the model call and argmax, no evaluation); ``device_ms_per_token`` =
-median time of the ``mx.eval`` of that step alone, nothing else in flight.
+``.item()`` of step n). tok/s = steps / time. Before the timed rounds each
+engine runs the same steps synchronously once, which gives the host/device
+split: ``host_ms_per_token`` = median time to build one step's graph (the
+model call and argmax, no evaluation); ``device_ms_per_token`` = median time
+of the ``mx.eval`` of that step alone, nothing else in flight.
+
+Warm-up (:func:`warm_until_stable`): before its timed rounds, each engine
+repeats the measured run (prefill: the shortest prompt with the same chunk
+shapes, once per new set of shapes; decode: the pipelined steps, after the
+synchronous pass) until two consecutive runs' rates agree within
+``--warmup-tolerance`` (|a - b| <= tol * min(a, b)), at most
+``--warmup-max-runs`` runs and ``--warmup-max-seconds`` of warm-up per
+engine and point. One warm-up run is not enough: the first run of a process
+pays first-use compilation, and a stock decode measured 30 tok/s in its
+first timed round and 50 in its second after a single warm-up. The records
+keep the warm-up runs' rates (``warmup_tok_s``), how many there were
+(``warmup_runs``) and whether they converged (``warmup_converged``).
 
 Each measurement: warm-up first, then ``--rounds`` rounds, engines in
 alternating order (stock, patched, then patched, stock, ...); the record
@@ -37,7 +49,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -275,9 +286,78 @@ class Context:
     step: int
     rounds: int
     max_seconds: Optional[float]
-    warmup_max_seconds: Optional[float] = None  # warm-up budget (first-use JIT)
+    warmup_max_seconds: Optional[float] = None  # warm-up budget per engine and point
+    warmup_max_runs: int = 6  # warm-up runs per engine and point, at most
+    warmup_tolerance: float = 0.05  # two consecutive warm-up rates agree within this
     run_index: int = 0
     save: Any = None  # callable(records) after each point
+
+
+@dataclasses.dataclass
+class Warmup:
+    """The warm-up runs of one engine at one point (:func:`warm_until_stable`)."""
+
+    rates: List[float]  # tok/s of each completed warm-up run, in order
+    seconds: float  # wall time of the whole warm-up
+    converged: bool  # the last two rates agree within the tolerance
+    failed: Optional[Run] = None  # the run that ended the warm-up with a failure
+
+    def fields(self) -> Dict:
+        """The record fields: ``warmup_runs``, ``warmup_tok_s``,
+        ``warmup_converged``, ``warmup_seconds``."""
+        return {"warmup_runs": len(self.rates), "warmup_tok_s": list(self.rates),
+                "warmup_converged": self.converged, "warmup_seconds": self.seconds}
+
+
+NO_WARMUP = {"warmup_runs": 0, "warmup_tok_s": [], "warmup_converged": None, "warmup_seconds": 0.0}
+
+
+def rates_agree(a: float, b: float, tolerance: float) -> bool:
+    """Two rates agree when ``|a - b| <= tolerance * min(a, b)``."""
+    return abs(a - b) <= tolerance * min(a, b)
+
+
+def warm_until_stable(run_once, units: int, ctx: Context, label: str,
+                      spent: float = 0.0) -> Warmup:
+    """Warm an engine up with the run it will be timed on.
+
+    ``run_once(max_seconds) -> Run`` runs once (``units`` tokens when
+    complete). Runs repeat until the rates (``units / seconds``) of the last
+    two agree within ``ctx.warmup_tolerance`` (:func:`rates_agree`), or
+    ``ctx.warmup_max_runs`` runs were made, or the budget
+    ``ctx.warmup_max_seconds`` (of which ``spent`` seconds are already used,
+    e.g. by decode's synchronous pass) would not hold another run as long as
+    the last one. Each run gets the budget left as its ``max_seconds``. A
+    first run that does not finish ("timeout", "oom", "error") fails the
+    warm-up (``failed``: the engine is not timed at this point); a later run
+    that times out only ends it (not converged), any other failure fails it.
+    ``ctx.warmup_max_runs == 1`` is a single warm-up run (never converged).
+    """
+    t0 = time.perf_counter() - spent
+    budget, tol = ctx.warmup_max_seconds, ctx.warmup_tolerance
+    rates: List[float] = []
+    last = 0.0
+    converged = False
+    for i in range(max(1, ctx.warmup_max_runs)):
+        left = None if budget is None else budget - (time.perf_counter() - t0)
+        if i > 0 and left is not None and left < last:
+            log(f"  {label} warm-up: {left:.1f} s of budget left, less than the last run ({last:.1f} s)")
+            break
+        run = run_once(left)
+        if run.status != "ok":
+            log(f"  {label} warm-up run {i}: {run.status} after {run.seconds:.1f} s")
+            if i == 0 or run.status != "timeout":
+                return Warmup(rates, time.perf_counter() - t0, False, failed=run)
+            break
+        rates.append(units / run.seconds)
+        last = run.seconds
+        log(f"  {label} warm-up run {i}: {rates[-1]:.2f} tok/s ({run.seconds:.2f} s)")
+        if len(rates) >= 2 and rates_agree(rates[-2], rates[-1], tol):
+            converged = True
+            break
+    if not converged and ctx.warmup_max_runs > 1:
+        log(f"  {label} warm-up: no two consecutive runs within {tol:.0%} after {len(rates)} runs")
+    return Warmup(rates, time.perf_counter() - t0, converged)
 
 
 def prefill_sweep(engines: Dict[str, Any], lengths: Sequence[int], ctx: Context,
@@ -296,20 +376,21 @@ def prefill_sweep(engines: Dict[str, Any], lengths: Sequence[int], ctx: Context,
                 done[name] = _not_run(
                     "timeout", f"not run: {name} already timed out at {timed_out[name]} tokens")
         # warm-up: once per set of chunk shapes not seen yet by this engine
+        warm: Dict[str, Dict] = {}
         for name, model in engines.items():
             if name in done or set(chunk_sizes(n, ctx.step)) <= warmed[name]:
                 continue
             w = warmup_length(n, ctx.step)
             # The first warm-up of a process also pays MLX's first-use kernel
-            # compilation (tens of seconds on CUDA), so it has its own budget.
-            run, _, _ = prefill(model, prompt[:w], ctx.step, ctx.warmup_max_seconds)
-            log(f"  prefill {common.fmt_len(n):>5} {name:8} warm-up ({w} tokens): "
-                f"{run.status} {run.seconds:.1f} s")
-            if run.status == "ok":
+            # compilation (minutes on CUDA), so it has its own budget.
+            wu = warm_until_stable(lambda left, model=model, w=w: prefill(model, prompt[:w], ctx.step, left)[0],
+                                   w, ctx, f"prefill {common.fmt_len(n):>5} {name:8} ({w} tokens)")
+            warm[name] = wu.fields()
+            if wu.failed is None:
                 warmed[name] |= set(chunk_sizes(w, ctx.step))
             else:
-                done[name] = {**_summary([run], n), "skipped": True}
-                done[name]["note"] = f"warm-up prefill of {w} tokens ended with {run.status}"
+                done[name] = {**_summary([wu.failed], n), "skipped": True, **wu.fields()}
+                done[name]["note"] = f"warm-up prefill of {w} tokens ended with {wu.failed.status}"
         for r in range(ctx.rounds):
             for name in _order(list(engines), r):
                 if name in done or any(x.status != "ok" for x in runs[name]):
@@ -321,10 +402,10 @@ def prefill_sweep(engines: Dict[str, Any], lengths: Sequence[int], ctx: Context,
                     f"({run.seconds:.2f} s, peak {run.peak_gb or 0:.2f} GB)")
         flops = ctx.roofline.prefill_flops_per_token(n)
         for name in engines:
-            rec = done.get(name) or _summary(runs[name], n)
+            rec = done.get(name) or {**_summary(runs[name], n), **warm.get(name, NO_WARMUP)}
             if rec["status"] == "timeout" and not rec.get("skipped"):
                 timed_out[name] = min(timed_out.get(name, n), n)
-            rec = {"tokens": n, "engine": name, **rec, "flops_per_token": flops,
+            rec = {"tokens": n, "engine": name, **NO_WARMUP, **rec, "flops_per_token": flops,
                    "roofline_frac": _prefill_frac(rec, flops, ctx.ceilings),
                    "run": ctx.run_index}
             records.append(rec)
@@ -381,17 +462,34 @@ def decode_sweep(engines: Dict[str, Any], contexts: Sequence[int], ctx: Context,
                         done.setdefault(name, {**_not_run(fill.status, note), "error": fill.error})
         runs: Dict[str, List[Run]] = {name: [] for name in engines}
         sync: Dict[str, Run] = {}
+        warm: Dict[str, Dict] = {}
         if cache is not None:
-            for name, model in engines.items():  # warm-up, synchronous: host/device split
+            for name, model in engines.items():
                 if name in done:
                     continue
-                # warm-up: may include first-use kernel compilation -> its own budget
+                # warm-up, first synchronous (the host/device split; it may include
+                # first-use kernel compilation, hence the warm-up budget), then
+                # pipelined as the timed rounds until two runs agree
+                t0 = time.perf_counter()
                 sync[name] = decode_sync(model, copy_cache(cache), token, steps,
                                          ctx.warmup_max_seconds)
-                if sync[name].status != "ok":
-                    done[name] = _summary([sync[name]], steps)
-                    done[name]["note"] = f"warm-up decode ended with {sync[name].status}"
                 common.free_memory()
+                if sync[name].status != "ok":
+                    done[name] = {**_summary([sync[name]], steps), **NO_WARMUP}
+                    done[name]["note"] = f"warm-up decode ended with {sync[name].status}"
+                    continue
+
+                def once(left, model=model, cache=cache):
+                    run = decode_pipelined(model, copy_cache(cache), token, steps, left)
+                    common.free_memory()
+                    return run
+
+                wu = warm_until_stable(once, steps, ctx, f"decode {common.fmt_len(n):>5} {name:8}",
+                                       spent=time.perf_counter() - t0)
+                warm[name] = wu.fields()
+                if wu.failed is not None:
+                    done[name] = {**_summary([wu.failed], steps), **wu.fields()}
+                    done[name]["note"] = f"warm-up decode ended with {wu.failed.status}"
             for r in range(ctx.rounds):
                 for name in _order(list(engines), r):
                     if name in done or any(x.status != "ok" for x in runs[name]):
@@ -405,13 +503,13 @@ def decode_sweep(engines: Dict[str, Any], contexts: Sequence[int], ctx: Context,
         del cache
         nbytes = ctx.roofline.decode_bytes_per_token(n + (steps + 1) / 2)
         for name in engines:
-            rec = done.get(name) or _summary(runs[name], steps)
+            rec = done.get(name) or {**_summary(runs[name], steps), **warm.get(name, NO_WARMUP)}
             if rec["status"] == "timeout" and not rec.get("skipped"):
                 timed_out[name] = min(timed_out.get(name, n), n)
             s = sync.get(name)
             host_pipelined = [h for x in runs[name] for h in (x.host_s or [])]
             rec = {
-                "context": n, "engine": name, **rec,
+                "context": n, "engine": name, **NO_WARMUP, **rec,
                 "steps": steps,
                 "bytes_per_token": nbytes,
                 "roofline_frac": _decode_frac(rec, nbytes, ctx.ceilings),
@@ -544,8 +642,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time budget of one prefill or decode run (default %(default)s s); "
                         "0 = none")
     g.add_argument("--warmup-max-seconds", type=float, default=600.0,
-                   help="time budget of a prefill warm-up, which includes first-use "
-                        "kernel compilation (default %(default)s s); 0 = none")
+                   help="time budget of one engine's warm-up at one point, which includes "
+                        "first-use kernel compilation (default %(default)s s); 0 = none")
+    g.add_argument("--warmup-max-runs", type=int, default=6,
+                   help="warm-up runs per engine and point, at most (default %(default)s; "
+                        "1 = a single warm-up run)")
+    g.add_argument("--warmup-tolerance", type=float, default=0.05,
+                   help="warm-up ends once two consecutive runs' rates agree within this "
+                        "relative difference (default %(default)s)")
     g.add_argument("--fill-max-seconds", type=float, default=300.0,
                    help="time budget of the decode cache fill (default %(default)s s)")
     g.add_argument("--engines", default="stock,patched",
@@ -595,6 +699,9 @@ def main(argv=None) -> Dict:
     names = [e.strip() for e in args.engines.split(",") if e.strip()]
     if not names or any(e not in ENGINES for e in names):
         raise SystemExit(f"--engines must name some of {ENGINES}, got {args.engines!r}")
+    if args.warmup_max_runs < 1 or not args.warmup_tolerance > 0:
+        raise SystemExit(f"--warmup-max-runs must be >= 1 and --warmup-tolerance > 0, got "
+                         f"{args.warmup_max_runs}, {args.warmup_tolerance}")
     max_s = args.max_seconds or None
     out = Path(args.out) if args.out else common.default_out("ab")
 
@@ -609,7 +716,7 @@ def main(argv=None) -> Dict:
         log(f"ceilings: copy {ceil['copy_gbps']:.1f} GB/s, bf16 {ceil['bf16_tflops']:.2f} TFLOP/s")
 
     model, config, _ = common.load_checkpoint(args)
-    from mlx_qwen_fast.patch import patched_copy
+    from mlx_qwen_fast import patched_copy
 
     fast, report = patched_copy(model)
     log(str(report))
@@ -653,6 +760,7 @@ def main(argv=None) -> Dict:
         roofline=roof, ceilings=result["ceilings"], vocab=common.ModelShape.from_config(config).vocab,
         prompt_seed=args.prompt_seed, step=args.prefill_step_size, rounds=args.rounds,
         max_seconds=max_s, warmup_max_seconds=args.warmup_max_seconds or None,
+        warmup_max_runs=args.warmup_max_runs, warmup_tolerance=args.warmup_tolerance,
         run_index=run_index,
     )
     common.write_json(out, result)
@@ -682,13 +790,13 @@ def _print_tables(result: Dict) -> None:
         log("prefill:")
         common.print_table(sorted(result["prefill"], key=lambda r: (r["tokens"], r["engine"])),
                            ["tokens", "engine", "status", "tok_s", "tok_s_min", "tok_s_max",
-                            "peak_gb", "roofline_frac"])
+                            "peak_gb", "roofline_frac", "warmup_runs"])
     if result.get("decode"):
         log("decode:")
         common.print_table(sorted(result["decode"], key=lambda r: (r["context"], r["engine"])),
                            ["context", "engine", "status", "tok_s", "tok_s_min", "tok_s_max",
                             "peak_gb", "roofline_frac", "host_ms_per_token",
-                            "device_ms_per_token"])
+                            "device_ms_per_token", "warmup_runs"])
 
 
 if __name__ == "__main__":

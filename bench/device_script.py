@@ -1,7 +1,15 @@
 """Shared driver of the device kernel scripts (``bench/gdn_cuda.py``,
-``bench/moe_cuda.py``): each section runs in its own process (a crash or a
-hang in one kernel does not lose the others), writes ``<prefix>_<section>.json``
-under ``--out``, and the parent prints the script's summary table last.
+``bench/moe_cuda.py``, ``bench/moe_decode_cuda.py``) and their timing helpers.
+
+:func:`run_sections` runs each section of a script in its own process (a
+crash or a hang in one kernel does not lose the others), writes
+``<prefix>_<section>.json`` and appends to ``<prefix>_cuda.log`` under
+``--out``, and the parent prints the script's summary table last.
+:func:`timed_builds` runs a snippet in two fresh processes sharing an empty
+kernel cache (first use, then cached; also ``bench.startup``). The timing
+helpers (:func:`timeit`, :func:`chain_latency`, :func:`build_eval_times`)
+synchronise around every evaluation; :func:`rel` and :func:`finite` are the
+checks' error measures.
 """
 
 import argparse
@@ -40,6 +48,10 @@ def run_sections(script, prefix, sections, summary, description, default_section
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--quick", action="store_true", help=quick_help)
     args = ap.parse_args()
+    from mlx_qwen_fast.kernels import _cuda_build as cb
+
+    if not cb.cuda_available():
+        raise SystemExit(f"{Path(script).name}: needs MLX's CUDA backend and an NVIDIA GPU (none here)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     _log_path = str(out / f"{prefix}_cuda.log")

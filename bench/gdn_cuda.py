@@ -1,38 +1,55 @@
-"""Build, check and time the CUDA Gated DeltaNet kernels (device script).
+"""Check and time the CUDA Gated DeltaNet kernels (device script).
 
-Run on the GPU machine (see shared/device/README.md):
+Run on the GPU machine:
 
-    source .mlxcuda/boot.sh && PYTHONPATH=. python3 bench/gdn_cuda.py
+    source .mlxcuda/boot.sh && PYTHONPATH=. python3 bench/gdn_cuda.py --out $OUT [--sections scan,frontend,decode] [--quick]
 
-Each section runs in its own process (a kernel fault cannot take the others
-down): build (first-use compile with an empty cubin cache, then a fresh
-process loading from the cache), scan, frontend, norm, decode.  Every check
-compares against an fp32 reference on fresh random data with the outputs
-poisoned (NaN) before the kernel runs; timings are medians over repeated
-launches.  Full logs and a JSON of every number go to $OUT (or --out); a
-short table is printed last.
+The kernels the patched layer runs, at the model's heads (Hk = 16, Hv = 32,
+head dims 128): the prefill scan (``kernels/gated_delta_scan.py``, its
+default configuration), the front end (conv + SiLU + q/k norms + gates,
+``kernels/gated_delta_frontend.py``), the gated RMSNorm
+(``kernels/gated_rms_norm.py``) and the decode step
+(``kernels/gated_delta_decode.py``: one packed input [qkv | z | a | b] and the
+layer's constants from ``decode_params``). Sections, each in its own
+process (a kernel fault cannot take the others down):
+
+* ``scan``: against the fp32 per-token recurrence (``ops.gated_delta``) on
+  fresh random data, outputs poisoned with NaN: B = 1, 2, strong and weak
+  decay, fp32 and bf16, T from 1 to 4096, a call carried over from another,
+  a padding mask. Times: chained calls (the state feeds the next call, as
+  consecutive layers), marginal latency, beside one call per evaluation,
+  and the plain-MLX chunked form.
+* ``frontend``: the front end and the gated norm against fp32 references
+  (mlx-lm's ``Qwen3NextRMSNormGated`` for the norm); times against mlx-lm's
+  ops for the same work.
+* ``decode``: the decode step against the fp32 front end + recurrence +
+  mlx-lm's gated norm; 8 decode steps against the prefill kernels over the
+  same 8 tokens; times of 30 layers per token (the model's GDN layers, each
+  its own state) eager and ``mx.compile``d, 50 chained steps, a pipelined
+  token loop (``mx.async_eval``), and the same step in plain MLX ops.
+
+Logs and one JSON per section go to --out; a summary table is printed last.
 """
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.device_script import (  # noqa: E402
-    build_eval_times, chain_latency, finite, log, rel, run_sections, timed_builds, timeit)
+from bench.device_script import chain_latency, finite, log, rel, run_sections, timeit  # noqa: E402
 
 D = 128
 HK, HV = 16, 32
 C = (2 * HK + HV) * D
 
 # --------------------------------------------------------------------------
-# helpers (imported lazily: the driver itself needs no MLX)
+# helpers (MLX imported lazily: the driver itself needs none)
 # --------------------------------------------------------------------------
 
 
@@ -72,102 +89,26 @@ def qkv_inputs(B, T, key, dtype):
 
 
 def reference_recurrent():
-    """fp32 per-token reference: ops.gated_delta.gated_delta_recurrent if it
-    is there, else mlx-lm's gated_delta_ops on fp32 inputs."""
+    """``(fn, name)``: the fp32 per-token reference ``ops.gated_delta.gated_delta_recurrent``
+    with q, k, v cast to fp32."""
     mx = _mx()
-    try:
-        from mlx_qwen_fast.ops.gated_delta import gated_delta_recurrent
+    from mlx_qwen_fast.ops.gated_delta import gated_delta_recurrent
 
-        def ref(q, k, v, g, beta, state, mask=None):
-            f = mx.float32
-            return gated_delta_recurrent(
-                q.astype(f), k.astype(f), v.astype(f), g, beta, state, mask
-            )
+    def ref(q, k, v, g, beta, state, mask=None):
+        f = mx.float32
+        return gated_delta_recurrent(q.astype(f), k.astype(f), v.astype(f), g, beta, state, mask)
 
-        return ref, "ops.gated_delta.gated_delta_recurrent"
-    except Exception:
-        from mlx_lm.models.gated_delta import gated_delta_ops
-
-        def ref(q, k, v, g, beta, state, mask=None):
-            f = mx.float32
-            return gated_delta_ops(q.astype(f), k.astype(f), v.astype(f), g, beta, state, mask)
-
-        return ref, "mlx_lm gated_delta_ops (fp32)"
-
-
-# --------------------------------------------------------------------------
-# section: build (first use / cached start-up)
-# --------------------------------------------------------------------------
-
-_BUILD_SNIPPET = r"""
-import time, json, sys
-t0 = time.perf_counter()
-import mlx.core as mx
-t1 = time.perf_counter()
-from mlx_qwen_fast.kernels import _cuda_build as cb
-from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan
-from mlx_qwen_fast.kernels.gated_delta_frontend import gated_delta_frontend
-from mlx_qwen_fast.kernels.gated_rms_norm import gated_rms_norm
-from mlx_qwen_fast.kernels.gated_delta_decode import gated_delta_decode
-B, T, HK, HV, D = 1, 8, 16, 32, 128
-C = (2 * HK + HV) * D
-bf = mx.bfloat16
-q = mx.ones((B, T, HK, D), bf) * 0.01; k = q; v = mx.ones((B, T, HV, D), bf)
-g = mx.ones((B, T, HV)) * 0.9; beta = g
-qkv = mx.ones((B, T, C), bf) * 0.1; a = mx.zeros((B, T, HV), bf)
-w = mx.ones((C, 4, 1), bf) * 0.1; A = mx.zeros((HV,)); dtb = mx.zeros((HV,), bf)
-mx.eval(q, v, g, qkv, a, w, A, dtb)
-t2 = time.perf_counter()
-res = {}
-def first(name, fn):
-    t = time.perf_counter(); mx.eval(fn()); mx.synchronize(); res[name] = time.perf_counter() - t
-first("scan", lambda: gated_delta_scan(q, k, v, g, beta, None))
-first("frontend", lambda: gated_delta_frontend(qkv, a, a, w, None, A, dtb, num_k_heads=HK, num_v_heads=HV))
-first("norm", lambda: gated_rms_norm(v, v, mx.ones((D,), bf), 1e-6))
-first("decode", lambda: gated_delta_decode(qkv[:, :1], v[:, :1].reshape(B, 1, HV * D), a[:, :1], a[:, :1], w, None, A, dtb, mx.ones((D,), bf), None, num_k_heads=HK, num_v_heads=HV))
-t3 = time.perf_counter()
-print("BUILDJSON" + json.dumps(dict(import_mlx=t1 - t0, setup=t2 - t1, first_call=res, all_first_calls=t3 - t2,
-      total=t3 - t0, stats=cb.build_stats, compiler=cb.compiler_id(), nvrtc=getattr(cb._get_nvrtc(), "path", None))))
-"""
-
-
-def section_build(args):
-    out = timed_builds(_BUILD_SNIPPET, ROOT, tail=3000)
-    # mx.fast.cuda_kernel (NVRTC inside MLX, no disk cache) for comparison
-    snippet = r"""
-import time, mlx.core as mx
-k = mx.fast.cuda_kernel(name="t", input_names=["a"], output_names=["o"], source="auto i = blockIdx.x*blockDim.x+threadIdx.x; if (i < 256) o[i] = a[i]*2;")
-a = mx.ones((256,)); mx.eval(a)
-t = time.perf_counter()
-o = k(inputs=[a], grid=(256,1,1), threadgroup=(256,1,1), output_shapes=[a.shape], output_dtypes=[a.dtype])[0]
-mx.eval(o); print("CKJSON", time.perf_counter() - t)
-"""
-    r = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True)
-    for line in r.stdout.splitlines():
-        if line.startswith("CKJSON"):
-            out["mx_fast_cuda_kernel_first_call_s"] = float(line.split()[1])
-    log(f"[build:cuda_kernel] {r.stdout[-500:]} {r.stderr[-1500:]}")
-    return out
+    return ref, "ops.gated_delta.gated_delta_recurrent"
 
 
 # --------------------------------------------------------------------------
 # section: scan
 # --------------------------------------------------------------------------
 
-SCAN_VARIANTS = [
-    # (L, R, warps, TB, kqf32, U); earlier runs measured more layouts
-    # (bench/results/gdn-cuda-log.md: smaller blocks, token groups, fp32 k/q
-    # copies and lazy decay all lose).
-    # Blocks at B = 1: 32 heads x 128 / rows per block (RB = warps * 32 / L * R).
-    (8, 2, 4, 32, 0, 1),   # RB 32: 128 blocks of 128 threads (the default)
-    (8, 2, 4, 64, 0, 1),   # 64-token stages: half the barriers and copy rounds per token
-    (8, 2, 4, 16, 0, 1),   # 16-token stages
-    (8, 1, 4, 32, 0, 1),   # RB 16: 256 blocks
-]
 T_LIST = [1, 2, 3, 63, 64, 65, 1000, 4096]
 
 
-def scan_chain(q, k, v, g, beta, s0, cfg=None):
+def scan_chain(q, k, v, g, beta, s0):
     """``make(m)`` for :func:`device_script.chain_latency`: m scans over the
     same tokens, each starting from the state the previous one left."""
     from mlx_qwen_fast.kernels import gated_delta_scan as S
@@ -176,7 +117,7 @@ def scan_chain(q, k, v, g, beta, s0, cfg=None):
         def f():
             st, y = s0, None
             for _ in range(m):
-                y, st = S.gated_delta_scan(q, k, v, g, beta, st, config=cfg)
+                y, st = S.gated_delta_scan(q, k, v, g, beta, st)
             return y, st
         return f
     return make
@@ -193,7 +134,6 @@ def section_scan(args):
     tl = [t for t in T_LIST if t <= 1000] if args.quick else list(T_LIST)
     tmax = tl[-1]
     key = mx.random.key(int(time.time()) & 0xFFFF)
-    cfgs = [S.DEFAULT_CONFIG] + [S.ScanConfig(*c) for c in SCAN_VARIANTS if S.ScanConfig(*c) != S.DEFAULT_CONFIG]
     for B in (1, 2):
         for decay in ("strong", "weak"):
             key, k1, k2, k3 = mx.random.split(key, 4)
@@ -214,28 +154,24 @@ def section_scan(args):
             res.setdefault("reference_seconds", []).append(time.perf_counter() - t_ref)
             for dt in (mx.float32, mx.bfloat16):
                 q, k, v = (x.astype(dt) for x in (qb, kb, vb))
-                cl = cfgs if (B == 1 and decay == "strong") else cfgs[:1]
-                for cfg in cl:
-                    for T in tl:
-                        if cfg != cfgs[0] and T not in (1, 65, tmax):
-                            continue
-                        y, s1 = S.gated_delta_scan(q[:, :T], k[:, :T], v[:, :T], g[:, :T], beta[:, :T], s0, config=cfg)
-                        mx.eval(y, s1)
-                        yr = yref[:, :T]
-                        rec = dict(B=B, T=T, decay=decay, dtype=str(dt), cfg=list(cfg),
-                                   y_rel=rel(y, yr), y_maxabs=maxabs(y, yr), y_refmax=mx.max(mx.abs(yr)).item(),
-                                   s_rel=rel(s1, states[T]), finite=finite(y) and finite(s1))
-                        ytol = 1e-4 if dt == mx.float32 else 1e-2
-                        rec["ok"] = rec["finite"] and rec["y_rel"] < ytol and rec["s_rel"] < 1e-4
-                        res["checks"].append(rec)
-                        if not rec["ok"]:
-                            log(f"[scan] FAIL {rec}")
-                # two calls carried over (default config)
+                for T in tl:
+                    y, s1 = S.gated_delta_scan(q[:, :T], k[:, :T], v[:, :T], g[:, :T], beta[:, :T], s0)
+                    mx.eval(y, s1)
+                    yr = yref[:, :T]
+                    rec = dict(B=B, T=T, decay=decay, dtype=str(dt),
+                               y_rel=rel(y, yr), y_maxabs=maxabs(y, yr), y_refmax=mx.max(mx.abs(yr)).item(),
+                               s_rel=rel(s1, states[T]), finite=finite(y) and finite(s1))
+                    ytol = 1e-4 if dt == mx.float32 else 1e-2
+                    rec["ok"] = rec["finite"] and rec["y_rel"] < ytol and rec["s_rel"] < 1e-4
+                    res["checks"].append(rec)
+                    if not rec["ok"]:
+                        log(f"[scan] FAIL {rec}")
+                # two calls carried over
                 T1 = min(1000, tmax // 2)
                 ya, sa = S.gated_delta_scan(q[:, :T1], k[:, :T1], v[:, :T1], g[:, :T1], beta[:, :T1], s0)
                 yb, sb = S.gated_delta_scan(q[:, T1:], k[:, T1:], v[:, T1:], g[:, T1:], beta[:, T1:], sa)
                 y2 = mx.concatenate([ya, yb], axis=1)
-                rec = dict(B=B, T=f"{T1}+{tmax - T1}", decay=decay, dtype=str(dt), cfg="carry",
+                rec = dict(B=B, T=f"{T1}+{tmax - T1}", decay=decay, dtype=str(dt), case="carry",
                            y_rel=rel(y2, yref), s_rel=rel(sb, states[tmax]), finite=finite(y2) and finite(sb))
                 rec["ok"] = rec["finite"] and rec["y_rel"] < (1e-4 if dt == mx.float32 else 1e-2) and rec["s_rel"] < 1e-4
                 res["checks"].append(rec)
@@ -249,7 +185,7 @@ def section_scan(args):
     yr, sr = ref(q, k, v, g, beta, s0, mask)
     y, s1 = S.gated_delta_scan(q, k, v, g, beta, s0, mask)
     mx.eval(y, s1, yr, sr)
-    rec = dict(B=2, T=T, decay="strong", dtype="float32", cfg="mask", y_rel=rel(y, yr),
+    rec = dict(B=2, T=T, decay="strong", dtype="float32", case="mask", y_rel=rel(y, yr),
                y_pad_max=mx.max(mx.abs(y[0, :5])).item(), s_rel=rel(s1, sr), finite=finite(y) and finite(s1))
     rec["ok"] = rec["finite"] and rec["y_rel"] < 1e-4 and rec["s_rel"] < 1e-4 and rec["y_pad_max"] == 0.0
     res["checks"].append(rec)
@@ -262,19 +198,15 @@ def section_scan(args):
         g, beta = gates(B, T, "weak", k2)
         s0 = 0.5 * mx.random.normal((B, HV, D, D), key=k3)
         mx.eval(q, k, v, g, beta, s0)
-        cl = cfgs if (B, T) == (1, 4096) else cfgs[:1]
-        for cfg in cl:
-            # latency as a layer sees it: 8 calls chained through the state in
-            # one evaluation, marginal time of one more call (several
-            # *independent* calls in one evaluation run concurrently and time
-            # throughput: runs 1-3 used batch=5, 0.74 ms at B=1, T=4096; one
-            # call per evaluation adds MLX's per-evaluation cost: 1.29-1.36 ms
-            # against 0.99 ms chained, 2026-12-01)
-            r = chain_latency(scan_chain(q, k, v, g, beta, s0, cfg), n=8, evals=7)
-            res["timings"][f"scan B={B} T={T} cfg={list(cfg)}"] = r["marginal"]
-            res["timings"][f"scan single-call B={B} T={T} cfg={list(cfg)}"] = r["single"]
-            log(f"[scan] B={B} T={T} cfg={list(cfg)}: {r['marginal'] * 1e3:.3f} ms chained "
-                f"({r['single'] * 1e3:.3f} ms one call per evaluation)")
+        # latency as a layer sees it: 8 calls chained through the state in one
+        # evaluation, marginal time of one more call (independent calls in one
+        # evaluation run concurrently and time throughput; one call per
+        # evaluation adds MLX's per-evaluation cost)
+        r = chain_latency(scan_chain(q, k, v, g, beta, s0), n=8, evals=7)
+        res["timings"][f"scan B={B} T={T}"] = r["marginal"]
+        res["timings"][f"scan single-call B={B} T={T}"] = r["single"]
+        log(f"[scan] B={B} T={T}: {r['marginal'] * 1e3:.3f} ms chained "
+            f"({r['single'] * 1e3:.3f} ms one call per evaluation)")
     # the chunkwise plain-MLX form (tensor-core matmuls) for comparison
     try:
         from mlx_qwen_fast.ops.gated_delta import gated_delta_chunked
@@ -430,31 +362,47 @@ def section_frontend(args):
 # --------------------------------------------------------------------------
 
 
+def decode_inputs(B, T, key, dt):
+    """qkv [B, T, C], z [B, T, Hv*D], a, b [B, T, Hv], conv state [B, 3, C], state [B, Hv, D, D]."""
+    mx = _mx()
+    k1, k2, k3, k4, k5, k6 = mx.random.split(key, 6)
+    qkv = mx.random.normal((B, T, C), key=k1).astype(dt)
+    z = mx.random.normal((B, T, HV * D), key=k2).astype(dt)
+    a = mx.random.normal((B, T, HV), key=k3).astype(dt)
+    b = mx.random.normal((B, T, HV), key=k4).astype(dt)
+    cs = mx.random.normal((B, 3, C), key=k5).astype(dt)
+    s0 = 0.5 * mx.random.normal((B, HV, D, D), key=k6)
+    return qkv, z, a, b, cs, s0
+
+
+def pack(qkv, z, a, b):
+    """The decode kernel's one input [qkv | z | a | b] (the layer's concatenated projection)."""
+    mx = _mx()
+    return mx.concatenate([qkv, z, a, b], axis=-1)
+
+
 def section_decode(args):
     mx = _mx()
     from mlx_qwen_fast.kernels import _cuda_build as cb
-    from mlx_qwen_fast.kernels.gated_delta_decode import gated_delta_decode
+    from mlx_qwen_fast.kernels.gated_delta_decode import decode_params, gated_delta_decode
     from mlx_qwen_fast.kernels.gated_delta_frontend import gated_delta_frontend
     from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan
     from mlx_qwen_fast.kernels.gated_rms_norm import gated_rms_norm
 
     cb.set_poison(True)
     ref, ref_name = reference_recurrent()
-    res = {"checks": [], "timings": {}}
+    res = {"reference": ref_name, "checks": [], "timings": {}}
+    step = partial(gated_delta_decode, num_k_heads=HK, num_v_heads=HV, norm_eps=1e-6)
     key = mx.random.key((int(time.time()) + 13) & 0xFFFF)
     for dt in (mx.float32, mx.bfloat16):
         key, kp, kn = mx.random.split(key, 3)
         w, A_log, dt_bias = fe_params(kp, dt)
         wn = (1.0 + 0.3 * mx.random.normal((D,), key=kn)).astype(dt)
+        params = decode_params(w, A_log, dt_bias, wn)
         for B in (1, 2):
-            key, k1, k2, k3, k4, k5, k6 = mx.random.split(key, 7)
-            qkv = mx.random.normal((B, 1, C), key=k1).astype(dt)
-            z = mx.random.normal((B, 1, HV * D), key=k2).astype(dt)
-            a = mx.random.normal((B, 1, HV), key=k3).astype(dt)
-            b = mx.random.normal((B, 1, HV), key=k4).astype(dt)
-            cs = mx.random.normal((B, 3, C), key=k5).astype(dt)
-            s0 = 0.5 * mx.random.normal((B, HV, D, D), key=k6)
-            out, ncs, ns = gated_delta_decode(qkv, z, a, b, w, cs, A_log, dt_bias, wn, s0, num_k_heads=HK, num_v_heads=HV)
+            key, k1 = mx.random.split(key)
+            qkv, z, a, b, cs, s0 = decode_inputs(B, 1, k1, dt)
+            out, ncs, ns = step(pack(qkv, z, a, b), params, cs, s0)
             # reference: fp32 front end, fp32 recurrence, q/k/v rounded as the
             # kernel stores them (to dt), then mlx-lm's gated norm on y in dt
             q, k, v, g, beta, rcs = ref_frontend(qkv, a, b, w, cs, A_log, dt_bias)
@@ -472,17 +420,12 @@ def section_decode(args):
                 log(f"[decode] FAIL {rec}")
         # 8 decode steps == prefill kernels over the same 8 tokens
         B, T = 2, 8
-        key, k1, k2, k3, k4, k5, k6 = mx.random.split(key, 7)
-        qkv = mx.random.normal((B, T, C), key=k1).astype(dt)
-        z = mx.random.normal((B, T, HV * D), key=k2).astype(dt)
-        a = mx.random.normal((B, T, HV), key=k3).astype(dt)
-        b = mx.random.normal((B, T, HV), key=k4).astype(dt)
-        cs = mx.random.normal((B, 3, C), key=k5).astype(dt)
-        s0 = 0.5 * mx.random.normal((B, HV, D, D), key=k6)
+        key, k1 = mx.random.split(key)
+        qkv, z, a, b, cs, s0 = decode_inputs(B, T, k1, dt)
+        proj = pack(qkv, z, a, b)
         c_, s_, outs = cs, s0, []
         for t in range(T):
-            o, c_, s_ = gated_delta_decode(qkv[:, t:t + 1], z[:, t:t + 1], a[:, t:t + 1], b[:, t:t + 1], w, c_, A_log,
-                                           dt_bias, wn, s_, num_k_heads=HK, num_v_heads=HV)
+            o, c_, s_ = step(proj[:, t:t + 1], params, c_, s_)
             outs.append(o)
         od = mx.concatenate(outs, axis=1)
         q, k, v, g, beta, pc = gated_delta_frontend(qkv, a, b, w, cs, A_log, dt_bias, num_k_heads=HK, num_v_heads=HV)
@@ -499,148 +442,83 @@ def section_decode(args):
 
     # ---- timings: 30 layers per token, each its own state, as in the model ----
     cb.set_poison(False)
-    dt = mx.bfloat16
-    key, kp, kn = mx.random.split(key, 3)
+    dt, NL = mx.bfloat16, 30
+    key, kp = mx.random.split(key)
     w, A_log, dt_bias = fe_params(kp, dt)
     wn = mx.ones((D,), dt)
+    params = decode_params(w, A_log, dt_bias, wn)
+    cstep = mx.compile(step)  # as the layer's compiled step runs the kernel
     for B in (1, 2):
-        key, k1, k2, k3 = mx.random.split(key, 4)
-        qkv = mx.random.normal((B, 1, C), key=k1).astype(dt)
-        z = mx.random.normal((B, 1, HV * D), key=k2).astype(dt)
-        a = mx.random.normal((B, 1, HV), key=k3).astype(dt)
-        NL = 30
+        key, k1 = mx.random.split(key)
+        qkv, z, a, b, _, _ = decode_inputs(B, 1, k1, dt)
+        proj = pack(qkv, z, a, b)
         states = [0.1 * mx.random.normal((B, HV, D, D)) for _ in range(NL)]
         convs = [mx.random.normal((B, 3, C)).astype(dt) for _ in range(NL)]
-        mx.eval(qkv, z, a, states, convs)
+        mx.eval(proj, params, states, convs)
 
-        def token():
-            outs = []
-            for i in range(NL):
-                o, c_, s_ = gated_delta_decode(qkv, z, a, a, w, convs[i], A_log, dt_bias, wn, states[i],
-                                               num_k_heads=HK, num_v_heads=HV)
-                outs += [o, c_, s_]
-            return outs
+        def token(fn):
+            def run():
+                outs = []
+                for i in range(NL):
+                    outs += list(fn(proj, params, convs[i], states[i]))
+                return outs
+            return run
 
-        t = timeit(token, n=20, batch=1)
-        res["timings"][f"decode B={B}: 30 layers, eval per token (per layer)"] = t / NL
+        res["timings"][f"decode B={B}: 30 layers, eval per token, eager (per layer)"] = timeit(token(step), n=20) / NL
+        res["timings"][f"decode B={B}: 30 layers, eval per token, mx.compile'd (per layer)"] = (
+            timeit(token(cstep), n=20) / NL)
 
-        def chain():  # one layer, 50 steps, each step's state feeds the next
-            s_, c_ = states[0], convs[0]
+        def chain():  # one layer, 50 steps, each step's states feed the next
+            s_, c_, o = states[0], convs[0], None
             for _ in range(50):
-                o, c_, s_ = gated_delta_decode(qkv, z, a, a, w, c_, A_log, dt_bias, wn, s_, num_k_heads=HK,
-                                               num_v_heads=HV)
+                o, c_, s_ = cstep(proj, params, c_, s_)
             return o, s_
 
-        res["timings"][f"decode B={B}: 50 chained steps (per step)"] = timeit(chain, n=10) / 50
-
-        # where the time goes: graph building (Python + node creation) vs eval
-        tb_, te_ = build_eval_times(token, evals=15, warm=0)
-        res["timings"][f"decode B={B}: graph building only (per layer)"] = tb_ / NL
-        res["timings"][f"decode B={B}: eval only (per layer)"] = te_ / NL
-
-        def token_fn(qkv_, z_, a_, *sc):
+        res["timings"][f"decode B={B}: 50 chained steps, mx.compile'd (per step)"] = timeit(chain, n=10) / 50
+        # generate-like loop: the next token's graph is built while the GPU
+        # runs this one (async_eval), states carried from token to token
+        cs_, ss_ = list(convs), list(states)
+        mx.eval(token(cstep)())
+        mx.synchronize()
+        t0 = time.perf_counter()
+        ntok = 30
+        for _ in range(ntok):
             outs = []
             for i in range(NL):
-                o, c_, s_ = gated_delta_decode(qkv_, z_, a_, a_, w, sc[i], A_log, dt_bias, wn, sc[NL + i],
-                                               num_k_heads=HK, num_v_heads=HV)
-                outs += [o, c_, s_]
-            return outs
-
-        try:
-            ctoken = mx.compile(token_fn)
-            t = timeit(lambda: ctoken(qkv, z, a, *convs, *states), n=20)
-            res["timings"][f"decode B={B}: mx.compile'd 30 layers, eval per token (per layer)"] = t / NL
-            # generate-like loop: the next token's graph is built while the GPU
-            # runs this one (async_eval), states carried token to token
-            for label, fn in (("eager", token_fn), ("compiled", ctoken)):
-                cs_, ss_ = list(convs), list(states)
-                mx.eval(fn(qkv, z, a, *cs_, *ss_))
-                mx.synchronize()
-                t0 = time.perf_counter()
-                nt_ = 30
-                for _ in range(nt_):
-                    outs = fn(qkv, z, a, *cs_, *ss_)
-                    cs_ = outs[1::3]
-                    ss_ = outs[2::3]
-                    mx.async_eval(outs)
-                mx.eval(outs)
-                mx.synchronize()
-                res["timings"][f"decode B={B}: async pipelined {label}, 30 tokens (per layer)"] = (
-                    (time.perf_counter() - t0) / nt_ / NL)
-        except Exception as e:  # noqa: BLE001
-            log(f"[decode] compiled timing failed: {e!r}")
-    # stock-like composition for one decode layer (ops reference path), B=1
+                o, cs_[i], ss_[i] = cstep(proj, params, cs_[i], ss_[i])
+                outs += [o, cs_[i], ss_[i]]
+            mx.async_eval(outs)
+        mx.eval(outs)
+        mx.synchronize()
+        res["timings"][f"decode B={B}: async pipelined, mx.compile'd, 30 tokens (per layer)"] = (
+            (time.perf_counter() - t0) / ntok / NL)
+    # the same step in plain MLX ops (ops.gated_delta recurrence + mlx-lm glue), B=1
     try:
-        from mlx_qwen_fast.ops.gated_delta import gated_delta_recurrent
         import mlx.nn as nn
         from mlx_lm.models.gated_delta import compute_g, normalize_qk
 
+        from mlx_qwen_fast.ops.gated_delta import gated_delta_recurrent
+
         conv = nn.Conv1d(C, C, 4, groups=C, bias=False)
         conv.weight = w
-        B = 1
-        qkv1 = qkv[:1]
-        z1 = z[:1].reshape(1, 1, HV, D)
-        a1 = a[:1]
+        key, k1 = mx.random.split(key)
+        qkv, z, a, _, cs, s0 = decode_inputs(1, 1, k1, dt)
+        mx.eval(qkv, z, a, cs, s0)
 
-        def stock_layer():
-            x = mx.concatenate([convs[0][:1], qkv1], axis=1)
+        def plain_layer():
+            x = mx.concatenate([cs, qkv], axis=1)
             o = nn.silu(conv(x))
             q, k, v = mx.split(o, [HK * D, 2 * HK * D], -1)
             q, k = normalize_qk(q.reshape(1, 1, HK, D), k.reshape(1, 1, HK, D), inv_scale=D**-0.5, eps=1e-6)
-            y, s = gated_delta_recurrent(q, k, v.reshape(1, 1, HV, D), compute_g(A_log, a1, dt_bias), mx.sigmoid(a1),
-                                         states[0][:1])
-            return ref_norm(y, z1, wn, 1e-6), x[:, -3:], s
+            y, s = gated_delta_recurrent(q, k, v.reshape(1, 1, HV, D), compute_g(A_log, a, dt_bias), mx.sigmoid(a), s0)
+            return ref_norm(y, z.reshape(1, 1, HV, D), wn, 1e-6), x[:, -3:], s
 
-        res["timings"]["decode B=1: plain-ops layer (ops.recurrent + mlx-lm glue)"] = timeit(stock_layer, n=20)
+        res["timings"]["decode B=1: plain-ops layer (ops.recurrent + mlx-lm glue)"] = timeit(plain_layer, n=20)
     except Exception as e:  # noqa: BLE001
-        log(f"[decode] stock timing skipped: {e!r}")
+        log(f"[decode] plain-ops timing skipped: {e!r}")
     for kk, t in res["timings"].items():
         log(f"[decode] {kk}: {t * 1e6:.1f} us")
     return res
-
-
-# --------------------------------------------------------------------------
-# section: profile (run under ncu; no checks, a few launches of each kernel)
-# --------------------------------------------------------------------------
-
-
-def section_profile(args):
-    mx = _mx()
-    from mlx_qwen_fast.kernels import gated_delta_scan as S
-    from mlx_qwen_fast.kernels.gated_delta_decode import gated_delta_decode
-    from mlx_qwen_fast.kernels.gated_delta_frontend import gated_delta_frontend
-    from mlx_qwen_fast.kernels.gated_rms_norm import gated_rms_norm
-
-    key = mx.random.key(1)
-    k1, k2, k3, k4 = mx.random.split(key, 4)
-    T = 4096
-    q, k, v = qkv_inputs(1, T, k1, mx.bfloat16)
-    g, beta = gates(1, T, "weak", k2)
-    s0 = 0.5 * mx.random.normal((1, HV, D, D), key=k3)
-    mx.eval(q, k, v, g, beta, s0)
-    for cfg in [S.DEFAULT_CONFIG] + SCAN_VARIANTS:
-        for _ in range(2):
-            mx.eval(S.gated_delta_scan(q, k, v, g, beta, s0, config=cfg))
-    w, A_log, dt_bias = fe_params(k4, mx.bfloat16)
-    qkv = mx.random.normal((1, T, C), key=k1).astype(mx.bfloat16)
-    a = mx.random.normal((1, T, HV), key=k2).astype(mx.bfloat16)
-    cs = mx.random.normal((1, 3, C), key=k3).astype(mx.bfloat16)
-    mx.eval(qkv, a, cs)
-    for _ in range(3):
-        mx.eval(gated_delta_frontend(qkv, a, a, w, cs, A_log, dt_bias, num_k_heads=HK, num_v_heads=HV))
-        mx.eval(gated_rms_norm(v, v, mx.ones((D,), mx.bfloat16), 1e-6))
-    for B in (1, 2):
-        s1 = 0.5 * mx.random.normal((B, HV, D, D), key=k3)
-        mx.eval(s1)
-        for _ in range(3):
-            mx.eval(gated_delta_decode(qkv[:B, :1] if B == 1 else mx.concatenate([qkv[:, :1]] * B),
-                                       v[:1, :1].reshape(1, 1, HV * D) if B == 1 else mx.concatenate([v[:1, :1].reshape(1, 1, HV * D)] * B),
-                                       a[:1, :1] if B == 1 else mx.concatenate([a[:, :1]] * B),
-                                       a[:1, :1] if B == 1 else mx.concatenate([a[:, :1]] * B),
-                                       w, None, A_log, dt_bias, mx.ones((D,), mx.bfloat16), s1,
-                                       num_k_heads=HK, num_v_heads=HV))
-    mx.synchronize()
-    return {}
 
 
 # --------------------------------------------------------------------------
@@ -649,29 +527,16 @@ def section_profile(args):
 
 
 
-SECTIONS = {"build": section_build, "scan": section_scan, "frontend": section_frontend, "decode": section_decode,
-            "profile": section_profile}
+SECTIONS = {"scan": section_scan, "frontend": section_frontend, "decode": section_decode}
 
 
 def main():
     run_sections(__file__, "gdn", SECTIONS, summary, __doc__.splitlines()[0],
-                 "build,scan,frontend,decode", "T up to 1000 only")
+                 "scan,frontend,decode", "T up to 1000 only")
 
 
 def summary(results):
     lines = ["", "=== GDN CUDA kernels: summary ==="]
-    b = results.get("build", {})
-    for label in ("first_use", "cached"):
-        r = b.get(label, {})
-        if r:
-            fc = r.get("first_call", {})
-            lines.append(
-                f"start-up {label:9s}: process {r.get('process_wall', 0):.2f}s, import mlx {r.get('import_mlx', 0):.2f}s, "
-                + ", ".join(f"{k} {v:.2f}s" for k, v in fc.items())
-                + f" [{r.get('compiler')}]"
-            )
-    if "mx_fast_cuda_kernel_first_call_s" in b:
-        lines.append(f"mx.fast.cuda_kernel trivial first call: {b['mx_fast_cuda_kernel_first_call_s']:.2f}s")
     for name in ("scan", "frontend", "decode"):
         r = results.get(name, {})
         ch = r.get("checks", [])

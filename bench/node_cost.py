@@ -1,14 +1,15 @@
 """MLX's host cost of one custom-kernel graph node, by what the node carries.
 
-A decode step of one layer is a handful of graph nodes, and on the H200 each
-costs more host time than GPU time (bench/results/gdn-cuda-log.md: the GDN
-decode kernel is 5.7 us of GPU time, a step ~35 us). This script separates
-the parts MLX's ``CustomKernel::eval_gpu`` (mlx/backend/cuda/custom_kernel.cpp)
+A decode step of one layer is a handful of graph nodes, and on the H200 they
+cost more host time than GPU time (a patched token's graph takes ms of host
+time to build, its MoE kernels ~0.5 ms of GPU time: bench/results/
+package-figures.md, "Host time per decode token"). This script separates the
+parts MLX's ``CustomKernel::eval_gpu`` (mlx/backend/cuda/custom_kernel.cpp)
 spends per launch, with a trivial kernel (``out0 = in0 + 1`` on 32 floats)
 built in variants:
 
-* inputs: 1, 4, 10 arrays (the GDN decode kernel takes 10, the MoE decode
-  kernels 12-14);
+* inputs: 1, 4, 10 arrays (the GDN decode kernel takes 4, the MoE decode
+  kernels 17 and 10);
 * outputs: 1 or 3;
 * cubin size: padded with an initialised ``__device__`` array, since MLX
   hashes the whole ``compiled_source`` on every launch (``std::hash`` of the
@@ -20,8 +21,8 @@ built in variants:
 
 Each row: ``n`` dependent calls (output 0 feeds input 0) in one evaluation,
 split into graph building and evaluation (median of 10), microseconds per
-call. Then the real GDN decode step (packed projection, the layer's kernel)
-in the same forms.
+call. Then the real GDN decode step (the layer's kernel: one packed input
+and ``decode_params``) in the same forms.
 
 Usage (H200): python3 bench/node_cost.py [n]  (n dependent calls per evaluation, default 30)
 """
@@ -103,8 +104,9 @@ def synthetic_rows(n: int):
 
 
 def gdn_rows(n: int):
-    """The GDN decode step (packed projection) of the full-size layer shape:
-    the package's compiled step, its eager wrapper, and a bare launch."""
+    """The GDN decode step of the full-size layer shape (one packed input,
+    ``decode_params``): bare launches of the cubin and of the launched
+    image, the package's wrapper eager and ``mx.compile``d."""
     from bench.gdn_cuda import HK, HV, D, fe_params
     from mlx_qwen_fast.kernels import gated_delta_decode as kd
 
@@ -118,7 +120,7 @@ def gdn_rows(n: int):
     mx.eval(w, A_log, dt_bias, proj, nw, cs0, s0)
     params = kd.decode_params(w, A_log, dt_bias, nw)
     mx.eval(params)
-    kern = kd._kernel(proj.dtype, mx.float32, mx.float32, mx.float32, mx.float32, HV, HK, True)
+    kern = kd._kernel(proj.dtype, HV, HK)
     cubin, image = kern.cubin, kern.image
     shapes, dtypes = [(1, 1, HV * D), (1, 3, C), (1, HV, D, D)], [proj.dtype, proj.dtype, mx.float32]
     eps = [cb._f32(1e-6), cb._f32(1e-6)]
@@ -133,9 +135,9 @@ def gdn_rows(n: int):
         return bare(cs, st, image)
 
     def wrapped(cs, st):
-        return kd.gated_delta_decode_packed(proj, params, cs, st, num_k_heads=HK, num_v_heads=HV)
+        return kd.gated_delta_decode(proj, params, cs, st, num_k_heads=HK, num_v_heads=HV)
 
-    comp = mx.compile(lambda p, prm, cs, st: kd.gated_delta_decode_packed(
+    comp = mx.compile(lambda p, prm, cs, st: kd.gated_delta_decode(
         p, prm, cs, st, num_k_heads=HK, num_v_heads=HV))
 
     def compiled(cs, st):
@@ -144,14 +146,15 @@ def gdn_rows(n: int):
     rows = []
     print(f"gdn decode cubin: {len(cubin)} bytes, launched image ({cb.fatbin_id()}): {len(image)} bytes",
           flush=True)
-    for form, f in (("bare launch, cubin", bare), ("bare launch, image", bare_image), ("package wrapper, eager", wrapped), ("package wrapper, mx.compile", compiled)):
+    for form, f in (("bare launch, cubin", bare), ("bare launch, image", bare_image),
+                    ("package wrapper, eager", wrapped), ("package wrapper, mx.compile", compiled)):
         def build(f=f):
             cs, st, out = cs0, s0, None
             for _ in range(n):
                 out, cs, st = f(cs, st)
             return out, cs, st
         tb, te = build_eval_times(build)
-        rows.append((f"gdn decode step (packed), {form}", tb, te))
+        rows.append((f"gdn decode step, {form}", tb, te))
     return rows
 
 
@@ -161,6 +164,8 @@ def main(argv):
     n = p.parse_args(argv).n
     if n < 1:
         p.error(f"n must be >= 1, got {n}")
+    if not cb.cuda_available():
+        raise SystemExit("bench/node_cost.py: needs MLX's CUDA backend and an NVIDIA GPU (none here)")
     rows = synthetic_rows(n) + gdn_rows(n)
     print(f"\n{'node':58s} {'build':>8s} {'eval':>8s} {'total':>8s}   (us per call, {n} chained)")
     for label, tb, te in rows:

@@ -36,7 +36,7 @@ from typing import Dict, List, Tuple
 
 import mlx.core as mx
 
-from mlx_qwen_fast.patch import clone_modules, patched_copy
+from mlx_qwen_fast.patching import clone_modules, patched_copy
 
 from . import common
 
@@ -46,8 +46,6 @@ REFERENCE_NOTE = (
     "packed integer weights unchanged (not dequantised); activations in fp32. It "
     "removes bf16 rounding, not quantisation error."
 )
-
-
 
 
 def fp32_reference(model):

@@ -15,8 +15,7 @@ are left out):
   conv_state, state)``: "stock" = mlx-lm's functions in the order its
   ``GatedDeltaNet.__call__`` runs them (the recurrence: its per-token
   ``gated_delta_ops`` on CUDA), "cuda-kernel" = the front-end kernel then
-  the scan kernel, "cuda-fused" = the two in one launch
-  (``kernels.gated_delta_prefill``). Chained as ``gated_delta.prefill``
+  the scan kernel, as the patched layer runs them. Chained as ``gated_delta.prefill``
   (conv state and state feed the next call; the next conv state also waits
   for this call's y through a 3-element link, so that, as between the
   model's layers, the next front end cannot overlap this recurrence). Bytes: qkv, a, b read, q, k,
@@ -28,9 +27,10 @@ are left out):
   the scope of the fused CUDA decode kernel), ``fn(layer, qkv, z, a, b,
   conv_state, state)``: "stock" = mlx-lm's functions in the order its
   ``GatedDeltaNet.__call__`` runs them, "cuda-kernel" = the fused kernel
-  (``kernels.gated_delta_decode``, compiled step), "cuda-kernel-packed" = the
-  same kernel in the layer's four-input form (``gated_delta_decode_packed``:
-  [qkv | z | a | b] and ``decode_params``, built once). Chained ``--layer-chain``
+  (``kernels.gated_delta_decode``) in the patched layer's form: one input
+  [qkv | z | a | b] (in the model, one concatenated projection's output) and
+  the layer's constants from ``decode_params``, both built once, the kernel
+  ``mx.compile``d. Chained ``--layer-chain``
   steps per timed call (conv state and state feed the next step); ms per
   step. Bytes: conv state and state read + written, qkv, z, a, b, out.
 * ``gated_delta.decode_layer``: the whole Gated DeltaNet layer of the model
@@ -51,10 +51,14 @@ are left out):
   the weights of the experts touched (k per token, expected distinct ones
   for T tokens under uniform routing), shared expert, routers, x and y.
 * ``attention.prefill`` / ``attention.decode``: the first full-attention
-  layer, ``fn(module, x, mask, cache)``; prefill from an empty KV cache
+  layer, ``fn(module, x, mask, cache)``, mlx-lm's own (the package keeps
+  attention stock: these rows give its share of a layer); prefill from an empty KV cache
   (causal), decode one token against a cache of ``--decode-context`` tokens.
   Bytes: weights, KV read and written, x, y; FLOPs: projections + 4 H hd per
   (query, key) pair.
+
+``--defaults-only`` keeps, per op and shape, mlx-lm's code and the
+implementation the patched model runs there (``default`` in the record).
 
 Each point: warm-up, then ``--repeats`` timed calls (``mx.eval`` of the
 outputs, ``mx.synchronize``), median ms; for ``gated_delta.prefill``,
@@ -100,6 +104,10 @@ _PSTEP = "gated_delta_prefill_step"
 # ---------------------------------------------------------------------------
 # Implementations
 # ---------------------------------------------------------------------------
+
+
+#: Families without an ops module: mlx-lm's code is the only implementation.
+_STOCK_ONLY = ("attention",)
 
 
 def _ops_module(family: str):
@@ -192,7 +200,6 @@ def _prefill_step_implementations(backend: str) -> Dict[str, Callable]:
     impls = {"stock": _stock_prefill_step}
     if backend == "cuda":
         from mlx_qwen_fast.kernels import gated_delta_frontend as k_fe
-        from mlx_qwen_fast.kernels import gated_delta_prefill as k_prefill
         from mlx_qwen_fast.kernels import gated_delta_scan as k_scan
 
         def two_kernels(m, qkv, a, b, conv_state, state):
@@ -202,13 +209,7 @@ def _prefill_step_implementations(backend: str) -> Dict[str, Callable]:
             y, st = k_scan.gated_delta_scan(q, k, v, g, beta, state)
             return y, st, cs
 
-        def fused(m, qkv, a, b, conv_state, state):
-            return k_prefill.gated_delta_prefill(
-                qkv, a, b, m.conv1d.weight, conv_state, m.A_log, m.dt_bias, state,
-                num_k_heads=m.num_k_heads, num_v_heads=m.num_v_heads)
-
         impls["cuda-kernel"] = two_kernels
-        impls["cuda-fused"] = fused
     return impls
 
 
@@ -217,16 +218,10 @@ def _step_implementations(backend: str) -> Dict[str, Callable]:
     if backend == "cuda":
         from mlx_qwen_fast.kernels import gated_delta_decode as k_decode
 
-        def fused(m, qkv, z, a, b, conv_state, state):
-            return k_decode.gated_delta_decode(
-                qkv, z, a, b, m.conv1d.weight, conv_state, m.A_log, m.dt_bias, m.norm.weight,
-                state, num_k_heads=m.num_k_heads, num_v_heads=m.num_v_heads,
-                norm_eps=m.norm.eps, compiled=True)
-
         packed_inputs: Dict[tuple, tuple] = {}
         packed_steps: Dict[tuple, Callable] = {}
 
-        def packed(m, qkv, z, a, b, conv_state, state):
+        def kernel(m, qkv, z, a, b, conv_state, state):
             # the layer's form: proj = [qkv | z | a | b] (in the model, one
             # projection's output) and decode_params' constants, each built
             # once per (layer, inputs) here, outside the steps' graph nodes
@@ -242,13 +237,12 @@ def _step_implementations(backend: str) -> Dict[str, Callable]:
             step_key = (m.num_k_heads, m.num_v_heads, m.norm.eps)
             if step_key not in packed_steps:  # traced once, as in the layer's compiled step
                 packed_steps[step_key] = mx.compile(
-                    lambda p, prm, cs, st: k_decode.gated_delta_decode_packed(
+                    lambda p, prm, cs, st: k_decode.gated_delta_decode(
                         p, prm, cs, st, num_k_heads=step_key[0], num_v_heads=step_key[1],
                         norm_eps=step_key[2]))
             return packed_steps[step_key](proj, params, conv_state, state)
 
-        impls["cuda-kernel"] = fused
-        impls["cuda-kernel-packed"] = packed
+        impls["cuda-kernel"] = kernel
     return impls
 
 
@@ -264,16 +258,17 @@ def implementations(family: str, backend: Optional[str] = None) -> Dict[str, Cal
         return _prefill_step_implementations(backend)
     name, fn = _stock_baselines()[family]
     table = {name: fn}
-    for k, v in dispatch_table(family).items():
-        table.setdefault(k, v)
+    if family not in _STOCK_ONLY:
+        for k, v in dispatch_table(family).items():
+            table.setdefault(k, v)
     return {k: v for k, v in table.items() if _runs_on(k, backend)}
 
 
 def applies(family: str, impl: str, tokens: int) -> bool:
     """False for an implementation that would only hand the call to another
     one (the decode MoE kernels above their token limit run stock)."""
-    if family == "moe" and impl == "cuda-decode-kernel":
-        return tokens <= _ops_module("moe").MOE_DECODE_KERNEL_MAX_TOKENS
+    if family == "moe" and impl == "cuda-decode":
+        return tokens <= _ops_module("moe").DECODE_MAX_TOKENS
     return True
 
 
@@ -284,12 +279,9 @@ def default_implementation(family: str, tokens: int) -> Optional[str]:
     if family == _STEP:
         return "cuda-kernel" if common.backend_name() == "cuda" else "stock"
     if family == _PSTEP:
-        if common.backend_name() != "cuda":
-            return "stock"
-        import os
-
-        from mlx_qwen_fast.layers import GDN_FUSED_ENV
-        return "cuda-fused" if os.environ.get(GDN_FUSED_ENV, "") == "1" else "cuda-kernel"
+        return "cuda-kernel" if common.backend_name() == "cuda" else "stock"
+    if family in _STOCK_ONLY:
+        return "stock"
     try:
         return _ops_module(family).implementation_for(tokens)
     except Exception:
@@ -629,6 +621,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(e.g. moe.decode); default all")
     p.add_argument("--impls", default=None,
                    help="comma list of implementation names to run (default: all available)")
+    p.add_argument("--defaults-only", action="store_true",
+                   help="per op and shape, only mlx-lm's code (the first implementation) and the one "
+                        "the patched model uses there")
     p.add_argument("--prefill-tokens", type=common.lengths_arg, default=[512, 2048, 4096],
                    help="T of the prefill ops (default 512,2k,4k; T=1 is recorded as the decode op)")
     p.add_argument("--decode-context", type=common.lengths_arg, default=[4096, 32768],
@@ -722,8 +717,12 @@ def main(argv=None) -> Dict:
     for family, case in cases(model, selected, args.prefill_tokens,
                               args.decode_context, dtype, args.layer_chain):
         default = default_implementation(family, case.shape["T"])
-        for impl, fn in implementations(family, backend).items():
+        impls = implementations(family, backend)
+        baseline = next(iter(impls))
+        for impl, fn in impls.items():
             if wanted and impl not in wanted:
+                continue
+            if args.defaults_only and impl not in (baseline, default):
                 continue
             if not applies(family, impl, case.shape["T"]):
                 continue

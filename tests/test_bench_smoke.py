@@ -1,18 +1,22 @@
-"""Smoke test of the benchmarks (CPU, tiny preset): every script runs end to end
-and writes a result JSON of the documented schema, and the A/B plots are
-written. Not a timing claim: lengths, rounds and steps are the smallest that
-exercise the code paths (chunked prefill, decode from a copied cache,
-``--append``, every op family)."""
+"""Smoke tests of the benchmarks (CPU, tiny preset): every script imports and
+answers ``--help``, the CPU-capable ones run end to end and write a result
+JSON of the documented schema, the CUDA-only ones refuse with a message, and
+bench.ab's warm-up rule stops where it should. Not a timing claim: lengths,
+rounds and steps are the smallest that exercise the code paths (chunked
+prefill, decode from a copied cache, ``--append``, every op family)."""
 
 import importlib.util
 import json
 import math
+import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from bench import ab, common, numerics, ops  # noqa: E402
 
@@ -24,17 +28,24 @@ NUM = (int, float)
 OPT_NUM = (int, float, type(None))
 PREFILL = {"tokens": int, "engine": str, "tok_s": OPT_NUM, "tok_s_min": OPT_NUM,
            "tok_s_max": OPT_NUM, "peak_gb": OPT_NUM, "status": str, "seconds": NUM,
-           "tokens_done": int, "roofline_frac": OPT_NUM, "flops_per_token": NUM}
+           "tokens_done": int, "roofline_frac": OPT_NUM, "flops_per_token": NUM,
+           "warmup_runs": int, "warmup_tok_s": list, "warmup_seconds": NUM}
 DECODE = {"context": int, "engine": str, "tok_s": OPT_NUM, "tok_s_min": OPT_NUM,
           "tok_s_max": OPT_NUM, "peak_gb": OPT_NUM, "roofline_frac": OPT_NUM,
           "host_ms_per_token": OPT_NUM, "device_ms_per_token": OPT_NUM, "status": str,
-          "bytes_per_token": NUM}
+          "bytes_per_token": NUM, "warmup_runs": int, "warmup_tok_s": list, "warmup_seconds": NUM}
 PAIR = {"a": str, "b": str, "positions": int, "top1_agree": NUM, "ppl_delta_pct": NUM,
         "mean_kl": NUM, "max_abs_dlogit": NUM}
 OP = {"op": str, "backend": str, "impl": str, "shape": dict, "ms": OPT_NUM,
       "gbps": OPT_NUM, "tflops": OPT_NUM, "roofline_frac": OPT_NUM, "status": str}
 TINY = ["--preset", "tiny", "--dtype", "float32"]
 SMALL_CEILINGS = ["--copy-mib", "4", "--matmul-n", "64"]
+
+#: The scripts of bench/ this file covers (bench.user_view has its own tests):
+#: modules run as ``python -m bench.<name>``, and the CUDA-only device scripts.
+MODULES = ("ab", "numerics", "ops", "ceilings", "plots", "first_use", "startup")
+DEVICE_SCRIPTS = ("gdn_cuda.py", "moe_cuda.py", "moe_decode_cuda.py", "profile_kernels.py", "node_cost.py")
+H200_STAGES = {"tests", "ab", "ops", "profile", "userview", "firstuse"}
 
 
 def check_keys(record, schema, where):
@@ -58,16 +69,35 @@ def check_ceilings(c):
     assert c is None or (c["copy_gbps"] > 0 and c["bf16_tflops"] > 0)
 
 
+def check_warmup(r, max_runs, tol):
+    """A record's warm-up fields follow the rule: 1..max_runs rates, and
+    converged exactly when the last two agree (or it stopped at the cap)."""
+    rates = r["warmup_tok_s"]
+    assert r["warmup_runs"] == len(rates) and 1 <= len(rates) <= max_runs, r
+    assert all(isinstance(x, float) and x > 0 for x in rates), r
+    if r["warmup_converged"]:
+        assert len(rates) >= 2 and ab.rates_agree(rates[-2], rates[-1], tol), r
+    else:
+        assert r["warmup_converged"] is False and len(rates) == max_runs, r
+    for a, b in zip(rates[:-2], rates[1:-1]):  # it did not stop later than needed
+        assert not ab.rates_agree(a, b, tol), r
+
+
+def run_py(*argv, timeout=120):
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
 def test_ab_numerics_ops(tmp_path):
     # --- A/B: both sweeps on 2 small lengths, chunked prefill (step 8)
     out = tmp_path / "ab.json"
     ab.main(TINY + SMALL_CEILINGS + [
         "--prefill", "8,12", "--decode", "8,12", "--prefill-step-size", "8",
-        "--rounds", "1", "--decode-steps", "2", "--out", str(out)])
+        "--rounds", "1", "--decode-steps", "2", "--warmup-max-runs", "4", "--out", str(out)])
     res = load(out, "ab")
     for key in ("preset", "router_skew", "patch_report", "prefill", "decode", "ceilings"):
         assert key in res
     assert res["preset"] == "tiny" and res["router_skew"] == 0.0
+    assert res["config"]["warmup_max_runs"] == 4 and res["config"]["warmup_tolerance"] == 0.05
     assert isinstance(res["patch_report"]["ops"], dict) and res["patch_report"]["ops"]
     check_ceilings(res["ceilings"])
     assert {(r["tokens"], r["engine"]) for r in res["prefill"]} == {
@@ -76,26 +106,31 @@ def test_ab_numerics_ops(tmp_path):
         (n, e) for n in (8, 12) for e in ("stock", "patched")}
     for r in res["prefill"]:
         check_keys(r, PREFILL, "prefill")
-        assert r["status"] in common.STATUSES
         assert r["status"] == "ok", r
+        check_warmup(r, 4, 0.05)  # 8 = [7, 1] and 12 = [8, 3, 1]: new chunk shapes each
     for r in res["decode"]:
         check_keys(r, DECODE, "decode")
         assert r["status"] == "ok", r
+        check_warmup(r, 4, 0.05)
     # plots next to the JSON (skipped only without matplotlib)
     if importlib.util.find_spec("matplotlib") is not None:
         for suffix in ("prefill", "decode"):
             png = tmp_path / f"ab-{suffix}.png"
             assert png.exists() and png.stat().st_size > 0, png
 
-    # --- --append: one more length for one engine, merged into the same file;
-    # a 0.001 s budget times the prefill out at its first chunk boundary
-    ab.main(TINY + ["--prefill", "24", "--prefill-step-size", "8", "--rounds", "1",
-                    "--engines", "patched", "--no-ceilings", "--no-plots",
+    # --- --append: two lengths for one engine, merged into the same file; a
+    # 0.001 s budget times the prefill out at its first chunk boundary, so the
+    # longer length is not run (and has no warm-up)
+    ab.main(TINY + ["--prefill", "12,24", "--prefill-step-size", "8", "--rounds", "1",
+                    "--engines", "patched", "--no-ceilings", "--no-plots", "--warmup-max-runs", "1",
                     "--max-seconds", "0.001", "--out", str(out), "--append"])
     res = load(out, "ab")
     assert len(res["runs"]) == 2 and len(res["prefill"]) == 5 and len(res["decode"]) == 4
-    new = [r for r in res["prefill"] if r["tokens"] == 24]
-    assert len(new) == 1 and new[0]["status"] == "timeout" and new[0]["tokens_done"] == 8
+    new = {r["tokens"]: r for r in res["prefill"] if r["run"] == 1}
+    assert set(new) == {12, 24}
+    assert new[12]["status"] == "timeout" and new[12]["tokens_done"] == 8
+    assert new[12]["warmup_runs"] == 1 and new[12]["warmup_converged"] is False  # one run: never converged
+    assert new[24]["skipped"] and new[24]["warmup_runs"] == 0  # timed out at 12 already
     check_ceilings(res["ceilings"])  # kept from the first run
 
     # --- numerics: short sequence
@@ -121,6 +156,7 @@ def test_ab_numerics_ops(tmp_path):
             assert r["status"] == "ok", r  # others may be kernels of no use here
     gd = {r["impl"] for r in res["ops"] if r["op"] == "gated_delta.prefill"}
     assert "stock-loop" in gd and "chunked" in gd
+    assert {r["impl"] for r in res["ops"] if r["op"].startswith("attention")} == {"stock"}
     layer = {r["impl"]: r for r in res["ops"] if r["op"] == "gated_delta.decode_layer"}
     assert set(layer) == {"stock", "patched"} and layer["patched"]["default"]
     assert all(r["status"] == "ok" and r["shape"]["chain"] == 2 for r in layer.values())
@@ -132,6 +168,96 @@ def test_ab_numerics_ops(tmp_path):
                                    for r in step.values())
     for r in list(step.values()) + list(layer.values()):  # the steady-state decode figure
         assert r["decode_steady"] == [2, 3] and isinstance(r["ms_steady"], float), r
+
+    # --- ops --defaults-only: per op and shape, mlx-lm's code and the default only
+    out2 = tmp_path / "ops-defaults.json"
+    ops.main(TINY + ["--smoke", "--defaults-only", "--no-ceilings", "--ops", "gated_delta,moe",
+                     "--out", str(out2)])
+    rows = load(out2, "ops")["ops"]
+    by_point = {}
+    for r in rows:
+        by_point.setdefault((r["op"], r["shape"]["T"]), []).append(r)
+    for point, rs in by_point.items():
+        impls = [r["impl"] for r in rs]
+        assert 1 <= len(impls) <= 2 and impls[0] in ("stock", "stock-loop"), (point, impls)
+        assert any(r["default"] for r in rs), (point, impls)
+    assert [r["impl"] for r in by_point[("gated_delta.prefill", 16)]] == ["stock-loop", "chunked"]
+
+
+class _Clock:
+    """A fake ``time`` module for bench.ab: ``perf_counter`` returns a clock
+    that only the fake runs advance."""
+
+    def __init__(self):
+        self.now = 100.0
+
+    def perf_counter(self):
+        return self.now
+
+
+class _Runs:
+    """A fake ``run_once`` for :func:`bench.ab.warm_until_stable`: each call
+    takes the next (status, seconds) off the list, advances the clock by the
+    seconds and records the budget it was given."""
+
+    def __init__(self, clock, *runs):
+        self.clock, self.runs, self.budgets = clock, list(runs), []
+
+    def __call__(self, max_seconds):
+        self.budgets.append(max_seconds)
+        status, seconds = self.runs.pop(0)
+        self.clock.now += seconds
+        return ab.Run(status, seconds, 10 if status == "ok" else 3)
+
+
+def _ctx(max_runs=6, tol=0.05, budget=None):
+    return ab.Context(roofline=None, ceilings=None, vocab=10, prompt_seed=0, step=8, rounds=1,
+                      max_seconds=None, warmup_max_seconds=budget, warmup_max_runs=max_runs,
+                      warmup_tolerance=tol)
+
+
+def test_warmup_rule(monkeypatch):
+    """bench.ab's warm-up: runs until two consecutive rates agree within the
+    tolerance, capped by runs and by the time budget; a first run that fails
+    fails the warm-up, a later timeout only ends it."""
+    clock = _Clock()
+    monkeypatch.setattr(ab, "time", clock)
+    # 100 -> 50 -> 49 tok/s (10 tokens in 0.1, 0.2, 0.204 s): the last two agree
+    runs = _Runs(clock, ("ok", 0.1), ("ok", 0.2), ("ok", 0.204), ("ok", 0.3))
+    w = ab.warm_until_stable(runs, 10, _ctx(), "t")
+    assert w.converged and w.failed is None and len(runs.runs) == 1
+    assert w.rates == pytest.approx([100.0, 50.0, 10 / 0.204])
+    assert w.seconds == pytest.approx(0.504)
+    f = w.fields()
+    assert f["warmup_runs"] == 3 and f["warmup_converged"] is True and len(f["warmup_tok_s"]) == 3
+    # never two alike: stops at the cap, not converged
+    runs = _Runs(clock, *[("ok", s) for s in (0.1, 0.2, 0.4, 0.8)])
+    w = ab.warm_until_stable(runs, 10, _ctx(max_runs=3), "t")
+    assert not w.converged and len(w.rates) == 3 and runs.runs == [("ok", 0.8)]
+    # one run only (--warmup-max-runs 1): a single warm-up, never "converged"
+    w = ab.warm_until_stable(_Runs(clock, ("ok", 0.1), ("ok", 0.1)), 10, _ctx(max_runs=1), "t")
+    assert w.rates == [100.0] and not w.converged
+    # exactly at the tolerance agrees; just above does not
+    assert ab.rates_agree(100.0, 105.0, 0.05) and not ab.rates_agree(100.0, 105.1, 0.05)
+    # the budget (1 s, 0.2 of it spent before): each run is given what is left,
+    # and no run starts once what is left is shorter than the last run
+    runs = _Runs(clock, ("ok", 0.3), ("ok", 0.4), ("ok", 0.41))
+    w = ab.warm_until_stable(runs, 10, _ctx(budget=1.0), "t", spent=0.2)
+    assert runs.budgets == pytest.approx([0.8, 0.5]) and len(w.rates) == 2 and not w.converged
+    assert w.seconds == pytest.approx(0.9)
+    # a first run that does not finish fails the warm-up; a later timeout only ends it
+    w = ab.warm_until_stable(_Runs(clock, ("timeout", 5.0)), 10, _ctx(), "t")
+    assert w.failed is not None and w.failed.status == "timeout" and w.rates == []
+    w = ab.warm_until_stable(_Runs(clock, ("ok", 0.1), ("timeout", 5.0)), 10, _ctx(), "t")
+    assert w.failed is None and w.rates == [100.0] and not w.converged
+    w = ab.warm_until_stable(_Runs(clock, ("ok", 0.1), ("oom", 0.5)), 10, _ctx(), "t")
+    assert w.failed is not None and w.failed.status == "oom"
+
+
+def test_ab_refuses_bad_warmup_flags(tmp_path):
+    for argv in (["--warmup-max-runs", "0"], ["--warmup-tolerance", "0"]):
+        with pytest.raises(SystemExit, match="--warmup-max-runs must be >= 1"):
+            ab.main(TINY + argv + ["--no-ceilings", "--out", str(tmp_path / "x.json")])
 
 
 def test_roofline_matches_design_notes():
@@ -151,39 +277,6 @@ def test_chunking_matches_generate_step():
     assert ab.chunk_sizes(4096, 2048) == [2048, 2047, 1]
     assert ab.warmup_length(131072, 2048) == 4096
     assert common.parse_lengths("256,1k,128K") == [256, 1024, 131072]
-
-
-def test_pick_scan_config(tmp_path):
-    """bench/pick_scan_config.py: the fastest configuration whose checks all
-    passed; stale (other-length) configurations, missing times and failed
-    checks are skipped; bad files give a message, not a traceback."""
-    import subprocess
-
-    script = Path(__file__).resolve().parents[1] / "bench" / "pick_scan_config.py"
-    res = {
-        "checks": [{"cfg": [8, 2, 4, 32, 0, 1], "ok": True}, {"cfg": [8, 2, 4, 64, 0, 1], "ok": True},
-                   {"cfg": [8, 1, 4, 32, 0, 1], "ok": False}, {"cfg": [8, 2, 4, 64, 0, 1, 0, 4], "ok": True},
-                   {"cfg": [8, 2, 4, 16, 0, 1], "ok": True}],
-        "timings": {"scan B=1 T=4096 cfg=[8, 2, 4, 32, 0, 1]": 0.9e-3,
-                    "scan B=1 T=4096 cfg=[8, 2, 4, 64, 0, 1]": 0.8e-3,
-                    "scan B=1 T=4096 cfg=[8, 1, 4, 32, 0, 1]": 0.1e-3,  # failed a check
-                    "scan B=1 T=4096 cfg=[8, 2, 4, 64, 0, 1, 0, 4]": 0.05e-3,  # another kernel version
-                    "scan B=1 T=4096 cfg=[8, 2, 4, 16, 0, 1]": None,
-                    "scan single-call B=1 T=4096 cfg=[8, 2, 4, 32, 0, 1]": 0.01e-3},
-    }
-    p = tmp_path / "scan.json"
-    p.write_text(json.dumps(res))
-    run = lambda *a: subprocess.run([sys.executable, str(script), *a], capture_output=True, text=True)  # noqa: E731
-    r = run(str(p))
-    assert r.returncode == 0 and r.stdout.strip() == "8,2,4,64,0,1"
-    p.write_text("{}")
-    assert run(str(p)).stdout.strip() == "8,2,4,32,0,1"
-    for bad in ("[]", "not json"):
-        p.write_text(bad)
-        r = run(str(p))
-        assert r.returncode != 0 and "Traceback" not in r.stderr and str(p) in r.stderr
-    r = run()
-    assert r.returncode != 0 and "usage" in r.stderr
 
 
 def test_ops_rejects_bad_arguments_before_building(tmp_path, capsys, monkeypatch):
@@ -207,26 +300,98 @@ def test_ops_rejects_bad_arguments_before_building(tmp_path, capsys, monkeypatch
         assert needle in capsys.readouterr().err
 
 
-def test_prefill_profile_summary(tmp_path, capsys):
+def test_ops_implementations_on_cuda_names():
+    """The CUDA rows bench.ops would run there: the names of the package's
+    dispatch tables (no kernel is built to list them)."""
+    assert list(ops.implementations("moe", "cuda")) == ["stock", "reference", "cuda-prefill", "cuda-decode"]
+    assert list(ops.implementations(ops._STEP, "cuda")) == ["stock", "cuda-kernel"]
+    assert list(ops.implementations(ops._PSTEP, "cuda")) == ["stock", "cuda-kernel"]
+    assert "cuda-kernel" in ops.implementations("gated_delta", "cuda")
+    assert list(ops.implementations("attention", "cuda")) == ["stock"]
+    assert ops.applies("moe", "cuda-decode", 4) and not ops.applies("moe", "cuda-decode", 5)
+
+
+def test_startup_and_first_use_on_cpu(tmp_path):
+    """bench.startup (two fresh processes, tiny preset) and bench.first_use
+    (the generate CLI on a tiny checkpoint) run on the CPU and write their JSONs."""
+    from mlx_qwen_fast.checkpoint import write_checkpoint
+
+    out = tmp_path / "startup.json"
+    r = run_py("-m", "bench.startup", "--preset", "tiny", "--prompt", "16", "--out", str(out), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = load(out, "startup")
+    assert set(res["runs"]) == {"first_use", "cached"}
+    assert all(v["rc"] == 0 and v["first_prefill_s"] > 0 for v in res["runs"].values()), res["runs"]
+
+    ck = write_checkpoint(tmp_path / "ck", "tiny", seed=0)
+    out = tmp_path / "first_use.json"
+    r = run_py("-m", "bench.first_use", "--model", str(ck), "--runs", "1", "--max-tokens", "2",
+               "--timeout", "200", "--out", str(out), timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = load(out, "first_use")
+    (run,) = res["runs"]
+    assert run["rc"] == 0 and run["status"] == "ok" and run["first_token_s"] is not None, run
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_module_help(name):
+    r = run_py("-m", f"bench.{name}", "--help")
+    assert r.returncode == 0 and "usage" in r.stdout.lower(), r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("script", DEVICE_SCRIPTS)
+def test_device_script_help_and_cpu_refusal(script):
+    """Every device script answers --help here and, without CUDA, exits with
+    a one-line message rather than a traceback."""
+    path = str(ROOT / "bench" / script)
+    r = run_py(path, "--help")
+    assert r.returncode == 0 and "usage" in r.stdout.lower(), r.stderr[-2000:]
+    argv = {"profile_kernels.py": ["kernels"], "node_cost.py": ["2"]}.get(script, [])
+    r = run_py(path, *argv)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "CUDA" in r.stderr, r.stderr[-2000:]
+
+
+def test_profile_summary(tmp_path, capsys):
     """ncu CSV -> GPU ms per kernel family; units converted, unknown ones refused."""
-    from bench import prefill_profile as pp
+    from bench import profile_kernels as pk
 
     head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n'
     rows = [("mqf_moe_gate_up_abc", "us", "1,500"), ("void mlx::qmm_sm80_kernel<64>", "ms", "0.3"),
-            ("mqf_gdn_prefill_0f", "ns", "150000"), ("foo", "usecond", "50")]
+            ("mqf_gdn_scan_0f", "ns", "150000"), ("foo", "usecond", "50")]
     csv_path = tmp_path / "k.csv"
     csv_path.write_text("==PROF== Connected\n" + head + "".join(
         f'"{i}","{n}","gpu__time_duration.sum","{u}","{v}"\n' for i, (n, u, v) in enumerate(rows)))
-    pp.summary(str(csv_path))
+    pk.main(["summary", str(csv_path)])
     out = capsys.readouterr().out
     lines = {ln[:44].strip(): ln[44:].split() for ln in out.splitlines() if ln[:44].strip()}
     assert lines["moe grouped GEMM (ours)"][:2] == ["1.50", "75.0%"]
     assert lines["quantized matmul / GEMV / dequantize (MLX)"][:2] == ["0.30", "15.0%"]
-    assert lines["gdn prefill, fused front end + scan (ours)"][:2] == ["0.15", "7.5%"]
+    assert lines["gdn scan (ours)"][:2] == ["0.15", "7.5%"]
     assert lines["other"][:2] == ["0.05", "2.5%"]
     assert lines["total (serialised)"][:2] == ["2.00", "4"]
+    # every kernel base name of the package falls in one of "ours" families
+    for name in ("mqf_moe_route_1", "mqf_moe_count_1", "mqf_moe_scatter_1", "mqf_moe_dec_gate_up_1",
+                 "mqf_moe_dec_down_1", "mqf_moe_down_1", "mqf_gdn_frontend_1", "mqf_gdn_decode_1",
+                 "mqf_gated_rms_norm_1"):
+        fam = next(f for f, rx in pk.FAMILIES if re.search(rx, name))
+        assert fam.endswith("(ours)") and fam != "other ours", (name, fam)
     csv_path.write_text(head + '"0","x","gpu__time_duration.sum","parsec","1"\n')
     with pytest.raises(SystemExit, match="unknown time unit"):
-        pp.summary(str(csv_path))
+        pk.summary(str(csv_path))
     with pytest.raises(SystemExit, match="cannot read"):
-        pp.summary(str(tmp_path / "missing.csv"))
+        pk.summary(str(tmp_path / "missing.csv"))
+
+
+def test_h200_stages():
+    """bench/h200.sh parses, offers exactly the stable stages, and every file
+    a stage writes lies directly under $OUT (at most 8 per stage, gpu.txt included)."""
+    text = (ROOT / "bench" / "h200.sh").read_text()
+    assert subprocess.run(["bash", "-n", str(ROOT / "bench" / "h200.sh")]).returncode == 0
+    body = text[text.index('case "${1:-}" in'):]
+    labels = re.findall(r"^([a-z]+)\)", body, flags=re.M)
+    assert set(labels) == H200_STAGES and len(labels) == len(H200_STAGES)
+    assert not re.search(r"\bs\d+[a-z]?\b", body), "a stage or comment named after a session"
+    for label, block in zip(labels, re.split(r"^[a-z]+\)", body, flags=re.M)[1:]):
+        files = set(re.findall(r'\$OUT/([A-Za-z0-9_.-]+)"?', block))
+        assert all("/" not in f for f in files), (label, files)
+        assert 1 <= len(files) + 1 <= 8, (label, files)  # + gpu.txt
