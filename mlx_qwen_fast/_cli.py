@@ -239,30 +239,24 @@ def check_subcommand(argv) -> None:
         usage_error(f"unknown subcommand {sub!r}\n{usage}")
 
 
-def _start_warmup(argv: Sequence[str]):
-    """Start :class:`mlx_qwen_fast.warmup.Warmup` for the ``--model`` folder
-    when :data:`config.WARMUP` is on, the fast path is on, the backend is
-    CUDA and the model's kernels are not in the compile cache yet; None
-    otherwise. Says so in one line."""
+def _first_use_notice(argv: Sequence[str]) -> None:
+    """One line when the ``--model`` folder's kernels were not warmed up into
+    MLX's compile cache on this machine (CUDA only): its first run then
+    spends minutes in MLX's run-time compiles."""
     models = _flag_values(argv, ("--model",))
-    if not (models and config.WARMUP.get() and config.FAST_PATH.get()):
-        return None
+    if not models:
+        return
     path = Path(os.path.expanduser(models[0]))
     from . import backend
 
     if not path.is_dir() or backend.current() != backend.CUDA:
-        return None
-    from .warmup import Warmup, is_warm
+        return
+    from .warmup import is_warm
 
-    if is_warm(path):
-        return None
-    warm = Warmup(path)
-    if warm.jobs == 0:
-        return None
-    print(f"mlx_qwen_fast: first use of this model's GPU kernels on this machine: compiling them in "
-          f"{warm.jobs} processes while it loads (once per machine; `python -m mlx_qwen_fast warmup "
-          f"--model {models[0]}` does this ahead of time, MLX_QWEN_FAST_WARMUP=0 skips it)", file=sys.stderr)
-    return warm.start()
+    if not is_warm(path):
+        print(f"mlx_qwen_fast: MLX may compile CUDA kernels for this model for a few minutes before its first "
+              f"token (once per machine; `python -m mlx_qwen_fast warmup --model {models[0]}` does it ahead "
+              f"of time)", file=sys.stderr)
 
 
 def _loading_error(exc: BaseException) -> bool:
@@ -301,8 +295,8 @@ def run_mlx_lm_main(module: str, argv=None) -> None:
     else:
         from .patching import install
 
-        warm = _start_warmup(argv)
-        install(verbose=True, after_load=None if warm is None else warm.wait)
+        _first_use_notice(argv)
+        install(verbose=True)
     main = importlib.import_module(module).main
     sys.argv = [sys.argv[0]] + argv
     try:

@@ -43,14 +43,12 @@ __all__ = [
     "NVFATBIN",
     "ARCH",
     "POISON",
-    "WARMUP",
     "reload",
     "raw_value",
     "cache_root",
     "kernel_cache_dir",
     "cuda_toolkit_lib_dirs",
     "mlx_ptx_cache_dir",
-    "child_environment",
     "apply_process_settings",
     "restore_process_settings",
     "process_settings_report",
@@ -164,14 +162,10 @@ ARCH = Switch(
 POISON = Switch(
     "MLX_QWEN_FAST_POISON", "bool", False, "`1`",
     "fill every kernel output with NaN before its launch (tests: shows unwritten elements)")
-WARMUP = Switch(
-    "MLX_QWEN_FAST_WARMUP", "bool", True, "`0`",
-    "the CLIs do not compile a model's GPU kernels in parallel processes on its first use on a machine "
-    "(`python -m mlx_qwen_fast warmup` still does)")
 
 #: Every switch, in the README's order.
 SWITCHES: Tuple[Switch, ...] = (
-    FAST_PATH, MOE_PREFILL_KERNEL, MOE_DECODE_KERNEL, WARMUP, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
+    FAST_PATH, MOE_PREFILL_KERNEL, MOE_DECODE_KERNEL, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
 )
 
 
@@ -198,12 +192,6 @@ def mlx_ptx_cache_dir() -> Optional[str]:
     """``MLX_PTX_CACHE_DIR`` as the environment holds it now (None: unset,
     MLX's own default)."""
     return os.environ.get(MLX_PTX_CACHE.name) or None
-
-
-def child_environment(**overrides: str) -> Dict[str, str]:
-    """A copy of this process's environment with ``overrides``, for the
-    package's worker processes."""
-    return dict(os.environ, **overrides)
 
 
 def cuda_toolkit_lib_dirs() -> List[str]:

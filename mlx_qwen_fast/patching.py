@@ -17,7 +17,7 @@ import functools
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Callable, Dict, Optional
+from typing import Dict, Optional
 
 import mlx.nn as nn
 import mlx_lm.utils
@@ -278,7 +278,7 @@ def _off_setting() -> str:
     return f"{config.FAST_PATH.name}={config.raw_value(config.FAST_PATH)}"
 
 
-def install(*, verbose: bool = False, after_load: Optional[Callable[[], object]] = None) -> bool:
+def install(*, verbose: bool = False) -> bool:
     """Make every ``mlx_lm.load`` return a patched model.
 
     Wraps ``mlx_lm.utils.load_model`` (which ``mlx_lm.load``, ``sharded_load``
@@ -286,9 +286,7 @@ def install(*, verbose: bool = False, after_load: Optional[Callable[[], object]]
     Other model types pass through untouched (no warning). Idempotent.
     ``verbose``: print each load's :class:`PatchReport` to stderr, one line
     for a model type without a fast path, and, when the environment switches
-    the fast path off, one line saying so. ``after_load``: called once, when
-    the first load has read its model (the CLIs wait there for a kernel
-    warm-up, :mod:`mlx_qwen_fast.warmup`); ignored when already installed.
+    the fast path off, one line saying so.
     Returns False (and installs nothing) when ``MLX_QWEN_FAST=0``.
     """
     if not enabled():
@@ -300,15 +298,11 @@ def install(*, verbose: bool = False, after_load: Optional[Callable[[], object]]
     if getattr(current, "_mlx_qwen_fast", False):
         return True
 
-    hooks = [after_load] if after_load is not None else []
-
     @functools.wraps(current)
     def load_model(*args, **kwargs):
         model, model_config = current(*args, **kwargs)
         if not enabled():
             return model, model_config
-        if hooks:
-            hooks.pop()()
         model_type = _model_type(model)
         if model_type in SUPPORTED_MODEL_TYPES:
             report = patch(model)

@@ -17,8 +17,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _run(*args, timeout=120):
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               MLX_QWEN_FAST_WARMUP="0")
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout)
 
 

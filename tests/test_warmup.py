@@ -1,57 +1,9 @@
-"""The kernel warm-up (mlx_qwen_fast/warmup.py): work split, the atomic
-publishing of worker caches, the marker, and a whole run on the CPU."""
-
-import os
+"""The kernel warm-up (mlx_qwen_fast/warmup.py): its marker, the model run
+on the CPU, and the CLI's first-use notice."""
 
 import pytest
 
-from mlx_qwen_fast import warmup
-
-
-def test_split_deals_every_length_once_longest_first():
-    for parts in (1, 2, 3, 8, 20):
-        groups = warmup._split(warmup.PROMPT_TOKENS, parts)
-        flat = sorted(x for g in groups for x in g)
-        assert flat == sorted(warmup.PROMPT_TOKENS)
-        assert len(groups) == min(parts, len(warmup.PROMPT_TOKENS)) and all(groups)
-        assert groups[0][0] == max(warmup.PROMPT_TOKENS)
-
-
-def _module(d, name, ptx=b"binary", txt=b"kernel\tmangled\n"):
-    (d / f"{name}.ptx").write_bytes(ptx)
-    (d / f"{name}.txt").write_bytes(txt)
-    (d / f"{name}.cu").write_text("source")
-
-
-def test_publish_moves_complete_modules_and_keeps_existing(tmp_path):
-    src, dst = tmp_path / "src", tmp_path / "dst"
-    src.mkdir()
-    dst.mkdir()
-    _module(src, "qmm_a")
-    _module(src, "qmm_b")
-    (src / "sub").mkdir()
-    _module(src / "sub", "long_name")
-    _module(dst, "qmm_b", ptx=b"already there")
-    assert warmup._publish(src, dst) == 2
-    assert (dst / "qmm_a.ptx").read_bytes() == b"binary"
-    assert (dst / "qmm_a.txt").read_bytes() == b"kernel\tmangled\n"
-    assert (dst / "sub" / "long_name.ptx").is_file()
-    assert (dst / "qmm_b.ptx").read_bytes() == b"already there"
-    assert not list(dst.rglob("*.tmp"))
-    assert warmup._publish(src, None) == 0 and warmup._publish(tmp_path / "none", dst) == 0
-
-
-def test_publish_writes_the_kernel_list_before_the_binary(tmp_path, monkeypatch):
-    """MLX reads a module when its .ptx exists, then its .txt: the .ptx must
-    appear last."""
-    src, dst = tmp_path / "src", tmp_path / "dst"
-    src.mkdir()
-    _module(src, "m")
-    order = []
-    real = os.replace
-    monkeypatch.setattr(warmup.os, "replace", lambda a, b: (order.append(os.path.basename(b)), real(a, b)))
-    warmup._publish(src, dst)
-    assert order == ["m.txt", "m.cu", "m.ptx"]
+from mlx_qwen_fast import _cli, backend, warmup
 
 
 def test_marker_follows_the_cache_and_the_config(env, tmp_path, tiny_checkpoint):
@@ -63,13 +15,15 @@ def test_marker_follows_the_cache_and_the_config(env, tmp_path, tiny_checkpoint)
     assert warmup.marker_path(tiny_checkpoint) == m  # same config, same key
 
 
-def test_warmup_off_cuda_does_nothing(tiny_checkpoint):
-    from mlx_qwen_fast import backend
+def test_marker_changes_with_the_config(env, tmp_path, tiny_checkpoint):
+    import shutil
 
-    if backend.current() == backend.CUDA:
-        pytest.skip("CPU behaviour")
-    assert warmup.is_warm(tiny_checkpoint)
-    assert warmup.warmup(tiny_checkpoint)["workers"] == 0
+    env.set("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
+    other = tmp_path / "other"
+    shutil.copytree(tiny_checkpoint, other)
+    (other / "config.json").write_text((other / "config.json").read_text().replace('"rms_norm_eps": 1e-06',
+                                                                                   '"rms_norm_eps": 1e-05'))
+    assert warmup.marker_path(other) != warmup.marker_path(tiny_checkpoint)
 
 
 def test_warmup_rejects_a_folder_without_config(tmp_path):
@@ -77,12 +31,26 @@ def test_warmup_rejects_a_folder_without_config(tmp_path):
         warmup.warmup(tmp_path)
 
 
-def test_workers_run_and_write_the_marker(env, tmp_path, tiny_checkpoint):
-    """The whole mechanism with real worker processes (on the CPU they only
-    run the model; on CUDA they also fill the cache)."""
+def test_the_model_run_covers_both_layer_kinds(tiny_checkpoint):
+    """The cut model (one layer of each kind, patched) runs every prompt length."""
+    warmup._run_model(tiny_checkpoint, (1, 5, 40))
+
+
+def test_off_cuda_there_is_nothing_to_do_and_no_notice(tiny_checkpoint, capsys):
+    if backend.current() == backend.CUDA:
+        pytest.skip("CPU behaviour")
+    assert warmup.is_warm(tiny_checkpoint)
+    assert warmup.warmup(tiny_checkpoint) == {"seconds": 0.0, "ran": False}
+    _cli._first_use_notice(["--model", str(tiny_checkpoint)])
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.cuda
+def test_warmup_writes_the_marker_and_silences_the_notice(env, tmp_path, tiny_checkpoint, capsys):
     env.set("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
-    w = warmup.Warmup(tiny_checkpoint, jobs=2)
-    assert w.jobs == 2
-    result = w.start().wait(progress=False)
-    assert result["workers"] == 2 and result["failed"] == []
-    assert warmup.marker_path(tiny_checkpoint).is_file()
+    _cli._first_use_notice(["--model", str(tiny_checkpoint)])
+    assert "warmup" in capsys.readouterr().err
+    assert warmup.warmup(tiny_checkpoint)["ran"]
+    assert warmup.marker_path(tiny_checkpoint).is_file() and warmup.is_warm(tiny_checkpoint)
+    _cli._first_use_notice(["--model", str(tiny_checkpoint)])
+    assert capsys.readouterr().err == ""
