@@ -6,14 +6,14 @@
 #   bash bench/h200.sh ops        # bench.ops rows of the default paths at the model's shapes (~4 min)
 #   bash bench/h200.sh profile    # ncu: GPU time per kernel of one patched 4K prefill, then every
 #                                 # counter of the package's kernels (~6-8 min)
-#   bash bench/h200.sh userview   # bench.user_view (mlx-lm's own benchmark command, stock vs patched)
+#   bash bench/h200.sh userview   # bench.user_view: mlx-lm's own benchmark command, stock vs patched (~5-9 min)
 #   bash bench/h200.sh firstuse   # bench.first_use: the CLI's first and second run on a fresh machine (~6 min)
 #
 # Run from the repository root on the device with .mlxcuda carried (and .nvfatbin for
 # compressed-fatbin launches); every result goes to $OUT (at most 8 files, named
 # below per stage), and a short digest to stdout. Environment knobs: SKEW (router
 # skew of the random checkpoints, default 1.0), TEST_WORKERS (xdist workers of the
-# tests stage, default 4), CK (checkpoint folder of firstuse, default /tmp/ck),
+# tests stage, default 4), UV_CONFIGS / UV_RESUME (userview), CK (checkpoint folder of firstuse, default /tmp/ck),
 # PROFILE_FULL=0 (profile stage without the --set full pass).
 #
 # A fresh machine pays MLX's first-use compiles (minutes: the stock engine's
@@ -39,7 +39,7 @@ echo "kernel images: ${NVF:-plain cubins (no .nvfatbin carried)}" | tee -a "$OUT
 case "${1:-}" in
 tests)  # pytest -m "cuda and large" serially (full-size shapes, several GB each), then
         # -m "cuda and not large" under pytest-xdist (serially without it). Files: tests-large.txt, tests.txt
-  timeout 200 python3 -m pytest -q -m "cuda and large" tests > "$OUT/tests-large.txt" 2>&1
+  timeout 240 python3 -m pytest -q -m "cuda and large" tests > "$OUT/tests-large.txt" 2>&1  # >110 s on a fresh machine
   echo "rc=$? (5: none collected)" >> "$OUT/tests-large.txt"; tail -4 "$OUT/tests-large.txt"
   XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n ${TEST_WORKERS:-4}"
   timeout 330 python3 -m pytest -q $XD -m "cuda and not large" tests > "$OUT/tests.txt" 2>&1
@@ -75,10 +75,17 @@ profile)  # ncu: GPU time of every kernel of one patched 4K prefill (profiler on
     > "$OUT/ncu-kernels.log" 2>&1; echo "rc=$?" >> "$OUT/ncu-kernels.log"; tail -2 "$OUT/ncu-kernels.log"
   "$NCU" --import /tmp/prof.ncu-rep --page details > "$OUT/ncu-details.txt" 2>&1
   grep -E "^  mqf_|Duration|Registers Per|DRAM Throughput|Achieved Occupancy" "$OUT/ncu-details.txt" | head -60 ;;
-userview)  # bench.user_view: mlx-lm's `benchmark` command in fresh processes, stock vs patched.
-           # >>> PLACEHOLDER: the user_view author sets the flags of the line below. <<<
+userview)  # bench.user_view: mlx-lm's `benchmark` command in fresh processes, stock vs patched, 3 processes
+           # per engine, alternating. UV_CONFIGS (default b1: 4K prompt, 128 tokens, batch 1; ~525 s on a fresh
+           # machine, ~290 s warm) picks the configurations; the rest of the sweep (UV_CONFIGS=32k,128k, then
+           # b4) goes into later calls of a warm machine with UV_RESUME=<the previous user_view.json copied into
+           # the tree>, merged into one file. One MLX compile cache for both engines (MLX_PTX_CACHE_DIR set
+           # here: the user's own, so --stock keeps it), reused while the machine stays warm.
            # Files: user_view.json, user_view.log
-  timeout 570 python3 -m bench.user_view --out "$OUT/user_view.json" > "$OUT/user_view.log" 2>&1
+  export MLX_PTX_CACHE_DIR="${MLX_PTX_CACHE_DIR:-/tmp/mlx-ptx-uv}"
+  R=""; [ -f "${UV_RESUME:-}" ] && R="--resume $UV_RESUME"
+  timeout 570 python3 -m bench.user_view $P --checkpoint /tmp/uv-ckpt --configs "${UV_CONFIGS:-b1}" $R \
+    --budget-s 530 --out "$OUT/user_view.json" > "$OUT/user_view.log" 2>&1
   echo "rc=$?" >> "$OUT/user_view.log"; tail -24 "$OUT/user_view.log" ;;
 firstuse)  # bench.first_use: `python -m mlx_qwen_fast.generate` twice in fresh processes, the first with
            # empty compile caches, on the full-size random checkpoint in $CK, written first (~2 min)
