@@ -708,13 +708,12 @@ def _compiled_decode_step(top_k: int, normalize: bool, router_static: tuple, n_r
 def _cuda_decode(block, x: mx.array) -> mx.array:
     """The block's decode step (:func:`moe_decode`'s computation, bit for bit)
     traced once with ``mx.compile``; the stock block where the kernels do
-    not apply (no CUDA device, or :func:`decode_plan` declines). The block's arrays are inputs of the
+    not apply (:func:`decode_plan` declines). Called where MLX has a CUDA
+    device (:func:`sparse_moe` sees to it). The block's arrays are inputs of the
     compiled function, so one trace per token count serves every layer; the
     :func:`decode_plan` checks run once per layer and input signature
     (cached on the block, re-run when one of its arrays is replaced), so a
     call costs the array lookups and the compiled call."""
-    if not _cuda_build.cuda_available():
-        return _stock(block, x)
     arrays, fn = StepPlans.of(block).get((tuple(x.shape), x.dtype), block, lambda: _decode_step_plan(block, x))
     if fn is None:
         return _stock(block, x)
@@ -777,7 +776,8 @@ def sparse_moe(block, x: mx.array, *, implementation: Optional[str] = None) -> m
     Args:
         block: a ``Qwen3NextSparseMoeBlock``.
         x: ``[..., D]`` float.
-        implementation: force a name from :data:`IMPLEMENTATIONS`; default
+        implementation: force a name from :data:`IMPLEMENTATIONS` (a CUDA
+            one where MLX has no CUDA device runs "stock"); default
             :func:`implementation_for` the token count and current backend.
 
     Returns:
@@ -790,6 +790,8 @@ def sparse_moe(block, x: mx.array, *, implementation: Optional[str] = None) -> m
     _check_block_input("sparse_moe", block, x)
     if implementation is None:
         implementation = implementation_for(math.prod(x.shape[:-1]))
+    elif isinstance(implementation, str) and implementation.startswith("cuda-") and not _cuda_build.cuda_available():
+        implementation = "stock"  # a CUDA implementation asked for where MLX has no CUDA device
     try:
         fn = IMPLEMENTATIONS[implementation]
     except KeyError:
