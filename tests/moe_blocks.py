@@ -13,8 +13,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 def make_block(D=64, H=64, E=16, k=8, dtype=mx.float32, router_scale=4.0, seed=None):
     """A quantized Qwen3NextSparseMoeBlock with the checkpoint's bit widths
     (experts and shared expert 4-bit, router and shared-expert gate 8-bit,
-    group 64); ``seed`` seeds MLX's global generator first. Also used by
-    bench/moe_decode_cuda.py at the full model size."""
+    group 64); ``seed`` seeds MLX's global generator first."""
     args = ModelArgs(
         model_type="qwen3_next",
         hidden_size=D,
@@ -61,8 +60,7 @@ def make_block(D=64, H=64, E=16, k=8, dtype=mx.float32, router_scale=4.0, seed=N
 
 
 # ---------------------------------------------------------------------------
-# arrays for the kernel tests (routing, grouped GEMM, decode GEMV); also used
-# by bench/moe_decode_cuda.py
+# arrays for the kernel tests (routing, grouped GEMM, decode GEMV)
 # ---------------------------------------------------------------------------
 
 

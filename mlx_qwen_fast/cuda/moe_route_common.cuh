@@ -1,6 +1,6 @@
 // Softmax + top-k of one token's router logits by one warp (MoE routing):
 // the routing kernel's stage 1 (moe_routing.cu) as a device function, for any
-// kernel that routes inside itself (bench/cuda/decode_dep_floor.cu does).
+// kernel that routes inside itself.
 // All 32 lanes of the warp call it together (warp shuffles and reductions).
 #pragma once
 #include "gdn_common.cuh"
