@@ -147,7 +147,7 @@ def experts_chain(sm, r, x, variant):
         def f():
             y = x
             for _ in range(m):
-                y = gg.moe_experts(y, r, sm.gate_proj, sm.up_proj, sm.down_proj, variant=variant, check=False)
+                y = gg._moe_experts(y, r, sm.gate_proj, sm.up_proj, sm.down_proj, variant=variant)
             return y
         return f
     return make
@@ -162,7 +162,7 @@ def down_chain(sm, r, h, variant):
         def f():
             hh, y = h, None
             for _ in range(m):
-                y = gg.down_weighted(hh, r, _arr(sm.down_proj), variant=variant, check=False)
+                y = gg._down_weighted(hh, r, _arr(sm.down_proj), variant=variant)
                 hh = (hh + y[:, : hh.shape[1]].astype(hh.dtype) * 0).astype(hh.dtype)
             return y
         return f
@@ -350,16 +350,16 @@ def section_time(args):
                 h = gg.gate_up_swiglu(x, r, _arr(sm.gate_proj), _arr(sm.up_proj), variant=v)
                 mx.eval(h)
                 res[f"gate_up_kernel_{v}_tile{tile}"] = timeit(
-                    lambda: gg.gate_up_swiglu(x, r, _arr(sm.gate_proj), _arr(sm.up_proj), variant=v, check=False))
+                    lambda: gg._gate_up_swiglu(x, r, _arr(sm.gate_proj), _arr(sm.up_proj), variant=v))
                 res[f"down_kernel_{v}_tile{tile}_f32"] = timeit(
-                    lambda: gg.down_weighted(h, r, _arr(sm.down_proj), variant=v, check=False))
+                    lambda: gg._down_weighted(h, r, _arr(sm.down_proj), variant=v))
                 res[f"experts_kernels_{v}_tile{tile}(+combine)"] = timeit(
-                    lambda: gg.moe_experts(x, r, sm.gate_proj, sm.up_proj, sm.down_proj, variant=v, check=False))
+                    lambda: gg._moe_experts(x, r, sm.gate_proj, sm.up_proj, sm.down_proj, variant=v))
         for v in vs:  # routing + experts at the variant's own tile choice
             tc = gg.choose_tile_rows(t * K, E, v)
             res[f"route+experts_kernels_{v}_tile{tc}"] = timeit(
-                lambda: gg.moe_experts(x, mr.route_and_group(logits, K, tc), sm.gate_proj, sm.up_proj,
-                                       sm.down_proj, variant=v, check=False))
+                lambda: gg._moe_experts(x, mr.route_and_group(logits, K, tc), sm.gate_proj, sm.up_proj,
+                                        sm.down_proj, variant=v))
         xb = x[None]
         res["block_stock"] = timeit(lambda: Qwen3NextSparseMoeBlock.__call__(block, xb))
         res["block_cuda-prefill"] = timeit(lambda: moe.sparse_moe(block, xb, implementation="cuda-prefill"))

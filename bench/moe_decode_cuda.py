@@ -183,16 +183,16 @@ def section_time(args):
             return fn
 
         # the ids come from the routing kernel: the wrappers' host check of
-        # them is off (checked=True), as in the compiled step
+        # them is off (the unchecked entry point), as in the compiled step
         def eager_step():
             b, r = nxt()
             tok = xs[r].reshape(n, D)
             inds, scores = mr.route(blocks[b].gate(tok), K)
-            return md.moe_decode_arrays(tok, inds, scores, *arrs[b], checked=True)
+            return md._moe_decode_arrays(tok, inds, scores, *arrs[b])
 
         def kernels_only():
             b, r = nxt()
-            return md.moe_decode_arrays(xs[r].reshape(n, D), *routes[r], *arrs[b], checked=True)
+            return md._moe_decode_arrays(xs[r].reshape(n, D), *routes[r], *arrs[b])
 
         def gate_up_only():  # the launch alone (gate_up_swiglu would add its id check)
             b, r = nxt()

@@ -9,7 +9,7 @@ this package's version with mlx's and mlx-lm's.
 
 import sys
 
-from ._cli import check_subcommand, run_mlx_lm_main, versions
+from ._cli import check_subcommand, run_mlx_lm_main, subcommands, versions
 
 
 def main(argv=None) -> None:
@@ -26,7 +26,8 @@ def main(argv=None) -> None:
     if argv[0] in ("-h", "--help"):
         print("usage: python -m mlx_qwen_fast SUBCOMMAND [--stock] [mlx-lm flags]\n"
               "  SUBCOMMAND: warmup (this package: compile the GPU kernels ahead of the first run),\n"
-              "  or one of mlx-lm's: generate, chat, server, benchmark, ... (see python -m mlx_lm --help)")
+              f"  or one of mlx-lm's: {', '.join(subcommands())}\n"
+              "  python -m mlx_qwen_fast SUBCOMMAND --help: that subcommand's flags")
         return
     sub = argv[0]
     module = f"mlx_lm.quant.{sub}" if sub in ("awq", "dwq", "dynamic_quant", "gptq") else f"mlx_lm.{sub}"

@@ -48,16 +48,30 @@ def usage_error(message: str) -> None:
 
 
 def _flag_values(argv: Sequence[str], names: Sequence[str]) -> List[str]:
-    """Every value given to one of the flags ``names`` (``--f v`` or ``--f=v``)."""
+    """Every value given to one of the flags ``names``, in each spelling
+    argparse takes: ``--flag v``, ``--flag=v``, an abbreviation of a long
+    flag (``--max-tok v``, argparse's ``allow_abbrev``), ``-m v``, ``-m5``,
+    ``-m=5``."""
+    longs = [n for n in names if n.startswith("--")]
+    shorts = [n for n in names if not n.startswith("--")]
     out = []
     for i, a in enumerate(argv):
-        if a in names:
-            if i + 1 < len(argv):
-                out.append(argv[i + 1])
-        else:
-            for n in names:
-                if n.startswith("--") and a.startswith(n + "="):
-                    out.append(a.split("=", 1)[1])
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if a.startswith("--") and len(a) > 2:
+            flag, eq, value = a.partition("=")
+            hits = [n for n in longs if n == flag] or [n for n in longs if n.startswith(flag)]
+            if len(hits) == 1:
+                if eq:
+                    out.append(value)
+                elif nxt is not None:
+                    out.append(nxt)
+        elif a.startswith("-") and not a.startswith("--"):
+            for n in shorts:
+                if a == n:
+                    if nxt is not None:
+                        out.append(nxt)
+                elif a.startswith(n) and len(a) > len(n):
+                    out.append(a[len(n):].removeprefix("="))
     return out
 
 
@@ -98,8 +112,11 @@ def _safetensors_problem(path: Path) -> Optional[str]:
             header = json.loads(f.read(n))
     except (OSError, ValueError, UnicodeDecodeError) as exc:
         return f"{path.name} is not a readable safetensors file ({exc})"
-    end = max((int(t["data_offsets"][1]) for k, t in header.items()
-               if k != "__metadata__" and isinstance(t, dict) and "data_offsets" in t), default=0)
+    try:
+        end = max((int(t["data_offsets"][1]) for k, t in header.items()
+                   if k != "__metadata__" and isinstance(t, dict) and "data_offsets" in t), default=0)
+    except (AttributeError, TypeError, ValueError, IndexError, KeyError, OverflowError):
+        return f"{path.name} is not a safetensors file (its header does not describe tensors)"
     if 8 + n + end > size:
         return f"{path.name} is truncated: {size} bytes, its header needs {8 + n + end}"
     return None
@@ -126,6 +143,8 @@ def check_checkpoint_folder(path: Path) -> Optional[str]:
     if index.is_file():
         try:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            if not all(isinstance(n, str) for n in names):
+                raise TypeError("weight_map values must be file names")
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             return f"model.safetensors.index.json is not a valid weight index ({exc})"
         missing = [n for n in names if not (path / n).is_file()]
@@ -148,8 +167,8 @@ def check_checkpoint_folder(path: Path) -> Optional[str]:
             vocab = json.loads(tok.read_text()).get("model", {}).get("vocab")
         except (OSError, ValueError, UnicodeDecodeError, AttributeError) as exc:
             return f"tokenizer.json is not valid JSON ({exc})"
-        if vocab is not None and len(vocab) == 0:
-            return "tokenizer.json has an empty vocabulary"
+        if vocab is not None and (not isinstance(vocab, (dict, list)) or len(vocab) == 0):
+            return "tokenizer.json has no usable vocabulary"
     return None
 
 
@@ -188,6 +207,19 @@ def _check_model(argv: Sequence[str]) -> None:
             usage_error(f"--model {model}: not a folder, and not in the Hugging Face cache (HF_HUB_OFFLINE is set)")
 
 
+def _expand_model(argv: List[str]) -> List[str]:
+    """``argv`` with a ``--model ~/...`` value written as the path it names
+    (a quoted ``~`` reaches the program unexpanded, and mlx-lm would take it
+    for a repo id)."""
+    out = list(argv)
+    for i, a in enumerate(out):
+        if a == "--model" and i + 1 < len(out) and out[i + 1].startswith("~"):
+            out[i + 1] = os.path.expanduser(out[i + 1])
+        elif a.startswith("--model=~"):
+            out[i] = "--model=" + os.path.expanduser(a.split("=", 1)[1])
+    return out
+
+
 def check_arguments(command: str, argv: Sequence[str]) -> None:
     """Exit with one line and code 2 for the usage errors this module checks
     (see the module docstring) in ``argv`` of mlx-lm's ``command`` (e.g.
@@ -219,14 +251,32 @@ def _mlx_lm_dir() -> Optional[Path]:
     return Path(spec.origin).parent if spec and spec.origin else None
 
 
+def _has_main(path: Path) -> bool:
+    """An mlx-lm module that is a CLI (defines ``main``), read as text."""
+    try:
+        return path.is_file() and "\ndef main(" in path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def subcommands() -> List[str]:
+    """mlx-lm's CLI modules (``mlx_lm/<name>.py`` or ``mlx_lm/quant/<name>.py``
+    defining ``main``), found without importing mlx-lm."""
+    root = _mlx_lm_dir()
+    if root is None:
+        return []
+    found = {p.stem for d in (root, root / "quant") for p in d.glob("*.py") if _has_main(p)}
+    return sorted(n for n in found if n.isidentifier() and not n.startswith("_") and n != "cli")
+
+
 def check_subcommand(argv) -> None:
     """Exit with a usage message (code 2) when ``python -m mlx_qwen_fast``
     has no subcommand, or one that is not an mlx-lm CLI module
     (``mlx_lm/<name>.py`` or ``mlx_lm/quant/<name>.py``); mlx-lm's dispatcher
     would raise a ValueError traceback. ``-h``, ``--help`` and ``--version``
     pass. Imports nothing heavy."""
-    usage = ("usage: python -m mlx_qwen_fast SUBCOMMAND [--stock] [mlx-lm flags], SUBCOMMAND one of "
-             "mlx-lm's (generate, chat, server, benchmark, ...; --help lists them)")
+    usage = ("usage: python -m mlx_qwen_fast SUBCOMMAND [--stock] [mlx-lm flags], SUBCOMMAND warmup or one "
+             "of mlx-lm's (python -m mlx_qwen_fast --help lists them)")
     if not argv:
         usage_error(f"a subcommand is needed\n{usage}")
     sub = argv[0]
@@ -234,7 +284,7 @@ def check_subcommand(argv) -> None:
         return
     root = _mlx_lm_dir()
     known = (not sub.startswith("-") and sub.isidentifier() and root is not None
-             and any((root / p / f"{sub}.py").is_file() for p in ("", "quant")))
+             and any(_has_main(root / p / f"{sub}.py") for p in ("", "quant")))
     if not known:
         usage_error(f"unknown subcommand {sub!r}\n{usage}")
 
@@ -285,6 +335,7 @@ def run_mlx_lm_main(module: str, argv=None) -> None:
     stock = "--stock" in argv
     argv = [a for a in argv if a != "--stock"]
     command = module.rsplit(".", 1)[-1]
+    argv = _expand_model(argv)
     check_arguments(command, argv)
     if "-h" in argv or "--help" in argv:
         print("mlx_qwen_fast: mlx-lm's own flags follow; add --stock to run stock mlx-lm "
@@ -298,12 +349,13 @@ def run_mlx_lm_main(module: str, argv=None) -> None:
         _first_use_notice(argv)
         install(verbose=True)
     main = importlib.import_module(module).main
-    sys.argv = [sys.argv[0]] + argv
+    prog = sys.argv[0] if " " in sys.argv[0] else f"mlx_qwen_fast.{command}"  # argparse's usage lines
+    sys.argv = [prog] + argv
     try:
         main()
     except (ValueError, OSError, KeyError, RuntimeError) as exc:
         if not _loading_error(exc):
             raise
-        model = (_flag_values(argv, ("--model",)) or ["(default)"])[0]
+        model = (_flag_values(argv, ("--model",)) or ["not given, mlx-lm's default model"])[0]
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         usage_error(f"--model {model}: mlx-lm could not load it: {type(exc).__name__}: {first[:300]}")

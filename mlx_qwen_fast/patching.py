@@ -212,7 +212,7 @@ def unpatch(model: nn.Module) -> Dict[str, int]:
     """
     _check_module("unpatch", model)
     swapped = _swap(model, to_fast=False) if hasattr(model, "layers") else {}
-    _set_report(model, PatchReport(False, "unpatched (mlx_qwen_fast.unpatch)", _model_type(model),
+    _set_report(model, PatchReport(False, "unpatched by mlx_qwen_fast.unpatch", _model_type(model),
                                    backend.current()))
     return swapped
 
@@ -291,7 +291,7 @@ def install(*, verbose: bool = False) -> bool:
     """
     if not enabled():
         if verbose:
-            print(f"mlx_qwen_fast: not installed, the environment sets {_off_setting()}: stock mlx-lm",
+            print(f"mlx_qwen_fast: the fast path is off ({_off_setting()} in the environment): running stock mlx-lm",
                   file=sys.stderr)
         return False
     current = mlx_lm.utils.load_model

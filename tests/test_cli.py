@@ -55,7 +55,7 @@ def broken(tmp_path_factory, tiny_checkpoint):
     ("trunc", "is truncated"),
     ("notok", "no tokenizer"),
     ("noweights", "no weights"),
-    ("emptyvocab", "empty vocabulary"),
+    ("emptyvocab", "no usable vocabulary"),
     ("file", "is a file"),
 ])
 def test_broken_checkpoint_is_one_line_exit_2(broken, case, expect):
@@ -194,7 +194,7 @@ def test_cli_says_when_it_runs_stock(fake_main, env, capsys):
     try:
         assert install(verbose=True) is False
         err = capsys.readouterr().err
-        assert "not installed" in err and "MLX_QWEN_FAST" in err and "stock mlx-lm" in err
+        assert "fast path is off" in err and "MLX_QWEN_FAST=off" in err and "stock mlx-lm" in err
     finally:
         uninstall()
 
@@ -234,3 +234,41 @@ def test_stock_cli_undoes_the_graph_limit(fake_main, process_environment):
     _cli.run_mlx_lm_main(FAKE, ["--stock"])
     assert fake_main == [([], None)]
     assert config.MLX_PTX_CACHE.name not in os.environ
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["-m", "mlx_qwen_fast.generate", "-m0"], "--max-tokens 0"),
+    (["-m", "mlx_qwen_fast.generate", "--max-tok", "0"], "--max-tokens 0"),
+    (["-m", "mlx_qwen_fast", "benchmark", "-n=0"], "--num-trials 0"),
+    (["-m", "mlx_qwen_fast", "benchmark", "-b0"], "--batch-size 0"),
+    (["-m", "mlx_qwen_fast", "benchmark", "--prompt-tok=0"], "--prompt-tokens 0"),
+])
+def test_counts_in_every_spelling_argparse_takes(tiny_checkpoint, argv, expect):
+    r = _run(*argv, "--model", str(tiny_checkpoint))
+    assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_an_mlx_lm_module_without_main_is_not_a_subcommand():
+    r = _run("-m", "mlx_qwen_fast", "utils")
+    assert r.returncode == 2 and "unknown subcommand 'utils'" in r.stderr
+
+
+@pytest.mark.parametrize("header", [b"[1, 2]", b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": ["a", "b"]}}',
+                                    b'{"w": {"data_offsets": [0]}}', b'{"w": {"data_offsets": null}}'])
+def test_malformed_safetensors_headers_are_one_line(tmp_path, header):
+    import struct
+
+    p = tmp_path / "model.safetensors"
+    p.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
+    problem = _cli._safetensors_problem(p)
+    assert problem and "not a" in problem
+
+
+def test_a_quoted_tilde_model_path_is_expanded(tiny_checkpoint, tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    shutil.copytree(tiny_checkpoint, home / "ck")
+    env = dict(os.environ, HOME=str(home), PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "mlx_qwen_fast.generate", "--model", "~/ck", "--prompt", "hi",
+                        "-m", "2"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr

@@ -658,6 +658,18 @@ def _f32(x: float) -> float:
     return float(np.float32(x))
 
 
+def check_eps(fn: str, name: str, value) -> float:
+    """``value`` as a float if it is a finite number in ``(0, 1)`` (an
+    epsilon added to a mean or sum of squares), else ValueError naming it."""
+    import math
+    import numbers
+
+    if (not isinstance(value, numbers.Real) or isinstance(value, bool) or not math.isfinite(value)
+            or not 0 < value < 1):
+        raise ValueError(f"{fn}: {name} must be a finite float in (0, 1), got {value!r}")
+    return float(value)
+
+
 def dtype_macro(dtype) -> str:
     """C type of an MLX float dtype in the kernel sources (gdn_common.cuh)."""
     import mlx.core as mx

@@ -193,6 +193,7 @@ def gated_delta_decode(
     out, new_conv, new_state = kern(
         [proj, params, conv_state, state],
         [(B, 1, Hv * D), (B, KW - 1, C), (B, Hv, D, D)], [x, x, mx.float32],
-        (B * Hv * 512, 1, 1), (512, 1, 1), (qk_eps, norm_eps),
+        (B * Hv * 512, 1, 1), (512, 1, 1),
+        (cb.check_eps("gated_delta_decode", "qk_eps", qk_eps), cb.check_eps("gated_delta_decode", "norm_eps", norm_eps)),
     )
     return out, new_conv, new_state

@@ -76,7 +76,7 @@ def supports(
         C = (2 * num_k_heads + num_v_heads) * D
         if qkv.ndim != 3 or qkv.shape[2] != C or qkv.shape[1] < 1 or qkv.dtype not in _FLOAT:
             return False
-        if conv_weight.size != C * KW or conv_weight.dtype not in _FLOAT:
+        if tuple(conv_weight.shape) not in ((C, KW, 1), (C, KW)) or conv_weight.dtype not in _FLOAT:
             return False
         if conv_state is not None and (
             conv_state.shape != (qkv.shape[0], KW - 1, C) or conv_state.dtype != qkv.dtype
@@ -124,6 +124,7 @@ def gated_delta_frontend(
       RuntimeError: no CUDA compiler could build the kernel.
     """
     Hk, Hv = num_k_heads, num_v_heads
+    eps = cb.check_eps("gated_delta_frontend", "eps", eps)
     B, T, C, a, b, conv_state = prepare(qkv, a, b, conv_weight, conv_state, A_log, dt_bias, Hk, Hv)
     kern = _kernel(qkv.dtype, conv_weight.dtype, A_log.dtype, dt_bias.dtype, Hv, Hk)
     nwarps = B * (-(-T // TT)) * (2 * Hk + Hv)
@@ -159,7 +160,7 @@ def prepare(qkv, a, b, conv_weight, conv_state, A_log, dt_bias, Hk: int, Hv: int
     for name, x in (("a", a), ("b", b)):
         if x.shape != (B, T, Hv):
             raise ValueError(f"{name} must have shape [{B}, {T}, {Hv}], got {tuple(x.shape)}")
-    if conv_weight.size != C * KW or conv_weight.dtype not in _FLOAT:
+    if tuple(conv_weight.shape) not in ((C, KW, 1), (C, KW)) or conv_weight.dtype not in _FLOAT:
         raise ValueError(
             f"conv_weight must have shape [{C}, {KW}, 1] (float), got "
             f"{conv_weight.dtype} {tuple(conv_weight.shape)}"

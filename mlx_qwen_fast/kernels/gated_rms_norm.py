@@ -77,6 +77,6 @@ def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float) -> mx
         output_dtypes=[y.dtype],
         grid=(-(-nthreads // 256) * 256, 1, 1),
         threadgroup=(256, 1, 1),
-        scalars=[N, eps],
+        scalars=[N, cb.check_eps("gated_rms_norm", "eps", eps)],
     )
     return out

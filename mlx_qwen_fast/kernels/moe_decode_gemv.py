@@ -212,7 +212,7 @@ def _check(fn: str, problem: Optional[str]):
 def _check_ids(fn: str, inds: mx.array, num_experts: int) -> None:
     """Every id in ``[0, num_experts)``: the kernels index the experts'
     weights by it. One host synchronisation; the compiled decode step, whose
-    ids come from the routing kernel, skips it (``checked=True``)."""
+    ids come from the routing kernel, skips it (:func:`_moe_decode_arrays`)."""
     if inds.size:
         lo, hi = mx.min(inds).item(), mx.max(inds).item()
         if lo < 0 or hi >= num_experts:
@@ -339,24 +339,28 @@ def _launch_down(h, inds, scores, sgate, down, shared_down):
 
 def moe_decode_arrays(
     x: mx.array, inds: mx.array, scores: mx.array, experts: Sequence, shared: Sequence, expert_gate: Sequence,
-    *, checked: bool = False,
 ) -> mx.array:
     """The MoE block's output for routed ``(inds, scores)``: ``[N, D]`` bfloat16.
 
     ``sum_j scores[n, j] * expert_{inds[n, j]}(x[n])
     + sigmoid(shared_gate(x[n])) * shared_expert(x[n])``: two launches
-    (:func:`gate_up_swiglu`, :func:`down_combine`). Arguments as those;
-    ``checked=True`` skips the shape and id checks (the caller ran
-    :func:`supports_arrays` on the same shapes and its ids come from the
-    routing kernel: the compiled decode step).
-    ``x`` may be ``[..., D]`` with ``inds [..., k]`` (read as ``[N, D]``,
-    ``[N, k]``); y is shaped ``inds.shape[:-1] + (D,)``.
+    (:func:`gate_up_swiglu`, :func:`down_combine`). Arguments as those,
+    shapes and ids checked (one host synchronisation);
+    :func:`_moe_decode_arrays` is the unchecked entry point of the compiled
+    decode step, whose shapes were checked by :func:`supports_arrays` and
+    whose ids come from the routing kernel.
 
     Raises:
-        ValueError: a shape/dtype the kernels do not take (named).
+        ValueError: a shape/dtype the kernels do not take, or an id out of range (named).
     """
-    if not checked:
-        _check("moe_decode_arrays", _shape_problem(x, inds, scores, experts, shared, expert_gate))
-        _check_ids("moe_decode_arrays", inds, experts[0][0].shape[0])
+    _check("moe_decode_arrays", _shape_problem(x, inds, scores, experts, shared, expert_gate))
+    _check_ids("moe_decode_arrays", inds, experts[0][0].shape[0])
+    return _moe_decode_arrays(x, inds, scores, experts, shared, expert_gate)
+
+
+def _moe_decode_arrays(x, inds, scores, experts, shared, expert_gate):
+    """:func:`moe_decode_arrays` without the checks. ``x`` may be ``[..., D]``
+    with ``inds [..., k]`` (read as ``[N, D]``, ``[N, k]``); y is shaped
+    ``inds.shape[:-1] + (D,)``."""
     h, sgate = _launch_gate_up(x, inds, experts, shared, expert_gate)
     return _launch_down(h, inds, scores, sgate, experts[2], shared[2])

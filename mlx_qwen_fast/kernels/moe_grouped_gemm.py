@@ -422,8 +422,10 @@ def check_routing_values(fn: str, routing: Routing, nk: int) -> None:
     ok = (offs[0] == 0) & (offs[-1] == nk) & mx.all(offs[1:] >= offs[:-1])
     ok = ok & mx.all(mx.where(used, (ex < e) & (tile >= 0), (ex == -1) & (tile == -1)))
     first = mx.clip(ex, 0, e - 1)
-    start = offs[first] + tile * routing.tile_rows
-    ok = ok & mx.all(mx.where(used, start < offs[first + 1], True))
+    # in int64: the kernels compute the tile's first row in int32, so a tile
+    # index whose product overflows must be refused, not wrapped
+    start = offs[first].astype(mx.int64) + tile.astype(mx.int64) * routing.tile_rows
+    ok = ok & mx.all(mx.where(used, (start >= offs[first]) & (start < offs[first + 1]), True))
     if nk:
         ok = ok & (mx.min(g.order) >= 0) & (mx.max(g.order) < nk)
     if not ok.item():
@@ -454,7 +456,6 @@ def _check_experts(fn: str, routing: Routing, e: int, shared, variant: str) -> N
 
 def gate_up_swiglu(
     x: mx.array, routing: Routing, gate: Sequence, up: Sequence, *, variant: Optional[str] = None,
-    check: bool = True,
 ) -> mx.array:
     """``silu(x W_gate^T) * (x W_up^T)`` per assignment, in grouped order.
 
@@ -473,10 +474,17 @@ def gate_up_swiglu(
 
     Raises:
         ValueError: bad shape/dtype of an argument (named in the message);
-            with ``check`` (default), a routing whose index arrays would
-            send the kernel outside its arrays (:func:`check_routing_values`,
-            one host synchronisation; the package's own calls pass False).
+            a routing whose index arrays would send the kernel outside its
+            arrays (:func:`check_routing_values`, one host synchronisation;
+            :func:`_gate_up_swiglu` is the unchecked entry point for
+            routings the routing kernels made).
     """
+    return _gate_up_swiglu(x, routing, gate, up, variant=variant, check=True)
+
+
+def _gate_up_swiglu(x: mx.array, routing: Routing, gate: Sequence, up: Sequence, *,
+                    variant: Optional[str] = None, check: bool = False) -> mx.array:
+    """:func:`gate_up_swiglu`, the routing's values checked only with ``check``."""
     v = _check_variant("gate_up_swiglu", variant, *_dims(lambda: (x.shape[-1], gate[0].shape[1])))
     h = _gate_up(x, routing, gate, up, v, check=check)
     return unpermute_k(h) if v == "wgmma" else h
@@ -536,7 +544,7 @@ def _gate_up(x: mx.array, routing: Routing, gate: Sequence, up: Sequence, varian
 
 def down_weighted(
     h: mx.array, routing: Routing, down: Sequence, *, out_dtype: mx.Dtype = mx.float32,
-    variant: Optional[str] = None, check: bool = True,
+    variant: Optional[str] = None,
 ) -> mx.array:
     """``scores[a] * (h[r] W_down^T)`` written to row ``a = order[r]``.
 
@@ -554,10 +562,16 @@ def down_weighted(
 
     Raises:
         ValueError: bad shape/dtype of an argument (named in the message);
-            with ``check`` (default), a routing whose index arrays would
-            send the kernel outside its arrays (:func:`check_routing_values`,
-            one host synchronisation; the package's own calls pass False).
+            a routing whose index arrays would send the kernel outside its
+            arrays (:func:`check_routing_values`, one host synchronisation;
+            :func:`_down_weighted` is the unchecked entry point).
     """
+    return _down_weighted(h, routing, down, out_dtype=out_dtype, variant=variant, check=True)
+
+
+def _down_weighted(h: mx.array, routing: Routing, down: Sequence, *, out_dtype: mx.Dtype = mx.float32,
+                   variant: Optional[str] = None, check: bool = False) -> mx.array:
+    """:func:`down_weighted`, the routing's values checked only with ``check``."""
     v = _check_variant("down_weighted", variant, *_dims(lambda: (down[0].shape[1], h.shape[-1])))
     if v == "wgmma" and h.ndim == 2 and h.shape[-1] % WG_KC == 0:
         h = permute_k(h)
@@ -615,7 +629,6 @@ def _down(h: mx.array, routing: Routing, down: Sequence, out_dtype: mx.Dtype, va
 def moe_experts(
     x: mx.array, routing: Routing, gate_proj, up_proj, down_proj,
     *, shared_expert=None, out_dtype: Optional[mx.Dtype] = None, variant: Optional[str] = None,
-    check: bool = True,
 ) -> mx.array:
     """Routed-expert part of the sparse MoE block: ``[N, D]``.
 
@@ -623,8 +636,10 @@ def moe_experts(
     ``QuantizedSwitchLinear`` of a ``SwitchGLU`` (see :func:`supports`),
     combined in fp32 and returned in ``out_dtype`` (default ``x.dtype``).
     ``variant``: one of :data:`VARIANTS` for both kernels (None:
-    :func:`default_variant`). ``check``: validate the routing's index arrays
-    first (:func:`check_routing_values`; one host synchronisation).
+    :func:`default_variant`). The routing's index arrays are validated
+    first (:func:`check_routing_values`; one host synchronisation):
+    :func:`_moe_experts` is the unchecked entry point the package's MoE
+    block uses, its routing coming from the routing kernels.
 
     With a routing that has the shared slot (``routing.shared_id``, from
     ``route_and_group(..., shared_logits=...)`` or ``shared_column=True``), ``shared_expert`` (an
@@ -639,6 +654,14 @@ def moe_experts(
             shared slot without ``shared_expert`` or the reverse, a shared
             expert of other sizes, a variant other than "wgmma" with it.
     """
+    return _moe_experts(x, routing, gate_proj, up_proj, down_proj, shared_expert=shared_expert,
+                        out_dtype=out_dtype, variant=variant, check=True)
+
+
+def _moe_experts(x: mx.array, routing: Routing, gate_proj, up_proj, down_proj, *, shared_expert=None,
+                 out_dtype: Optional[mx.Dtype] = None, variant: Optional[str] = None,
+                 check: bool = False) -> mx.array:
+    """:func:`moe_experts`, the routing's values checked only with ``check``."""
     v = _check_variant("moe_experts", variant, *_dims(lambda: (x.shape[-1], gate_proj["weight"].shape[1])))
     n, d = x.shape
     sgu = sd = None

@@ -242,19 +242,13 @@ def route(logits: mx.array, top_k: int, *, normalize: bool = True,
     return inds, scores
 
 
-def group(inds: mx.array, num_experts: int, tile_rows: int, *,
-          check_range: bool = True) -> Tuple[ExpertGroups, mx.array]:
+def group(inds: mx.array, num_experts: int, tile_rows: int) -> Tuple[ExpertGroups, mx.array]:
     """Group assignments by expert and list the grouped GEMM's work items.
 
     Args:
         inds: ``[N, k]`` int32/uint32 expert ids in ``[0, num_experts)``.
         num_experts: ``E``, a multiple of 32, at most 1024.
         tile_rows: rows per work item, ``>= 1``.
-        check_range: check every id against ``[0, num_experts)`` first (two
-            values read back to the host: one synchronisation). The kernels
-            index shared and global memory by the id, so an id out of range
-            would write outside them; only callers whose ids come from
-            :func:`route` (:func:`route_and_group`) pass False.
 
     Returns:
         ``(groups, block_map)``: :class:`ExpertGroups` (int32; ``order`` not
@@ -266,9 +260,19 @@ def group(inds: mx.array, num_experts: int, tile_rows: int, *,
         ValueError: ``inds`` not a 2-D int32/uint32 array, ``num_experts`` not
             an int multiple of 32 in [32, 1024], ``tile_rows`` not an int in
             ``[1, MAX_TILE_ROWS]``, ``k`` not in ``[1, E]``, ``N >
-            MAX_TOKENS`` or ``N*k > MAX_ASSIGNMENTS``; with ``check_range``,
-            an id out of range (the values found are named).
+            MAX_TOKENS`` or ``N*k > MAX_ASSIGNMENTS``; an id out of range
+            (the values found are named). The ids are checked against
+            ``[0, num_experts)`` first (two values read back to the host:
+            one synchronisation), because the kernels index shared and
+            global memory by them; :func:`_group` is the unchecked entry
+            point for ids :func:`route` produced (:func:`route_and_group`).
     """
+    return _group(inds, num_experts, tile_rows, check_range=True)
+
+
+def _group(inds: mx.array, num_experts: int, tile_rows: int, *,
+           check_range: bool = False) -> Tuple[ExpertGroups, mx.array]:
+    """:func:`group`, the ids checked only with ``check_range``."""
     if not isinstance(inds, mx.array) or inds.ndim != 2 or inds.dtype not in _INTS:
         got = f"{inds.dtype} {tuple(inds.shape)}" if isinstance(inds, mx.array) else type(inds).__name__
         raise ValueError(f"group: inds must be an int32/uint32 mx.array of shape [N, k], got {got}")
@@ -325,9 +329,11 @@ def route_and_group(
     grouped over :func:`shared_group_experts` ``(E)`` experts: the grouped
     GEMM then runs the shared expert as one more group of the same launches
     (``moe_grouped_gemm.moe_experts`` with ``shared_expert``)."""
+    if not _is_int(tile_rows) or not 1 <= tile_rows <= MAX_TILE_ROWS:  # before any launch
+        raise ValueError(f"route_and_group: tile_rows must be an int in [1, {MAX_TILE_ROWS}], got {tile_rows!r}")
     inds, scores = route(logits, top_k, normalize=normalize, shared_logits=shared_logits,
                          shared_column=shared_column)
     shared = shared_logits is not None or shared_column
     e = logits.shape[-1] - (SHARED_COLUMN_PAD if shared_column else 0)
-    groups, bmap = group(inds, shared_group_experts(e) if shared else e, tile_rows, check_range=False)
+    groups, bmap = _group(inds, shared_group_experts(e) if shared else e, tile_rows)
     return Routing(inds, scores, groups, bmap, tile_rows, e if shared else None)

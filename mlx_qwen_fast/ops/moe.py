@@ -196,7 +196,39 @@ def group_by_expert(
     return ExpertGroups(counts, offsets, order, sorted_experts, inverse, k)
 
 
-def block_map(groups: ExpertGroups, tile_rows: int) -> mx.array:
+def _check_groups(fn: str, groups: ExpertGroups, num_experts: Optional[int] = None) -> None:
+    """Raise ValueError unless ``groups`` is an :class:`ExpertGroups` whose
+    arrays are int32 of the contract's shapes and whose values stay in range
+    (``counts`` >= 0 summing to ``N*k``, ``offsets`` its prefix sum,
+    ``order`` / ``inverse`` in ``[0, N*k)``, ``sorted_experts`` in ``[0, E)``;
+    E at most ``num_experts``, the weights' count). One host synchronisation."""
+    if not isinstance(groups, ExpertGroups):
+        raise ValueError(f"{fn}: groups must be an ExpertGroups (group_by_expert), got {type(groups).__name__}")
+    arrays = dict(counts=groups.counts, offsets=groups.offsets, order=groups.order,
+                  sorted_experts=groups.sorted_experts, inverse=groups.inverse)
+    for name, a in arrays.items():
+        if not isinstance(a, mx.array) or a.ndim != 1 or a.dtype != mx.int32:
+            raise ValueError(f"{fn}: groups.{name} must be a 1-D int32 mx.array")
+    e, nk = groups.counts.shape[0], groups.order.shape[0]
+    if (groups.offsets.shape[0] != e + 1 or groups.sorted_experts.shape[0] != nk
+            or groups.inverse.shape[0] != nk):
+        raise ValueError(f"{fn}: groups' arrays disagree in size (counts [{e}], offsets "
+                         f"[{groups.offsets.shape[0]}], order [{nk}])")
+    if num_experts is not None and e > num_experts:
+        raise ValueError(f"{fn}: groups count {e} experts, the weights hold {num_experts}")
+    if nk == 0:
+        return
+    c64, o64 = groups.counts.astype(mx.int64), groups.offsets.astype(mx.int64)
+    ok = mx.all(c64 >= 0) & (mx.sum(c64) == nk) & (o64[0] == 0) & mx.all(o64[1:] - o64[:-1] == c64)
+    for name in ("order", "inverse"):
+        ok = ok & (mx.min(arrays[name]) >= 0) & (mx.max(arrays[name]) < nk)
+    ok = ok & (mx.min(groups.sorted_experts) >= 0) & (mx.max(groups.sorted_experts) < e)
+    if not ok.item():
+        raise ValueError(f"{fn}: groups' values are out of range for {nk} assignments over {e} experts "
+                         "(build them with group_by_expert)")
+
+
+def block_map(groups: ExpertGroups, tile_rows: int, *, check: bool = True) -> mx.array:
     """Work items of a grouped GEMM over fixed row tiles, in a fixed-size array.
 
     Expert ``e`` needs ``ceil(counts[e] / tile_rows)`` tiles. The tiles are
@@ -215,14 +247,19 @@ def block_map(groups: ExpertGroups, tile_rows: int) -> mx.array:
         ``[max_tiles, 2]`` int32.
 
     Raises:
-        ValueError: ``tile_rows`` not in ``[1, 2**16]`` (larger ones would
-            overflow the int32 tile arithmetic).
+        ValueError: ``tile_rows`` not an int in ``[1, 2**16]`` (larger ones
+            would overflow the int32 tile arithmetic); with ``check``
+            (default; one host synchronisation), groups whose values leave
+            their ranges.
     """
-    if not 1 <= tile_rows <= 2**16:
-        raise ValueError(f"block_map: tile_rows must be in [1, 65536], got {tile_rows}")
+    if not isinstance(tile_rows, numbers.Integral) or isinstance(tile_rows, bool) or not 1 <= tile_rows <= 2**16:
+        raise ValueError(f"block_map: tile_rows must be an int in [1, 65536], got {tile_rows!r}")
+    if check:
+        _check_groups("block_map", groups)
     num_experts = groups.num_experts
     size = max_tiles(groups.num_assignments, num_experts, tile_rows)
-    tiles = (groups.counts + (tile_rows - 1)) // tile_rows
+    counts = groups.counts if check else mx.clip(groups.counts, 0, groups.num_assignments)
+    tiles = (counts + (tile_rows - 1)) // tile_rows
     tile_ends = mx.cumsum(tiles)
     tile_starts = tile_ends - tiles
     # expert of item i = number of experts whose tiles end at or before i
@@ -303,6 +340,8 @@ def expert_swiglu(
     gate_proj,
     up_proj,
     down_proj,
+    *,
+    check: bool = True,
 ) -> mx.array:
     """Output of each assignment's expert: ``down(silu(gate(x)) * up(x))``.
 
@@ -328,12 +367,17 @@ def expert_swiglu(
     Raises:
         ValueError: ``x`` not a 2-D float array; ``N*k`` differs from the
             groups' size; a projection's input size differs from its input or
-            is not a multiple of its quantization ``group_size``.
+            is not a multiple of its quantization ``group_size``; with
+            ``check`` (default; one host synchronisation, not inside
+            ``mx.compile``), groups whose index arrays leave their ranges
+            or name more experts than the weights hold. Without the check
+            the indices are clamped into range (memory stays safe; the
+            result of bad groups is then meaningless).
     """
-    if x.ndim != 2 or x.dtype not in _FLOATS:
+    if not isinstance(x, mx.array) or x.ndim != 2 or x.dtype not in _FLOATS:
         raise ValueError(
-            "expert_swiglu: x must be a float array of shape [N, D], got shape "
-            f"{tuple(x.shape)} dtype {x.dtype}"
+            "expert_swiglu: x must be a float mx.array of shape [N, D], got "
+            f"{type(x).__name__} of shape {tuple(getattr(x, 'shape', ()))} dtype {getattr(x, 'dtype', None)}"
         )
     n, d = x.shape
     k = groups.top_k
@@ -345,13 +389,18 @@ def expert_swiglu(
     _check_switch_linear("gate_proj", gate_proj, d)
     _check_switch_linear("up_proj", up_proj, d)
     _check_switch_linear("down_proj", down_proj, gate_proj.output_dims)
-
-    experts = groups.sorted_experts
-    rows = mx.expand_dims(x[groups.order // k], -2)  # [N*k, 1, D]
+    if check:
+        _check_groups("expert_swiglu", groups, gate_proj["weight"].shape[0])
+        experts, order, inverse = groups.sorted_experts, groups.order, groups.inverse
+    else:  # clamped into range, so that bad groups give a meaningless result, never an access outside
+        nk, e = max(n * k, 1), gate_proj["weight"].shape[0]
+        experts = mx.clip(groups.sorted_experts, 0, e - 1)
+        order, inverse = mx.clip(groups.order, 0, nk - 1), mx.clip(groups.inverse, 0, nk - 1)
+    rows = mx.expand_dims(x[order // k], -2)  # [N*k, 1, D]
     up = _switch_linear(up_proj, rows, experts)
     gate = _switch_linear(gate_proj, rows, experts)
     out = _switch_linear(down_proj, swiglu(gate, up), experts)  # [N*k, 1, D]
-    return out[groups.inverse].reshape(n, k, -1)
+    return out[inverse].reshape(n, k, -1)
 
 
 def combine(
@@ -405,12 +454,16 @@ def _hidden_size(block) -> Optional[int]:
 
 
 def _check_block_input(fn: str, block, x: mx.array):
+    if not all(hasattr(block, n) for n in ("gate", "switch_mlp", "shared_expert", "shared_expert_gate")):
+        raise ValueError(f"{fn}: block must be a Qwen3NextSparseMoeBlock (gate, switch_mlp, shared_expert, "
+                         f"shared_expert_gate), got {type(block).__name__}")
     d = _hidden_size(block)
-    if x.ndim < 2 or x.dtype not in _FLOATS or (d is not None and x.shape[-1] != d):
+    if (not isinstance(x, mx.array) or x.ndim < 2 or x.dtype not in _FLOATS
+            or (d is not None and x.shape[-1] != d)):
         raise ValueError(
-            f"{fn}: x must be a float32/float16/bfloat16 array of shape [..., {d}] "
+            f"{fn}: x must be a float32/float16/bfloat16 mx.array of shape [..., {d}] "
             f"(at least one token axis, last axis = hidden size {d}), "
-            f"got shape {tuple(x.shape)} dtype {x.dtype}"
+            f"got {type(x).__name__} of shape {tuple(getattr(x, 'shape', ()))} dtype {getattr(x, 'dtype', None)}"
         )
 
 
@@ -450,7 +503,7 @@ def sparse_moe_block(block, x: mx.array) -> mx.array:
     tokens = x.reshape(-1, d)
     groups = group_by_expert(inds.reshape(tokens.shape[0], -1), block.num_experts, check_range=False)
     sm = block.switch_mlp
-    y = expert_swiglu(tokens, groups, sm.gate_proj, sm.up_proj, sm.down_proj)
+    y = expert_swiglu(tokens, groups, sm.gate_proj, sm.up_proj, sm.down_proj, check=False)
     y = combine(y, scores.reshape(tokens.shape[0], -1)).reshape(*lead, d)
     y = y + shared_expert(block, x)
 
@@ -552,13 +605,12 @@ def _cuda_prefill(block, x: mx.array) -> mx.array:
                 shared_logits = shared_logits.astype(logits.dtype)
             routing = _routing.route_and_group(logits, k, tile, normalize=block.norm_topk_prob,
                                                shared_logits=shared_logits)
-        y = _grouped_gemm.moe_experts(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj,
-                                      shared_expert=block.shared_expert, variant=variant, check=False)
+        y = _grouped_gemm._moe_experts(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj,
+                                       shared_expert=block.shared_expert, variant=variant)
         return y.reshape(*lead, d)
     tile = _grouped_gemm.choose_tile_rows(n * k, e, variant)
     routing = _routing.route_and_group(logits, k, tile, normalize=block.norm_topk_prob)
-    y = _grouped_gemm.moe_experts(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj, variant=variant,
-                                  check=False)
+    y = _grouped_gemm._moe_experts(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj, variant=variant)
     return y.reshape(*lead, d) + shared_expert(block, x)
 
 
@@ -698,8 +750,8 @@ def _compiled_decode_step(top_k: int, normalize: bool, router_static: tuple, n_r
             inds, scores = _routing.route(logits, top_k, normalize=normalize)
             a = arrays[n_router:]
             experts, shared = (a[0:3], a[3:6], a[6:9]), (a[9:12], a[12:15], a[15:18])
-            return _decode_gemv.moe_decode_arrays(x, inds, scores, experts, shared,
-                                                  (a[18], a[19], a[20], shared_gate_bits), checked=True)
+            return _decode_gemv._moe_decode_arrays(x, inds, scores, experts, shared,
+                                                   (a[18], a[19], a[20], shared_gate_bits))
 
         fn = _decode_steps[key] = mx.compile(step)
     return fn
@@ -788,6 +840,8 @@ def sparse_moe(block, x: mx.array, *, implementation: Optional[str] = None) -> m
             ``implementation``.
     """
     _check_block_input("sparse_moe", block, x)
+    if x.size == 0:  # no tokens: nothing to route (MLX's quantised matmul does not take 0 rows)
+        return mx.zeros(x.shape, x.dtype)
     if implementation is None:
         implementation = implementation_for(math.prod(x.shape[:-1]))
     elif isinstance(implementation, str) and implementation.startswith("cuda-") and not _cuda_build.cuda_available():
