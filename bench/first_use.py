@@ -16,7 +16,13 @@ temporary folders), the later runs reuse them. For each run it records:
 * ``stderr_lines``: what the process printed to stderr, each line with the
   second it was read.
 
-    python -m bench.first_use --model CK [--runs 2] [--stock] --out FILE
+    python -m bench.first_use --model CK [--runs 2] [--stock] [--cache-root DIR] --out FILE
+
+``--cache-root DIR`` puts the two caches in ``DIR/mlx-ptx`` and
+``DIR/kernels`` (created; refused unless empty) instead of temporary folders
+and leaves them filled, so that a benchmark run next on the same machine with
+``MLX_PTX_CACHE_DIR=DIR/mlx-ptx MLX_QWEN_FAST_CACHE=DIR/kernels`` reuses
+what the first run compiled.
 
 Writes a JSON of ``kind`` "first_use" and prints one line per run.
 """
@@ -130,14 +136,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=400.0, help="seconds per process")
     p.add_argument("--profile-last", default=None, metavar="FILE",
                    help="run the last process under cProfile, stats to FILE (a summary beside it, FILE.txt)")
+    p.add_argument("--cache-root", default=None, metavar="DIR",
+                   help="empty or new folder for the two compile caches (kept after the runs) instead of "
+                        "temporary folders")
     p.add_argument("--out", default=None)
     return p
 
 
+def _cache_dirs(root):
+    """The (MLX PTX, package kernel) cache folders: fresh temporary ones, or empty ones under ``root``."""
+    if root is None:
+        return Path(tempfile.mkdtemp(prefix="mlx_ptx_")), Path(tempfile.mkdtemp(prefix="mqf_kernels_"))
+    dirs = Path(root) / "mlx-ptx", Path(root) / "kernels"
+    for d in dirs:
+        d.mkdir(parents=True, exist_ok=True)
+        if any(d.iterdir()):
+            raise SystemExit(f"--cache-root: {d} is not empty (a first use needs empty compile caches)")
+    return dirs
+
+
 def main(argv=None) -> Dict:
     args = build_parser().parse_args(argv)
-    ptx = Path(tempfile.mkdtemp(prefix="mlx_ptx_"))
-    kernels = Path(tempfile.mkdtemp(prefix="mqf_kernels_"))
+    ptx, kernels = _cache_dirs(args.cache_root)
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, MLX_PTX_CACHE_DIR=str(ptx), MLX_QWEN_FAST_CACHE=str(kernels),
                PYTHONUNBUFFERED="1",

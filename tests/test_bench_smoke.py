@@ -395,3 +395,18 @@ def test_h200_stages():
         files = set(re.findall(r'\$OUT/([A-Za-z0-9_.-]+)"?', block))
         assert all("/" not in f for f in files), (label, files)
         assert 1 <= len(files) + 1 <= 8, (label, files)  # + gpu.txt
+
+
+def test_first_use_cache_root(tmp_path):
+    """--cache-root: the two cache folders are made under it, and a root whose
+    caches already hold files is refused (a first use needs empty caches)."""
+    from bench import first_use
+
+    ptx, kernels = first_use._cache_dirs(tmp_path / "c")
+    assert (ptx, kernels) == (tmp_path / "c" / "mlx-ptx", tmp_path / "c" / "kernels")
+    assert ptx.is_dir() and kernels.is_dir()
+    (kernels / "x.cubin").write_bytes(b"0")
+    with pytest.raises(SystemExit, match="not empty"):
+        first_use._cache_dirs(tmp_path / "c")
+    a, b = first_use._cache_dirs(None)
+    assert a.is_dir() and b.is_dir() and a != b
