@@ -38,13 +38,14 @@ echo "kernel images: ${NVF:-plain cubins (no .nvfatbin carried)}" | tee -a "$OUT
 
 case "${1:-}" in
 tests)  # pytest -m "cuda and large" serially (full-size shapes, several GB each), then
-        # -m "cuda and not large" under pytest-xdist (serially without it). Files: tests-large.txt, tests.txt
-  timeout 240 python3 -m pytest -q -m "cuda and large" tests > "$OUT/tests-large.txt" 2>&1  # >110 s on a fresh machine
+        # -m "cuda and not large" under pytest-xdist (serially without it); one line per test (-v), so that
+        # a run cut by its timeout still names its failures. Files: tests-large.txt, tests.txt
+  timeout 240 python3 -m pytest -v -m "cuda and large" tests > "$OUT/tests-large.txt" 2>&1  # >110 s on a fresh machine
   echo "rc=$? (5: none collected)" >> "$OUT/tests-large.txt"; tail -4 "$OUT/tests-large.txt"
   XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n ${TEST_WORKERS:-4}"
-  timeout 330 python3 -m pytest -q $XD -m "cuda and not large" tests > "$OUT/tests.txt" 2>&1
+  timeout 330 python3 -m pytest -v $XD -m "cuda and not large" tests > "$OUT/tests.txt" 2>&1
   echo "rc=$?" >> "$OUT/tests.txt"; tail -4 "$OUT/tests.txt"
-  grep -hE "^(FAILED|ERROR)" "$OUT/tests-large.txt" "$OUT/tests.txt" | head -20 ;;
+  grep -hE "(FAILED|ERROR) " "$OUT/tests-large.txt" "$OUT/tests.txt" | head -20 ;;
 ab)  # bench.ab at 4K: prefill of a 4K prompt and decode at 4K context, stock vs patched in one process,
      # engines alternating, each warmed up until two runs agree within 5%. Files: ab-4k.json, ab-4k.log
   timeout 560 python3 -m bench.ab $P --prefill 4k --decode 4k --decode-steps 32 --rounds 3 \
@@ -76,8 +77,8 @@ profile)  # ncu: GPU time of every kernel of one patched 4K prefill (profiler on
   "$NCU" --import /tmp/prof.ncu-rep --page details > "$OUT/ncu-details.txt" 2>&1
   grep -E "^  mqf_|Duration|Registers Per|DRAM Throughput|Achieved Occupancy" "$OUT/ncu-details.txt" | head -60 ;;
 userview)  # bench.user_view: mlx-lm's `benchmark` command in fresh processes, stock vs patched, 3 processes
-           # per engine, alternating. UV_CONFIGS (default b1: 4K prompt, 128 tokens, batch 1; ~525 s on a fresh
-           # machine, ~290 s warm) picks the configurations; the rest of the sweep (UV_CONFIGS=32k,128k, then
+           # per engine, alternating. UV_CONFIGS (default b1: 4K prompt, 128 tokens, batch 1; ~290 s warm; on a
+           # fresh machine stock's first process alone took 204-312 s, so b1 needs a second call there) picks the configurations; the rest of the sweep (UV_CONFIGS=32k,128k, then
            # b4) goes into later calls of a warm machine with UV_RESUME=<the previous user_view.json copied into
            # the tree>, merged into one file. One MLX compile cache for both engines (MLX_PTX_CACHE_DIR set
            # here: the user's own, so --stock keeps it), reused while the machine stays warm.

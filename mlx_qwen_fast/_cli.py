@@ -289,24 +289,28 @@ def check_subcommand(argv) -> None:
         usage_error(f"unknown subcommand {sub!r}\n{usage}")
 
 
-def _first_use_notice(argv: Sequence[str]) -> None:
+def _first_use_notice(argv: Sequence[str]) -> Optional[Path]:
     """One line when the ``--model`` folder's kernels were not warmed up into
     MLX's compile cache on this machine (CUDA only): its first run then
-    spends minutes in MLX's run-time compiles."""
+    spends minutes in MLX's run-time compiles. Returns the folder when it
+    printed the line (the caller marks it warm once the run completes), else
+    None."""
     models = _flag_values(argv, ("--model",))
     if not models:
-        return
+        return None
     path = Path(os.path.expanduser(models[0]))
     from . import backend
 
     if not path.is_dir() or backend.current() != backend.CUDA:
-        return
+        return None
     from .warmup import is_warm
 
-    if not is_warm(path):
-        print(f"mlx_qwen_fast: MLX may compile CUDA kernels for this model for a few minutes before its first "
+    if is_warm(path):
+        return None
+    print(f"mlx_qwen_fast: MLX may compile CUDA kernels for this model for a few minutes before its first "
               f"token (once per machine; `python -m mlx_qwen_fast warmup --model {models[0]}` does it ahead "
               f"of time)", file=sys.stderr)
+    return path
 
 
 def _loading_error(exc: BaseException) -> bool:
@@ -343,10 +347,11 @@ def run_mlx_lm_main(module: str, argv=None) -> None:
     if stock:
         config.restore_process_settings()
         print("mlx_qwen_fast: --stock: running stock mlx-lm", file=sys.stderr)
-    else:
+    cold = None
+    if not stock:
         from .patching import install
 
-        _first_use_notice(argv)
+        cold = _first_use_notice(argv)
         install(verbose=True)
     main = importlib.import_module(module).main
     prog = sys.argv[0] if " " in sys.argv[0] else f"mlx_qwen_fast.{command}"  # argparse's usage lines
@@ -359,3 +364,7 @@ def run_mlx_lm_main(module: str, argv=None) -> None:
         model = (_flag_values(argv, ("--model",)) or ["not given, mlx-lm's default model"])[0]
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         usage_error(f"--model {model}: mlx-lm could not load it: {type(exc).__name__}: {first[:300]}")
+    if cold is not None:  # this run compiled what a first use needs: no notice next time
+        from .warmup import mark_warm
+
+        mark_warm(cold, f"python -m mlx_qwen_fast.{command}")

@@ -12,8 +12,10 @@ checkpoint lazily, keeps its first Gated DeltaNet and first attention layer
 (with the embedding, norms and lm_head), patches it, and runs mlx-lm's
 ``generate_step`` on prompts of :data:`PROMPT_TOKENS` tokens plus a few
 decode steps and a batch-of-4 decode step; then it writes a marker for the
-model's configuration into the compile cache, which the CLIs read to say,
-in one line, when a model's first run will compile.
+model's configuration into the compile cache (:func:`mark_warm`), which the
+CLIs read to say, in one line, when a model's first run will compile. A CLI
+run that printed that line and completed writes the marker too: its run
+compiled what a first use needs, so the line does not come back.
 
 ``python -m mlx_qwen_fast warmup --model PATH`` runs it.
 """
@@ -81,6 +83,17 @@ def is_warm(model_path) -> bool:
     return marker is None or marker.is_file()
 
 
+def mark_warm(model_path, how: str) -> Optional[Path]:
+    """Write the marker of ``model_path``'s configuration into the current
+    compile cache (``how``: what compiled its kernels, kept in the marker).
+    Returns the marker's path, or None without a known cache folder."""
+    marker = marker_path(model_path)
+    if marker is not None:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        marker.write_text(json.dumps({"model": str(model_path), "by": how}))
+    return marker
+
+
 def _run_model(model_path: Path, lengths: Sequence[int]) -> None:
     """The model cut to one layer of each kind, patched, run on prompts of
     ``lengths`` tokens and decoded a few steps, then a batch of 4."""
@@ -131,10 +144,7 @@ def warmup(model_path, *, lengths: Sequence[int] = PROMPT_TOKENS) -> Dict:
         return {"seconds": 0.0, "ran": False}
     t0 = time.perf_counter()
     _run_model(model_path, lengths)
-    marker = marker_path(model_path)
-    if marker is not None:
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(json.dumps({"model": str(model_path), "lengths": list(lengths)}))
+    mark_warm(model_path, f"warmup, prompt lengths {list(lengths)}")
     return {"seconds": time.perf_counter() - t0, "ran": True}
 
 

@@ -54,3 +54,36 @@ def test_warmup_writes_the_marker_and_silences_the_notice(env, tmp_path, tiny_ch
     assert warmup.marker_path(tiny_checkpoint).is_file() and warmup.is_warm(tiny_checkpoint)
     _cli._first_use_notice(["--model", str(tiny_checkpoint)])
     assert capsys.readouterr().err == ""
+
+
+def test_a_completed_cli_run_marks_the_model_warm(env, tmp_path, tiny_checkpoint, monkeypatch, capsys):
+    """On CUDA (faked here), the first CLI run of a model prints the notice
+    and, once it completes, writes the marker: the second run prints nothing.
+    A run that fails writes no marker."""
+    import sys
+    import types
+
+    from mlx_qwen_fast import patching
+
+    env.set("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
+    monkeypatch.setattr(backend, "current", lambda: backend.CUDA)
+    monkeypatch.setattr(patching, "install", lambda verbose=False: None)
+    fake = types.ModuleType("mlx_lm.fake_cmd")
+    calls = []
+
+    def main():
+        calls.append(list(sys.argv[1:]))
+        if "--fail" in sys.argv:
+            raise SystemExit(1)
+
+    fake.main = main
+    monkeypatch.setitem(sys.modules, "mlx_lm.fake_cmd", fake)
+    argv = ["--model", str(tiny_checkpoint)]
+    with pytest.raises(SystemExit):
+        _cli.run_mlx_lm_main("mlx_lm.fake_cmd", argv + ["--fail"])
+    assert "warmup" in capsys.readouterr().err and not warmup.is_warm(tiny_checkpoint)
+    _cli.run_mlx_lm_main("mlx_lm.fake_cmd", argv)
+    assert "warmup" in capsys.readouterr().err and warmup.is_warm(tiny_checkpoint)
+    assert "fake_cmd" in warmup.marker_path(tiny_checkpoint).read_text()
+    _cli.run_mlx_lm_main("mlx_lm.fake_cmd", argv)
+    assert "warmup" not in capsys.readouterr().err and len(calls) == 3
