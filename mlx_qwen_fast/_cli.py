@@ -330,7 +330,9 @@ def run_mlx_lm_main(module: str, argv=None) -> None:
     the same command runs stock mlx-lm for an A/B comparison. ``--version``
     prints this package's version with mlx's and mlx-lm's. The arguments
     are checked first (:func:`check_arguments`); an error while mlx-lm loads
-    the checkpoint is printed as one line (exit code 2).
+    the checkpoint is printed as one line (exit code 2). For
+    "mlx_lm.server" (without ``--stock``) ``GET /v1/models`` is answered by
+    :func:`mlx_qwen_fast.server.handle_models_request`.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--version" in argv:
@@ -353,7 +355,12 @@ def run_mlx_lm_main(module: str, argv=None) -> None:
 
         cold = _first_use_notice(argv)
         install(verbose=True)
-    main = importlib.import_module(module).main
+    mod = importlib.import_module(module)
+    if module == "mlx_lm.server" and not stock:
+        from .server import install as install_server  # GET /v1/models lists the loaded model
+
+        install_server(mod)
+    main = mod.main
     prog = sys.argv[0] if " " in sys.argv[0] else f"mlx_qwen_fast.{command}"  # argparse's usage lines
     sys.argv = [prog] + argv
     try:

@@ -1,0 +1,267 @@
+"""`python -m mlx_qwen_fast.server` (mlx_qwen_fast/server.py) seen through the
+official OpenAI client: the models list (with no Hugging Face cache folder),
+chat completions streamed and not, text completions, two concurrent streams,
+bad requests answered with HTTP 400 while the server keeps serving. One
+server process on the tiny checkpoint serves the whole module."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai  # the test extra's: a missing client fails here rather than skipping
+import pytest
+
+from mlx_qwen_fast import server as fast_server
+
+REPO = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 120
+MAX_TOKENS = 6
+MESSAGES = [{"role": "user", "content": "Tell me about rivers."}]
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url, timeout=5):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.status, r.headers.get("Content-Type"), r.read()
+
+
+class _Server(types.SimpleNamespace):
+    """port, model (the --model value), log (path of its stdout+stderr)."""
+
+    def url(self, path):
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def log_text(self):
+        return self.log.read_text(errors="replace")
+
+    def healthy(self):
+        try:
+            return _get(self.url("/health"))[0] == 200
+        except (OSError, urllib.error.HTTPError):
+            return False
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tmp_path_factory):
+    """The server on the tiny checkpoint, ``HF_HOME`` an empty folder (no
+    hub cache in it), started once for the module and stopped after it."""
+    root = tmp_path_factory.mktemp("server")
+    hf_home = root / "hf_home"
+    hf_home.mkdir()
+    env = dict(os.environ, HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("HF_HUB_CACHE", None)  # the cache is HF_HOME/hub, which does not exist
+    srv = _Server(port=_free_port(), model=str(tiny_checkpoint), log=root / "server.log")
+    with open(srv.log, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "mlx_qwen_fast.server", "--model", srv.model,
+             "--host", "127.0.0.1", "--port", str(srv.port)],
+            stdout=log, stderr=subprocess.STDOUT, env=env,
+        )
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not srv.healthy():
+            if proc.poll() is not None:
+                pytest.fail(f"server exited with code {proc.returncode}:\n{srv.log_text()[-4000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"server did not answer /health within {START_TIMEOUT_S} s:\n{srv.log_text()[-4000:]}")
+            time.sleep(0.5)
+        yield srv
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url("/v1"), api_key="x", max_retries=0, timeout=120)
+
+
+def test_models_list_without_a_hub_cache(server, client):
+    status, ctype, body = _get(server.url("/v1/models"))
+    assert status == 200 and ctype == "application/json"
+    listing = json.loads(body)
+    assert listing["object"] == "list"
+    assert [m["id"] for m in listing["data"]] == [server.model]
+    entry = listing["data"][0]
+    assert entry["object"] == "model" and isinstance(entry["created"], int) and entry["created"] > 0
+    models = client.models.list()
+    assert [m.id for m in models.data] == [server.model]
+    assert "CacheNotFound" not in server.log_text() and "Traceback" not in server.log_text()
+
+
+def test_models_path_filters_by_id(server):
+    _, _, body = _get(server.url("/v1/models/" + server.model.lstrip("/")))
+    assert json.loads(body)["data"] == []  # the id without its leading "/" is another id
+    _, _, body = _get(server.url("/v1/models/" + server.model))
+    assert [m["id"] for m in json.loads(body)["data"]] == [server.model]
+
+
+def _chat(client, model, stream, messages=MESSAGES):
+    return client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS,
+                                          temperature=0.0, stream=stream)
+
+
+def _drain(stream):
+    """(text, finish reasons of the chunks, number of chunks) of a chat stream."""
+    text, reasons, n = "", [], 0
+    for chunk in stream:
+        n += 1
+        assert chunk.object == "chat.completion.chunk" and chunk.id
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            reasons.append(choice.finish_reason)
+    return text, reasons, n
+
+
+def test_chat_completion(server, client):
+    r = _chat(client, server.model, stream=False)
+    assert r.object == "chat.completion" and len(r.choices) == 1
+    assert isinstance(r.choices[0].message.content, str) and r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("length", "stop")
+    assert 1 <= r.usage.completion_tokens <= MAX_TOKENS and r.usage.prompt_tokens > 0
+
+
+def test_chat_completion_stream(server, client):
+    text, reasons, n = _drain(_chat(client, server.model, stream=True))
+    assert n >= 2 and text
+    assert reasons[-1] in ("length", "stop") and all(r is None for r in reasons[:-1])
+    # Greedy decoding: the stream says what the one-shot answer says.
+    assert text == _chat(client, server.model, stream=False).choices[0].message.content
+
+
+def test_text_completion(server, client):
+    r = client.completions.create(model=server.model, prompt="Rivers are", max_tokens=MAX_TOKENS, temperature=0.0)
+    assert r.object == "text_completion" and len(r.choices) == 1
+    assert isinstance(r.choices[0].text, str) and r.choices[0].text
+    assert r.choices[0].finish_reason in ("length", "stop")
+
+
+def test_two_concurrent_streams(server, client):
+    prompts = ["Tell me about rivers.", "Why do cats purr when they are happy and calm?"]
+    results, errors = {}, []
+    start = threading.Barrier(len(prompts))
+
+    def worker(i):
+        try:
+            start.wait(timeout=30)
+            results[i] = _drain(_chat(client, server.model, stream=True,
+                                      messages=[{"role": "user", "content": prompts[i]}]))
+        except BaseException as exc:  # reported by the assertion below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=180)
+    assert not any(t.is_alive() for t in threads), "a stream did not finish within 180 s"
+    assert not errors, errors
+    for i in range(len(prompts)):
+        text, reasons, _ = results[i]
+        assert text and reasons[-1] in ("length", "stop"), (i, results[i])
+
+
+@pytest.mark.parametrize("kind, extra, expect", [
+    ("chat", {"max_tokens": -1}, "max_tokens must be at least 1"),  # mlx-lm's own check
+    ("chat", {"extra_body": {"stop": 5}}, "stop must be a string or a list of strings"),
+    ("chat", {"logit_bias": {"99999999": 1.0}}, "logit_bias token id 99999999 is outside the vocabulary"),
+    ("chat", {"seed": -1}, "seed must be between 0 and 2**64 - 1"),
+    ("text", {"prompt": ""}, "prompt must be a non-empty string"),
+    ("text", {"prompt": ["a", "b"]}, "prompt must be a non-empty string"),
+])
+def test_bad_request_is_400_and_the_server_keeps_serving(server, client, kind, extra, expect):
+    kwargs = dict({"model": server.model, "max_tokens": 2}, **extra)
+    with pytest.raises(openai.BadRequestError) as info:
+        if kind == "chat":
+            client.chat.completions.create(messages=MESSAGES, **kwargs)
+        else:
+            client.completions.create(**kwargs)
+    # mlx-lm's error body is {"error": "<text>"}, not OpenAI's {"error": {"message": ...}}:
+    # the client keeps the text as the error's body.
+    assert info.value.status_code == 400 and expect in info.value.body
+    assert server.healthy()
+
+
+def test_malformed_body_is_400(server):
+    req = urllib.request.Request(server.url("/v1/chat/completions"), data=b"{not json",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=30)
+    assert info.value.code == 400 and "Invalid JSON" in json.loads(info.value.read())["error"]
+
+
+@pytest.mark.parametrize("body, vocab, expect", [
+    ({"stop": "x"}, None, None),
+    ({"stop": ["x", "y"]}, None, None),
+    ({"stop": ["x", 1]}, None, "stop must be"),
+    ({"logit_bias": {"10": 1}}, 11, None),
+    ({"logit_bias": {"11": 1}}, 11, "outside the vocabulary (0 to 10)"),
+    ({"logit_bias": {"-1": 1}}, None, "outside the vocabulary (at least 0)"),
+    ({"seed": 2**64}, None, "seed must be"),
+    ({"stream_options": {"include_usage": True}}, None, None),
+    ({"stream_options": 5}, None, "stream_options must be an object"),
+])
+def test_request_problem(body, vocab, expect):
+    problem = fast_server.request_problem("/v1/chat/completions", dict({"messages": MESSAGES}, **body), vocab)
+    assert problem is None if expect is None else expect in problem
+
+
+def test_request_problem_prompt_only_for_text_completions():
+    assert fast_server.request_problem("/v1/completions", {"prompt": "hi"}) is None
+    assert "prompt" in fast_server.request_problem("/v1/completions", {})
+    assert fast_server.request_problem("/v1/chat/completions", {"messages": MESSAGES}) is None
+
+
+def _fake_repo(hub, repo_id, files):
+    folder = hub / ("models--" + repo_id.replace("/", "--"))
+    commit = "0" * 40
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text(commit)
+    snap = folder / "snapshots" / commit
+    snap.mkdir(parents=True)
+    for name in files:
+        (snap / name).write_text("{}")
+
+
+def test_cached_models(tmp_path):
+    hub = tmp_path / "hub"
+    _fake_repo(hub, "org/mlx-model", fast_server._MLX_LM_FILES)
+    _fake_repo(hub, "org/no-index", ["config.json", "tokenizer_config.json"])
+    assert fast_server.cached_models(cache_dir=hub) == ["org/mlx-model"]
+    assert fast_server.cached_models("org/other", cache_dir=hub) == []
+    assert fast_server.cached_models(cache_dir=tmp_path / "missing") == []
+    (tmp_path / "file").write_text("")
+    assert fast_server.cached_models(cache_dir=tmp_path / "file") == []
+
+
+def test_install_sets_the_methods_once():
+    from mlx_lm import server as mlx_server
+
+    handler = type("Handler", (mlx_server.APIHandler,), {})
+    module = types.SimpleNamespace(__name__="fake_server", APIHandler=handler)
+    fast_server.install(module)
+    fast_server.install(module)
+    assert handler.handle_models_request is fast_server.handle_models_request
+    wrapped = handler.validate_model_parameters
+    assert wrapped.checks_requests and wrapped.__wrapped__ is mlx_server.APIHandler.validate_model_parameters
+    assert mlx_server.APIHandler.handle_models_request is not fast_server.handle_models_request
+    with pytest.raises(AttributeError, match="handle_models_request not found"):
+        fast_server.install(types.SimpleNamespace(__name__="empty", APIHandler=object))
