@@ -9,11 +9,13 @@ usage-error code): the ``--model`` folder (exists, is a folder, parseable
 ``config.json``, complete safetensors weights, a tokenizer) and the counts
 (``--max-tokens``, benchmark's ``-p/-g/-b/-n``), and an empty prompt. An
 error raised while mlx-lm loads the checkpoint (weights that do not fit the
-config, a repo id that cannot be fetched) is printed as one line too.
+config, a repo id that cannot be fetched) is printed as one line too, and so
+is each warning of the package (:func:`one_line_warnings`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -21,6 +23,7 @@ import re
 import struct
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -39,6 +42,45 @@ _COUNT_FLAGS = {
 _PROMPT_FLAGS = {"generate": ("--prompt", "-p")}
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _package_warning(filename: str, text: str) -> bool:
+    """Whether a warning is this package's: raised from its code (``filename``,
+    where ``stacklevel`` put it) or naming it in its text."""
+    try:
+        inside = os.path.commonpath([os.path.abspath(filename), _PACKAGE_DIR]) == _PACKAGE_DIR
+    except ValueError:  # another drive, or a pseudo file name such as "<string>"
+        inside = False
+    return inside or text.lower().startswith("mlx_qwen_fast")
+
+
+@contextlib.contextmanager
+def one_line_warnings():
+    """Within it (a context manager, or a decorator of a CLI's ``main``),
+    each warning of this package prints as one line on stderr,
+    ``mlx_qwen_fast: warning: MESSAGE``, without Python's file:line and
+    source line, and once per distinct message; other packages' warnings
+    keep Python's format. Only the CLIs use it: a library caller of
+    :func:`mlx_qwen_fast.patch` gets the ordinary ``warnings.warn``."""
+    seen = set()
+    with warnings.catch_warnings():  # restores warnings.showwarning on exit
+        python_show = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            text = " ".join(str(message).split())
+            if not _package_warning(filename, text):
+                python_show(message, category, filename, lineno, file, line)
+                return
+            text = text.removeprefix("mlx_qwen_fast:").strip()
+            if text not in seen:
+                seen.add(text)
+                print(f"mlx_qwen_fast: warning: {text}", file=sys.stderr if file is None else file)
+
+        warnings.showwarning = show
+        yield
 
 
 def usage_error(message: str) -> None:
@@ -318,6 +360,7 @@ def _loading_error(exc: BaseException) -> bool:
                 or "/safetensors/" in f or "/transformers/" in f) for f in files)
 
 
+@one_line_warnings()
 def run_mlx_lm_main(module: str, argv=None) -> None:
     """Run mlx-lm's CLI ``module`` (e.g. "mlx_lm.generate") with :func:`install` applied.
 

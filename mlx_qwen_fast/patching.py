@@ -163,12 +163,18 @@ def patch(model: nn.Module, *, warn: bool = True) -> PatchReport:
             ``(model, tokenizer)`` pair ``mlx_lm.load`` returns).
     """
     _check_module("patch", model)
+    return _patch(model, warn, stacklevel=3)
+
+
+def _patch(model: nn.Module, warn: bool, stacklevel: int) -> PatchReport:
+    """:func:`patch` of a checked module; ``stacklevel`` puts the warning at
+    the public function's caller (``warnings.warn`` counts from here)."""
     reason = _unsupported_reason(model)
     if reason is None and not enabled():
         reason = f"disabled by the environment ({_off_setting()})"
     if reason is not None:
         if warn:
-            warnings.warn(f"mlx_qwen_fast: model left on the stock path: {reason}", stacklevel=2)
+            warnings.warn(f"mlx_qwen_fast: model left on the stock path: {reason}", stacklevel=stacklevel)
         report = PatchReport(False, reason, _model_type(model), backend.current())
         if not is_patched(model):
             _set_report(model, report)
@@ -263,7 +269,7 @@ def patched_copy(model: nn.Module, *, warn: bool = True):
     """
     _check_module("patched_copy", model)
     twin = clone_modules(model)
-    return twin, patch(twin, warn=warn)
+    return twin, _patch(twin, warn, stacklevel=3)
 
 
 def enabled() -> bool:
@@ -284,9 +290,10 @@ def install(*, verbose: bool = False) -> bool:
     Wraps ``mlx_lm.utils.load_model`` (which ``mlx_lm.load``, ``sharded_load``
     and so ``generate``, ``benchmark``, ``chat`` and ``server`` all call).
     Other model types pass through untouched (no warning). Idempotent.
-    ``verbose``: print each load's :class:`PatchReport` to stderr, one line
-    for a model type without a fast path, and, when the environment switches
-    the fast path off, one line saying so.
+    ``verbose``: print each load's :class:`PatchReport` to stderr (a model
+    left stock is then said by that line, without :func:`patch`'s warning),
+    one line for a model type without a fast path, and, when the environment
+    switches the fast path off, one line saying so.
     Returns False (and installs nothing) when ``MLX_QWEN_FAST=0``.
     """
     if not enabled():
@@ -305,7 +312,7 @@ def install(*, verbose: bool = False) -> bool:
             return model, model_config
         model_type = _model_type(model)
         if model_type in SUPPORTED_MODEL_TYPES:
-            report = patch(model)
+            report = patch(model, warn=not verbose)  # verbose: the report's line says it instead
             if verbose:
                 print(report, file=sys.stderr)
         elif verbose:

@@ -210,6 +210,25 @@ def test_install_patches_mlx_lm_load_and_env_switch(tiny_checkpoint, env):
     assert not mlx_qwen_fast.is_patched(model)
 
 
+def test_install_verbose_says_left_stock_in_one_line(tiny_checkpoint, monkeypatch, capsys):
+    """install(verbose=True) (the CLIs): a model left stock is said by its
+    report's line alone, not by the line and patch()'s warning too."""
+    from mlx_qwen_fast import patching
+
+    monkeypatch.setattr(patching, "_unsupported_reason", lambda model: "a test reason")
+    try:
+        assert mlx_qwen_fast.install(verbose=True)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            model, _ = mlx_lm.load(str(tiny_checkpoint))
+    finally:
+        mlx_qwen_fast.uninstall()
+    assert not mlx_qwen_fast.is_patched(model)
+    said = [line for line in capsys.readouterr().err.splitlines() if "a test reason" in line]
+    assert said == ["mlx_qwen_fast: left stock (a test reason)"]
+    assert not [w for w in seen if "a test reason" in str(w.message)]
+
+
 def test_install_is_off_when_env_says_so(env):
     env.set("MLX_QWEN_FAST", "0")
     assert mlx_qwen_fast.install() is False
@@ -242,6 +261,18 @@ def test_env_switch_leaves_patch_stock(tiny, env, value):
     env.set("MLX_QWEN_FAST", "1")
     assert mlx_qwen_fast.patch(tiny).patched
     mlx_qwen_fast.unpatch(tiny)
+
+
+def test_a_stock_warning_names_the_callers_line(tiny, env):
+    """patch() and patched_copy() warn once per call, at the caller's line
+    (not at a line inside the package)."""
+    env.set("MLX_QWEN_FAST", "0")
+    for fn in (mlx_qwen_fast.patch, patched_copy):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            fn(tiny[0])
+        assert [(w.category, w.filename) for w in seen] == [(UserWarning, __file__)], fn
+        assert "left on the stock path" in str(seen[0].message)
 
 
 def _with_lora(model, seed):
