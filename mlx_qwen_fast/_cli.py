@@ -7,7 +7,8 @@ arguments a user most often gets wrong are checked here, each failure one
 line naming the argument and what was expected, exit code 2 (argparse's
 usage-error code): the ``--model`` folder (exists, is a folder, parseable
 ``config.json``, complete safetensors weights, a tokenizer) and the counts
-(``--max-tokens``, benchmark's ``-p/-g/-b/-n``), and an empty prompt. An
+(``--max-tokens``, benchmark's ``-p/-g/-b/-n``), and an empty prompt (given,
+or read from stdin for ``--prompt -``). An
 error raised while mlx-lm loads the checkpoint (weights that do not fit the
 config, a repo id that cannot be fetched) is printed as one line too, and so
 is each warning of the package (:func:`one_line_warnings`).
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
 import json
 import os
 import re
@@ -39,7 +41,7 @@ _COUNT_FLAGS = {
                   "--batch-size": "--batch-size", "-b": "--batch-size",
                   "--num-trials": "--num-trials", "-n": "--num-trials"},
 }
-_PROMPT_FLAGS = {"generate": ("--prompt", "-p")}
+_PROMPT_FLAGS = {"generate": ("--prompt", "-p"), "cache_prompt": ("--prompt",)}
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
 
@@ -133,9 +135,18 @@ def _check_counts(command: str, argv: Sequence[str]) -> None:
 
 
 def _check_prompt(command: str, argv: Sequence[str]) -> None:
-    for v in _flag_values(argv, _PROMPT_FLAGS.get(command, ())):
+    """An empty ``--prompt`` is a usage error; so is ``--prompt -`` (the
+    last value is the one argparse keeps) with nothing but blanks on stdin,
+    which is read here and then handed on to mlx-lm as ``sys.stdin``."""
+    values = _flag_values(argv, _PROMPT_FLAGS.get(command, ()))
+    for v in values:
         if v != "-" and not v.strip():
             usage_error("--prompt is empty: expected the text to continue (or - to read it from stdin)")
+    if values and values[-1] == "-":
+        text = sys.stdin.read() if sys.stdin is not None else ""
+        if not text.strip():
+            usage_error("--prompt -: stdin held no prompt (empty or only blanks): expected the text to continue")
+        sys.stdin = io.StringIO(text)  # mlx-lm reads it again
 
 
 def _safetensors_problem(path: Path) -> Optional[str]:
@@ -265,7 +276,8 @@ def _expand_model(argv: List[str]) -> List[str]:
 def check_arguments(command: str, argv: Sequence[str]) -> None:
     """Exit with one line and code 2 for the usage errors this module checks
     (see the module docstring) in ``argv`` of mlx-lm's ``command`` (e.g.
-    "generate", "benchmark", "server"). Imports nothing heavy."""
+    "generate", "benchmark", "server"). Imports nothing heavy; for
+    ``--prompt -`` reads stdin (and puts what it read back as ``sys.stdin``)."""
     if "-h" in argv or "--help" in argv:
         return
     _check_model(argv)

@@ -99,6 +99,32 @@ def test_bad_counts_and_prompts(tiny_checkpoint, argv, expect):
     assert r.returncode == 2 and expect in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("stdin", ["", " \n\t\n"])
+def test_an_empty_prompt_from_stdin_is_a_usage_error(tiny_checkpoint, stdin):
+    r = _run("-m", "mlx_qwen_fast.generate", "--model", str(tiny_checkpoint), "--prompt", "-", "-m", "2",
+             stdin=stdin)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--prompt -" in lines[0] and "stdin" in lines[0], r.stderr
+    assert r.stdout == ""
+
+
+def test_a_prompt_from_stdin_reaches_mlx_lm(monkeypatch, capsys):
+    """The prompt the check read from stdin is there again for mlx-lm's
+    ``sys.stdin.read()``; only the value argparse keeps (the last) counts."""
+    import io
+
+    for argv in (["--prompt", "-"], ["-p", "x", "-p", "-"], ["--prompt=-"]):
+        monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+        _cli.check_arguments("generate", argv)
+        assert sys.stdin.read() == "hello\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    _cli.check_arguments("generate", ["--prompt", "-", "--prompt", "hi"])  # "hi" wins: stdin is not read
+    with pytest.raises(SystemExit) as e:
+        _cli.check_arguments("cache_prompt", ["--prompt", "-"])
+    assert e.value.code == 2 and "--prompt -" in capsys.readouterr().err
+
+
 def test_checks_run_before_mlx_lm_is_imported(monkeypatch, tmp_path):
     """A usage error exits before mlx-lm (and transformers) are imported."""
     code = ("import sys; from mlx_qwen_fast import _cli\n"
