@@ -7,20 +7,25 @@ arguments a user most often gets wrong are checked here, each failure one
 line naming the argument and what was expected, exit code 2 (argparse's
 usage-error code): the ``--model`` folder (exists, is a folder, parseable
 ``config.json``, complete safetensors weights, a tokenizer) and the counts
-(``--max-tokens``, benchmark's ``-p/-g/-b/-n``), and an empty prompt. An
+(``--max-tokens``, benchmark's ``-p/-g/-b/-n``), and an empty prompt (given,
+or read from stdin for ``--prompt -``). An
 error raised while mlx-lm loads the checkpoint (weights that do not fit the
-config, a repo id that cannot be fetched) is printed as one line too.
+config, a repo id that cannot be fetched) is printed as one line too, and so
+is each warning of the package (:func:`one_line_warnings`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import re
 import struct
 import sys
 import traceback
+import warnings
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -36,9 +41,48 @@ _COUNT_FLAGS = {
                   "--batch-size": "--batch-size", "-b": "--batch-size",
                   "--num-trials": "--num-trials", "-n": "--num-trials"},
 }
-_PROMPT_FLAGS = {"generate": ("--prompt", "-p")}
+_PROMPT_FLAGS = {"generate": ("--prompt", "-p"), "cache_prompt": ("--prompt",)}
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _package_warning(filename: str, text: str) -> bool:
+    """Whether a warning is this package's: raised from its code (``filename``,
+    where ``stacklevel`` put it) or naming it in its text."""
+    try:
+        inside = os.path.commonpath([os.path.abspath(filename), _PACKAGE_DIR]) == _PACKAGE_DIR
+    except ValueError:  # another drive, or a pseudo file name such as "<string>"
+        inside = False
+    return inside or text.lower().startswith("mlx_qwen_fast")
+
+
+@contextlib.contextmanager
+def one_line_warnings():
+    """Within it (a context manager, or a decorator of a CLI's ``main``),
+    each warning of this package prints as one line on stderr,
+    ``mlx_qwen_fast: warning: MESSAGE``, without Python's file:line and
+    source line, and once per distinct message; other packages' warnings
+    keep Python's format. Only the CLIs use it: a library caller of
+    :func:`mlx_qwen_fast.patch` gets the ordinary ``warnings.warn``."""
+    seen = set()
+    with warnings.catch_warnings():  # restores warnings.showwarning on exit
+        python_show = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            text = " ".join(str(message).split())
+            if not _package_warning(filename, text):
+                python_show(message, category, filename, lineno, file, line)
+                return
+            text = text.removeprefix("mlx_qwen_fast:").strip()
+            if text not in seen:
+                seen.add(text)
+                print(f"mlx_qwen_fast: warning: {text}", file=sys.stderr if file is None else file)
+
+        warnings.showwarning = show
+        yield
 
 
 def usage_error(message: str) -> None:
@@ -91,9 +135,18 @@ def _check_counts(command: str, argv: Sequence[str]) -> None:
 
 
 def _check_prompt(command: str, argv: Sequence[str]) -> None:
-    for v in _flag_values(argv, _PROMPT_FLAGS.get(command, ())):
+    """An empty ``--prompt`` is a usage error; so is ``--prompt -`` (the
+    last value is the one argparse keeps) with nothing but blanks on stdin,
+    which is read here and then handed on to mlx-lm as ``sys.stdin``."""
+    values = _flag_values(argv, _PROMPT_FLAGS.get(command, ()))
+    for v in values:
         if v != "-" and not v.strip():
             usage_error("--prompt is empty: expected the text to continue (or - to read it from stdin)")
+    if values and values[-1] == "-":
+        text = sys.stdin.read() if sys.stdin is not None else ""
+        if not text.strip():
+            usage_error("--prompt -: stdin held no prompt (empty or only blanks): expected the text to continue")
+        sys.stdin = io.StringIO(text)  # mlx-lm reads it again
 
 
 def _safetensors_problem(path: Path) -> Optional[str]:
@@ -223,7 +276,8 @@ def _expand_model(argv: List[str]) -> List[str]:
 def check_arguments(command: str, argv: Sequence[str]) -> None:
     """Exit with one line and code 2 for the usage errors this module checks
     (see the module docstring) in ``argv`` of mlx-lm's ``command`` (e.g.
-    "generate", "benchmark", "server"). Imports nothing heavy."""
+    "generate", "benchmark", "server"). Imports nothing heavy; for
+    ``--prompt -`` reads stdin (and puts what it read back as ``sys.stdin``)."""
     if "-h" in argv or "--help" in argv:
         return
     _check_model(argv)
@@ -322,6 +376,7 @@ def _loading_error(exc: BaseException) -> bool:
                 or "/safetensors/" in f or "/transformers/" in f) for f in files)
 
 
+@one_line_warnings()
 def run_mlx_lm_main(module: str, argv=None) -> None:
     """Run mlx-lm's CLI ``module`` (e.g. "mlx_lm.generate") with :func:`install` applied.
 

@@ -68,6 +68,8 @@ from mlx_lm.utils import (
 )
 from tqdm import tqdm
 
+from ._cli import one_line_warnings
+
 QUANT_GROUP_SIZE = 64
 QUANT_BITS = 4
 QUANT_MODE = "affine"
@@ -836,6 +838,7 @@ def existing_checkpoint_files(out_dir: Path) -> List[str]:
     return names
 
 
+@one_line_warnings()
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(
         description="Write a random-weight Qwen3.5/3.6-MoE checkpoint "

@@ -82,13 +82,22 @@ class Switch:
     values: str
     meaning: str
 
-    def get(self) -> Any:
-        """The parsed value (cached after the first call; see :func:`reload`)."""
+    def get(self, *, warn: bool = True) -> Any:
+        """The parsed value (cached after the first call; see :func:`reload`).
+
+        A value that is not understood is warned about once, by the first
+        call with ``warn`` (the import's own read passes ``warn=False``: a
+        warning raised while the package is imported would reach a CLI's
+        user before the CLI can print it as one line)."""
         try:
-            return _values[self.name]
+            value = _values[self.name]
         except KeyError:
             value = _values[self.name] = _parse(self)
-            return value
+        if warn and _unwarned:
+            message = _unwarned.pop(self.name, None)
+            if message is not None:
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
+        return value
 
     def is_set(self) -> bool:
         """True if the environment holds a non-empty value for this switch."""
@@ -117,12 +126,14 @@ def _parse(switch: Switch) -> Any:
         expected = "a CUDA target such as sm_90a or sm_89"
     else:  # a declaration error, not a user's
         raise AssertionError(f"unknown switch kind {switch.kind!r}")
-    warnings.warn(f"{switch.name}={raw!r} is not understood (expected {expected}); "
-                  f"using the default ({switch.default!r})", RuntimeWarning, stacklevel=3)
+    _unwarned[switch.name] = (f"{switch.name}={raw!r} is not understood (expected {expected}); "
+                              f"using the default ({switch.default!r})")
     return switch.default
 
 
 _values: Dict[str, Any] = {}
+#: name -> the warning about its value not yet given (see :meth:`Switch.get`).
+_unwarned: Dict[str, str] = {}
 
 
 def raw_value(switch: Switch) -> str:
@@ -133,6 +144,7 @@ def raw_value(switch: Switch) -> str:
 def reload() -> None:
     """Forget the parsed values: the next :meth:`Switch.get` reads the environment again."""
     _values.clear()
+    _unwarned.clear()
 
 
 FAST_PATH = Switch(
@@ -277,7 +289,7 @@ def apply_process_settings(backend: str) -> List[str]:
     :func:`restore_process_settings` removes them too). Returns the names it
     set.
     """
-    if backend != "cuda" or not FAST_PATH.get():
+    if backend != "cuda" or not FAST_PATH.get(warn=False):  # warned about at patch() / install()
         return []
     values = {MLX_GRAPH_LIMIT.name: GRAPH_LIMIT_VALUE,
               MLX_PTX_CACHE.name: str(cache_root() / "mlx-ptx" / _mlx_version())}

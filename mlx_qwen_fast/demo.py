@@ -25,6 +25,7 @@ import mlx_lm
 from mlx_lm.generate import stream_generate
 
 from . import config
+from ._cli import one_line_warnings
 from .checkpoint import DEMO_LM_HEAD_SCALE, SHARD_GLOB, write_checkpoint
 from .patching import patched_copy
 
@@ -67,6 +68,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
+@one_line_warnings()
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, help="checkpoint directory (default: tiny demo)")
@@ -92,9 +94,10 @@ def main(argv=None) -> int:
                          f"(an interrupted first run): delete that folder and run the demo again") from exc
     if args.dtype == "float32":
         stock.set_dtype(mx.float32)  # 4-bit weights stay; scales, norms upcast
-    fast, report = patched_copy(stock)
-    print(report)
-    if not report.patched:
+    fast, report = patched_copy(stock, warn=False)  # said once, by one of the two lines below
+    if report.patched:
+        print(report)
+    else:
         print(f"note: the fast path is not in use ({report.reason}): both runs below are stock mlx-lm")
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": args.prompt}], add_generation_prompt=True

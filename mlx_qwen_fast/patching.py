@@ -145,7 +145,8 @@ def patch(model: nn.Module, *, warn: bool = True) -> PatchReport:
     module for its fast subclass in
     :mod:`mlx_qwen_fast.layers`, sharing the loaded (quantised) arrays under
     the same parameter paths. Dense MLPs stay as they are. Patching an
-    already patched model is a no-op.
+    already patched model is a no-op: its report says it swapped nothing,
+    and ``model.patch_report`` stays the first patch's.
 
     Args:
         model: a model from ``mlx_lm.load`` (``qwen3_5_moe`` or ``qwen3_5``).
@@ -163,17 +164,24 @@ def patch(model: nn.Module, *, warn: bool = True) -> PatchReport:
             ``(model, tokenizer)`` pair ``mlx_lm.load`` returns).
     """
     _check_module("patch", model)
+    return _patch(model, warn, stacklevel=3)
+
+
+def _patch(model: nn.Module, warn: bool, stacklevel: int) -> PatchReport:
+    """:func:`patch` of a checked module; ``stacklevel`` puts the warning at
+    the public function's caller (``warnings.warn`` counts from here)."""
     reason = _unsupported_reason(model)
     if reason is None and not enabled():
         reason = f"disabled by the environment ({_off_setting()})"
     if reason is not None:
         if warn:
-            warnings.warn(f"mlx_qwen_fast: model left on the stock path: {reason}", stacklevel=2)
+            warnings.warn(f"mlx_qwen_fast: model left on the stock path: {reason}", stacklevel=stacklevel)
         report = PatchReport(False, reason, _model_type(model), backend.current())
         if not is_patched(model):
             _set_report(model, report)
         return report
     swapped = _swap(model, to_fast=True)
+    previous = getattr(model, "patch_report", None)
     report = PatchReport(
         True,
         None,
@@ -183,7 +191,8 @@ def patch(model: nn.Module, *, warn: bool = True) -> PatchReport:
         op_implementations(),
         config.process_settings_report(backend.current()),
     )
-    _set_report(model, report)
+    if swapped or not (isinstance(previous, PatchReport) and previous.patched and is_patched(model)):
+        _set_report(model, report)  # a second patch that swaps nothing keeps the first one's report
     return report
 
 
@@ -263,7 +272,7 @@ def patched_copy(model: nn.Module, *, warn: bool = True):
     """
     _check_module("patched_copy", model)
     twin = clone_modules(model)
-    return twin, patch(twin, warn=warn)
+    return twin, _patch(twin, warn, stacklevel=3)
 
 
 def enabled() -> bool:
@@ -278,15 +287,28 @@ def _off_setting() -> str:
     return f"{config.FAST_PATH.name}={config.raw_value(config.FAST_PATH)}"
 
 
+def _installed(fn) -> Optional[object]:
+    """The wrapper :func:`install` put in place, where ``fn`` is it or a
+    wrapper of it made with ``functools.wraps`` (which copies its
+    attributes), else None."""
+    ours = getattr(fn, "_mlx_qwen_fast", None)
+    return ours if getattr(ours, "_mlx_qwen_fast", None) is ours else None
+
+
 def install(*, verbose: bool = False) -> bool:
     """Make every ``mlx_lm.load`` return a patched model.
 
     Wraps ``mlx_lm.utils.load_model`` (which ``mlx_lm.load``, ``sharded_load``
     and so ``generate``, ``benchmark``, ``chat`` and ``server`` all call).
-    Other model types pass through untouched (no warning). Idempotent.
-    ``verbose``: print each load's :class:`PatchReport` to stderr, one line
-    for a model type without a fast path, and, when the environment switches
-    the fast path off, one line saying so.
+    Other model types pass through untouched (no warning), and so does a
+    model that its class already patched (model type ``qwen3_5_moe_fast``:
+    its own report is kept). Idempotent: a second call wraps nothing more;
+    it only switches ``verbose`` on where it asks for it, and turns back on
+    a wrapper that :func:`uninstall` could not remove.
+    ``verbose``: print each load's :class:`PatchReport` to stderr (a model
+    left stock is then said by that line, without :func:`patch`'s warning),
+    one line for a model type without a fast path, and, when the environment
+    switches the fast path off, one line saying so.
     Returns False (and installs nothing) when ``MLX_QWEN_FAST=0``.
     """
     if not enabled():
@@ -295,32 +317,49 @@ def install(*, verbose: bool = False) -> bool:
                   file=sys.stderr)
         return False
     current = mlx_lm.utils.load_model
-    if getattr(current, "_mlx_qwen_fast", False):
+    ours = _installed(current)
+    if ours is not None:
+        ours._active = True
+        ours._verbose = ours._verbose or verbose
         return True
 
     @functools.wraps(current)
     def load_model(*args, **kwargs):
         model, model_config = current(*args, **kwargs)
-        if not enabled():
+        if not load_model._active or not enabled():
             return model, model_config
         model_type = _model_type(model)
         if model_type in SUPPORTED_MODEL_TYPES:
-            report = patch(model)
-            if verbose:
+            # a model its class patched (qwen3_5_moe_fast) keeps the report of that patch
+            report = getattr(model, "patch_report", None) if is_patched(model) else None
+            if report is None:
+                report = patch(model, warn=not load_model._verbose)  # verbose: the report's line says it
+            if load_model._verbose:
                 print(report, file=sys.stderr)
-        elif verbose:
+        elif load_model._verbose:
             print(f"mlx_qwen_fast: model_type {model_type!r} has no fast path (supported: "
                   f"{', '.join(SUPPORTED_MODEL_TYPES)}): running stock mlx-lm", file=sys.stderr)
         return model, model_config
 
-    load_model._mlx_qwen_fast = True
+    # set after functools.wraps, which copies the attributes of the function it wraps
+    load_model._mlx_qwen_fast = load_model
     load_model._wrapped = current
+    load_model._active = True
+    load_model._verbose = verbose
     mlx_lm.utils.load_model = load_model
     return True
 
 
 def uninstall() -> None:
-    """Undo :func:`install` (already loaded models stay as they are)."""
+    """Undo :func:`install`: ``mlx_lm.utils.load_model`` is the function
+    install wrapped again. Where another wrapper has since been put around
+    install's (``mlx_lm.utils.load_model`` is not install's own), that one
+    stays and install's passes every model through untouched. Already
+    loaded models stay as they are."""
     current = mlx_lm.utils.load_model
-    if getattr(current, "_mlx_qwen_fast", False):
-        mlx_lm.utils.load_model = current._wrapped
+    ours = _installed(current)
+    if ours is None:
+        return
+    ours._active = False
+    if current is ours:
+        mlx_lm.utils.load_model = ours._wrapped

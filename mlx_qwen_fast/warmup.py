@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Dict, Optional, Sequence
 
 from . import backend, config
+from ._cli import one_line_warnings
 
 #: Prompt lengths run: 1..4 (the decode kernels), 12, 27, 60, 100 (MLX's
 #: small-M quantised matmul tiles, MoE below the prefill kernels), 300 (the
@@ -148,6 +149,7 @@ def warmup(model_path, *, lengths: Sequence[int] = PROMPT_TOKENS) -> Dict:
     return {"seconds": time.perf_counter() - t0, "ran": True}
 
 
+@one_line_warnings()
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m mlx_qwen_fast warmup", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

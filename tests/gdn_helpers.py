@@ -10,6 +10,7 @@ and gates.
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 from mlx_lm.models.qwen3_5 import GatedDeltaNet, TextModelArgs
 
@@ -112,3 +113,13 @@ def full_size_layer(seed, dtype):
     layer.A_log = A_log
     mx.eval(layer.parameters())
     return layer
+
+
+#: Kinds of argument that are not an mx.array, as a caller passes them by
+#: mistake: kind -> (the argument made from a valid array, how the error
+#: message names it).
+NOT_ARRAYS = {
+    "list": (lambda a: np.asarray(a).tolist(), "list"),
+    "numpy": (np.asarray, "numpy.ndarray"),
+    "None": (lambda a: None, "None"),
+}

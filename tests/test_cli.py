@@ -16,9 +16,10 @@ from mlx_qwen_fast import _cli
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _run(*args, timeout=120):
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout)
+def _run(*args, timeout=120, env=None, stdin=None):
+    env = dict(os.environ, **(env or {}), PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout,
+                          input=stdin)
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +99,32 @@ def test_bad_counts_and_prompts(tiny_checkpoint, argv, expect):
     assert r.returncode == 2 and expect in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("stdin", ["", " \n\t\n"])
+def test_an_empty_prompt_from_stdin_is_a_usage_error(tiny_checkpoint, stdin):
+    r = _run("-m", "mlx_qwen_fast.generate", "--model", str(tiny_checkpoint), "--prompt", "-", "-m", "2",
+             stdin=stdin)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--prompt -" in lines[0] and "stdin" in lines[0], r.stderr
+    assert r.stdout == ""
+
+
+def test_a_prompt_from_stdin_reaches_mlx_lm(monkeypatch, capsys):
+    """The prompt the check read from stdin is there again for mlx-lm's
+    ``sys.stdin.read()``; only the value argparse keeps (the last) counts."""
+    import io
+
+    for argv in (["--prompt", "-"], ["-p", "x", "-p", "-"], ["--prompt=-"]):
+        monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+        _cli.check_arguments("generate", argv)
+        assert sys.stdin.read() == "hello\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    _cli.check_arguments("generate", ["--prompt", "-", "--prompt", "hi"])  # "hi" wins: stdin is not read
+    with pytest.raises(SystemExit) as e:
+        _cli.check_arguments("cache_prompt", ["--prompt", "-"])
+    assert e.value.code == 2 and "--prompt -" in capsys.readouterr().err
+
+
 def test_checks_run_before_mlx_lm_is_imported(monkeypatch, tmp_path):
     """A usage error exits before mlx-lm (and transformers) are imported."""
     code = ("import sys; from mlx_qwen_fast import _cli\n"
@@ -123,6 +150,43 @@ def test_generate_runs_and_reports_the_patch(tiny_checkpoint):
     r = _run("-m", "mlx_qwen_fast.generate", "--model", str(tiny_checkpoint), "--prompt", "hello", "-m", "3")
     assert r.returncode == 0, r.stderr
     assert "mlx_qwen_fast: patched" in r.stderr and "Generation: 3 tokens" in r.stdout
+
+
+def test_a_package_warning_is_one_clean_line(tiny_checkpoint):
+    """A switch value the package does not understand, through a CLI: one
+    line in the CLI's format, not Python's warning (file:line, category,
+    source line)."""
+    r = _run("-m", "mlx_qwen_fast.generate", "--model", str(tiny_checkpoint), "--prompt", "hi", "-m", "2",
+             env={"MLX_QWEN_FAST": "banana"})
+    assert r.returncode == 0, r.stderr
+    said = [line for line in r.stderr.splitlines() if "banana" in line]
+    assert len(said) == 1 and said[0].startswith("mlx_qwen_fast: warning: MLX_QWEN_FAST='banana'"), r.stderr
+    assert "RuntimeWarning" not in r.stderr and ".py:" not in r.stderr, r.stderr
+    assert "mlx_qwen_fast: patched" in r.stderr  # the default (on) was used
+
+
+def test_one_line_warnings_formats_the_packages_once_and_leaves_others(env, capsys):
+    import warnings
+
+    from mlx_qwen_fast import patching
+
+    env.set("MLX_QWEN_FAST", "banana")
+    with warnings.catch_warnings(record=True) as others:
+        warnings.simplefilter("always")
+        with _cli.one_line_warnings():
+            assert patching.enabled() is True  # the package's code warns about the value
+            for _ in range(2):
+                warnings.warn("mlx_qwen_fast: model left on the stock path: a reason")
+            warnings.warn("mlx_qwen_fast: model left on the stock path: a reason")  # another line, same text
+            warnings.warn("some other library's warning")
+        warnings.warn("mlx_qwen_fast: after the CLI")  # the override ends with the context
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "mlx_qwen_fast: warning: MLX_QWEN_FAST='banana' is not understood (expected one of 1, true, yes, "
+        "on, 0, false, no, off); using the default (True)",
+        "mlx_qwen_fast: warning: model left on the stock path: a reason",
+    ]
+    assert [str(w.message) for w in others] == ["some other library's warning", "mlx_qwen_fast: after the CLI"]
 
 
 def test_model_type_without_fast_path_says_so(tmp_path):

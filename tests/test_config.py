@@ -88,6 +88,25 @@ def test_unknown_value_warns_once_and_takes_the_default(env):
         assert config.ARCH.get() is None
 
 
+def test_the_imports_reading_leaves_the_warning_to_the_next(env):
+    """The import reads the off switch with ``warn=False`` (on CUDA): a value
+    not understood is then warned about once, by the next reading (patch,
+    install, a CLI, where it can be printed as one line), not at import."""
+    s = config.FAST_PATH
+    env.set(s.name, "banana")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert s.get(warn=False) is True
+        assert config.apply_process_settings("cuda") is not None  # reads it without warning too
+        config.restore_process_settings()
+    with pytest.warns(RuntimeWarning, match="'banana'") as seen:
+        assert s.get() is True
+    assert len(seen) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert s.get() is True  # said once
+
+
 def test_values_are_parsed_once_until_reload(monkeypatch):
     s = config.MOE_DECODE_KERNEL
     monkeypatch.delenv(s.name, raising=False)

@@ -47,6 +47,9 @@ def test_demo_says_when_the_fast_path_is_off(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "both runs below are stock mlx-lm" in proc.stdout
     assert "=== patched (left stock) ===" in proc.stdout
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "MLX_QWEN_FAST=0" in line]
+    assert len(said) == 1, said  # one line, not a report, a note and a warning
+    assert "Warning" not in proc.stderr and ".py:" not in proc.stderr, proc.stderr  # no raw warnings.warn
 
 
 def test_demo_names_a_damaged_checkpoint(tmp_path, monkeypatch):

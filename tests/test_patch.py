@@ -82,10 +82,11 @@ def test_unpatch_restores_stock_classes(tiny):
     )
     # the report follows: the model says it is stock now
     assert not fast.patch_report.patched and "unpatch" in fast.patch_report.reason
-    # Patching twice is a no-op the second time.
-    patch(fast)
-    assert fast.patch_report.patched
+    # Patching twice is a no-op the second time, and the model keeps the first report.
+    first = patch(fast)
+    assert fast.patch_report is first and first.swapped
     assert patch(fast).swapped == {}
+    assert fast.patch_report is first
 
 
 def _fp32(model):
@@ -99,7 +100,9 @@ def _fp32(model):
 def test_patched_logits_match_stock(tiny_checkpoint, length):
     """fp32: the patched model computes stock's function to fp32 rounding.
 
-    bf16: the patched model is no further from the fp32 logits than stock.
+    bf16: the patched model's error against the fp32 logits is within the
+    rounding bound below (twice stock's plus four times bf16's unit
+    roundoff; the README states it).
     On random weights the bf16 error itself is chaotic (near-tie expert
     choices flip; re-rounding stock's own GDN output by 1e-7 moves its logits
     by 2-7e-2), so the bf16 check compares errors against the fp32 reference
@@ -210,6 +213,87 @@ def test_install_patches_mlx_lm_load_and_env_switch(tiny_checkpoint, env):
     assert not mlx_qwen_fast.is_patched(model)
 
 
+def test_install_verbose_says_left_stock_in_one_line(tiny_checkpoint, monkeypatch, capsys):
+    """install(verbose=True) (the CLIs): a model left stock is said by its
+    report's line alone, not by the line and patch()'s warning too."""
+    from mlx_qwen_fast import patching
+
+    monkeypatch.setattr(patching, "_unsupported_reason", lambda model: "a test reason")
+    try:
+        assert mlx_qwen_fast.install(verbose=True)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            model, _ = mlx_lm.load(str(tiny_checkpoint))
+    finally:
+        mlx_qwen_fast.uninstall()
+    assert not mlx_qwen_fast.is_patched(model)
+    said = [line for line in capsys.readouterr().err.splitlines() if "a test reason" in line]
+    assert said == ["mlx_qwen_fast: left stock (a test reason)"]
+    assert not [w for w in seen if "a test reason" in str(w.message)]
+
+
+def test_install_twice_wraps_once_and_uninstall_restores_mlx_lms(tiny_checkpoint, capsys):
+    """A second install() wraps nothing more (one report per load), and
+    honours the verbose it asks for; uninstall() puts mlx-lm's own
+    load_model back, and a second uninstall changes nothing."""
+    original = mlx_lm.utils.load_model
+    try:
+        assert mlx_qwen_fast.install()
+        assert mlx_qwen_fast.install(verbose=True)
+        assert mlx_lm.utils.load_model._wrapped is original
+        model, _ = mlx_lm.load(str(tiny_checkpoint))
+        assert mlx_qwen_fast.is_patched(model)
+        reports = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mlx_qwen_fast:")]
+        assert reports == [str(model.patch_report)] and "nothing new" not in reports[0]
+    finally:
+        mlx_qwen_fast.uninstall()
+    assert mlx_lm.utils.load_model is original
+    mlx_qwen_fast.uninstall()
+    assert mlx_lm.utils.load_model is original
+
+
+def test_install_keeps_the_report_of_a_model_its_class_patched(tiny_checkpoint, capsys):
+    """Model type qwen3_5_moe_fast patches itself when built: install's
+    wrapper does not patch it again, and says the first patch's report."""
+    try:
+        assert mlx_qwen_fast.install(verbose=True)
+        model, _ = mlx_lm.load(str(tiny_checkpoint), model_config={"model_type": "qwen3_5_moe_fast"})
+    finally:
+        mlx_qwen_fast.uninstall()
+    assert model.patch_report.patched and model.patch_report.swapped
+    reports = [line for line in capsys.readouterr().err.splitlines() if line.startswith("mlx_qwen_fast:")]
+    assert reports == [str(model.patch_report)]
+
+
+def test_uninstall_leaves_a_wrapper_put_around_installs(tiny_checkpoint):
+    """Another tool wrapped install's load_model (functools.wraps copies its
+    attributes): install() does not wrap again, uninstall() keeps the other
+    wrapper (install's then passes models through stock), install() turns
+    it back on."""
+    import functools
+
+    original = mlx_lm.utils.load_model
+    calls = []
+    try:
+        assert mlx_qwen_fast.install()
+        ours = mlx_lm.utils.load_model
+
+        @functools.wraps(ours)
+        def theirs(*args, **kwargs):
+            calls.append(1)
+            return ours(*args, **kwargs)
+
+        mlx_lm.utils.load_model = theirs
+        assert mlx_qwen_fast.install() and mlx_lm.utils.load_model is theirs
+        mlx_qwen_fast.uninstall()
+        assert mlx_lm.utils.load_model is theirs
+        assert not mlx_qwen_fast.is_patched(mlx_lm.load(str(tiny_checkpoint))[0]) and calls
+        assert mlx_qwen_fast.install() and mlx_lm.utils.load_model is theirs
+        assert mlx_qwen_fast.is_patched(mlx_lm.load(str(tiny_checkpoint))[0])
+    finally:
+        mlx_lm.utils.load_model = original
+
+
 def test_install_is_off_when_env_says_so(env):
     env.set("MLX_QWEN_FAST", "0")
     assert mlx_qwen_fast.install() is False
@@ -242,6 +326,18 @@ def test_env_switch_leaves_patch_stock(tiny, env, value):
     env.set("MLX_QWEN_FAST", "1")
     assert mlx_qwen_fast.patch(tiny).patched
     mlx_qwen_fast.unpatch(tiny)
+
+
+def test_a_stock_warning_names_the_callers_line(tiny, env):
+    """patch() and patched_copy() warn once per call, at the caller's line
+    (not at a line inside the package)."""
+    env.set("MLX_QWEN_FAST", "0")
+    for fn in (mlx_qwen_fast.patch, patched_copy):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            fn(tiny[0])
+        assert [(w.category, w.filename) for w in seen] == [(UserWarning, __file__)], fn
+        assert "left on the stock path" in str(seen[0].message)
 
 
 def _with_lora(model, seed):

@@ -658,6 +658,64 @@ def _f32(x: float) -> float:
     return float(np.float32(x))
 
 
+def describe(value) -> str:
+    """An argument as an error message names what was passed: ``bfloat16
+    (2, 3)`` for an mx.array, else its type (``numpy.ndarray float32 (2,
+    3)``, ``list``, ``None``)."""
+    import mlx.core as mx
+
+    if isinstance(value, mx.array):
+        return f"{value.dtype} {tuple(value.shape)}"
+    if value is None:
+        return "None"
+    kind = type(value)
+    name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    return f"{name} {dtype} {tuple(shape)}" if isinstance(shape, tuple) and dtype is not None else name
+
+
+def is_array(value, *, optional: bool = False) -> bool:
+    """Whether ``value`` is an mx.array (or None, where ``optional``): the
+    ``supports()`` functions answer False, never an error, for anything else."""
+    import mlx.core as mx
+
+    return isinstance(value, mx.array) or (optional and value is None)
+
+
+#: An array argument as :func:`arrays_problem` checks it: its name, what it
+#: must be (shape and dtype, e.g. ``"[B, T, Hv] (float)"``), and whether None
+#: stands for a default.
+ArraySpec = Tuple[str, str, bool]
+
+
+def arrays_problem(specs: Sequence[ArraySpec], *values) -> Optional[str]:
+    """None when each of ``values`` is an mx.array (or None, where its spec
+    allows), else one line naming the first that is not, what it must be and
+    what was passed. ``specs`` run parallel to ``values``; one isinstance per
+    value when all are arrays (the per-call paths)."""
+    import mlx.core as mx
+
+    for value, (name, expected, optional) in zip(values, specs):
+        if not isinstance(value, mx.array) and not (optional and value is None):
+            return (f"{name} must be an mx.array {expected}{' or None' if optional else ''}, "
+                    f"got {describe(value)}")
+    return None
+
+
+def check_arrays(fn: Optional[str], specs: Sequence[ArraySpec], *values) -> None:
+    """Raise ValueError (``fn: `` first where given) with
+    :func:`arrays_problem`'s message. Run before any attribute of the
+    arguments is read, and before any CUDA-only step, so it holds on every
+    backend. Costs one isinstance per value when all are arrays."""
+    import mlx.core as mx
+
+    array = mx.array
+    for value, spec in zip(values, specs):
+        if not isinstance(value, array) and not (spec[2] and value is None):
+            problem = arrays_problem(specs, *values)
+            raise ValueError(f"{fn}: {problem}" if fn else problem)
+
+
 def check_eps(fn: str, name: str, value) -> float:
     """``value`` as a float if it is a finite number in ``(0, 1)`` (an
     epsilon added to a mean or sum of squares), else ValueError naming it."""

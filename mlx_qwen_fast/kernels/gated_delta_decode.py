@@ -27,6 +27,10 @@ D = 128
 KW = 4
 _FLOAT = (mx.bfloat16, mx.float16, mx.float32)
 _kernels: Dict[tuple, cb.CudaKernel] = {}
+_PARAM_ARRAYS = (("conv_weight", f"[C, {KW}, 1] (float)", False), ("A_log", "[Hv] (float)", False),
+                 ("dt_bias", "[Hv] (float)", False), ("norm_weight", f"[{D}] (float)", False))
+_STEP_ARRAYS = (("proj", "[B, 1, P] (float)", False), ("params", "[params_width] float32", False),
+                ("conv_state", f"[B, {KW - 1}, C]", True), ("state", f"[B, Hv, {D}, {D}] float32", True))
 
 
 def supports(
@@ -49,21 +53,19 @@ def supports(
     """
     if not cb.cuda_available() or mask is not None:
         return False
-    try:
-        if head_k_dim != D or head_v_dim != D or num_k_heads <= 0 or num_v_heads % num_k_heads:
-            return False
-        C = (2 * num_k_heads + num_v_heads) * D
-        if qkv.dtype not in _FLOAT or qkv.shape[-1] != C:
-            return False
-        if not (qkv.ndim == 2 or (qkv.ndim == 3 and qkv.shape[1] == 1)):
-            return False
-        B = qkv.shape[0]
-        if state is not None and (state.shape != (B, num_v_heads, D, D) or state.dtype != mx.float32):
-            return False
-    except AttributeError:
+    if not (cb.is_array(qkv) and cb.is_array(state, optional=True)):
+        return False
+    if head_k_dim != D or head_v_dim != D or num_k_heads <= 0 or num_v_heads % num_k_heads:
+        return False
+    if not (qkv.ndim == 2 or (qkv.ndim == 3 and qkv.shape[1] == 1)):
+        return False
+    C = (2 * num_k_heads + num_v_heads) * D
+    if qkv.dtype not in _FLOAT or qkv.shape[-1] != C:
+        return False
+    B = qkv.shape[0]
+    if state is not None and (state.shape != (B, num_v_heads, D, D) or state.dtype != mx.float32):
         return False
     return True
-
 
 
 def _check_states(conv_state, state, B, C, Hv):
@@ -113,10 +115,11 @@ def decode_params(conv_weight: mx.array, A_log: mx.array, dt_bias: mx.array, nor
       float32 [C*4 + 2*Hv + 128].
 
     Raises:
-      ValueError: a non-float array or one of another shape (names it).
+      ValueError: an argument that is not an mx.array, a non-float array or
+        one of another shape (names it).
     """
-    for name, t in (("conv_weight", conv_weight), ("A_log", A_log), ("dt_bias", dt_bias),
-                    ("norm_weight", norm_weight)):
+    cb.check_arrays("decode_params", _PARAM_ARRAYS, conv_weight, A_log, dt_bias, norm_weight)
+    for (name, _, _), t in zip(_PARAM_ARRAYS, (conv_weight, A_log, dt_bias, norm_weight)):
         if t.dtype not in _FLOAT:
             raise ValueError(f"{name} must be a float array, got {t.dtype}")
     C = conv_weight.shape[0] if conv_weight.ndim else 0
@@ -162,18 +165,23 @@ def gated_delta_decode(
 
     Returns:
       (out [B, 1, Hv*128] in proj's dtype, new conv state [B, 3, C], new
-       state [B, Hv, 128, 128] float32).
+       state [B, Hv, 128, 128] float32); for B = 0 the empty arrays,
+       without a launch.
 
     Raises:
-      ValueError: shapes/dtypes outside the above (names the argument).
+      ValueError: an argument that is not an mx.array, shapes/dtypes
+        outside the above (names the argument), an eps outside (0, 1).
       RuntimeError: no CUDA compiler could build the kernel.
     """
+    fn = "gated_delta_decode"
+    cb.check_arrays(fn, _STEP_ARRAYS, proj, params, conv_state, state)
+    eps = (cb.check_eps(fn, "qk_eps", qk_eps), cb.check_eps(fn, "norm_eps", norm_eps))
     Hk, Hv = num_k_heads, num_v_heads
     if Hk <= 0 or Hv % Hk:
         raise ValueError(f"num_v_heads ({Hv}) must be a multiple of num_k_heads ({Hk})")
     C, P = (2 * Hk + Hv) * D, packed_width(Hk, Hv)
-    if proj.dtype not in _FLOAT or proj.shape[-1] != P or not (
-        proj.ndim == 2 or (proj.ndim == 3 and proj.shape[1] == 1)
+    if not (proj.ndim == 2 or (proj.ndim == 3 and proj.shape[1] == 1)) or proj.dtype not in _FLOAT or (
+        proj.shape[-1] != P
     ):
         raise ValueError(f"proj must be a float array of shape [B, 1, {P}], got {proj.dtype} {tuple(proj.shape)}")
     if params.dtype != mx.float32 or params.shape != (params_width(Hk, Hv),):
@@ -189,11 +197,12 @@ def gated_delta_decode(
         conv_state = conv_state.astype(x)
     if state is None:
         state = mx.zeros((B, Hv, D, D), dtype=mx.float32)
+    if B == 0:  # no rows: a launch of an empty grid is an error
+        return mx.zeros((0, 1, Hv * D), x), conv_state, state
     kern = _kernel(x, Hv, Hk)
     out, new_conv, new_state = kern(
         [proj, params, conv_state, state],
         [(B, 1, Hv * D), (B, KW - 1, C), (B, Hv, D, D)], [x, x, mx.float32],
-        (B * Hv * 512, 1, 1), (512, 1, 1),
-        (cb.check_eps("gated_delta_decode", "qk_eps", qk_eps), cb.check_eps("gated_delta_decode", "norm_eps", norm_eps)),
+        (B * Hv * 512, 1, 1), (512, 1, 1), eps,
     )
     return out, new_conv, new_state

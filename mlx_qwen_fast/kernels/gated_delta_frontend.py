@@ -26,6 +26,9 @@ KW = 4
 TT = 16  # tokens per warp (the source's GDN_TT)
 _FLOAT = (mx.bfloat16, mx.float16, mx.float32)
 _kernels: Dict[tuple, cb.CudaKernel] = {}
+_ARRAYS = (("qkv", "[B, T, C] (float)", False), ("a", "[B, T, Hv]", False), ("b", "[B, T, Hv]", False),
+           ("conv_weight", f"[C, {KW}, 1] (float)", False), ("conv_state", f"[B, {KW - 1}, C]", True),
+           ("A_log", "[Hv] (float)", False), ("dt_bias", "[Hv] (float)", False))
 
 
 def defines(x, w, A_log, dt_bias, Hv, Hk) -> dict:
@@ -62,27 +65,26 @@ def supports(
     """True when :func:`gated_delta_frontend` can run this layer's call.
 
     Needs the CUDA backend, head dims 128, a conv kernel of width 4, qkv
-    [B, T, (2 Hk + Hv) * 128] with T >= 1 in bfloat16/float16/float32, a conv
-    state of qkv's dtype (or None) and no padding mask (masked batches keep
-    mlx-lm's path, which zeroes padded qkv rows before the conv).
+    [B, T, (2 Hk + Hv) * 128] in bfloat16/float16/float32, a conv state of
+    qkv's dtype (or None) and no padding mask (masked batches keep mlx-lm's
+    path, which zeroes padded qkv rows before the conv).
     """
     if not cb.cuda_available() or mask is not None:
         return False
-    try:
-        if head_k_dim != D or head_v_dim != D or num_k_heads <= 0:
-            return False
-        if num_v_heads % num_k_heads:
-            return False
-        C = (2 * num_k_heads + num_v_heads) * D
-        if qkv.ndim != 3 or qkv.shape[2] != C or qkv.shape[1] < 1 or qkv.dtype not in _FLOAT:
-            return False
-        if tuple(conv_weight.shape) not in ((C, KW, 1), (C, KW)) or conv_weight.dtype not in _FLOAT:
-            return False
-        if conv_state is not None and (
-            conv_state.shape != (qkv.shape[0], KW - 1, C) or conv_state.dtype != qkv.dtype
-        ):
-            return False
-    except AttributeError:
+    if not (cb.is_array(qkv) and cb.is_array(conv_weight) and cb.is_array(conv_state, optional=True)):
+        return False
+    if head_k_dim != D or head_v_dim != D or num_k_heads <= 0:
+        return False
+    if num_v_heads % num_k_heads:
+        return False
+    C = (2 * num_k_heads + num_v_heads) * D
+    if qkv.ndim != 3 or qkv.shape[2] != C or qkv.dtype not in _FLOAT:
+        return False
+    if tuple(conv_weight.shape) not in ((C, KW, 1), (C, KW)) or conv_weight.dtype not in _FLOAT:
+        return False
+    if conv_state is not None and (
+        conv_state.shape != (qkv.shape[0], KW - 1, C) or conv_state.dtype != qkv.dtype
+    ):
         return False
     return True
 
@@ -104,7 +106,7 @@ def gated_delta_frontend(
 
     Args:
       qkv: [B, T, C] output of ``in_proj_qkv``, C = (2 Hk + Hv) * 128,
-        channels ordered q | k | v as mlx-lm splits them; T >= 1.
+        channels ordered q | k | v as mlx-lm splits them.
       a: [B, T, Hv] output of ``in_proj_a``; b: [B, T, Hv] of ``in_proj_b``.
       conv_weight: ``conv1d.weight`` [C, 4, 1] (or [C, 4]), taps oldest first.
       conv_state: [B, 3, C] previous inputs (qkv's dtype), or None for zeros.
@@ -116,20 +118,26 @@ def gated_delta_frontend(
       (q [B, T, Hk, 128], k [B, T, Hk, 128], v [B, T, Hv, 128] in qkv's dtype
        -- q, k normalised, q scaled by 128**-0.5, ready for the recurrence --,
        g [B, T, Hv] float32 decay in (0, 1], beta [B, T, Hv] float32,
-       new conv state [B, 3, C] in qkv's dtype).
+       new conv state [B, 3, C] in qkv's dtype). For B = 0 or T = 0 the
+       empty arrays and the conv state unchanged, without a launch.
 
     Raises:
-      ValueError: shapes or dtypes outside the above (names the argument and
-        the expected shape/dtype).
+      ValueError: an argument that is not an mx.array, shapes or dtypes
+        outside the above (names the argument and the expected
+        shape/dtype), an eps outside (0, 1).
       RuntimeError: no CUDA compiler could build the kernel.
     """
     Hk, Hv = num_k_heads, num_v_heads
     eps = cb.check_eps("gated_delta_frontend", "eps", eps)
     B, T, C, a, b, conv_state = prepare(qkv, a, b, conv_weight, conv_state, A_log, dt_bias, Hk, Hv)
+    f32 = mx.float32
+    if B == 0 or T == 0:  # nothing to compute: a launch of an empty grid is an error
+        x = qkv.dtype
+        return (mx.zeros((B, T, Hk, D), x), mx.zeros((B, T, Hk, D), x), mx.zeros((B, T, Hv, D), x),
+                mx.zeros((B, T, Hv), f32), mx.zeros((B, T, Hv), f32), conv_state)
     kern = _kernel(qkv.dtype, conv_weight.dtype, A_log.dtype, dt_bias.dtype, Hv, Hk)
     nwarps = B * (-(-T // TT)) * (2 * Hk + Hv)
     nblocks = -(-nwarps // 4)
-    f32 = mx.float32
     q, k, v, g, beta, new_conv = kern(
         inputs=[qkv, a, b, conv_weight.reshape(C, KW), conv_state, A_log, dt_bias],
         output_shapes=[(B, T, Hk, D), (B, T, Hk, D), (B, T, Hv, D), (B, T, Hv), (B, T, Hv), (B, KW - 1, C)],
@@ -147,13 +155,15 @@ def prepare(qkv, a, b, conv_weight, conv_state, A_log, dt_bias, Hk: int, Hv: int
     the conv state (zeros for None) in qkv's dtype.
 
     Raises:
-      ValueError: a shape or dtype outside the contract (names the argument).
+      ValueError: an argument that is not an mx.array, a shape or dtype
+        outside the contract (names the argument).
     """
+    cb.check_arrays("gated_delta_frontend", _ARRAYS, qkv, a, b, conv_weight, conv_state, A_log, dt_bias)
     if Hk <= 0 or Hv % Hk:
         raise ValueError(f"num_v_heads ({Hv}) must be a multiple of num_k_heads ({Hk})")
     C = (2 * Hk + Hv) * D
-    if qkv.ndim != 3 or qkv.shape[2] != C or qkv.shape[1] < 1:
-        raise ValueError(f"qkv must have shape [B, T>=1, {C}], got {tuple(qkv.shape)}")
+    if qkv.ndim != 3 or qkv.shape[2] != C:
+        raise ValueError(f"qkv must have shape [B, T, {C}], got {tuple(qkv.shape)}")
     if qkv.dtype not in _FLOAT:
         raise ValueError(f"qkv must be bfloat16, float16 or float32, got {qkv.dtype}")
     B, T, _ = qkv.shape

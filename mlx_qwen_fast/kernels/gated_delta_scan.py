@@ -122,14 +122,20 @@ def supports(
     """
     if not cb.cuda_available():
         return False
-    try:
-        return _problem(q, k, v, g, beta, state, mask) is None
-    except AttributeError:  # not arrays
-        return False
+    return _problem(q, k, v, g, beta, state, mask) is None
+
+
+_ARRAYS = (("q", f"[B, T, Hk, {D}] (float)", False), ("k", f"[B, T, Hk, {D}] (float)", False),
+           ("v", f"[B, T, Hv, {D}] (float)", False), ("g", "[B, T, Hv] (float)", False),
+           ("beta", "[B, T, Hv] (float)", False), ("state", f"[B, Hv, {D}, {D}] float32", True),
+           ("mask", "[B, T] (bool)", True))
 
 
 def _problem(q, k, v, g, beta, state, mask) -> Optional[str]:
     """None when the arguments fit the kernel, else what does not (one line)."""
+    problem = cb.arrays_problem(_ARRAYS, q, k, v, g, beta, state, mask)
+    if problem is not None:
+        return problem
     if q.ndim != 4 or q.shape[3] != D:
         return f"q must have shape [B, T, Hk, {D}], got {tuple(q.shape)}"
     B, T, Hk, _ = q.shape
@@ -138,7 +144,7 @@ def _problem(q, k, v, g, beta, state, mask) -> Optional[str]:
     if v.ndim != 4 or v.shape[:2] != (B, T) or v.shape[3] != D:
         return f"v must have shape [{B}, {T}, Hv, {D}], got {tuple(v.shape)}"
     Hv = v.shape[2]
-    if Hk == 0 or Hv % Hk:
+    if Hk == 0 or Hv == 0 or Hv % Hk:
         return f"v's head count Hv={Hv} must be a positive multiple of Hk={Hk}"
     if q.dtype not in (mx.bfloat16, mx.float16, mx.float32) or not (q.dtype == k.dtype == v.dtype):
         return f"q, k, v must share one dtype among bfloat16/float16/float32, got {q.dtype}, {k.dtype}, {v.dtype}"
@@ -188,11 +194,13 @@ def gated_delta_scan(
 
     Returns:
       (y [B, T, Hv, 128] in q's dtype, new state [B, Hv, 128, 128] float32).
-      All arithmetic is fp32; y is rounded once.
+      All arithmetic is fp32; y is rounded once. For B = 0 or T = 0 the
+      empty y and the state unchanged, without a launch.
 
     Raises:
-      ValueError: a shape or dtype outside the contract above (the message
-        names the argument and the expected shape/dtype).
+      ValueError: an argument that is not an mx.array, a shape or dtype
+        outside the contract above (the message names the argument and the
+        expected shape/dtype).
       RuntimeError: no CUDA compiler could build the kernel.
     """
     B, T, Hk, Hv = _check(q, k, v, g, beta, state, mask)
@@ -205,8 +213,8 @@ def gated_delta_scan(
         m = (mask if mask.dtype == mx.bool_ else mask != 0)[..., None]
         g = mx.where(m, g, 1.0)
         beta = mx.where(m, beta, 0.0)
-    if T == 0:
-        return mx.zeros((B, 0, Hv, D), dtype=q.dtype), state
+    if B == 0 or T == 0:  # nothing to scan: a launch of an empty grid is an error
+        return mx.zeros((B, T, Hv, D), dtype=q.dtype), state
     kern = kernel(q.dtype, Hv, Hk, cfg)
     nthreads = cfg[2] * 32
     nblocks = B * Hv * (D // cfg.rows_per_block)

@@ -20,20 +20,18 @@ __all__ = ["gated_rms_norm", "supports"]
 D = 128
 _FLOAT = (mx.bfloat16, mx.float16, mx.float32)
 _kernels: Dict[tuple, cb.CudaKernel] = {}
+_ARRAYS = (("y", f"[..., {D}] (float)", False), ("z", "like y", False), ("weight", f"[{D}] (float)", False))
 
 
 def supports(y: mx.array, z: mx.array, weight: mx.array) -> bool:
     """True for y, z of one float dtype and shape [..., 128] and weight [128]."""
-    if not cb.cuda_available():
+    if not cb.cuda_available() or cb.arrays_problem(_ARRAYS, y, z, weight) is not None:
         return False
-    try:
-        return (
-            y.shape == z.shape and y.ndim >= 1 and y.shape[-1] == D
-            and y.dtype == z.dtype and y.dtype in _FLOAT
-            and weight.shape == (D,) and weight.dtype in _FLOAT
-        )
-    except AttributeError:
-        return False
+    return (
+        y.shape == z.shape and y.ndim >= 1 and y.shape[-1] == D
+        and y.dtype == z.dtype and y.dtype in _FLOAT
+        and weight.shape == (D,) and weight.dtype in _FLOAT
+    )
 
 
 def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float) -> mx.array:
@@ -46,11 +44,14 @@ def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float) -> mx
       eps: added to mean(y^2) (the layer's ``rms_norm_eps``).
 
     Returns:
-      [..., 128] in y's dtype.
+      [..., 128] in y's dtype (empty, without a launch, when y is).
 
     Raises:
-      ValueError: mismatched shapes/dtypes (names the argument).
+      ValueError: an argument that is not an mx.array, mismatched
+        shapes/dtypes (names the argument), an eps outside (0, 1).
     """
+    cb.check_arrays("gated_rms_norm", _ARRAYS, y, z, weight)
+    eps = cb.check_eps("gated_rms_norm", "eps", eps)
     if y.ndim < 1 or y.shape[-1] != D or y.dtype not in _FLOAT:
         raise ValueError(f"y must be a float array of shape [..., {D}], got {y.dtype} {tuple(y.shape)}")
     if z.shape != y.shape or z.dtype != y.dtype:
@@ -59,6 +60,9 @@ def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float) -> mx
         )
     if weight.shape != (D,) or weight.dtype not in _FLOAT:
         raise ValueError(f"weight must have shape [{D}] (float), got {weight.dtype} {tuple(weight.shape)}")
+    N = y.size // D
+    if N == 0:  # no rows: a launch of an empty grid is an error
+        return mx.zeros(y.shape, dtype=y.dtype)
     key = (y.dtype, weight.dtype)
     kern = _kernels.get(key)
     if kern is None:
@@ -67,9 +71,6 @@ def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float) -> mx
             dict(GDN_X=cb.dtype_macro(y.dtype), GDN_N=cb.dtype_macro(weight.dtype)),
         )
         _kernels[key] = kern
-    N = y.size // D
-    if N == 0:
-        return mx.zeros(y.shape, dtype=y.dtype)
     nthreads = N * 16
     (out,) = kern(
         inputs=[y, z, weight],
@@ -77,6 +78,6 @@ def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float) -> mx
         output_dtypes=[y.dtype],
         grid=(-(-nthreads // 256) * 256, 1, 1),
         threadgroup=(256, 1, 1),
-        scalars=[N, cb.check_eps("gated_rms_norm", "eps", eps)],
+        scalars=[N, eps],
     )
     return out

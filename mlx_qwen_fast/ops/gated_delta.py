@@ -101,22 +101,42 @@ def _shape(x) -> Tuple[int, ...]:
     return tuple(x.shape)
 
 
+#: What each array argument of this module's functions must be, for the
+#: messages of ``_cuda_build.check_arrays`` (state and mask may be None).
+_EXPECTED = {
+    "q": "[B, T, Hk, Dk] (float)", "k": "[B, T, Hk, Dk] (float)", "v": "[B, T, Hv, Dv] (float)",
+    "g": "[B, T, Hv] (float)", "beta": "[B, T, Hv] (float)", "a": "[B, T, Hv] (float)",
+    "b": "[B, T, Hv] (float)", "A_log": "[Hv] (float)", "dt_bias": "[Hv] (float)",
+    "state": "[B, Hv, Dv, Dk] float32", "mask": "[B, T] (bool)", "inputs": "[B, S, D] (float)",
+}
+
+
+def _specs(*names: str) -> Tuple[_cuda_build.ArraySpec, ...]:
+    return tuple((n, _EXPECTED[n], n in ("state", "mask")) for n in names)
+
+
+_RECURRENCE_ARRAYS = _specs("q", "k", "v", "g", "beta", "state", "mask")
+_GATE_ARRAYS = _specs("a", "b", "A_log", "dt_bias")
+_UPDATE_ARRAYS = _specs("q", "k", "v", "a", "b", "A_log", "dt_bias", "state", "mask")
+_LAYER_ARRAYS = _specs("inputs", "mask")
+
+
 def _check_inputs(q, k, v, g, beta, state, mask):
     """Check the contract's shapes; returns (B, T, Hk, Dk, Hv, Dv).
 
     Raises ValueError naming the argument, the expected shape/dtype and what
     was passed.
     """
+    _cuda_build.check_arrays(None, _RECURRENCE_ARRAYS, q, k, v, g, beta, state, mask)
     if q.ndim != 4:
         raise ValueError(
             f"q must have shape [B, T, Hk, Dk] (rank 4), got shape {_shape(q)}"
         )
     B, T, Hk, Dk = q.shape
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, mx.array) or not mx.issubdtype(x.dtype, mx.floating):
+        if not mx.issubdtype(x.dtype, mx.floating):
             raise ValueError(
-                f"{name} must be a floating mx.array (bfloat16, float16 or float32), "
-                f"got {getattr(x, 'dtype', type(x).__name__)}"
+                f"{name} must be a floating mx.array (bfloat16, float16 or float32), got {x.dtype}"
             )
     if k.ndim != 4:
         raise ValueError(
@@ -152,17 +172,13 @@ def _check_inputs(q, k, v, g, beta, state, mask):
             f"v's head count Hv={Hv} must be a positive multiple of the key "
             f"head count Hk={Hk} (v shape {_shape(v)}, q shape {_shape(q)})"
         )
-    if not isinstance(g, mx.array) or _shape(g) != (B, T, Hv):
+    if _shape(g) != (B, T, Hv):
         raise ValueError(
             f"g must have shape [B, T, Hv] = {(B, T, Hv)} (one scalar decay per "
-            f"step and value head), got "
-            f"{_shape(g) if isinstance(g, mx.array) else type(g).__name__}"
+            f"step and value head), got {_shape(g)}"
         )
-    if not isinstance(beta, mx.array) or _shape(beta) != (B, T, Hv):
-        raise ValueError(
-            f"beta must have shape [B, T, Hv] = {(B, T, Hv)}, got "
-            f"{_shape(beta) if isinstance(beta, mx.array) else type(beta).__name__}"
-        )
+    if _shape(beta) != (B, T, Hv):
+        raise ValueError(f"beta must have shape [B, T, Hv] = {(B, T, Hv)}, got {_shape(beta)}")
     if state is not None:
         if _shape(state) != (B, Hv, Dv, Dk):
             raise ValueError(
@@ -598,10 +614,12 @@ def compute_gates(
        beta [B, T, Hv] in b's dtype, in (0, 1)).
 
     Raises:
-      ValueError: ``a`` not of rank 3, ``b`` not of ``a``'s shape, or
-        ``A_log`` / ``dt_bias`` not ``[Hv]`` (Hv = ``a.shape[-1]``); the
-        compiled gate expression is shapeless and would broadcast them.
+      ValueError: an argument that is not an mx.array, ``a`` not of rank 3,
+        ``b`` not of ``a``'s shape, or ``A_log`` / ``dt_bias`` not ``[Hv]``
+        (Hv = ``a.shape[-1]``); the compiled gate expression is shapeless
+        and would broadcast them.
     """
+    _cuda_build.check_arrays("compute_gates", _GATE_ARRAYS, a, b, A_log, dt_bias)
     if a.ndim != 3:
         raise ValueError(f"compute_gates: a must have shape [B, T, Hv], got {tuple(a.shape)}")
     hv = a.shape[-1]
@@ -716,9 +734,19 @@ def gated_delta_update(
       (y [B, T, Hv, Dv] in q.dtype, state [B, Hv, Dv, Dk] float32).
 
     Raises:
-      ValueError: as :func:`compute_gates` for ``a``, ``b``, ``A_log`` and
-        ``dt_bias``, and as :func:`gated_delta_recurrent` for the rest.
+      ValueError: an argument that is not an mx.array; as
+        :func:`compute_gates` for ``a``, ``b``, ``A_log`` and ``dt_bias``,
+        and as :func:`gated_delta_recurrent` for the rest.
     """
+    _cuda_build.check_arrays(None, _UPDATE_ARRAYS, q, k, v, a, b, A_log, dt_bias, state, mask)
+    return _update(q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel=use_kernel, lower_bound=lower_bound,
+                   allow_neg_eigval=allow_neg_eigval)
+
+
+def _update(q, k, v, a, b, A_log, dt_bias, state, mask, *, use_kernel, lower_bound, allow_neg_eigval):
+    """:func:`gated_delta_update` of arguments known to be arrays (the
+    layer's own: the per-token path skips that check; the gates' and the
+    recurrence's shape checks still run)."""
     if a.ndim == 4:  # vector gating: not this module's contract
         return _stock.gated_delta_update(
             q, k, v, a, b, A_log, dt_bias, state, mask,
@@ -779,8 +807,20 @@ def gated_delta_net(layer, inputs: mx.array, mask: Optional[mx.array] = None, ca
             state) or None; updated in place and advanced by S.
 
     Returns:
-        ``[B, S, D]`` in the activation dtype.
+        ``[B, S, D]`` in the activation dtype; for B = 0 or S = 0 the empty
+        array (the cache untouched), as there is nothing to project (MLX's
+        quantised matmul does not take 0 rows).
+
+    Raises:
+        ValueError: ``inputs`` (or ``mask``) is not an mx.array, or
+            ``inputs`` is not of rank 3.
     """
+    if not isinstance(inputs, mx.array) or not (mask is None or isinstance(mask, mx.array)):  # per token: inline
+        _cuda_build.check_arrays("gated_delta_net", _LAYER_ARRAYS, inputs, mask)
+    if inputs.ndim != 3:
+        raise ValueError(f"gated_delta_net: inputs must have shape [B, S, D], got {_shape(inputs)}")
+    if inputs.size == 0:
+        return mx.zeros(inputs.shape, inputs.dtype)
     S = inputs.shape[1]
     if _layer_takes_kernels(layer, S, mask, cache):
         out = (_cuda_decode if S == 1 else _cuda_prefill)(layer, inputs, cache)
@@ -977,7 +1017,8 @@ def _layer_reference(layer, inputs, mask, cache):
     q, k = normalize_qk(q, k, inv_scale=layer.head_k_dim**-0.5, eps=1e-6)
 
     state = cache[1] if cache else None
-    out, state = gated_delta_update(q, k, v, a, b, layer.A_log, layer.dt_bias, state, mask)
+    out, state = _update(q, k, v, a, b, layer.A_log, layer.dt_bias, state, mask, use_kernel=True, lower_bound=None,
+                         allow_neg_eigval=False)
     if cache is not None:
         cache[1] = state
         cache.advance(S)

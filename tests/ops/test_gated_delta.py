@@ -30,7 +30,7 @@ from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.qwen3_5 import GatedDeltaNet, TextModelArgs
 
 from compare import FP32_TOL, assert_close, tolerance
-from gdn_helpers import FULL_ARGS, full_size_layer
+from gdn_helpers import FULL_ARGS, NOT_ARRAYS, full_size_layer
 from mlx_lm.models import gated_delta as stock
 from mlx_qwen_fast import layers
 from mlx_qwen_fast.compiled import StepPlans
@@ -529,14 +529,15 @@ def _good(B=2, T=5, Hk=2, Hv=4, Dk=8, Dv=6):
         ("v", mx.zeros((1, 5, 4, 6)), r"v must have shape .*mismatched B/T"),
         ("v", mx.zeros((2, 5, 3, 6)), r"Hv=3 must be a positive multiple of .*Hk=2"),
         ("g", mx.zeros((2, 5, 4, 8)), r"g must have shape \[B, T, Hv\] = \(2, 5, 4\)"),
-        ("g", None, r"g must have shape \[B, T, Hv\] = \(2, 5, 4\).*got NoneType"),
-        ("beta", None, r"beta must have shape \[B, T, Hv\] = \(2, 5, 4\).*got NoneType"),
+        ("g", None, r"g must be an mx.array \[B, T, Hv\] \(float\), got None"),
+        ("beta", None, r"beta must be an mx.array \[B, T, Hv\] \(float\), got None"),
         ("beta", mx.zeros((2, 5, 2)), r"beta must have shape \[B, T, Hv\] = \(2, 5, 4\)"),
         ("state", mx.zeros((2, 4, 8, 6)), r"state must have shape \[B, Hv, Dv, Dk\] = \(2, 4, 6, 8\)"),
         ("state", mx.zeros((2, 4, 6, 8), mx.bfloat16), r"state must have dtype float32"),
         ("mask", mx.ones((2, 4), mx.bool_), r"mask must have shape \[B, T\] = \(2, 5\)"),
         ("q", mx.zeros((2, 5, 2, 8), mx.int32), r"q must be a floating mx.array"),
-        ("v", np.zeros((2, 5, 4, 6), np.float32), r"v must be a floating mx.array"),
+        ("v", np.zeros((2, 5, 4, 6), np.float32),
+         r"v must be an mx.array \[B, T, Hv, Dv\] \(float\), got numpy.ndarray float32 \(2, 5, 4, 6\)"),
     ],
 )
 @pytest.mark.parametrize("fn", ["gated_delta_recurrent", "gated_delta_chunked"])
@@ -545,6 +546,84 @@ def test_validation_errors(fn, field, value, pattern):
     args[field] = value
     with pytest.raises(ValueError, match=pattern):
         getattr(gd, fn)(**args)
+
+
+def _gate_args(B=2, T=5, Hv=4):
+    return dict(a=mx.zeros((B, T, Hv)), b=mx.zeros((B, T, Hv)), A_log=mx.zeros((Hv,)), dt_bias=mx.zeros((Hv,)))
+
+
+def _public_calls():
+    """name -> (function, its array arguments (valid ones)) of the family's
+    public functions that take arrays (gated_delta_net: its layer fixed)."""
+    good, gates = _good(), _gate_args()
+    update = dict(good, **gates)
+    del update["g"], update["beta"]
+    layer = gdn_layer(0, quantize=False)
+    return {
+        "gated_delta_recurrent": (gd.gated_delta_recurrent, good),
+        "gated_delta_chunked": (gd.gated_delta_chunked, dict(good)),
+        "gated_delta_update": (gd.gated_delta_update, update),
+        "compute_gates": (gd.compute_gates, gates),
+        "gated_delta_net": (lambda **kw: gd.gated_delta_net(layer, **kw),
+                            dict(inputs=mx.zeros((2, 3, SMALL_ARGS.hidden_size)), mask=mx.ones((2, 3), mx.bool_))),
+    }
+
+
+@pytest.mark.parametrize("fn, arg, bad", [
+    (fn, arg, bad) for fn, arrays in (
+        ("gated_delta_recurrent", _good()), ("gated_delta_chunked", _good()),
+        ("gated_delta_update", dict(q=0, k=0, v=0, a=0, b=0, A_log=0, dt_bias=0, state=0, mask=0)),
+        ("compute_gates", _gate_args()), ("gated_delta_net", dict(inputs=0, mask=0)))
+    for arg in arrays for bad in NOT_ARRAYS if not (bad == "None" and arg in ("state", "mask"))])
+def test_public_functions_name_an_argument_that_is_not_an_array(fn, arg, bad):
+    """A list, a numpy array or None where an mx.array is required: a
+    ValueError naming the argument, its expected shape and what it got,
+    not an AttributeError from inside."""
+    function, arrays = _public_calls()[fn]
+    make, got = NOT_ARRAYS[bad]
+    arrays[arg] = make(arrays[arg])
+    with pytest.raises(ValueError, match=rf"\b{arg} must be an mx.array \[.*\].*, got {got}"):
+        function(**arrays)
+
+
+def test_public_functions_take_the_valid_arguments_above():
+    """The arguments the test above starts from pass every check."""
+    for fn, (function, arrays) in _public_calls().items():
+        mx.eval(function(**arrays))
+
+
+@pytest.mark.parametrize("B, T", [(0, 5), (0, 1), (0, 0), (0, 40), (2, 0)])
+def test_empty_batch_or_sequence_gives_empty_results(B, T):
+    """B = 0 rows or T = 0 tokens through the public functions and the
+    dispatch entries (but the CUDA kernel's: tests/kernels/test_input_checks.py):
+    results of the contract's shapes and dtypes, with and without a state."""
+    good, gates = _good(B=B, T=T), _gate_args(B=B, T=T)
+    inp = [good[n] for n in ("q", "k", "v", "g", "beta", "state", "mask")]
+    calls = [(n, f) for n, f in gd._TABLE.items() if n != gd.CUDA_KERNEL]
+    calls += [("update", lambda q, k, v, g, beta, state, mask: gd.gated_delta_update(
+        q, k, v, gates["a"], gates["b"], gates["A_log"], gates["dt_bias"], state, mask))]
+    for name, fn in calls:
+        for state, mask in ((inp[5], inp[6]), (None, None)):
+            y, S = fn(*inp[:5], state, mask)
+            mx.eval(y, S)
+            assert y.shape == (B, T, 4, 6) and y.dtype == mx.float32, name
+            assert S.shape == (B, 4, 6, 8) and S.dtype == mx.float32, name
+    g, beta = gd.compute_gates(**gates)
+    assert g.shape == beta.shape == (B, T, 4)
+
+
+@pytest.mark.parametrize("B, S", [(0, 3), (2, 0), (0, 1)])
+def test_layer_with_no_rows_or_no_tokens(B, S):
+    """gated_delta_net on an empty batch or an empty sequence: the empty
+    [B, S, D] output and the cache untouched (stock mlx-lm's layer raises
+    from a reshape or the conv)."""
+    layer = gdn_layer(0, quantize=True)
+    cache = ArraysCache(size=2)
+    out = gd.gated_delta_net(layer, mx.zeros((B, S, SMALL_ARGS.hidden_size)), cache=cache)
+    assert out.shape == (B, S, SMALL_ARGS.hidden_size)
+    assert cache[0] is None and cache[1] is None
+    with pytest.raises(ValueError, match=r"inputs must have shape \[B, S, D\]"):
+        gd.gated_delta_net(layer, mx.zeros((S, SMALL_ARGS.hidden_size)))
 
 
 def test_validation_update_and_chunk_size():
