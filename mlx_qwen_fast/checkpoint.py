@@ -3,8 +3,9 @@
 The package is developed and tested without the real 19 GB checkpoint: this
 module builds models of the exact Qwen3.6-35B-A3B shape (or a tiny one with the
 same structure) with random but non-trivial weights, quantized the way
-``mlx_lm.convert -q`` quantizes the real model (affine 4-bit, group 64, router
-and shared-expert gates 8-bit), and writes them as a checkpoint that stock
+``mlx_lm.convert -q`` quantizes the real model (by default affine 4-bit, group
+64, router and shared-expert gates 8-bit; other bits, group sizes, modes and
+per-part settings on request), and writes them as a checkpoint that stock
 ``mlx_lm.load`` loads strictly.
 
 Python API::
@@ -16,7 +17,18 @@ Python API::
 Command line::
 
     python -m mlx_qwen_fast.checkpoint --preset tiny --out /tmp/tiny \\
-        [--seed N] [--router-skew S] [--lm-head-scale X]
+        [--seed N] [--router-skew S] [--lm-head-scale X] \\
+        [--bits B] [--group-size G] [--mode affine|mxfp4|nvfp4|mxfp8] \\
+        [--part-bits experts=3,attention=8,shared_expert=8] \\
+        [--part-group-size PART=G,...] [--part-mode PART=MODE,...] \\
+        [--recipe mixed_3_4|...]
+
+Quantisation: by default mlx-community's 4-bit layout (affine 4-bit group
+64, router and shared-expert gate 8-bit); every other layout is made with
+MLX's ``nn.quantize`` through mlx-lm's ``quantize_model`` (see
+:func:`build_model` and :func:`quantization_plan`), so config.json's
+``quantization`` block is the one ``mlx_lm.convert`` writes and stock
+``mlx_lm.load`` loads it.
 
 Every parameter is drawn from its own key, derived from ``seed`` and the
 parameter's path, so the weights do not depend on the order in which they are
@@ -54,11 +66,12 @@ import numbers
 import sys
 import time
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Tuple, Union
+from typing import Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
+from mlx_lm.convert import QUANT_RECIPES, mixed_quant_predicate_builder
 from mlx_lm.models import qwen3_5_moe
 from mlx_lm.utils import (
     MAX_FILE_SIZE_GB,
@@ -70,6 +83,9 @@ from tqdm import tqdm
 
 from ._cli import one_line_warnings
 
+#: The default quantisation (mlx-community's 4-bit checkpoints): what the
+#: CUDA kernels read. Other quantisations: ``bits``, ``group_size``,
+#: ``mode``, ``parts`` and ``recipe`` of :func:`build_model`.
 QUANT_GROUP_SIZE = 64
 QUANT_BITS = 4
 QUANT_MODE = "affine"
@@ -261,6 +277,203 @@ def _check_args(preset, seed, router_skew, lm_head_scale):
 
 
 # ---------------------------------------------------------------------------
+# Quantisation options
+
+#: MLX's quantisation modes (``mx.quantize``, MLX 0.32) -> their default
+#: ``(group_size, bits)``. "affine" takes :data:`AFFINE_BITS` and
+#: :data:`AFFINE_GROUP_SIZES`; each of the others only its default pair.
+QUANT_MODES: Dict[str, Tuple[int, int]] = {
+    "affine": (64, 4),
+    "mxfp4": (32, 4),
+    "nvfp4": (16, 4),
+    "mxfp8": (32, 8),
+}
+AFFINE_BITS = (2, 3, 4, 5, 6, 8)
+AFFINE_GROUP_SIZES = (32, 64, 128)
+
+#: Parts a per-part override names -> the module paths (suffixes of the
+#: checkpoint's module paths) each covers; every quantised module of the
+#: model is in exactly one part.
+PARTS: Dict[str, Tuple[str, ...]] = {
+    "experts": tuple(f"mlp.switch_mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")),
+    "shared_expert": tuple(f"mlp.shared_expert.{p}" for p in ("gate_proj", "up_proj", "down_proj")),
+    "router": ("mlp.gate",),
+    "shared_expert_gate": ("mlp.shared_expert_gate",),
+    "attention": tuple(f"self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj", "o_proj")),
+    "linear_attention": tuple(
+        f"linear_attn.{p}" for p in ("in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "out_proj")
+    ),
+    "embed_tokens": ("model.embed_tokens",),
+    "lm_head": ("lm_head",),
+}
+
+#: Parts the model's own ``quant_predicate`` quantises 8-bit affine group 64
+#: whatever the rest (``mlx_lm.convert`` writes them so): their default.
+_GATE_PARTS = ("router", "shared_expert_gate")
+_GATE_SPEC = (64, 8, "affine")
+
+_PART_KEYS = ("bits", "group_size", "mode")
+
+
+class Quantization(NamedTuple):
+    """A checked quantisation plan (:func:`quantization_plan`).
+
+    ``group_size``, ``bits``, ``mode``: the top-level setting (config.json's
+    ``quantization`` block); ``parts``: part name -> ``(group_size, bits,
+    mode)`` for the parts given an override; ``recipe``: an mlx-lm recipe
+    name or None.
+    """
+
+    group_size: int
+    bits: int
+    mode: str
+    parts: Dict[str, Tuple[int, int, str]]
+    recipe: Optional[str]
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _check_spec(group_size, bits, mode, what: Dict[str, str]) -> Tuple[int, int, str]:
+    """``(group_size, bits, mode)`` if MLX takes that combination, else
+    ValueError naming the argument through ``what`` (key -> how to name it:
+    ``what["bits"]`` etc.; each message shows the value given)."""
+    if mode not in QUANT_MODES:
+        raise ValueError(f"{what['mode']}={mode!r}: expected one of {', '.join(QUANT_MODES)}")
+    if mode == "affine":
+        if not _is_int(bits) or bits not in AFFINE_BITS:
+            raise ValueError(f"{what['bits']}={bits!r}: mode 'affine' takes bits "
+                             f"{', '.join(map(str, AFFINE_BITS))}")
+        if not _is_int(group_size) or group_size not in AFFINE_GROUP_SIZES:
+            raise ValueError(f"{what['group_size']}={group_size!r}: mode 'affine' takes group sizes "
+                             f"{', '.join(map(str, AFFINE_GROUP_SIZES))}")
+    else:
+        g, b = QUANT_MODES[mode]
+        if bits != b or not _is_int(bits):
+            raise ValueError(f"{what['bits']}={bits!r}: mode {mode!r} takes bits {b} only")
+        if group_size != g or not _is_int(group_size):
+            raise ValueError(f"{what['group_size']}={group_size!r}: mode {mode!r} takes group size {g} only")
+    return int(group_size), int(bits), mode
+
+
+def _resolve_part(base: Tuple[int, int, str], override: Mapping) -> Tuple[int, int, str]:
+    """The part's ``(group_size, bits, mode)``: the override's keys, the rest
+    from ``base`` when the mode stays the same, else the new mode's defaults."""
+    mode = override.get("mode", base[2])
+    g, b = (base[0], base[1]) if mode == base[2] else QUANT_MODES.get(mode, (None, None))
+    return override.get("group_size", g), override.get("bits", b), mode
+
+
+def quantization_plan(
+    bits: Optional[int] = None,
+    group_size: Optional[int] = None,
+    mode: str = QUANT_MODE,
+    parts: Optional[Mapping[str, Mapping[str, object]]] = None,
+    recipe: Optional[str] = None,
+    *,
+    names: Optional[Mapping[str, str]] = None,
+) -> Quantization:
+    """Check a quantisation request and resolve its defaults.
+
+    Args:
+        bits: top-level bits; None = the mode's default (4 for "affine").
+        group_size: top-level group size; None = the mode's default (64 for
+            "affine").
+        mode: a key of :data:`QUANT_MODES`.
+        parts: part name (a key of :data:`PARTS`) -> override, a mapping with
+            any of ``"bits"``, ``"group_size"``, ``"mode"``. Keys not given
+            come from the part's default setting if the mode stays the same
+            (the top level; 8-bit affine group 64 for the router and the
+            shared-expert gate), else from the new mode's defaults.
+        recipe: one of mlx-lm's ``QUANT_RECIPES`` ("mixed_2_6", "mixed_3_4",
+            "mixed_3_6", "mixed_4_6"): its per-layer mixed bit widths, built
+            by mlx-lm's own ``mixed_quant_predicate_builder`` as
+            ``mlx_lm.convert --quant-predicate`` builds them (mode "affine"
+            only, no parts; the recipe also sets the router's and the
+            shared-expert gate's bits, as in ``mlx_lm.convert``).
+        names: how error messages name the arguments (keys "bits",
+            "group_size", "mode", "recipe", "parts", "part.bits",
+            "part.group_size", "part.mode"; ``{part}`` in a "part.*" name
+            stands for the part's name); default the Python names.
+
+    Returns:
+        :class:`Quantization`.
+
+    Raises:
+        ValueError: a combination MLX does not implement (e.g. mode "mxfp4"
+            with bits 8), bits or group size outside :data:`AFFINE_BITS` /
+            :data:`AFFINE_GROUP_SIZES`, an unknown part, mode or recipe, a
+            recipe with another mode or with parts; the message names the
+            argument and the value.
+    """
+    n = {"bits": "bits", "group_size": "group_size", "mode": "mode", "recipe": "recipe", "parts": "parts"}
+    n.update(names or {})
+    if mode not in QUANT_MODES:
+        raise ValueError(f"{n['mode']}={mode!r}: expected one of {', '.join(QUANT_MODES)}")
+    g0, b0 = QUANT_MODES[mode]
+    top = _check_spec(g0 if group_size is None else group_size, b0 if bits is None else bits, mode, n)
+    if recipe is not None:
+        if recipe not in QUANT_RECIPES:
+            raise ValueError(f"{n['recipe']}={recipe!r}: expected one of {', '.join(QUANT_RECIPES)}")
+        if mode != "affine":
+            raise ValueError(f"{n['recipe']}={recipe!r}: mlx-lm's recipes are affine only, got {n['mode']}={mode!r}")
+        if parts:
+            raise ValueError(f"{n['recipe']}={recipe!r} cannot be combined with {n['parts']}")
+    resolved = {}
+    for part, override in (parts or {}).items():
+        if part not in PARTS:
+            raise ValueError(f"{n['parts']}: unknown part {part!r}; expected one of {', '.join(PARTS)}")
+        if not isinstance(override, Mapping) or not set(override) <= set(_PART_KEYS):
+            raise ValueError(f"{n['parts']}[{part!r}]: expected a mapping with keys among "
+                             f"{', '.join(_PART_KEYS)}, got {override!r}")
+        what = {k: n.get(f"part.{k}", f"{n['parts']}[{part!r}][{k!r}]") for k in _PART_KEYS}
+        what = {k: v.replace("{part}", part) for k, v in what.items()}
+        base = _GATE_SPEC if part in _GATE_PARTS else top
+        resolved[part] = _check_spec(*_resolve_part(base, override), what)
+    return Quantization(*top, resolved, recipe)
+
+
+def _part_of(path: str) -> Optional[str]:
+    """The part (key of :data:`PARTS`) of a module path, or None."""
+    for part, suffixes in PARTS.items():
+        if any(path == s or path.endswith("." + s) for s in suffixes):
+            return part
+    return None
+
+
+def _quant_predicate(model: nn.Module, plan: Quantization):
+    """The ``quant_predicate`` for ``mlx_lm.utils.quantize_model``: None
+    where the plan has no parts and no recipe (mlx-lm then takes the model's
+    own: 8-bit router and shared-expert gate, the rest at the top-level
+    setting), else the recipe's, or the model's with the parts' overrides on
+    top. A
+    part at the top-level setting returns True (no per-path entry in
+    config.json), a gate part at its default the model's own entry, any
+    other override its full ``{"group_size", "bits", "mode"}`` entry."""
+    if not plan.parts and plan.recipe is None:
+        return None
+    if plan.recipe is not None:
+        return mixed_quant_predicate_builder(plan.recipe, model, plan.group_size)
+    own = model.quant_predicate
+    top = (plan.group_size, plan.bits, plan.mode)
+
+    def predicate(path, module):
+        part = _part_of(path)
+        if part not in plan.parts:
+            return own(path, module)
+        spec = plan.parts[part]
+        if part in _GATE_PARTS and spec == _GATE_SPEC:
+            return own(path, module)
+        if part not in _GATE_PARTS and spec == top:
+            return True
+        g, b, m = spec
+        return {"group_size": g, "bits": b, "mode": m}
+
+    return predicate
+
+
+# ---------------------------------------------------------------------------
 # Random weights
 
 
@@ -350,13 +563,16 @@ def _lazy_model(
     lm_head_scale: Optional[float],
     dtype: mx.Dtype,
     quantize: bool,
+    plan: Optional[Quantization] = None,
 ) -> Tuple[nn.Module, dict]:
-    """The model with lazy (unevaluated) random, cast and quantized weights.
+    """The model with lazy (unevaluated) random, cast and quantized weights
+    (``plan``: :func:`quantization_plan`, default the 4-bit layout).
 
     Nothing is computed here: every array is a graph that generates, casts and
     quantizes one parameter, so evaluating a subset of the parameters only
     costs that subset's memory.
     """
+    plan = plan or quantization_plan()
     config = preset_config(preset)
     model_args = qwen3_5_moe.ModelArgs.from_dict(copy.deepcopy(config))
     model = qwen3_5_moe.Model(model_args)
@@ -377,9 +593,10 @@ def _lazy_model(
             model, config = quantize_model(
                 model,
                 config,
-                group_size=QUANT_GROUP_SIZE,
-                bits=QUANT_BITS,
-                mode=QUANT_MODE,
+                group_size=plan.group_size,
+                bits=plan.bits,
+                mode=plan.mode,
+                quant_predicate=_quant_predicate(model, plan),
             )
     return model, config
 
@@ -415,18 +632,33 @@ def build_model(
     lm_head_scale: Optional[float] = None,
     dtype: mx.Dtype = mx.bfloat16,
     quantize: bool = True,
+    bits: Optional[int] = None,
+    group_size: Optional[int] = None,
+    mode: str = QUANT_MODE,
+    parts: Optional[Mapping[str, Mapping[str, object]]] = None,
+    recipe: Optional[str] = None,
 ) -> Tuple[nn.Module, dict]:
     """Build an evaluated random-weight model in memory.
 
     The model is the class ``mlx_lm.load`` produces for this config
     (``mlx_lm.models.qwen3_5_moe.Model``), in eval mode. With ``quantize=True``
     it holds exactly the arrays ``write_checkpoint`` writes for the same
-    arguments: linear layers and the embedding affine 4-bit with group size 64
-    (``uint32`` packed weights ``(out, in/8)``, ``dtype`` scales and biases
-    ``(out, in/64)``; experts with a leading expert axis), the router
-    (``mlp.gate``) and ``mlp.shared_expert_gate`` 8-bit. Norms, conv1d and
-    ``dt_bias`` are ``dtype``; ``A_log`` stays float32 (mlx-lm's
-    ``cast_predicate``).
+    arguments. By default (mlx-community's 4-bit layout): linear layers and
+    the embedding affine 4-bit with group size 64 (``uint32`` packed weights
+    ``(out, in/8)``, ``dtype`` scales and biases ``(out, in/64)``; experts
+    with a leading expert axis), the router (``mlp.gate``) and
+    ``mlp.shared_expert_gate`` 8-bit. Norms, conv1d and ``dt_bias`` are
+    ``dtype``; ``A_log`` stays float32 (mlx-lm's ``cast_predicate``).
+
+    Other quantisations (``bits``, ``group_size``, ``mode``, ``parts``,
+    ``recipe``; checked by :func:`quantization_plan`) are made with mlx-lm's
+    ``quantize_model`` (``nn.quantize`` with a class predicate), which
+    writes config.json's ``quantization`` block as ``mlx_lm.convert`` does:
+    the top-level ``{"group_size", "bits", "mode"}`` and one entry per
+    module path whose setting differs. Packed weights are ``uint32 (out,
+    in*bits/32)``; "affine" keeps ``dtype`` scales and biases ``(out,
+    in/group_size)``; "mxfp4", "nvfp4" and "mxfp8" have ``uint8`` scales and
+    no biases.
 
     Weights are generated, cast, quantized and evaluated one module at a time,
     so peak memory stays near the final size plus one module's float32 draws
@@ -448,7 +680,17 @@ def build_model(
             than bf16 (MLX's CPU bf16 quantised matmuls are slow). To run the checkpoint's exact weights in fp32, cast
             the floating arrays of the bf16 model (bf16 -> fp32 is exact).
         quantize: quantize as the checkpoint does; ``False`` keeps every
-            weight in ``dtype``.
+            weight in ``dtype`` (the quantisation arguments are then still
+            checked, and unused).
+        bits, group_size, mode: the top-level quantisation; None = the
+            mode's default (:data:`QUANT_MODES`: affine 4-bit group 64).
+        parts: per-part overrides, part (a key of :data:`PARTS`: "experts",
+            "shared_expert", "router", "shared_expert_gate", "attention",
+            "linear_attention", "embed_tokens", "lm_head") -> a mapping with
+            any of "bits", "group_size", "mode", e.g. ``{"experts": {"bits":
+            3}, "attention": {"bits": 8}}``.
+        recipe: an mlx-lm mixed recipe ("mixed_3_4", ...), see
+            :func:`quantization_plan`.
 
     Returns:
         ``(model, config)``: ``config`` is the dict ``write_checkpoint`` writes
@@ -456,14 +698,16 @@ def build_model(
 
     Raises:
         ValueError: unknown ``preset``, negative ``seed``, negative or
-            non-finite ``router_skew``, non-positive ``lm_head_scale``, or a
-            non-floating ``dtype``.
+            non-finite ``router_skew``, non-positive ``lm_head_scale``, a
+            non-floating ``dtype``, or a quantisation MLX does not implement
+            (:func:`quantization_plan`).
     """
     _check_args(preset, seed, router_skew, lm_head_scale)
     if not isinstance(dtype, mx.Dtype) or not mx.issubdtype(dtype, mx.floating):
         raise ValueError(f"dtype must be a floating mx.Dtype, got dtype={dtype!r}.")
+    plan = quantization_plan(bits, group_size, mode, parts, recipe)
     model, config = _lazy_model(
-        preset, seed, router_skew, lm_head_scale, dtype, quantize
+        preset, seed, router_skew, lm_head_scale, dtype, quantize, plan
     )
     for _, group in _param_groups(model):
         _eval_by_module(group)
@@ -475,7 +719,7 @@ def build_model(
 
 
 def weight_shapes(
-    preset: str = "tiny", *, quantize: bool = True
+    preset: str = "tiny", *, quantize: bool = True, **quantization
 ) -> Dict[str, Tuple[Tuple[int, ...], mx.Dtype]]:
     """Names, shapes and dtypes of the tensors a checkpoint holds.
 
@@ -483,27 +727,35 @@ def weight_shapes(
     the full preset). Keys are the safetensors names, e.g.
     ``language_model.model.layers.0.mlp.switch_mlp.gate_proj.weight``; values
     are ``(shape, dtype)``. With ``quantize=False``: the shapes of the
-    unquantized bf16 model instead.
+    unquantized bf16 model instead. ``quantization``: the keyword arguments
+    ``bits``, ``group_size``, ``mode``, ``parts``, ``recipe`` of
+    :func:`build_model` (default the 4-bit layout).
 
     Raises:
-        ValueError: unknown ``preset``.
+        ValueError: unknown ``preset``, or a quantisation
+            :func:`quantization_plan` rejects.
+        TypeError: another keyword argument.
     """
     _check_args(preset, 0, 0.0, None)
-    model, _ = _lazy_model(preset, 0, 0.0, None, mx.bfloat16, quantize)
+    plan = quantization_plan(**quantization)
+    model, _ = _lazy_model(preset, 0, 0.0, None, mx.bfloat16, quantize, plan)
     return {k: (tuple(v.shape), v.dtype) for k, v in tree_flatten(model.parameters())}
 
 
-def checkpoint_nbytes(preset: str = "tiny") -> int:
-    """Bytes of tensor data in the quantized checkpoint of ``preset``.
+def checkpoint_nbytes(preset: str = "tiny", **quantization) -> int:
+    """Bytes of tensor data in the quantized checkpoint of ``preset``
+    (``quantization`` as for :func:`weight_shapes`).
 
-    19,508,789,376 (19.5 GB, 18.2 GiB) for ``qwen3.6-35b-a3b``, about the
-    size of the mlx-community 4-bit checkpoint (~19.4 GB); 17.8e6 for ``tiny``.
+    For the default 4-bit layout: 19,508,789,376 (19.5 GB, 18.2 GiB) for
+    ``qwen3.6-35b-a3b``, about the size of the mlx-community 4-bit
+    checkpoint (~19.4 GB); 17.8e6 for ``tiny``.
 
     Raises:
-        ValueError: unknown ``preset``.
+        ValueError, TypeError: as :func:`weight_shapes`.
     """
     return sum(
-        math.prod(shape) * dtype.size for shape, dtype in weight_shapes(preset).values()
+        math.prod(shape) * dtype.size
+        for shape, dtype in weight_shapes(preset, **quantization).values()
     )
 
 
@@ -537,19 +789,25 @@ def write_checkpoint(
     lm_head_scale: Optional[float] = None,
     max_shard_bytes: int = MAX_FILE_SIZE_GB << 30,
     verbose: bool = False,
+    bits: Optional[int] = None,
+    group_size: Optional[int] = None,
+    mode: str = QUANT_MODE,
+    parts: Optional[Mapping[str, Mapping[str, object]]] = None,
+    recipe: Optional[str] = None,
 ) -> Path:
     """Write a random-weight quantized checkpoint that ``mlx_lm.load`` loads.
 
     Layout (as ``mlx_lm.convert`` writes it): ``config.json`` (``model_type``
     ``qwen3_5_moe``, text fields under ``text_config``, ``quantization`` and
-    ``quantization_config`` blocks with per-path 8-bit entries for every
+    ``quantization_config`` blocks: the top-level setting and one entry per
+    module path that differs from it, by default the 8-bit entries of every
     ``mlp.gate`` and ``mlp.shared_expert_gate``),
     ``model-0000N-of-0000M.safetensors`` shards of at most ``max_shard_bytes``
     (mlx-lm's 5 GB by default; a unit larger than that gets its own shard),
     ``model.safetensors.index.json``, ``generation_config.json`` and the
     tokenizer files of ``make_tokenizer``. Tensors are bf16 / uint32 (packed
-    4- and 8-bit weights) / float32 (``A_log``), exactly ``build_model``'s
-    arrays for the same arguments.
+    weights) / uint8 (scales of the mxfp4, nvfp4 and mxfp8 modes) / float32
+    (``A_log``), exactly ``build_model``'s arrays for the same arguments.
 
     Streams: the embedding, each decoder layer, the final norm and the lm_head
     are generated, quantized and evaluated one module at a time and dropped as
@@ -576,19 +834,23 @@ def write_checkpoint(
         max_shard_bytes: positive int, shard size limit in bytes.
         verbose: show progress (a tqdm bar on stderr: bytes written, time
             left) and a summary line.
+        bits, group_size, mode, parts, recipe: the quantisation, as in
+            ``build_model`` (default mlx-community's 4-bit layout).
 
     Returns:
         ``Path(out_dir)``.
 
     Raises:
         ValueError: bad ``preset``, ``seed``, ``router_skew``,
-            ``lm_head_scale`` or ``max_shard_bytes``.
+            ``lm_head_scale`` or ``max_shard_bytes``, or a quantisation
+            :func:`quantization_plan` rejects (nothing is written then).
     """
     _check_args(preset, seed, router_skew, lm_head_scale)
     if not isinstance(max_shard_bytes, int) or max_shard_bytes <= 0:
         raise ValueError(
             f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}."
         )
+    plan = quantization_plan(bits, group_size, mode, parts, recipe)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob(SHARD_GLOB):
@@ -596,7 +858,7 @@ def write_checkpoint(
     tic = time.perf_counter()
 
     model, config = _lazy_model(
-        preset, seed, router_skew, lm_head_scale, mx.bfloat16, quantize=True
+        preset, seed, router_skew, lm_head_scale, mx.bfloat16, quantize=True, plan=plan
     )
     total_parameters = get_total_parameters(model)
     groups = dict(_param_groups(model))
@@ -838,11 +1100,58 @@ def existing_checkpoint_files(out_dir: Path) -> List[str]:
     return names
 
 
+#: CLI flag of each per-part key, and how a value is read.
+_PART_FLAGS = {"bits": ("--part-bits", int), "group_size": ("--part-group-size", int), "mode": ("--part-mode", str)}
+
+#: How :func:`quantization_plan`'s messages name the CLI's arguments.
+_CLI_NAMES = {
+    "bits": "--bits", "group_size": "--group-size", "mode": "--mode", "recipe": "--recipe",
+    "parts": "--part-bits/--part-group-size/--part-mode",
+    **{f"part.{k}": f"{flag} {{part}}" for k, (flag, _) in _PART_FLAGS.items()},
+}
+
+
+def parse_parts(values: Mapping[str, Optional[List[str]]]) -> Dict[str, Dict[str, object]]:
+    """The ``parts`` argument of :func:`build_model` from the CLI's
+    ``--part-bits``, ``--part-group-size`` and ``--part-mode`` values.
+
+    Args:
+        values: key ("bits", "group_size", "mode") -> the flag's values as
+            given (each ``NAME=VALUE[,NAME=VALUE...]``; a flag may be
+            repeated), or None where the flag was not given.
+
+    Returns:
+        part name -> ``{key: value}`` (bits and group sizes as ints).
+
+    Raises:
+        ValueError: an item that is not ``NAME=VALUE``, an unknown part name,
+            a value that is not a whole number (bits, group size), or a part
+            given twice to one flag; the message names the flag and the item.
+    """
+    parts: Dict[str, Dict[str, object]] = {}
+    for key, (flag, convert) in _PART_FLAGS.items():
+        for value in values.get(key) or ():
+            for item in value.split(","):
+                name, eq, v = (t.strip() for t in item.partition("="))
+                if not eq or not name or not v:
+                    raise ValueError(f"{flag} {item!r}: expected NAME=VALUE, NAME one of {', '.join(PARTS)}")
+                if name not in PARTS:
+                    raise ValueError(f"{flag} {item}: unknown part {name!r}; expected one of {', '.join(PARTS)}")
+                if key in parts.get(name, {}):
+                    raise ValueError(f"{flag} {item}: part {name!r} given twice")
+                try:
+                    parts.setdefault(name, {})[key] = convert(v)
+                except ValueError:
+                    raise ValueError(f"{flag} {item}: expected a whole number after '='") from None
+    return parts
+
+
 @one_line_warnings()
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(
-        description="Write a random-weight Qwen3.5/3.6-MoE checkpoint "
-        "(mlx-community 4-bit layout) that mlx_lm.load can load."
+        description="Write a random-weight Qwen3.5/3.6-MoE checkpoint that mlx_lm.load can load "
+        "(default: mlx-community's 4-bit layout, affine 4-bit group 64 with 8-bit router and "
+        "shared-expert gates; other quantisations with --bits, --group-size, --mode, --part-*, --recipe)."
     )
     parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
     parser.add_argument("--out", required=True, help="Output directory.")
@@ -864,9 +1173,38 @@ def main(argv: Optional[List[str]] = None) -> None:
         default=None,
         help=f"Multiplier of the lm_head weights (demo: {DEMO_LM_HEAD_SCALE}).",
     )
+    quant = parser.add_argument_group(
+        "quantisation",
+        "What nn.quantize makes of the random weights, written to config.json as mlx_lm.convert "
+        "writes it. Parts: " + ", ".join(PARTS) + ". A part's unset keys come from its default "
+        "(the top level; affine 8-bit group 64 for router and shared_expert_gate), or from the "
+        "mode's defaults where --part-mode changes the mode. The CUDA MoE kernels read affine "
+        "4-bit group 64 experts (decode: the shared expert too) only; with anything else the "
+        "MoE runs stock.",
+    )
+    quant.add_argument("--bits", type=int, default=None,
+                       help=f"Bits of every quantised layer: {', '.join(map(str, AFFINE_BITS))} for affine "
+                       "(default: the mode's, 4 for affine).")
+    quant.add_argument("--group-size", type=int, default=None,
+                       help=f"Group size: {', '.join(map(str, AFFINE_GROUP_SIZES))} for affine "
+                       "(default: the mode's, 64 for affine).")
+    quant.add_argument("--mode", default=QUANT_MODE, choices=list(QUANT_MODES),
+                       help="MLX quantisation mode; mxfp4 is 4-bit group 32, nvfp4 4-bit group 16, "
+                       "mxfp8 8-bit group 32 (default: %(default)s).")
+    quant.add_argument("--part-bits", action="append", metavar="PART=BITS[,PART=BITS...]",
+                       help="Per-part bits, e.g. experts=3,attention=8,shared_expert=8.")
+    quant.add_argument("--part-group-size", action="append", metavar="PART=SIZE[,...]",
+                       help="Per-part group size, e.g. experts=32.")
+    quant.add_argument("--part-mode", action="append", metavar="PART=MODE[,...]",
+                       help="Per-part mode, e.g. experts=mxfp4.")
+    quant.add_argument("--recipe", default=None, choices=list(QUANT_RECIPES),
+                       help="mlx-lm's mixed per-layer recipe (mlx_lm.convert --quant-predicate; affine).")
     args = parser.parse_args(argv)
     try:
         _check_args(args.preset, args.seed, args.router_skew, args.lm_head_scale)
+        parts = parse_parts({"bits": args.part_bits, "group_size": args.part_group_size,
+                             "mode": args.part_mode})
+        quantization_plan(args.bits, args.group_size, args.mode, parts, args.recipe, names=_CLI_NAMES)
     except ValueError as e:
         parser.error(str(e))
     if not args.out.strip():
@@ -886,6 +1224,11 @@ def main(argv: Optional[List[str]] = None) -> None:
             router_skew=args.router_skew,
             lm_head_scale=args.lm_head_scale,
             verbose=True,
+            bits=args.bits,
+            group_size=args.group_size,
+            mode=args.mode,
+            parts=parts,
+            recipe=args.recipe,
         )
     except ValueError as e:
         parser.error(str(e))

@@ -38,6 +38,7 @@ class FastGatedDeltaNet(GatedDeltaNet):
     """``qwen3_5.GatedDeltaNet`` through :func:`ops.gated_delta.gated_delta_net`."""
 
     stock_class = GatedDeltaNet
+    ops = gated_delta_ops  # the op family's dispatcher
 
     def __call__(self, inputs: mx.array, mask: Optional[mx.array] = None, cache: Optional[Any] = None) -> mx.array:
         return gated_delta_ops.gated_delta_net(self, inputs, mask, cache)
@@ -47,6 +48,7 @@ class FastSparseMoeBlock(Qwen3NextSparseMoeBlock):
     """Sparse MoE block (router, top-k experts, shared expert) via :func:`ops.moe.sparse_moe`."""
 
     stock_class = Qwen3NextSparseMoeBlock
+    ops = moe_ops  # the op family's dispatcher
 
     def __call__(self, x):
         return moe_ops.sparse_moe(self, x)

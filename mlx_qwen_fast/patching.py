@@ -10,14 +10,19 @@ Three routes, all ending in :func:`patch`:
   calling ``mlx_lm.load`` get the fast path (``MLX_QWEN_FAST=0`` disables it).
 
 A model the fast path does not support is left entirely stock, with one
-warning naming the reason.
+warning naming the reason. In a supported model, each op family decides at
+patch time, from every fast module's own weights, which of its kernels may
+run for it (``decide_kernels`` in :mod:`mlx_qwen_fast.ops.moe` and
+:mod:`~mlx_qwen_fast.ops.gated_delta`): an op whose kernels do not read the
+weights' quantisation stays stock where they would run, with one warning per
+op and reason, and the :class:`PatchReport` says so.
 """
 
 import functools
 import sys
 import warnings
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Tuple
 
 import mlx.nn as nn
 import mlx_lm.utils
@@ -32,6 +37,8 @@ from .ops import moe as moe_ops
 SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5", "qwen3_5_moe_fast")
 _SLOTS = ("linear_attn", "mlp")  # the modules with a fast class (attention stays mlx-lm's)
 _PREFILL_TOKENS = 2048  # mlx-lm's default prefill_step_size, for the report
+_FAMILIES = (("gated_delta", gated_delta_ops), ("moe", moe_ops))  # report name, dispatcher
+_PHASES = (("prefill", _PREFILL_TOKENS), ("decode", 1))
 
 
 @dataclass
@@ -46,7 +53,15 @@ class PatchReport:
         swapped: number of modules swapped per slot (``linear_attn``,
             ``mlp``; gated attention has no fast class and stays mlx-lm's).
         ops: implementation each op uses on this backend, e.g.
-            ``{"gated_delta.prefill": "chunked", "moe.decode": "stock"}``.
+            ``{"gated_delta.prefill": "chunked", "moe.decode": "stock"}``
+            ("stock" also where the backend's kernel declined the weights'
+            quantisation in every layer: see ``declined``).
+        declined: ops whose kernel implementation on this backend declined
+            this model's weights, with why and in how many layers, e.g.
+            ``{"moe.prefill": "moe experts: 3-bit weights
+            (switch_mlp.gate_proj) in 40 of 40 layers"}``; those layers run
+            the op stock. Empty where nothing was declined, and on backends
+            without kernels.
         graph_limit: on CUDA, MLX's variables that the import sets where
             the user has not, as they stand and who set them
             (:func:`mlx_qwen_fast.config.process_settings_report`); empty
@@ -60,14 +75,16 @@ class PatchReport:
     swapped: Dict[str, int] = field(default_factory=dict)
     ops: Dict[str, str] = field(default_factory=dict)
     graph_limit: str = ""
+    declined: Dict[str, str] = field(default_factory=dict)
 
     def __str__(self):
         if not self.patched:
             return f"mlx_qwen_fast: left stock ({self.reason})"
         swapped = ", ".join(f"{n} {k}" for k, n in self.swapped.items()) or "nothing new"
         ops = ", ".join(f"{k}={v}" for k, v in self.ops.items())
+        declined = "".join(f"; {k} kernel declined: {v}" for k, v in self.declined.items())
         tail = f"; {self.graph_limit}" if self.graph_limit else ""
-        return f"mlx_qwen_fast: patched {swapped} on {self.backend}; ops: {ops}{tail}"
+        return f"mlx_qwen_fast: patched {swapped} on {self.backend}; ops: {ops}{declined}{tail}"
 
 
 def op_implementations(backend_name: Optional[str] = None) -> Dict[str, str]:
@@ -86,11 +103,63 @@ def op_implementations(backend_name: Optional[str] = None) -> Dict[str, str]:
     """
     b = backend.current() if backend_name is None else backend.resolve(backend_name)
     table = {}
-    for name, module in (("gated_delta", gated_delta_ops), ("moe", moe_ops)):
-        table[f"{name}.prefill"] = module.implementation_for(_PREFILL_TOKENS, b)
-        table[f"{name}.decode"] = module.implementation_for(1, b)
+    for name, module in _FAMILIES:
+        for phase, tokens in _PHASES:
+            table[f"{name}.{phase}"] = module.implementation_for(tokens, b)
     table["attention.prefill"] = table["attention.decode"] = "stock"
     return table
+
+
+def _decide_kernels(model: nn.Module) -> List[Tuple[str, Dict[str, str]]]:
+    """Each fast module's op family decides which kernels may run for it
+    (``decide_kernels``, kept on the module for the dispatcher): ``[(family
+    name, {implementation: reason})]``, one entry per fast module."""
+    names = {id(module): name for name, module in _FAMILIES}
+    fast = tuple(FAST_CLASSES.values())
+    out = []
+    for layer in model.layers:
+        for slot in _SLOTS:
+            module = getattr(layer, slot, None)
+            if isinstance(module, fast):
+                out.append((names[id(module.ops)], module.ops.decide_kernels(module)))
+    return out
+
+
+def _apply_declines(table: Dict[str, str], decisions) -> Dict[str, List[Tuple[str, int, int]]]:
+    """Mark the ops of ``table`` whose implementation modules declined:
+    "stock" where every module of the family declined it. Returns ``{op:
+    [(reason, layers declining for it, layers of the family)]}``."""
+    declined = {}
+    for name, _ in _FAMILIES:
+        per_family = [d for n, d in decisions if n == name]
+        for phase, _ in _PHASES:
+            key = f"{name}.{phase}"
+            counts: Dict[str, int] = {}
+            for d in per_family:
+                if table[key] in d:
+                    counts[d[table[key]]] = counts.get(d[table[key]], 0) + 1
+            if counts:
+                declined[key] = [(r, n, len(per_family)) for r, n in counts.items()]
+                if sum(counts.values()) == len(per_family):
+                    table[key] = "stock"
+    return declined
+
+
+def _warn_declined(declined: Dict[str, List[Tuple[str, int, int]]]) -> None:
+    """One warning per op and reason (the layers that share a reason are
+    counted in it, not warned about one by one)."""
+    formats = {name: getattr(module, "KERNEL_QUANTIZATION", None) for name, module in _FAMILIES}
+    for op, reasons in declined.items():
+        fmt = formats[op.split(".", 1)[0]]
+        implement = f"; the CUDA kernels implement {fmt}" if fmt else ""
+        for reason, n, total in reasons:
+            warnings.warn(f"mlx_qwen_fast: {op} runs stock in {n} of {total} layers: {reason}{implement}",
+                          stacklevel=3)
+
+
+def _declined_text(declined: Dict[str, List[Tuple[str, int, int]]]) -> Dict[str, str]:
+    return {op: "; ".join(f"{r} in {n} of {t} layers" for r, n, t in reasons)
+            for op, reasons in declined.items()}
 
 
 def _model_type(model: nn.Module) -> str:
@@ -145,12 +214,20 @@ def patch(model: nn.Module, *, warn: bool = True) -> PatchReport:
     module for its fast subclass in
     :mod:`mlx_qwen_fast.layers`, sharing the loaded (quantised) arrays under
     the same parameter paths. Dense MLPs stay as they are. Patching an
-    already patched model is a no-op: its report says it swapped nothing,
-    and ``model.patch_report`` stays the first patch's.
+    already patched model swaps nothing more; its decisions below are made
+    again from the modules as they are then, and ``model.patch_report``
+    stays the first patch's unless they changed.
+
+    Each fast module's op family then decides, from the module's own
+    weights (bits, group size, mode, dtypes of scales and biases), which of
+    its kernels may run for it; an op whose kernels do not read them runs
+    stock in that layer (``report.declined`` says which, why and where).
 
     Args:
         model: a model from ``mlx_lm.load`` (``qwen3_5_moe`` or ``qwen3_5``).
-        warn: emit one ``UserWarning`` when the model is left stock.
+        warn: emit one ``UserWarning`` when the model is left stock, and one
+            per op and reason where this backend's kernels declined the
+            weights' quantisation.
 
     Returns:
         A :class:`PatchReport`, also kept as ``model.patch_report``. If the
@@ -182,17 +259,25 @@ def _patch(model: nn.Module, warn: bool, stacklevel: int) -> PatchReport:
         return report
     swapped = _swap(model, to_fast=True)
     previous = getattr(model, "patch_report", None)
+    ops = op_implementations()
+    declined = _apply_declines(ops, _decide_kernels(model))
+    if warn:
+        _warn_declined(declined)
+    declined = _declined_text(declined)
     report = PatchReport(
         True,
         None,
         _model_type(model),
         backend.current(),
         swapped,
-        op_implementations(),
+        ops,
         config.process_settings_report(backend.current()),
+        declined,
     )
-    if swapped or not (isinstance(previous, PatchReport) and previous.patched and is_patched(model)):
-        _set_report(model, report)  # a second patch that swaps nothing keeps the first one's report
+    same = (isinstance(previous, PatchReport) and previous.patched and is_patched(model)
+            and (previous.ops, previous.declined) == (ops, declined))
+    if swapped or not same:
+        _set_report(model, report)  # a second patch that swaps and decides nothing new keeps the first's
     return report
 
 

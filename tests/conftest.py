@@ -162,6 +162,25 @@ def demo_checkpoint(tmp_path_factory):
     )
 
 
+@pytest.fixture(scope="session")
+def quant_checkpoint(tmp_path_factory):
+    """``quant_checkpoint(name)``: path of the tiny checkpoint (seed 0,
+    ``lm_head_scale=DEMO_LM_HEAD_SCALE``) quantised as
+    ``quant_variants.VARIANTS[name]``, written once per session."""
+    from mlx_qwen_fast.checkpoint import DEMO_LM_HEAD_SCALE, write_checkpoint
+    from quant_variants import VARIANTS
+
+    written = {}
+
+    def get(name):
+        if name not in written:
+            written[name] = write_checkpoint(tmp_path_factory.mktemp(f"quant_{name}"), "tiny", seed=0,
+                                             lm_head_scale=DEMO_LM_HEAD_SCALE, **VARIANTS[name][0])
+        return written[name]
+
+    return get
+
+
 @pytest.fixture
 def poison():
     """Fill every CUDA kernel output with NaN before the launch (a row the

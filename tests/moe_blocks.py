@@ -10,10 +10,14 @@ from mlx_lm.models.qwen3_next import ModelArgs, Qwen3NextSparseMoeBlock
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 
-def make_block(D=64, H=64, E=16, k=8, dtype=mx.float32, router_scale=4.0, seed=None):
+def make_block(D=64, H=64, E=16, k=8, dtype=mx.float32, router_scale=4.0, seed=None, quant=None):
     """A quantized Qwen3NextSparseMoeBlock with the checkpoint's bit widths
     (experts and shared expert 4-bit, router and shared-expert gate 8-bit,
-    group 64); ``seed`` seeds MLX's global generator first."""
+    group 64); ``seed`` seeds MLX's global generator first. ``quant``:
+    child path prefix ("switch_mlp", "shared_expert", "gate",
+    "shared_expert_gate") -> ``to_quantized`` arguments for the modules
+    under it (e.g. ``{"switch_mlp": {"bits": 3, "group_size": 64}}``), or
+    False to leave them unquantised."""
     args = ModelArgs(
         model_type="qwen3_next",
         hidden_size=D,
@@ -49,6 +53,9 @@ def make_block(D=64, H=64, E=16, k=8, dtype=mx.float32, router_scale=4.0, seed=N
     def predicate(path, m):
         if not hasattr(m, "to_quantized"):
             return False
+        for prefix, spec in (quant or {}).items():
+            if path == prefix or path.startswith(prefix + "."):
+                return spec
         if path == "gate" or path.endswith("shared_expert_gate"):
             return {"group_size": 64, "bits": 8}
         return True

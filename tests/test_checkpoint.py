@@ -18,13 +18,16 @@ from mlx_lm.sample_utils import make_sampler
 from mlx_qwen_fast import checkpoint as ckpt
 from mlx_qwen_fast.checkpoint import (
     DEMO_LM_HEAD_SCALE,
+    PARTS,
     PRESETS,
     build_model,
     checkpoint_nbytes,
     make_tokenizer,
+    quantization_plan,
     weight_shapes,
     write_checkpoint,
 )
+from quant_variants import VARIANTS
 
 FULL = "qwen3.6-35b-a3b"
 
@@ -173,6 +176,125 @@ def test_streaming_shards(tmp_path, tiny_checkpoint):
         "model-00001-of-00001.safetensors"
     ]
     mlx_lm.load(str(out))
+
+
+# ---------------------------------------------------------------------------
+# Quantisations
+
+
+def _quantized_modules(model):
+    """``{module path: (group_size, bits, mode)}`` of every quantised module."""
+    return {p: (m.group_size, m.bits, m.mode) for p, m in model.named_modules() if hasattr(m, "bits")}
+
+
+def test_default_quantization_is_the_4bit_layout(demo_checkpoint, quant_checkpoint):
+    """The default arguments and the same setting spelled out write the very
+    files of the default checkpoint (the layout the kernels read)."""
+    plan = quantization_plan()
+    assert (plan.group_size, plan.bits, plan.mode, plan.parts, plan.recipe) == (64, 4, "affine", {}, None)
+    explicit = quant_checkpoint("affine4")
+    for name in ("config.json", "model-00001-of-00001.safetensors", "model.safetensors.index.json"):
+        assert (explicit / name).read_bytes() == (demo_checkpoint / name).read_bytes(), name
+    spelled = quantization_plan(4, 64, "affine", {"router": {"bits": 8}, "experts": {"bits": 4}})
+    assert spelled.parts == {"router": (64, 8, "affine"), "experts": (64, 4, "affine")}  # and change nothing:
+    model, config = build_model("tiny", seed=0, lm_head_scale=DEMO_LM_HEAD_SCALE, bits=4, group_size=64,
+                                parts={"router": {"bits": 8}, "experts": {"bits": 4}})
+    _assert_same_params(model, mlx_lm.load(str(demo_checkpoint))[0])
+    assert config["quantization"] == json.loads((demo_checkpoint / "config.json").read_text())["quantization"]
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_quantized_variant_loads_as_asked(quant_checkpoint, name):
+    """Each variant loads strictly with stock mlx_lm.load; every quantised
+    module has its part's (group_size, bits, mode); config.json's
+    quantization block is mlx_lm.convert's: the top level plus an entry for
+    exactly the modules that differ from it, each the module's setting."""
+    kwargs, expected = VARIANTS[name]
+    path = quant_checkpoint(name)
+    model, _ = mlx_lm.load(str(path))  # strict
+    got = _quantized_modules(model)
+    parts = {p: ckpt._part_of(p) for p in got}
+    assert None not in parts.values(), [p for p, part in parts.items() if part is None]
+    assert set(parts.values()) == set(PARTS)
+    for p, spec in got.items():
+        assert spec == expected[parts[p]], (p, spec)
+
+    q = json.loads((path / "config.json").read_text())["quantization"]
+    top = (q["group_size"], q["bits"], q["mode"])
+    plan = quantization_plan(**kwargs)
+    assert top == (plan.group_size, plan.bits, plan.mode)
+    entries = {k: v for k, v in q.items() if isinstance(v, dict)}
+    differ = {p for p, spec in got.items() if spec != top}
+    assert set(entries) == differ | {p for p in got if parts[p] in ("router", "shared_expert_gate")}
+    for p, e in entries.items():
+        assert (e["group_size"], e["bits"], e.get("mode", "affine")) == got[p], p
+
+    # the checkpoint's tensors are build_model's, and weight_shapes knows them
+    built, config = build_model("tiny", seed=0, lm_head_scale=DEMO_LM_HEAD_SCALE, **kwargs)
+    assert config["quantization"] == q
+    assert {k: (tuple(v.shape), v.dtype) for k, v in _params(built).items()} == weight_shapes("tiny", **kwargs)
+    _assert_same_params(built, model)
+
+
+def test_recipe_is_mlx_lm_convert_mixed_layout(tmp_path):
+    """--recipe: mlx-lm's own mixed predicate (mixed_3_4: 3 bits, 4 in the
+    first and last eighth of the layers and every third between for the
+    down projections, the lm_head 4): per-path entries for every module, as
+    mlx_lm.convert writes them, and a model stock mlx_lm.load loads so."""
+    out = write_checkpoint(tmp_path / "mixed", "tiny", seed=0, recipe="mixed_3_4")
+    model, _ = mlx_lm.load(str(out))
+    got = _quantized_modules(model)
+    q = json.loads((out / "config.json").read_text())["quantization"]
+    assert {k: (v["group_size"], v["bits"], v["mode"]) for k, v in q.items() if isinstance(v, dict)} == got
+    lm = "language_model.model.layers"
+    down = {i: got[f"{lm}.{i}.mlp.switch_mlp.down_proj"][1] for i in range(8)}
+    assert down == {0: 4, 1: 3, 2: 3, 3: 4, 4: 3, 5: 3, 6: 4, 7: 4}  # mlx-lm's use_more_bits for 8 layers
+    assert {got[f"{lm}.{i}.mlp.switch_mlp.gate_proj"][1] for i in range(8)} == {3}
+    assert got[f"{lm}.0.mlp.gate"][1] == 3  # the recipe sets the router too, as mlx_lm.convert does
+    assert got["language_model.lm_head"][1] == 4
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"bits": 7}, "bits=7: mode 'affine' takes bits 2, 3, 4, 5, 6, 8"),
+        ({"bits": True}, "bits=True"),
+        ({"group_size": 48}, "group_size=48: mode 'affine' takes group sizes 32, 64, 128"),
+        ({"mode": "int4"}, "mode='int4': expected one of affine, mxfp4, nvfp4, mxfp8"),
+        ({"mode": "mxfp4", "bits": 8}, "bits=8: mode 'mxfp4' takes bits 4 only"),
+        ({"mode": "nvfp4", "group_size": 32}, "group_size=32: mode 'nvfp4' takes group size 16 only"),
+        ({"parts": {"expert": {"bits": 3}}}, "unknown part 'expert'"),
+        ({"parts": {"experts": {"bitz": 3}}}, "parts['experts']: expected a mapping"),
+        ({"parts": {"experts": 3}}, "parts['experts']: expected a mapping"),
+        ({"parts": {"experts": {"bits": 9}}}, "parts['experts']['bits']=9"),
+        ({"mode": "mxfp4", "parts": {"attention": {"bits": 8}}}, "parts['attention']['bits']=8: mode 'mxfp4'"),
+        ({"recipe": "mixed_9_9"}, "recipe='mixed_9_9'"),
+        ({"recipe": "mixed_3_4", "mode": "mxfp4"}, "affine only"),
+        ({"recipe": "mixed_3_4", "parts": {"experts": {"bits": 3}}}, "cannot be combined"),
+    ],
+)
+def test_bad_quantization_arguments(tmp_path, kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        build_model(**kwargs)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        write_checkpoint(tmp_path, "tiny", **kwargs)
+    assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_quant_modes_are_mlx_defaults():
+    """QUANT_MODES holds MLX's own default (group size, bits) of each mode."""
+    for mode, (group_size, bits) in ckpt.QUANT_MODES.items():
+        q = nn.QuantizedLinear(64, 8, bias=False, mode=mode)
+        assert (q.group_size, q.bits, q.mode) == (group_size, bits, mode)
+
+
+def test_part_mode_change_takes_the_modes_defaults():
+    plan = quantization_plan(parts={"experts": {"mode": "mxfp4"}, "router": {"mode": "affine", "bits": 4},
+                                    "attention": {"bits": 8}})
+    assert plan.parts == {"experts": (32, 4, "mxfp4"), "router": (64, 4, "affine"), "attention": (64, 8, "affine")}
+    top_mx = quantization_plan(mode="mxfp4", parts={"lm_head": {"mode": "affine"}, "router": {"mode": "mxfp8"}})
+    assert (top_mx.group_size, top_mx.bits) == (32, 4)
+    assert top_mx.parts == {"lm_head": (64, 4, "affine"), "router": (32, 8, "mxfp8")}
 
 
 # ---------------------------------------------------------------------------
@@ -540,3 +662,51 @@ def test_cli(tmp_path, tiny_checkpoint, capsys):
     ckpt.main(["--preset", "tiny", "--out", str(out), "--seed", "0", "--overwrite"])
     assert not (out / "model-00001-of-00002.safetensors").exists()
     assert (out / "config.json").read_bytes() == (tiny_checkpoint / "config.json").read_bytes()
+
+
+def test_cli_quantization(tmp_path, quant_checkpoint, capsys):
+    """--bits/--group-size/--mode/--part-*: the files of write_checkpoint
+    with the same quantisation."""
+    out = tmp_path / "cli"
+    ckpt.main(["--preset", "tiny", "--out", str(out), "--lm-head-scale", str(DEMO_LM_HEAD_SCALE),
+               "--part-bits", "experts=3,attention=8", "--part-bits", "shared_expert=8"])
+    ref = quant_checkpoint("experts3")
+    for name in ("config.json", "model-00001-of-00001.safetensors"):
+        assert (out / name).read_bytes() == (ref / name).read_bytes(), name
+    ckpt.main(["--preset", "tiny", "--out", str(out), "--overwrite", "--lm-head-scale", str(DEMO_LM_HEAD_SCALE),
+               "--part-mode", "experts=nvfp4", "--part-bits", "router=6"])
+    ref = quant_checkpoint("nvfp4-experts-6bit-router")
+    assert (out / "config.json").read_bytes() == (ref / "config.json").read_bytes()
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--bits", "7"], "--bits=7: mode 'affine' takes bits 2, 3, 4, 5, 6, 8"),
+        (["--bits", "four"], "argument --bits: invalid int value"),
+        (["--group-size", "48"], "--group-size=48: mode 'affine' takes group sizes"),
+        (["--mode", "int4"], "argument --mode: invalid choice"),
+        (["--mode", "mxfp4", "--bits", "8"], "--bits=8: mode 'mxfp4' takes bits 4 only"),
+        (["--part-bits", "expert=3"], "--part-bits expert=3: unknown part 'expert'"),
+        (["--part-bits", "experts"], "--part-bits 'experts': expected NAME=VALUE"),
+        (["--part-bits", "experts=x"], "--part-bits experts=x: expected a whole number"),
+        (["--part-bits", "experts=3,experts=4"], "part 'experts' given twice"),
+        (["--part-bits", "experts=7"], "--part-bits experts=7: mode 'affine' takes bits"),
+        (["--part-group-size", "experts=48"], "--part-group-size experts=48: mode 'affine' takes group sizes"),
+        (["--part-mode", "experts=int4"], "--part-mode experts='int4': expected one of"),
+        (["--part-mode", "experts=mxfp4", "--part-bits", "experts=8"], "--part-bits experts=8: mode 'mxfp4'"),
+        (["--recipe", "mixed_3_4", "--mode", "mxfp4"], "--recipe='mixed_3_4': mlx-lm's recipes are affine only"),
+        (["--recipe", "mixed_3_4", "--part-bits", "experts=3"], "cannot be combined"),
+    ],
+)
+def test_cli_bad_quantization(tmp_path, capsys, argv, message):
+    """One line naming the argument, exit code 2, nothing written."""
+    out = tmp_path / "cli"
+    with pytest.raises(SystemExit) as exc:
+        ckpt.main(["--preset", "tiny", "--out", str(out)] + argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert len([line for line in err.splitlines() if "error:" in line]) == 1
+    assert not out.exists()

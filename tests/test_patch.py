@@ -1,5 +1,6 @@
 """``mlx_qwen_fast.patching``: patched vs stock mlx-lm model on the tiny
-random checkpoint; install(), the off switch, the patch report.
+random checkpoint (and its other quantisations); install(), the off switch,
+the patch report (kernels declined for weights they do not read).
 
 (The CLIs: tests/test_cli.py; the switches themselves: tests/test_config.py.)
 """
@@ -16,9 +17,13 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
 import mlx_qwen_fast
-from compare import BF16_EPS
+from compare import BF16_EPS, assert_close, tolerance
+from mlx_qwen_fast import backend, config
+from mlx_qwen_fast.checkpoint import build_model
+from mlx_qwen_fast.kernels import _cuda_build as cb
 from mlx_qwen_fast.layers import FAST_CLASSES
 from mlx_qwen_fast.patching import enabled, patch, patched_copy, unpatch
+from quant_variants import VARIANTS
 
 
 @pytest.fixture(scope="module")
@@ -420,3 +425,122 @@ def test_enabled_follows_the_switch(env):
     env.set("MLX_QWEN_FAST", "banana")
     with pytest.warns(RuntimeWarning, match="'banana'.*not understood"):
         assert enabled() is True
+
+
+# ---------------------------------------------------------------------------
+# quantisations other than the kernels' format
+
+
+@pytest.fixture
+def cuda_machine(monkeypatch, env):
+    """patch() as on a machine with a CUDA device and the kernels switched
+    on (its decisions and report only: nothing under it runs a model)."""
+    monkeypatch.setattr(backend, "current", lambda: "cuda")
+    monkeypatch.setattr(cb, "cuda_available", lambda: True)
+    env.unset(config.MOE_PREFILL_KERNEL.name)
+    env.unset(config.MOE_DECODE_KERNEL.name)
+
+
+_KERNELS = {"moe.prefill": "cuda-prefill", "moe.decode": "cuda-decode"}
+
+
+@pytest.mark.parametrize(
+    "kwargs, declined",
+    [
+        ({}, {}),  # the layout the kernels read
+        # issue 31's H200 case: 3-bit experts were reported as running the 4-bit kernels
+        ({"parts": {"experts": {"bits": 3}, "attention": {"bits": 8}, "shared_expert": {"bits": 8}}},
+         {"moe.prefill": "moe experts: 3-bit weights (switch_mlp.gate_proj)",
+          "moe.decode": "moe experts: 3-bit weights (switch_mlp.gate_proj)"}),
+        ({"bits": 8}, {"moe.prefill": "moe experts: 8-bit weights", "moe.decode": "moe experts: 8-bit weights"}),
+        ({"mode": "mxfp4"}, {"moe.prefill": "moe experts: mxfp4 weights", "moe.decode": "moe experts: mxfp4 weights"}),
+        ({"parts": {"shared_expert": {"bits": 8}}}, {"moe.decode": "moe shared expert: 8-bit weights"}),
+        ({"parts": {"attention": {"bits": 8}, "linear_attention": {"mode": "nvfp4"}, "router": {"bits": 3}}}, {}),
+    ],
+)
+def test_patch_report_declines_kernels_for_other_quantisations(cuda_machine, kwargs, declined):
+    """Where the CUDA kernels would run, an op whose modules are quantised
+    another way is reported stock, with one warning per op and reason naming
+    both, and its dispatcher keeps to that decision; the layout the kernels
+    read (and quantisations of the parts they do not read) keep them."""
+    model, _ = build_model("tiny", seed=0, **kwargs)
+    layers = len(model.layers)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = patch(model)
+    assert report.patched and report.backend == "cuda"
+    assert report.ops["gated_delta.prefill"] == report.ops["gated_delta.decode"] == "cuda-kernel"
+    for op, impl in _KERNELS.items():
+        assert report.ops[op] == ("stock" if op in declined else impl), (op, report.ops)
+    assert set(report.declined) == set(declined)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == len(declined), messages
+    for op, reason in declined.items():
+        assert reason in report.declined[op] and f"in {layers} of {layers} layers" in report.declined[op]
+        assert f"{op} kernel declined: {report.declined[op]}" in str(report)
+        (msg,) = [m for m in messages if m.startswith(f"mlx_qwen_fast: {op} runs stock")]
+        assert reason in msg and "the CUDA kernels implement affine 4-bit group 64" in msg
+    for layer in model.layers:  # the decision the dispatcher reads
+        assert set(layer.mlp._mqf_declined) == {_KERNELS[op] for op in declined}
+
+
+def test_patch_declines_per_layer_and_quietly_without_warn(cuda_machine):
+    """Layers quantised differently from each other: the op keeps the kernel
+    where it applies and the report counts the layers that run stock;
+    warn=False keeps the report and drops the warnings; patching again
+    decides again."""
+    model, _ = build_model("tiny", seed=0)
+    odd = build_model("tiny", seed=0, parts={"experts": {"bits": 3}})[0].layers
+    for i in (1, 4):
+        model.layers[i].mlp.switch_mlp = odd[i].mlp.switch_mlp
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = patch(model, warn=False)
+    assert report.ops["moe.prefill"] == "cuda-prefill" and report.ops["moe.decode"] == "cuda-decode"
+    n = len(model.layers)
+    assert report.declined == {op: f"moe experts: 3-bit weights (switch_mlp.gate_proj) in 2 of {n} layers"
+                               for op in _KERNELS}
+    assert [bool(layer.mlp._mqf_declined) for layer in model.layers] == [i in (1, 4) for i in range(n)]
+    model.layers[1].mlp.switch_mlp = build_model("tiny", seed=0)[0].layers[1].mlp.switch_mlp
+    with pytest.warns(UserWarning, match="in 1 of"):
+        assert "in 1 of" in patch(model).declined["moe.prefill"]
+    assert not model.layers[1].mlp._mqf_declined
+
+
+@pytest.mark.parametrize("name", ["cpu", "metal"])
+def test_no_kernel_to_decline_off_cuda(monkeypatch, name):
+    """Off CUDA the MoE runs stock whatever the weights: nothing declined,
+    no warning (the decision is still kept for the dispatcher)."""
+    monkeypatch.setattr(backend, "current", lambda: name)
+    model, _ = build_model("tiny", seed=0, parts={"experts": {"bits": 3}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = patch(model)
+    assert report.backend == name and report.declined == {}
+    assert report.ops["moe.prefill"] == report.ops["moe.decode"] == "stock"
+    assert "declined" not in str(report)
+    assert set(model.layers[0].mlp._mqf_declined) == {"cuda-prefill", "cuda-decode"}
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_quantised_variant_patched_matches_stock(quant_checkpoint, name):
+    """Every quantisation variant, loaded by stock mlx_lm.load, in fp32: the
+    patched model's logits (prefill in chunks, then token by token) are
+    stock's to fp32 rounding, and 16 greedy tokens are the same."""
+    path = quant_checkpoint(name)
+    stock = _fp32(mlx_lm.load(str(path))[0])
+    fast, report = patched_copy(stock)
+    assert report.patched
+    tokens = mx.array(np.random.default_rng(5).integers(0, 1200, size=70), dtype=mx.int32)
+    assert_close(_prefill_logits(fast, tokens, 32), _prefill_logits(stock, tokens, 32),
+                 tolerance(mx.float32), f"{name}: prefill logits")
+    assert_close(_prefill_logits(fast, tokens[:4], 1), _prefill_logits(stock, tokens[:4], 1),
+                 tolerance(mx.float32), f"{name}: decode logits")
+    prompt = tokens[:12]
+    a, logits = _greedy(stock, prompt, 16)
+    b, _ = _greedy(fast, prompt, 16)
+    if a != b:
+        i = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        top2 = mx.sort(logits[i])[-2:]
+        pytest.fail(f"{name}: greedy tokens diverge at step {i}: stock {a[i]} vs patched {b[i]} "
+                    f"(stock top-1/top-2 log-prob margin {(top2[1] - top2[0]).item():.4f})")

@@ -67,6 +67,7 @@ __all__ = [
     "compute_gates",
     "gated_delta_update",
     "gated_delta_net",
+    "decide_kernels",
     "implementation_for",
     "IMPLEMENTATIONS",
     "RECURRENT_MAX_T",
@@ -786,6 +787,25 @@ def _layer_takes_kernels(layer, num_tokens: int, mask, cache) -> bool:
         and (cache is None or cache.lengths is None)
         and implementation_for(num_tokens) == CUDA_KERNEL
     )
+
+
+def decide_kernels(layer) -> Dict[str, str]:
+    """The kernel implementations that cannot run ``layer`` for the way its
+    weights are quantised: none, for every quantisation (the counterpart of
+    :func:`mlx_qwen_fast.ops.moe.decide_kernels`, called by
+    :func:`mlx_qwen_fast.patching.patch` for every layer it makes fast).
+
+    The Gated DeltaNet kernels (front end, scan, gated RMSNorm, decode) read
+    activations, the conv1d weight, ``A_log``, ``dt_bias`` and the norm
+    weight, none of which MLX quantises; the projections around them run on
+    MLX's own matmuls at each layer's bits, group size and mode (the decode
+    step's packed input projection too: :func:`compiled.concat_linears` joins
+    only layers of identical settings, otherwise the step calls the modules).
+
+    Returns:
+        ``{}`` (no implementation declined).
+    """
+    return {}
 
 
 def gated_delta_net(layer, inputs: mx.array, mask: Optional[mx.array] = None, cache=None) -> mx.array:

@@ -18,9 +18,12 @@ contract (shapes, dtypes) and a reference in plain MLX ops:
 3. :func:`expert_swiglu`: per-assignment expert outputs; :func:`combine`:
    weighted sum over the k experts of each token.
 4. :func:`sparse_moe_block`: the whole block from those stages (reference);
-   :func:`sparse_moe`: the dispatch entry the fast module calls, and
+   :func:`sparse_moe`: the dispatch entry the fast module calls,
    :func:`implementation_for`, the one place that decides which
-   implementation runs for a call (backend, token count, switches).
+   implementation runs for a call (backend, token count, switches), and
+   :func:`decide_kernels`, which declines the kernels, once per block at
+   patch time, for a block whose weights are not the one format they read
+   (:data:`KERNEL_QUANTIZATION`; :func:`kernel_problems` says why).
 
 Nothing here synchronises with the host or produces a shape that depends on
 the data: every shape follows from ``N``, ``k``, ``E`` and the tile size, so
@@ -68,6 +71,10 @@ __all__ = [
     "sparse_moe",
     "implementation_for",
     "IMPLEMENTATIONS",
+    "KERNEL_QUANTIZATION",
+    "quantization_problem",
+    "kernel_problems",
+    "decide_kernels",
 ]
 
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
@@ -519,6 +526,142 @@ def _stock(block, x: mx.array) -> mx.array:
 
 
 # ---------------------------------------------------------------------------
+# The weight format the kernels read, decided per block at patch time
+# ---------------------------------------------------------------------------
+
+#: The one weight format of the CUDA MoE kernels (grouped GEMMs and decode
+#: GEMVs): MLX affine quantisation, 4 bits, groups of 64 inputs, bf16 scales
+#: and biases, no bias term. The kernels unpack eight 4-bit values per uint32
+#: word and one scale/bias pair per 64 inputs; any other layout would be read
+#: as garbage, so every other format runs stock.
+KERNEL_QUANTIZATION = "affine 4-bit group 64 with bfloat16 scales and biases"
+
+_QUANTIZED_CLASSES = ("QuantizedLinear", "QuantizedSwitchLinear")
+_DECLINED = "_mqf_declined"  # block attribute: {implementation: reason} from decide_kernels
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def quantization_problem(m, bits: Tuple[int, ...] = (4,)) -> Optional[str]:
+    """Why the CUDA MoE kernels cannot read the (switch) linear layer ``m``,
+    or None when they can.
+
+    Read from the module's own attributes and array dtypes (nothing is
+    evaluated): it must be an ``nn.QuantizedLinear`` or mlx-lm
+    ``QuantizedSwitchLinear`` with ``mode`` "affine", ``bits`` in ``bits``,
+    ``group_size`` 64, ``scales`` and ``biases`` bfloat16 and no ``bias``
+    term.
+
+    Args:
+        m: any module (or object).
+        bits: the bit widths accepted (4 for expert weights; the decode
+            kernels also read an 8-bit shared-expert gate).
+
+    Returns:
+        None, or the first difference in a few words: "3-bit weights",
+        "mxfp4 weights", "group size 32", "float32 scales", "unquantised
+        weights", "a LoRASwitchLinear layer", ...
+    """
+    name = type(m).__name__
+    if name not in _QUANTIZED_CLASSES:
+        return "unquantised weights" if name in ("Linear", "SwitchLinear") else f"a {name} layer"
+    mode = getattr(m, "mode", None) or "affine"
+    if mode != "affine":
+        return f"{mode} weights"
+    if getattr(m, "bits", None) not in bits:
+        return f"{getattr(m, 'bits', None)}-bit weights"
+    if getattr(m, "group_size", None) != 64:
+        return f"group size {getattr(m, 'group_size', None)}"
+    if "biases" not in m or "scales" not in m:
+        return "no affine scales and biases"
+    if "bias" in m:
+        return "a bias term"
+    for leaf in ("scales", "biases"):
+        if m[leaf].dtype != mx.bfloat16:
+            return f"{_dtype_name(m[leaf].dtype)} {leaf}"
+    return None
+
+
+def _first_problem(part: str, block, child: str, names: Tuple[str, ...]) -> Optional[str]:
+    """``"<part>: <problem> (<child>.<name>)"`` for the first module
+    ``block.<child>.<name>`` (``name`` in ``names``) that the kernels cannot
+    read as 4-bit (:func:`quantization_problem`), or None."""
+    parent = getattr(block, child, None)
+    for n in names:
+        p = quantization_problem(getattr(parent, n, None))
+        if p is not None:
+            return f"{part}: {p} ({child}.{n})"
+    return None
+
+
+_PROJS = ("gate_proj", "up_proj", "down_proj")
+
+
+def kernel_problems(block) -> Dict[str, str]:
+    """The kernel implementations that cannot run ``block`` for the way its
+    modules are quantised, each with the reason.
+
+    * "cuda-prefill" reads the routed experts (``switch_mlp.gate_proj``,
+      ``up_proj``, ``down_proj``): they must be :data:`KERNEL_QUANTIZATION`.
+      The router and the shared expert may be quantised any way (they run on
+      MLX's quantised matmuls when they differ from the experts).
+    * "cuda-decode" reads the routed experts and the shared expert
+      (``shared_expert.gate_proj``, ...), both :data:`KERNEL_QUANTIZATION`,
+      and the shared-expert gate: 4- or 8-bit affine group 64 with bf16
+      scales and biases, or a bias-free bf16 ``nn.Linear``. The router may be
+      any ``nn.Linear`` / ``nn.QuantizedLinear`` (the step applies it with
+      ``mx.quantized_matmul`` at its own settings).
+
+    Pure: reads module attributes and dtypes only, on every backend. Shapes
+    and activation dtypes are still checked per call, where the kernels
+    decline anything else to the stock block.
+
+    Args:
+        block: a ``Qwen3NextSparseMoeBlock`` (or the fast subclass).
+
+    Returns:
+        ``{implementation name: reason}`` for the implementations that do
+        not apply, e.g. ``{"cuda-prefill": "moe experts: 3-bit weights
+        (switch_mlp.gate_proj)", "cuda-decode": ...}``; empty when both
+        apply.
+    """
+    experts = _first_problem("moe experts", block, "switch_mlp", _PROJS)
+    if experts is not None:
+        return {"cuda-prefill": experts, "cuda-decode": experts}
+    decode = _first_problem("moe shared expert", block, "shared_expert", _PROJS)
+    if decode is None:
+        sg = getattr(block, "shared_expert_gate", None)
+        gate = quantization_problem(sg, bits=(4, 8))
+        dense_bf16 = (type(sg).__name__ == "Linear" and "bias" not in sg
+                      and sg["weight"].dtype == mx.bfloat16)
+        if gate is not None and not dense_bf16:
+            decode = f"moe shared-expert gate: {gate} (shared_expert_gate)"
+    if decode is None and linear_arrays(getattr(block, "gate", None)) is None:
+        decode = f"moe router: a {type(getattr(block, 'gate', None)).__name__} layer (gate)"
+    return {} if decode is None else {"cuda-decode": decode}
+
+
+def decide_kernels(block) -> Dict[str, str]:
+    """Decide, from ``block``'s modules, which kernel implementations
+    :func:`sparse_moe` may pick for it, and keep that on the block.
+
+    Called by :func:`mlx_qwen_fast.patching.patch` for every MoE block it
+    makes fast (again on every patch). :func:`sparse_moe` then runs "stock"
+    wherever :func:`implementation_for` would pick a declined kernel. A
+    block never decided (built and called directly) keeps the per-call
+    checks alone, which decline the same quantisations.
+
+    Returns:
+        :func:`kernel_problems` of ``block``.
+    """
+    problems = kernel_problems(block)
+    object.__setattr__(block, _DECLINED, dict(problems))
+    return problems
+
+
+# ---------------------------------------------------------------------------
 # CUDA prefill: routing kernels + grouped expert GEMMs
 # ---------------------------------------------------------------------------
 
@@ -621,14 +764,8 @@ def _cuda_prefill(block, x: mx.array) -> mx.array:
 
 def _quantized_ok(m, bits=(4,)) -> bool:
     """An affine group-64 quantised (switch) linear layer of one of ``bits``,
-    bf16 scales and biases, no bias term."""
-    return (
-        type(m).__name__ in ("QuantizedLinear", "QuantizedSwitchLinear")
-        and getattr(m, "bits", None) in bits and getattr(m, "group_size", None) == 64
-        and getattr(m, "mode", "affine") in ("affine", None)
-        and "biases" in m and "bias" not in m
-        and m["scales"].dtype == mx.bfloat16
-    )
+    bf16 scales and biases, no bias term (:func:`quantization_problem`)."""
+    return quantization_problem(m, bits) is None
 
 
 def decode_arrays(block):
@@ -830,7 +967,9 @@ def sparse_moe(block, x: mx.array, *, implementation: Optional[str] = None) -> m
         x: ``[..., D]`` float.
         implementation: force a name from :data:`IMPLEMENTATIONS` (a CUDA
             one where MLX has no CUDA device runs "stock"); default
-            :func:`implementation_for` the token count and current backend.
+            :func:`implementation_for` the token count and current backend,
+            or "stock" where that is a kernel :func:`decide_kernels`
+            declined for this block's quantisation.
 
     Returns:
         ``[..., D]``, as ``Qwen3NextSparseMoeBlock.__call__``.
@@ -844,6 +983,8 @@ def sparse_moe(block, x: mx.array, *, implementation: Optional[str] = None) -> m
         return mx.zeros(x.shape, x.dtype)
     if implementation is None:
         implementation = implementation_for(math.prod(x.shape[:-1]))
+        if implementation in block.__dict__.get(_DECLINED, ()):  # decide_kernels, at patch time
+            implementation = "stock"
     elif isinstance(implementation, str) and implementation.startswith("cuda-") and not _cuda_build.cuda_available():
         implementation = "stock"  # a CUDA implementation asked for where MLX has no CUDA device
     try:

@@ -602,6 +602,110 @@ def test_cuda_decode_declines_to_stock():
     assert mx.array_equal(moe._cuda_decode(block, x1), moe._stock(block, x1)).item()
 
 
+# ---------------------------------------------------------------------------
+# the weight format the kernels read: decided per block at patch time
+# ---------------------------------------------------------------------------
+
+_EXPERTS = ("gate_proj", "up_proj", "down_proj")
+
+
+@pytest.mark.parametrize(
+    "quant, prefill, decode",
+    [
+        (None, None, None),  # the checkpoint's layout: both kernels
+        ({"switch_mlp": {"bits": 3, "group_size": 64}}, "moe experts: 3-bit weights (switch_mlp.gate_proj)", "same"),
+        ({"switch_mlp": {"bits": 8, "group_size": 64}}, "moe experts: 8-bit weights", "same"),
+        ({"switch_mlp.down_proj": {"bits": 6, "group_size": 64}}, "6-bit weights (switch_mlp.down_proj)", "same"),
+        ({"switch_mlp": {"bits": 4, "group_size": 32}}, "moe experts: group size 32", "same"),
+        ({"switch_mlp": {"bits": 4, "group_size": 128}}, "moe experts: group size 128", "same"),
+        ({"switch_mlp": {"mode": "mxfp4", "group_size": 32}}, "moe experts: mxfp4 weights", "same"),
+        ({"switch_mlp": {"mode": "nvfp4", "group_size": 16}}, "moe experts: nvfp4 weights", "same"),
+        ({"switch_mlp": False}, "moe experts: unquantised weights", "same"),
+        ({"shared_expert": {"bits": 8, "group_size": 64}}, None, "moe shared expert: 8-bit weights"),
+        ({"shared_expert.up_proj": {"mode": "mxfp4", "group_size": 32}}, None, "mxfp4 weights (shared_expert.up_proj)"),
+        ({"shared_expert_gate": {"bits": 4, "group_size": 64}}, None, None),  # the decode kernels read 4 or 8
+        ({"shared_expert_gate": {"bits": 3, "group_size": 64}}, None, "moe shared-expert gate: 3-bit weights"),
+        ({"shared_expert_gate": False}, None, None),  # a bias-free bf16 nn.Linear: read as such
+        ({"gate": {"bits": 3, "group_size": 64}}, None, None),  # the router: any quantisation
+        ({"gate": {"mode": "mxfp4", "group_size": 32}}, None, None),
+    ],
+)
+def test_kernel_problems_name_the_quantisation(quant, prefill, decode):
+    """Each kernel implementation accepts the blocks whose weights are the
+    format it reads and names what differs in every other; the kernels'
+    own per-call checks agree on every case (the patch-time decision never
+    admits a block they would refuse, nor refuses one they take)."""
+    decode = prefill if decode == "same" else decode
+    block = make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=0, quant=quant)
+    problems = moe.kernel_problems(block)
+    want = {name: r for name, r in (("cuda-prefill", prefill), ("cuda-decode", decode)) if r}
+    assert set(problems) == set(want), problems
+    for name, reason in want.items():
+        assert reason in problems[name], problems[name]
+    sm = block.switch_mlp
+    projs = [getattr(sm, n) for n in _EXPERTS]
+    prefill_ok = all(gg._affine4(p) for p in projs) and gg.supports_arrays(
+        mx.zeros((256, 256), mx.bfloat16), *(gg._q_arrays(p) for p in projs))
+    assert prefill_ok == ("cuda-prefill" not in problems)
+    assert (moe.decode_plan(block, mx.zeros((1, 256), mx.bfloat16)) is None) == ("cuda-decode" in problems)
+
+
+def test_kernel_problems_scales_dtype_and_layers():
+    """fp32 or fp16 scales (a model cast with set_dtype), a bias term, a
+    wrapped layer: named; a module that is no quantised linear layer at all
+    is named by its class."""
+    f32 = make_block(D=256, H=128, E=32, k=8, dtype=mx.float32, seed=0)
+    assert moe.kernel_problems(f32)["cuda-prefill"] == "moe experts: float32 scales (switch_mlp.gate_proj)"
+    f16 = make_block(D=256, H=128, E=32, k=8, dtype=mx.float16, seed=0)
+    assert "float16 scales" in moe.kernel_problems(f16)["cuda-decode"]
+    block = make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=0)
+    block.switch_mlp.up_proj.bias = mx.zeros((32, 128), mx.bfloat16)
+    assert moe.kernel_problems(block)["cuda-prefill"] == "moe experts: a bias term (switch_mlp.up_proj)"
+    block = make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=0)
+    block.shared_expert.down_proj = nn.Sequential(block.shared_expert.down_proj)
+    assert moe.kernel_problems(block) == {"cuda-decode": "moe shared expert: a Sequential layer (shared_expert.down_proj)"}
+    block = make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=0)
+    block.gate = nn.Sequential(block.gate)
+    assert moe.kernel_problems(block) == {"cuda-decode": "moe router: a Sequential layer (gate)"}
+    assert moe.quantization_problem(object()) == "a object layer"
+    assert moe.quantization_problem(block.switch_mlp.gate_proj) is None
+
+
+@pytest.fixture
+def cuda_machine(monkeypatch):
+    """The dispatch as on a machine with a CUDA device (every kernel entry
+    replaced by one that fails: a test under it must never reach one)."""
+    from mlx_qwen_fast import backend
+
+    monkeypatch.setattr(backend, "current", lambda: "cuda")
+    monkeypatch.setattr(cb, "cuda_available", lambda: True)
+
+    def kernel(block, x):
+        raise AssertionError("a CUDA kernel implementation was called")
+
+    for name in ("cuda-prefill", "cuda-decode"):
+        monkeypatch.setitem(moe.IMPLEMENTATIONS, name, kernel)
+
+
+def test_declined_block_runs_stock_where_the_kernels_would(cuda_machine, env):
+    """A block whose experts are 3-bit: decide_kernels declines both
+    kernels and sparse_moe runs mlx-lm's block for every token count where
+    implementation_for picks a kernel; a 4-bit block is sent to them."""
+    env.unset(config.MOE_PREFILL_KERNEL.name)
+    env.unset(config.MOE_DECODE_KERNEL.name)
+    block = make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=1,
+                       quant={"switch_mlp": {"bits": 3, "group_size": 64}})
+    assert set(moe.decide_kernels(block)) == {"cuda-prefill", "cuda-decode"}
+    for n in (1, moe.DECODE_MAX_TOKENS, moe.PREFILL_MIN_TOKENS):
+        assert moe.implementation_for(n) != "stock"
+        x = mx.random.normal((1, n, 256), key=mx.random.key(n)).astype(mx.bfloat16)
+        assert mx.array_equal(moe.sparse_moe(block, x), moe._stock(block, x)).item()
+    ok = make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=1)
+    assert moe.decide_kernels(ok) == {}
+    with pytest.raises(AssertionError, match="CUDA kernel"):
+        moe.sparse_moe(ok, mx.zeros((1, 1, 256), mx.bfloat16))
+
+
 @pytest.fixture
 def cpu_device():
     """The stand-in kernels' results are compared bit for bit with eager
