@@ -5,7 +5,8 @@ Three routes, all ending in :func:`patch`:
 * ``patch(model)`` on a model from ``mlx_lm.load`` (in place);
 * ``mlx_lm.load(path, model_config={"model_type": "qwen3_5_moe_fast"})`` or a
   checkpoint whose config names that type (see ``models/qwen3_5_moe_fast.py``);
-* :func:`install`, which wraps ``mlx_lm.utils.load_model`` so that
+* :func:`install`, which wraps ``mlx_lm.utils.load_model`` (and
+  ``sharded_load``, to patch after sharding) so that
   ``mlx_lm.generate``, ``benchmark``, ``chat``, ``server`` and user scripts
   calling ``mlx_lm.load`` get the fast path (``MLX_QWEN_FAST=0`` disables it).
 
@@ -19,6 +20,7 @@ op and reason, and the :class:`PatchReport` says so.
 """
 
 import functools
+import inspect
 import sys
 import warnings
 from dataclasses import dataclass, field
@@ -35,6 +37,10 @@ from .ops import gated_delta as gated_delta_ops
 from .ops import moe as moe_ops
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5", "qwen3_5_moe_fast")
+# mlx-lm's sharded_load, which shards or pipelines the model load_model gave it
+# (install's load_model leaves what it loads stock; install's sharded_load
+# wrapper patches, and so declines, the model once it is sharded)
+_SHARDED_LOAD = inspect.unwrap(mlx_lm.utils.sharded_load)
 _SLOTS = ("linear_attn", "mlp")  # the modules with a fast class (attention stays mlx-lm's)
 _PREFILL_TOKENS = 2048  # mlx-lm's default prefill_step_size, for the report
 _FAMILIES = (("gated_delta", gated_delta_ops), ("moe", moe_ops))  # report name, dispatcher
@@ -169,10 +175,58 @@ def _model_type(model: nn.Module) -> str:
     return mt or type(model).__module__.rsplit(".", 1)[-1]
 
 
+def _group_size(group) -> int:
+    """Size of a distributed group (anything with ``size()`` and ``rank()``,
+    as ``mx.distributed.Group``); 1 for anything else (``None``, an int)."""
+    if callable(getattr(group, "size", None)) and callable(getattr(group, "rank", None)):
+        return int(group.size())
+    return 1
+
+
+def _distributed_reason(model: nn.Module) -> Optional[str]:
+    """Why a pipelined or tensor-parallel sharded model is declined, else None.
+
+    The fast modules run the whole computation of one rank's unsharded
+    layer and issue no collective, so they cannot stand in for modules that
+    mlx-lm split across a group. Detected from what mlx-lm leaves behind:
+
+    * ``model.model.pipeline(group)`` (``PipelineMixin``) sets
+      ``pipeline_size`` to the group's size;
+    * ``Model.shard(group)`` sets ``sharding_group`` on every ``linear_attn``,
+      sparse-MoE ``mlp`` and, for an untied head, the language model (whose
+      ``switch_mlp``, shared expert and GDN projections it shards in place,
+      keeping their classes), and replaces attention and dense-MLP
+      projections with ``mlx.nn``'s distributed linears, which keep the
+      group as ``group``.
+
+    A group of size 1 splits nothing and its collectives are identities, so
+    it is not declined.
+    """
+    inner = getattr(model, "model", None)
+    pipeline_size = getattr(inner, "pipeline_size", 1)
+    if isinstance(pipeline_size, int) and pipeline_size > 1:
+        return (f"pipeline-parallel model (pipeline size {pipeline_size}, rank "
+                f"{getattr(inner, 'pipeline_rank', '?')}): the fast path does not support mlx-lm's "
+                "pipeline stages; left stock")
+    size, where = 1, ""
+    for name, module in model.named_modules():
+        for attr in ("sharding_group", "group"):
+            n = _group_size(getattr(module, attr, None))
+            if n > size:
+                size, where = n, name
+    if size > 1:
+        return (f"tensor-parallel sharded model (group size {size}, e.g. {where}): the fast "
+                "modules do not implement mlx-lm's collectives; left stock")
+    return None
+
+
 def _unsupported_reason(model: nn.Module) -> Optional[str]:
     model_type = _model_type(model)
     if model_type not in SUPPORTED_MODEL_TYPES:
         return f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}"
+    distributed = _distributed_reason(model)
+    if distributed is not None:
+        return distributed
     layers = getattr(model, "layers", None)
     if not layers:
         return "the model has no decoder layers"
@@ -231,10 +285,14 @@ def patch(model: nn.Module, *, warn: bool = True) -> PatchReport:
 
     Returns:
         A :class:`PatchReport`, also kept as ``model.patch_report``. If the
-        model type or a layer's shape is not
-        supported, or the environment sets ``MLX_QWEN_FAST=0`` (see
-        :func:`enabled`), nothing is changed, ``report.patched`` is False and
-        ``report.reason`` says why.
+        model type or a layer's shape is not supported, the model is
+        tensor-parallel sharded (``model.shard`` with a group of more than
+        one process) or pipelined (``model.model.pipeline``), or the
+        environment sets ``MLX_QWEN_FAST=0`` (see :func:`enabled`), nothing
+        is changed, ``report.patched`` is False and ``report.reason`` says
+        why. A model patched and then sharded or pipelined is put back to
+        its stock modules by the next patch (the fast modules issue none of
+        mlx-lm's collectives).
 
     Raises:
         TypeError: ``model`` is not an ``mlx.nn.Module`` (e.g. a path, or the
@@ -254,6 +312,11 @@ def _patch(model: nn.Module, warn: bool, stacklevel: int) -> PatchReport:
         if warn:
             warnings.warn(f"mlx_qwen_fast: model left on the stock path: {reason}", stacklevel=stacklevel)
         report = PatchReport(False, reason, _model_type(model), backend.current())
+        if is_patched(model) and _distributed_reason(model) is not None:
+            # patched, then sharded or pipelined: the fast modules would skip the
+            # collectives, so the model goes back to stock (rebind keeps what
+            # shard()/pipeline() set on the modules)
+            _swap(model, to_fast=False)
         if not is_patched(model):
             _set_report(model, report)
         return report
@@ -385,6 +448,11 @@ def install(*, verbose: bool = False) -> bool:
 
     Wraps ``mlx_lm.utils.load_model`` (which ``mlx_lm.load``, ``sharded_load``
     and so ``generate``, ``benchmark``, ``chat`` and ``server`` all call).
+    Inside ``sharded_load`` the wrapper leaves the model stock, since
+    sharded_load shards or pipelines it afterwards; ``sharded_load`` itself
+    (``mlx_lm.utils``'s and the name in loaded mlx-lm modules) is wrapped to
+    patch the model it returns, which declines a group of more than one
+    process (see :func:`patch`).
     Other model types pass through untouched (no warning), and so does a
     model that its class already patched (model type ``qwen3_5_moe_fast``:
     its own report is kept). Idempotent: a second call wraps nothing more;
@@ -406,6 +474,7 @@ def install(*, verbose: bool = False) -> bool:
     if ours is not None:
         ours._active = True
         ours._verbose = ours._verbose or verbose
+        _put_sharded_load(ours._sharded_load)
         return True
 
     @functools.wraps(current)
@@ -413,6 +482,12 @@ def install(*, verbose: bool = False) -> bool:
         model, model_config = current(*args, **kwargs)
         if not load_model._active or not enabled():
             return model, model_config
+        if sys._getframe(1).f_code is _SHARDED_LOAD.__code__:
+            return model, model_config  # sharded_load shards it next: patched (or declined) after that
+        _patch_loaded(model)
+        return model, model_config
+
+    def _patch_loaded(model):
         model_type = _model_type(model)
         if model_type in SUPPORTED_MODEL_TYPES:
             # a model its class patched (qwen3_5_moe_fast) keeps the report of that patch
@@ -424,15 +499,37 @@ def install(*, verbose: bool = False) -> bool:
         elif load_model._verbose:
             print(f"mlx_qwen_fast: model_type {model_type!r} has no fast path (supported: "
                   f"{', '.join(SUPPORTED_MODEL_TYPES)}): running stock mlx-lm", file=sys.stderr)
-        return model, model_config
+
+    @functools.wraps(_SHARDED_LOAD)
+    def sharded_load(*args, **kwargs):
+        out = _SHARDED_LOAD(*args, **kwargs)
+        if load_model._active and enabled():
+            _patch_loaded(out[0])  # sharded or pipelined by now: patch declines a group of more than one
+        return out
 
     # set after functools.wraps, which copies the attributes of the function it wraps
     load_model._mlx_qwen_fast = load_model
     load_model._wrapped = current
     load_model._active = True
     load_model._verbose = verbose
+    load_model._sharded_load = sharded_load
     mlx_lm.utils.load_model = load_model
+    _put_sharded_load(sharded_load)
     return True
+
+
+def _put_sharded_load(fn) -> None:
+    """Make ``fn`` the ``sharded_load`` of ``mlx_lm.utils`` and of every loaded
+    mlx-lm module that imported mlx-lm's own by name (chat, server,
+    benchmark, dwq); where one holds another function, it stays. A module
+    imported later binds ``mlx_lm.utils``'s, which is ``fn``; one that bound
+    mlx-lm's before still loads stock (install's load_model does not patch
+    inside sharded_load)."""
+    replaced = (_SHARDED_LOAD, mlx_lm.utils.sharded_load)
+    for name, module in list(sys.modules.items()):
+        if (name == "mlx_lm" or name.startswith("mlx_lm.")) and module is not None:
+            if any(getattr(module, "sharded_load", None) is f for f in replaced):
+                module.sharded_load = fn
 
 
 def uninstall() -> None:
@@ -448,3 +545,5 @@ def uninstall() -> None:
     ours._active = False
     if current is ours:
         mlx_lm.utils.load_model = ours._wrapped
+    if mlx_lm.utils.sharded_load is ours._sharded_load:
+        _put_sharded_load(_SHARDED_LOAD)
