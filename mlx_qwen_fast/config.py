@@ -181,6 +181,14 @@ SWITCHES: Tuple[Switch, ...] = (
 )
 
 
+def check_all() -> None:
+    """Read every switch, warning once about each value not understood, so
+    that a bad value is reported also where this backend never reads that
+    switch (the CUDA kernels' switches on the CPU or Metal)."""
+    for switch in SWITCHES:
+        switch.get()
+
+
 # ---------------------------------------------------------------------------
 # folders
 # ---------------------------------------------------------------------------

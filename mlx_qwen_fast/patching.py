@@ -427,7 +427,9 @@ def enabled() -> bool:
     """False when the environment sets ``MLX_QWEN_FAST`` to 0, false, no or off
     (any case; :data:`mlx_qwen_fast.config.FAST_PATH`): then :func:`patch`
     (and so :func:`install`, the CLIs, the demo and ``patched_copy``) leaves
-    every model stock."""
+    every model stock. Every switch is read here, so that a value not
+    understood is warned about on any backend (:func:`config.check_all`)."""
+    config.check_all()
     return config.FAST_PATH.get()
 
 

@@ -88,6 +88,20 @@ def test_unknown_value_warns_once_and_takes_the_default(env):
         assert config.ARCH.get() is None
 
 
+def test_patching_reads_every_switch_on_any_backend(env):
+    """A value not understood in a switch that this backend never reads (the
+    MoE kernel switch on the CPU) is still warned about, once, when the fast
+    path is asked whether it is enabled (patch, install, the CLIs)."""
+    from mlx_qwen_fast import patching
+
+    env.set(config.MOE_PREFILL_KERNEL.name, "maybe")
+    with pytest.warns(RuntimeWarning, match=r"MLX_QWEN_FAST_MOE_KERNEL='maybe' is not understood"):
+        assert patching.enabled() is True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert patching.enabled() is True
+
+
 def test_the_imports_reading_leaves_the_warning_to_the_next(env):
     """The import reads the off switch with ``warn=False`` (on CUDA): a value
     not understood is then warned about once, by the next reading (patch,

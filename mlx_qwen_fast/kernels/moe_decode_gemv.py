@@ -50,6 +50,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from . import _cuda_build as cb
+from ._cuda_build import describe as _describe
 
 __all__ = [
     "moe_decode_arrays",
@@ -132,19 +133,19 @@ def _shape_problem(x, inds, scores, experts, shared, expert_gate, down_smem: boo
     ``down_smem=False`` skips the down kernel's shared-memory limit (for
     callers that do not run it)."""
     if not isinstance(x, mx.array) or x.ndim != 2 or x.dtype != mx.bfloat16:
-        return f"x must be bfloat16 [N, D], got {getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}"
+        return f"x must be bfloat16 [N, D], got {_describe(x)}"
     n, D = x.shape
     if not 1 <= n <= MAX_TOKENS:
         return f"x must have 1..{MAX_TOKENS} tokens, got N={n}"
     if not isinstance(inds, mx.array) or inds.ndim != 2 or inds.shape[0] != n or inds.dtype not in (mx.int32, mx.uint32):
-        return f"inds must be int32/uint32 [N={n}, k], got {getattr(inds, 'dtype', None)} {tuple(getattr(inds, 'shape', ()))}"
+        return f"inds must be int32/uint32 [N={n}, k], got {_describe(inds)}"
     k = inds.shape[1]
     if not 1 <= k or n * k > 32:
         return f"N*k must be in [1, 32], got N={n}, k={k}"
     if scores is not None and (
         not isinstance(scores, mx.array) or tuple(scores.shape) != (n, k) or scores.dtype != mx.float32
     ):
-        return f"scores must be float32 [{n}, {k}], got {getattr(scores, 'dtype', None)} {tuple(getattr(scores, 'shape', ()))}"
+        return f"scores must be float32 [{n}, {k}], got {_describe(scores)}"
     if D % 256:
         return f"D must be a multiple of 256, got D={D}"
     try:
@@ -291,19 +292,18 @@ def down_combine(
         ValueError: a shape/dtype the kernel does not take (named).
     """
     if not isinstance(inds, mx.array) or inds.ndim != 2 or inds.dtype not in (mx.int32, mx.uint32):
-        raise ValueError(f"down_combine: inds must be int32/uint32 [N, k], got {getattr(inds, 'shape', None)}")
+        raise ValueError(f"down_combine: inds must be int32/uint32 [N, k], got {_describe(inds)}")
     n, k = inds.shape
     if not 1 <= n <= MAX_TOKENS or n * k > 32:
         raise ValueError(f"down_combine: need 1 <= N <= {MAX_TOKENS} and N*k <= 32, got N={n}, k={k}")
     if not isinstance(h, mx.array) or h.ndim != 2 or h.dtype != mx.bfloat16 or h.shape[0] != n * k + n or h.shape[1] % 128:
         raise ValueError(f"down_combine: h must be bfloat16 [N*k + N = {n * k + n}, I] with I % 128 == 0, "
-                         f"got {getattr(h, 'dtype', None)} {tuple(getattr(h, 'shape', ()))}")
+                         f"got {_describe(h)}")
     I = h.shape[1]
     if not isinstance(scores, mx.array) or tuple(scores.shape) != (n, k) or scores.dtype != mx.float32:
-        raise ValueError(f"down_combine: scores must be float32 [{n}, {k}], got {getattr(scores, 'dtype', None)} "
-                         f"{tuple(getattr(scores, 'shape', ()))}")
+        raise ValueError(f"down_combine: scores must be float32 [{n}, {k}], got {_describe(scores)}")
     if not isinstance(sgate, mx.array) or tuple(sgate.shape) != (n,) or sgate.dtype != mx.float32:
-        raise ValueError(f"down_combine: sgate must be float32 [{n}], got {tuple(getattr(sgate, 'shape', ()))}")
+        raise ValueError(f"down_combine: sgate must be float32 [{n}], got {_describe(sgate)}")
     try:
         E, D = down[0].shape[0], down[0].shape[1]
     except (TypeError, IndexError, AttributeError):

@@ -54,6 +54,7 @@ from .. import backend as _backend
 from .. import config
 from ..compiled import StepPlans, apply_linear, concat_linears, linear_arrays, linear_paths
 from ..kernels import _cuda_build
+from ..kernels._cuda_build import describe as _describe
 from ..kernels import moe_decode_gemv as _decode_gemv
 from ..kernels import moe_grouped_gemm as _grouped_gemm
 from ..kernels import moe_routing as _routing
@@ -117,8 +118,7 @@ def route(
     if not isinstance(logits, mx.array) or logits.ndim < 1 or logits.dtype not in _FLOATS:
         raise ValueError(
             "route: logits must be a float32/float16/bfloat16 mx.array of shape "
-            f"[..., E], got {type(logits).__name__} of shape {tuple(getattr(logits, 'shape', ()))} "
-            f"dtype {getattr(logits, 'dtype', None)}"
+            f"[..., E], got {_describe(logits)}"
         )
     num_experts = logits.shape[-1]
     if not isinstance(top_k, numbers.Integral) or isinstance(top_k, bool) or not 1 <= top_k <= num_experts:
@@ -171,8 +171,7 @@ def group_by_expert(
     if not isinstance(inds, mx.array) or inds.ndim != 2 or inds.dtype not in _INTS:
         raise ValueError(
             "group_by_expert: inds must be an integer mx.array of shape [N, k], "
-            f"got {type(inds).__name__} of shape {tuple(getattr(inds, 'shape', ()))} "
-            f"dtype {getattr(inds, 'dtype', None)}"
+            f"got {_describe(inds)}"
         )
     if not isinstance(num_experts, numbers.Integral) or isinstance(num_experts, bool) or num_experts < 1:
         raise ValueError(f"group_by_expert: num_experts must be an int >= 1, got {num_experts!r}")
@@ -384,7 +383,7 @@ def expert_swiglu(
     if not isinstance(x, mx.array) or x.ndim != 2 or x.dtype not in _FLOATS:
         raise ValueError(
             "expert_swiglu: x must be a float mx.array of shape [N, D], got "
-            f"{type(x).__name__} of shape {tuple(getattr(x, 'shape', ()))} dtype {getattr(x, 'dtype', None)}"
+            f"{_describe(x)}"
         )
     n, d = x.shape
     k = groups.top_k
@@ -470,7 +469,7 @@ def _check_block_input(fn: str, block, x: mx.array):
         raise ValueError(
             f"{fn}: x must be a float32/float16/bfloat16 mx.array of shape [..., {d}] "
             f"(at least one token axis, last axis = hidden size {d}), "
-            f"got {type(x).__name__} of shape {tuple(getattr(x, 'shape', ()))} dtype {getattr(x, 'dtype', None)}"
+            f"got {_describe(x)}"
         )
 
 
