@@ -1149,6 +1149,7 @@ def parse_parts(values: Mapping[str, Optional[List[str]]]) -> Dict[str, Dict[str
 @one_line_warnings()
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(
+        prog="python -m mlx_qwen_fast.checkpoint",
         description="Write a random-weight Qwen3.5/3.6-MoE checkpoint that mlx_lm.load can load "
         "(default: mlx-community's 4-bit layout, affine 4-bit group 64 with 8-bit router and "
         "shared-expert gates; other quantisations with --bits, --group-size, --mode, --part-*, --recipe)."

@@ -70,7 +70,7 @@ def _positive_int(text: str) -> int:
 
 @one_line_warnings()
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m mlx_qwen_fast.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, help="checkpoint directory (default: tiny demo)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
     parser.add_argument("--max-tokens", type=_positive_int, default=64)
@@ -80,8 +80,14 @@ def main(argv=None) -> int:
              "on random weights, so only fp32 makes token identity a check of the code)",
     )
     args = parser.parse_args(argv)
-    if args.model is not None and not (args.model / "config.json").is_file():
-        parser.error(f"--model {args.model}: not a checkpoint directory (no config.json there)")
+    from ._cli import check_checkpoint_folder, usage_error
+
+    if args.model is not None:
+        problem = check_checkpoint_folder(args.model)
+        if problem:
+            usage_error(f"--model {args.model}: {problem}")
+    if not args.prompt.strip():
+        usage_error("--prompt is empty: expected the text to continue")
 
     path = args.model or ensure_demo_checkpoint(default_checkpoint_dir())
     try:

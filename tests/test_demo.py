@@ -29,9 +29,10 @@ def test_demo_bad_arguments_are_usage_errors(tmp_path, capsys):
     no_weights.mkdir()
     (no_weights / "config.json").write_text('{"model_type": "qwen3_5_moe"}')
     for argv, words in ((["--max-tokens", "0"], "positive integer"),
-                        (["--model", str(tmp_path / "missing")], "not a checkpoint directory"),
-                        (["--model", str(bad_json)], f"--model {bad_json}: could not load"),
-                        (["--model", str(no_weights)], f"--model {no_weights}: could not load")):
+                        (["--prompt", "  "], "--prompt is empty"),
+                        (["--model", str(tmp_path / "missing")], f"--model {tmp_path / 'missing'}: no such folder"),
+                        (["--model", str(bad_json)], f"--model {bad_json}: config.json is not valid JSON"),
+                        (["--model", str(no_weights)], f"--model {no_weights}: no weights")):
         with pytest.raises(SystemExit) as e:
             demo.main(argv)
         assert e.value.code == 2
