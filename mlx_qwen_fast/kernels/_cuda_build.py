@@ -691,8 +691,7 @@ ArraySpec = Tuple[str, str, bool]
 def arrays_problem(specs: Sequence[ArraySpec], *values) -> Optional[str]:
     """None when each of ``values`` is an mx.array (or None, where its spec
     allows), else one line naming the first that is not, what it must be and
-    what was passed. ``specs`` run parallel to ``values``; one isinstance per
-    value when all are arrays (the per-call paths)."""
+    what was passed. ``specs`` run parallel to ``values``."""
     import mlx.core as mx
 
     for value, (name, expected, optional) in zip(values, specs):
@@ -706,14 +705,10 @@ def check_arrays(fn: Optional[str], specs: Sequence[ArraySpec], *values) -> None
     """Raise ValueError (``fn: `` first where given) with
     :func:`arrays_problem`'s message. Run before any attribute of the
     arguments is read, and before any CUDA-only step, so it holds on every
-    backend. Costs one isinstance per value when all are arrays."""
-    import mlx.core as mx
-
-    array = mx.array
-    for value, spec in zip(values, specs):
-        if not isinstance(value, array) and not (spec[2] and value is None):
-            problem = arrays_problem(specs, *values)
-            raise ValueError(f"{fn}: {problem}" if fn else problem)
+    backend."""
+    problem = arrays_problem(specs, *values)
+    if problem is not None:
+        raise ValueError(f"{fn}: {problem}" if fn else problem)
 
 
 def check_eps(fn: str, name: str, value) -> float:

@@ -744,7 +744,8 @@ def gated_delta_update(
                    allow_neg_eigval=allow_neg_eigval)
 
 
-def _update(q, k, v, a, b, A_log, dt_bias, state, mask, *, use_kernel, lower_bound, allow_neg_eigval):
+def _update(q, k, v, a, b, A_log, dt_bias, state, mask, *, use_kernel: bool = True,
+            lower_bound: Optional[float] = None, allow_neg_eigval: bool = False):
     """:func:`gated_delta_update` of arguments known to be arrays (the
     layer's own: the per-token path skips that check; the gates' and the
     recurrence's shape checks still run)."""
@@ -1037,8 +1038,7 @@ def _layer_reference(layer, inputs, mask, cache):
     q, k = normalize_qk(q, k, inv_scale=layer.head_k_dim**-0.5, eps=1e-6)
 
     state = cache[1] if cache else None
-    out, state = _update(q, k, v, a, b, layer.A_log, layer.dt_bias, state, mask, use_kernel=True, lower_bound=None,
-                         allow_neg_eigval=False)
+    out, state = _update(q, k, v, a, b, layer.A_log, layer.dt_bias, state, mask)
     if cache is not None:
         cache[1] = state
         cache.advance(S)
