@@ -410,3 +410,31 @@ def test_first_use_cache_root(tmp_path):
         first_use._cache_dirs(tmp_path / "c")
     a, b = first_use._cache_dirs(None)
     assert a.is_dir() and b.is_dir() and a != b
+
+
+def test_nodes_counts_graph_and_layers():
+    """bench.nodes: primitive names of an unevaluated graph (evaluated arrays
+    are leaves), and a tiny model's step split into its layers."""
+    import mlx.core as mx
+
+    from bench import nodes
+
+    a, b = mx.array([1.0, 2.0]), mx.array([3.0, 4.0])
+    mx.eval(a, b)
+    assert sorted(nodes.graph_primitives([(a + b) * b])) == ["Add", "Multiply"]
+    c = nodes.count(["Add", "Reshape", "Add"])
+    assert c == {"nodes": 3, "launching": 2, "by_primitive": {"Add": 2, "Reshape": 1}}
+    res = nodes.main(["--preset", "tiny", "--dtype", "float32", "--context", "300", "--engines", "stock"])
+    rec = res["engines"]["stock"]
+    kinds = rec["layers"]
+    assert set(kinds) == {"linear_attention", "full_attention"}
+    assert sum(k["layers"] for k in kinds.values()) == rec["num_layers"]
+    assert rec["outside_layers"]["nodes"] > 0
+    assert "SliceUpdate" in kinds["full_attention"]["by_primitive"]
+    # the next K/V row is written in place: the synthetic cache has room for it
+    model, _ = __import__("mlx_qwen_fast.checkpoint", fromlist=["x"]).build_model("tiny", dtype=mx.float32)
+    cache = nodes.synthetic_cache(model, 256)
+    kv = [c for c in cache if hasattr(c, "keys")][0]
+    cap = kv.keys.shape[2]
+    nodes.step_graph(model, cache)
+    assert cap == 512 and kv.keys.shape[2] == cap and kv.offset == 257
