@@ -40,10 +40,13 @@ case "${1:-}" in
 tests)  # pytest -m "cuda and large" serially (full-size shapes, several GB each), then
         # -m "cuda and not large" under pytest-xdist (serially without it); one line per test (-v), so that
         # a run cut by its timeout still names its failures. Files: tests-large.txt, tests.txt
-  timeout 240 python3 -m pytest -v -m "cuda and large" tests > "$OUT/tests-large.txt" 2>&1  # >110 s on a fresh machine
+  # tests/test_server.py imports the openai client of the test extra, which the device's Python lacks
+  # (and it holds no CUDA test): left out, so that collection does not stop the run
+  IGN="--ignore=tests/test_server.py"
+  timeout 240 python3 -m pytest -v $IGN -m "cuda and large" tests > "$OUT/tests-large.txt" 2>&1  # >110 s on a fresh machine
   echo "rc=$? (5: none collected)" >> "$OUT/tests-large.txt"; tail -4 "$OUT/tests-large.txt"
   XD=""; python3 -c "import xdist" 2>/dev/null && XD="-n ${TEST_WORKERS:-4}"
-  timeout 330 python3 -m pytest -v $XD -m "cuda and not large" tests > "$OUT/tests.txt" 2>&1
+  timeout 330 python3 -m pytest -v $IGN $XD -m "cuda and not large" tests > "$OUT/tests.txt" 2>&1
   echo "rc=$?" >> "$OUT/tests.txt"; tail -4 "$OUT/tests.txt"
   grep -hE "(FAILED|ERROR) " "$OUT/tests-large.txt" "$OUT/tests.txt" | head -20 ;;
 ab)  # bench.ab at 4K: prefill of a 4K prompt and decode at 4K context, stock vs patched in one process,

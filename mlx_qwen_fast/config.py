@@ -38,6 +38,7 @@ __all__ = [
     "FAST_PATH",
     "MOE_PREFILL_KERNEL",
     "MOE_DECODE_KERNEL",
+    "DECODE_LAYER_STEP",
     "KERNEL_CACHE",
     "NVRTC",
     "NVFATBIN",
@@ -157,6 +158,9 @@ MOE_PREFILL_KERNEL = Switch(
 MOE_DECODE_KERNEL = Switch(
     "MLX_QWEN_FAST_MOE_DECODE_KERNEL", "bool", True, "`0`",
     "MoE decode (1-4 tokens) keeps stock on CUDA")
+DECODE_LAYER_STEP = Switch(
+    "MLX_QWEN_FAST_DECODE_LAYER", "bool", True, "`0`",
+    "decode runs each decoder layer's modules one by one instead of one compiled call per layer")
 KERNEL_CACHE = Switch(
     "MLX_QWEN_FAST_CACHE", "path", None, "a folder",
     "where compiled CUDA kernels are cached (default `$XDG_CACHE_HOME/mlx_qwen_fast` "
@@ -177,7 +181,7 @@ POISON = Switch(
 
 #: Every switch, in the README's order.
 SWITCHES: Tuple[Switch, ...] = (
-    FAST_PATH, MOE_PREFILL_KERNEL, MOE_DECODE_KERNEL, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
+    FAST_PATH, MOE_PREFILL_KERNEL, MOE_DECODE_KERNEL, DECODE_LAYER_STEP, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
 )
 
 

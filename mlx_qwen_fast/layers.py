@@ -8,16 +8,22 @@ parameters (quantised or not) stay the same arrays under the same paths, so
 :func:`rebind` moves an existing module instance to another class without
 copying anything; :mod:`mlx_qwen_fast.patching` uses it in both directions.
 
-Gated attention has no fast path: its module stays mlx-lm's own.
+The decoder layer's class is swapped in place (``__class__``, the same
+object in ``model.layers``): :class:`FastDecoderLayer` runs a one-token
+step through :func:`ops.decoder.decode_layer` (the whole layer, gated
+attention included, as one compiled call) and every other call as mlx-lm's
+layer. The attention module itself stays mlx-lm's own.
 """
 
 from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.qwen3_5 import GatedDeltaNet
+from mlx_lm.models.qwen3_5 import DecoderLayer, GatedDeltaNet
 from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
 
+from . import config
+from .ops import decoder as decoder_ops
 from .ops import gated_delta as gated_delta_ops
 from .ops import moe as moe_ops
 
@@ -53,6 +59,26 @@ class FastSparseMoeBlock(Qwen3NextSparseMoeBlock):
     def __call__(self, x):
         return moe_ops.sparse_moe(self, x)
 
+
+class FastDecoderLayer(DecoderLayer):
+    """``qwen3_5.DecoderLayer`` whose one-token call (no mask, a cache) is
+    :func:`ops.decoder.decode_layer` where that applies and
+    :data:`mlx_qwen_fast.config.DECODE_LAYER_STEP` is on; every other call
+    is mlx-lm's."""
+
+    stock_class = DecoderLayer
+    ops = decoder_ops
+
+    def __call__(self, x: mx.array, mask: Optional[mx.array] = None, cache: Optional[Any] = None) -> mx.array:
+        if mask is None and cache is not None and config.DECODE_LAYER_STEP.get():
+            out = decoder_ops.decode_layer(self, x, cache)
+            if out is not None:
+                return out
+        return DecoderLayer.__call__(self, x, mask, cache)
+
+
+#: stock decoder-layer class -> fast class (swapped in place by ``__class__``).
+LAYER_CLASSES = {DecoderLayer: FastDecoderLayer}
 
 #: stock class -> fast class, for :mod:`mlx_qwen_fast.patching`.
 FAST_CLASSES = {

@@ -32,7 +32,7 @@ import mlx_lm.utils
 from . import backend, config
 from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
-from .layers import FAST_CLASSES, rebind
+from .layers import FAST_CLASSES, LAYER_CLASSES, rebind
 from .ops import gated_delta as gated_delta_ops
 from .ops import moe as moe_ops
 
@@ -112,7 +112,8 @@ def op_implementations(backend_name: Optional[str] = None) -> Dict[str, str]:
     for name, module in _FAMILIES:
         for phase, tokens in _PHASES:
             table[f"{name}.{phase}"] = module.implementation_for(tokens, b)
-    table["attention.prefill"] = table["attention.decode"] = "stock"
+    table["attention.prefill"] = "stock"
+    table["attention.decode"] = "compiled-layer" if config.DECODE_LAYER_STEP.get() else "stock"
     return table
 
 
@@ -247,7 +248,15 @@ def _unsupported_reason(model: nn.Module) -> Optional[str]:
 
 def _swap(model: nn.Module, to_fast: bool) -> Dict[str, int]:
     swapped = {slot: 0 for slot in _SLOTS}
+    swapped["decoder_layer"] = 0
+    stock_layers = {fast: stock for stock, fast in LAYER_CLASSES.items()}
     for layer in model.layers:
+        if to_fast and type(layer) in LAYER_CLASSES:
+            layer.__class__ = LAYER_CLASSES[type(layer)]  # same object, same arrays: only __call__ changes
+            swapped["decoder_layer"] += 1
+        elif not to_fast and type(layer) in stock_layers:
+            layer.__class__ = stock_layers[type(layer)]
+            swapped["decoder_layer"] += 1
         for slot in _SLOTS:
             module = getattr(layer, slot, None)
             if module is None:

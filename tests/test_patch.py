@@ -55,10 +55,12 @@ def test_patch_swaps_every_module_and_shares_arrays(tiny):
     assert report.swapped == {
         "linear_attn": n_layers - n_attn,
         "mlp": n_layers,
-    }  # gated attention has no fast class: it stays mlx-lm's
+        "decoder_layer": n_layers,
+    }  # gated attention has no fast class: it stays mlx-lm's, its decode step is the layer's
     assert all(type(l.self_attn) is Qwen3NextAttention for l in fast.layers if not l.is_linear)
     assert set(report.ops) >= {"gated_delta.prefill", "gated_delta.decode"}
-    assert report.ops["attention.prefill"] == report.ops["attention.decode"] == "stock"
+    assert report.ops["attention.prefill"] == "stock"
+    assert report.ops["attention.decode"] == "compiled-layer"
     assert fast.patch_report is report
     fast_params = dict(tree_flatten(fast.parameters()))
     assert fast_params.keys() == stock_params.keys()
@@ -76,6 +78,7 @@ def test_unpatch_restores_stock_classes(tiny):
     n_modules = sum(
         hasattr(l, s) for l in fast.layers for s in ("linear_attn", "mlp")
     )
+    assert counts.pop("decoder_layer") == len(fast.layers)
     assert sum(counts.values()) == n_modules
     assert not mlx_qwen_fast.is_patched(fast)
     stock_types = set(FAST_CLASSES) | {Qwen3NextAttention}
@@ -398,7 +401,8 @@ def test_op_implementations_per_backend():
 
     cur = op_implementations()
     assert set(cur) == {f"{f}.{p}" for f in ("gated_delta", "attention", "moe") for p in ("prefill", "decode")}
-    assert cur["attention.prefill"] == cur["attention.decode"] == "stock"  # no fast path: mlx-lm's
+    assert cur["attention.prefill"] == "stock"  # no fast path: mlx-lm's
+    assert cur["attention.decode"] == "compiled-layer"  # ops.decoder, on every backend
     cpu = op_implementations("cpu")
     assert cpu["moe.prefill"] == cpu["moe.decode"] == "stock"
     assert cpu["gated_delta.prefill"] == "chunked"

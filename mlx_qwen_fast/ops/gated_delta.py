@@ -921,6 +921,36 @@ def _cuda_decode(layer, inputs, cache):
     return out
 
 
+def decode_step_parts(layer, inputs: mx.array, cache):
+    """The compiled decode step of ``layer`` for one token per row, for a
+    caller that traces it inside its own compiled function
+    (:func:`mlx_qwen_fast.ops.decoder.decode_layer`); None where
+    :func:`gated_delta_net` would not run it (no CUDA kernel for the call,
+    no cache state yet, a LoRA-wrapped projection).
+
+    Args:
+        layer: an mlx-lm ``GatedDeltaNet``.
+        inputs: ``[B, 1, D]`` (only its shape and dtype are read).
+        cache: the layer's ``ArraysCache`` holding (conv state, recurrent state).
+
+    Returns:
+        ``(paths, fn, n_used, extra)``: ``fn(x, conv_state, state,
+        *arrays[:n_used], *extra) -> (y, conv_state, state)``, where
+        ``arrays`` are the objects at ``paths`` under ``layer`` (the
+        remaining ones decide the plan and are not read by ``fn``).
+    """
+    if not _layer_takes_kernels(layer, 1, None, cache):
+        return None
+    conv_state, state = _states(cache)
+    if conv_state is None or state is None:
+        return None
+    paths, plan = _decode_plan(layer, inputs, state)
+    if plan is None or plan == "modules":
+        return None
+    fn, n_used, extra = plan
+    return tuple(paths), fn, n_used, extra
+
+
 def _decode_plan(layer, inputs, state):
     """``(paths, plan)`` for :class:`StepPlans`: plan = ``(compiled step,
     number of the gathered arrays it takes, extra arrays)``, "modules" (a

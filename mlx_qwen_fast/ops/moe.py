@@ -870,6 +870,31 @@ def _decode_step_plan(block, x):
     return paths, _compiled_decode_step(block.top_k, block.norm_topk_prob, router[1], len(router[0]), bits)
 
 
+def decode_step_parts(block, x: mx.array):
+    """The compiled decode step of ``block``, for a caller that traces it
+    inside its own compiled function
+    (:func:`mlx_qwen_fast.ops.decoder.decode_layer`); None where
+    :func:`sparse_moe` would not run it (not "cuda-decode" for this many
+    tokens, declined for the block's quantisation, modules the kernels do
+    not take).
+
+    Args:
+        block: a ``Qwen3NextSparseMoeBlock``.
+        x: ``[..., D]`` (only its shape and dtype are read).
+
+    Returns:
+        ``(paths, fn)``: ``fn(x, *arrays) -> [..., D]``, ``arrays`` the
+        objects at ``paths`` under ``block``.
+    """
+    if implementation_for(math.prod(x.shape[:-1])) != "cuda-decode" \
+            or "cuda-decode" in block.__dict__.get(_DECLINED, ()):
+        return None
+    paths, fn = _decode_step_plan(block, x)
+    if fn is None:
+        return None
+    return tuple(paths), fn
+
+
 _decode_steps: Dict[tuple, Callable] = {}
 
 

@@ -1,0 +1,293 @@
+"""One decoder layer's decode step (one token per row) as one ``mx.compile``d call.
+
+Contract: :func:`decode_layer` computes what mlx-lm's
+``qwen3_5.DecoderLayer.__call__`` computes for ``x`` of shape ``[B, 1, D]``
+with no mask -- ``h = x + mixer(input_layernorm(x)); out = h +
+mlp(post_attention_layernorm(h))`` -- and advances the layer's cache by one
+position, as the stock layer does. The reference is that stock call
+(:func:`decode_layer_reference`).
+
+Why: a patched decode token is host-bound. Its graph holds ~785 nodes
+(bench/results/INDEX.md, "nodes"), 44 of them in each gated-attention
+layer, and the Python that builds them runs once per layer per token; a
+layer whose whole step is one compiled call pays that Python once per input
+signature and replays the traced graph from C++ afterwards
+(:mod:`mlx_qwen_fast.compiled`'s rules: every array is an input).
+
+Per layer kind:
+
+* Gated DeltaNet layer: both RMSNorms, the layer's decode step
+  (:func:`mlx_qwen_fast.ops.gated_delta.decode_step_parts`: packed input
+  projection, decode kernel, ``out_proj``), the residuals and the MoE
+  block's decode step (:func:`mlx_qwen_fast.ops.moe.decode_step_parts`).
+* Gated attention layer (mlx-lm's ``Qwen3NextAttention``): RMSNorm, one
+  quantised matmul over the concatenated q|k|v projections, q/k RMSNorm,
+  RoPE at the cache offset (passed as an array, so one trace serves every
+  position), the new K/V row written into the cache's buffers in place
+  (``mx.slice_update`` at the offset; the buffers are donated), attention of
+  the query over the whole buffer with the positions past the offset masked
+  (MLX's ``scaled_dot_product_attention``: the trace depends on the
+  buffer's capacity, which grows by mlx-lm's step of 256 positions, not on
+  the offset), the sigmoid output gate, ``o_proj``, the residual, then the
+  MoE step as above.
+
+Where a part has no decode step (a CPU or Metal backend, a LoRA-wrapped or
+sharded module, a cache other than mlx-lm's plain ``KVCache`` /
+``ArraysCache``, batched prompts with per-row lengths, a quantised KV
+cache), that part runs as the stock layer runs it: the attention step
+without the MoE, or the whole stock layer (None from :func:`decode_layer`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..compiled import StepPlans, apply_linear, concat_linears, linear_arrays, linear_paths
+from . import gated_delta as gated_delta_ops
+from . import moe as moe_ops
+
+__all__ = ["attention_decode_parts", "decode_layer", "decode_layer_reference"]
+
+
+def decode_layer_reference(layer, x: mx.array, cache) -> mx.array:
+    """mlx-lm's ``DecoderLayer.__call__(x, None, cache)`` (the stock layer,
+    its modules as they are: fast or stock)."""
+    from mlx_lm.models.qwen3_5 import DecoderLayer
+
+    return DecoderLayer.__call__(layer, x, None, cache)
+
+
+def _kv_cache_type():
+    from mlx_lm.models.cache import KVCache
+
+    return KVCache
+
+
+def _arrays_cache_type():
+    from mlx_lm.models.cache import ArraysCache
+
+    return ArraysCache
+
+
+# ---------------------------------------------------------------------------
+# gated attention: plan and step
+# ---------------------------------------------------------------------------
+
+_ATTN_PROJ = ("q_proj", "k_proj", "v_proj")
+
+
+def attention_decode_parts(attn) -> Optional[Tuple[tuple, tuple, tuple]]:
+    """The arrays and static settings of a gated-attention module's decode
+    step, or None where the step does not apply (a projection that is not a
+    plain or quantised linear layer, q/k/v of unlike quantisation, a RoPE
+    other than ``nn.RoPE``, a sharded module).
+
+    Returns:
+        ``(paths, extra, static)``: ``paths`` of the arrays read at call
+        time (under ``attn``: q/k norm weights, ``o_proj``'s arrays, then
+        the three projections' arrays, which decide the plan), ``extra`` =
+        the concatenated q|k|v arrays (new arrays: ~ the three projections'
+        bytes again), ``static`` (hashable) for :func:`_attention_core`.
+    """
+    if getattr(attn, "sharding_group", None) is not None or type(attn.rope) is not nn.RoPE:
+        return None
+    lins = [linear_arrays(getattr(attn, n)) for n in _ATTN_PROJ + ("o_proj",)]
+    if any(lin is None for lin in lins):
+        return None
+    qkv = concat_linears(lins[:3])
+    if qkv is None:
+        return None
+    rope = attn.rope
+    static = (
+        int(attn.num_attention_heads), int(attn.num_key_value_heads), int(attn.head_dim),
+        float(attn.q_norm.eps), float(attn.k_norm.eps), float(attn.scale),
+        (int(rope.dims), bool(rope.traditional), float(rope.base), float(rope.scale)),
+        (len(qkv[0]), qkv[1]), (len(lins[3][0]), lins[3][1]),
+    )
+    paths = (("q_norm", "weight"), ("k_norm", "weight")) + linear_paths(("o_proj",), lins[3])
+    paths += tuple(p for n, lin in zip(_ATTN_PROJ, lins[:3]) for p in linear_paths((n,), lin))
+    return paths, tuple(qkv[0]), static
+
+
+def _attention_core(static, x, keys, values, offset, qn_w, kn_w, flat):
+    """The gated attention of one token per row on normalised ``x``
+    ``[B, 1, D]``: ``(o_proj output [B, 1, D], keys, values)`` with the new
+    K/V row written at ``offset`` (0-d int32) into ``keys``/``values``
+    ``[B, Hkv, capacity, Dh]``. ``flat`` = o_proj's arrays then the q|k|v
+    arrays. Same ops as ``Qwen3NextAttention.__call__`` (mlx-lm 0.32.2)."""
+    hq, hkv, dh, eps_q, eps_k, scale, (dims, traditional, base, rscale), (n_qkv, qkv_s), (n_o, o_s) = static
+    B = x.shape[0]
+    proj = apply_linear(x, flat[n_o:n_o + n_qkv], qkv_s)
+    nq, nk = hq * dh * 2, hkv * dh
+    queries, gate = mx.split(proj[..., :nq].reshape(B, 1, hq, -1), 2, axis=-1)
+    gate = gate.reshape(B, 1, -1)
+    k = proj[..., nq:nq + nk].reshape(B, 1, hkv, -1)
+    v = proj[..., nq + nk:].reshape(B, 1, hkv, -1)
+    queries = mx.fast.rms_norm(queries, qn_w, eps_q).transpose(0, 2, 1, 3)
+    k = mx.fast.rms_norm(k, kn_w, eps_k).transpose(0, 2, 1, 3)
+    v = v.transpose(0, 2, 1, 3)
+    queries = mx.fast.rope(queries, dims, traditional=traditional, base=base, scale=rscale, offset=offset)
+    k = mx.fast.rope(k, dims, traditional=traditional, base=base, scale=rscale, offset=offset)
+    keys = mx.slice_update(keys, k, offset.reshape(1), axes=(2,))
+    values = mx.slice_update(values, v, offset.reshape(1), axes=(2,))
+    mask = mx.arange(keys.shape[2]) <= offset  # the positions written so far, this one included
+    out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    out = out.transpose(0, 2, 1, 3).reshape(B, 1, -1)
+    return apply_linear(out * mx.sigmoid(gate), flat[:n_o], o_s), keys, values
+
+
+def _room(cache, x_dtype, B: int, hkv: int, dh: int) -> bool:
+    """Make room for one more position in a plain ``KVCache`` as
+    ``KVCache.update_and_fetch`` (mlx-lm 0.32.2) does (buffers grown by
+    ``cache.step`` positions). False (nothing changed) where the buffers do
+    not match the step's batch, heads or head size."""
+    keys = cache.keys
+    if keys is None or keys.ndim != 4 or tuple(keys.shape[:2]) != (B, hkv) or keys.shape[3] != dh:
+        return False
+    if cache.values is None or tuple(cache.values.shape) != tuple(keys.shape):
+        return False
+    prev = cache.offset
+    if prev + 1 > keys.shape[2]:
+        step = cache.step
+        new_k = mx.zeros((B, hkv, step, dh), keys.dtype)
+        new_v = mx.zeros((B, hkv, step, dh), cache.values.dtype)
+        if prev % step != 0:
+            cache.keys, cache.values = cache.keys[..., :prev, :], cache.values[..., :prev, :]
+        cache.keys = mx.concatenate([cache.keys, new_k], axis=2)
+        cache.values = mx.concatenate([cache.values, new_v], axis=2)
+    return True
+
+
+# ---------------------------------------------------------------------------
+# the layer plans and their compiled steps
+# ---------------------------------------------------------------------------
+
+_NORMS = (("input_layernorm", "weight"), ("post_attention_layernorm", "weight"))
+_steps: Dict[tuple, Callable] = {}
+
+
+def _prefixed(prefix: str, paths) -> Tuple[Tuple[str, ...], ...]:
+    return tuple((prefix,) + tuple(p) for p in paths)
+
+
+def _moe_parts(layer, x):
+    """``(paths under the layer, compiled MoE step)`` or None."""
+    parts = moe_ops.decode_step_parts(layer.mlp, x)
+    if parts is None:
+        return None
+    paths, fn = parts
+    return _prefixed("mlp", paths), fn
+
+
+def _linear_plan(layer, x, cache):
+    children = [("linear_attn",), ("mlp",), ("input_layernorm",), ("post_attention_layernorm",)]
+    gdn = gated_delta_ops.decode_step_parts(layer.linear_attn, x, cache)
+    moe = _moe_parts(layer, x)
+    if gdn is None or moe is None:
+        return children, None
+    g_paths, g_fn, g_used, g_extra = gdn
+    m_paths, m_fn = moe
+    eps = (float(layer.input_layernorm.eps), float(layer.post_attention_layernorm.eps))
+    n_g, n_m = len(g_paths), len(m_paths)
+    key = ("linear", g_fn, m_fn, eps, g_used, n_g, n_m, len(g_extra))
+    fn = _steps.get(key)
+    if fn is None:
+
+        def step(x, conv_state, state, *flat):
+            n1, n2 = flat[0], flat[1]
+            g = flat[2:2 + g_used]
+            m = flat[2 + n_g:2 + n_g + n_m]
+            ge = flat[2 + n_g + n_m:]
+            r, conv_state, state = g_fn(mx.fast.rms_norm(x, n1, eps[0]), conv_state, state, *g, *ge)
+            h = x + r
+            return h + m_fn(mx.fast.rms_norm(h, n2, eps[1]), *m), conv_state, state
+
+        fn = _steps[key] = mx.compile(step)
+    return _NORMS + _prefixed("linear_attn", g_paths) + m_paths, ("linear", fn, g_extra)
+
+
+def _attention_plan(layer, x, cache):
+    children = [("self_attn",), ("mlp",), ("input_layernorm",), ("post_attention_layernorm",)]
+    attn = attention_decode_parts(layer.self_attn)
+    if attn is None:
+        return children, None
+    a_paths, a_extra, a_static = attn
+    moe = _moe_parts(layer, x)
+    m_paths, m_fn = moe if moe is not None else ((), None)
+    eps = (float(layer.input_layernorm.eps), float(layer.post_attention_layernorm.eps))
+    n_a, n_m, n_o = len(a_paths), len(m_paths), a_static[-1][0]
+    key = ("attention", a_static, m_fn, eps, n_a, n_m, len(a_extra))
+    fn = _steps.get(key)
+    if fn is None:
+
+        def step(x, keys, values, offset, *flat):
+            n1, n2 = flat[0], flat[1]
+            qn_w, kn_w = flat[2], flat[3]
+            o = flat[4:4 + n_o]
+            m = flat[2 + n_a:2 + n_a + n_m]
+            qkv = flat[2 + n_a + n_m:]
+            r, keys, values = _attention_core(a_static, mx.fast.rms_norm(x, n1, eps[0]), keys, values,
+                                              offset, qn_w, kn_w, tuple(o) + tuple(qkv))
+            h = x + r
+            if m_fn is None:
+                return h, keys, values
+            return h + m_fn(mx.fast.rms_norm(h, n2, eps[1]), *m), keys, values
+
+        fn = _steps[key] = mx.compile(step)
+    return _NORMS + _prefixed("self_attn", a_paths) + m_paths, ("attention", fn, a_extra, m_fn is not None,
+                                                                 a_static[1], a_static[2])
+
+
+def decode_layer(layer, x: mx.array, cache) -> Optional[mx.array]:
+    """The decode step of mlx-lm's ``qwen3_5.DecoderLayer`` as one compiled
+    call (see the module docstring); None where it does not apply, before
+    touching the cache (the caller runs the stock layer).
+
+    Args:
+        layer: an mlx-lm ``qwen3_5.DecoderLayer`` with a sparse MoE block.
+        x: ``[B, 1, D]`` hidden states (bf16 or fp32), evaluated or not.
+        cache: the layer's mlx-lm cache: ``ArraysCache`` (conv and recurrent
+            state) for a Gated DeltaNet layer, ``KVCache`` for an attention
+            layer; updated in place and advanced by one position.
+
+    Returns:
+        ``[B, 1, D]``, as ``DecoderLayer.__call__(x, None, cache)``; or None.
+    """
+    if cache is None or not isinstance(x, mx.array) or x.ndim != 3 or x.shape[1] != 1 or x.shape[0] == 0:
+        return None
+    if layer.is_linear:
+        if type(cache) is not _arrays_cache_type() or cache.lengths is not None or cache[0] is None \
+                or cache[1] is None:
+            return None
+        key = ("linear", tuple(x.shape), x.dtype, cache[0].dtype, cache[1].dtype)
+        arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _linear_plan(layer, x, cache))
+        if plan is None:
+            return None
+        _, fn, extra = plan
+        out, conv_state, state = fn(x, cache[0], cache[1], *arrays, *extra)
+        cache[0] = conv_state
+        cache[1] = state
+        cache.advance(1)
+        return out
+    if type(cache) is not _kv_cache_type() or cache.keys is None:
+        return None
+    key = ("attention", tuple(x.shape), x.dtype, cache.keys.dtype)
+    arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _attention_plan(layer, x, cache))
+    if plan is None:
+        return None
+    _, fn, extra, has_moe, hkv, dh = plan
+    if not _room(cache, x.dtype, x.shape[0], hkv, dh):
+        return None
+    keys, values = cache.keys, cache.values
+    cache.keys = cache.values = None  # the step's inputs alone hold the buffers: they are donated
+    try:
+        out, keys, values = fn(x, keys, values, mx.array(cache.offset, mx.int32), *arrays, *extra)
+    finally:
+        cache.keys, cache.values = keys, values
+    cache.offset += 1
+    if not has_moe:
+        out = out + layer.mlp(layer.post_attention_layernorm(out))
+    return out

@@ -1,0 +1,209 @@
+"""ops.decoder: a decoder layer's one-token step as one compiled call, against
+the stock layer (mlx-lm's ``DecoderLayer.__call__``) on fresh random models.
+
+CPU: the gated-attention layers take the compiled step (its MoE block as a
+module call); the Gated DeltaNet layers have no kernel there and stay stock.
+CUDA: both kinds take it, the MoE decode step inside the same call.
+"""
+
+import mlx.core as mx
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
+
+from compare import FP32_TOL, GATHER_QMM_TOL, assert_close, finite
+from mlx_qwen_fast import config, patched_copy
+from mlx_qwen_fast.checkpoint import build_model
+from mlx_qwen_fast.ops import decoder
+
+from cuda_helpers import HAS_CUDA
+
+
+def _models(seed, dtype=mx.float32):
+    model, _ = build_model("tiny", seed=seed, dtype=dtype)
+    fast, report = patched_copy(model, warn=False)
+    assert report.patched and report.swapped.get("decoder_layer") == len(model.layers)
+    return model, fast
+
+
+def _arrays(cache):
+    return [v for c in cache for _, v in tree_flatten(c.state) if isinstance(v, mx.array)]
+
+
+def _spy(monkeypatch):
+    """Count the compiled layer steps that ran, by layer kind."""
+    taken = {"linear": 0, "attention": 0}
+    real = decoder.decode_layer
+
+    def spy(layer, x, cache):
+        out = real(layer, x, cache)
+        if out is not None:
+            taken["linear" if layer.is_linear else "attention"] += 1
+        return out
+
+    monkeypatch.setattr(decoder, "decode_layer", spy)
+    return taken
+
+
+def _decode_pair(stock, fast, prompt_len, steps, batch=1, seed=0, make_cache=make_prompt_cache):
+    """Prefill the same random prompt in both engines, then decode ``steps``
+    tokens teacher-forced (both fed stock's greedy token); returns the two
+    logits per step and the two caches."""
+    vocab = stock.language_model.args.vocab_size
+    prompt = mx.random.randint(1, vocab, (batch, prompt_len), key=mx.random.key(seed))
+    cs, cf = make_cache(stock), make_cache(fast)
+    a, b = stock(prompt, cache=cs), fast(prompt, cache=cf)
+    mx.eval(a, b, _arrays(cs), _arrays(cf))
+    tok = mx.argmax(a[:, -1], -1)
+    out = []
+    for _ in range(steps):
+        a, b = stock(tok[:, None], cache=cs), fast(tok[:, None], cache=cf)
+        mx.eval(a, b)
+        out.append((a, b))
+        tok = mx.argmax(a[:, -1], -1)
+    return out, cs, cf
+
+
+@pytest.mark.parametrize("prompt_len,steps,batch", [(1, 3, 1), (250, 12, 1), (255, 2, 1), (256, 2, 1), (40, 6, 2)])
+def test_attention_layer_step_matches_stock(monkeypatch, prompt_len, steps, batch):
+    """fp32: logits and every cache array as stock's, across the cache's
+    256-position growth (prompt 250 + 12 steps, 255 + 2, 256 + 2) and for
+    two rows; the compiled step ran for every attention layer and step."""
+    taken = _spy(monkeypatch)
+    stock, fast = _models(seed=prompt_len)
+    pairs, cs, cf = _decode_pair(stock, fast, prompt_len, steps, batch, seed=steps)
+    for i, (a, b) in enumerate(pairs):
+        assert finite(b)
+        assert_close(b, a, FP32_TOL, f"logits at step {i}")
+        assert (mx.argmax(a[:, -1], -1) == mx.argmax(b[:, -1], -1)).all().item()
+    n_attn = sum(not l.is_linear for l in fast.layers)
+    assert taken["attention"] == n_attn * steps
+    for x, y in zip(_arrays(cs), _arrays(cf)):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        assert_close(y, x, FP32_TOL, "cache array")
+    kv = [(c1, c2) for c1, c2 in zip(cs, cf) if isinstance(c1, KVCache)]
+    assert all(c1.offset == c2.offset == prompt_len + steps for c1, c2 in kv)
+    assert all(c1.keys.shape == c2.keys.shape for c1, c2 in kv)  # grown as mlx-lm grows it
+
+
+def test_layer_step_outputs_and_stock_layer_agree_bf16():
+    """bf16 (the checkpoint's dtype): the compiled attention step within
+    bf16 rounding of the stock layer, one layer alone, fresh inputs."""
+    stock, fast = _models(seed=7, dtype=mx.bfloat16)
+    i = next(j for j, l in enumerate(fast.layers) if not l.is_linear)
+    for ctx in (1, 255, 256, 257):
+        c1, c2 = KVCache(), KVCache()
+        kv = mx.random.normal((1, 2, ctx, 64), key=mx.random.key(ctx)).astype(mx.bfloat16)
+        c1.update_and_fetch(kv, kv * 0.5)
+        c2.update_and_fetch(mx.array(kv), mx.array(kv * 0.5))
+        x = mx.random.normal((1, 1, 256), key=mx.random.key(ctx + 1)).astype(mx.bfloat16)
+        ref = stock.layers[i](x, None, c1)
+        got = decoder.decode_layer(fast.layers[i], x, c2)
+        assert got is not None
+        mx.eval(ref, got)
+        assert_close(got, ref, GATHER_QMM_TOL, f"context {ctx}")
+        assert_close(c2.keys[..., : ctx + 1, :], c1.keys[..., : ctx + 1, :], 0.0, "keys written")
+
+
+@pytest.mark.parametrize("kind", ["rotating", "quantized", "mask", "prefill", "switch-off", "no-cache"])
+def test_other_calls_take_the_stock_layer(monkeypatch, env, kind):
+    """Caches other than the plain KVCache (``--max-kv-size``, ``kv_bits``),
+    a mask, several tokens, the switch off, no cache: the stock layer runs,
+    outputs identical to the stock model's."""
+    taken = _spy(monkeypatch)
+    stock, fast = _models(seed=3)
+    i = next(j for j, l in enumerate(fast.layers) if not l.is_linear)
+    x = mx.random.normal((1, 4 if kind == "prefill" else 1, 256), key=mx.random.key(2))
+    mask = None
+
+    def cache():
+        if kind == "rotating":
+            return RotatingKVCache(max_size=8)
+        if kind == "quantized":
+            return QuantizedKVCache(group_size=32, bits=8)
+        return KVCache()
+
+    if kind == "switch-off":
+        env.set(config.DECODE_LAYER_STEP.name, "0")
+    c1, c2 = cache(), cache()
+    if kind != "no-cache":
+        pre = mx.random.normal((1, 2, 5, 64), key=mx.random.key(4))
+        c1.update_and_fetch(pre, pre)
+        c2.update_and_fetch(mx.array(pre), mx.array(pre))
+    else:
+        c1 = c2 = None
+    if kind == "mask":
+        mask = mx.ones((1, 1, 1, 6), dtype=mx.bool_)
+    ref = stock.layers[i](x, mask, c1)
+    got = fast.layers[i](x, mask, c2)
+    mx.eval(ref, got)
+    assert taken["attention"] == 0
+    assert_close(got, ref, 0.0, kind)
+
+
+def test_replaced_weights_are_read(monkeypatch):
+    """A projection replaced after the first step (``update``) is what the
+    next step reads: the plan is rebuilt, output as stock's with the new weights."""
+    stock, fast = _models(seed=11)
+    i = next(j for j, l in enumerate(fast.layers) if not l.is_linear)
+    c1, c2 = KVCache(), KVCache()
+    pre = mx.random.normal((1, 2, 3, 64), key=mx.random.key(1))
+    c1.update_and_fetch(pre, pre)
+    c2.update_and_fetch(mx.array(pre), mx.array(pre))
+    x = mx.random.normal((1, 1, 256), key=mx.random.key(2))
+    mx.eval(fast.layers[i](x, None, c2), stock.layers[i](x, None, c1))
+    new = {k: v * 1.5 for k, v in tree_flatten(stock.layers[i].self_attn.k_proj.parameters())
+           if k != "weight"}  # new scales and biases (the packed weight stays): new arrays, new values
+    stock.layers[i].self_attn.k_proj.update(new)
+    fast.layers[i].self_attn.k_proj.update(dict(new))
+    ref, got = stock.layers[i](x, None, c1), fast.layers[i](x, None, c2)
+    mx.eval(ref, got)
+    assert_close(got, ref, FP32_TOL, "after update")
+
+
+def test_unpatch_restores_the_stock_layer_class():
+    from mlx_lm.models.qwen3_5 import DecoderLayer
+
+    from mlx_qwen_fast import unpatch
+
+    _, fast = _models(seed=1)
+    assert all(type(l) is not DecoderLayer for l in fast.layers)
+    assert unpatch(fast)["decoder_layer"] == len(fast.layers)
+    assert all(type(l) is DecoderLayer for l in fast.layers)
+
+
+def test_bad_input_declines():
+    """Not an array, rank other than 3, more than one token, no rows: None
+    (the stock layer then raises or runs as it would)."""
+    _, fast = _models(seed=2)
+    layer = next(l for l in fast.layers if not l.is_linear)
+    c = KVCache()
+    assert decoder.decode_layer(layer, [[1.0]], c) is None
+    assert decoder.decode_layer(layer, mx.zeros((1, 256)), c) is None
+    assert decoder.decode_layer(layer, mx.zeros((1, 2, 256)), c) is None
+    assert decoder.decode_layer(layer, mx.zeros((0, 1, 256)), c) is None
+    assert decoder.decode_layer(layer, mx.zeros((1, 1, 256)), c) is None  # empty cache: stock's first write
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("poison")
+@pytest.mark.parametrize("batch", [1, 2])
+def test_cuda_whole_layer_steps_match_module_path(monkeypatch, env, batch):
+    """CUDA, bf16: both layer kinds take the compiled step (GDN decode kernel
+    and MoE decode kernels inside); logits over 40 teacher-forced steps (the
+    cache crosses 256 positions) within bf16 rounding of the same model with
+    the step off (the modules one by one), and greedy tokens as stock's
+    where stock's top-2 margin is clear."""
+    assert HAS_CUDA
+    taken = _spy(monkeypatch)
+    stock, fast = _models(seed=5, dtype=mx.bfloat16)
+    pairs, _, _ = _decode_pair(stock, fast, 230, 40, batch, seed=batch)
+    assert taken["linear"] == sum(l.is_linear for l in fast.layers) * 40
+    assert taken["attention"] == sum(not l.is_linear for l in fast.layers) * 40
+    env.set(config.DECODE_LAYER_STEP.name, "0")
+    _, off = _models(seed=5, dtype=mx.bfloat16)
+    pairs_off, _, _ = _decode_pair(stock, off, 230, 40, batch, seed=batch)
+    for i, ((a, b), (_, c)) in enumerate(zip(pairs, pairs_off)):
+        assert finite(b)
+        assert_close(b, c, GATHER_QMM_TOL, f"step {i}: layer step vs modules")
+        assert_close(b, a, GATHER_QMM_TOL, f"step {i}: layer step vs stock")
