@@ -39,6 +39,7 @@ __all__ = [
     "MOE_PREFILL_KERNEL",
     "MOE_DECODE_KERNEL",
     "DECODE_LAYER_STEP",
+    "METAL_KERNELS",
     "KERNEL_CACHE",
     "NVRTC",
     "NVFATBIN",
@@ -161,6 +162,10 @@ MOE_DECODE_KERNEL = Switch(
 DECODE_LAYER_STEP = Switch(
     "MLX_QWEN_FAST_DECODE_LAYER", "bool", True, "`0`",
     "decode runs each decoder layer's modules one by one instead of one compiled call per layer")
+METAL_KERNELS = Switch(
+    "MLX_QWEN_FAST_METAL", "bool", False, "`1`",
+    "on Apple silicon, the package's Metal kernels run (the Gated DeltaNet decode step); checked only "
+    "by running MLX's generated source on a CPU, never timed on a Mac")
 KERNEL_CACHE = Switch(
     "MLX_QWEN_FAST_CACHE", "path", None, "a folder",
     "where compiled CUDA kernels are cached (default `$XDG_CACHE_HOME/mlx_qwen_fast` "
@@ -181,7 +186,7 @@ POISON = Switch(
 
 #: Every switch, in the README's order.
 SWITCHES: Tuple[Switch, ...] = (
-    FAST_PATH, MOE_PREFILL_KERNEL, MOE_DECODE_KERNEL, DECODE_LAYER_STEP, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
+    FAST_PATH, MOE_PREFILL_KERNEL, MOE_DECODE_KERNEL, DECODE_LAYER_STEP, METAL_KERNELS, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
 )
 
 

@@ -112,6 +112,8 @@ def op_implementations(backend_name: Optional[str] = None) -> Dict[str, str]:
     for name, module in _FAMILIES:
         for phase, tokens in _PHASES:
             table[f"{name}.{phase}"] = module.implementation_for(tokens, b)
+    if b == backend.METAL and config.METAL_KERNELS.get():  # the layer's decode, not the recurrence alone
+        table["gated_delta.decode"] = "metal-kernel"
     table["attention.prefill"] = "stock"
     table["attention.decode"] = "compiled-layer" if config.DECODE_LAYER_STEP.get() else "stock"
     return table

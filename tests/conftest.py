@@ -191,3 +191,18 @@ def poison():
     cb.set_poison(True)
     yield
     cb.set_poison(None)
+
+
+@pytest.fixture
+def gdn128(monkeypatch):
+    """The tiny preset with 128-wide Gated DeltaNet heads (the decode
+    kernel's head size) and 4 layers (3 Gated DeltaNet, 1 attention)."""
+    from mlx_qwen_fast import checkpoint
+
+    cfg = checkpoint.preset_config("tiny")
+    text = cfg["text_config"]
+    text.update(linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=2,
+                linear_num_value_heads=4, num_hidden_layers=4,
+                layer_types=text["layer_types"][:4])
+    monkeypatch.setitem(checkpoint.PRESETS, "tiny-gdn128", cfg)
+    return "tiny-gdn128"

@@ -17,21 +17,25 @@ What it does, for one ``mx.fast.metal_kernel`` call:
    per GPU thread, one threadgroup at a time, edge threadgroups as
    ``dispatchThreads`` makes them (MLX dispatches ``min(threadgroup,
    grid)``); ``threadgroup_barrier`` and the ``simd_*`` collectives (32
-   lanes) wait for their group. Every buffer ends where an inaccessible
-   page starts, outputs start poisoned (NaN) unless ``init_value``.
+   lanes) wait for their group; twice, under two thread schedules
+   (:data:`SCHEDULES`), whose outputs must agree bit for bit. Every buffer
+   ends where an inaccessible page starts, outputs start poisoned (NaN)
+   unless ``init_value``.
 
 It fails (:class:`MetalCheckError`, the program's message) on: an access
 past the end of a buffer (named), a barrier that some threads of a group
 return without reaching, lanes of a SIMD group waiting at different
-synchronisation points, an MSL construct the shim lacks (a compile error).
+synchronisation points, outputs that differ between the two schedules (a
+read of memory another thread writes with no barrier between), an MSL
+construct the shim lacks (a compile error).
 Unwritten outputs stay NaN for the caller's comparison to catch.
 
 What this proves: for the shapes run, the kernel's numbers under a C++
 reading of MSL, and the absence of the bounds and barrier errors above.
 What it cannot: that Apple's compiler accepts the source, anything about
 speed, Apple's memory model (threads of one group never run concurrently
-here, so a missing barrier shows only where the schedule exposes it:
-fibers run in order until they block), SIMD lockstep within a lane group
+here, so a missing barrier shows only where one of the two schedules
+exposes it), SIMD lockstep within a lane group
 between collectives, bit-exact reductions (float sums here are sequential),
 reads before a buffer's start that stay within its page.
 
@@ -80,6 +84,13 @@ ATTRIBUTES = {
 _NP = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16, mx.int32: np.int32,
        mx.uint32: np.uint32, mx.int64: np.int64, mx.uint64: np.uint64, mx.int16: np.int16,
        mx.uint16: np.uint16, mx.int8: np.int8, mx.uint8: np.uint8, mx.bool_: np.bool_}
+
+
+#: The thread schedules every kernel runs under (``metal_run.h``): 0 runs each
+#: runnable thread in turn until it blocks; 1 runs the lowest-numbered one
+#: and lets a SIMD group run on as soon as its collective completes. Outputs
+#: must agree bit for bit.
+SCHEDULES = (0, 1)
 
 
 class MetalCheckError(AssertionError):
@@ -270,15 +281,19 @@ class SimKernel:
                 order.append(name)
             (d / "manifest").write_text("\n".join(manifest) + "\n")
             g, t = call["grid"], call["threadgroup"]
-            r = subprocess.run([str(exe), str(d), *map(str, g), *map(str, t)], capture_output=True, text=True,
-                               timeout=600)
-            if r.returncode != 0:
-                raise MetalCheckError(f"{self.name}: " + (r.stderr.strip() or f"exit code {r.returncode}"))
-            results = []
+            written = []
+            for schedule in SCHEDULES:
+                r = subprocess.run([str(exe), str(d), *map(str, g), *map(str, t), str(schedule)],
+                                   capture_output=True, text=True, timeout=600)
+                if r.returncode != 0:
+                    raise MetalCheckError(f"{self.name}: " + (r.stderr.strip() or f"exit code {r.returncode}"))
+                written.append({n: (d / f"{order.index(n)}.out").read_bytes() for n in self.output_names})
             for n in self.output_names:
-                shape, dt = outs[n]
-                results.append(_from_bytes((d / f"{order.index(n)}.out").read_bytes(), shape, dt))
-            return results
+                if any(w[n] != written[0][n] for w in written[1:]):
+                    raise MetalCheckError(
+                        f"{self.name}: output '{n}' depends on the order threads run in (schedules "
+                        f"{SCHEDULES}): a thread reads memory another writes with no barrier between")
+            return [_from_bytes(written[0][n], *outs[n]) for n in self.output_names]
         finally:
             shutil.rmtree(d, ignore_errors=True)
 

@@ -5,7 +5,13 @@
 // holds each buffer's initial bytes; each buffer is written back to
 // DIR/<i>.out. Every buffer ends at a page boundary followed by an
 // inaccessible page, so a read or write past its end faults; the fault is
-// reported with the buffer's name.
+// reported with the buffer's name. SCHEDULE 0 runs every runnable fiber in
+// turn until it blocks, then releases the SIMD groups and barriers that are
+// complete; SCHEDULE 1 always runs the lowest-numbered runnable fiber and
+// releases a SIMD group's collective as soon as its last lane arrives, so
+// those lanes run ahead of the rest of the group. A kernel whose outputs
+// differ between the two reads memory that another thread writes without a
+// barrier between them.
 #pragma once
 // (its system headers are included by metal_shim.h, before the address-space macros)
 
@@ -43,10 +49,11 @@ static void mqf_trampoline() {
 }
 
 int main(int argc, char** argv) {
-  if (argc != 8) {
-    std::fprintf(stderr, "usage: %s DIR GX GY GZ TX TY TZ\n", argv[0]);
+  if (argc != 9) {
+    std::fprintf(stderr, "usage: %s DIR GX GY GZ TX TY TZ SCHEDULE\n", argv[0]);
     return 2;
   }
+  const bool eager = std::atoi(argv[8]) == 1;
   std::string dir = argv[1];
   uint grid[3], tg[3];
   for (int i = 0; i < 3; i++) {
@@ -117,11 +124,43 @@ int main(int argc, char** argv) {
           f.ctx.uc_link = nullptr;
           makecontext(&f.ctx, mqf_trampoline, 0);
         }
+        auto simd_complete = [&](size_t s) {  // live lanes of SIMD group s all at one collective
+          size_t e = std::min(n, s + 32), live = 0, at = 0;
+          for (size_t i = s; i < e; i++) {
+            if (fibers[i].state == mqf::DONE) continue;
+            live++;
+            at += fibers[i].state == mqf::AT_SIMD;
+          }
+          return at > 0 && at == live;
+        };
         for (;;) {
-          for (auto& f : fibers) {
-            if (f.state != mqf::RUN) continue;
-            mqf::cur = &f;
-            swapcontext(&mqf::sched_ctx, &f.ctx);
+          if (eager) {
+            for (size_t i = 0; i < n;) {  // lowest runnable first; a completed collective runs on at once
+              if (fibers[i].state != mqf::RUN) { i++; continue; }
+              mqf::cur = &fibers[i];
+              swapcontext(&mqf::sched_ctx, &fibers[i].ctx);
+              size_t s = i / 32 * 32;
+              if (fibers[i].state == mqf::AT_SIMD && simd_complete(s)) {
+                int gen = -1;
+                for (size_t j = s; j < std::min(n, s + 32); j++) {
+                  if (fibers[j].state != mqf::AT_SIMD) continue;
+                  if (gen >= 0 && fibers[j].simd_gen != gen)
+                    mqf::fail("SIMD group diverged: lanes wait at different simd_* collectives");
+                  gen = fibers[j].simd_gen;
+                }
+                for (size_t j = s; j < std::min(n, s + 32); j++)
+                  if (fibers[j].state == mqf::AT_SIMD) fibers[j].state = mqf::RUN;
+                i = s;
+              } else {
+                i++;
+              }
+            }
+          } else {
+            for (auto& f : fibers) {
+              if (f.state != mqf::RUN) continue;
+              mqf::cur = &f;
+              swapcontext(&mqf::sched_ctx, &f.ctx);
+            }
           }
           mqf::cur = nullptr;
           std::snprintf(mqf::where, sizeof mqf::where, "threadgroup %u,%u,%u", gx, gy, gz);

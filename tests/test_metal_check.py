@@ -153,6 +153,34 @@ def test_planted_missing_barrier_shows_as_poison():
     assert_close(good, ref, 0.0, "neighbour's value")
 
 
+def test_planted_race_between_simd_groups_is_caught():
+    """A threadgroup array reused without a barrier: each SIMD group's lane 0
+    overwrites its slot while the other group may not have read it yet. The
+    first schedule happens to run every read first; the second lets a SIMD
+    group run on as soon as its collective completes, and the outputs
+    differ: caught as a schedule-dependent output. With the barrier: exact."""
+    body = """
+        threadgroup float buf[2];
+        uint lane = thread_index_in_simdgroup, sg = simdgroup_index_in_threadgroup;
+        uint i = thread_position_in_grid.x;
+        float v = simd_sum(x[i]);
+        if (lane == 0) { buf[sg] = v; }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        float r = buf[0] + buf[1];
+        {BARRIER}
+        float w = simd_sum(r);
+        if (lane == 0) { buf[sg] = w; }
+        threadgroup_barrier(mem_flags::mem_threadgroup);
+        out[i] = r + buf[sg ^ 1];"""
+    x = mx.random.normal((64,))
+    with pytest.raises(mc.MetalCheckError, match="depends on the order threads run in"):
+        _run(_kernel(body.replace("{BARRIER}", "")), x, (64, 1, 1), (64, 1, 1))
+    good = _run(_kernel(body.replace("{BARRIER}", "threadgroup_barrier(mem_flags::mem_threadgroup);")),
+                x, (64, 1, 1), (64, 1, 1))
+    total = x.sum()
+    assert_close(good, mx.full((64,), total + 32 * total), 1e-6, "sums")
+
+
 def test_unwritten_outputs_stay_poisoned_and_edge_groups_are_partial():
     """Threads past the grid do not exist (the last threadgroup of 100
     threads in groups of 64 has 36): a kernel writing out[i] for each thread

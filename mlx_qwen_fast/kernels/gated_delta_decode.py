@@ -21,7 +21,7 @@ import mlx.core as mx
 
 from . import _cuda_build as cb
 
-__all__ = ["decode_params", "gated_delta_decode", "packed_width", "params_width", "supports"]
+__all__ = ["check_step", "decode_params", "gated_delta_decode", "packed_width", "params_width", "supports"]
 
 D = 128
 KW = 4
@@ -134,6 +134,41 @@ def decode_params(conv_weight: mx.array, A_log: mx.array, dt_bias: mx.array, nor
     return mx.concatenate([t.reshape(-1).astype(mx.float32) for t in (conv_weight, A_log, dt_bias, norm_weight)])
 
 
+def check_step(fn: str, proj, params, conv_state, state, num_k_heads: int, num_v_heads: int,
+               norm_eps: float, qk_eps: float):
+    """The argument checks of :func:`gated_delta_decode` (shared by the
+    Metal kernel of the same contract, ``gated_delta_decode_metal``).
+
+    Returns ``(B, activation dtype, C, conv_state, state, (qk_eps,
+    norm_eps))`` with None states replaced by zeros and the conv state cast
+    to the activation dtype. Raises ValueError naming the argument.
+    """
+    cb.check_arrays(fn, _STEP_ARRAYS, proj, params, conv_state, state)
+    eps = (cb.check_eps(fn, "qk_eps", qk_eps), cb.check_eps(fn, "norm_eps", norm_eps))
+    Hk, Hv = num_k_heads, num_v_heads
+    if Hk <= 0 or Hv % Hk:
+        raise ValueError(f"num_v_heads ({Hv}) must be a multiple of num_k_heads ({Hk})")
+    C, P = (2 * Hk + Hv) * D, packed_width(Hk, Hv)
+    if not (proj.ndim == 2 or (proj.ndim == 3 and proj.shape[1] == 1)) or proj.dtype not in _FLOAT or (
+        proj.shape[-1] != P
+    ):
+        raise ValueError(f"proj must be a float array of shape [B, 1, {P}], got {proj.dtype} {tuple(proj.shape)}")
+    if params.dtype != mx.float32 or params.shape != (params_width(Hk, Hv),):
+        raise ValueError(f"params must be float32 of shape [{params_width(Hk, Hv)}] (decode_params), "
+                         f"got {params.dtype} {tuple(params.shape)}")
+    B, x = proj.shape[0], proj.dtype
+    _check_states(conv_state, state, B, C, Hv)
+    if conv_state is None:
+        conv_state = mx.zeros((B, KW - 1, C), dtype=x)
+    elif conv_state.dtype not in _FLOAT:
+        raise ValueError(f"conv_state must be a float array, got {conv_state.dtype}")
+    elif conv_state.dtype != x:  # the kernel reads it in the activation dtype
+        conv_state = conv_state.astype(x)
+    if state is None:
+        state = mx.zeros((B, Hv, D, D), dtype=mx.float32)
+    return B, x, C, conv_state, state, eps
+
+
 def gated_delta_decode(
     proj: mx.array,
     params: mx.array,
@@ -173,30 +208,9 @@ def gated_delta_decode(
         outside the above (names the argument), an eps outside (0, 1).
       RuntimeError: no CUDA compiler could build the kernel.
     """
-    fn = "gated_delta_decode"
-    cb.check_arrays(fn, _STEP_ARRAYS, proj, params, conv_state, state)
-    eps = (cb.check_eps(fn, "qk_eps", qk_eps), cb.check_eps(fn, "norm_eps", norm_eps))
+    B, x, C, conv_state, state, eps = check_step("gated_delta_decode", proj, params, conv_state, state,
+                                                 num_k_heads, num_v_heads, norm_eps, qk_eps)
     Hk, Hv = num_k_heads, num_v_heads
-    if Hk <= 0 or Hv % Hk:
-        raise ValueError(f"num_v_heads ({Hv}) must be a multiple of num_k_heads ({Hk})")
-    C, P = (2 * Hk + Hv) * D, packed_width(Hk, Hv)
-    if not (proj.ndim == 2 or (proj.ndim == 3 and proj.shape[1] == 1)) or proj.dtype not in _FLOAT or (
-        proj.shape[-1] != P
-    ):
-        raise ValueError(f"proj must be a float array of shape [B, 1, {P}], got {proj.dtype} {tuple(proj.shape)}")
-    if params.dtype != mx.float32 or params.shape != (params_width(Hk, Hv),):
-        raise ValueError(f"params must be float32 of shape [{params_width(Hk, Hv)}] (decode_params), "
-                         f"got {params.dtype} {tuple(params.shape)}")
-    B, x = proj.shape[0], proj.dtype
-    _check_states(conv_state, state, B, C, Hv)
-    if conv_state is None:
-        conv_state = mx.zeros((B, KW - 1, C), dtype=x)
-    elif conv_state.dtype not in _FLOAT:
-        raise ValueError(f"conv_state must be a float array, got {conv_state.dtype}")
-    elif conv_state.dtype != x:  # the kernel reads it in the activation dtype
-        conv_state = conv_state.astype(x)
-    if state is None:
-        state = mx.zeros((B, Hv, D, D), dtype=mx.float32)
     if B == 0:  # no rows: a launch of an empty grid is an error
         return mx.zeros((0, 1, Hv * D), x), conv_state, state
     kern = _kernel(x, Hv, Hk)

@@ -56,7 +56,9 @@ from mlx_lm.models import gated_delta as _stock
 from .. import backend as _backend
 from ..compiled import StepPlans, apply_linear, concat_linears, linear_arrays, linear_paths
 from ..kernels import _cuda_build
+from .. import config
 from ..kernels import gated_delta_decode as _k_decode
+from ..kernels import gated_delta_decode_metal as _k_decode_metal
 from ..kernels import gated_delta_frontend as _k_frontend
 from ..kernels import gated_delta_scan as _k_scan
 from ..kernels import gated_rms_norm as _k_norm
@@ -843,6 +845,10 @@ def gated_delta_net(layer, inputs: mx.array, mask: Optional[mx.array] = None, ca
     if inputs.size == 0:
         return mx.zeros(inputs.shape, inputs.dtype)
     S = inputs.shape[1]
+    if S == 1 and _layer_takes_metal_decode(layer, mask, cache):
+        out = _metal_decode(layer, inputs, cache)
+        if out is not None:
+            return out
     if _layer_takes_kernels(layer, S, mask, cache):
         out = (_cuda_decode if S == 1 else _cuda_prefill)(layer, inputs, cache)
         if out is not None:
@@ -981,6 +987,43 @@ def _decode_plan(layer, inputs, state):
     fn = _decode_step(layer.num_k_heads, layer.num_v_heads, layer.norm.eps,
                       (len(lins[4][0]), lins[4][1]), (len(in_proj[0]), in_proj[1]))
     return paths, (fn, n_used, (params,) + tuple(in_proj[0]))
+
+
+def _layer_takes_metal_decode(layer, mask, cache) -> bool:
+    """Whether a one-token call runs the Metal decode kernel: on Metal with
+    :data:`mlx_qwen_fast.config.METAL_KERNELS` on, no padding mask, no
+    per-row cache lengths, no sharding."""
+    return (
+        mask is None
+        and _backend.current() == _backend.METAL
+        and config.METAL_KERNELS.get()
+        and getattr(layer, "sharding_group", None) is None
+        and (cache is None or cache.lengths is None)
+    )
+
+
+def _metal_decode(layer, inputs, cache):
+    """The Metal decode kernel (``kernels/gated_delta_decode_metal``, the
+    CUDA decode kernel's contract) between the projections called as
+    modules; its constants packed once per layer (:class:`StepPlans`). None
+    where the kernel's shapes do not hold (head dims other than 128, Hv not a
+    multiple of Hk)."""
+    if layer.head_k_dim != _k_decode.D or layer.head_v_dim != _k_decode.D or \
+            layer.num_v_heads % layer.num_k_heads:
+        return None
+    _, params = StepPlans.of(layer).get(("metal-params",), layer, lambda: (_STEP_ARRAYS, _metal_params(layer)))
+    conv_state, state = _states(cache)
+    proj = mx.concatenate([getattr(layer, n)(inputs) for n in _PROJECTIONS[:4]], axis=-1)
+    out, conv_state, state = _k_decode_metal.gated_delta_decode_metal(
+        proj, params, conv_state, state, **_heads(layer), norm_eps=layer.norm.eps)
+    _store(cache, conv_state, state, 1)
+    return layer.out_proj(out)
+
+
+def _metal_params(layer):
+    params = _k_decode.decode_params(layer.conv1d.weight, layer.A_log, layer.dt_bias, layer.norm.weight)
+    mx.eval(params)
+    return params
 
 
 def _cuda_decode_modules(layer, inputs, conv_state, state, cache):

@@ -185,21 +185,6 @@ def test_bad_input_declines():
     assert decoder.decode_layer(layer, mx.zeros((1, 1, 256)), c) is None  # empty cache: stock's first write
 
 
-@pytest.fixture
-def gdn128(monkeypatch):
-    """The tiny preset with 128-wide Gated DeltaNet heads (the decode
-    kernel's head size) and 4 layers (3 Gated DeltaNet, 1 attention)."""
-    from mlx_qwen_fast import checkpoint
-
-    cfg = checkpoint.preset_config("tiny")
-    text = cfg["text_config"]
-    text.update(linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=2,
-                linear_num_value_heads=4, num_hidden_layers=4,
-                layer_types=text["layer_types"][:4])
-    monkeypatch.setitem(checkpoint.PRESETS, "tiny-gdn128", cfg)
-    return "tiny-gdn128"
-
-
 @pytest.mark.cuda
 @pytest.mark.usefixtures("poison")
 @pytest.mark.parametrize("batch", [1, 2])
