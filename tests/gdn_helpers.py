@@ -79,6 +79,50 @@ def ref_frontend(qkv, a, b, w, cs, A_log, dt_bias, eps=1e-6):
     return q, k, v, g, mx.sigmoid(b.astype(f)), x[:, -3:]
 
 
+def decode_step_inputs(key, B, dtype):
+    """One token's four projection outputs (qkv [B, 1, C], z [B, 1, HV*D],
+    a, b [B, 1, HV]) in ``dtype``, fresh random from ``key``."""
+    kt = mx.random.split(key, 4)
+    qkv = mx.random.normal((B, 1, C), key=kt[0]).astype(dtype)
+    z = mx.random.normal((B, 1, HV * D), key=kt[1]).astype(dtype)
+    a = mx.random.normal((B, 1, HV), key=kt[2]).astype(dtype)
+    b = mx.random.normal((B, 1, HV), key=kt[3]).astype(dtype)
+    return qkv, z, a, b
+
+
+def decode_reference(qkv, z, a, b, w, cs, A_log, dt_bias, state, norm_weight, dtype):
+    """The decode step's fp32 reference (the kernels' contract): mlx-lm's
+    front end (:func:`ref_frontend`), q/k/v rounded to ``dtype`` as the
+    kernels store them, the fp32 recurrence (:func:`reference`), mlx-lm's
+    gated RMSNorm. Returns (out [B, 1, HV*D], conv_state, state)."""
+    from mlx_lm.models.qwen3_next import Qwen3NextRMSNormGated
+
+    B = qkv.shape[0]
+    q, k, v, g, beta, rcs = ref_frontend(qkv, a, b, w, cs, A_log, dt_bias)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    y, rs = reference(q, k, v, g, beta, state)
+    m = Qwen3NextRMSNormGated(D, eps=1e-6)
+    m.weight = norm_weight
+    return m(y.astype(dtype), z.reshape(B, 1, HV, D)).reshape(B, 1, HV * D), rcs, rs
+
+
+def assert_decode_step(got, ref, dtype):
+    """A decode kernel's (out, conv_state, state) against
+    :func:`decode_reference`'s: shapes and dtype, every value written (not
+    poison), the conv state exact, the state within one rounding of
+    ``dtype`` (q/k/v stored in it), the output within five (y's rounding and
+    the gated norm's)."""
+    from compare import assert_close, finite, tolerance
+
+    out, ncs, ns = got
+    ro, rcs, rs = ref
+    assert out.shape == ro.shape and out.dtype == dtype
+    assert finite(out, ns, ncs)
+    assert_close(ncs, rcs, 0.0, "conv state (exact)")
+    assert_close(ns, rs, tolerance(dtype, roundings=1), "state")
+    assert_close(out, ro, tolerance(dtype, roundings=5), "out")
+
+
 #: A Gated DeltaNet layer of Qwen3.6-35B-A3B's shape (hidden 2048).
 FULL_ARGS = TextModelArgs(
     model_type="qwen3_5_moe_text", hidden_size=2048, num_hidden_layers=4,

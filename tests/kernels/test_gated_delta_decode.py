@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.qwen3_next import Qwen3NextRMSNormGated
 
-from compare import assert_close, finite, tolerance
-from gdn_helpers import C, D, HK, HV, fe_params, ref_frontend, reference
+from compare import finite
+from gdn_helpers import C, D, HK, HV, assert_decode_step, decode_reference, decode_step_inputs, fe_params
 from mlx_qwen_fast.kernels.gated_delta_decode import (
     decode_params, gated_delta_decode, packed_width, params_width, supports)
 
@@ -87,15 +86,6 @@ def test_packed_width_is_the_four_projections():
 # ---------------------------------------------------------------------------
 
 
-def _step_inputs(key, B, dtype):
-    kt = mx.random.split(key, 4)
-    qkv = mx.random.normal((B, 1, C), key=kt[0]).astype(dtype)
-    z = mx.random.normal((B, 1, HV * D), key=kt[1]).astype(dtype)
-    a = mx.random.normal((B, 1, HV), key=kt[2]).astype(dtype)
-    b = mx.random.normal((B, 1, HV), key=kt[3]).astype(dtype)
-    return qkv, z, a, b
-
-
 @pytest.mark.cuda
 @pytest.mark.usefixtures("poison")
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
@@ -111,22 +101,13 @@ def test_decode_matches_reference(B, dtype):
     s0 = 0.5 * mx.random.normal((B, HV, D, D), key=ks[1])
     wn = (1 + 0.3 * mx.random.normal((D,), key=ks[2])).astype(dtype)
     params = decode_params(w, A_log, dt_bias, wn)
-    m = Qwen3NextRMSNormGated(D, eps=1e-6)
-    m.weight = wn
     for step in range(2):
-        qkv, z, a, b = _step_inputs(mx.random.split(ks[3], 2)[step], B, dtype)
+        qkv, z, a, b = decode_step_inputs(mx.random.split(ks[3], 2)[step], B, dtype)
         proj = mx.concatenate([qkv, z, a, b], axis=-1)
         assert supports(qkv, s0, num_k_heads=HK, num_v_heads=HV)
         out, ncs, ns = gated_delta_decode(proj, params, cs, s0, num_k_heads=HK, num_v_heads=HV)
-        q, k, v, g, beta, rcs = ref_frontend(qkv, a, b, w, cs, A_log, dt_bias)
-        q, k, v = (x.astype(dtype) for x in (q, k, v))  # the kernel stores them in dtype
-        y, rs = reference(q, k, v, g, beta, s0)
-        ro = m(y.astype(dtype), z.reshape(B, 1, HV, D)).reshape(B, 1, HV * D)
-        assert out.shape == (B, 1, HV * D) and out.dtype == dtype
-        assert finite(out, ns, ncs)
-        assert_close(ncs, rcs, 0.0, "conv state (exact)")
-        assert_close(ns, rs, tolerance(dtype, roundings=1), "state")
-        assert_close(out, ro, tolerance(dtype, roundings=5), "out")
+        ro, rcs, rs = decode_reference(qkv, z, a, b, w, cs, A_log, dt_bias, s0, wn, dtype)
+        assert_decode_step((out, ncs, ns), (ro, rcs, rs), dtype)
         cs, s0 = ncs, ns
 
 
@@ -146,7 +127,7 @@ def test_decode_compiled_equals_eager(B, dtype):
     compiled = mx.compile(lambda p, prm, c, s: gated_delta_decode(p, prm, c, s, **kw))
     ce, se, cc, sc = None, None, None, None
     for t in range(3):
-        proj = mx.concatenate(_step_inputs(ks[1 + t], B, dtype), axis=-1)
+        proj = mx.concatenate(decode_step_inputs(ks[1 + t], B, dtype), axis=-1)
         oe, ce, se = gated_delta_decode(proj, params, ce, se, **kw)
         if cc is None:  # mx.compile takes arrays only: the first step's zeros as the kernel makes them
             cc, sc = mx.zeros((B, 3, C), dtype), mx.zeros((B, HV, D, D), mx.float32)

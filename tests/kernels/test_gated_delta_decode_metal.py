@@ -10,24 +10,13 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.qwen3_next import Qwen3NextRMSNormGated
-
 import metal_check as mc
-from compare import assert_close, finite, tolerance
-from gdn_helpers import C, D, HK, HV, fe_params, ref_frontend, reference
+from compare import assert_close
+from gdn_helpers import C, D, HK, HV, assert_decode_step, decode_reference, decode_step_inputs, fe_params
 from mlx_qwen_fast.kernels import gated_delta_decode_metal as gdm
 from mlx_qwen_fast.kernels.gated_delta_decode import decode_params
 
 pytestmark = pytest.mark.skipif(mc.CXX is None, reason="no C++ compiler (g++) to build the Metal sources")
-
-
-def _step_inputs(key, B, dtype):
-    kt = mx.random.split(key, 4)
-    qkv = mx.random.normal((B, 1, C), key=kt[0]).astype(dtype)
-    z = mx.random.normal((B, 1, HV * D), key=kt[1]).astype(dtype)
-    a = mx.random.normal((B, 1, HV), key=kt[2]).astype(dtype)
-    b = mx.random.normal((B, 1, HV), key=kt[3]).astype(dtype)
-    return qkv, z, a, b
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
@@ -41,22 +30,13 @@ def test_metal_decode_matches_reference(B, dtype):
     s0 = 0.5 * mx.random.normal((B, HV, D, D), key=ks[1])
     wn = (1 + 0.3 * mx.random.normal((D,), key=ks[2])).astype(dtype)
     params = decode_params(w, A_log, dt_bias, wn)
-    m = Qwen3NextRMSNormGated(D, eps=1e-6)
-    m.weight = wn
     with mc.simulated() as built:
         for step in range(2):
-            qkv, z, a, b = _step_inputs(mx.random.split(ks[3], 2)[step], B, dtype)
+            qkv, z, a, b = decode_step_inputs(mx.random.split(ks[3], 2)[step], B, dtype)
             proj = mx.concatenate([qkv, z, a, b], axis=-1)
             out, ncs, ns = gdm.gated_delta_decode_metal(proj, params, cs, s0, num_k_heads=HK, num_v_heads=HV)
-            q, k, v, g, beta, rcs = ref_frontend(qkv, a, b, w, cs, A_log, dt_bias)
-            q, k, v = (x.astype(dtype) for x in (q, k, v))
-            y, rs = reference(q, k, v, g, beta, s0)
-            ro = m(y.astype(dtype), z.reshape(B, 1, HV, D)).reshape(B, 1, HV * D)
-            assert out.shape == (B, 1, HV * D) and out.dtype == dtype
-            assert finite(out, ns, ncs)
-            assert_close(ncs, rcs, 0.0, "conv state (exact)")
-            assert_close(ns, rs, tolerance(dtype, roundings=1), "state")
-            assert_close(out, ro, tolerance(dtype, roundings=5), "out")
+            ro, rcs, rs = decode_reference(qkv, z, a, b, w, cs, A_log, dt_bias, s0, wn, dtype)
+            assert_decode_step((out, ncs, ns), (ro, rcs, rs), dtype)
             cs, s0 = ncs, ns
     assert sum(k.calls for k in built) == 2
 
@@ -68,7 +48,7 @@ def test_metal_decode_from_none_states_and_empty_batch():
     dtype = mx.float32
     w, A_log, dt_bias = fe_params(7, dtype)
     params = decode_params(w, A_log, dt_bias, mx.ones((D,)))
-    qkv, z, a, b = _step_inputs(mx.random.key(9), 1, dtype)
+    qkv, z, a, b = decode_step_inputs(mx.random.key(9), 1, dtype)
     proj = mx.concatenate([qkv, z, a, b], axis=-1)
     with mc.simulated():
         got = gdm.gated_delta_decode_metal(proj, params, None, None, num_k_heads=HK, num_v_heads=HV)
