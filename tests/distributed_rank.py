@@ -1,9 +1,11 @@
 """One rank of tests/test_distributed.py, run by ``mlx.launch`` (ring backend).
 
-``python distributed_rank.py CHECKPOINT TOKENS`` on each rank: load the
-checkpoint with fp32 activations, ``model.shard(group)`` over the launched
-group, ``mlx_qwen_fast.patch(model)``, then ``TOKENS`` greedy tokens; then
-the same checkpoint through ``install()`` and ``mlx_lm.utils.sharded_load``.
+``python distributed_rank.py CHECKPOINT TOKENS MODE`` on each rank: load the
+checkpoint with fp32 activations, split it over the launched group (MODE
+"tensor": ``model.shard(group)``; "pipeline": ``model.model.pipeline(group)``,
+two stages), ``mlx_qwen_fast.patch(model)``, then ``TOKENS`` greedy tokens;
+then (tensor only) the same checkpoint through ``install()`` and
+``mlx_lm.utils.sharded_load``.
 Prints one line ``RESULT {json}`` with both reports, the warnings each
 raised, whether any fast module is left, and the greedy tokens.
 """
@@ -28,11 +30,14 @@ def _report(model, caught):
             "warnings": [str(w.message) for w in caught if issubclass(w.category, UserWarning)]}
 
 
-def main(path, n):
+def main(path, n, mode="tensor"):
     group = mx.distributed.init(strict=True, backend="ring")
     model, _ = mlx_lm.load(path)
     model.set_dtype(mx.float32)
-    model.shard(group)
+    if mode == "pipeline":
+        model.model.pipeline(group)
+    else:
+        model.shard(group)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         mlx_qwen_fast.patch(model)
@@ -41,6 +46,9 @@ def main(path, n):
     for (tok, _), _ in zip(generate_step(mx.array(PROMPT), model, max_tokens=n), range(n)):
         tokens.append(int(tok))
     out["tokens"] = tokens
+    if mode == "pipeline":
+        print("RESULT " + json.dumps(out), flush=True)
+        return
 
     mlx_qwen_fast.install()
     try:
@@ -54,4 +62,4 @@ def main(path, n):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), *sys.argv[3:4])

@@ -10,7 +10,8 @@ nothing and is patched as usual.
   stand-in group of size 2 (they only read ``size()`` and ``rank()`` while
   splitting), so the modules are exactly as shard() leaves them on rank 0.
 * ``test_two_ring_ranks_decline_and_match_stock`` runs two real processes
-  over MLX's ring backend on 127.0.0.1 (``mlx.launch``, ``distributed_rank.py``).
+  over MLX's ring backend on 127.0.0.1 (``mlx.launch``, ``distributed_rank.py``),
+  tensor parallel and a 2-stage pipeline.
 """
 
 import json
@@ -26,7 +27,7 @@ import mlx_lm
 import mlx_lm.utils
 import pytest
 from mlx_lm.generate import generate_step
-from mlx_lm.models.qwen3_5 import GatedDeltaNet
+from mlx_lm.models.qwen3_5 import DecoderLayer, GatedDeltaNet
 from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
 
 import mlx_qwen_fast
@@ -76,6 +77,7 @@ def _assert_declined(model, report, caught, reason):
     assert not mlx_qwen_fast.is_patched(model) and model.patch_report is report
     for la, mlp in _stock_modules(model):
         assert la in (None, GatedDeltaNet) and mlp is Qwen3NextSparseMoeBlock
+    assert all(type(l) is DecoderLayer for l in model.layers)  # no compiled decode step either
 
 
 def test_tensor_parallel_shard_is_declined(tiny):
@@ -212,17 +214,18 @@ def _launch(args, timeout):
 
 
 @pytest.mark.skipif(not mx.distributed.is_available("ring"), reason="MLX built without the ring backend")
-def test_two_ring_ranks_decline_and_match_stock(demo_checkpoint):
-    """Two processes over the ring backend: on each rank shard() + patch()
-    declines with one warning and leaves no fast module, and so does
-    install()'s sharded_load; the sharded, declined model's fp32 greedy tokens
-    are the single-process stock model's."""
+@pytest.mark.parametrize("mode", ["tensor", "pipeline"])
+def test_two_ring_ranks_decline_and_match_stock(demo_checkpoint, mode):
+    """Two processes over the ring backend: on each rank shard() (or a
+    2-stage pipeline()) + patch() declines with one warning and leaves no
+    fast module, and so does install()'s sharded_load; the split, declined
+    model's fp32 greedy tokens are the single-process stock model's."""
     script = Path(distributed_rank.__file__).resolve()
     rc, out = _launch(
         [sys.executable, "-c", "import sys; from mlx._distributed_utils.launch import main; sys.exit(main())",
          "--backend", "ring", "--hosts", "127.0.0.1", "-n", "2",
          "--python", sys.executable, "--env", f"PYTHONPATH={_pythonpath()}",
-         str(script), str(demo_checkpoint), str(GREEDY_TOKENS)],
+         str(script), str(demo_checkpoint), str(GREEDY_TOKENS), mode],
         LAUNCH_TIMEOUT_S,
     )
     assert rc == 0, out[-4000:]
@@ -232,11 +235,12 @@ def test_two_ring_ranks_decline_and_match_stock(demo_checkpoint):
     stock = mlx_lm.load(str(demo_checkpoint))[0]
     stock.set_dtype(mx.float32)
     expected = _greedy(stock, GREEDY_TOKENS)
+    reason = TP_REASON if mode == "tensor" else PP_REASON
     for r in results:
         assert r["size"] == 2
-        for route in ("patch", "sharded_load"):
+        for route in ("patch", "sharded_load") if mode == "tensor" else ("patch",):
             got = r[route]
             assert not got["patched"] and not got["is_patched"], (r["rank"], route, got)
-            assert got["reason"].startswith(TP_REASON), got["reason"]
+            assert got["reason"].startswith(reason), got["reason"]
             assert got["warnings"] == [f"mlx_qwen_fast: model left on the stock path: {got['reason']}"]
         assert r["tokens"] == expected, f"rank {r['rank']}: sharded {r['tokens']} vs stock {expected}"
