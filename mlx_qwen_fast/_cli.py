@@ -248,6 +248,8 @@ def _hub_offline() -> bool:
 
 def _check_model(argv: Sequence[str]) -> None:
     for model in _flag_values(argv, ("--model",)):
+        if not model.strip():
+            usage_error("--model is empty: expected a checkpoint folder or a Hugging Face repo id")
         path = Path(os.path.expanduser(model))
         if path.exists() or model.startswith(("/", "./", "../", "~")):
             problem = check_checkpoint_folder(path)
@@ -420,12 +422,13 @@ def run_mlx_lm_main(module: str, argv=None) -> None:
     sys.argv = [prog] + argv
     try:
         main()
-    except (ValueError, OSError, KeyError, RuntimeError) as exc:
+    except (ValueError, OSError, KeyError, RuntimeError, TypeError) as exc:  # TypeError: config fields
         if not _loading_error(exc):
             raise
         model = (_flag_values(argv, ("--model",)) or ["not given, mlx-lm's default model"])[0]
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        usage_error(f"--model {model}: mlx-lm could not load it: {type(exc).__name__}: {first[:300]}")
+        text = " ".join(str(exc).split()) or type(exc).__name__  # the whole message, on one line
+        text = text if len(text) <= 300 else text[:297] + "..."
+        usage_error(f"--model {model}: mlx-lm could not load it: {type(exc).__name__}: {text}")
     if cold is not None:  # this run compiled what a first use needs: no notice next time
         from .warmup import mark_warm
 

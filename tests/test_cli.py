@@ -27,7 +27,7 @@ def broken(tmp_path_factory, tiny_checkpoint):
     """Copies of the tiny checkpoint, each broken one way."""
     root = tmp_path_factory.mktemp("broken")
     out = {}
-    for name in ("cfg", "nocfg", "trunc", "notok", "noweights", "shape", "emptyvocab"):
+    for name in ("cfg", "nocfg", "trunc", "notok", "noweights", "shape", "emptyvocab", "fieldtype"):
         shutil.copytree(tiny_checkpoint, root / name)
         out[name] = root / name
     (out["cfg"] / "config.json").write_text("{not json")
@@ -43,6 +43,9 @@ def broken(tmp_path_factory, tiny_checkpoint):
     text = cfg.get("text_config", cfg)
     text["moe_intermediate_size"] = 2 * text["moe_intermediate_size"]
     (out["shape"] / "config.json").write_text(json.dumps(cfg))
+    cfg = json.loads((out["fieldtype"] / "config.json").read_text())
+    cfg.get("text_config", cfg)["num_hidden_layers"] = "eight"  # parses, but mlx-lm's ModelArgs raise TypeError
+    (out["fieldtype"] / "config.json").write_text(json.dumps(cfg))
     tok = json.loads((out["emptyvocab"] / "tokenizer.json").read_text())
     tok["model"]["vocab"] = {}
     (out["emptyvocab"] / "tokenizer.json").write_text(json.dumps(tok))
@@ -67,16 +70,20 @@ def test_broken_checkpoint_is_one_line_exit_2(broken, case, expect):
     assert r.stdout == ""
 
 
-def test_weights_that_do_not_fit_the_config_are_one_line(broken):
-    r = _run("-m", "mlx_qwen_fast.generate", "--model", str(broken["shape"]), "--prompt", "hi", "-m", "2")
-    assert r.returncode == 2
+@pytest.mark.parametrize("case, expect", [("shape", "shape"), ("fieldtype", "TypeError")])
+def test_a_config_that_does_not_fit_is_one_line(broken, case, expect):
+    """Weights of other shapes than config.json's, or a field of the wrong
+    type: mlx-lm's error, on one line, exit 2."""
+    r = _run("-m", "mlx_qwen_fast.generate", "--model", str(broken[case]), "--prompt", "hi", "-m", "2")
+    assert r.returncode == 2, r.stderr
     last = r.stderr.strip().splitlines()[-1]
-    assert "could not load it" in last and "shape" in last
+    assert "could not load it" in last and expect in last
     assert "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("argv, expect", [
     (["-m", "mlx_qwen_fast.generate", "--model", "no-such-model-here"], "no such folder"),
+    (["-m", "mlx_qwen_fast.generate", "--model", ""], "--model is empty"),
     (["-m", "mlx_qwen_fast.generate", "--model", "./no-such-model-here"], "no such folder"),
     (["-m", "mlx_qwen_fast", "bogus"], "unknown subcommand"),
     (["-m", "mlx_qwen_fast"], "a subcommand is needed"),
