@@ -112,6 +112,8 @@ def apply_linear(x: mx.array, arrays: Sequence[mx.array], static: Tuple) -> mx.a
 
 
 Path = Tuple[str, ...]
+_ATTR = "_mqf_step_plans"  # the module attribute holding its StepPlans
+_TRACING = "during function transformations"  # MLX's error for an eval inside compile / vmap
 
 
 def gather(module, paths: Sequence[Path]) -> Tuple[Any, ...]:
@@ -143,7 +145,9 @@ class StepPlans:
     is the same object as before; a replaced weight or child module (or a
     missing one) makes it call ``make()`` again.
 
-    Returns ``(objects at paths, plan)``.
+    Returns ``(objects at paths, plan)``; ``((), None)`` (declined, not
+    cached) when ``make()`` would have to evaluate arrays inside an
+    ``mx.compile`` / ``vmap`` trace.
 
     Held as a plain attribute of the layer (not a parameter), so it lives and
     dies with the layer and never appears in ``parameters()``. The objects of
@@ -155,6 +159,17 @@ class StepPlans:
     def __init__(self):
         self._plans: Dict[Hashable, Tuple[Tuple[Path, ...], Tuple, Any]] = {}
 
+    def __deepcopy__(self, memo):
+        return StepPlans()  # a cache: a copied module plans again (its keys hold MLX dtypes, not copyable)
+
+    def __reduce__(self):
+        return (StepPlans, ())
+
+    @staticmethod
+    def drop(module) -> None:
+        """Forget the module's cached plans (and the arrays they hold)."""
+        module.__dict__.pop(_ATTR, None)
+
     def get(self, key: Hashable, module, make: Callable[[], Tuple[Sequence[Path], Any]]):
         hit = self._plans.get(key)
         if hit is not None:
@@ -165,7 +180,16 @@ class StepPlans:
                 objs = None
             if objs is not None and all(a is b for a, b in zip(objs, cached)):
                 return objs, plan
-        paths, plan = make()
+        try:
+            paths, plan = make()
+        except ValueError as exc:
+            if _TRACING not in str(exc):
+                raise
+            # inside mx.compile / vmap with the module's arrays as traced inputs
+            # (mx.compile(fn, inputs=model.state)): a plan cannot evaluate its
+            # arrays there, and one made of tracers would outlive the trace, so
+            # the call declines (the stock path runs) and nothing is cached
+            return (), None
         paths = tuple(tuple(p) for p in paths)
         objs = gather(module, paths)
         self._plans[key] = (paths, objs, plan)
@@ -174,8 +198,8 @@ class StepPlans:
     @staticmethod
     def of(module) -> "StepPlans":
         """The module's cache (created on first use)."""
-        plans = module.__dict__.get("_mqf_step_plans")
+        plans = module.__dict__.get(_ATTR)
         if plans is None:
             plans = StepPlans()
-            object.__setattr__(module, "_mqf_step_plans", plans)
+            object.__setattr__(module, _ATTR, plans)
         return plans

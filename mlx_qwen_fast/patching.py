@@ -32,6 +32,7 @@ import mlx_lm.utils
 from . import backend, config
 from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
+from .compiled import StepPlans
 from .layers import FAST_CLASSES, LAYER_CLASSES, rebind
 from .ops import gated_delta as gated_delta_ops
 from .ops import moe as moe_ops
@@ -259,6 +260,10 @@ def _swap(model: nn.Module, to_fast: bool) -> Dict[str, int]:
         elif not to_fast and type(layer) in stock_layers:
             layer.__class__ = stock_layers[type(layer)]
             swapped["decoder_layer"] += 1
+        if not to_fast:  # the fast paths' cached plans (and their array copies) go with them
+            for m in [layer] + [getattr(layer, n, None) for n in _SLOTS + ("self_attn",)]:
+                if m is not None:
+                    StepPlans.drop(m)
         for slot in _SLOTS:
             module = getattr(layer, slot, None)
             if module is None:

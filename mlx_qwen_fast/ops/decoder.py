@@ -142,8 +142,10 @@ def _attention_core(static, x, keys, values, offset, qn_w, kn_w, flat):
 def _room(cache, x_dtype, B: int, hkv: int, dh: int) -> bool:
     """Make room for one more position in a plain ``KVCache`` as
     ``KVCache.update_and_fetch`` (mlx-lm 0.32.2) does (buffers grown by
-    ``cache.step`` positions). False (nothing changed) where the buffers do
-    not match the step's batch, heads or head size."""
+    ``cache.step`` positions of the new rows' dtype, ``x_dtype``, so that a
+    cache of another dtype is promoted as stock promotes it). False (nothing
+    changed) where the buffers do not match the step's batch, heads or head
+    size."""
     keys = cache.keys
     if keys is None or keys.ndim != 4 or tuple(keys.shape[:2]) != (B, hkv) or keys.shape[3] != dh:
         return False
@@ -152,8 +154,8 @@ def _room(cache, x_dtype, B: int, hkv: int, dh: int) -> bool:
     prev = cache.offset
     if prev + 1 > keys.shape[2]:
         step = cache.step
-        new_k = mx.zeros((B, hkv, step, dh), keys.dtype)
-        new_v = mx.zeros((B, hkv, step, dh), cache.values.dtype)
+        new_k = mx.zeros((B, hkv, step, dh), x_dtype)
+        new_v = mx.zeros((B, hkv, step, dh), x_dtype)
         if prev % step != 0:
             cache.keys, cache.values = cache.keys[..., :prev, :], cache.values[..., :prev, :]
         cache.keys = mx.concatenate([cache.keys, new_k], axis=2)
@@ -241,6 +243,10 @@ def _attention_plan(layer, x, cache):
                                                                  a_static[1], a_static[2])
 
 
+def _norm_eps(layer) -> tuple:
+    return (layer.input_layernorm.eps, layer.post_attention_layernorm.eps)
+
+
 def decode_layer(layer, x: mx.array, cache) -> Optional[mx.array]:
     """The decode step of mlx-lm's ``qwen3_5.DecoderLayer`` as one compiled
     call (see the module docstring); None where it does not apply, before
@@ -262,7 +268,7 @@ def decode_layer(layer, x: mx.array, cache) -> Optional[mx.array]:
         if type(cache) is not _arrays_cache_type() or cache.lengths is not None or cache[0] is None \
                 or cache[1] is None:
             return None
-        key = ("linear", tuple(x.shape), x.dtype, cache[0].dtype, cache[1].dtype)
+        key = ("linear", tuple(x.shape), x.dtype, cache[0].dtype, cache[1].dtype, _norm_eps(layer))
         arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _linear_plan(layer, x, cache))
         if plan is None:
             return None
@@ -274,7 +280,11 @@ def decode_layer(layer, x: mx.array, cache) -> Optional[mx.array]:
         return out
     if type(cache) is not _kv_cache_type() or cache.keys is None:
         return None
-    key = ("attention", tuple(x.shape), x.dtype, cache.keys.dtype)
+    attn = layer.self_attn
+    # the settings the trace bakes in that are not arrays: a replaced RoPE or
+    # a changed scale or eps makes a new plan
+    key = ("attention", tuple(x.shape), x.dtype, cache.keys.dtype, _norm_eps(layer), id(attn.rope),
+           attn.scale, attn.q_norm.eps, attn.k_norm.eps)
     arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _attention_plan(layer, x, cache))
     if plan is None:
         return None

@@ -1012,6 +1012,8 @@ def _metal_decode(layer, inputs, cache):
             layer.num_v_heads % layer.num_k_heads:
         return None
     _, params = StepPlans.of(layer).get(("metal-params",), layer, lambda: (_STEP_ARRAYS, _metal_params(layer)))
+    if params is None:  # inside an mx.compile trace of the module's arrays: the reference runs
+        return None
     conv_state, state = _states(cache)
     proj = mx.concatenate([getattr(layer, n)(inputs) for n in _PROJECTIONS[:4]], axis=-1)
     out, conv_state, state = _k_decode_metal.gated_delta_decode_metal(

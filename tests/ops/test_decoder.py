@@ -161,6 +161,94 @@ def test_replaced_weights_are_read(monkeypatch):
     assert_close(got, ref, FP32_TOL, "after update")
 
 
+def test_compile_over_the_model_state_takes_the_stock_layer():
+    """``mx.compile(fn, inputs=model.state)`` traces the model's arrays: a
+    plan cannot be made from tracers, so the call runs the stock layer
+    (result as stock's) and the model works as before afterwards."""
+    stock, fast = _models(seed=6)
+    toks = mx.array([[5, 9, 17, 33, 2, 8]])
+    got = []
+    for m in (stock, fast):
+        def score(t, m=m):
+            c = make_prompt_cache(m)
+            m(t[:, :-1], cache=c)
+            return m(t[:, -1:], cache=c)[:, -1]
+
+        got.append(mx.compile(score, inputs=m.state, outputs=m.state)(toks))
+    assert_close(got[1], got[0], FP32_TOL, "compiled over the state")
+    pairs, _, _ = _decode_pair(stock, fast, 7, 3)  # and the fast path still runs after the trace
+    for a, b in pairs:
+        assert_close(b, a, FP32_TOL, "after the trace")
+
+
+def test_replaced_rope_scale_or_eps_make_a_new_plan():
+    """Settings the compiled step bakes in that are not arrays (the RoPE
+    module, the attention scale, the norms' eps): changed after a step, the
+    next step follows them, as stock does."""
+    import mlx.nn as nn
+
+    stock, fast = _models(seed=12)
+    i = next(j for j, l in enumerate(fast.layers) if not l.is_linear)
+    c1, c2 = KVCache(), KVCache()
+    pre = mx.random.normal((1, 2, 3, 64), key=mx.random.key(1))
+    c1.update_and_fetch(pre, pre)
+    c2.update_and_fetch(mx.array(pre), mx.array(pre))
+    x = mx.random.normal((1, 1, 256), key=mx.random.key(2))
+
+    def step(what):
+        ref, got = stock.layers[i](x, None, c1), fast.layers[i](x, None, c2)
+        mx.eval(ref, got)
+        assert_close(got, ref, FP32_TOL, what)
+
+    step("first")
+    for m in (stock, fast):
+        r = m.layers[i].self_attn.rope
+        m.layers[i].self_attn.rope = nn.RoPE(r.dims, traditional=r.traditional, base=r.base, scale=0.25)
+    step("new RoPE")
+    for m in (stock, fast):
+        m.layers[i].self_attn.scale = 0.5
+        m.layers[i].post_attention_layernorm.eps = 1e-2
+    step("new scale and eps")
+
+
+def test_deepcopy_and_unpatch_after_decoding():
+    """The cached plans are dropped by unpatch and not copied by deepcopy
+    (mlx-lm's dynamic quantisation deep-copies models)."""
+    import copy
+
+    from mlx_lm.generate import generate_step
+
+    from mlx_qwen_fast import unpatch
+
+    stock, fast = _models(seed=13)
+    next(generate_step(mx.array([1, 2, 3]), fast))
+    twin = copy.deepcopy(fast)
+    pairs, _, _ = _decode_pair(stock, twin, 5, 2)
+    for a, b in pairs:
+        assert_close(b, a, FP32_TOL, "deep copy")
+    unpatch(fast)
+    assert not any("_mqf_step_plans" in m.__dict__ for l in fast.layers
+                   for m in [l] + [getattr(l, n) for n in ("linear_attn", "self_attn", "mlp") if hasattr(l, n)])
+    copy.deepcopy(fast)
+
+
+def test_a_cache_of_another_dtype_grows_as_stock_grows_it():
+    """A bf16 K/V cache under fp32 activations (a bf16-saved prompt cache in
+    an fp32 model): at the 256-position growth stock promotes the buffers
+    to fp32; so does the step."""
+    stock, fast = _models(seed=14)
+    i = next(j for j, l in enumerate(fast.layers) if not l.is_linear)
+    c1, c2 = KVCache(), KVCache()
+    pre = mx.random.normal((1, 2, 256, 64), key=mx.random.key(1)).astype(mx.bfloat16)
+    c1.update_and_fetch(pre, pre)
+    c2.update_and_fetch(mx.array(pre), mx.array(pre))
+    x = mx.random.normal((1, 1, 256), key=mx.random.key(2))
+    ref, got = stock.layers[i](x, None, c1), fast.layers[i](x, None, c2)
+    mx.eval(ref, got)
+    assert c2.keys.dtype == c1.keys.dtype == mx.float32 and c2.keys.shape == c1.keys.shape
+    assert_close(got, ref, FP32_TOL, "after growth")
+
+
 def test_unpatch_restores_the_stock_layer_class():
     from mlx_lm.models.qwen3_5 import DecoderLayer
 
