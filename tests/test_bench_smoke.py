@@ -45,7 +45,7 @@ SMALL_CEILINGS = ["--copy-mib", "4", "--matmul-n", "64"]
 #: modules run as ``python -m bench.<name>``, and the CUDA-only device scripts.
 MODULES = ("ab", "numerics", "ops", "ceilings", "plots", "first_use", "startup")
 DEVICE_SCRIPTS = ("gdn_cuda.py", "moe_cuda.py", "moe_decode_cuda.py", "profile_kernels.py", "node_cost.py")
-H200_STAGES = {"tests", "ab", "ops", "profile", "userview", "firstuse"}
+H200_STAGES = {"tests", "ab", "ops", "profile", "userview", "firstuse", "decode"}
 
 
 def check_keys(record, schema, where):
