@@ -19,7 +19,7 @@ Apple GPU, never timed.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import mlx.core as mx
 
@@ -30,22 +30,19 @@ __all__ = ["gated_delta_decode_metal", "SOURCE_FILE"]
 SOURCE_FILE = Path(__file__).resolve().parents[1] / "metal" / "gated_delta_decode.metal"
 D = _cuda_contract.D
 KW = _cuda_contract.KW
-_kernels: Dict[object, object] = {}  # factory -> kernel (the key keeps the factory alive)
+_KERNEL = None  # built on first use: only a call needs Metal
 
 
 def _kernel():
-    """The kernel object, one per ``mx.fast.metal_kernel`` factory (a test
-    that swaps the factory gets its own)."""
-    factory = mx.fast.metal_kernel
-    k = _kernels.get(factory)
-    if k is None:
-        k = _kernels[factory] = factory(
+    global _KERNEL
+    if _KERNEL is None:
+        _KERNEL = mx.fast.metal_kernel(
             name="mqf_gated_delta_decode",
             input_names=["proj", "params", "conv_state", "state", "eps"],
             output_names=["out", "new_conv", "new_state"],
             source=SOURCE_FILE.read_text(),
         )
-    return k
+    return _KERNEL
 
 
 def gated_delta_decode_metal(

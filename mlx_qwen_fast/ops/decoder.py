@@ -192,23 +192,26 @@ def _linear_plan(layer, x, cache):
         return children, None
     g_paths, g_fn, g_used, g_extra = gdn
     m_paths, m_fn = moe
-    eps = (float(layer.input_layernorm.eps), float(layer.post_attention_layernorm.eps))
-    n_g, n_m = len(g_paths), len(m_paths)
-    key = ("linear", g_fn, m_fn, eps, g_used, n_g, n_m, len(g_extra))
+    eps = _norm_eps(layer)
+    n_m = len(m_paths)
+    key = ("linear", g_fn, m_fn, eps, g_used, n_m, len(g_extra))
     fn = _steps.get(key)
     if fn is None:
 
-        def step(x, conv_state, state, *flat):
+        def step(x, conv_state, state, *flat):  # flat: norms, GDN arrays read, MoE arrays, GDN extra
             n1, n2 = flat[0], flat[1]
             g = flat[2:2 + g_used]
-            m = flat[2 + n_g:2 + n_g + n_m]
-            ge = flat[2 + n_g + n_m:]
+            m = flat[2 + g_used:2 + g_used + n_m]
+            ge = flat[2 + g_used + n_m:]
             r, conv_state, state = g_fn(mx.fast.rms_norm(x, n1, eps[0]), conv_state, state, *g, *ge)
             h = x + r
             return h + m_fn(mx.fast.rms_norm(h, n2, eps[1]), *m), conv_state, state
 
         fn = _steps[key] = mx.compile(step)
-    return _NORMS + _prefixed("linear_attn", g_paths) + m_paths, ("linear", fn, g_extra)
+    # the arrays the step reads first; the rest only decide whether the plan still holds
+    g_paths = _prefixed("linear_attn", g_paths)
+    paths = _NORMS + g_paths[:g_used] + m_paths + g_paths[g_used:]
+    return paths, ("linear", fn, g_extra, 2 + g_used + n_m)
 
 
 def _attention_plan(layer, x, cache):
@@ -219,18 +222,19 @@ def _attention_plan(layer, x, cache):
     a_paths, a_extra, a_static = attn
     moe = _moe_parts(layer, x)
     m_paths, m_fn = moe if moe is not None else ((), None)
-    eps = (float(layer.input_layernorm.eps), float(layer.post_attention_layernorm.eps))
-    n_a, n_m, n_o = len(a_paths), len(m_paths), a_static[-1][0]
-    key = ("attention", a_static, m_fn, eps, n_a, n_m, len(a_extra))
+    eps = _norm_eps(layer)
+    n_m, n_o = len(m_paths), a_static[-1][0]
+    n_read = 2 + n_o  # q/k norm weights and o_proj's arrays; the q/k/v sources only decide the plan
+    key = ("attention", a_static, m_fn, eps, n_m, len(a_extra))
     fn = _steps.get(key)
     if fn is None:
 
-        def step(x, keys, values, offset, *flat):
+        def step(x, keys, values, offset, *flat):  # flat: norms, q/k norms, o_proj, MoE arrays, q|k|v
             n1, n2 = flat[0], flat[1]
             qn_w, kn_w = flat[2], flat[3]
             o = flat[4:4 + n_o]
-            m = flat[2 + n_a:2 + n_a + n_m]
-            qkv = flat[2 + n_a + n_m:]
+            m = flat[2 + n_read:2 + n_read + n_m]
+            qkv = flat[2 + n_read + n_m:]
             r, keys, values = _attention_core(a_static, mx.fast.rms_norm(x, n1, eps[0]), keys, values,
                                               offset, qn_w, kn_w, tuple(o) + tuple(qkv))
             h = x + r
@@ -239,8 +243,9 @@ def _attention_plan(layer, x, cache):
             return h + m_fn(mx.fast.rms_norm(h, n2, eps[1]), *m), keys, values
 
         fn = _steps[key] = mx.compile(step)
-    return _NORMS + _prefixed("self_attn", a_paths) + m_paths, ("attention", fn, a_extra, m_fn is not None,
-                                                                 a_static[1], a_static[2])
+    a_paths = _prefixed("self_attn", a_paths)
+    paths = _NORMS + a_paths[:n_read] + m_paths + a_paths[n_read:]
+    return paths, ("attention", fn, a_extra, 2 + n_read + n_m, m_fn is not None, a_static[1], a_static[2])
 
 
 def _norm_eps(layer) -> tuple:
@@ -272,8 +277,8 @@ def decode_layer(layer, x: mx.array, cache) -> Optional[mx.array]:
         arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _linear_plan(layer, x, cache))
         if plan is None:
             return None
-        _, fn, extra = plan
-        out, conv_state, state = fn(x, cache[0], cache[1], *arrays, *extra)
+        _, fn, extra, n_in = plan
+        out, conv_state, state = fn(x, cache[0], cache[1], *arrays[:n_in], *extra)
         cache[0] = conv_state
         cache[1] = state
         cache.advance(1)
@@ -288,13 +293,13 @@ def decode_layer(layer, x: mx.array, cache) -> Optional[mx.array]:
     arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _attention_plan(layer, x, cache))
     if plan is None:
         return None
-    _, fn, extra, has_moe, hkv, dh = plan
+    _, fn, extra, n_in, has_moe, hkv, dh = plan
     if not _room(cache, x.dtype, x.shape[0], hkv, dh):
         return None
     keys, values = cache.keys, cache.values
     cache.keys = cache.values = None  # the step's inputs alone hold the buffers: they are donated
     try:
-        out, keys, values = fn(x, keys, values, mx.array(cache.offset, mx.int32), *arrays, *extra)
+        out, keys, values = fn(x, keys, values, mx.array(cache.offset, mx.int32), *arrays[:n_in], *extra)
     finally:
         cache.keys, cache.values = keys, values
     cache.offset += 1

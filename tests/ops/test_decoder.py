@@ -45,6 +45,17 @@ def _spy(monkeypatch):
     return taken
 
 
+def _attention_inputs(stock, fast, ctx, kv_dtype=mx.float32, seed=1):
+    """The first attention layer's index, a KV cache per engine holding the
+    same ``ctx`` random rows (``kv_dtype``), and one fresh fp32 token's input."""
+    i = next(j for j, l in enumerate(fast.layers) if not l.is_linear)
+    c1, c2 = KVCache(), KVCache()
+    pre = mx.random.normal((1, 2, ctx, 64), key=mx.random.key(seed)).astype(kv_dtype)
+    c1.update_and_fetch(pre, pre)
+    c2.update_and_fetch(mx.array(pre), mx.array(pre))
+    return i, c1, c2, mx.random.normal((1, 1, 256), key=mx.random.key(seed + 1))
+
+
 def _decode_pair(stock, fast, prompt_len, steps, batch=1, seed=0, make_cache=make_prompt_cache):
     """Prefill the same random prompt in both engines, then decode ``steps``
     tokens teacher-forced (both fed stock's greedy token); returns the two
@@ -145,12 +156,7 @@ def test_replaced_weights_are_read(monkeypatch):
     """A projection replaced after the first step (``update``) is what the
     next step reads: the plan is rebuilt, output as stock's with the new weights."""
     stock, fast = _models(seed=11)
-    i = next(j for j, l in enumerate(fast.layers) if not l.is_linear)
-    c1, c2 = KVCache(), KVCache()
-    pre = mx.random.normal((1, 2, 3, 64), key=mx.random.key(1))
-    c1.update_and_fetch(pre, pre)
-    c2.update_and_fetch(mx.array(pre), mx.array(pre))
-    x = mx.random.normal((1, 1, 256), key=mx.random.key(2))
+    i, c1, c2, x = _attention_inputs(stock, fast, 3)
     mx.eval(fast.layers[i](x, None, c2), stock.layers[i](x, None, c1))
     new = {k: v * 1.5 for k, v in tree_flatten(stock.layers[i].self_attn.k_proj.parameters())
            if k != "weight"}  # new scales and biases (the packed weight stays): new arrays, new values
@@ -188,12 +194,7 @@ def test_replaced_rope_scale_or_eps_make_a_new_plan():
     import mlx.nn as nn
 
     stock, fast = _models(seed=12)
-    i = next(j for j, l in enumerate(fast.layers) if not l.is_linear)
-    c1, c2 = KVCache(), KVCache()
-    pre = mx.random.normal((1, 2, 3, 64), key=mx.random.key(1))
-    c1.update_and_fetch(pre, pre)
-    c2.update_and_fetch(mx.array(pre), mx.array(pre))
-    x = mx.random.normal((1, 1, 256), key=mx.random.key(2))
+    i, c1, c2, x = _attention_inputs(stock, fast, 3)
 
     def step(what):
         ref, got = stock.layers[i](x, None, c1), fast.layers[i](x, None, c2)
@@ -237,12 +238,7 @@ def test_a_cache_of_another_dtype_grows_as_stock_grows_it():
     an fp32 model): at the 256-position growth stock promotes the buffers
     to fp32; so does the step."""
     stock, fast = _models(seed=14)
-    i = next(j for j, l in enumerate(fast.layers) if not l.is_linear)
-    c1, c2 = KVCache(), KVCache()
-    pre = mx.random.normal((1, 2, 256, 64), key=mx.random.key(1)).astype(mx.bfloat16)
-    c1.update_and_fetch(pre, pre)
-    c2.update_and_fetch(mx.array(pre), mx.array(pre))
-    x = mx.random.normal((1, 1, 256), key=mx.random.key(2))
+    i, c1, c2, x = _attention_inputs(stock, fast, 256, mx.bfloat16)
     ref, got = stock.layers[i](x, None, c1), fast.layers[i](x, None, c2)
     mx.eval(ref, got)
     assert c2.keys.dtype == c1.keys.dtype == mx.float32 and c2.keys.shape == c1.keys.shape
@@ -258,6 +254,48 @@ def test_unpatch_restores_the_stock_layer_class():
     assert all(type(l) is not DecoderLayer for l in fast.layers)
     assert unpatch(fast)["decoder_layer"] == len(fast.layers)
     assert all(type(l) is DecoderLayer for l in fast.layers)
+
+
+def test_linear_layer_step_composes_its_parts(monkeypatch):
+    """The Gated DeltaNet layer's compiled step (CUDA parts on the GPU) with
+    stand-in parts on the CPU: the norms, residuals, the arrays each part
+    reads in their order, its extra arrays, the new cache states and the
+    offset; an array that only decides the plan (here the GDN norm weight),
+    replaced, makes a new plan."""
+    from mlx_qwen_fast.ops import decoder as dec
+
+    made = []
+
+    def gdn_parts(layer, x, cache):
+        made.append("gdn")
+        fn = lambda x, cs, st, a_log, dt_bias, e: (x * a_log.sum() + dt_bias.sum() + e, cs + 1, st * 0.5)  # noqa: E731
+        return (("A_log",), ("dt_bias",), ("norm", "weight")), fn, 2, (mx.array(3.0),)
+
+    def moe_parts(block, x):
+        return (("shared_expert_gate", "weight"),), lambda x, w: x * 3 + 0 * w.sum()
+
+    monkeypatch.setattr(dec.gated_delta_ops, "decode_step_parts", gdn_parts)
+    monkeypatch.setattr(dec.moe_ops, "decode_step_parts", moe_parts)
+    _, fast = _models(seed=15)
+    layer = next(l for l in fast.layers if l.is_linear)
+    la = layer.linear_attn
+    cache = make_prompt_cache(fast)[0]
+    cs, st = mx.random.normal((1, 3, la.conv_dim)), mx.random.normal((1, la.num_v_heads, la.head_v_dim, la.head_k_dim))
+    cache[0], cache[1] = cs, st
+    x = mx.random.normal((1, 1, 256), key=mx.random.key(3))
+    rms = lambda v, n: mx.fast.rms_norm(v, n.weight, n.eps)  # noqa: E731
+    h = x + rms(x, layer.input_layernorm) * la.A_log.sum() + la.dt_bias.sum() + 3.0
+    ref = h + 3 * rms(h, layer.post_attention_layernorm)
+    got = dec.decode_layer(layer, x, cache)
+    assert_close(got, ref, FP32_TOL, "composed step")
+    assert_close(cache[0], cs + 1, 0.0, "conv state")
+    assert_close(cache[1], st * 0.5, 0.0, "state")
+    assert made == ["gdn"]
+    dec.decode_layer(layer, x, cache)
+    assert made == ["gdn"]  # the plan is reused
+    la.norm.weight = la.norm.weight * 1.0
+    dec.decode_layer(layer, x, cache)
+    assert made == ["gdn", "gdn"]
 
 
 def test_bad_input_declines():

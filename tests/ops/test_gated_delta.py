@@ -886,7 +886,7 @@ def test_metal_decode_kernel_runs_the_whole_tiny_model(monkeypatch, env, gdn128)
     env.set(config.METAL_KERNELS.name, "1")
     stock_model, _ = build_model(gdn128, seed=4, dtype=mx.float32)
     prompt = mx.random.randint(1, 1000, (1, 9), key=mx.random.key(3))
-    with mc.simulated_modules("mlx_lm.models.gated_delta") as (stock_kernels,):
+    with mc.simulated_modules("mlx_lm.models.gated_delta", gdm.__name__) as (stock_kernels, _):
         monkeypatch.setattr(backend, "current", lambda: backend.METAL)
         fast, report = patched_copy(stock_model, warn=False)
         assert report.ops["gated_delta.decode"] == "metal-kernel"
