@@ -8,14 +8,14 @@
 #                                 # counter of the package's kernels (~6-8 min)
 #   bash bench/h200.sh userview   # bench.user_view: mlx-lm's own benchmark command, stock vs patched (~5-9 min)
 #   bash bench/h200.sh firstuse   # bench.first_use: the CLI's first and second run on a fresh machine (~6 min)
-#   bash bench/h200.sh decode     # nodes per decode token, then the decoder-layer step on/off through the CLI (~6-9 min)
+#   bash bench/h200.sh decode     # nodes per decode token, then a decode switch on/off through the CLI (~6-9 min)
 #
 # Run from the repository root on the device with .mlxcuda carried (and .nvfatbin for
 # compressed-fatbin launches); every result goes to $OUT (at most 8 files, named
 # below per stage), and a short digest to stdout. Environment knobs: SKEW (router
 # skew of the random checkpoints, default 1.0), TEST_WORKERS (xdist workers of the
 # tests stage, default 4), UV_CONFIGS / UV_RESUME (userview), CK (checkpoint folder of firstuse and decode,
-# default /tmp/ck), DECODE_PAIRS (decode, default 3),
+# default /tmp/ck), DECODE_PAIRS / DECODE_AB / NODES (decode),
 # PROFILE_FULL=0 (profile stage without the --set full pass).
 #
 # A fresh machine pays MLX's first-use compiles (minutes: the stock engine's
@@ -105,22 +105,25 @@ firstuse)  # bench.first_use: `python -m mlx_qwen_fast.generate` twice in fresh 
   timeout 330 python3 -m bench.first_use --model "$CK" --runs 2 --timeout 250 --out "$OUT/first_use.json" \
     >> "$OUT/first_use.log" 2>&1; echo "rc=$?" >> "$OUT/first_use.log"; grep -E "^run |^rc=" "$OUT/first_use.log" ;;
 decode)  # graph nodes per decode token at 4K (bench.nodes: stock and patched), then mlx-lm's benchmark
-        # through our CLI on the checkpoint in $CK (written first unless complete), with
-        # MLX_QWEN_FAST_DECODE_LAYER=1 and 0 alternating, ${DECODE_PAIRS:-3} processes each (a fresh
-        # machine's first process pays MLX's compiles: one more before the timed pairs).
-        # Files: nodes-4k.json, nodes-4k.log, layer-ab.log
+        # through our CLI on the checkpoint in $CK (written first unless complete), with the switch
+        # ${DECODE_AB:-MLX_QWEN_FAST_DECODE_LAYER} =1 and =0 alternating, ${DECODE_PAIRS:-3} processes each
+        # (a fresh machine's first process pays MLX's compiles: one more before the timed pairs);
+        # NODES=0 skips the node count. Files: nodes-4k.json, nodes-4k.log, layer-ab.log
   CK="${CK:-/tmp/ck}"
   if [ ! -f "$CK/config.json" ] || [ ! -f "$CK/generation_config.json" ]; then
     timeout 240 python3 -m mlx_qwen_fast.checkpoint --preset qwen3.6-35b-a3b --out "$CK" --overwrite \
       > "$OUT/layer-ab.log" 2>&1 || { tail -5 "$OUT/layer-ab.log"; exit 1; }
   fi
-  timeout 120 python3 -m bench.nodes $P --context 4096 --out "$OUT/nodes-4k.json" > "$OUT/nodes-4k.log" 2>&1
-  echo "rc=$?" >> "$OUT/nodes-4k.log"; tail -10 "$OUT/nodes-4k.log"
+  if [ "${NODES:-1}" != 0 ]; then
+    timeout 120 python3 -m bench.nodes $P --context 4096 --out "$OUT/nodes-4k.json" > "$OUT/nodes-4k.log" 2>&1
+    echo "rc=$?" >> "$OUT/nodes-4k.log"; tail -10 "$OUT/nodes-4k.log"
+  fi
   BENCH="python3 -m mlx_qwen_fast benchmark --model $CK -p 4096 -g 128 -n 2"
+  AB="${DECODE_AB:-MLX_QWEN_FAST_DECODE_LAYER}"
   echo "== warm-up" >> "$OUT/layer-ab.log"; timeout 200 $BENCH >> "$OUT/layer-ab.log" 2>&1
   for i in $(seq "${DECODE_PAIRS:-3}"); do for L in 1 0; do
-    echo "== pair $i MLX_QWEN_FAST_DECODE_LAYER=$L" >> "$OUT/layer-ab.log"
-    MLX_QWEN_FAST_DECODE_LAYER=$L timeout 90 $BENCH >> "$OUT/layer-ab.log" 2>&1; echo "rc=$?" >> "$OUT/layer-ab.log"
+    echo "== pair $i $AB=$L" >> "$OUT/layer-ab.log"
+    env "$AB=$L" timeout 90 $BENCH >> "$OUT/layer-ab.log" 2>&1; echo "rc=$?" >> "$OUT/layer-ab.log"
   done; done
   grep -E "^== |Averages|^rc=" "$OUT/layer-ab.log" ;;
 *) echo "usage: bash bench/h200.sh {tests|ab|ops|profile|userview|firstuse|decode}"; exit 2 ;;

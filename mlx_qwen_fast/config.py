@@ -39,6 +39,7 @@ __all__ = [
     "MOE_PREFILL_KERNEL",
     "MOE_DECODE_KERNEL",
     "DECODE_LAYER_STEP",
+    "ATTENTION_DECODE_KERNEL",
     "METAL_KERNELS",
     "KERNEL_CACHE",
     "NVRTC",
@@ -162,6 +163,10 @@ MOE_DECODE_KERNEL = Switch(
 DECODE_LAYER_STEP = Switch(
     "MLX_QWEN_FAST_DECODE_LAYER", "bool", True, "`0`",
     "decode runs each decoder layer's modules one by one instead of one compiled call per layer")
+ATTENTION_DECODE_KERNEL = Switch(
+    "MLX_QWEN_FAST_ATTENTION_KERNEL", "bool", True, "`0`",
+    "the decode layer step keeps MLX's attention ops (RMSNorm, RoPE, masked SDPA, gate) on CUDA "
+    "instead of the head_dim-256 decode-attention kernels")
 METAL_KERNELS = Switch(
     "MLX_QWEN_FAST_METAL", "bool", False, "`1`",
     "on Apple silicon, the package's Metal kernels run (the Gated DeltaNet decode step); checked only "
@@ -186,7 +191,7 @@ POISON = Switch(
 
 #: Every switch, in the README's order.
 SWITCHES: Tuple[Switch, ...] = (
-    FAST_PATH, MOE_PREFILL_KERNEL, MOE_DECODE_KERNEL, DECODE_LAYER_STEP, METAL_KERNELS, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
+    FAST_PATH, MOE_PREFILL_KERNEL, MOE_DECODE_KERNEL, DECODE_LAYER_STEP, ATTENTION_DECODE_KERNEL, METAL_KERNELS, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
 )
 
 

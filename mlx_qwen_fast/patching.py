@@ -34,6 +34,7 @@ from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
 from .compiled import StepPlans
 from .layers import FAST_CLASSES, LAYER_CLASSES, rebind
+from .ops import attention as attention_ops
 from .ops import gated_delta as gated_delta_ops
 from .ops import moe as moe_ops
 
@@ -116,7 +117,11 @@ def op_implementations(backend_name: Optional[str] = None) -> Dict[str, str]:
     if b == backend.METAL and config.METAL_KERNELS.get():  # the layer's decode, not the recurrence alone
         table["gated_delta.decode"] = "metal-kernel"
     table["attention.prefill"] = "stock"
-    table["attention.decode"] = "compiled-layer" if config.DECODE_LAYER_STEP.get() else "stock"
+    if config.DECODE_LAYER_STEP.get():  # the layer step runs ops.attention's dispatcher
+        kernel = attention_ops.implementation_for(1, b) == "cuda-kernel"
+        table["attention.decode"] = "compiled-layer+cuda-kernel" if kernel else "compiled-layer"
+    else:
+        table["attention.decode"] = "stock"
     return table
 
 

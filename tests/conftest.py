@@ -206,3 +206,16 @@ def gdn128(monkeypatch):
                 layer_types=text["layer_types"][:4])
     monkeypatch.setitem(checkpoint.PRESETS, "tiny-gdn128", cfg)
     return "tiny-gdn128"
+
+
+@pytest.fixture
+def kernel_heads(monkeypatch, gdn128):
+    """``gdn128`` with the full model's attention heads too (head_dim 256,
+    16 query and 2 KV heads, 64 rotated dims): every decode kernel's shape."""
+    from mlx_qwen_fast import checkpoint
+
+    cfg = checkpoint.preset_config(gdn128)
+    cfg["text_config"].update(head_dim=256)
+    cfg["text_config"]["rope_parameters"]["mrope_section"] = [11, 11, 10]
+    monkeypatch.setitem(checkpoint.PRESETS, "tiny-kernel-heads", cfg)
+    return "tiny-kernel-heads"

@@ -22,6 +22,10 @@ Modules (each exposes the wrapper of the same name and ``supports``):
 - ``moe_decode_gemv``       fused decode MoE, N <= 4 tokens: gate+up SwiGLU and
                             down + combine + shared expert (on by default on
                             CUDA; see ``ops.moe``)
+- ``attention_decode``      gated attention for one token, head_dim 256: q/k
+                            RMSNorm + RoPE, the cache write, split-K attention
+                            and the output gate (on by default on CUDA inside
+                            the decode layer step; see ``ops.attention``)
 
 Import them by module path, e.g.
 ``from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan, supports``

@@ -21,15 +21,16 @@ Per layer kind:
   projection, decode kernel, ``out_proj``), the residuals and the MoE
   block's decode step (:func:`mlx_qwen_fast.ops.moe.decode_step_parts`).
 * Gated attention layer (mlx-lm's ``Qwen3NextAttention``): RMSNorm, one
-  quantised matmul over the concatenated q|k|v projections, q/k RMSNorm,
-  RoPE at the cache offset (passed as an array, so one trace serves every
-  position), the new K/V row written into the cache's buffers in place
-  (``mx.slice_update`` at the offset; the buffers are donated), attention of
-  the query over the whole buffer with the positions past the offset masked
-  (MLX's ``scaled_dot_product_attention``: the trace depends on the
-  buffer's capacity, which grows by mlx-lm's step of 256 positions, not on
-  the offset), the sigmoid output gate, ``o_proj``, the residual, then the
-  MoE step as above.
+  quantised matmul over the concatenated q|k|v projections, then
+  :func:`mlx_qwen_fast.ops.attention.decode_attention` (q/k RMSNorm, RoPE at
+  the cache offset -- passed as an array, so one trace serves every
+  position --, the new K/V row written into the cache's buffers in place:
+  ``mx.slice_update`` at the offset, the buffers donated; attention over
+  the buffer up to the offset; the sigmoid output gate: on CUDA at head_dim
+  256 its kernels, else MLX's ops with the positions past the offset
+  masked), ``o_proj``, the residual, then the MoE step as above. The trace
+  depends on the buffer's capacity, which grows by mlx-lm's step of 256
+  positions, not on the offset.
 
 Where a part has no decode step (a CPU or Metal backend, a LoRA-wrapped or
 sharded module, a cache other than mlx-lm's plain ``KVCache`` /
@@ -45,7 +46,9 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import config
 from ..compiled import StepPlans, apply_linear, concat_linears, linear_arrays, linear_paths
+from . import attention as attention_ops
 from . import gated_delta as gated_delta_ops
 from . import moe as moe_ops
 
@@ -117,26 +120,14 @@ def _attention_core(static, x, keys, values, offset, qn_w, kn_w, flat):
     ``[B, 1, D]``: ``(o_proj output [B, 1, D], keys, values)`` with the new
     K/V row written at ``offset`` (0-d int32) into ``keys``/``values``
     ``[B, Hkv, capacity, Dh]``. ``flat`` = o_proj's arrays then the q|k|v
-    arrays. Same ops as ``Qwen3NextAttention.__call__`` (mlx-lm 0.32.2)."""
+    arrays. The part between the projections is
+    :func:`mlx_qwen_fast.ops.attention.decode_attention`."""
     hq, hkv, dh, eps_q, eps_k, scale, (dims, traditional, base, rscale), (n_qkv, qkv_s), (n_o, o_s) = static
-    B = x.shape[0]
     proj = apply_linear(x, flat[n_o:n_o + n_qkv], qkv_s)
-    nq, nk = hq * dh * 2, hkv * dh
-    queries, gate = mx.split(proj[..., :nq].reshape(B, 1, hq, -1), 2, axis=-1)
-    gate = gate.reshape(B, 1, -1)
-    k = proj[..., nq:nq + nk].reshape(B, 1, hkv, -1)
-    v = proj[..., nq + nk:].reshape(B, 1, hkv, -1)
-    queries = mx.fast.rms_norm(queries, qn_w, eps_q).transpose(0, 2, 1, 3)
-    k = mx.fast.rms_norm(k, kn_w, eps_k).transpose(0, 2, 1, 3)
-    v = v.transpose(0, 2, 1, 3)
-    queries = mx.fast.rope(queries, dims, traditional=traditional, base=base, scale=rscale, offset=offset)
-    k = mx.fast.rope(k, dims, traditional=traditional, base=base, scale=rscale, offset=offset)
-    keys = mx.slice_update(keys, k, offset.reshape(1), axes=(2,))
-    values = mx.slice_update(values, v, offset.reshape(1), axes=(2,))
-    mask = mx.arange(keys.shape[2]) <= offset  # the positions written so far, this one included
-    out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
-    out = out.transpose(0, 2, 1, 3).reshape(B, 1, -1)
-    return apply_linear(out * mx.sigmoid(gate), flat[:n_o], o_s), keys, values
+    out, keys, values = attention_ops.decode_attention(
+        proj, keys, values, offset, qn_w, kn_w, num_heads=hq, num_kv_heads=hkv, scale=scale, q_eps=eps_q,
+        k_eps=eps_k, rope_dims=dims, rope_traditional=traditional, rope_base=base, rope_scale=rscale)
+    return apply_linear(out, flat[:n_o], o_s), keys, values
 
 
 def _room(cache, x_dtype, B: int, hkv: int, dh: int) -> bool:
@@ -225,7 +216,8 @@ def _attention_plan(layer, x, cache):
     eps = _norm_eps(layer)
     n_m, n_o = len(m_paths), a_static[-1][0]
     n_read = 2 + n_o  # q/k norm weights and o_proj's arrays; the q/k/v sources only decide the plan
-    key = ("attention", a_static, m_fn, eps, n_m, len(a_extra))
+    # the attention kernels' switch is read while tracing: a trace per value
+    key = ("attention", a_static, m_fn, eps, n_m, len(a_extra), config.ATTENTION_DECODE_KERNEL.get())
     fn = _steps.get(key)
     if fn is None:
 
@@ -289,7 +281,7 @@ def decode_layer(layer, x: mx.array, cache) -> Optional[mx.array]:
     # the settings the trace bakes in that are not arrays: a replaced RoPE or
     # a changed scale or eps makes a new plan
     key = ("attention", tuple(x.shape), x.dtype, cache.keys.dtype, _norm_eps(layer), id(attn.rope),
-           attn.scale, attn.q_norm.eps, attn.k_norm.eps)
+           attn.scale, attn.q_norm.eps, attn.k_norm.eps, config.ATTENTION_DECODE_KERNEL.get())
     arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _attention_plan(layer, x, cache))
     if plan is None:
         return None

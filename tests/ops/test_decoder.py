@@ -14,6 +14,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make
 from compare import FP32_TOL, GATHER_QMM_TOL, assert_close, finite
 from mlx_qwen_fast import config, patched_copy
 from mlx_qwen_fast.checkpoint import build_model
+from mlx_qwen_fast.ops import attention as attention_ops
 from mlx_qwen_fast.ops import decoder
 
 from cuda_helpers import HAS_CUDA
@@ -314,21 +315,32 @@ def test_bad_input_declines():
 @pytest.mark.cuda
 @pytest.mark.usefixtures("poison")
 @pytest.mark.parametrize("batch", [1, 2])
-def test_cuda_whole_layer_steps_match_module_path(monkeypatch, env, gdn128, batch):
-    """CUDA, bf16: both layer kinds take the compiled step (GDN decode kernel
-    and MoE decode kernels inside); logits over 40 teacher-forced steps (the
-    cache crosses 256 positions) within bf16 rounding of the same model with
-    the step off (the modules one by one) and of stock."""
+def test_cuda_whole_layer_steps_match_module_path(monkeypatch, env, kernel_heads, batch):
+    """CUDA, bf16: both layer kinds take the compiled step (GDN decode kernel,
+    decode-attention kernels and MoE decode kernels inside); logits over 40
+    teacher-forced steps (the cache crosses 256 positions) within bf16
+    rounding of the same model with the step off (the modules one by one),
+    with the attention kernels off, and of stock."""
     assert HAS_CUDA
     taken = _spy(monkeypatch)
-    stock, fast = _models(seed=5, dtype=mx.bfloat16, preset=gdn128)
+    kernel_calls = []
+    real = attention_ops._k_decode.attention_decode
+    monkeypatch.setattr(attention_ops._k_decode, "attention_decode",
+                        lambda *a, **k: kernel_calls.append(1) or real(*a, **k))
+    stock, fast = _models(seed=5, dtype=mx.bfloat16, preset=kernel_heads)
+    assert fast.layers[3].self_attn.head_dim == 256
     pairs, _, _ = _decode_pair(stock, fast, 230, 40, batch, seed=batch)
     n_linear = sum(l.is_linear for l in fast.layers)
     assert taken == {"linear": n_linear * 40, "attention": (len(fast.layers) - n_linear) * 40}
+    assert kernel_calls  # traced into the attention layer's step
+    env.set(config.ATTENTION_DECODE_KERNEL.name, "0")
+    _, no_kernel = _models(seed=5, dtype=mx.bfloat16, preset=kernel_heads)
+    pairs_nk, _, _ = _decode_pair(stock, no_kernel, 230, 40, batch, seed=batch)
     env.set(config.DECODE_LAYER_STEP.name, "0")
-    _, off = _models(seed=5, dtype=mx.bfloat16, preset=gdn128)
+    _, off = _models(seed=5, dtype=mx.bfloat16, preset=kernel_heads)
     pairs_off, _, _ = _decode_pair(stock, off, 230, 40, batch, seed=batch)
-    for i, ((a, b), (_, c)) in enumerate(zip(pairs, pairs_off)):
+    for i, ((a, b), (_, c), (_, d)) in enumerate(zip(pairs, pairs_off, pairs_nk)):
         assert finite(b)
         assert_close(b, c, GATHER_QMM_TOL, f"step {i}: layer step vs modules")
+        assert_close(b, d, GATHER_QMM_TOL, f"step {i}: attention kernels vs MLX's ops")
         assert_close(b, a, GATHER_QMM_TOL, f"step {i}: layer step vs stock")

@@ -1,0 +1,327 @@
+// Gated attention decode (one query token per row), head_dim 256, GQA,
+// split-K over the KV cache: the three launches of one layer's step.
+//
+// What they compute, for each row b (mlx_lm/models/qwen3_next.py
+// Qwen3NextAttention.__call__ at T = 1, cache offset `off`):
+//   q_h  = rope(rms_norm(proj_q[h], w_q), off)        (h < HQ)
+//   k    = rope(rms_norm(proj_k[j], w_k), off)        (j < HKV)
+//   o_h  = softmax(scale q_h . K_j[0..off]) V_j[0..off],  j = h / (HQ / HKV)
+//   out_h = o_h * sigmoid(gate_h)
+// where K_j[off], V_j[off] are this token's k and v (written into the cache
+// buffers by the caller between the launches). The rounding points are the
+// stock path's: rms_norm rounds x * rsqrt(mean(x^2) + eps) to the activation
+// type and then its product with the weight (MLX's rms_norm); rope rounds its
+// result; the attention output is rounded before the gate; everything else
+// is fp32. RoPE as MLX's fast.rope: the first ROPE_DIMS dims of a head
+// rotate, pairs (i, i + ROPE_DIMS/2) (or (2i, 2i+1) when traditional), angle
+// rope_scale * off * 2^(-(i / (ROPE_DIMS/2)) * log2(base)); the rest pass.
+//
+// proj [B, P], P = 2*HQ*DH + 2*HKV*DH: one row of the concatenated q|k|v
+// projection, [HQ x (q DH | gate DH) | HKV x k DH | HKV x v DH] (mlx-lm splits
+// q_proj's output per head into query and gate).
+//
+// ATT_KIND 0, the new key: grid B*HKV warps. Inputs proj, w_k [DH], off
+//   (int32, 0-d). Outputs k_new [B, HKV, 1, DH] and at (int32 [1]): off
+//   clamped to [0, cap), the row the caller's slice updates write (MLX's
+//   dynamic slice update does not bound its start). Scalars cap, eps_k,
+//   log2_base, rope_scale.
+// ATT_KIND 1, partial attention: grid B*HKV*NS blocks of G = HQ/HKV warps,
+//   block (b, j, s) covers positions [s*split_len, (s+1)*split_len) that are
+//   <= off, warp w is query head j*G + w. K/V rows go through shared memory
+//   in tiles of TILE positions (16-byte loads, every warp reads every row);
+//   each lane owns DH/32 consecutive dims of q and of the accumulator; the
+//   scores of a tile are one per lane (lane = position), so the online
+//   softmax rescales once per tile. Inputs proj, keys, values [B, HKV, cap,
+//   DH] (the buffers with this token's row written at off), off, w_q [DH].
+//   Output part float32 [B*HQ*NS*(DH + 2)]: the unnormalised accumulators
+//   [B*HQ*NS, DH] then (max, sum) in log2 units [B*HQ*NS, 2]. Scalars cap,
+//   ns, split_len, eps_q, scale_log2 (= scale * log2(e)), log2_base,
+//   rope_scale. Positions >= cap are never read, whatever off holds.
+// ATT_KIND 2, combine and gate: grid B*HQ blocks of DH threads. Inputs part,
+//   proj. Output out [B, 1, HQ*DH]. Scalar ns.
+//
+// Build macros: KNAME, ATT_KIND, ATT_X (activation/cache type), ATT_W (norm
+// weight type), ATT_HQ, ATT_HKV, ATT_ROPE_DIMS, ATT_ROPE_TRAD.
+#include "gdn_common.cuh"
+
+typedef ATT_X xt;
+typedef ATT_W wt;
+
+namespace {
+constexpr int DH = 256;
+constexpr int HQ = ATT_HQ;
+constexpr int HKV = ATT_HKV;
+constexpr int G = HQ / HKV;
+constexpr int EL = DH / 32;  // dims per lane
+constexpr int P = 2 * HQ * DH + 2 * HKV * DH;
+constexpr int OFF_K = 2 * HQ * DH;
+constexpr int OFF_V = 2 * HQ * DH + HKV * DH;
+constexpr int ROPE_DIMS = ATT_ROPE_DIMS;
+constexpr int ROPE_HALF = ROPE_DIMS / 2;
+constexpr bool ROPE_TRAD = ATT_ROPE_TRAD != 0;
+// K and V tiles of 16 KB each in the activation type.
+constexpr int TILE = 16384 / (DH * (int)sizeof(xt));
+static_assert(HQ % HKV == 0 && G >= 1 && G <= 16, "1 to 16 query heads per KV head");
+static_assert(ROPE_DIMS % 2 == 0 && ROPE_DIMS <= DH, "rope dims even and <= head_dim");
+static_assert(TILE <= 32, "one score per lane");
+constexpr int VEC = 16 / (int)sizeof(xt);  // elements per 16-byte load
+static_assert(EL % VEC == 0, "a lane's dims are whole 16-byte chunks");
+
+template <typename T>
+__device__ __forceinline__ void load_lane(const T* p, float* o) {
+#pragma unroll
+  for (int c = 0; c < EL; c += VEC) {
+    load16(p + c, o + c);
+  }
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  }
+  return v;
+}
+
+// rms_norm then rope of one head held by a warp, EL dims per lane (v, raw
+// values in, the rounded rotated values out). sh: DH floats of this warp.
+__device__ __forceinline__ void norm_rope(float* v, const wt* w, float eps, int off,
+                                          float log2_base, float rope_scale, float* sh) {
+  const int lane = threadIdx.x & 31;
+  float ss = 0.0f;
+#pragma unroll
+  for (int e = 0; e < EL; ++e) {
+    ss = fmaf(v[e], v[e], ss);
+  }
+  const float r = rsqrtf(warp_sum(ss) / (float)DH + eps);
+#pragma unroll
+  for (int e = 0; e < EL; ++e) {
+    const int d = lane * EL + e;
+    v[e] = from_f_round<xt>(to_f(w[d]) * from_f_round<xt>(v[e] * r));
+    sh[d] = v[e];
+  }
+  __syncwarp();
+  // One lane per rotated pair: a single sincos call site keeps the image
+  // small (MLX hashes the launched image on every launch).
+  const float L = rope_scale * (float)off;
+#pragma unroll 1
+  for (int i = lane; i < ROPE_HALF; i += 32) {
+    const int d1 = ROPE_TRAD ? 2 * i : i;
+    const int d2 = ROPE_TRAD ? 2 * i + 1 : i + ROPE_HALF;
+    const float theta = L * exp2f(-((float)i / (float)ROPE_HALF) * log2_base);
+    const float c = cosf(theta), s = sinf(theta);
+    const float x1 = sh[d1], x2 = sh[d2];
+    sh[d1] = from_f_round<xt>(x1 * c - x2 * s);
+    sh[d2] = from_f_round<xt>(x1 * s + x2 * c);
+  }
+  __syncwarp();
+#pragma unroll
+  for (int e = 0; e < EL; ++e) {
+    v[e] = sh[lane * EL + e];
+  }
+  __syncwarp();
+}
+} // namespace
+
+#if ATT_KIND == 0
+
+extern "C" __global__ void __launch_bounds__(32) KNAME(
+    const xt* __restrict__ proj,
+    const wt* __restrict__ w_k,
+    const int* __restrict__ offset,
+    xt* __restrict__ k_new,
+    int* __restrict__ at,
+    int cap,
+    float eps_k,
+    float log2_base,
+    float rope_scale) {
+  __shared__ float sh[DH];
+  const int lane = threadIdx.x;
+  const int bj = blockIdx.x;  // b * HKV + j
+  const int b = bj / HKV, j = bj % HKV;
+  if (bj == 0 && lane == 0) {
+    at[0] = min(max(*offset, 0), cap - 1);
+  }
+  float v[EL];
+  load_lane(proj + (size_t)b * P + OFF_K + j * DH + lane * EL, v);
+  norm_rope(v, w_k, eps_k, *offset, log2_base, rope_scale, sh);
+  xt* o = k_new + (size_t)bj * DH + lane * EL;
+#pragma unroll
+  for (int e = 0; e < EL; e += 4) {
+    store4(o + e, v + e);
+  }
+}
+
+#elif ATT_KIND == 1
+
+extern "C" __global__ void __launch_bounds__(G * 32) KNAME(
+    const xt* __restrict__ proj,
+    const xt* __restrict__ keys,
+    const xt* __restrict__ values,
+    const int* __restrict__ offset,
+    const wt* __restrict__ w_q,
+    float* __restrict__ part,
+    int cap,
+    int ns,
+    int split_len,
+    float eps_q,
+    float scale_log2,
+    float log2_base,
+    float rope_scale) {
+  __shared__ __align__(16) xt ks[TILE][DH];
+  __shared__ __align__(16) xt vs[TILE][DH];
+  __shared__ float qsh[G][DH];
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int s = blockIdx.x % ns;
+  const int bj = blockIdx.x / ns;  // b * HKV + j
+  const int b = bj / HKV, j = bj % HKV;
+  const int h = j * G + warp;
+  const int off = *offset;
+
+  float q[EL];
+  load_lane(proj + (size_t)b * P + h * 2 * DH + lane * EL, q);
+  norm_rope(q, w_q, eps_q, off, log2_base, rope_scale, qsh[warp]);
+#pragma unroll
+  for (int e = 0; e < EL; ++e) {
+    q[e] *= scale_log2;
+  }
+
+  // Positions of this split: [lo, hi), none past the query or the buffer.
+  const int lo = s * split_len;
+  const int hi = min(min(lo + split_len, off + 1), cap);
+  float m = -INFINITY, l = 0.0f, acc[EL];
+#pragma unroll
+  for (int e = 0; e < EL; ++e) {
+    acc[e] = 0.0f;
+  }
+  const size_t row0 = (size_t)bj * cap;
+  constexpr int CHUNKS = TILE * DH / VEC;  // 16-byte chunks per tile and tensor
+  for (int t0 = lo; t0 < hi; t0 += TILE) {
+    const int n = min(TILE, hi - t0);
+    for (int c = tid; c < CHUNKS; c += G * 32) {
+      const int r = c / (DH / VEC), col = (c % (DH / VEC)) * VEC;
+      if (r < n) {
+        const size_t g = (row0 + t0 + r) * DH + col;
+        *reinterpret_cast<uint4*>(&ks[r][col]) = *reinterpret_cast<const uint4*>(keys + g);
+        *reinterpret_cast<uint4*>(&vs[r][col]) = *reinterpret_cast<const uint4*>(values + g);
+      }
+    }
+    __syncthreads();
+    float sc = -INFINITY;  // lane r's score: position t0 + r
+#pragma unroll 4
+    for (int r = 0; r < TILE; ++r) {
+      if (r < n) {
+        float kv[EL];
+        load_lane(&ks[r][lane * EL], kv);
+        float d = 0.0f;
+#pragma unroll
+        for (int e = 0; e < EL; ++e) {
+          d = fmaf(q[e], kv[e], d);
+        }
+        d = warp_sum(d);
+        if (lane == r) {
+          sc = d;
+        }
+      }
+    }
+    const float m_new = fmaxf(m, warp_max(sc));
+    const float alpha = exp2f(m - m_new);  // 0 for the first tile (m = -inf)
+    const float p = lane < n ? exp2f(sc - m_new) : 0.0f;
+    l = l * alpha + warp_sum(p);
+    m = m_new;
+#pragma unroll
+    for (int e = 0; e < EL; ++e) {
+      acc[e] *= alpha;
+    }
+#pragma unroll 4
+    for (int r = 0; r < TILE; ++r) {
+      if (r < n) {
+        const float pr = __shfl_sync(0xffffffffu, p, r);
+        float vv[EL];
+        load_lane(&vs[r][lane * EL], vv);
+#pragma unroll
+        for (int e = 0; e < EL; ++e) {
+          acc[e] = fmaf(pr, vv[e], acc[e]);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  const size_t row = ((size_t)b * HQ + h) * ns + s;
+  float* pa = part + row * DH + lane * EL;
+#pragma unroll
+  for (int e = 0; e < EL; e += 4) {
+    store4(pa + e, acc + e);
+  }
+  if (lane == 0) {  // (max, sum) after all B*HQ*NS accumulators (= gridDim.x * G rows)
+    float* ml = part + (size_t)gridDim.x * G * DH + row * 2;
+    ml[0] = m;
+    ml[1] = l;
+  }
+}
+
+#elif ATT_KIND == 2
+
+extern "C" __global__ void __launch_bounds__(DH) KNAME(
+    const float* __restrict__ part,
+    const xt* __restrict__ proj,
+    xt* __restrict__ out,
+    int ns) {
+  extern __shared__ float wsh[];  // ns weights 2^(m_s - M)
+  __shared__ float red[DH / 32];
+  __shared__ float tot[2];
+  const int t = threadIdx.x;
+  const int bh = blockIdx.x;  // b * HQ + h
+  const int b = bh / HQ, h = bh % HQ;
+  const size_t rows = (size_t)gridDim.x * ns;
+  const float* ml = part + rows * DH + (size_t)bh * ns * 2;
+  float mx_ = -INFINITY;
+  for (int s = t; s < ns; s += DH) {
+    mx_ = fmaxf(mx_, ml[2 * s]);
+  }
+  mx_ = warp_max(mx_);
+  if ((t & 31) == 0) {
+    red[t >> 5] = mx_;
+  }
+  __syncthreads();
+  if (t == 0) {
+    float v = red[0];
+    for (int i = 1; i < DH / 32; ++i) {
+      v = fmaxf(v, red[i]);
+    }
+    tot[0] = v;
+  }
+  __syncthreads();
+  const float M = tot[0];
+  float lsum = 0.0f;
+  for (int s = t; s < ns; s += DH) {
+    const float w = ml[2 * s] == -INFINITY ? 0.0f : exp2f(ml[2 * s] - M);
+    wsh[s] = w;
+    lsum = fmaf(w, ml[2 * s + 1], lsum);
+  }
+  lsum = warp_sum(lsum);
+  __syncthreads();
+  if ((t & 31) == 0) {
+    red[t >> 5] = lsum;
+  }
+  __syncthreads();
+  if (t == 0) {
+    float v = 0.0f;
+    for (int i = 0; i < DH / 32; ++i) {
+      v += red[i];
+    }
+    tot[1] = v;
+  }
+  __syncthreads();
+  const float* pa = part + (size_t)bh * ns * DH + t;
+  float acc = 0.0f;
+  for (int s = 0; s < ns; ++s) {
+    acc = fmaf(wsh[s], pa[(size_t)s * DH], acc);
+  }
+  const float o = from_f_round<xt>(acc / tot[1]);
+  const float g = to_f(proj[(size_t)b * P + h * 2 * DH + DH + t]);
+  out[(size_t)bh * DH + t] = from_f<xt>(o * sigmoid_f(g));
+}
+
+#endif

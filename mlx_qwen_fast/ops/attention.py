@@ -1,0 +1,132 @@
+"""Gated attention, one query token per row: contract, reference, dispatch.
+
+The part of mlx-lm's ``Qwen3NextAttention.__call__`` (mlx_lm/models/
+qwen3_next.py, used by qwen3_5) between the concatenated q|k|v projection
+and ``o_proj``, for T = 1 with a plain ``KVCache`` whose buffers have room
+at the offset:
+
+=================  =========================  ================================
+argument           shape                      dtype / meaning
+=================  =========================  ================================
+proj               [B, 1, 2*Hq*Dh + 2*Hkv*Dh]  float; per row: each query
+                                              head's query (Dh) then its gate
+                                              (Dh), then the KV heads' keys
+                                              and values (Dh each)
+keys, values       [B, Hkv, capacity, Dh]     proj's dtype; the cache buffers,
+                                              positions [0, offset) written
+offset             0-d                        int32; this token's position,
+                                              in [0, capacity)
+q/k_norm_weight    [Dh]                       the q/k RMSNorm weights
+returns out        [B, 1, Hq*Dh]              proj's dtype: attention output
+                                              times sigmoid(gate)
+returns keys,      [B, Hkv, capacity, Dh]     the buffers with this token's
+values                                        key and value at ``offset``
+=================  =========================  ================================
+
+``q = rope(rms_norm(query)), k = rope(rms_norm(key))`` at position
+``offset``, ``o = softmax(scale * q K[0..offset]^T) V[0..offset]`` (query
+head h reads KV head ``h // (Hq / Hkv)``), ``out = o * sigmoid(gate)``.
+
+:func:`decode_attention_reference` is that computation in MLX ops, as the
+stock module runs it (each op rounding to the activation dtype). The one
+dispatcher, :func:`decode_attention`, runs the CUDA kernels of
+:mod:`mlx_qwen_fast.kernels.attention_decode` where they apply (head_dim
+256, :data:`mlx_qwen_fast.config.ATTENTION_DECODE_KERNEL` on) and the
+reference elsewhere. Prefill attention stays mlx-lm's.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import mlx.core as mx
+
+from .. import backend as _backend
+from .. import config
+from ..kernels import _cuda_build
+from ..kernels import attention_decode as _k_decode
+
+__all__ = ["IMPLEMENTATIONS", "decode_attention", "decode_attention_reference", "decode_implementation",
+           "implementation_for"]
+
+#: What :func:`decode_attention` can run: the kernels or the reference ops.
+IMPLEMENTATIONS = ("cuda-kernel", "reference")
+
+
+def decode_attention_reference(
+    proj: mx.array,
+    keys: mx.array,
+    values: mx.array,
+    offset: mx.array,
+    q_norm_weight: mx.array,
+    k_norm_weight: mx.array,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+    q_eps: float,
+    k_eps: float,
+    rope_dims: int,
+    rope_traditional: bool = False,
+    rope_base: float = 10000.0,
+    rope_scale: float = 1.0,
+) -> Tuple[mx.array, mx.array, mx.array]:
+    """The module's contract (above) in MLX ops: the ops and roundings of
+    ``Qwen3NextAttention.__call__`` (mlx-lm 0.32.2), the cache written with
+    ``mx.slice_update`` at ``offset`` and the attention taken over the
+    whole buffer with the positions past ``offset`` masked. Any head_dim;
+    the buffers' capacity is the only shape the graph depends on."""
+    B, dh = proj.shape[0], keys.shape[-1]
+    nq, nk = 2 * num_heads * dh, num_kv_heads * dh
+    queries, gate = mx.split(proj[..., :nq].reshape(B, 1, num_heads, -1), 2, axis=-1)
+    gate = gate.reshape(B, 1, -1)
+    k = proj[..., nq:nq + nk].reshape(B, 1, num_kv_heads, -1)
+    v = proj[..., nq + nk:].reshape(B, 1, num_kv_heads, -1)
+    queries = mx.fast.rms_norm(queries, q_norm_weight, q_eps).transpose(0, 2, 1, 3)
+    k = mx.fast.rms_norm(k, k_norm_weight, k_eps).transpose(0, 2, 1, 3)
+    v = v.transpose(0, 2, 1, 3)
+    rope = dict(traditional=rope_traditional, base=rope_base, scale=rope_scale, offset=offset)
+    queries = mx.fast.rope(queries, rope_dims, **rope)
+    k = mx.fast.rope(k, rope_dims, **rope)
+    keys = mx.slice_update(keys, k, offset.reshape(1), axes=(2,))
+    values = mx.slice_update(values, v, offset.reshape(1), axes=(2,))
+    mask = mx.arange(keys.shape[2]) <= offset  # the positions written so far, this one included
+    out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
+    out = out.transpose(0, 2, 1, 3).reshape(B, 1, -1)
+    return out * mx.sigmoid(gate), keys, values
+
+
+def decode_implementation(proj, keys, values, *, num_heads: int, num_kv_heads: int, head_dim: int,
+                          backend: Optional[str] = None) -> str:
+    """The name in :data:`IMPLEMENTATIONS` that :func:`decode_attention`
+    runs for these arrays (shape checks only: nothing is evaluated)."""
+    if (_backend.resolve(backend) == _backend.CUDA and config.ATTENTION_DECODE_KERNEL.get()
+            and _k_decode.supports(proj, keys, values, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                                   head_dim=head_dim)):
+        return "cuda-kernel"
+    return "reference"
+
+
+def decode_attention(proj, keys, values, offset, q_norm_weight, k_norm_weight, **settings):
+    """The contract above, by :func:`decode_implementation`'s choice: the
+    CUDA kernels (:func:`mlx_qwen_fast.kernels.attention_decode.attention_decode`,
+    which checks its arguments and raises ValueError naming one outside
+    its contract) or :func:`decode_attention_reference`. ``settings``: the
+    keyword arguments of :func:`decode_attention_reference`."""
+    impl = decode_implementation(proj, keys, values, num_heads=settings.get("num_heads"),
+                                 num_kv_heads=settings.get("num_kv_heads"),
+                                 head_dim=keys.shape[-1] if isinstance(keys, mx.array) and keys.ndim else 0)
+    fn = _k_decode.attention_decode if impl == "cuda-kernel" else decode_attention_reference
+    return fn(proj, keys, values, offset, q_norm_weight, k_norm_weight, **settings)
+
+
+def implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:
+    """The decode implementation a head_dim-256 model gets on ``backend``
+    ("cuda-kernel" or "reference"); prefill (``num_tokens`` > 1) is
+    "stock". Raises ValueError for an unknown backend."""
+    name = _backend.resolve(backend)
+    if num_tokens != 1:
+        return "stock"
+    if name == _backend.CUDA and _cuda_build.cuda_available() and config.ATTENTION_DECODE_KERNEL.get():
+        return "cuda-kernel"
+    return "reference"
