@@ -75,6 +75,11 @@ __device__ __forceinline__ void load_lane(const T* p, float* o) {
   }
 }
 
+// -inf without math.h (NVRTC builds with no headers: gdn_common.cuh).
+__device__ __forceinline__ float neg_inf() {
+  return __int_as_float(0xff800000);
+}
+
 __device__ __forceinline__ float warp_max(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
@@ -190,7 +195,7 @@ extern "C" __global__ void __launch_bounds__(G * 32) KNAME(
   // Positions of this split: [lo, hi), none past the query or the buffer.
   const int lo = s * split_len;
   const int hi = min(min(lo + split_len, off + 1), cap);
-  float m = -INFINITY, l = 0.0f, acc[EL];
+  float m = neg_inf(), l = 0.0f, acc[EL];
 #pragma unroll
   for (int e = 0; e < EL; ++e) {
     acc[e] = 0.0f;
@@ -208,7 +213,7 @@ extern "C" __global__ void __launch_bounds__(G * 32) KNAME(
       }
     }
     __syncthreads();
-    float sc = -INFINITY;  // lane r's score: position t0 + r
+    float sc = neg_inf();  // lane r's score: position t0 + r
 #pragma unroll 4
     for (int r = 0; r < TILE; ++r) {
       if (r < n) {
@@ -276,7 +281,7 @@ extern "C" __global__ void __launch_bounds__(DH) KNAME(
   const int b = bh / HQ, h = bh % HQ;
   const size_t rows = (size_t)gridDim.x * ns;
   const float* ml = part + rows * DH + (size_t)bh * ns * 2;
-  float mx_ = -INFINITY;
+  float mx_ = neg_inf();
   for (int s = t; s < ns; s += DH) {
     mx_ = fmaxf(mx_, ml[2 * s]);
   }
@@ -296,7 +301,7 @@ extern "C" __global__ void __launch_bounds__(DH) KNAME(
   const float M = tot[0];
   float lsum = 0.0f;
   for (int s = t; s < ns; s += DH) {
-    const float w = ml[2 * s] == -INFINITY ? 0.0f : exp2f(ml[2 * s] - M);
+    const float w = ml[2 * s] == neg_inf() ? 0.0f : exp2f(ml[2 * s] - M);
     wsh[s] = w;
     lsum = fmaf(w, ml[2 * s + 1], lsum);
   }
