@@ -173,8 +173,7 @@ def test_kernels_match_reference(B, hq, hkv, cap, off, dtype, wdtype, dims, trad
     proj, keys, values, qw, kw = _inputs(B, hq, hkv, cap, dtype, wdtype, seed=cap + off + B)
     settings = dict(num_heads=hq, num_kv_heads=hkv, scale=DH ** -0.5, q_eps=1e-6, k_eps=1e-6, rope_dims=dims,
                     rope_traditional=trad, rope_base=1e7, rope_scale=rscale)
-    old_k, old_v = mx.array(keys), mx.array(values)
-    mx.eval(old_k, old_v)
+    old_k, old_v = npa(keys).copy(), npa(values).copy()  # values before the call, whatever it writes
     out, k2, v2 = ad.attention_decode(proj, keys, values, mx.array(off, mx.int32), qw, kw, **settings)
     mx.eval(out, k2, v2)
     assert out.shape == (B, 1, hq * DH) and out.dtype == dtype and k2.shape == keys.shape
@@ -215,10 +214,10 @@ def test_chained_steps_equal_fresh_calls():
     settings = dict(num_heads=hq, num_kv_heads=hkv, scale=DH ** -0.5, q_eps=1e-6, k_eps=1e-6, rope_dims=64)
     for off in range(60, 70):
         p = (2.0 * mx.random.normal(proj.shape, key=mx.random.key(off))).astype(mx.bfloat16)
-        before_k, before_v = mx.array(keys), mx.array(values)
-        mx.eval(before_k, before_v)
+        before_k, before_v = npa(keys).copy(), npa(values).copy()
         out, keys, values = ad.attention_decode(p, keys, values, mx.array(off, mx.int32), qw, kw, **settings)
         mx.eval(out, keys, values)
         ref, _, _ = reference(p, before_k, before_v, off, qw, kw, hq=hq, hkv=hkv, scale=DH ** -0.5, eps=1e-6,
                               rope_dims=64, traditional=False, base=1e7, rscale=1.0)
+        assert_close(npa(keys)[:, :, :off], before_k[:, :, :off], 0.0, f"offset {off}: earlier key rows")
         assert_close(out, ref, tolerance(mx.bfloat16, 5), f"offset {off}")
