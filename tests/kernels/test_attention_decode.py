@@ -211,7 +211,8 @@ def test_chained_steps_equal_fresh_calls():
     runs it) give at each step what one call on the written buffer gives."""
     B, hq, hkv, cap = 1, 16, 2, 96
     proj, keys, values, qw, kw = _inputs(B, hq, hkv, cap, mx.bfloat16, mx.bfloat16, 9)
-    settings = dict(num_heads=hq, num_kv_heads=hkv, scale=DH ** -0.5, q_eps=1e-6, k_eps=1e-6, rope_dims=64)
+    settings = dict(num_heads=hq, num_kv_heads=hkv, scale=DH ** -0.5, q_eps=1e-6, k_eps=1e-6, rope_dims=64,
+                    rope_base=1e7)
     for off in range(60, 70):
         p = (2.0 * mx.random.normal(proj.shape, key=mx.random.key(off))).astype(mx.bfloat16)
         before_k, before_v = npa(keys).copy(), npa(values).copy()
