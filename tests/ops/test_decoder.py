@@ -6,12 +6,14 @@ module call); the Gated DeltaNet layers have no kernel there and stay stock.
 CUDA: both kinds take it, the MoE decode step inside the same call.
 """
 
+import copy
+
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, make_prompt_cache
 
-from compare import FP32_TOL, GATHER_QMM_TOL, assert_close, finite
+from compare import BF16_EPS, FP32_TOL, GATHER_QMM_TOL, assert_close, finite, rel_err
 from mlx_qwen_fast import config, patched_copy
 from mlx_qwen_fast.checkpoint import build_model
 from mlx_qwen_fast.ops import attention as attention_ops
@@ -319,8 +321,12 @@ def test_cuda_whole_layer_steps_match_module_path(monkeypatch, env, kernel_heads
     """CUDA, bf16: both layer kinds take the compiled step (GDN decode kernel,
     decode-attention kernels and MoE decode kernels inside); logits over 40
     teacher-forced steps (the cache crosses 256 positions) within bf16
-    rounding of the same model with the step off (the modules one by one),
-    with the attention kernels off, and of stock."""
+    rounding of the same model with the step off (the modules one by one)
+    and with the attention kernels off; against stock, the bound of
+    tests/test_patch.py: the error against the fp32 model (the same weights,
+    fp32 activations, the same tokens) at most twice stock's bf16 error plus
+    four unit roundoffs (on random weights the bf16 error over 40 steps and
+    30+ layers is chaotic, so the two bf16 paths are not compared directly)."""
     assert HAS_CUDA
     taken = _spy(monkeypatch)
     kernel_calls = []
@@ -339,8 +345,13 @@ def test_cuda_whole_layer_steps_match_module_path(monkeypatch, env, kernel_heads
     env.set(config.DECODE_LAYER_STEP.name, "0")
     _, off = _models(seed=5, dtype=mx.bfloat16, preset=kernel_heads)
     pairs_off, _, _ = _decode_pair(stock, off, 230, 40, batch, seed=batch)
-    for i, ((a, b), (_, c), (_, d)) in enumerate(zip(pairs, pairs_off, pairs_nk)):
+    stock32 = copy.deepcopy(stock)
+    stock32.set_dtype(mx.float32)
+    pairs32, _, _ = _decode_pair(stock, stock32, 230, 40, batch, seed=batch)  # stock's tokens again
+    for i, ((a, b), (_, c), (_, d), (_, e)) in enumerate(zip(pairs, pairs_off, pairs_nk, pairs32)):
         assert finite(b)
         assert_close(b, c, GATHER_QMM_TOL, f"step {i}: layer step vs modules")
         assert_close(b, d, GATHER_QMM_TOL, f"step {i}: attention kernels vs MLX's ops")
-        assert_close(b, a, GATHER_QMM_TOL, f"step {i}: layer step vs stock")
+        err_fast, err_stock = rel_err(b, e), rel_err(a, e)
+        assert err_fast <= 2 * err_stock + 4 * BF16_EPS, \
+            f"step {i}: bf16 error vs fp32: layer step {err_fast:.2e}, stock {err_stock:.2e}"
