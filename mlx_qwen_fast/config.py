@@ -40,6 +40,7 @@ __all__ = [
     "MOE_DECODE_KERNEL",
     "DECODE_LAYER_STEP",
     "ATTENTION_DECODE_KERNEL",
+    "DECODE_GEMV_KERNEL",
     "METAL_KERNELS",
     "KERNEL_CACHE",
     "NVRTC",
@@ -167,6 +168,10 @@ ATTENTION_DECODE_KERNEL = Switch(
     "MLX_QWEN_FAST_ATTENTION_KERNEL", "bool", True, "`0`",
     "the decode layer step keeps MLX's attention ops (RMSNorm, RoPE, masked SDPA, gate) on CUDA "
     "instead of the head_dim-256 decode-attention kernels")
+DECODE_GEMV_KERNEL = Switch(
+    "MLX_QWEN_FAST_GEMV_KERNEL", "bool", True, "`0`",
+    "the decode layer step keeps MLX's RMSNorm, quantized matmul and residual add around each projection "
+    "on CUDA instead of the fused quantised-GEMV kernel")
 METAL_KERNELS = Switch(
     "MLX_QWEN_FAST_METAL", "bool", False, "`1`",
     "on Apple silicon, the package's Metal kernels run (the Gated DeltaNet decode step); checked only "
@@ -191,7 +196,7 @@ POISON = Switch(
 
 #: Every switch, in the README's order.
 SWITCHES: Tuple[Switch, ...] = (
-    FAST_PATH, MOE_PREFILL_KERNEL, MOE_DECODE_KERNEL, DECODE_LAYER_STEP, ATTENTION_DECODE_KERNEL, METAL_KERNELS, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
+    FAST_PATH, MOE_PREFILL_KERNEL, MOE_DECODE_KERNEL, DECODE_LAYER_STEP, ATTENTION_DECODE_KERNEL, DECODE_GEMV_KERNEL, METAL_KERNELS, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
 )
 
 

@@ -35,6 +35,7 @@ from mlx_lm.models.qwen3_next import Qwen3NextAttention
 from .compiled import StepPlans
 from .layers import FAST_CLASSES, LAYER_CLASSES, rebind
 from .ops import attention as attention_ops
+from .ops import linear as linear_ops
 from .ops import gated_delta as gated_delta_ops
 from .ops import moe as moe_ops
 
@@ -122,6 +123,9 @@ def op_implementations(backend_name: Optional[str] = None) -> Dict[str, str]:
         table["attention.decode"] = "compiled-layer+cuda-kernel" if kernel else "compiled-layer"
     else:
         table["attention.decode"] = "stock"
+    # the projections with their RMSNorm and residual, inside the layer step
+    gemv = config.DECODE_LAYER_STEP.get() and linear_ops.implementation_for(1, b) == "cuda-kernel"
+    table["linear.decode"] = "compiled-layer+cuda-kernel" if gemv else "stock"
     return table
 
 

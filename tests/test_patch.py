@@ -400,11 +400,13 @@ def test_op_implementations_per_backend():
     from mlx_qwen_fast.kernels import _cuda_build as cb
 
     cur = op_implementations()
-    assert set(cur) == {f"{f}.{p}" for f in ("gated_delta", "attention", "moe") for p in ("prefill", "decode")}
+    assert set(cur) == {f"{f}.{p}" for f in ("gated_delta", "attention", "moe") for p in ("prefill", "decode")} | {
+        "linear.decode"}
     assert cur["attention.prefill"] == "stock"  # no fast path: mlx-lm's
     assert cur["attention.decode"] == "compiled-layer"  # ops.decoder, on every backend
     cpu = op_implementations("cpu")
     assert cpu["moe.prefill"] == cpu["moe.decode"] == "stock"
+    assert cpu["linear.decode"] == "stock"  # the fused GEMV is CUDA's
     assert cpu["gated_delta.prefill"] == "chunked"
     if not cb.cuda_available():
         # "cuda" asked for where MLX has no CUDA device: what would run here, every family alike

@@ -56,15 +56,21 @@
 //   order (deterministic, no atomics, the same bits whatever MDG_DNW).
 //   inputs: h [NK + N, I] bf16, inds [NK], scores [NK] float, sgate [N]
 //   float, wd, sd, bd (routed [E, D, I/8] / [E, D, I/64]), xwd, xsd, xbd
-//   (shared [D, I/8] / [D, I/64]); output y [N, D] MDG_YT.
+//   (shared [D, I/8] / [D, I/64]), with MDG_RES res [N, D] bf16 (the
+//   decoder layer's residual); output y [N, D] MDG_YT (with MDG_RES: res +
+//   the block's output rounded to MDG_YT, rounded again).
 //
 // Build macros: KNAME, MDG_KIND, MDG_N (1..4), MDG_K (top-k, N*k <= 32),
 // MDG_D, MDG_I (D % 256 == 0, I % 128 == 0), MDG_SGB (4, 8, 16; gate+up),
-// MDG_YT (down output type); MDG_DNW (down only, default 8): warps per CTA.
+// MDG_YT (down output type); MDG_DNW (down only, default 8): warps per CTA;
+// MDG_RES (down only, default 0): add the residual input.
 #include "moe_decode_common.cuh"
 
 #ifndef MDG_YT
 #define MDG_YT bf16_t
+#endif
+#ifndef MDG_RES
+#define MDG_RES 0
 #endif
 
 constexpr int N = MDG_N;
@@ -330,6 +336,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     const float* __restrict__ sgate,
     const unsigned* __restrict__ wd, const bf16_t* __restrict__ sd, const bf16_t* __restrict__ bd,
     const unsigned* __restrict__ xwd, const bf16_t* __restrict__ xsd, const bf16_t* __restrict__ xbd,
+#if MDG_RES
+    const bf16_t* __restrict__ res,
+#endif
     yt* __restrict__ y) {
   __shared__ __align__(16) gdn_u16 hs[HROWS][I];
   __shared__ float ired[NK + 1][RB][N];  // each item's weighted output, by slot
@@ -440,6 +449,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     for (int sl = 0; sl < NK; ++sl)
       if ((items >> sl) & 1u) v += ired[sl][r][n];
     v += ired[NK][r][n];
+#if MDG_RES
+    // the decoder layer's residual: h + bf16(block output), rounded once more (stock's add)
+    v = to_f(res[(size_t)n * D + row0 + r]) + from_f_round<yt>(v);
+#endif
     y[(size_t)n * D + row0 + r] = from_f<yt>(v);
   }
 }

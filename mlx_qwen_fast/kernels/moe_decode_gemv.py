@@ -187,10 +187,11 @@ _STAGES = {"gate_up": 0, "down": 1}  # the source's MDG_KIND
 
 
 def _kernel(stage: str, n: int, k: int, D: int, I: int, shared_gate_bits: int = 8,
-            yt: str = "bf16_t") -> cb.CudaKernel:
+            yt: str = "bf16_t", residual: bool = False) -> cb.CudaKernel:
     """One build of ``moe_decode_gemv.cu``: ``stage`` "gate_up" (with the
-    shared-expert gate's bit width) or "down"; cached per configuration."""
-    key = (stage, n, k, D, I, shared_gate_bits, yt)
+    shared-expert gate's bit width) or "down" (with or without the residual
+    input); cached per configuration."""
+    key = (stage, n, k, D, I, shared_gate_bits, yt, residual)
     kern = _kernels.get(key)
     if kern is None:
         defs = dict(MDG_KIND=_STAGES[stage], MDG_N=n, MDG_K=k, MDG_D=D, MDG_I=I)
@@ -199,6 +200,8 @@ def _kernel(stage: str, n: int, k: int, D: int, I: int, shared_gate_bits: int = 
         else:
             defs["MDG_YT"] = yt
             defs["MDG_DNW"] = down_warps(n, k, I)
+            if residual:
+                defs["MDG_RES"] = 1
         kern = _kernels[key] = cb.CudaKernel(
             "moe_decode_gemv.cu", "mqf_moe_dec_gate_up" if stage == "gate_up" else "mqf_moe_dec_down", defs
         )
@@ -319,16 +322,17 @@ def down_combine(
     return _launch_down(h, inds, scores, sgate, down, shared_down)
 
 
-def _launch_down(h, inds, scores, sgate, down, shared_down):
+def _launch_down(h, inds, scores, sgate, down, shared_down, residual=None):
     """:func:`down_combine` on arguments already checked; y is shaped
-    ``inds.shape[:-1] + (D,)`` (``[N, D]`` for ``[N, k]`` inds)."""
+    ``inds.shape[:-1] + (D,)`` (``[N, D]`` for ``[N, k]`` inds);
+    ``residual`` (bf16, y's shape) is added (``residual + bf16(y)``)."""
     k = inds.shape[-1]
     n = inds.size // k
     D, I = down[0].shape[1], h.shape[1]
-    kern = _kernel("down", n, k, D, I)
+    kern = _kernel("down", n, k, D, I, residual=residual is not None)
     nt = 32 * down_warps(n, k, I)
     (y,) = kern(
-        inputs=[h, inds, scores, sgate, *down, *shared_down],
+        inputs=[h, inds, scores, sgate, *down, *shared_down] + ([] if residual is None else [residual]),
         output_shapes=[(*inds.shape[:-1], D)],
         output_dtypes=[mx.bfloat16],
         grid=((D // RB) * nt, 1, 1),
@@ -358,9 +362,10 @@ def moe_decode_arrays(
     return _moe_decode_arrays(x, inds, scores, experts, shared, expert_gate)
 
 
-def _moe_decode_arrays(x, inds, scores, experts, shared, expert_gate):
+def _moe_decode_arrays(x, inds, scores, experts, shared, expert_gate, residual=None):
     """:func:`moe_decode_arrays` without the checks. ``x`` may be ``[..., D]``
     with ``inds [..., k]`` (read as ``[N, D]``, ``[N, k]``); y is shaped
-    ``inds.shape[:-1] + (D,)``."""
+    ``inds.shape[:-1] + (D,)``. ``residual`` (bf16, y's shape: the decoder
+    layer's ``h``): returns ``residual + bf16(y)`` from the down kernel."""
     h, sgate = _launch_gate_up(x, inds, experts, shared, expert_gate)
-    return _launch_down(h, inds, scores, sgate, experts[2], shared[2])
+    return _launch_down(h, inds, scores, sgate, experts[2], shared[2], residual)

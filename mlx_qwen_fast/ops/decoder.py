@@ -47,9 +47,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .. import config
-from ..compiled import StepPlans, apply_linear, concat_linears, linear_arrays, linear_paths
+from ..compiled import StepPlans, concat_linears, linear_arrays, linear_paths
 from . import attention as attention_ops
 from . import gated_delta as gated_delta_ops
+from . import linear as linear_ops
 from . import moe as moe_ops
 
 __all__ = ["attention_decode_parts", "decode_layer", "decode_layer_reference"]
@@ -115,19 +116,22 @@ def attention_decode_parts(attn) -> Optional[Tuple[tuple, tuple, tuple]]:
     return paths, tuple(qkv[0]), static
 
 
-def _attention_core(static, x, keys, values, offset, qn_w, kn_w, flat):
-    """The gated attention of one token per row on normalised ``x``
-    ``[B, 1, D]``: ``(o_proj output [B, 1, D], keys, values)`` with the new
-    K/V row written at ``offset`` (0-d int32) into ``keys``/``values``
-    ``[B, Hkv, capacity, Dh]``. ``flat`` = o_proj's arrays then the q|k|v
-    arrays. The part between the projections is
+def _attention_core(static, x, norm, keys, values, offset, qn_w, kn_w, flat):
+    """The gated attention of one token per row with its residual:
+    ``(x + o_proj(attention(rms_norm(x, *norm))) [B, 1, D], keys, values)``
+    with the new K/V row written at ``offset`` (0-d int32) into
+    ``keys``/``values`` ``[B, Hkv, capacity, Dh]``. ``norm`` = (the input
+    RMSNorm's weight, eps); ``flat`` = o_proj's arrays then the q|k|v
+    arrays. The norm is fused into the q|k|v GEMV and the residual into
+    o_proj's (:func:`mlx_qwen_fast.ops.linear.decode_linear`); the part
+    between the projections is
     :func:`mlx_qwen_fast.ops.attention.decode_attention`."""
     hq, hkv, dh, eps_q, eps_k, scale, (dims, traditional, base, rscale), (n_qkv, qkv_s), (n_o, o_s) = static
-    proj = apply_linear(x, flat[n_o:n_o + n_qkv], qkv_s)
+    proj = linear_ops.decode_linear(x, flat[n_o:n_o + n_qkv], qkv_s, norm=norm)
     out, keys, values = attention_ops.decode_attention(
         proj, keys, values, offset, qn_w, kn_w, num_heads=hq, num_kv_heads=hkv, scale=scale, q_eps=eps_q,
         k_eps=eps_k, rope_dims=dims, rope_traditional=traditional, rope_base=base, rope_scale=rscale)
-    return apply_linear(out, flat[:n_o], o_s), keys, values
+    return linear_ops.decode_linear(out, flat[:n_o], o_s, residual=x), keys, values
 
 
 def _room(cache, x_dtype, B: int, hkv: int, dh: int) -> bool:
@@ -167,8 +171,10 @@ def _prefixed(prefix: str, paths) -> Tuple[Tuple[str, ...], ...]:
 
 
 def _moe_parts(layer, x):
-    """``(paths under the layer, compiled MoE step)`` or None."""
-    parts = moe_ops.decode_step_parts(layer.mlp, x)
+    """``(paths under the layer, compiled MoE step)`` or None; the step takes
+    ``(h, post_attention_layernorm weight, *arrays)`` and returns
+    ``h + mlp(post_attention_layernorm(h))``."""
+    parts = moe_ops.decode_step_parts(layer.mlp, x, norm_eps=layer.post_attention_layernorm.eps)
     if parts is None:
         return None
     paths, fn = parts
@@ -177,7 +183,8 @@ def _moe_parts(layer, x):
 
 def _linear_plan(layer, x, cache):
     children = [("linear_attn",), ("mlp",), ("input_layernorm",), ("post_attention_layernorm",)]
-    gdn = gated_delta_ops.decode_step_parts(layer.linear_attn, x, cache)
+    gdn = gated_delta_ops.decode_step_parts(layer.linear_attn, x, cache,
+                                            input_norm_eps=layer.input_layernorm.eps)
     moe = _moe_parts(layer, x)
     if gdn is None or moe is None:
         return children, None
@@ -194,9 +201,8 @@ def _linear_plan(layer, x, cache):
             g = flat[2:2 + g_used]
             m = flat[2 + g_used:2 + g_used + n_m]
             ge = flat[2 + g_used + n_m:]
-            r, conv_state, state = g_fn(mx.fast.rms_norm(x, n1, eps[0]), conv_state, state, *g, *ge)
-            h = x + r
-            return h + m_fn(mx.fast.rms_norm(h, n2, eps[1]), *m), conv_state, state
+            h, conv_state, state = g_fn(x, conv_state, state, n1, *g, *ge)  # x + mixer(norm(x))
+            return m_fn(h, n2, *m), conv_state, state  # h + mlp(norm(h))
 
         fn = _steps[key] = mx.compile(step)
     # the arrays the step reads first; the rest only decide whether the plan still holds
@@ -217,7 +223,8 @@ def _attention_plan(layer, x, cache):
     n_m, n_o = len(m_paths), a_static[-1][0]
     n_read = 2 + n_o  # q/k norm weights and o_proj's arrays; the q/k/v sources only decide the plan
     # the attention kernels' switch is read while tracing: a trace per value
-    key = ("attention", a_static, m_fn, eps, n_m, len(a_extra), config.ATTENTION_DECODE_KERNEL.get())
+    key = ("attention", a_static, m_fn, eps, n_m, len(a_extra), config.ATTENTION_DECODE_KERNEL.get(),
+           config.DECODE_GEMV_KERNEL.get())
     fn = _steps.get(key)
     if fn is None:
 
@@ -227,12 +234,11 @@ def _attention_plan(layer, x, cache):
             o = flat[4:4 + n_o]
             m = flat[2 + n_read:2 + n_read + n_m]
             qkv = flat[2 + n_read + n_m:]
-            r, keys, values = _attention_core(a_static, mx.fast.rms_norm(x, n1, eps[0]), keys, values,
-                                              offset, qn_w, kn_w, tuple(o) + tuple(qkv))
-            h = x + r
+            h, keys, values = _attention_core(a_static, x, (n1, eps[0]), keys, values, offset, qn_w, kn_w,
+                                              tuple(o) + tuple(qkv))
             if m_fn is None:
                 return h, keys, values
-            return h + m_fn(mx.fast.rms_norm(h, n2, eps[1]), *m), keys, values
+            return m_fn(h, n2, *m), keys, values
 
         fn = _steps[key] = mx.compile(step)
     a_paths = _prefixed("self_attn", a_paths)
@@ -265,7 +271,8 @@ def decode_layer(layer, x: mx.array, cache) -> Optional[mx.array]:
         if type(cache) is not _arrays_cache_type() or cache.lengths is not None or cache[0] is None \
                 or cache[1] is None:
             return None
-        key = ("linear", tuple(x.shape), x.dtype, cache[0].dtype, cache[1].dtype, _norm_eps(layer))
+        key = ("linear", tuple(x.shape), x.dtype, cache[0].dtype, cache[1].dtype, _norm_eps(layer),
+               config.DECODE_GEMV_KERNEL.get())
         arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _linear_plan(layer, x, cache))
         if plan is None:
             return None
@@ -281,7 +288,8 @@ def decode_layer(layer, x: mx.array, cache) -> Optional[mx.array]:
     # the settings the trace bakes in that are not arrays: a replaced RoPE or
     # a changed scale or eps makes a new plan
     key = ("attention", tuple(x.shape), x.dtype, cache.keys.dtype, _norm_eps(layer), id(attn.rope),
-           attn.scale, attn.q_norm.eps, attn.k_norm.eps, config.ATTENTION_DECODE_KERNEL.get())
+           attn.scale, attn.q_norm.eps, attn.k_norm.eps, config.ATTENTION_DECODE_KERNEL.get(),
+           config.DECODE_GEMV_KERNEL.get())
     arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _attention_plan(layer, x, cache))
     if plan is None:
         return None

@@ -54,7 +54,7 @@ import mlx.nn as nn
 from mlx_lm.models import gated_delta as _stock
 
 from .. import backend as _backend
-from ..compiled import StepPlans, apply_linear, concat_linears, linear_arrays, linear_paths
+from ..compiled import StepPlans, concat_linears, linear_arrays, linear_paths
 from ..kernels import _cuda_build
 from .. import config
 from ..kernels import gated_delta_decode as _k_decode
@@ -62,6 +62,7 @@ from ..kernels import gated_delta_decode_metal as _k_decode_metal
 from ..kernels import gated_delta_frontend as _k_frontend
 from ..kernels import gated_delta_scan as _k_scan
 from ..kernels import gated_rms_norm as _k_norm
+from . import linear as linear_ops
 
 __all__ = [
     "gated_delta_recurrent",
@@ -915,7 +916,8 @@ def _cuda_decode(layer, inputs, cache):
         conv_state = mx.zeros((B, layer.conv_kernel_size - 1, layer.conv_dim), inputs.dtype)
     if state is None:
         state = mx.zeros((B, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim), mx.float32)
-    key = (tuple(inputs.shape), inputs.dtype, conv_state.dtype, state.dtype)
+    # the GEMV switch is read while tracing: a plan per value
+    key = (tuple(inputs.shape), inputs.dtype, conv_state.dtype, state.dtype, config.DECODE_GEMV_KERNEL.get())
     arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _decode_plan(layer, inputs, state))
     if plan is None:
         return None
@@ -927,7 +929,7 @@ def _cuda_decode(layer, inputs, cache):
     return out
 
 
-def decode_step_parts(layer, inputs: mx.array, cache):
+def decode_step_parts(layer, inputs: mx.array, cache, input_norm_eps: Optional[float] = None):
     """The compiled decode step of ``layer`` for one token per row, for a
     caller that traces it inside its own compiled function
     (:func:`mlx_qwen_fast.ops.decoder.decode_layer`); None where
@@ -938,26 +940,33 @@ def decode_step_parts(layer, inputs: mx.array, cache):
         layer: an mlx-lm ``GatedDeltaNet``.
         inputs: ``[B, 1, D]`` (only its shape and dtype are read).
         cache: the layer's ``ArraysCache`` holding (conv state, recurrent state).
+        input_norm_eps: None, or the eps of the decoder layer's RMSNorm
+            before this layer: then the step also takes that norm's weight
+            and the residual, and computes ``x + layer(rms_norm(x))`` (the
+            norm fused into the input projection, the add into
+            ``out_proj``: :func:`mlx_qwen_fast.ops.linear.decode_linear`).
 
     Returns:
         ``(paths, fn, n_used, extra)``: ``fn(x, conv_state, state,
-        *arrays[:n_used], *extra) -> (y, conv_state, state)``, where
-        ``arrays`` are the objects at ``paths`` under ``layer`` (the
-        remaining ones decide the plan and are not read by ``fn``).
+        *arrays[:n_used], *extra) -> (y, conv_state, state)`` (with
+        ``input_norm_eps``: ``fn(x, conv_state, state, norm_weight, ...)
+        -> (x + y, ...)``), where ``arrays`` are the objects at ``paths``
+        under ``layer`` (the remaining ones decide the plan and are not
+        read by ``fn``).
     """
     if not _layer_takes_kernels(layer, 1, None, cache):
         return None
     conv_state, state = _states(cache)
     if conv_state is None or state is None:
         return None
-    paths, plan = _decode_plan(layer, inputs, state)
+    paths, plan = _decode_plan(layer, inputs, state, input_norm_eps)
     if plan is None or plan == "modules":
         return None
     fn, n_used, extra = plan
     return tuple(paths), fn, n_used, extra
 
 
-def _decode_plan(layer, inputs, state):
+def _decode_plan(layer, inputs, state, input_norm_eps: Optional[float] = None):
     """``(paths, plan)`` for :class:`StepPlans`: plan = ``(compiled step,
     number of the gathered arrays it takes, extra arrays)``, "modules" (a
     projection of another kind, or four that do not concatenate) or None
@@ -985,7 +994,7 @@ def _decode_plan(layer, inputs, state):
     params = _k_decode.decode_params(layer.conv1d.weight, layer.A_log, layer.dt_bias, layer.norm.weight)
     mx.eval(params)  # built once, outside the first step's graph
     fn = _decode_step(layer.num_k_heads, layer.num_v_heads, layer.norm.eps,
-                      (len(lins[4][0]), lins[4][1]), (len(in_proj[0]), in_proj[1]))
+                      (len(lins[4][0]), lins[4][1]), (len(in_proj[0]), in_proj[1]), input_norm_eps)
     return paths, (fn, n_used, (params,) + tuple(in_proj[0]))
 
 
@@ -1042,7 +1051,8 @@ def _cuda_decode_modules(layer, inputs, conv_state, state, cache):
 _decode_steps: Dict[tuple, Callable] = {}
 
 
-def _decode_step(num_k_heads: int, num_v_heads: int, norm_eps: float, out_static: tuple, in_static: tuple):
+def _decode_step(num_k_heads: int, num_v_heads: int, norm_eps: float, out_static: tuple, in_static: tuple,
+                 input_norm_eps: Optional[float] = None):
     """The ``mx.compile``d decode step of a Gated DeltaNet layer for one
     static setting (all arrays are inputs: one trace per input signature,
     shared by every layer)::
@@ -1050,20 +1060,34 @@ def _decode_step(num_k_heads: int, num_v_heads: int, norm_eps: float, out_static
         fn(x, conv_state, state, *out_proj, params, *in_proj_concatenated)
         -> (y [B, 1, D], conv_state, state)
 
+    or, with ``input_norm_eps`` (see :func:`decode_step_parts`),
+    ``fn(x, conv_state, state, norm_weight, *out_proj, params, *in_proj)
+    -> (x + y, conv_state, state)``. The projections go through
+    :func:`mlx_qwen_fast.ops.linear.decode_linear` (the fused GEMV on CUDA).
     ``out_static`` / ``in_static``: ``(number of arrays, linear_arrays static)``.
     """
-    key = (int(num_k_heads), int(num_v_heads), float(norm_eps), out_static, in_static)
+    fused = input_norm_eps is not None
+    key = (int(num_k_heads), int(num_v_heads), float(norm_eps), out_static, in_static,
+           float(input_norm_eps) if fused else None, config.DECODE_GEMV_KERNEL.get())
     fn = _decode_steps.get(key)
     if fn is None:
         n_out = out_static[0]
 
-        def step(x, conv_state, state, *flat):
-            proj = apply_linear(x, flat[n_out + 1:], in_static[1])
+        def core(x, conv_state, state, norm, flat):
+            proj = linear_ops.decode_linear(x, flat[n_out + 1:], in_static[1], norm=norm)
             out, conv_state, state = _k_decode.gated_delta_decode(
                 proj, flat[n_out], conv_state, state,
                 num_k_heads=key[0], num_v_heads=key[1], norm_eps=key[2],
             )
-            return apply_linear(out, flat[:n_out], out_static[1]), conv_state, state
+            residual = x if norm is not None else None
+            return linear_ops.decode_linear(out, flat[:n_out], out_static[1], residual=residual), conv_state, state
+
+        if fused:
+            def step(x, conv_state, state, norm_weight, *flat):
+                return core(x, conv_state, state, (norm_weight, key[5]), flat)
+        else:
+            def step(x, conv_state, state, *flat):
+                return core(x, conv_state, state, None, flat)
 
         fn = _decode_steps[key] = mx.compile(step)
     return fn

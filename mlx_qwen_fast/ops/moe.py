@@ -59,6 +59,7 @@ from ..kernels import moe_decode_gemv as _decode_gemv
 from ..kernels import moe_grouped_gemm as _grouped_gemm
 from ..kernels import moe_routing as _routing
 from ..moe_types import ExpertGroups, max_tiles  # noqa: F401 (part of this module's API)
+from . import linear as linear_ops
 
 __all__ = [
     "ExpertGroups",
@@ -851,13 +852,13 @@ _EXPERT_PATHS = tuple((parent, proj, leaf) for parent in ("switch_mlp", "shared_
                       for leaf in ("weight", "scales", "biases"))
 
 
-def _decode_step_plan(block, x):
+def _decode_step_plan(block, x, norm_eps: Optional[float] = None):
     """``(paths, compiled step)`` of ``block`` for inputs like ``x`` (see
     :class:`mlx_qwen_fast.compiled.StepPlans`); ``(children, None)`` where
     :func:`decode_plan` declines. Path order = the compiled step's array
     order: router, routed experts gate/up/down, shared expert gate/up/down
     (weight, scales, biases each), shared-expert gate (weight, scales,
-    biases)."""
+    biases). ``norm_eps``: as :func:`decode_step_parts`."""
     declined = [(c,) for c in _DECODE_CHILDREN if c in block], None
     router = linear_arrays(block.gate) if "gate" in block else None
     arrs = decode_plan(block, x)
@@ -867,10 +868,11 @@ def _decode_step_plan(block, x):
     gate = (("shared_expert_gate", "weight"),) * 3 if bits == 16 else tuple(
         ("shared_expert_gate", n) for n in ("weight", "scales", "biases"))
     paths = linear_paths(("gate",), router) + _EXPERT_PATHS + gate
-    return paths, _compiled_decode_step(block.top_k, block.norm_topk_prob, router[1], len(router[0]), bits)
+    return paths, _compiled_decode_step(block.top_k, block.norm_topk_prob, router[1], len(router[0]), bits,
+                                        norm_eps)
 
 
-def decode_step_parts(block, x: mx.array):
+def decode_step_parts(block, x: mx.array, norm_eps: Optional[float] = None):
     """The compiled decode step of ``block``, for a caller that traces it
     inside its own compiled function
     (:func:`mlx_qwen_fast.ops.decoder.decode_layer`); None where
@@ -881,15 +883,21 @@ def decode_step_parts(block, x: mx.array):
     Args:
         block: a ``Qwen3NextSparseMoeBlock``.
         x: ``[..., D]`` (only its shape and dtype are read).
+        norm_eps: None, or the eps of the decoder layer's RMSNorm before the
+            block: then the step takes the un-normalised ``h`` and that
+            norm's weight and returns ``h + block(rms_norm(h))`` (the norm
+            fused into the router's GEMV, which also hands the normalised
+            rows to the experts: :func:`mlx_qwen_fast.ops.linear.decode_linear`).
 
     Returns:
-        ``(paths, fn)``: ``fn(x, *arrays) -> [..., D]``, ``arrays`` the
-        objects at ``paths`` under ``block``.
+        ``(paths, fn)``: ``fn(x, *arrays) -> [..., D]`` (with ``norm_eps``:
+        ``fn(h, norm_weight, *arrays)``), ``arrays`` the objects at
+        ``paths`` under ``block``.
     """
     if implementation_for(math.prod(x.shape[:-1])) != "cuda-decode" \
             or "cuda-decode" in block.__dict__.get(_DECLINED, ()):
         return None
-    paths, fn = _decode_step_plan(block, x)
+    paths, fn = _decode_step_plan(block, x, norm_eps)
     if fn is None:
         return None
     return tuple(paths), fn
@@ -899,20 +907,38 @@ _decode_steps: Dict[tuple, Callable] = {}
 
 
 def _compiled_decode_step(top_k: int, normalize: bool, router_static: tuple, n_router: int,
-                          shared_gate_bits: int):
+                          shared_gate_bits: int, norm_eps: Optional[float] = None):
     """The ``mx.compile``d decode step for one static setting (one trace per
-    input signature, shared by every layer: all arrays are inputs)."""
-    key = (top_k, bool(normalize), router_static, n_router, shared_gate_bits)
+    input signature, shared by every layer: all arrays are inputs); with
+    ``norm_eps``, the fused form of :func:`decode_step_parts`. The router
+    goes through :func:`mlx_qwen_fast.ops.linear.decode_linear`."""
+    fused = norm_eps is not None
+    key = (top_k, bool(normalize), router_static, n_router, shared_gate_bits, float(norm_eps) if fused else None,
+           config.DECODE_GEMV_KERNEL.get())
     fn = _decode_steps.get(key)
     if fn is None:
 
-        def step(x, *arrays):
-            logits = apply_linear(x, arrays[:n_router], router_static)
+        def core(x, norm, arrays):
+            if norm is None:
+                logits = linear_ops.decode_linear(x, arrays[:n_router], router_static)
+                xin = x
+            else:
+                logits, xin = linear_ops.decode_linear(x, arrays[:n_router], router_static, norm=norm,
+                                                       normed_out=True)
             inds, scores = _routing.route(logits, top_k, normalize=normalize)
             a = arrays[n_router:]
             experts, shared = (a[0:3], a[3:6], a[6:9]), (a[9:12], a[12:15], a[15:18])
-            return _decode_gemv._moe_decode_arrays(x, inds, scores, experts, shared,
-                                                   (a[18], a[19], a[20], shared_gate_bits))
+            # fused: the residual added by the down kernel (h + bf16(block(norm(h))), stock's roundings)
+            return _decode_gemv._moe_decode_arrays(xin, inds, scores, experts, shared,
+                                                   (a[18], a[19], a[20], shared_gate_bits),
+                                                   None if norm is None else x)
+
+        if fused:
+            def step(h, norm_weight, *arrays):
+                return core(h, (norm_weight, key[5]), arrays)
+        else:
+            def step(x, *arrays):
+                return core(x, None, arrays)
 
         fn = _decode_steps[key] = mx.compile(step)
     return fn
@@ -927,7 +953,8 @@ def _cuda_decode(block, x: mx.array) -> mx.array:
     :func:`decode_plan` checks run once per layer and input signature
     (cached on the block, re-run when one of its arrays is replaced), so a
     call costs the array lookups and the compiled call."""
-    arrays, fn = StepPlans.of(block).get((tuple(x.shape), x.dtype), block, lambda: _decode_step_plan(block, x))
+    key = (tuple(x.shape), x.dtype, config.DECODE_GEMV_KERNEL.get())  # the GEMV switch is read while tracing
+    arrays, fn = StepPlans.of(block).get(key, block, lambda: _decode_step_plan(block, x))
     if fn is None:
         return _stock(block, x)
     return fn(x, *arrays)  # [..., D] in and out: the kernels need no reshape node

@@ -226,3 +226,20 @@ def test_kernels_expert_repeated_within_token():
     h_ref, _, y_ref = moe_decode_reference(x, inds, scores, experts, shared, eg)
     assert_close(h, h_ref, TOL, "h")
     assert_close(y, y_ref, TOL, "y")
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("poison")
+@pytest.mark.parametrize("n", [1, 3])
+def test_down_with_the_residual(n):
+    """The down kernel's residual input (the decoder layer's ``h``): exactly
+    ``bf16(h + y)`` of the same kernel's ``y`` without it (the same sums,
+    one more rounding), for [n, D] and the decoder's [n, 1, D] rows."""
+    x, inds, scores, experts, shared, eg, y = check_kernels(n, seed=40 + n)
+    res = (4.0 * mx.random.normal(y.shape, key=mx.random.key(n))).astype(mx.bfloat16)
+    got = md._moe_decode_arrays(x, inds, scores, experts, shared, eg, res)
+    want = (res.astype(mx.float32) + y.astype(mx.float32)).astype(mx.bfloat16)
+    mx.eval(got, want)
+    assert finite(got) and mx.array_equal(got, want).item()
+    got3 = md._moe_decode_arrays(x[:, None], inds[:, None], scores[:, None], experts, shared, eg, res[:, None])
+    assert got3.shape == (n, 1, y.shape[-1]) and mx.array_equal(got3[:, 0], want).item()

@@ -269,13 +269,20 @@ def test_linear_layer_step_composes_its_parts(monkeypatch):
 
     made = []
 
-    def gdn_parts(layer, x, cache):
+    eps_seen = []
+
+    def gdn_parts(layer, x, cache, input_norm_eps):
         made.append("gdn")
-        fn = lambda x, cs, st, a_log, dt_bias, e: (x * a_log.sum() + dt_bias.sum() + e, cs + 1, st * 0.5)  # noqa: E731
+        eps_seen.append(input_norm_eps)
+
+        def fn(x, cs, st, n1, a_log, dt_bias, e):  # x + mixer(rms_norm(x)) with the layer's own eps
+            return x + mx.fast.rms_norm(x, n1, input_norm_eps) * a_log.sum() + dt_bias.sum() + e, cs + 1, st * 0.5
+
         return (("A_log",), ("dt_bias",), ("norm", "weight")), fn, 2, (mx.array(3.0),)
 
-    def moe_parts(block, x):
-        return (("shared_expert_gate", "weight"),), lambda x, w: x * 3 + 0 * w.sum()
+    def moe_parts(block, x, norm_eps):
+        eps_seen.append(norm_eps)
+        return (("shared_expert_gate", "weight"),), lambda h, n2, w: h + 3 * mx.fast.rms_norm(h, n2, norm_eps) + 0 * w.sum()
 
     monkeypatch.setattr(dec.gated_delta_ops, "decode_step_parts", gdn_parts)
     monkeypatch.setattr(dec.moe_ops, "decode_step_parts", moe_parts)
@@ -294,6 +301,7 @@ def test_linear_layer_step_composes_its_parts(monkeypatch):
     assert_close(cache[0], cs + 1, 0.0, "conv state")
     assert_close(cache[1], st * 0.5, 0.0, "state")
     assert made == ["gdn"]
+    assert sorted(eps_seen) == sorted([layer.input_layernorm.eps, layer.post_attention_layernorm.eps])
     dec.decode_layer(layer, x, cache)
     assert made == ["gdn"]  # the plan is reused
     la.norm.weight = la.norm.weight * 1.0

@@ -720,8 +720,9 @@ def cpu_device():
 FAKE_CALLS = []
 
 
-def fake_moe_decode_arrays(x, inds, scores, experts, shared, expert_gate, *, checked=False):
-    """Stands in for the two CUDA kernels: every array used, shapes as theirs."""
+def fake_moe_decode_arrays(x, inds, scores, experts, shared, expert_gate, residual=None, *, checked=False):
+    """Stands in for the two CUDA kernels: every array used, shapes as
+    theirs, the residual added as the down kernel adds it."""
     FAKE_CALLS.append(checked)
 
     def mean(t):
@@ -732,7 +733,8 @@ def fake_moe_decode_arrays(x, inds, scores, experts, shared, expert_gate, *, che
     arrays = [t for q in (*experts, *shared) for t in q] + list(expert_gate[:3])
     total = sum(mean(t) * (j + 1) for j, t in enumerate(arrays))
     mix = (scores[..., None] * inds[..., None].astype(mx.float32)).sum(-2)  # over the k slots
-    return (x.astype(mx.float32) * mix + total).astype(x.dtype)
+    y = (x.astype(mx.float32) * mix + total).astype(x.dtype)
+    return y if residual is None else residual + y
 
 
 @pytest.fixture
@@ -780,6 +782,23 @@ def test_decode_compiled_step_equals_eager(fake_decode_kernels):
     assert FAKE_CALLS == []
     with pytest.raises(ValueError, match="decode_plan"):
         moe.moe_decode(block, x)
+
+
+def test_decode_step_with_the_norm_and_residual(fake_decode_kernels, monkeypatch):
+    """decode_step_parts(norm_eps=...): the step takes the un-normalised h
+    and the norm's weight and gives ``h + block(rms_norm(h))``, the router
+    reading the normalised rows and the kernels those same rows."""
+    monkeypatch.setattr(moe, "implementation_for", lambda n, backend=None: "cuda-decode")
+    block = moe_blocks.make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=9)
+    h = mx.random.normal((1, 1, 256), key=mx.random.key(2)).astype(mx.bfloat16)
+    nw = (1.0 + 0.1 * mx.random.normal((256,), key=mx.random.key(3))).astype(mx.bfloat16)
+    paths, fn = moe.decode_step_parts(block, h, norm_eps=1e-5)
+    from mlx_qwen_fast.compiled import gather
+
+    got = fn(h, nw, *gather(block, paths))
+    want = h + moe.moe_decode(block, mx.fast.rms_norm(h, nw, 1e-5))
+    assert mx.array_equal(got, want).item()
+    assert moe.decode_step_parts(block, h) is not None and len(moe._decode_steps) == 2  # unfused: its own trace
 
 
 # ---------------------------------------------------------------------------
