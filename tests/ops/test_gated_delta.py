@@ -823,15 +823,37 @@ def test_fused_layer_matches_stock(dtype, B, pieces):
     assert c_fast[1].dtype == mx.float32
 
 
+def _eager_decode(layer, x, conv, st, cache):
+    """The decode step's launches one by one, outside any trace: the four
+    input projections as one concatenated projection, the decode kernel,
+    out_proj, each projection through ops.linear's dispatcher (the fused
+    GEMV where it applies, else the quantised matmul the modules call)."""
+    from mlx_qwen_fast.compiled import concat_linears, linear_arrays
+    from mlx_qwen_fast.ops import linear as linear_ops
+
+    lins = [linear_arrays(getattr(layer, n)) for n in gd._PROJECTIONS]
+    proj = linear_ops.decode_linear(x, *concat_linears(lins[:4]))
+    params = k_decode.decode_params(layer.conv1d.weight, layer.A_log, layer.dt_bias, layer.norm.weight)
+    out, conv, st = k_decode.gated_delta_decode(proj, params, conv, st, num_k_heads=layer.num_k_heads,
+                                                num_v_heads=layer.num_v_heads, norm_eps=layer.norm.eps)
+    gd._store(cache, conv, st, 1)
+    return linear_ops.decode_linear(out, *lins[4])
+
+
 @pytest.mark.cuda
+@pytest.mark.parametrize("gemv", ["1", "0"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("B", [1, 2])
-def test_compiled_decode_step_equals_eager(dtype, B):
+def test_compiled_decode_step_equals_eager(env, gemv, dtype, B):
     """The layer's mx.compile'd decode step (the four input projections as one
-    concatenated quantised matmul read in place by the kernel, then out_proj)
-    gives the eager launches' results (four projections called as modules,
-    concatenated) bit for bit, two layers through one trace, state carried
-    over steps; a replaced weight is read."""
+    concatenated projection, the kernel, then out_proj) gives the eager
+    launches' results bit for bit, two layers through one trace, state
+    carried over steps; a replaced weight is read. With the fused GEMV off
+    the eager side is the projections called as modules (mlx-lm's
+    quantised matmuls, concatenated), with it on the same GEMV launched
+    eagerly."""
+    env.set("MLX_QWEN_FAST_GEMV_KERNEL", gemv)
+    eager = gd._cuda_decode_modules if gemv == "0" else _eager_decode
     seed = int(np.random.default_rng().integers(1 << 30))
     lays = [layers.rebind(full_size_layer(seed + i, dtype), layers.FastGatedDeltaNet) for i in range(2)]
     xs = (mx.random.normal((3, B, 1, FULL_ARGS.hidden_size)) * 0.5).astype(dtype)
@@ -842,7 +864,7 @@ def test_compiled_decode_step_equals_eager(dtype, B):
             y = layer(x, cache=c_fast)
             conv = c_eager[0] if c_eager[0] is not None else mx.zeros((B, 3, layer.conv_dim), dtype)
             st = c_eager[1] if c_eager[1] is not None else mx.zeros((B, hv, dv, dk), mx.float32)
-            y_ref = gd._cuda_decode_modules(layer, x, conv, st, c_eager)
+            y_ref = eager(layer, x, conv, st, c_eager)
             mx.eval(y, y_ref, c_fast.state, c_eager.state)
             assert mx.array_equal(y, y_ref).item(), f"seed {seed}"
             assert mx.array_equal(c_fast[1], c_eager[1]).item() and mx.array_equal(c_fast[0], c_eager[0]).item()
@@ -861,7 +883,7 @@ def test_compiled_decode_step_equals_eager(dtype, B):
     zero_conv = mx.zeros((B, 3, layer.conv_dim), dtype)
     zero_state = mx.zeros((B, hv, dv, dk), mx.float32)
     y2 = layer(x, cache=ArraysCache(size=2))
-    y2_ref = gd._cuda_decode_modules(layer, x, zero_conv, zero_state, ArraysCache(size=2))
+    y2_ref = eager(layer, x, zero_conv, zero_state, ArraysCache(size=2))
     mx.eval(y2, y2_ref)
     assert mx.array_equal(y2, y2_ref).item() and not mx.array_equal(y2, y1).item()
 
