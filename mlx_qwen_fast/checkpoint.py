@@ -23,6 +23,10 @@ Command line::
         [--part-group-size PART=G,...] [--part-mode PART=MODE,...] \\
         [--recipe mixed_3_4|...]
 
+Importing the module is light (MLX, no mlx-lm, no tqdm): the functions that
+build or write a model import mlx-lm when called, so the command line checks
+its arguments (one line, exit code 2, on any error) before importing it.
+
 Quantisation: by default mlx-community's 4-bit layout (affine 4-bit group
 64, router and shared-expert gate 8-bit); every other layout is made with
 MLX's ``nn.quantize`` through mlx-lm's ``quantize_model`` (see
@@ -55,7 +59,6 @@ are zero-mean uniform with the stated standard deviation (uniform like
 - ``lm_head`` std ``lm_head_scale / sqrt(H)``.
 """
 
-import argparse
 import contextlib
 import copy
 import hashlib
@@ -71,17 +74,20 @@ from typing import Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple, U
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_unflatten
-from mlx_lm.convert import QUANT_RECIPES, mixed_quant_predicate_builder
-from mlx_lm.models import qwen3_5_moe
-from mlx_lm.utils import (
-    MAX_FILE_SIZE_GB,
-    get_total_parameters,
-    quantize_model,
-    save_config,
-)
-from tqdm import tqdm
 
-from ._cli import one_line_warnings
+from ._cli import ArgumentParser, finite_number, one_line_warnings, whole_number
+
+# mlx-lm (which imports transformers) is imported inside the functions that
+# use it, so that importing this module, and the CLI's argument checks, stay
+# light. Its constants this module needs are written out below, and
+# tests/test_checkpoint.py checks they are still mlx-lm's.
+
+#: mlx-lm's mixed per-layer quantisation recipes (``mlx_lm.convert.QUANT_RECIPES``).
+QUANT_RECIPES = ("mixed_2_6", "mixed_3_4", "mixed_3_6", "mixed_4_6")
+
+#: mlx-lm's shard size limit in GB (``mlx_lm.utils.MAX_FILE_SIZE_GB``), the
+#: default of :func:`write_checkpoint`'s ``max_shard_bytes``.
+MAX_FILE_SIZE_GB = 5
 
 #: The default quantisation (mlx-community's 4-bit checkpoints): what the
 #: CUDA kernels read. Other quantisations: ``bits``, ``group_size``,
@@ -454,6 +460,8 @@ def _quant_predicate(model: nn.Module, plan: Quantization):
     if not plan.parts and plan.recipe is None:
         return None
     if plan.recipe is not None:
+        from mlx_lm.convert import mixed_quant_predicate_builder
+
         return mixed_quant_predicate_builder(plan.recipe, model, plan.group_size)
     own = model.quant_predicate
     top = (plan.group_size, plan.bits, plan.mode)
@@ -572,6 +580,9 @@ def _lazy_model(
     quantizes one parameter, so evaluating a subset of the parameters only
     costs that subset's memory.
     """
+    from mlx_lm.models import qwen3_5_moe
+    from mlx_lm.utils import quantize_model
+
     plan = plan or quantization_plan()
     config = preset_config(preset)
     model_args = qwen3_5_moe.ModelArgs.from_dict(copy.deepcopy(config))
@@ -851,6 +862,9 @@ def write_checkpoint(
             f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}."
         )
     plan = quantization_plan(bits, group_size, mode, parts, recipe)
+    from mlx_lm.utils import get_total_parameters, save_config
+    from tqdm import tqdm
+
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     for stale in out_dir.glob(SHARD_GLOB):
@@ -1146,9 +1160,22 @@ def parse_parts(values: Mapping[str, Optional[List[str]]]) -> Dict[str, Dict[str
     return parts
 
 
+def _out_problem(out: Path) -> Optional[str]:
+    """Why ``out`` cannot be the output folder (it, or the nearest of its
+    parents that exists, is not a folder), else None. Creates nothing."""
+    existing = next((p for p in (out, *out.parents) if p.exists()), None)
+    if existing is not None and not existing.is_dir():
+        where = "is a file" if existing == out else f"{existing} is a file"
+        return f"{where}; expected a folder (created if absent)"
+    return None
+
+
 @one_line_warnings()
 def main(argv: Optional[List[str]] = None) -> None:
-    parser = argparse.ArgumentParser(
+    """``python -m mlx_qwen_fast.checkpoint``: check the arguments (each
+    usage error one line, exit code 2, before mlx-lm is imported), then
+    :func:`write_checkpoint` to ``--out``."""
+    parser = ArgumentParser(
         prog="python -m mlx_qwen_fast.checkpoint",
         description="Write a random-weight Qwen3.5/3.6-MoE checkpoint that mlx_lm.load can load "
         "(default: mlx-community's 4-bit layout, affine 4-bit group 64 with 8-bit router and "
@@ -1161,16 +1188,16 @@ def main(argv: Optional[List[str]] = None) -> None:
         action="store_true",
         help="Replace a checkpoint already in --out (its config.json and model*.safetensors).",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=whole_number(0), default=0)
     parser.add_argument(
         "--router-skew",
-        type=float,
+        type=finite_number(0.0),
         default=0.0,
         help="Expert popularity skew S >= 0 (0 = uniform; ~1 Zipf-like).",
     )
     parser.add_argument(
         "--lm-head-scale",
-        type=float,
+        type=finite_number(0.0, inclusive=False),
         default=None,
         help=f"Multiplier of the lm_head weights (demo: {DEMO_LM_HEAD_SCALE}).",
     )
@@ -1211,6 +1238,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     if not args.out.strip():
         parser.error("--out must name a directory, got an empty string")
     out = Path(args.out)
+    problem = _out_problem(out)
+    if problem:
+        parser.error(f"--out {out}: {problem}")
     held = existing_checkpoint_files(out)
     if held and not args.overwrite:
         parser.error(

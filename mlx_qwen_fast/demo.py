@@ -14,20 +14,22 @@ dtype): on random weights, two code paths whose bf16 rounding differs pick
 different greedy tokens at near-ties whatever the lm_head scale (bf16 vs fp32
 of the *same* stock model agree on only ~80% of the tiny model's tokens), so
 only fp32 makes token identity a check of the code rather than of rounding.
+
+The arguments are checked before mlx-lm is imported: each usage error is one
+line, exit code 2 (:class:`mlx_qwen_fast._cli.ArgumentParser`).
 """
 
-import argparse
 import sys
 from pathlib import Path
 
 import mlx.core as mx
-import mlx_lm
-from mlx_lm.generate import stream_generate
 
 from . import config
-from ._cli import one_line_warnings
+from ._cli import ArgumentParser, check_checkpoint_folder, one_line_warnings, whole_number
 from .checkpoint import DEMO_LM_HEAD_SCALE, SHARD_GLOB, write_checkpoint
-from .patching import patched_copy
+
+# mlx-lm and .patching (which imports it) are imported where they are used,
+# after the arguments are checked.
 
 DEFAULT_PROMPT = "Explain in one paragraph why the sky looks blue during the day."
 
@@ -50,6 +52,8 @@ def ensure_demo_checkpoint(path: Path) -> Path:
 
 def run(model, tokenizer, prompt, max_tokens):
     """Greedy generation; returns (token ids, text, last GenerationResponse)."""
+    from mlx_lm.generate import stream_generate
+
     tokens, text, last = [], "", None
     for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
         tokens.append(response.token)
@@ -58,36 +62,31 @@ def run(model, tokenizer, prompt, max_tokens):
     return tokens, text, last
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 @one_line_warnings()
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mlx_qwen_fast.demo", description=__doc__.splitlines()[0])
+    """``python -m mlx_qwen_fast.demo``: check the arguments, then compare
+    stock and patched greedy generation (see the module docstring). Returns
+    the exit code: 0 when the tokens are identical, else 1."""
+    parser = ArgumentParser(prog="python -m mlx_qwen_fast.demo", description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, help="checkpoint directory (default: tiny demo)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT)
-    parser.add_argument("--max-tokens", type=_positive_int, default=64)
+    parser.add_argument("--max-tokens", type=whole_number(1), default=64)
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default="float32",
         help="activation dtype (default float32: bf16 rounding alone flips greedy tokens at near-ties "
              "on random weights, so only fp32 makes token identity a check of the code)",
     )
     args = parser.parse_args(argv)
-    from ._cli import check_checkpoint_folder, usage_error
-
     if args.model is not None:
         problem = check_checkpoint_folder(args.model)
         if problem:
-            usage_error(f"--model {args.model}: {problem}")
+            parser.error(f"--model {args.model}: {problem}")
     if not args.prompt.strip():
-        usage_error("--prompt is empty: expected the text to continue")
+        parser.error("--prompt is empty: expected the text to continue")
+
+    import mlx_lm
+
+    from .patching import patched_copy
 
     path = args.model or ensure_demo_checkpoint(default_checkpoint_dir())
     try:

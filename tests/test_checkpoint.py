@@ -27,6 +27,7 @@ from mlx_qwen_fast.checkpoint import (
     weight_shapes,
     write_checkpoint,
 )
+from cli_run import run_module
 from quant_variants import VARIANTS
 
 FULL = "qwen3.6-35b-a3b"
@@ -640,7 +641,7 @@ def test_cli(tmp_path, tiny_checkpoint, capsys):
 
     with pytest.raises(SystemExit):
         ckpt.main(["--preset", "tiny", "--out", str(out), "--router-skew", "-1"])
-    assert "router_skew" in capsys.readouterr().err
+    assert "argument --router-skew: expected a finite number >= 0, got -1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         ckpt.main(["--preset", "big", "--out", str(out)])
     a_file = tmp_path / "a_file"
@@ -710,3 +711,87 @@ def test_cli_bad_quantization(tmp_path, capsys, argv, message):
     assert message in err, err
     assert len([line for line in err.splitlines() if "error:" in line]) == 1
     assert not out.exists()
+
+
+def test_mlx_lm_constants_are_mlx_lms():
+    """The constants of mlx-lm written out in checkpoint.py (so that
+    importing it does not import mlx-lm) are still mlx-lm's."""
+    import importlib
+
+    convert = importlib.import_module("mlx_lm.convert")  # mlx_lm.convert is also a function's name
+    utils = importlib.import_module("mlx_lm.utils")
+    assert list(ckpt.QUANT_RECIPES) == list(convert.QUANT_RECIPES)
+    assert ckpt.MAX_FILE_SIZE_GB == utils.MAX_FILE_SIZE_GB
+    assert ckpt.write_checkpoint.__kwdefaults__["max_shard_bytes"] == utils.MAX_FILE_SIZE_GB << 30
+
+
+CLI = "python -m mlx_qwen_fast.checkpoint"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--bogus"], "unrecognized arguments: --bogus (python -m mlx_qwen_fast.checkpoint --help lists the flags)"),
+        (["--presett", "tiny", "--out", "{out}"], "unrecognized arguments: --presett tiny (did you mean --preset?)"),
+        ([], "the following arguments are required: --preset {qwen3.6-35b-a3b,tiny}, --out OUT"),
+        (["--out", "{out}"], "the following arguments are required: --preset {qwen3.6-35b-a3b,tiny}"),
+        (["--preset", "big", "--out", "{out}"], "argument --preset: invalid choice: 'big'"),
+        (["--preset", "tiny", "--out", "{out}", "--seed", "-1"],
+         "argument --seed: expected a whole number >= 0, got -1"),
+        (["--preset", "tiny", "--out", "{out}", "--seed", "x"],
+         "argument --seed: expected a whole number >= 0, got 'x'"),
+        (["--preset", "tiny", "--out", "{out}", "--seed"], "argument --seed: expected one argument"),
+        (["--preset", "tiny", "--out", "{out}", "--router-skew", "nan"],
+         "argument --router-skew: expected a finite number >= 0, got nan"),
+        (["--preset", "tiny", "--out", "{out}", "--lm-head-scale", "0"],
+         "argument --lm-head-scale: expected a finite number > 0, got 0"),
+        (["--preset", "tiny", "--out", "{out}", "--bits", "7"], "--bits=7: mode 'affine' takes bits 2, 3, 4, 5, 6, 8"),
+        (["--preset", "tiny", "--out", "{out}", "--recipe", "mixed_9"], "argument --recipe: invalid choice: 'mixed_9'"),
+        (["--preset", "tiny", "--out", "{file}"], "--out {file}: is a file; expected a folder"),
+        (["--preset", "tiny", "--out", "{file}/sub"], "--out {file}/sub: {file} is a file; expected a folder"),
+        (["--preset", "tiny", "--out", "{held}"],
+         "--out {held} already holds a checkpoint (config.json); pass --overwrite"),
+    ],
+)
+def test_cli_usage_errors_are_one_line_before_mlx_lm(tmp_path, argv, message):
+    """`python -m mlx_qwen_fast.checkpoint` with a bad argument: one line
+    naming it, exit code 2, no usage block, nothing written, and mlx-lm
+    never imported."""
+    out, a_file, held = tmp_path / "out", tmp_path / "a_file", tmp_path / "held"
+    a_file.write_text("x")
+    held.mkdir()
+    (held / "config.json").write_text("{}")
+
+    def fill(text):
+        return text.replace("{out}", str(out)).replace("{file}", str(a_file)).replace("{held}", str(held))
+
+    r = run_module("mlx_qwen_fast.checkpoint", *map(fill, argv))
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"{CLI}: error: "), r.stderr
+    assert fill(message) in lines[0], r.stderr
+    assert r.stdout == ""
+    assert r.heavy() == []
+    assert not out.exists() and sorted(p.name for p in held.iterdir()) == ["config.json"]
+
+
+def test_cli_as_main_writes_what_write_checkpoint_writes(tmp_path, tiny_checkpoint):
+    """Arguments that pass: `python -m mlx_qwen_fast.checkpoint` imports
+    mlx-lm (what the test above checks for is seen when it happens) and
+    writes the checkpoint of write_checkpoint."""
+    out = tmp_path / "out"
+    r = run_module("mlx_qwen_fast.checkpoint", "--preset", "tiny", "--out", str(out), timeout=600)
+    assert r.returncode == 0, r.stderr
+    assert "mlx_lm" in r.heavy()
+    for name in ("config.json", "model-00001-of-00001.safetensors", "tokenizer.json"):
+        assert (out / name).read_bytes() == (tiny_checkpoint / name).read_bytes(), name
+
+
+def test_help_shows_the_required_flags(capsys):
+    """-h is met by the parser's first pass (every flag optional there): the
+    help still shows --preset and --out as required."""
+    with pytest.raises(SystemExit) as e:
+        ckpt.main(["-h"])
+    assert e.value.code == 0
+    usage = " ".join(capsys.readouterr().out.split("\n\n")[0].split())
+    assert "--preset {qwen3.6-35b-a3b,tiny} --out OUT [--overwrite]" in usage, usage

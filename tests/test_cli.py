@@ -343,3 +343,13 @@ def test_a_quoted_tilde_model_path_is_expanded(tiny_checkpoint, tmp_path):
     r = subprocess.run([sys.executable, "-m", "mlx_qwen_fast.generate", "--model", "~/ck", "--prompt", "hi",
                         "-m", "2"], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
+
+
+def test_the_parsers_error_is_one_line(capsys):
+    """The package CLIs' parser prints a message of several lines (an
+    exception's text) as one line, exit code 2."""
+    parser = _cli.ArgumentParser(prog="prog")
+    with pytest.raises(SystemExit) as e:
+        parser.error("could not load:\n  first\n\tsecond ")
+    assert e.value.code == 2
+    assert capsys.readouterr().err == "prog: error: could not load: first second\n"
