@@ -178,7 +178,7 @@ def _program(source: str) -> tuple:
     def tg_array(m):
         t, n, dims = m.group(1), m.group(2), m.group(3)
         return (f"static {t} {n}{dims}; static long {n}__seen = -1; "
-                f"mqf::tg_poison({n}, sizeof({n}), &{n}__seen);")
+                f'mqf::tg_poison({n}, sizeof({n}), &{n}__seen, "{n}");')
 
     body = _TG_ARRAY.sub(tg_array, body)  # the printed source holds the kernel's header too
     nbuf = sum(1 for p in params if p[2] == "buffer")

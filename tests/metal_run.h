@@ -16,15 +16,8 @@
 // (its system headers are included by metal_shim.h, before the address-space macros)
 
 namespace mqf {
-struct Buffer {
-  std::string name;
-  size_t nbytes;
-  char* base;      // mapping start
-  size_t mapped;   // bytes mapped, guard page included
-  char* data;      // first byte of the buffer (its end is the guard page)
-};
-inline std::vector<Buffer> buffers;
-
+// (the buffer registry, mqf::buffers, is metal_shim.h's: its simdgroup_matrix
+// loads and stores check element addresses against it)
 inline void on_fault(int, siginfo_t* info, void*) {
   char* p = static_cast<char*>(info->si_addr);
   char msg[256];
@@ -141,12 +134,11 @@ int main(int argc, char** argv) {
               swapcontext(&mqf::sched_ctx, &fibers[i].ctx);
               size_t s = i / 32 * 32;
               if (fibers[i].state == mqf::AT_SIMD && simd_complete(s)) {
-                int gen = -1;
+                const mqf::Fiber* first = nullptr;
                 for (size_t j = s; j < std::min(n, s + 32); j++) {
                   if (fibers[j].state != mqf::AT_SIMD) continue;
-                  if (gen >= 0 && fibers[j].simd_gen != gen)
-                    mqf::fail("SIMD group diverged: lanes wait at different simd_* collectives");
-                  gen = fibers[j].simd_gen;
+                  if (first && !mqf::same_point(*first, fibers[j])) mqf::fail_diverged(*first, fibers[j]);
+                  if (!first) first = &fibers[j];
                 }
                 for (size_t j = s; j < std::min(n, s + 32); j++)
                   if (fibers[j].state == mqf::AT_SIMD) fibers[j].state = mqf::RUN;
@@ -170,21 +162,20 @@ int main(int argc, char** argv) {
           bool released = false;
           for (size_t s = 0; s < n; s += 32) {  // SIMD groups whose live lanes all wait at one collective
             size_t e = std::min(n, s + 32), live = 0, at = 0;
-            int gen = -1;
-            bool same = true;
+            const mqf::Fiber *first = nullptr, *other = nullptr;  // other: one at a different point than first
             for (size_t i = s; i < e; i++) {
               if (fibers[i].state == mqf::DONE) continue;
               live++;
               if (fibers[i].state == mqf::AT_SIMD) {
                 at++;
-                if (gen >= 0 && fibers[i].simd_gen != gen) same = false;
-                gen = fibers[i].simd_gen;
+                if (!first) first = &fibers[i];
+                else if (!other && !mqf::same_point(*first, fibers[i])) other = &fibers[i];
               }
             }
             if (at == 0) continue;
             if (at != live)
               mqf::fail("SIMD group diverged: some lanes wait at a simd_* collective, others at a threadgroup barrier");
-            if (!same) mqf::fail("SIMD group diverged: lanes wait at different simd_* collectives");
+            if (other) mqf::fail_diverged(*first, *other);
             for (size_t i = s; i < e; i++)
               if (fibers[i].state == mqf::AT_SIMD) fibers[i].state = mqf::RUN;
             released = true;
