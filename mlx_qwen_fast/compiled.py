@@ -25,6 +25,7 @@ Linear layers are passed as :func:`linear_arrays` tuples and applied with
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Callable, Dict, Hashable, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -128,6 +129,26 @@ def gather(module, paths: Sequence[Path]) -> Tuple[Any, ...]:
     return tuple(out)
 
 
+def _links(module, paths: Sequence[Path]) -> Tuple[tuple, tuple, tuple]:
+    """The distinct (parent, key, child) links of ``paths`` under ``module``,
+    as three tuples: a path's objects are the same as when these were taken
+    exactly when every link still holds (``parent[key] is child``), a check
+    that costs one dict lookup per link and no Python loop."""
+    seen: Dict[Tuple[int, str], None] = {}
+    parents, names, children = [], [], []
+    for path in paths:
+        obj = module
+        for key in path:
+            child = dict.__getitem__(obj, key)
+            if (id(obj), key) not in seen:
+                seen[(id(obj), key)] = None
+                parents.append(obj)
+                names.append(key)
+                children.append(child)
+            obj = child
+    return tuple(parents), tuple(names), tuple(children)
+
+
 def linear_paths(prefix: Path, arrays_static: LinearArrays) -> Tuple[Path, ...]:
     """Paths (under the parent) of the arrays :func:`linear_arrays` returned
     for the child at ``prefix``, in the same order."""
@@ -140,10 +161,12 @@ class StepPlans:
     ``get(key, module, make)``: ``make()`` returns ``(paths, plan)``, the
     paths (under ``module``) of every object the plan depends on -- the arrays
     the step reads, or, for a plan that declines (None), the child modules
-    that decided it. A later call with the same ``key`` gathers those objects
-    with plain dict lookups (a few microseconds) and reuses the plan when each
-    is the same object as before; a replaced weight or child module (or a
-    missing one) makes it call ``make()`` again.
+    that decided it. A later call with the same ``key`` reuses the plan when
+    every link of those paths (each container's entry, down to the arrays)
+    is the same object as when it was made -- one C-level pass of dict
+    lookups over the distinct links, about a microsecond per layer; a
+    replaced weight, child module or container (or a missing one) makes it
+    call ``make()`` again.
 
     Returns ``(objects at paths, plan)``; ``((), None)`` (declined, not
     cached) when ``make()`` would have to evaluate arrays inside an
@@ -173,12 +196,12 @@ class StepPlans:
     def get(self, key: Hashable, module, make: Callable[[], Tuple[Sequence[Path], Any]]):
         hit = self._plans.get(key)
         if hit is not None:
-            paths, cached, plan = hit
-            try:
-                objs = gather(module, paths)
+            objs, plan, parents, names, children = hit
+            try:  # every link of every path the same object as when planned: one C-level pass
+                same = all(map(operator.is_, map(dict.__getitem__, parents, names), children))
             except (KeyError, TypeError):
-                objs = None
-            if objs is not None and all(a is b for a, b in zip(objs, cached)):
+                same = False
+            if same:
                 return objs, plan
         try:
             paths, plan = make()
@@ -192,7 +215,7 @@ class StepPlans:
             return (), None
         paths = tuple(tuple(p) for p in paths)
         objs = gather(module, paths)
-        self._plans[key] = (paths, objs, plan)
+        self._plans[key] = (objs, plan) + _links(module, paths)
         return objs, plan
 
     @staticmethod

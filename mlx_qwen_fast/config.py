@@ -39,6 +39,7 @@ __all__ = [
     "MOE_PREFILL_KERNEL",
     "MOE_DECODE_KERNEL",
     "DECODE_LAYER_STEP",
+    "DECODE_MODEL_STEP",
     "ATTENTION_DECODE_KERNEL",
     "DECODE_GEMV_KERNEL",
     "METAL_KERNELS",
@@ -164,6 +165,9 @@ MOE_DECODE_KERNEL = Switch(
 DECODE_LAYER_STEP = Switch(
     "MLX_QWEN_FAST_DECODE_LAYER", "bool", True, "`0`",
     "decode runs each decoder layer's modules one by one instead of one compiled call per layer")
+DECODE_MODEL_STEP = Switch(
+    "MLX_QWEN_FAST_DECODE_MODEL", "bool", True, "`0`",
+    "decode runs one compiled call per decoder layer instead of one for the whole layer stack")
 ATTENTION_DECODE_KERNEL = Switch(
     "MLX_QWEN_FAST_ATTENTION_KERNEL", "bool", True, "`0`",
     "the decode layer step keeps MLX's attention ops (RMSNorm, RoPE, masked SDPA, gate) on CUDA "
@@ -196,7 +200,7 @@ POISON = Switch(
 
 #: Every switch, in the README's order.
 SWITCHES: Tuple[Switch, ...] = (
-    FAST_PATH, MOE_PREFILL_KERNEL, MOE_DECODE_KERNEL, DECODE_LAYER_STEP, ATTENTION_DECODE_KERNEL, DECODE_GEMV_KERNEL, METAL_KERNELS, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
+    FAST_PATH, MOE_PREFILL_KERNEL, MOE_DECODE_KERNEL, DECODE_LAYER_STEP, DECODE_MODEL_STEP, ATTENTION_DECODE_KERNEL, DECODE_GEMV_KERNEL, METAL_KERNELS, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
 )
 
 

@@ -12,14 +12,17 @@ The decoder layer's class is swapped in place (``__class__``, the same
 object in ``model.layers``): :class:`FastDecoderLayer` runs a one-token
 step through :func:`ops.decoder.decode_layer` (the whole layer, gated
 attention included, as one compiled call) and every other call as mlx-lm's
-layer. The attention module itself stays mlx-lm's own.
+layer. The attention module itself stays mlx-lm's own. The layer stack
+(``Qwen3_5TextModel``) is swapped the same way: :class:`FastTextModel`
+runs a one-token step with every layer in one compiled call
+(:func:`ops.decoder.decode_model`).
 """
 
 from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.qwen3_5 import DecoderLayer, GatedDeltaNet
+from mlx_lm.models.qwen3_5 import DecoderLayer, GatedDeltaNet, Qwen3_5TextModel
 from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
 
 from . import config
@@ -77,8 +80,31 @@ class FastDecoderLayer(DecoderLayer):
         return DecoderLayer.__call__(self, x, mask, cache)
 
 
+class FastTextModel(Qwen3_5TextModel):
+    """``qwen3_5.Qwen3_5TextModel`` whose one-token call with a cache is
+    :func:`ops.decoder.decode_model` (every layer in one compiled call)
+    where that applies and :data:`mlx_qwen_fast.config.DECODE_MODEL_STEP`
+    and :data:`~mlx_qwen_fast.config.DECODE_LAYER_STEP` are on; every other
+    call is mlx-lm's (its layers then take their own fast steps)."""
+
+    stock_class = Qwen3_5TextModel
+    ops = decoder_ops
+
+    def __call__(self, inputs: mx.array, cache: Optional[Any] = None,
+                 input_embeddings: Optional[mx.array] = None) -> mx.array:
+        if (input_embeddings is None and cache is not None and config.DECODE_MODEL_STEP.get()
+                and config.DECODE_LAYER_STEP.get()):
+            out = decoder_ops.decode_model(self, inputs, cache)
+            if out is not None:
+                return out
+        return Qwen3_5TextModel.__call__(self, inputs, cache, input_embeddings)
+
+
 #: stock decoder-layer class -> fast class (swapped in place by ``__class__``).
 LAYER_CLASSES = {DecoderLayer: FastDecoderLayer}
+
+#: stock layer-stack class -> fast class (swapped in place by ``__class__``).
+MODEL_CLASSES = {Qwen3_5TextModel: FastTextModel}
 
 #: stock class -> fast class, for :mod:`mlx_qwen_fast.patching`.
 FAST_CLASSES = {

@@ -33,7 +33,7 @@ from . import backend, config
 from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
 from .compiled import StepPlans
-from .layers import FAST_CLASSES, LAYER_CLASSES, rebind
+from .layers import FAST_CLASSES, LAYER_CLASSES, MODEL_CLASSES, rebind
 from .ops import attention as attention_ops
 from .ops import linear as linear_ops
 from .ops import gated_delta as gated_delta_ops
@@ -126,6 +126,11 @@ def op_implementations(backend_name: Optional[str] = None) -> Dict[str, str]:
     # the projections with their RMSNorm and residual, inside the layer step
     gemv = config.DECODE_LAYER_STEP.get() and linear_ops.implementation_for(1, b) == "cuda-kernel"
     table["linear.decode"] = "compiled-layer+cuda-kernel" if gemv else "stock"
+    # every layer in one compiled call: only where both layer kinds take their whole step
+    whole = (config.DECODE_LAYER_STEP.get() and config.DECODE_MODEL_STEP.get()
+             and table["gated_delta.decode"] == "cuda-kernel" and table["moe.decode"] == "cuda-decode")
+    table["model.decode"] = "compiled-model" if whole else (
+        "compiled-layer" if config.DECODE_LAYER_STEP.get() else "stock")
     return table
 
 
@@ -283,7 +288,27 @@ def _swap(model: nn.Module, to_fast: bool) -> Dict[str, int]:
             elif not to_fast and type(module) in FAST_CLASSES.values():
                 setattr(layer, slot, rebind(module, module.stock_class))
                 swapped[slot] += 1
+    stock_models = {fast: stock for stock, fast in MODEL_CLASSES.items()}
+    for stack in _layer_stacks(model):
+        if to_fast and type(stack) in MODEL_CLASSES:
+            stack.__class__ = MODEL_CLASSES[type(stack)]  # same object: only __call__ changes
+            swapped["layer_stack"] = swapped.get("layer_stack", 0) + 1
+        elif not to_fast and type(stack) in stock_models:
+            stack.__class__ = stock_models[type(stack)]
+            swapped["layer_stack"] = swapped.get("layer_stack", 0) + 1
     return {k: v for k, v in swapped.items() if v}
+
+
+def _layer_stacks(model: nn.Module) -> List[nn.Module]:
+    """The model's layer stacks (mlx-lm's ``Qwen3_5TextModel``, stock or
+    fast): the model itself, or its ``model`` (``Model.model`` is
+    ``language_model.model``)."""
+    classes = tuple(MODEL_CLASSES) + tuple(MODEL_CLASSES.values())
+    found = []
+    for m in (model, getattr(model, "model", None), getattr(getattr(model, "language_model", None), "model", None)):
+        if isinstance(m, classes) and not any(m is f for f in found):
+            found.append(m)
+    return found
 
 
 def patch(model: nn.Module, *, warn: bool = True) -> PatchReport:

@@ -14,6 +14,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.qwen3_5 import Qwen3_5TextModel
 from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
 import mlx_qwen_fast
@@ -56,6 +57,7 @@ def test_patch_swaps_every_module_and_shares_arrays(tiny):
         "linear_attn": n_layers - n_attn,
         "mlp": n_layers,
         "decoder_layer": n_layers,
+        "layer_stack": 1,
     }  # gated attention has no fast class: it stays mlx-lm's, its decode step is the layer's
     assert all(type(l.self_attn) is Qwen3NextAttention for l in fast.layers if not l.is_linear)
     assert set(report.ops) >= {"gated_delta.prefill", "gated_delta.decode"}
@@ -79,8 +81,10 @@ def test_unpatch_restores_stock_classes(tiny):
         hasattr(l, s) for l in fast.layers for s in ("linear_attn", "mlp")
     )
     assert counts.pop("decoder_layer") == len(fast.layers)
+    assert counts.pop("layer_stack") == 1
     assert sum(counts.values()) == n_modules
     assert not mlx_qwen_fast.is_patched(fast)
+    assert type(fast.model) is Qwen3_5TextModel
     stock_types = set(FAST_CLASSES) | {Qwen3NextAttention}
     assert all(
         type(getattr(l, s)) in stock_types
@@ -401,12 +405,13 @@ def test_op_implementations_per_backend():
 
     cur = op_implementations()
     assert set(cur) == {f"{f}.{p}" for f in ("gated_delta", "attention", "moe") for p in ("prefill", "decode")} | {
-        "linear.decode"}
+        "linear.decode", "model.decode"}
     assert cur["attention.prefill"] == "stock"  # no fast path: mlx-lm's
     assert cur["attention.decode"] == "compiled-layer"  # ops.decoder, on every backend
     cpu = op_implementations("cpu")
     assert cpu["moe.prefill"] == cpu["moe.decode"] == "stock"
     assert cpu["linear.decode"] == "stock"  # the fused GEMV is CUDA's
+    assert cpu["model.decode"] == "compiled-layer"  # the whole stack needs the GDN and MoE decode kernels
     assert cpu["gated_delta.prefill"] == "chunked"
     if not cb.cuda_available():
         # "cuda" asked for where MLX has no CUDA device: what would run here, every family alike

@@ -53,7 +53,7 @@ from . import gated_delta as gated_delta_ops
 from . import linear as linear_ops
 from . import moe as moe_ops
 
-__all__ = ["attention_decode_parts", "decode_layer", "decode_layer_reference"]
+__all__ = ["attention_decode_parts", "decode_layer", "decode_layer_reference", "decode_model"]
 
 
 def decode_layer_reference(layer, x: mx.array, cache) -> mx.array:
@@ -204,11 +204,11 @@ def _linear_plan(layer, x, cache):
             h, conv_state, state = g_fn(x, conv_state, state, n1, *g, *ge)  # x + mixer(norm(x))
             return m_fn(h, n2, *m), conv_state, state  # h + mlp(norm(h))
 
-        fn = _steps[key] = mx.compile(step)
+        fn = _steps[key] = (mx.compile(step), step)
     # the arrays the step reads first; the rest only decide whether the plan still holds
     g_paths = _prefixed("linear_attn", g_paths)
     paths = _NORMS + g_paths[:g_used] + m_paths + g_paths[g_used:]
-    return paths, ("linear", fn, g_extra, 2 + g_used + n_m)
+    return paths, ("linear", fn[0], g_extra, 2 + g_used + n_m, fn[1])
 
 
 def _attention_plan(layer, x, cache):
@@ -240,14 +240,43 @@ def _attention_plan(layer, x, cache):
                 return h, keys, values
             return m_fn(h, n2, *m), keys, values
 
-        fn = _steps[key] = mx.compile(step)
+        fn = _steps[key] = (mx.compile(step), step)
     a_paths = _prefixed("self_attn", a_paths)
     paths = _NORMS + a_paths[:n_read] + m_paths + a_paths[n_read:]
-    return paths, ("attention", fn, a_extra, 2 + n_read + n_m, m_fn is not None, a_static[1], a_static[2])
+    return paths, ("attention", fn[0], a_extra, 2 + n_read + n_m, m_fn is not None, a_static[1], a_static[2],
+                   fn[1])
 
 
 def _norm_eps(layer) -> tuple:
     return (layer.input_layernorm.eps, layer.post_attention_layernorm.eps)
+
+
+def _layer_plan(layer, x: mx.array, cache):
+    """``(arrays, plan)`` of the layer's compiled step for ``x`` and ``cache``
+    (:class:`StepPlans`, keyed by what the trace bakes in), or None where the
+    step does not apply. Reads the cache, never changes it."""
+    if layer.is_linear:
+        if type(cache) is not _arrays_cache_type() or cache.lengths is not None or cache[0] is None \
+                or cache[1] is None:
+            return None
+        key = ("linear", tuple(x.shape), x.dtype, cache[0].dtype, cache[1].dtype, _norm_eps(layer),
+               config.DECODE_GEMV_KERNEL.get())
+        arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _linear_plan(layer, x, cache))
+    else:
+        if type(cache) is not _kv_cache_type() or cache.keys is None:
+            return None
+        attn = layer.self_attn
+        # the settings the trace bakes in that are not arrays: a replaced RoPE or
+        # a changed scale or eps makes a new plan
+        key = ("attention", tuple(x.shape), x.dtype, cache.keys.dtype, _norm_eps(layer), id(attn.rope),
+               attn.scale, attn.q_norm.eps, attn.k_norm.eps, config.ATTENTION_DECODE_KERNEL.get(),
+               config.DECODE_GEMV_KERNEL.get())
+        arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _attention_plan(layer, x, cache))
+    return None if plan is None else (arrays, plan)
+
+
+def _takes(x) -> bool:
+    return isinstance(x, mx.array) and x.ndim == 3 and x.shape[1] == 1 and x.shape[0] > 0
 
 
 def decode_layer(layer, x: mx.array, cache) -> Optional[mx.array]:
@@ -265,35 +294,20 @@ def decode_layer(layer, x: mx.array, cache) -> Optional[mx.array]:
     Returns:
         ``[B, 1, D]``, as ``DecoderLayer.__call__(x, None, cache)``; or None.
     """
-    if cache is None or not isinstance(x, mx.array) or x.ndim != 3 or x.shape[1] != 1 or x.shape[0] == 0:
+    if cache is None or not _takes(x):
         return None
-    if layer.is_linear:
-        if type(cache) is not _arrays_cache_type() or cache.lengths is not None or cache[0] is None \
-                or cache[1] is None:
-            return None
-        key = ("linear", tuple(x.shape), x.dtype, cache[0].dtype, cache[1].dtype, _norm_eps(layer),
-               config.DECODE_GEMV_KERNEL.get())
-        arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _linear_plan(layer, x, cache))
-        if plan is None:
-            return None
-        _, fn, extra, n_in = plan
+    planned = _layer_plan(layer, x, cache)
+    if planned is None:
+        return None
+    arrays, plan = planned
+    if plan[0] == "linear":
+        _, fn, extra, n_in, _raw = plan
         out, conv_state, state = fn(x, cache[0], cache[1], *arrays[:n_in], *extra)
         cache[0] = conv_state
         cache[1] = state
         cache.advance(1)
         return out
-    if type(cache) is not _kv_cache_type() or cache.keys is None:
-        return None
-    attn = layer.self_attn
-    # the settings the trace bakes in that are not arrays: a replaced RoPE or
-    # a changed scale or eps makes a new plan
-    key = ("attention", tuple(x.shape), x.dtype, cache.keys.dtype, _norm_eps(layer), id(attn.rope),
-           attn.scale, attn.q_norm.eps, attn.k_norm.eps, config.ATTENTION_DECODE_KERNEL.get(),
-           config.DECODE_GEMV_KERNEL.get())
-    arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _attention_plan(layer, x, cache))
-    if plan is None:
-        return None
-    _, fn, extra, n_in, has_moe, hkv, dh = plan
+    _, fn, extra, n_in, has_moe, hkv, dh, _raw = plan
     if not _room(cache, x.dtype, x.shape[0], hkv, dh):
         return None
     keys, values = cache.keys, cache.values
@@ -305,4 +319,115 @@ def decode_layer(layer, x: mx.array, cache) -> Optional[mx.array]:
     cache.offset += 1
     if not has_moe:
         out = out + layer.mlp(layer.post_attention_layernorm(out))
+    return out
+
+
+# ---------------------------------------------------------------------------
+# the whole model's decode step
+# ---------------------------------------------------------------------------
+
+_model_steps: Dict[tuple, Callable] = {}
+
+
+def _model_step(layout: tuple, norm_eps: float) -> Callable:
+    """The compiled decode step of a whole layer stack: ``fn(h, *flat) ->
+    (rms_norm(layers(h)), *new states)``; ``layout`` = per layer (kind, raw
+    layer step, number of arrays after the states), ``flat`` = per layer its
+    states (GDN: conv state, recurrent state; attention: keys, values,
+    offset) then its arrays, then the final norm's weight. One trace per
+    input signature (the KV buffers' capacity among it)."""
+    key = (layout, norm_eps)
+    fn = _model_steps.get(key)
+    if fn is None:
+
+        def step(h, *flat):
+            i, states = 0, []
+            for kind, raw, n_args in layout:
+                n_states = 2 if kind == "linear" else 3
+                h, *new = raw(h, *flat[i:i + n_states + n_args])
+                states.extend(new)
+                i += n_states + n_args
+            return (mx.fast.rms_norm(h, flat[i], norm_eps), *states)
+
+        fn = _model_steps[key] = mx.compile(step)
+    return fn
+
+
+def decode_model(model, inputs: mx.array, cache) -> Optional[mx.array]:
+    """The decode step of mlx-lm's ``qwen3_5.Qwen3_5TextModel`` -- token
+    embedding, every decoder layer, the final RMSNorm -- with all the layers
+    in one ``mx.compile``d call; None (nothing changed: the caller runs the
+    model as mlx-lm does) unless every layer takes its whole compiled step
+    (:func:`decode_layer`'s conditions, its MoE block included) and the
+    model is neither pipelined nor given embeddings.
+
+    Why: with one compiled call per layer the host still runs 40 layer
+    calls per token -- the plan checks, the argument lists, MLX's compiled-
+    call entry -- in Python (bench/results/INDEX.md, "decode host split");
+    here that is one call. The embedding stays the module's own call (its
+    few nodes), the language-model head stays outside (mlx-lm's
+    ``TextModel`` applies it).
+
+    Args:
+        model: an mlx-lm ``Qwen3_5TextModel`` (``model.language_model.model``).
+        inputs: ``[B, 1]`` token ids.
+        cache: mlx-lm's prompt cache for the model's layers (one entry per
+            layer); updated in place and advanced by one position, as the
+            stock call does.
+
+    Returns:
+        ``[B, 1, D]``: what ``Qwen3_5TextModel.__call__(inputs, cache)``
+        returns, or None.
+    """
+    layers = model.layers
+    if (cache is None or not isinstance(inputs, mx.array) or inputs.ndim != 2 or inputs.shape[1] != 1
+            or inputs.shape[0] == 0 or len(cache) != len(layers) or getattr(model, "pipeline_size", 1) != 1
+            or type(model.norm) is not nn.RMSNorm):
+        return None
+    h = model.embed_tokens(inputs)
+    if not _takes(h):
+        return None
+    plans = []
+    for layer, c in zip(layers, cache):
+        planned = None if c is None else _layer_plan(layer, h, c)
+        if planned is None or (planned[1][0] == "attention" and not planned[1][4]):
+            return None
+        plans.append(planned)
+    B = h.shape[0]
+    for (_, plan), c in zip(plans, cache):  # may grow buffers: invisible to the caller, as stock's growth
+        if plan[0] == "attention" and not _room(c, h.dtype, B, plan[5], plan[6]):
+            return None
+    args, layout, kv = [], [], []
+    for (arrays, plan), c in zip(plans, cache):
+        if plan[0] == "linear":
+            _, _fn, extra, n_in, raw = plan
+            args += (c[0], c[1])
+        else:
+            _, _fn, extra, n_in, _moe, _hkv, _dh, raw = plan
+            args += (c.keys, c.values, mx.array(c.offset, mx.int32))
+            kv.append(c)
+        args += arrays[:n_in]
+        args += extra
+        layout.append((plan[0], raw, n_in + len(extra)))
+    args.append(model.norm.weight)
+    fn = _model_step(tuple(layout), float(model.norm.eps))
+    saved = [(c.keys, c.values) for c in kv]
+    for c in kv:
+        c.keys = c.values = None  # the step's inputs alone hold the buffers: they are donated
+    try:
+        out, *states = fn(h, *args)
+    except BaseException:
+        for c, (k, v) in zip(kv, saved):
+            c.keys, c.values = k, v
+        raise
+    del saved, args
+    i = 0
+    for (_, plan), c in zip(plans, cache):
+        if plan[0] == "linear":
+            c[0], c[1] = states[i], states[i + 1]
+            c.advance(1)
+        else:
+            c.keys, c.values = states[i], states[i + 1]
+            c.offset += 1
+        i += 2
     return out

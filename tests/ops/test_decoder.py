@@ -338,6 +338,7 @@ def test_cuda_whole_layer_steps_match_module_path(monkeypatch, env, kernel_heads
     weights one step's bf16 error is chaotic, so neither the two bf16 paths
     nor single steps are compared directly)."""
     assert HAS_CUDA
+    env.set(config.DECODE_MODEL_STEP.name, "0")  # the layer steps one by one (the model step: below)
     taken = _spy(monkeypatch)
     kernel_calls = []
     real = attention_ops._k_decode.attention_decode
@@ -370,3 +371,195 @@ def test_cuda_whole_layer_steps_match_module_path(monkeypatch, env, kernel_heads
     assert rms_fast <= 2 * rms_stock + 4 * BF16_EPS, (
         f"bf16 error vs fp32 over the steps (rms): layer step {rms_fast:.2e}, stock {rms_stock:.2e}; per step "
         f"layer step {np.round(err_fast, 4).tolist()}, stock {np.round(err_stock, 4).tolist()}")
+
+
+# ---------------------------------------------------------------------------
+# the whole layer stack in one compiled call
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("poison")
+@pytest.mark.parametrize("batch", [1, 2])
+def test_cuda_model_step_matches_the_layer_steps(monkeypatch, env, kernel_heads, batch):
+    """CUDA, bf16, every kernel inside: the whole stack in one compiled call
+    gives the logits of one compiled call per layer within bf16 rounding at
+    each of 40 teacher-forced steps (the cache crossing 256 positions), and
+    it ran for every decode token (the prompt took mlx-lm's stack)."""
+    assert HAS_CUDA
+    ran = []
+    real = decoder.decode_model
+
+    def spy(m, inputs, cache):
+        out = real(m, inputs, cache)
+        ran.append(out is not None)
+        return out
+
+    monkeypatch.setattr(decoder, "decode_model", spy)
+    stock, fast = _models(seed=5, dtype=mx.bfloat16, preset=kernel_heads)
+    pairs, cs, cf = _decode_pair(stock, fast, 230, 40, batch, seed=batch)
+    assert ran.count(True) == 40 and ran[0] is False  # the prompt: not a decode call
+    env.set(config.DECODE_MODEL_STEP.name, "0")
+    _, off = _models(seed=5, dtype=mx.bfloat16, preset=kernel_heads)
+    pairs_off, _, co = _decode_pair(stock, off, 230, 40, batch, seed=batch)
+    for i, ((_, b), (_, c)) in enumerate(zip(pairs, pairs_off)):
+        assert finite(b)
+        assert_close(b, c, GATHER_QMM_TOL, f"step {i}: model step vs layer steps")
+    for x, y in zip(_arrays(cf), _arrays(co)):
+        assert x.shape == y.shape and x.dtype == y.dtype
+
+
+def _stand_in_parts(monkeypatch):
+    """Stand-ins for the CUDA-only GDN and MoE decode steps, so that every
+    layer takes its whole compiled step on the CPU; returns the list of
+    the GDN plans made."""
+    from mlx_qwen_fast.ops import decoder as dec
+
+    made = []
+
+    def gdn_parts(layer, x, cache, input_norm_eps):
+        made.append("gdn")
+
+        def fn(x, cs, st, n1, a_log, dt_bias, e):
+            y = mx.fast.rms_norm(x, n1, input_norm_eps) * a_log.sum() + dt_bias.sum() * st.mean() + e
+            return x + y, cs * 0.5 + x.sum(), st * 0.9 + cs.mean()
+
+        return (("A_log",), ("dt_bias",), ("norm", "weight")), fn, 2, (mx.array(0.25),)
+
+    def moe_parts(block, x, norm_eps):
+        def fn(h, n2, w):
+            return h + mx.tanh(mx.fast.rms_norm(h, n2, norm_eps) * (1.0 + w.mean()))
+
+        return (("shared_expert_gate", "scales"),), fn  # a float array of the (quantised) gate
+
+    monkeypatch.setattr(dec.gated_delta_ops, "decode_step_parts", gdn_parts)
+    monkeypatch.setattr(dec.moe_ops, "decode_step_parts", moe_parts)
+    return made
+
+
+def _prefilled(model, prompt, make_cache=make_prompt_cache):
+    cache = make_cache(model)
+    mx.eval(model(prompt, cache=cache), _arrays(cache))
+    return cache
+
+
+@pytest.mark.parametrize("prompt_len,steps,batch", [(3, 4, 1), (254, 4, 1), (256, 2, 1), (9, 3, 2)])
+def test_model_step_equals_the_layer_steps(monkeypatch, env, prompt_len, steps, batch):
+    """Every layer in one compiled call (stand-in GDN and MoE parts, the
+    real attention step): the same logits and cache arrays as one compiled
+    call per layer, across the KV buffers' growth and for two rows; the
+    model step ran for every token and no layer step ran alone."""
+    _stand_in_parts(monkeypatch)
+    _, fast = _models(seed=prompt_len + batch)
+    vocab = fast.language_model.args.vocab_size
+    prompt = mx.random.randint(1, vocab, (batch, prompt_len), key=mx.random.key(prompt_len))
+    c_model, c_layer = _prefilled(fast, prompt), _prefilled(fast, prompt)
+    ran = {"model": 0, "layer": 0}
+    real_model, real_layer = decoder.decode_model, decoder.decode_layer
+
+    def spy_model(m, inputs, cache):
+        out = real_model(m, inputs, cache)
+        ran["model"] += out is not None
+        return out
+
+    def spy_layer(layer, x, cache):
+        ran["layer"] += 1
+        return real_layer(layer, x, cache)
+
+    monkeypatch.setattr(decoder, "decode_model", spy_model)
+    monkeypatch.setattr(decoder, "decode_layer", spy_layer)
+    tok = mx.random.randint(1, vocab, (batch, 1), key=mx.random.key(7))
+    for i in range(steps):
+        env.set(config.DECODE_MODEL_STEP.name, "1")
+        a = fast(tok, cache=c_model)
+        mx.eval(a)
+        assert ran == {"model": i + 1, "layer": i * len(fast.layers)}
+        env.set(config.DECODE_MODEL_STEP.name, "0")
+        b = fast(tok, cache=c_layer)
+        mx.eval(b)
+        assert ran["layer"] == (i + 1) * len(fast.layers)
+        assert finite(a)
+        assert_close(a, b, FP32_TOL, f"logits at step {i}")
+        tok = mx.argmax(b[:, -1:], -1)
+    for x, y in zip(_arrays(c_model), _arrays(c_layer)):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        assert_close(x, y, FP32_TOL, "cache array")
+    assert [c.offset for c in c_model if isinstance(c, KVCache)] == [prompt_len + steps] * sum(
+        isinstance(c, KVCache) for c in c_model)
+    assert all(c1.keys.shape == c2.keys.shape for c1, c2 in zip(c_model, c_layer) if isinstance(c1, KVCache))
+
+
+def test_model_step_reads_replaced_weights(monkeypatch):
+    """A weight replaced after the first token (``model.update``) is read by
+    the next token's model step: its logits change as the layer steps'."""
+    made = _stand_in_parts(monkeypatch)
+    _, fast = _models(seed=31)
+    prompt = mx.array([[5, 6, 7]])
+    cache = _prefilled(fast, prompt)
+    tok = mx.array([[3]])
+    first = fast(tok, cache=copy.deepcopy(cache))
+    n_plans = len(made)
+    layer = next(l for l in fast.layers if not l.is_linear)
+    layer.post_attention_layernorm.weight = layer.post_attention_layernorm.weight * 3.0
+    second = fast(tok, cache=copy.deepcopy(cache))
+    mx.eval(first, second)
+    assert rel_err(second, first) > 1e-3
+    layer_steps = fast(tok, cache=copy.deepcopy(cache))
+    assert_close(second, layer_steps, FP32_TOL, "after the update")
+    assert len(made) == n_plans  # the GDN layers' plans were kept: only the changed layer planned again
+
+
+@pytest.mark.parametrize("kind", ["embeddings", "prompt", "no-cache", "one-layer-stock", "switch-off",
+                                  "layer-switch-off", "rotating"])
+def test_other_calls_take_the_stock_stack(monkeypatch, env, kind):
+    """Embeddings given, more than one token, no cache, a layer without its
+    whole step, either switch off, another cache type: no model step (None
+    or not called), and the call computes what the stock stack computes."""
+    _stand_in_parts(monkeypatch)
+    stock, fast = _models(seed=41)
+    prompt = mx.array([[4, 9, 2]])
+    make = make_prompt_cache
+    if kind == "rotating":
+        def make(m):  # noqa: E306
+            return [RotatingKVCache(max_size=64) if isinstance(c, KVCache) else c for c in make_prompt_cache(m)]
+    cache = _prefilled(fast, prompt, make)
+    ran = []
+    real = decoder.decode_model
+    monkeypatch.setattr(decoder, "decode_model", lambda m, i, c: ran.append(real(m, i, c)) or ran[-1])
+    tok = mx.array([[8]])
+    if kind == "one-layer-stock":
+        from mlx_qwen_fast.ops import decoder as dec
+        monkeypatch.setattr(dec.moe_ops, "decode_step_parts", lambda block, x, norm_eps: None)
+    if kind == "switch-off":
+        env.set(config.DECODE_MODEL_STEP.name, "0")
+    if kind == "layer-switch-off":
+        env.set(config.DECODE_LAYER_STEP.name, "0")
+    if kind == "embeddings":
+        emb = fast.model.embed_tokens(tok)
+        out = fast.model(tok, cache=cache, input_embeddings=emb)
+    elif kind == "prompt":
+        out = fast.model(mx.array([[8, 1]]), cache=cache)
+    elif kind == "no-cache":
+        out = fast.model(tok)
+    else:
+        out = fast.model(tok, cache=cache)
+    mx.eval(out)
+    assert all(r is None for r in ran)
+    assert finite(out)
+
+
+def test_model_step_bad_input_declines(monkeypatch):
+    """Ids of rank other than 2, more than one position, no rows, a cache of
+    another length: None, the caches untouched."""
+    _stand_in_parts(monkeypatch)
+    _, fast = _models(seed=43)
+    cache = _prefilled(fast, mx.array([[1, 2]]))
+    before = [c.offset for c in cache if isinstance(c, KVCache)]
+    m = fast.model
+    assert decoder.decode_model(m, mx.array([1]), cache) is None
+    assert decoder.decode_model(m, mx.array([[1, 2]]), cache) is None
+    assert decoder.decode_model(m, mx.zeros((0, 1), mx.int32), cache) is None
+    assert decoder.decode_model(m, mx.array([[1]]), cache[:-1]) is None
+    assert decoder.decode_model(m, [[1]], cache) is None
+    assert [c.offset for c in cache if isinstance(c, KVCache)] == before
+    assert decoder.decode_model(m, mx.array([[1]]), cache) is not None
