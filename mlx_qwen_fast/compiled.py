@@ -180,7 +180,8 @@ class StepPlans:
     __slots__ = ("_plans",)
 
     def __init__(self):
-        self._plans: Dict[Hashable, Tuple[Tuple[Path, ...], Tuple, Any]] = {}
+        # key -> (objects at the paths, plan, parents, names, children of their links)
+        self._plans: Dict[Hashable, Tuple[Tuple, Any, tuple, tuple, tuple]] = {}
 
     def __deepcopy__(self, memo):
         return StepPlans()  # a cache: a copied module plans again (its keys hold MLX dtypes, not copyable)
