@@ -26,6 +26,9 @@ Modules (each exposes the wrapper of the same name and ``supports``):
                             RMSNorm + RoPE, the cache write, split-K attention
                             and the output gate (on by default on CUDA inside
                             the decode layer step; see ``ops.attention``)
+- ``quantized_gemv``        decode projection, 1-4 rows: RMSNorm + 4/8-bit GEMV
+                            + residual (on by default on CUDA inside the decode
+                            step; see ``ops.linear``)
 
 Import them by module path, e.g.
 ``from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan, supports``
