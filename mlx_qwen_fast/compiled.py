@@ -219,6 +219,13 @@ class StepPlans:
         self._plans[key] = (objs, plan) + _links(module, paths)
         return objs, plan
 
+    def links(self, key: Hashable) -> Tuple[tuple, tuple, tuple]:
+        """The ``(parents, names, children)`` links the plan cached under
+        ``key`` was made from (see :meth:`get`): a caller that keeps the plan
+        elsewhere checks them the same way. Raises KeyError for a key that
+        has no plan."""
+        return self._plans[key][2:]
+
     @staticmethod
     def of(module) -> "StepPlans":
         """The module's cache (created on first use)."""

@@ -41,6 +41,8 @@ without the MoE, or the whole stock layer (None from :func:`decode_layer`).
 
 from __future__ import annotations
 
+import operator
+import weakref
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
@@ -251,10 +253,10 @@ def _norm_eps(layer) -> tuple:
     return (layer.input_layernorm.eps, layer.post_attention_layernorm.eps)
 
 
-def _layer_plan(layer, x: mx.array, cache):
-    """``(arrays, plan)`` of the layer's compiled step for ``x`` and ``cache``
-    (:class:`StepPlans`, keyed by what the trace bakes in), or None where the
-    step does not apply. Reads the cache, never changes it."""
+def _layer_entry(layer, x: mx.array, cache):
+    """``(key, arrays, plan)`` of the layer's compiled step for ``x`` and
+    ``cache`` (:class:`StepPlans`, keyed by what the trace bakes in), or None
+    where the step does not apply. Reads the cache, never changes it."""
     if layer.is_linear:
         if type(cache) is not _arrays_cache_type() or cache.lengths is not None or cache[0] is None \
                 or cache[1] is None:
@@ -272,7 +274,13 @@ def _layer_plan(layer, x: mx.array, cache):
                attn.scale, attn.q_norm.eps, attn.k_norm.eps, config.ATTENTION_DECODE_KERNEL.get(),
                config.DECODE_GEMV_KERNEL.get())
         arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _attention_plan(layer, x, cache))
-    return None if plan is None else (arrays, plan)
+    return None if plan is None else (key, arrays, plan)
+
+
+def _layer_plan(layer, x: mx.array, cache):
+    """``(arrays, plan)`` of :func:`_layer_entry`, or None."""
+    entry = _layer_entry(layer, x, cache)
+    return None if entry is None else entry[1:]
 
 
 def _takes(x) -> bool:
@@ -330,27 +338,135 @@ _model_steps: Dict[tuple, Callable] = {}
 
 
 def _model_step(layout: tuple, norm_eps: float) -> Callable:
-    """The compiled decode step of a whole layer stack: ``fn(h, *flat) ->
-    (rms_norm(layers(h)), *new states)``; ``layout`` = per layer (kind, raw
-    layer step, number of arrays after the states), ``flat`` = per layer its
+    """The compiled decode step of a whole layer stack: ``fn(h, *states,
+    *arrays) -> (rms_norm(layers(h)), *new states)``; ``layout`` = per layer
+    (kind, raw layer step, number of its arrays), ``states`` = per layer its
     states (GDN: conv state, recurrent state; attention: keys, values,
-    offset) then its arrays, then the final norm's weight. One trace per
-    input signature (the KV buffers' capacity among it)."""
+    offset), ``arrays`` = per layer its arrays, then the final norm's
+    weight (states first: they are the only inputs a token changes). One
+    trace per input signature (the KV buffers' capacity among it)."""
     key = (layout, norm_eps)
     fn = _model_steps.get(key)
     if fn is None:
+        n_states = sum(2 if kind == "linear" else 3 for kind, _, _ in layout)
 
         def step(h, *flat):
-            i, states = 0, []
+            s, a, states = 0, n_states, []
             for kind, raw, n_args in layout:
-                n_states = 2 if kind == "linear" else 3
-                h, *new = raw(h, *flat[i:i + n_states + n_args])
+                k = 2 if kind == "linear" else 3
+                h, *new = raw(h, *flat[s:s + k], *flat[a:a + n_args])
                 states.extend(new)
-                i += n_states + n_args
-            return (mx.fast.rms_norm(h, flat[i], norm_eps), *states)
+                s += k
+                a += n_args
+            return (mx.fast.rms_norm(h, flat[a], norm_eps), *states)
 
         fn = _model_steps[key] = mx.compile(step)
     return fn
+
+
+_PLAN_ATTR = "_mqf_model_plan"  # the text model's attribute holding its _ModelPlan
+_call_ref = weakref.ref.__call__
+
+
+class _ModelPlan:
+    """The whole stack's decode step planned for one model, prompt cache and
+    input signature: what :func:`decode_model` would rebuild each token from
+    the layers' own plans (their arrays in call order, the compiled step).
+
+    It holds while (checked by :meth:`holds`, no Python loop over the links):
+    the model's layers and the cache's entries are the same objects (the
+    cache entries through weak references: a dropped cache is not kept
+    alive), the embedding's output has the same shape and dtype, the
+    switches read while tracing are unchanged, every link (parent, key,
+    child) of the layers' plans and of the final norm's weight is the same
+    object, each KV cache's buffers keep their shape and dtype with room for
+    one more position, and each recurrent state its dtype. Anything else
+    (a replaced weight, a new cache, a full KV buffer) plans again from the
+    layers' plans, which re-check themselves.
+    """
+
+    __slots__ = ("sig", "layers", "cache_refs", "linear", "kv_shapes", "state_dtypes", "parents", "names",
+                 "children", "arrays", "fn")
+
+    def __deepcopy__(self, memo):
+        return None  # a copied model plans again (this holds the original's objects)
+
+    def __reduce__(self):
+        return (type(None), ())
+
+    def holds(self, model, h: mx.array, cache) -> bool:
+        if (tuple(h.shape), h.dtype, config.DECODE_GEMV_KERNEL.get(),
+                config.ATTENTION_DECODE_KERNEL.get()) != self.sig:
+            return False
+        layers = model.layers
+        if len(cache) != len(self.cache_refs) or len(layers) != len(self.layers):
+            return False
+        if not (all(map(operator.is_, layers, self.layers))
+                and all(map(operator.is_, map(_call_ref, self.cache_refs), cache))):
+            return False
+        try:
+            if not all(map(operator.is_, map(dict.__getitem__, self.parents, self.names), self.children)):
+                return False
+        except (KeyError, TypeError):
+            return False
+        for c, (shape, dtype) in zip((c for c, lin in zip(cache, self.linear) if not lin), self.kv_shapes):
+            k, v = c.keys, c.values
+            if (k is None or v is None or k.shape != shape or v.shape != shape or k.dtype != dtype
+                    or v.dtype != dtype or c.offset + 1 > shape[2]):
+                return False
+        return all(c.lengths is None and c[0] is not None and c[1] is not None
+                   and (c[0].dtype, c[1].dtype) == d
+                   for c, d in zip((c for c, lin in zip(cache, self.linear) if lin), self.state_dtypes))
+
+
+def _plan_model(model, h: mx.array, cache) -> Optional[_ModelPlan]:
+    """A :class:`_ModelPlan` from every layer's plan (made or checked here),
+    or None where a layer does not take its whole step. May grow KV buffers
+    (by mlx-lm's step, as ``KVCache.update_and_fetch`` does before writing):
+    invisible to the caller, as stock's growth is."""
+    layers = model.layers
+    entries = []
+    for layer, c in zip(layers, cache):
+        entry = None if c is None else _layer_entry(layer, h, c)
+        if entry is None or (entry[2][0] == "attention" and not entry[2][4]):
+            return None
+        entries.append(entry)
+    B = h.shape[0]
+    for (_, _, plan), c in zip(entries, cache):
+        if plan[0] == "attention" and not _room(c, h.dtype, B, plan[5], plan[6]):
+            return None
+    parents, names, children = [model], ["norm"], [model.norm]
+    parents.append(model.norm)
+    names.append("weight")
+    children.append(model.norm.weight)
+    arrays, layout, kv_shapes, state_dtypes, linear = [], [], [], [], []
+    for layer, (key, objs, plan), c in zip(layers, entries, cache):
+        p, n, ch = StepPlans.of(layer).links(key)
+        parents += p
+        names += n
+        children += ch
+        if plan[0] == "linear":
+            _, _fn, extra, n_in, raw = plan
+            state_dtypes.append((c[0].dtype, c[1].dtype))
+        else:
+            _, _fn, extra, n_in, _moe, _hkv, _dh, raw = plan
+            kv_shapes.append((tuple(c.keys.shape), c.keys.dtype))
+        linear.append(plan[0] == "linear")
+        arrays += objs[:n_in]
+        arrays += extra
+        layout.append((plan[0], raw, n_in + len(extra)))
+    arrays.append(model.norm.weight)
+    mp = _ModelPlan()
+    mp.sig = (tuple(h.shape), h.dtype, config.DECODE_GEMV_KERNEL.get(), config.ATTENTION_DECODE_KERNEL.get())
+    mp.layers = tuple(layers)
+    mp.cache_refs = tuple(weakref.ref(c) for c in cache)
+    mp.linear = tuple(linear)
+    mp.kv_shapes = tuple(kv_shapes)
+    mp.state_dtypes = tuple(state_dtypes)
+    mp.parents, mp.names, mp.children = tuple(parents), tuple(names), tuple(children)
+    mp.arrays = tuple(arrays)
+    mp.fn = _model_step(tuple(layout), float(model.norm.eps))
+    return mp
 
 
 def decode_model(model, inputs: mx.array, cache) -> Optional[mx.array]:
@@ -363,10 +479,12 @@ def decode_model(model, inputs: mx.array, cache) -> Optional[mx.array]:
 
     Why: with one compiled call per layer the host still runs 40 layer
     calls per token -- the plan checks, the argument lists, MLX's compiled-
-    call entry -- in Python (bench/results/INDEX.md, "decode host split");
-    here that is one call. The embedding stays the module's own call (its
-    few nodes), the language-model head stays outside (mlx-lm's
-    ``TextModel`` applies it).
+    call entry -- in Python; here that is one call, and the plan of the
+    whole stack is kept on the model (:class:`_ModelPlan`), so a token
+    costs one pass of identity checks, the states' argument list and the
+    compiled call (bench/results/INDEX.md, "decode_split"). The embedding
+    stays the module's own call (its few nodes), the language-model head
+    stays outside (mlx-lm's ``TextModel`` applies it).
 
     Args:
         model: an mlx-lm ``Qwen3_5TextModel`` (``model.language_model.model``).
@@ -387,47 +505,40 @@ def decode_model(model, inputs: mx.array, cache) -> Optional[mx.array]:
     h = model.embed_tokens(inputs)
     if not _takes(h):
         return None
-    plans = []
-    for layer, c in zip(layers, cache):
-        planned = None if c is None else _layer_plan(layer, h, c)
-        if planned is None or (planned[1][0] == "attention" and not planned[1][4]):
+    mp = model.__dict__.get(_PLAN_ATTR)
+    if mp is None or not mp.holds(model, h, cache):
+        model.__dict__.pop(_PLAN_ATTR, None)
+        mp = _plan_model(model, h, cache)
+        if mp is None:
             return None
-        plans.append(planned)
-    B = h.shape[0]
-    for (_, plan), c in zip(plans, cache):  # may grow buffers: invisible to the caller, as stock's growth
-        if plan[0] == "attention" and not _room(c, h.dtype, B, plan[5], plan[6]):
-            return None
-    args, layout, kv = [], [], []
-    for (arrays, plan), c in zip(plans, cache):
-        if plan[0] == "linear":
-            _, _fn, extra, n_in, raw = plan
-            args += (c[0], c[1])
+        object.__setattr__(model, _PLAN_ATTR, mp)
+    states, kv = [], []
+    offset = None
+    for c, lin in zip(cache, mp.linear):
+        if lin:
+            states += (c[0], c[1])
         else:
-            _, _fn, extra, n_in, _moe, _hkv, _dh, raw = plan
-            args += (c.keys, c.values, mx.array(c.offset, mx.int32))
+            if offset is None or offset[0] != c.offset:  # one offset array for the layers that share it
+                offset = (c.offset, mx.array(c.offset, mx.int32))
+            states += (c.keys, c.values, offset[1])
             kv.append(c)
-        args += arrays[:n_in]
-        args += extra
-        layout.append((plan[0], raw, n_in + len(extra)))
-    args.append(model.norm.weight)
-    fn = _model_step(tuple(layout), float(model.norm.eps))
     saved = [(c.keys, c.values) for c in kv]
     for c in kv:
         c.keys = c.values = None  # the step's inputs alone hold the buffers: they are donated
     try:
-        out, *states = fn(h, *args)
+        out, *new = mp.fn(h, *states, *mp.arrays)
     except BaseException:
         for c, (k, v) in zip(kv, saved):
             c.keys, c.values = k, v
         raise
-    del saved, args
+    del saved, states
     i = 0
-    for (_, plan), c in zip(plans, cache):
-        if plan[0] == "linear":
-            c[0], c[1] = states[i], states[i + 1]
+    for c, lin in zip(cache, mp.linear):
+        if lin:
+            c[0], c[1] = new[i], new[i + 1]
             c.advance(1)
         else:
-            c.keys, c.values = states[i], states[i + 1]
+            c.keys, c.values = new[i], new[i + 1]
             c.offset += 1
         i += 2
     return out

@@ -563,3 +563,63 @@ def test_model_step_bad_input_declines(monkeypatch):
     assert decoder.decode_model(m, [[1]], cache) is None
     assert [c.offset for c in cache if isinstance(c, KVCache)] == before
     assert decoder.decode_model(m, mx.array([[1]]), cache) is not None
+
+
+def test_model_plan_is_kept_and_replanned(monkeypatch):
+    """The whole stack's plan is kept on the model: a later token with the
+    same cache plans no layer; a new cache, a replaced weight, a replaced
+    layer or a full KV buffer plan again, and each token computes what the
+    layer steps compute."""
+    _stand_in_parts(monkeypatch)
+    _, fast = _models(seed=47)
+    m = fast.model
+    entries, inside = [], []
+    real = decoder._layer_entry
+
+    def spy(layer, x, cache):
+        if inside:  # the layer plans of the model step (not of the reference's layer steps)
+            entries.append(layer)
+        return real(layer, x, cache)
+
+    monkeypatch.setattr(decoder, "_layer_entry", spy)
+    n = len(m.layers)
+    cap = KVCache.step
+    cache = _prefilled(fast, mx.random.randint(1, 100, (1, cap - 2), key=mx.random.key(3)))
+    ref_cache = copy.deepcopy(cache)
+    tok = mx.array([[3]])
+
+    def both(c_fast, c_ref):
+        inside.append(1)
+        a = decoder.decode_model(m, tok, c_fast)
+        inside.clear()
+        assert a is not None
+        b = m.norm(tok_layers(c_ref))
+        mx.eval(a, b)
+        assert_close(a, b, FP32_TOL, "model step vs layer steps")
+
+    def tok_layers(c_ref):
+        h = m.embed_tokens(tok)
+        for layer, c in zip(m.layers, c_ref):
+            h = layer(h, None, c)
+        return h
+
+    both(cache, ref_cache)
+    assert len(entries) == n  # planned once
+    both(cache, ref_cache)
+    assert len(entries) == n  # kept: the second token planned nothing
+    both(cache, ref_cache)  # offset cap: the KV buffers are full now
+    assert len(entries) == 2 * n  # grown and planned again
+    both(cache, ref_cache)
+    assert len(entries) == 2 * n
+    other = copy.deepcopy(cache)
+    ref_other = copy.deepcopy(ref_cache)
+    both(other, ref_other)
+    assert len(entries) == 3 * n  # another cache
+    layer = next(l for l in m.layers if l.is_linear)
+    layer.input_layernorm.weight = layer.input_layernorm.weight * 2.0
+    both(other, ref_other)
+    assert len(entries) == 4 * n  # a replaced weight
+    m.layers[0] = copy.deepcopy(m.layers[0])
+    both(other, ref_other)
+    assert len(entries) == 5 * n  # a replaced layer
+    assert "_mqf_model_plan" not in dict(m) and copy.deepcopy(m).__dict__.get("_mqf_model_plan") is None
