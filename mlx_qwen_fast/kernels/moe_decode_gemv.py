@@ -165,6 +165,7 @@ def route_fits(num_experts, top_k) -> bool:
 
 
 def _x_problem(x) -> Optional[str]:
+    """The tokens' part of the checks: x bfloat16 ``[N, D]``, 1 <= N <= 4."""
     if not isinstance(x, mx.array) or x.ndim != 2 or x.dtype != mx.bfloat16:
         return f"x must be bfloat16 [N, D], got {_describe(x)}"
     if not 1 <= x.shape[0] <= MAX_TOKENS:

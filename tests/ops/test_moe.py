@@ -750,6 +750,7 @@ def fake_moe_decode_logits(x, logits, top_k, normalize, experts, shared, expert_
 
 
 def fake_route(logits, k, normalize=True):
+    """Stands in for the routing kernel: the reference routing."""
     FAKE_CALLS.append(("route", True))
     return moe.route(logits, k, normalize=normalize)
 
