@@ -22,6 +22,9 @@ prompt cache filled as if ``--context`` tokens had been prefilled
   positions): a compiled whole-stack step traces again for each new buffer
   capacity, and this shows what that token costs;
 - ``--profile N``: cProfile of N builds (top entries by own time);
+- ``--nodes``: the step's graph nodes (:func:`bench.nodes.measure_engine`:
+  the whole token, one layer of each kind, the rest), counted in this
+  process instead of another model build;
 - the launched kernel images of the package (bytes per kernel, and their
   sum over the step's kernels), since MLX hashes a launched image on every
   launch (bench/results/package-figures.md, "Kernel builds").
@@ -157,6 +160,7 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=2, help="splits, each on a fresh cache")
     p.add_argument("--boundary", action="store_true", help="also time the tokens around a KV buffer growth")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile of N step builds")
+    p.add_argument("--nodes", action="store_true", help="also count the step's graph nodes (bench.nodes)")
     p.add_argument("--out", default=None, help="JSON result file")
     args = p.parse_args(argv)
     for name, v in (("--context", args.context), ("--steps", args.steps), ("--pipelined", args.pipelined),
@@ -169,6 +173,14 @@ def main(argv=None) -> int:
 
         model, report = patched_copy(model)
         print(f"# ops: {getattr(report, 'ops', report)}", flush=True)
+    result_nodes = None
+    if args.nodes:
+        result_nodes = nodes.measure_engine(model, args.context)
+        st = result_nodes["step"]
+        kinds = ", ".join(f"{k} {r['nodes']} ({r['launching']}) x{r['layers']}" for k, r in result_nodes["layers"].items())
+        out = result_nodes["outside_layers"]
+        print(f"nodes per token: {st['nodes']} ({st['launching']} launching); per layer: {kinds}; "
+              f"outside the layers {out['nodes']} ({out['launching']})", flush=True)
     runs = []
     for i in range(args.repeats):
         r = split(model, args.context, args.steps, args.pipelined)
@@ -176,6 +188,8 @@ def main(argv=None) -> int:
         print(f"split {i}: warm-up {r['warmup_s']:.1f} s  build {r['build_ms']:.2f} ms  encode {r['encode_ms']:.2f} ms"
               f"  wait {r['wait_ms']:.2f} ms  pipelined {r['pipelined_tok_s']:.1f} tok/s", flush=True)
     result = common.result_header("decode_split", args, engine=args.engine, context=args.context, runs=runs)
+    if result_nodes is not None:
+        result["nodes"] = result_nodes
     if args.boundary:
         result["boundary"] = b = boundary(model, args.context)
         if b:
