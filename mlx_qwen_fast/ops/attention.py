@@ -1,6 +1,7 @@
-"""Gated attention, one query token per row: contract, reference, dispatch.
+"""Gated attention: contracts, references and dispatch of the decode step
+(one query token per row) and of the prefill's causal attention.
 
-The part of mlx-lm's ``Qwen3NextAttention.__call__`` (mlx_lm/models/
+Decode: the part of mlx-lm's ``Qwen3NextAttention.__call__`` (mlx_lm/models/
 qwen3_next.py, used by qwen3_5) between the concatenated q|k|v projection
 and ``o_proj``, for T = 1 with a plain ``KVCache`` whose buffers have room
 at the offset:
