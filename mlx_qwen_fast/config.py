@@ -41,6 +41,7 @@ __all__ = [
     "DECODE_LAYER_STEP",
     "DECODE_MODEL_STEP",
     "ATTENTION_DECODE_KERNEL",
+    "ATTENTION_PREFILL_KERNEL",
     "DECODE_GEMV_KERNEL",
     "METAL_KERNELS",
     "KERNEL_CACHE",
@@ -172,6 +173,11 @@ ATTENTION_DECODE_KERNEL = Switch(
     "MLX_QWEN_FAST_ATTENTION_KERNEL", "bool", True, "`0`",
     "the decode layer step keeps MLX's attention ops (RMSNorm, RoPE, masked SDPA, gate) on CUDA "
     "instead of the head_dim-256 decode-attention kernels")
+ATTENTION_PREFILL_KERNEL = Switch(
+    "MLX_QWEN_FAST_ATTENTION_PREFILL_KERNEL", "bool", True, "`0`",
+    "gated-attention prefill (more than one token per call) keeps mlx-lm's attention module on CUDA "
+    "(MLX's unfused attention for head_dim 256: memory grows with chunk x context) instead of the "
+    "head_dim-256 flash-attention kernel")
 DECODE_GEMV_KERNEL = Switch(
     "MLX_QWEN_FAST_GEMV_KERNEL", "bool", True, "`0`",
     "the decode layer step keeps MLX's RMSNorm, quantized matmul and residual add around each projection "
@@ -200,7 +206,9 @@ POISON = Switch(
 
 #: Every switch, in the README's order.
 SWITCHES: Tuple[Switch, ...] = (
-    FAST_PATH, MOE_PREFILL_KERNEL, MOE_DECODE_KERNEL, DECODE_LAYER_STEP, DECODE_MODEL_STEP, ATTENTION_DECODE_KERNEL, DECODE_GEMV_KERNEL, METAL_KERNELS, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
+    FAST_PATH, MOE_PREFILL_KERNEL, MOE_DECODE_KERNEL, DECODE_LAYER_STEP, DECODE_MODEL_STEP,
+    ATTENTION_DECODE_KERNEL, ATTENTION_PREFILL_KERNEL, DECODE_GEMV_KERNEL, METAL_KERNELS, KERNEL_CACHE, NVRTC,
+    NVFATBIN, ARCH, POISON,
 )
 
 

@@ -30,8 +30,6 @@ import mlx.nn as nn
 import mlx_lm.utils
 
 from . import backend, config
-from mlx_lm.models.qwen3_next import Qwen3NextAttention
-
 from .compiled import StepPlans
 from .layers import FAST_CLASSES, LAYER_CLASSES, MODEL_CLASSES, rebind
 from .ops import attention as attention_ops
@@ -44,7 +42,7 @@ SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5", "qwen3_5_moe_fast")
 # (install's load_model leaves what it loads stock; install's sharded_load
 # wrapper patches, and so declines, the model once it is sharded)
 _SHARDED_LOAD = inspect.unwrap(mlx_lm.utils.sharded_load)
-_SLOTS = ("linear_attn", "mlp")  # the modules with a fast class (attention stays mlx-lm's)
+_SLOTS = ("linear_attn", "mlp", "self_attn")  # the modules with a fast class
 _PREFILL_TOKENS = 2048  # mlx-lm's default prefill_step_size, for the report
 _FAMILIES = (("gated_delta", gated_delta_ops), ("moe", moe_ops))  # report name, dispatcher
 _PHASES = (("prefill", _PREFILL_TOKENS), ("decode", 1))
@@ -60,7 +58,8 @@ class PatchReport:
         model_type: the model's ``model_type``.
         backend: "cpu", "cuda" or "metal" (the default device's backend).
         swapped: number of modules swapped per slot (``linear_attn``,
-            ``mlp``; gated attention has no fast class and stays mlx-lm's).
+            ``mlp``, ``self_attn``), and of decoder layers and layer
+            stacks swapped in place (``decoder_layer``, ``layer_stack``).
         ops: implementation each op uses on this backend, e.g.
             ``{"gated_delta.prefill": "chunked", "moe.decode": "stock"}``
             ("stock" also where the backend's kernel declined the weights'
@@ -117,7 +116,7 @@ def op_implementations(backend_name: Optional[str] = None) -> Dict[str, str]:
             table[f"{name}.{phase}"] = module.implementation_for(tokens, b)
     if b == backend.METAL and config.METAL_KERNELS.get():  # the layer's decode, not the recurrence alone
         table["gated_delta.decode"] = "metal-kernel"
-    table["attention.prefill"] = "stock"
+    table["attention.prefill"] = attention_ops.implementation_for(_PREFILL_TOKENS, b)
     if config.DECODE_LAYER_STEP.get():  # the layer step runs ops.attention's dispatcher
         kernel = attention_ops.implementation_for(1, b) == "cuda-kernel"
         table["attention.decode"] = "compiled-layer+cuda-kernel" if kernel else "compiled-layer"
@@ -137,14 +136,16 @@ def op_implementations(backend_name: Optional[str] = None) -> Dict[str, str]:
 def _decide_kernels(model: nn.Module) -> List[Tuple[str, Dict[str, str]]]:
     """Each fast module's op family decides which kernels may run for it
     (``decide_kernels``, kept on the module for the dispatcher): ``[(family
-    name, {implementation: reason})]``, one entry per fast module."""
+    name, {implementation: reason})]``, one entry per fast module of the
+    families in ``_FAMILIES`` (the attention kernels read no weights: they
+    decline none)."""
     names = {id(module): name for name, module in _FAMILIES}
     fast = tuple(FAST_CLASSES.values())
     out = []
     for layer in model.layers:
         for slot in _SLOTS:
             module = getattr(layer, slot, None)
-            if isinstance(module, fast):
+            if isinstance(module, fast) and id(module.ops) in names:
                 out.append((names[id(module.ops)], module.ops.decide_kernels(module)))
     return out
 
@@ -248,7 +249,7 @@ def _unsupported_reason(model: nn.Module) -> Optional[str]:
     layers = getattr(model, "layers", None)
     if not layers:
         return "the model has no decoder layers"
-    mixers = set(FAST_CLASSES) | set(FAST_CLASSES.values()) | {Qwen3NextAttention}
+    mixers = set(FAST_CLASSES) | set(FAST_CLASSES.values())
     for i, layer in enumerate(layers):
         mixer = getattr(layer, "linear_attn", None) or getattr(layer, "self_attn", None)
         if mixer is None or type(mixer) not in mixers:
@@ -275,7 +276,7 @@ def _swap(model: nn.Module, to_fast: bool) -> Dict[str, int]:
             layer.__class__ = stock_layers[type(layer)]
             swapped["decoder_layer"] += 1
         if not to_fast:  # the fast paths' cached plans (and their array copies) go with them
-            for m in [layer] + [getattr(layer, n, None) for n in _SLOTS + ("self_attn",)]:
+            for m in [layer] + [getattr(layer, n, None) for n in _SLOTS]:
                 if m is not None:
                     StepPlans.drop(m)
         for slot in _SLOTS:
@@ -314,8 +315,8 @@ def _layer_stacks(model: nn.Module) -> List[nn.Module]:
 def patch(model: nn.Module, *, warn: bool = True) -> PatchReport:
     """Swap the fast-path modules into a loaded mlx-lm Qwen3.5/3.6 model, in place.
 
-    Swaps every Gated DeltaNet (``linear_attn``) and sparse-MoE (``mlp``)
-    module for its fast subclass in
+    Swaps every Gated DeltaNet (``linear_attn``), sparse-MoE (``mlp``) and
+    gated-attention (``self_attn``) module for its fast subclass in
     :mod:`mlx_qwen_fast.layers`, sharing the loaded (quantised) arrays under
     the same parameter paths. Dense MLPs stay as they are. Patching an
     already patched model swaps nothing more; its decisions below are made

@@ -11,7 +11,7 @@ import mlx.core as mx
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.qwen3_5 import GatedDeltaNet, TextModelArgs
-from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
+from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextSparseMoeBlock
 
 from compare import assert_close, tolerance
 from mlx_qwen_fast import layers
@@ -26,7 +26,8 @@ ARGS = TextModelArgs(
 
 def test_fast_classes_pair_with_their_stock_class():
     assert layers.FAST_CLASSES == {GatedDeltaNet: layers.FastGatedDeltaNet,
-                                   Qwen3NextSparseMoeBlock: layers.FastSparseMoeBlock}
+                                   Qwen3NextSparseMoeBlock: layers.FastSparseMoeBlock,
+                                   Qwen3NextAttention: layers.FastAttention}
     for stock, fast in layers.FAST_CLASSES.items():
         assert issubclass(fast, stock) and fast.stock_class is stock
 

@@ -22,7 +22,7 @@ from compare import BF16_EPS, assert_close, tolerance
 from mlx_qwen_fast import backend, config
 from mlx_qwen_fast.checkpoint import build_model
 from mlx_qwen_fast.kernels import _cuda_build as cb
-from mlx_qwen_fast.layers import FAST_CLASSES
+from mlx_qwen_fast.layers import FAST_CLASSES, FastAttention
 from mlx_qwen_fast.patching import enabled, patch, patched_copy, unpatch
 from quant_variants import VARIANTS
 
@@ -56,12 +56,14 @@ def test_patch_swaps_every_module_and_shares_arrays(tiny):
     assert report.swapped == {
         "linear_attn": n_layers - n_attn,
         "mlp": n_layers,
+        "self_attn": n_attn,
         "decoder_layer": n_layers,
         "layer_stack": 1,
-    }  # gated attention has no fast class: it stays mlx-lm's, its decode step is the layer's
-    assert all(type(l.self_attn) is Qwen3NextAttention for l in fast.layers if not l.is_linear)
+    }  # the gated attention's fast class takes its prefill; its decode step is the layer's
+    assert all(type(l.self_attn) is FastAttention for l in fast.layers if not l.is_linear)
+    assert all(type(l.self_attn) is Qwen3NextAttention for l in model.layers if not l.is_linear)
     assert set(report.ops) >= {"gated_delta.prefill", "gated_delta.decode"}
-    assert report.ops["attention.prefill"] == "stock"
+    assert report.ops["attention.prefill"] == ("cuda-kernel" if cb.cuda_available() else "stock")
     assert report.ops["attention.decode"] == "compiled-layer"
     assert fast.patch_report is report
     fast_params = dict(tree_flatten(fast.parameters()))
@@ -78,14 +80,14 @@ def test_unpatch_restores_stock_classes(tiny):
     assert fast.patch_report.patched
     counts = unpatch(fast)
     n_modules = sum(
-        hasattr(l, s) for l in fast.layers for s in ("linear_attn", "mlp")
+        hasattr(l, s) for l in fast.layers for s in ("linear_attn", "mlp", "self_attn")
     )
     assert counts.pop("decoder_layer") == len(fast.layers)
     assert counts.pop("layer_stack") == 1
     assert sum(counts.values()) == n_modules
     assert not mlx_qwen_fast.is_patched(fast)
     assert type(fast.model) is Qwen3_5TextModel
-    stock_types = set(FAST_CLASSES) | {Qwen3NextAttention}
+    stock_types = set(FAST_CLASSES)  # Qwen3NextAttention among them
     assert all(
         type(getattr(l, s)) in stock_types
         for l in fast.layers
@@ -406,10 +408,12 @@ def test_op_implementations_per_backend():
     cur = op_implementations()
     assert set(cur) == {f"{f}.{p}" for f in ("gated_delta", "attention", "moe") for p in ("prefill", "decode")} | {
         "linear.decode", "model.decode"}
-    assert cur["attention.prefill"] == "stock"  # no fast path: mlx-lm's
+    # the flash-attention kernel where CUDA runs it, else mlx-lm's module
+    assert cur["attention.prefill"] == ("cuda-kernel" if cb.cuda_available() else "stock")
     assert cur["attention.decode"] == "compiled-layer"  # ops.decoder, on every backend
     cpu = op_implementations("cpu")
     assert cpu["moe.prefill"] == cpu["moe.decode"] == "stock"
+    assert cpu["attention.prefill"] == "stock"
     assert cpu["linear.decode"] == "stock"  # the fused GEMV is CUDA's
     assert cpu["model.decode"] == "compiled-layer"  # the whole stack needs the GDN and MoE decode kernels
     assert cpu["gated_delta.prefill"] == "chunked"

@@ -1,6 +1,7 @@
-"""Gated attention, one query token per row: contract, reference, dispatch.
+"""Gated attention: contracts, references and dispatch of the decode step
+(one query token per row) and of the prefill's causal attention.
 
-The part of mlx-lm's ``Qwen3NextAttention.__call__`` (mlx_lm/models/
+Decode: the part of mlx-lm's ``Qwen3NextAttention.__call__`` (mlx_lm/models/
 qwen3_next.py, used by qwen3_5) between the concatenated q|k|v projection
 and ``o_proj``, for T = 1 with a plain ``KVCache`` whose buffers have room
 at the offset:
@@ -32,7 +33,35 @@ stock module runs it (each op rounding to the activation dtype). The one
 dispatcher, :func:`decode_attention`, runs the CUDA kernels of
 :mod:`mlx_qwen_fast.kernels.attention_decode` where they apply (head_dim
 256, :data:`mlx_qwen_fast.config.ATTENTION_DECODE_KERNEL` on) and the
-reference elsewhere. Prefill attention stays mlx-lm's.
+reference elsewhere.
+
+Prefill (a chunk of T queries per row): the scaled dot-product attention
+that ``Qwen3NextAttention.__call__`` runs with ``mask="causal"`` once q/k/v
+are normalised, rotated and written into the cache:
+
+=================  =========================  ================================
+argument           shape                      dtype / meaning
+=================  =========================  ================================
+queries            [B, Hq, T, Dh]             float; the chunk's queries at
+                                              positions offset .. offset+T-1
+keys, values       [B, Hkv, L, Dh]            queries' dtype; the cache, this
+                                              chunk's rows included; L >=
+                                              offset + T (positions from
+                                              offset + T on are ignored)
+offset             int                        the first query's position
+scale              float                      the softmax scale
+returns            [B, Hq, T, Dh]             queries' dtype
+=================  =========================  ================================
+
+``out[t] = softmax(scale * q[t] K[0..offset+t]^T) V[0..offset+t]`` per head
+(query head h reads KV head ``h // (Hq / Hkv)``). With ``L == offset + T``
+this is exactly ``mx.fast.scaled_dot_product_attention(..., mask="causal")``
+(MLX aligns a causal mask's queries with the last keys), which
+:func:`prefill_attention_reference` runs; :func:`prefill_attention` runs
+the flash-attention kernel of :mod:`mlx_qwen_fast.kernels.attention_prefill`
+where it applies (CUDA, head_dim 256, bf16/f16,
+:data:`mlx_qwen_fast.config.ATTENTION_PREFILL_KERNEL` on) and the reference
+elsewhere.
 """
 
 from __future__ import annotations
@@ -45,11 +74,13 @@ from .. import backend as _backend
 from .. import config
 from ..kernels import _cuda_build
 from ..kernels import attention_decode as _k_decode
+from ..kernels import attention_prefill as _k_prefill
 
 __all__ = ["IMPLEMENTATIONS", "decode_attention", "decode_attention_reference", "decode_implementation",
-           "implementation_for"]
+           "implementation_for", "prefill_attention", "prefill_attention_reference", "prefill_implementation"]
 
-#: What :func:`decode_attention` can run: the kernels or the reference ops.
+#: What :func:`decode_attention` and :func:`prefill_attention` can run: the
+#: kernels or the reference ops.
 IMPLEMENTATIONS = ("cuda-kernel", "reference")
 
 
@@ -120,13 +151,54 @@ def decode_attention(proj, keys, values, offset, q_norm_weight, k_norm_weight, *
     return fn(proj, keys, values, offset, q_norm_weight, k_norm_weight, **settings)
 
 
+def prefill_attention_reference(queries: mx.array, keys: mx.array, values: mx.array, *, scale: float,
+                                offset: int) -> mx.array:
+    """The prefill contract (above) in MLX ops: MLX's fused attention entry
+    with the causal mask over the first ``offset + T`` positions, which is
+    the stock module's call when the cache holds exactly those. Any head_dim
+    and dtype."""
+    end = offset + queries.shape[2]
+    if keys.shape[2] != end:
+        keys, values = keys[:, :, :end], values[:, :, :end]
+    return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask="causal")
+
+
+def prefill_implementation(queries, keys, values, *, offset: int, backend: Optional[str] = None) -> str:
+    """The name in :data:`IMPLEMENTATIONS` that :func:`prefill_attention`
+    runs for these arrays (shape checks only: nothing is evaluated)."""
+    if (_backend.resolve(backend) == _backend.CUDA and config.ATTENTION_PREFILL_KERNEL.get()
+            and _k_prefill.supports(queries, keys, values, offset=offset)):
+        return "cuda-kernel"
+    return "reference"
+
+
+def prefill_attention(queries, keys, values, *, scale: float, offset: int) -> mx.array:
+    """The prefill contract above, by :func:`prefill_implementation`'s
+    choice: the flash-attention kernel
+    (:func:`mlx_qwen_fast.kernels.attention_prefill.attention_prefill`) or
+    :func:`prefill_attention_reference`. Returns [B, Hq, T, Dh] in
+    queries' dtype (the kernel's is a transposed view of a [B, T, Hq, Dh]
+    buffer).
+
+    Raises:
+      ValueError: from the kernel, an argument outside its contract (named).
+    """
+    if prefill_implementation(queries, keys, values, offset=offset) == "cuda-kernel":
+        return _k_prefill.attention_prefill(queries, keys, values, scale=scale, offset=offset)
+    return prefill_attention_reference(queries, keys, values, scale=scale, offset=offset)
+
+
 def implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:
-    """The decode implementation a head_dim-256 model gets on ``backend``
-    ("cuda-kernel" or "reference"); prefill (``num_tokens`` > 1) is
-    "stock". Raises ValueError for an unknown backend."""
+    """The implementation a head_dim-256 model's gated attention gets on
+    ``backend`` for calls of ``num_tokens`` tokens per row: decode (1) is
+    "cuda-kernel" or "reference" (the decoder layer step's); prefill (more)
+    is "cuda-kernel" (:class:`mlx_qwen_fast.layers.FastAttention` with the
+    flash-attention kernel) or "stock" (mlx-lm's module). Raises ValueError
+    for an unknown backend."""
     name = _backend.resolve(backend)
+    cuda = name == _backend.CUDA and _cuda_build.cuda_available()
     if num_tokens != 1:
-        return "stock"
-    if name == _backend.CUDA and _cuda_build.cuda_available() and config.ATTENTION_DECODE_KERNEL.get():
+        return "cuda-kernel" if cuda and config.ATTENTION_PREFILL_KERNEL.get() else "stock"
+    if cuda and config.ATTENTION_DECODE_KERNEL.get():
         return "cuda-kernel"
     return "reference"
