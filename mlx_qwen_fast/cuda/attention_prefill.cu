@@ -43,7 +43,8 @@
 // heads of a KV head that run together find them. So the kernel is bound by
 // mma.sync issue, not bytes; no scratch memory beyond the output at any
 // prompt length. Expected and measured on an H200 (2048-token chunk, one
-// layer, median of 10): at long context 240-270 TFLOP/s (offset 14K: 2.1
+// layer, median of 10; bench/results/2026-12-04-nvidia-h200-attention-
+// prefill-calls.md): at long context 240-270 TFLOP/s (offset 14K: 2.1
 // ms, 30K: 4.0 ms; MLX's unfused path 3.5 and 6.4 ms holding 1.1 and 2.2 GB
 // of scores; the kernel 17 MB, its output); at short context the causal
 // triangle leaves few blocks of uneven length (512 for the first chunk, two
