@@ -54,6 +54,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
@@ -235,6 +236,7 @@ class SimKernel:
         self.name, self.input_names, self.output_names = name, list(input_names), list(output_names)
         self.header = header
         self.calls = 0
+        self.origin = "?"  # the module that built it (set by simulated())
 
     def __call__(self, *, inputs, template=None, grid, threadgroup, output_shapes, output_dtypes,
                  init_value=None, verbose=False, stream=None):
@@ -317,18 +319,22 @@ def simulated_modules(*names: str):
 @contextlib.contextmanager
 def simulated():
     """Within: ``mx.fast.metal_kernel(...)`` builds SimKernels.
-    Yields the list of kernels built (for call counts)."""
+    Yields the list of kernels built (for call counts); each kernel's
+    ``origin`` is the ``__name__`` of the module whose code called
+    ``mx.fast.metal_kernel`` (e.g. ``"mlx_lm.models.gated_delta"``)."""
     real = mx.fast.metal_kernel
     built: List[SimKernel] = []
 
-    def factory(**kw):
+    def factory(origin, **kw):
         k = SimKernel(real, **kw)
+        k.origin = origin
         built.append(k)
         return k
 
     def metal_kernel(name, input_names, output_names, source, header="", ensure_row_contiguous=True,
                      atomic_outputs=False):
-        return factory(name=name, input_names=input_names, output_names=output_names, source=source,
+        origin = sys._getframe(1).f_globals.get("__name__", "?")
+        return factory(origin, name=name, input_names=input_names, output_names=output_names, source=source,
                        header=header, ensure_row_contiguous=ensure_row_contiguous, atomic_outputs=atomic_outputs)
 
     is_available = mx.metal.is_available

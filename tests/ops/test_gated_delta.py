@@ -888,28 +888,28 @@ def test_compiled_decode_step_equals_eager(env, gemv, dtype, B):
     assert mx.array_equal(y2, y2_ref).item() and not mx.array_equal(y2, y1).item()
 
 
-def test_metal_decode_kernel_runs_the_whole_tiny_model(monkeypatch, env, gdn128):
-    """Metal, simulated on the CPU (``tests/metal_check.py``): the backend
-    seen as Metal, ``MLX_QWEN_FAST_METAL=1``, every ``metal_kernel`` -- the
-    package's decode kernel and mlx-lm's recurrence kernels of the prompt --
-    run from MLX's generated source. The patched tiny model (128-wide GDN
-    heads) decodes 6 greedy fp32 tokens identical to stock's (plain MLX
-    ops), logits within fp32 tolerance; the decode kernel ran once per GDN
-    layer and token."""
-    import metal_check as mc
+def test_metal_decode_kernel_runs_the_whole_tiny_model(env, gdn128):
+    """Metal, simulated on the CPU (``tests/metal_model.py``'s
+    ``metal_backend``: the backend seen as Metal, ``MLX_QWEN_FAST_METAL=1``,
+    every ``metal_kernel`` -- the package's decode kernel and mlx-lm's
+    recurrence kernels of the prompt -- run from MLX's generated source).
+    The patched tiny model (128-wide GDN heads) called directly decodes 6
+    greedy fp32 tokens identical to stock's (plain MLX ops), logits within
+    fp32 tolerance; the decode kernel ran once per GDN layer and token, the
+    prompt's recurrence on mlx-lm's kernel once per GDN layer. (Through
+    ``generate_step``, with the report's accounting: ``test_metal_model.py``.)"""
+    import metal_model as mm
     from mlx_lm.models.cache import make_prompt_cache
 
-    from mlx_qwen_fast import backend, config, patched_copy
+    from mlx_qwen_fast import patched_copy
     from mlx_qwen_fast.checkpoint import build_model
     from mlx_qwen_fast.kernels import gated_delta_decode_metal as gdm
 
-    if mc.CXX is None:
+    if mm.metal_check.CXX is None:
         pytest.skip("no C++ compiler (g++) to build the Metal sources")
-    env.set(config.METAL_KERNELS.name, "1")
     stock_model, _ = build_model(gdn128, seed=4, dtype=mx.float32)
     prompt = mx.random.randint(1, 1000, (1, 9), key=mx.random.key(3))
-    with mc.simulated_modules("mlx_lm.models.gated_delta", gdm.__name__) as (stock_kernels, _):
-        monkeypatch.setattr(backend, "current", lambda: backend.METAL)
+    with mm.metal_backend(env) as run:
         fast, report = patched_copy(stock_model, warn=False)
         assert report.ops["gated_delta.decode"] == "metal-kernel"
         cs, cf = make_prompt_cache(stock_model), make_prompt_cache(fast)
@@ -924,8 +924,7 @@ def test_metal_decode_kernel_runs_the_whole_tiny_model(monkeypatch, env, gdn128)
             nxt = mx.argmax(a[:, -1], -1)
             assert (nxt == mx.argmax(b[:, -1], -1)).all().item(), f"token at step {step}"
             tok = nxt
-        prompt_kernels = [getattr(stock_kernels, n) for n in dir(stock_kernels) if n.startswith("_gated_delta_kernel")]
-        assert sum(k.calls for k in prompt_kernels if isinstance(k, mc.SimKernel)) == sum(
-            l.is_linear for l in fast.layers)  # the prompt: mlx-lm's Metal kernel once per GDN layer
     n_linear = sum(l.is_linear for l in fast.layers)
+    prompt_kernels = [k for k in run.kernels if k.origin == "mlx_lm.models.gated_delta"]
+    assert sum(k.calls for k in prompt_kernels) == n_linear  # the prompt: mlx-lm's Metal kernel once per GDN layer
     assert kernel.calls == 6 * n_linear
