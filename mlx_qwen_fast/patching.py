@@ -118,8 +118,8 @@ def op_implementations(backend_name: Optional[str] = None) -> Dict[str, str]:
         table["gated_delta.decode"] = "metal-kernel"
     table["attention.prefill"] = attention_ops.implementation_for(_PREFILL_TOKENS, b)
     if config.DECODE_LAYER_STEP.get():  # the layer step runs ops.attention's dispatcher
-        kernel = attention_ops.implementation_for(1, b) == "cuda-kernel"
-        table["attention.decode"] = "compiled-layer+cuda-kernel" if kernel else "compiled-layer"
+        kernel = attention_ops.implementation_for(1, b)
+        table["attention.decode"] = "compiled-layer" if kernel == "reference" else f"compiled-layer+{kernel}"
     else:
         table["attention.decode"] = "stock"
     # the projections with their RMSNorm and residual, inside the layer step

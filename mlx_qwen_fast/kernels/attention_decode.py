@@ -33,7 +33,7 @@ import mlx.core as mx
 
 from . import _cuda_build as cb
 
-__all__ = ["attention_decode", "proj_width", "splits", "supports"]
+__all__ = ["attention_decode", "check_step", "proj_width", "splits", "supports"]
 
 DH = 256
 _FLOAT = (mx.bfloat16, mx.float16, mx.float32)
@@ -92,14 +92,19 @@ def _kernel(kind: int, x, w, hq: int, hkv: int, rope_dims: int, traditional: boo
     return kern
 
 
-def _check(proj, keys, values, offset, q_norm_weight, k_norm_weight, hq, hkv, scale, q_eps, k_eps,
-           rope_dims, rope_base, rope_scale):
-    fn = "attention_decode"
+def check_step(fn: str, proj, keys, values, offset, q_norm_weight, k_norm_weight, hq, hkv, scale, q_eps,
+               k_eps, rope_dims, rope_base, rope_scale, *, max_group: int = 16) -> Tuple[float, float]:
+    """The argument checks of :func:`attention_decode` (shared by the Metal
+    kernels of the same contract, ``attention_decode_metal``, whose
+    threadgroups take fewer query heads per KV head: ``max_group``).
+    Returns ``(q_eps, k_eps)`` as floats; raises ValueError naming the
+    argument, ``fn: `` first."""
     cb.check_arrays(fn, _ARRAYS, proj, keys, values, offset, q_norm_weight, k_norm_weight)
     eps = (cb.check_eps(fn, "q_eps", q_eps), cb.check_eps(fn, "k_eps", k_eps))
-    if not (isinstance(hkv, int) and isinstance(hq, int) and hkv > 0 and hq % hkv == 0 and hq // hkv <= 16):
+    if not (isinstance(hkv, int) and isinstance(hq, int) and hkv > 0 and hq % hkv == 0
+            and hq // hkv <= max_group):
         raise ValueError(f"{fn}: num_heads ({hq!r}) must be a multiple of num_kv_heads ({hkv!r}), "
-                         "at most 16 query heads per KV head")
+                         f"at most {max_group} query heads per KV head")
     P = proj_width(hq, hkv)
     if proj.ndim != 3 or proj.shape[1] != 1 or proj.shape[2] != P or proj.dtype not in _FLOAT:
         raise ValueError(f"{fn}: proj must be a float array of shape [B, 1, {P}], got "
@@ -181,8 +186,8 @@ def attention_decode(
       RuntimeError: no CUDA compiler could build the kernels.
     """
     hq, hkv = num_heads, num_kv_heads
-    eps_q, eps_k = _check(proj, keys, values, offset, q_norm_weight, k_norm_weight, hq, hkv, scale, q_eps,
-                          k_eps, rope_dims, rope_base, rope_scale)
+    eps_q, eps_k = check_step("attention_decode", proj, keys, values, offset, q_norm_weight, k_norm_weight, hq,
+                              hkv, scale, q_eps, k_eps, rope_dims, rope_base, rope_scale)
     B, x, w, cap = proj.shape[0], proj.dtype, q_norm_weight.dtype, keys.shape[2]
     if B == 0:  # no rows: a launch of an empty grid is an error
         return mx.zeros((0, 1, hq * DH), x), keys, values

@@ -32,8 +32,10 @@ head h reads KV head ``h // (Hq / Hkv)``), ``out = o * sigmoid(gate)``.
 stock module runs it (each op rounding to the activation dtype). The one
 dispatcher, :func:`decode_attention`, runs the CUDA kernels of
 :mod:`mlx_qwen_fast.kernels.attention_decode` where they apply (head_dim
-256, :data:`mlx_qwen_fast.config.ATTENTION_DECODE_KERNEL` on) and the
-reference elsewhere.
+256, :data:`mlx_qwen_fast.config.ATTENTION_DECODE_KERNEL` on), the Metal
+kernels of :mod:`mlx_qwen_fast.kernels.attention_decode_metal` where those
+apply (head_dim 256, at most 8 query heads per KV head,
+:data:`mlx_qwen_fast.config.METAL_KERNELS` on) and the reference elsewhere.
 
 Prefill (a chunk of T queries per row): the scaled dot-product attention
 that ``Qwen3NextAttention.__call__`` runs with ``mask="causal"`` once q/k/v
@@ -74,14 +76,15 @@ from .. import backend as _backend
 from .. import config
 from ..kernels import _cuda_build
 from ..kernels import attention_decode as _k_decode
+from ..kernels import attention_decode_metal as _k_decode_metal
 from ..kernels import attention_prefill as _k_prefill
 
 __all__ = ["IMPLEMENTATIONS", "decode_attention", "decode_attention_reference", "decode_implementation",
            "implementation_for", "prefill_attention", "prefill_attention_reference", "prefill_implementation"]
 
 #: What :func:`decode_attention` and :func:`prefill_attention` can run: the
-#: kernels or the reference ops.
-IMPLEMENTATIONS = ("cuda-kernel", "reference")
+#: kernels (the Metal ones for decode only) or the reference ops.
+IMPLEMENTATIONS = ("cuda-kernel", "metal-kernel", "reference")
 
 
 def decode_attention_reference(
@@ -131,23 +134,30 @@ def decode_implementation(proj, keys, values, *, num_heads: int, num_kv_heads: i
                           backend: Optional[str] = None) -> str:
     """The name in :data:`IMPLEMENTATIONS` that :func:`decode_attention`
     runs for these arrays (shape checks only: nothing is evaluated)."""
-    if (_backend.resolve(backend) == _backend.CUDA and config.ATTENTION_DECODE_KERNEL.get()
-            and _k_decode.supports(proj, keys, values, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                                   head_dim=head_dim)):
+    name = _backend.resolve(backend)
+    heads = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+    if (name == _backend.CUDA and config.ATTENTION_DECODE_KERNEL.get()
+            and _k_decode.supports(proj, keys, values, **heads)):
         return "cuda-kernel"
+    if (name == _backend.METAL and config.METAL_KERNELS.get()
+            and _k_decode_metal.supports(proj, keys, values, **heads)):
+        return "metal-kernel"
     return "reference"
 
 
 def decode_attention(proj, keys, values, offset, q_norm_weight, k_norm_weight, **settings):
     """The contract above, by :func:`decode_implementation`'s choice: the
-    CUDA kernels (:func:`mlx_qwen_fast.kernels.attention_decode.attention_decode`,
-    which checks its arguments and raises ValueError naming one outside
-    its contract) or :func:`decode_attention_reference`. ``settings``: the
+    CUDA kernels (:func:`mlx_qwen_fast.kernels.attention_decode.attention_decode`),
+    the Metal kernels
+    (:func:`mlx_qwen_fast.kernels.attention_decode_metal.attention_decode_metal`;
+    both check their arguments and raise ValueError naming one outside
+    their contract) or :func:`decode_attention_reference`. ``settings``: the
     keyword arguments of :func:`decode_attention_reference`."""
     impl = decode_implementation(proj, keys, values, num_heads=settings.get("num_heads"),
                                  num_kv_heads=settings.get("num_kv_heads"),
                                  head_dim=keys.shape[-1] if isinstance(keys, mx.array) and keys.ndim else 0)
-    fn = _k_decode.attention_decode if impl == "cuda-kernel" else decode_attention_reference
+    fn = {"cuda-kernel": _k_decode.attention_decode,
+          "metal-kernel": _k_decode_metal.attention_decode_metal}.get(impl, decode_attention_reference)
     return fn(proj, keys, values, offset, q_norm_weight, k_norm_weight, **settings)
 
 
@@ -191,14 +201,17 @@ def prefill_attention(queries, keys, values, *, scale: float, offset: int) -> mx
 def implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:
     """The implementation a head_dim-256 model's gated attention gets on
     ``backend`` for calls of ``num_tokens`` tokens per row: decode (1) is
-    "cuda-kernel" or "reference" (the decoder layer step's); prefill (more)
-    is "cuda-kernel" (:class:`mlx_qwen_fast.layers.FastAttention` with the
-    flash-attention kernel) or "stock" (mlx-lm's module). Raises ValueError
-    for an unknown backend."""
+    "cuda-kernel", "metal-kernel" (up to 8 query heads per KV head, as the
+    model's 16 / 2) or "reference" (the decoder layer step's); prefill
+    (more) is "cuda-kernel" (:class:`mlx_qwen_fast.layers.FastAttention`
+    with the flash-attention kernel) or "stock" (mlx-lm's module). Raises
+    ValueError for an unknown backend."""
     name = _backend.resolve(backend)
     cuda = name == _backend.CUDA and _cuda_build.cuda_available()
     if num_tokens != 1:
         return "cuda-kernel" if cuda and config.ATTENTION_PREFILL_KERNEL.get() else "stock"
     if cuda and config.ATTENTION_DECODE_KERNEL.get():
         return "cuda-kernel"
+    if name == _backend.METAL and mx.metal.is_available() and config.METAL_KERNELS.get():
+        return "metal-kernel"
     return "reference"

@@ -27,7 +27,8 @@ Per layer kind:
   position --, the new K/V row written into the cache's buffers in place:
   ``mx.slice_update`` at the offset, the buffers donated; attention over
   the buffer up to the offset; the sigmoid output gate: on CUDA at head_dim
-  256 its kernels, else MLX's ops with the positions past the offset
+  256 its kernels, on Metal with :data:`mlx_qwen_fast.config.METAL_KERNELS`
+  on its Metal kernels, else MLX's ops with the positions past the offset
   masked), ``o_proj``, the residual, then the MoE step as above. The trace
   depends on the buffer's capacity, which grows by mlx-lm's step of 256
   positions, not on the offset.
@@ -224,9 +225,9 @@ def _attention_plan(layer, x, cache):
     eps = _norm_eps(layer)
     n_m, n_o = len(m_paths), a_static[-1][0]
     n_read = 2 + n_o  # q/k norm weights and o_proj's arrays; the q/k/v sources only decide the plan
-    # the attention kernels' switch is read while tracing: a trace per value
+    # the attention kernels' switches are read while tracing: a trace per value
     key = ("attention", a_static, m_fn, eps, n_m, len(a_extra), config.ATTENTION_DECODE_KERNEL.get(),
-           config.DECODE_GEMV_KERNEL.get())
+           config.METAL_KERNELS.get(), config.DECODE_GEMV_KERNEL.get())
     fn = _steps.get(key)
     if fn is None:
 
@@ -272,7 +273,7 @@ def _layer_entry(layer, x: mx.array, cache):
         # a changed scale or eps makes a new plan
         key = ("attention", tuple(x.shape), x.dtype, cache.keys.dtype, _norm_eps(layer), id(attn.rope),
                attn.scale, attn.q_norm.eps, attn.k_norm.eps, config.ATTENTION_DECODE_KERNEL.get(),
-               config.DECODE_GEMV_KERNEL.get())
+               config.METAL_KERNELS.get(), config.DECODE_GEMV_KERNEL.get())
         arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _attention_plan(layer, x, cache))
     return None if plan is None else (key, arrays, plan)
 

@@ -11,7 +11,9 @@ to take it: the dispatcher then runs the reference), and leaves every other
 call (one token, mask arrays, other caches) to the stock module. CUDA: the
 dispatchers run the kernels for head_dim 256 and the reference otherwise or
 when switched off; the fast module and a patched model's prefill against
-stock within the bf16 bound of tests/test_patch.py.
+stock within the bf16 bound of tests/test_patch.py. Metal (simulated by
+``tests/metal_check.py``): the decode dispatcher runs the Metal kernels only
+with ``MLX_QWEN_FAST_METAL`` on and for the shapes they take.
 """
 
 import copy
@@ -136,6 +138,52 @@ def test_dispatch_on_cuda(env, monkeypatch):
     assert not calls
     assert attention.implementation_for(1, "cuda") == "reference"
     assert isinstance(attn.rope, nn.RoPE)
+
+
+def test_dispatch_on_metal_needs_the_switch(env, monkeypatch):
+    """Metal, simulated (``tests/metal_check.py``: MLX's generated source run
+    on the CPU, Metal seen as available): the Metal kernels only with
+    ``MLX_QWEN_FAST_METAL`` on, on the Metal backend and for the shapes they
+    take (head_dim 256, at most 8 query heads per KV head); the dispatcher's
+    call runs them (split-K at this capacity) and agrees with the reference
+    in fp32; switched off again, the reference runs."""
+    import metal_check as mc
+    from mlx_qwen_fast import backend, op_implementations
+    from mlx_qwen_fast.kernels import attention_decode_metal as adm
+
+    if mc.CXX is None:
+        pytest.skip("no C++ compiler (g++) to build the Metal sources")
+    attn = _module(256)
+    x = mx.random.normal((1, 1, 256), key=mx.random.key(5))
+    keys = mx.random.normal((1, 2, 512, 256), key=mx.random.key(6))
+    values = mx.random.normal((1, 2, 512, 256), key=mx.random.key(7))
+    proj, off = _proj(attn, x), mx.array(300, mx.int32)
+    hd = dict(num_heads=16, num_kv_heads=2, head_dim=256)
+    args = (proj, keys, values, off, attn.q_norm.weight, attn.k_norm.weight)
+    with mc.simulated_modules(adm.__name__) as (m,):
+        assert attention.decode_implementation(proj, keys, values, backend="metal", **hd) == "reference"
+        assert attention.implementation_for(1, "metal") == "reference"
+        env.set(config.METAL_KERNELS.name, "1")
+        assert attention.decode_implementation(proj, keys, values, backend="metal", **hd) == "metal-kernel"
+        assert attention.implementation_for(1, "metal") == "metal-kernel"
+        assert op_implementations("metal")["attention.decode"] == "compiled-layer+metal-kernel"
+        assert attention.implementation_for(4096, "metal") == "stock"
+        assert attention.decode_implementation(proj, keys, values, backend="cpu", **hd) == "reference"
+        assert attention.decode_implementation(proj, keys, values, backend="metal",
+                                               **{**hd, "head_dim": 128}) == "reference"
+        p32 = mx.zeros((1, 1, 2 * 32 * 256 + 2 * 2 * 256))
+        assert attention.decode_implementation(p32, keys, values, backend="metal", num_heads=32, num_kv_heads=2,
+                                               head_dim=256) == "reference"
+        monkeypatch.setattr(backend, "current", lambda: backend.METAL)
+        out, k2, _ = attention.decode_attention(*args, **_settings(attn))
+        mx.eval(out, k2)
+        assert {kind: k.calls for kind, k in m._KERNELS.items()} == {"key": 1, "split": 1, "combine": 1}
+        ref, rk, _ = attention.decode_attention_reference(*args, **_settings(attn))
+        assert_close(out, ref, FP32_TOL, "output")
+        assert_close(k2, rk, FP32_TOL, "keys")
+        env.set(config.METAL_KERNELS.name, "0")
+        mx.eval(attention.decode_attention(*args, **_settings(attn)))
+        assert m._KERNELS["key"].calls == 1
 
 
 # ---------------------------------------------------------------------------

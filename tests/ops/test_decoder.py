@@ -3,7 +3,9 @@ the stock layer (mlx-lm's ``DecoderLayer.__call__``) on fresh random models.
 
 CPU: the gated-attention layers take the compiled step (its MoE block as a
 module call); the Gated DeltaNet layers have no kernel there and stay stock.
-CUDA: both kinds take it, the MoE decode step inside the same call.
+CUDA: both kinds take it, the MoE decode step inside the same call. Metal
+(simulated by ``tests/metal_check.py``): the attention step with the Metal
+decode-attention kernels.
 """
 
 import copy
@@ -321,6 +323,59 @@ def test_bad_input_declines():
     assert decoder.decode_layer(layer, mx.zeros((1, 2, 256)), c) is None
     assert decoder.decode_layer(layer, mx.zeros((0, 1, 256)), c) is None
     assert decoder.decode_layer(layer, mx.zeros((1, 1, 256)), c) is None  # empty cache: stock's first write
+
+
+def test_metal_attention_layer_step_takes_the_metal_kernels(monkeypatch, env, kernel_heads, tmp_path):
+    """Metal (the backend seen as Metal), fp32, the model's attention heads
+    (16 / 2 of 256): with ``MLX_QWEN_FAST_METAL=1`` the attention layer's
+    step is planned and traced anew and calls the Metal kernels. Its
+    compiled form traces them (exported: nothing here runs Metal); run
+    uncompiled through the checker (``tests/metal_check.py`` runs a kernel
+    outside ``mx.compile`` only) it equals the step with the switch off
+    (MLX's ops), one-pass and split-K capacities."""
+    import metal_check as mc
+    from mlx_qwen_fast import backend
+    from mlx_qwen_fast.kernels import attention_decode_metal as adm
+
+    if mc.CXX is None:
+        pytest.skip("no C++ compiler (g++) to build the Metal sources")
+    monkeypatch.setattr(backend, "current", lambda: backend.METAL)
+    _, fast = _models(seed=9, preset=kernel_heads)
+    i = next(j for j, l in enumerate(fast.layers) if not l.is_linear)
+    layer = fast.layers[i]
+    for ctx, kind in ((200, "single"), (300, "split")):
+        cache = KVCache()
+        pre = mx.random.normal((1, 2, ctx, 256), key=mx.random.key(ctx))
+        cache.update_and_fetch(pre, pre * 0.5)
+        x = mx.random.normal((1, 1, 256), key=mx.random.key(ctx + 1))
+        steps = {}
+        for on in ("0", "1"):
+            env.set(config.METAL_KERNELS.name, on)
+            key, arrays, plan = decoder._layer_entry(layer, x, cache)
+            assert decoder._room(cache, x.dtype, 1, plan[5], plan[6])
+            steps[on] = (key, plan[1], plan[-1], (x, cache.keys, cache.values, mx.array(ctx, mx.int32),
+                                                  *arrays[:plan[3]], *plan[2]))
+        assert steps["0"][0] != steps["1"][0] and steps["0"][1] is not steps["1"][1]  # a plan and trace each
+        _, _, raw_off, args = steps["0"]
+        env.set(config.METAL_KERNELS.name, "0")  # the switch is read while the step runs (or traces)
+        ref = raw_off(*args)
+        mx.eval(ref)
+        env.set(config.METAL_KERNELS.name, "1")
+        _, compiled, raw_on, args = steps["1"]
+        traced, real = [], adm.attention_decode_metal
+        with monkeypatch.context() as m:
+            m.setattr(mx.metal, "is_available", lambda: True)
+            m.setattr(adm, "attention_decode_metal", lambda *a, **k: traced.append(1) or real(*a, **k))
+            mx.export_function(str(tmp_path / f"step{ctx}.mlxfn"), compiled, *args)  # traced, not run
+        assert traced == [1]
+        with mc.simulated_modules(adm.__name__) as (sim,):
+            got = raw_on(*args)
+            mx.eval(got)
+            assert sim._KERNELS[kind].calls == 1
+        assert finite(got[0])
+        assert_close(got[0], ref[0], FP32_TOL, f"layer output at context {ctx + 1}")
+        assert_close(got[1], ref[1], FP32_TOL, "keys")
+        assert_close(got[2], ref[2], 0.0, "values")
 
 
 @pytest.mark.cuda
