@@ -56,6 +56,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -215,13 +216,16 @@ def _build(text: str) -> Path:
     exe = _cache_dir() / f"k-{key}"
     if exe.exists():
         return exe
-    src = exe.with_suffix(".cpp")
+    # per-process names: two suites sharing the cache folder may build the same kernel at once
+    tag = f".{os.getpid()}.{threading.get_ident()}"
+    src = Path(str(exe) + tag + ".cpp")
     src.write_text(text)
-    r = subprocess.run([CXX, "-std=c++20", "-O1", "-w", "-fno-strict-aliasing", "-o", str(exe) + ".tmp", str(src)],
-                       capture_output=True, text=True)
+    r = subprocess.run([CXX, "-std=c++20", "-O1", "-w", "-fno-strict-aliasing", "-o", str(exe) + tag + ".tmp",
+                        str(src)], capture_output=True, text=True)
+    src.unlink(missing_ok=True)
     if r.returncode != 0:
         raise MetalCheckError("the generated source does not compile against metal_shim.h:\n" + r.stderr[-3000:])
-    os.replace(str(exe) + ".tmp", exe)
+    os.replace(str(exe) + tag + ".tmp", exe)
     return exe
 
 
