@@ -111,18 +111,22 @@ def _silu(v):
     return v / (1.0 + np.exp(-v))
 
 
-def moe_decode_reference(x, inds, scores, experts, shared, expert_gate):
+def moe_decode_reference(x, inds, scores, experts, shared, expert_gate, dtype=mx.bfloat16):
     """fp32 host reference of :func:`mlx_qwen_fast.kernels.moe_decode_gemv.moe_decode_arrays` (numpy).
 
-    Weights ``s * q + b`` in fp32; bf16 rounding where mlx-lm rounds: the
-    gate and up outputs, ``silu(g) * u``, each expert's (and the shared
-    expert's) down output, the shared gate's logit; routing weights, sigmoid
-    and the sums in fp32.
+    Weights ``s * q + b`` in fp32; rounding to the activations' ``dtype``
+    (bfloat16, or float32: no rounding) where mlx-lm rounds: the gate and up
+    outputs, ``silu(g) * u``, each expert's (and the shared expert's) down
+    output, the shared gate's logit; routing weights, sigmoid and the sums in
+    fp32.
 
     Returns:
         ``(h [N*k + N, I], sgate [N], y [N, D])`` float32 numpy arrays (y not
         rounded; the kernel stores ``bf16(y)``).
     """
+    if dtype not in (mx.bfloat16, mx.float32):
+        raise ValueError(f"moe_decode_reference: dtype must be bfloat16 or float32, got {dtype!r}")
+    rnd = bf16_round if dtype == mx.bfloat16 else (lambda v: np.asarray(v, np.float32))
     xf = _np(x).astype(np.float32)
     ii = _np(inds).astype(np.int64)
     sc = _np(scores).astype(np.float32)
@@ -146,13 +150,13 @@ def moe_decode_reference(x, inds, scores, experts, shared, expert_gate):
     for row in range(n * k + n):
         tok, e = (row // k, int(ii[row // k, row % k])) if row < n * k else (row - n * k, -1)
         g_, u_, d_ = mats(e)
-        gt = bf16_round(g_ @ xf[tok])
-        up = bf16_round(u_ @ xf[tok])
-        h[row] = bf16_round(_silu(gt) * up)
-        outs[row] = bf16_round(d_ @ h[row])
+        gt = rnd(g_ @ xf[tok])
+        up = rnd(u_ @ xf[tok])
+        h[row] = rnd(_silu(gt) * up)
+        outs[row] = rnd(d_ @ h[row])
     gw, gs, gb, bits = expert_gate
     wgate = _np(gw).astype(np.float32) if bits == 16 else dequant_f32(gw, gs, gb, bits=bits)
-    logit = bf16_round((wgate @ xf.T)[0])
+    logit = rnd((wgate @ xf.T)[0])
     sgate = (1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
     y = np.zeros_like(xf)
     for tok in range(n):

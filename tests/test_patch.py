@@ -495,8 +495,9 @@ def test_patch_report_declines_kernels_for_other_quantisations(cuda_machine, kwa
         assert f"{op} kernel declined: {report.declined[op]}" in str(report)
         (msg,) = [m for m in messages if m.startswith(f"mlx_qwen_fast: {op} runs stock")]
         assert reason in msg and "the CUDA kernels implement affine 4-bit group 64" in msg
+    metal = {"metal-decode"} if "moe.decode" in declined else set()  # it reads what "cuda-decode" reads
     for layer in model.layers:  # the decision the dispatcher reads
-        assert set(layer.mlp._mqf_declined) == {_KERNELS[op] for op in declined}
+        assert set(layer.mlp._mqf_declined) == {_KERNELS[op] for op in declined} | metal
 
 
 def test_patch_declines_per_layer_and_quietly_without_warn(cuda_machine):
@@ -534,7 +535,7 @@ def test_no_kernel_to_decline_off_cuda(monkeypatch, name):
     assert report.backend == name and report.declined == {}
     assert report.ops["moe.prefill"] == report.ops["moe.decode"] == "stock"
     assert "declined" not in str(report)
-    assert set(model.layers[0].mlp._mqf_declined) == {"cuda-prefill", "cuda-decode"}
+    assert set(model.layers[0].mlp._mqf_declined) == {"cuda-prefill", "cuda-decode", "metal-decode"}
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

@@ -104,3 +104,10 @@ def test_moe_decode_reference_matches_fp32_ops():
     assert_close(y, ref, tolerance(mx.bfloat16, roundings=2), "y")
     sg = mx.sigmoid(block.shared_expert_gate(xf))[:, 0]
     np.testing.assert_allclose(sgate, npa(sg), atol=4e-3)
+    # float32 activations: nothing rounded, fp32 math to fp32 rounding
+    h32, sgate32, y32 = moe_decode_reference(xf, inds, scores, *arrs, dtype=mx.float32)
+    assert_close(y32, ref, tolerance(mx.float32), "y (float32)")
+    assert_close(sgate32, sg, tolerance(mx.float32), "sgate (float32)")
+    assert not np.array_equal(y32, y)
+    with pytest.raises(ValueError, match="dtype must be bfloat16 or float32"):
+        moe_decode_reference(xf, inds, scores, *arrs, dtype=mx.float16)

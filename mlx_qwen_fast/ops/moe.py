@@ -35,8 +35,12 @@ backends without a kernel keep stock), "reference", "cuda-prefill" (routing
 kernels + grouped expert GEMMs, :mod:`mlx_qwen_fast.kernels.moe_routing`,
 :mod:`~mlx_qwen_fast.kernels.moe_grouped_gemm`) and "cuda-decode" (router +
 routing kernel + two fused GEMV kernels in one ``mx.compile``d step,
-:mod:`~mlx_qwen_fast.kernels.moe_decode_gemv`). Each falls back to stock for
-a block its kernels do not take (sharded, other quantisation, other dtypes).
+:mod:`~mlx_qwen_fast.kernels.moe_decode_gemv`) and, on Metal with
+:data:`mlx_qwen_fast.config.METAL_KERNELS` on, "metal-decode" (the router,
+then three Metal kernels of the CUDA decode kernels' contract: routing,
+gate+up SwiGLU, down + combine; :func:`_metal_decode`). Each falls back to
+stock for a block its kernels do not take (sharded, other quantisation,
+other dtypes).
 """
 
 from __future__ import annotations
@@ -56,7 +60,10 @@ from ..compiled import StepPlans, apply_linear, concat_linears, linear_arrays, l
 from ..kernels import _cuda_build
 from ..kernels._cuda_build import describe as _describe
 from ..kernels import moe_decode_gemv as _decode_gemv
+from ..kernels import moe_down_metal as _down_metal
+from ..kernels import moe_gate_up_metal as _gate_up_metal
 from ..kernels import moe_grouped_gemm as _grouped_gemm
+from ..kernels import moe_route_metal as _route_metal
 from ..kernels import moe_routing as _routing
 from ..moe_types import ExpertGroups, max_tiles  # noqa: F401 (part of this module's API)
 from . import linear as linear_ops
@@ -613,6 +620,8 @@ def kernel_problems(block) -> Dict[str, str]:
       scales and biases, or a bias-free bf16 ``nn.Linear``. The router may be
       any ``nn.Linear`` / ``nn.QuantizedLinear`` (the step applies it with
       ``mx.quantized_matmul`` at its own settings).
+    * "metal-decode" reads what "cuda-decode" reads but the router, which
+      it calls as the module it is (any layer).
 
     Pure: reads module attributes and dtypes only, on every backend. Shapes
     and activation dtypes are still checked per call, where the kernels
@@ -624,12 +633,12 @@ def kernel_problems(block) -> Dict[str, str]:
     Returns:
         ``{implementation name: reason}`` for the implementations that do
         not apply, e.g. ``{"cuda-prefill": "moe experts: 3-bit weights
-        (switch_mlp.gate_proj)", "cuda-decode": ...}``; empty when both
-        apply.
+        (switch_mlp.gate_proj)", "cuda-decode": ..., "metal-decode": ...}``;
+        empty when all apply.
     """
     experts = _first_problem("moe experts", block, "switch_mlp", _PROJS)
     if experts is not None:
-        return {"cuda-prefill": experts, "cuda-decode": experts}
+        return {"cuda-prefill": experts, "cuda-decode": experts, "metal-decode": experts}
     decode = _first_problem("moe shared expert", block, "shared_expert", _PROJS)
     if decode is None:
         sg = getattr(block, "shared_expert_gate", None)
@@ -638,9 +647,11 @@ def kernel_problems(block) -> Dict[str, str]:
                       and sg["weight"].dtype == mx.bfloat16)
         if gate is not None and not dense_bf16:
             decode = f"moe shared-expert gate: {gate} (shared_expert_gate)"
-    if decode is None and linear_arrays(getattr(block, "gate", None)) is None:
-        decode = f"moe router: a {type(getattr(block, 'gate', None)).__name__} layer (gate)"
-    return {} if decode is None else {"cuda-decode": decode}
+    if decode is not None:
+        return {"cuda-decode": decode, "metal-decode": decode}
+    if linear_arrays(getattr(block, "gate", None)) is None:
+        return {"cuda-decode": f"moe router: a {type(getattr(block, 'gate', None)).__name__} layer (gate)"}
+    return {}
 
 
 def decide_kernels(block) -> Dict[str, str]:
@@ -961,6 +972,82 @@ def _cuda_decode(block, x: mx.array) -> mx.array:
 
 
 # ---------------------------------------------------------------------------
+# Metal decode: the router, then the routing, gate+up and down Metal kernels
+# ---------------------------------------------------------------------------
+
+
+def metal_decode_plan(block, x) -> Optional[tuple]:
+    """The arrays (:func:`decode_arrays`) the Metal decode kernels run
+    ``block`` on ``x`` with, or None where they do not apply: a sharded
+    block, ``x`` not bf16 ``[..., D]`` with 1..4 tokens, E not a multiple of
+    32 in ``[32, 1024]``, ``top_k`` not in ``[1, min(32, E)]``, more than 32
+    (token, expert) pairs, or arrays the kernels do not take
+    (:func:`mlx_qwen_fast.kernels.moe_gate_up_metal.problem`: D and I
+    multiples of 64). Pure (no backend check, never builds a kernel)."""
+    try:
+        if getattr(block, "sharding_group", None) is not None:
+            return None
+        if not isinstance(x, mx.array) or x.ndim < 1 or x.dtype != mx.bfloat16:
+            return None
+        n = math.prod(x.shape[:-1])
+        E, k = block.num_experts, block.top_k
+        if E % 32 or not 32 <= E <= _route_metal.MAX_EXPERTS or not 1 <= k <= min(_route_metal.MAX_TOP_K, E):
+            return None
+        arrs = decode_arrays(block)
+        if arrs is None:
+            return None
+        tok = mx.zeros((n, x.shape[-1]), mx.bfloat16)  # shapes only, never evaluated
+        inds = mx.zeros((n, k), mx.int32)
+        return arrs if _gate_up_metal.problem(tok, inds, *arrs) is None else None
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def _metal_plan(block, x):
+    """``(paths, shared-gate bits)`` of the Metal decode for inputs like
+    ``x`` (:class:`mlx_qwen_fast.compiled.StepPlans`; path order = the
+    kernels' array order, as :func:`_decode_step_plan` without the router,
+    which the step calls as a module); ``(children, None)`` where
+    :func:`metal_decode_plan` declines."""
+    arrs = metal_decode_plan(block, x)
+    if arrs is None:
+        return [(c,) for c in _DECODE_CHILDREN if c in block], None
+    bits = arrs[2][3]
+    gate = (("shared_expert_gate", "weight"),) * 3 if bits == 16 else tuple(
+        ("shared_expert_gate", n) for n in ("weight", "scales", "biases"))
+    return _EXPERT_PATHS + gate, bits
+
+
+def _metal_decode(block, x: mx.array) -> mx.array:
+    """The block for 1..4 tokens on Metal: ``block.gate`` (the module: MLX's
+    quantised matmul), the routing kernel (fp32 softmax, top-k,
+    renormalised as ``block.norm_topk_prob``), the gate+up SwiGLU kernel and
+    the down + routing weights + shared expert + combine kernel
+    (:mod:`~mlx_qwen_fast.kernels.moe_route_metal`,
+    :mod:`~mlx_qwen_fast.kernels.moe_gate_up_metal`,
+    :mod:`~mlx_qwen_fast.kernels.moe_down_metal`); four graph nodes, no host
+    synchronisation. The stock block where :func:`metal_decode_plan`
+    declines. The plan's checks run once per layer and input signature
+    (cached on the block, re-run when one of its arrays is replaced).
+
+    Numerics as "cuda-decode": selection, routing weights and the combine
+    in fp32, expert outputs rounded to bf16 where ``SwitchGLU`` rounds, the
+    weights ``s * q + b`` in fp32 (never rounded)."""
+    arrays, bits = StepPlans.of(block).get(("metal-decode", tuple(x.shape), x.dtype), block,
+                                           lambda: _metal_plan(block, x))
+    if bits is None:
+        return _stock(block, x)
+    lead, d = x.shape[:-1], x.shape[-1]
+    tokens = x.reshape(-1, d)
+    inds, scores = _route_metal.route_metal(block.gate(tokens), block.top_k, normalize=block.norm_topk_prob)
+    a = arrays
+    experts, shared = (a[0:3], a[3:6], a[6:9]), (a[9:12], a[12:15], a[15:18])
+    h, sgate = _gate_up_metal._launch(tokens, inds, experts, shared, (a[18], a[19], a[20], bits))
+    y = _down_metal._launch(h, inds, scores, sgate, experts[2], shared[2])
+    return y.reshape(*lead, d)
+
+
+# ---------------------------------------------------------------------------
 # dispatch
 # ---------------------------------------------------------------------------
 
@@ -970,6 +1057,7 @@ IMPLEMENTATIONS: Dict[str, Callable[..., mx.array]] = {
     "reference": sparse_moe_block,
     "cuda-prefill": _cuda_prefill,
     "cuda-decode": _cuda_decode,
+    "metal-decode": _metal_decode,
 }
 
 #: Fewest tokens per call that take the prefill kernels on CUDA; fewer
@@ -977,8 +1065,9 @@ IMPLEMENTATIONS: Dict[str, Callable[..., mx.array]] = {
 #: and stock's times near the crossover: bench/results/INDEX.md, "ops").
 PREFILL_MIN_TOKENS = 128
 
-#: Most tokens per call that take the decode kernels on CUDA (the kernels'
-#: limit, :data:`mlx_qwen_fast.kernels.moe_decode_gemv.MAX_TOKENS`).
+#: Most tokens per call that take the decode kernels on CUDA and on Metal
+#: (the kernels' limit, :data:`mlx_qwen_fast.kernels.moe_decode_gemv.MAX_TOKENS`,
+#: :data:`mlx_qwen_fast.kernels.moe_gate_up_metal.MAX_TOKENS`).
 DECODE_MAX_TOKENS = _decode_gemv.MAX_TOKENS
 
 
@@ -990,7 +1079,10 @@ def implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:
     :data:`mlx_qwen_fast.config.MOE_PREFILL_KERNEL` is off; "cuda-decode"
     for 1 to :data:`DECODE_MAX_TOKENS` tokens unless
     :data:`~mlx_qwen_fast.config.MOE_DECODE_KERNEL` is off; "stock"
-    otherwise, and on every other backend.
+    otherwise. On Metal (where MLX has a Metal device): "metal-decode" for
+    1 to :data:`DECODE_MAX_TOKENS` tokens when
+    :data:`~mlx_qwen_fast.config.METAL_KERNELS` is on; "stock" otherwise,
+    and on the CPU.
 
     Args:
         num_tokens: tokens in the call (product of ``x``'s leading axes).
@@ -1001,6 +1093,10 @@ def implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:
         ValueError: unknown backend.
     """
     name = _backend.resolve(backend)
+    if name == _backend.METAL:
+        if 0 < num_tokens <= DECODE_MAX_TOKENS and config.METAL_KERNELS.get() and mx.metal.is_available():
+            return "metal-decode"
+        return "stock"
     if name != _backend.CUDA or not _cuda_build.cuda_available():
         return "stock"
     if num_tokens >= PREFILL_MIN_TOKENS and config.MOE_PREFILL_KERNEL.get():
@@ -1017,7 +1113,8 @@ def sparse_moe(block, x: mx.array, *, implementation: Optional[str] = None) -> m
         block: a ``Qwen3NextSparseMoeBlock``.
         x: ``[..., D]`` float.
         implementation: force a name from :data:`IMPLEMENTATIONS` (a CUDA
-            one where MLX has no CUDA device runs "stock"); default
+            one where MLX has no CUDA device, a Metal one where it has no
+            Metal device, runs "stock"); default
             :func:`implementation_for` the token count and current backend,
             or "stock" where that is a kernel :func:`decide_kernels`
             declined for this block's quantisation.
@@ -1038,6 +1135,8 @@ def sparse_moe(block, x: mx.array, *, implementation: Optional[str] = None) -> m
             implementation = "stock"
     elif isinstance(implementation, str) and implementation.startswith("cuda-") and not _cuda_build.cuda_available():
         implementation = "stock"  # a CUDA implementation asked for where MLX has no CUDA device
+    elif isinstance(implementation, str) and implementation.startswith("metal-") and not mx.metal.is_available():
+        implementation = "stock"  # a Metal implementation asked for where MLX has no Metal device
     try:
         fn = IMPLEMENTATIONS[implementation]
     except KeyError:

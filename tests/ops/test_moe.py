@@ -1,6 +1,8 @@
 """The sparse MoE op family (``mlx_qwen_fast.ops.moe``): the reference
-stages vs numpy formulas and stock mlx-lm, the dispatch, and the CUDA
-implementations' block-level paths ("cuda-prefill", "cuda-decode").
+stages vs numpy formulas and stock mlx-lm, the dispatch, the CUDA
+implementations' block-level paths ("cuda-prefill", "cuda-decode") and the
+Metal one ("metal-decode", its kernels run on the CPU by
+``tests/metal_check.py``).
 
 Small quantized blocks built with mlx-lm's own classes and ``nn.quantize``
 (experts 4-bit group 64, router and shared-expert gate 8-bit, as in the
@@ -365,8 +367,9 @@ def test_block_vs_stock_bf16():
 def test_dispatch_stock_except_cuda(env, monkeypatch):
     env.unset(config.MOE_PREFILL_KERNEL.name)
     env.unset(config.MOE_DECODE_KERNEL.name)
+    env.unset(config.METAL_KERNELS.name)  # Metal's kernels are opt-in: off by default
     monkeypatch.setattr(cb, "cuda_available", lambda: True)  # the table for a machine with a CUDA device
-    assert set(moe.IMPLEMENTATIONS) == {"stock", "reference", "cuda-prefill", "cuda-decode"}
+    assert set(moe.IMPLEMENTATIONS) == {"stock", "reference", "cuda-prefill", "cuda-decode", "metal-decode"}
     for b in ("cpu", "cuda", "metal"):
         for n in (1, 4, 5, 7, 2048, 65536):
             want = "stock"
@@ -638,7 +641,8 @@ def test_kernel_problems_name_the_quantisation(quant, prefill, decode):
     decode = prefill if decode == "same" else decode
     block = make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=0, quant=quant)
     problems = moe.kernel_problems(block)
-    want = {name: r for name, r in (("cuda-prefill", prefill), ("cuda-decode", decode)) if r}
+    want = {name: r for name, r in (("cuda-prefill", prefill), ("cuda-decode", decode), ("metal-decode", decode))
+            if r}
     assert set(problems) == set(want), problems
     for name, reason in want.items():
         assert reason in problems[name], problems[name]
@@ -648,6 +652,7 @@ def test_kernel_problems_name_the_quantisation(quant, prefill, decode):
         mx.zeros((256, 256), mx.bfloat16), *(gg._q_arrays(p) for p in projs))
     assert prefill_ok == ("cuda-prefill" not in problems)
     assert (moe.decode_plan(block, mx.zeros((1, 256), mx.bfloat16)) is None) == ("cuda-decode" in problems)
+    assert (moe.metal_decode_plan(block, mx.zeros((1, 256), mx.bfloat16)) is None) == ("metal-decode" in problems)
 
 
 def test_kernel_problems_scales_dtype_and_layers():
@@ -663,9 +668,10 @@ def test_kernel_problems_scales_dtype_and_layers():
     assert moe.kernel_problems(block)["cuda-prefill"] == "moe experts: a bias term (switch_mlp.up_proj)"
     block = make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=0)
     block.shared_expert.down_proj = nn.Sequential(block.shared_expert.down_proj)
-    assert moe.kernel_problems(block) == {"cuda-decode": "moe shared expert: a Sequential layer (shared_expert.down_proj)"}
+    reason = "moe shared expert: a Sequential layer (shared_expert.down_proj)"
+    assert moe.kernel_problems(block) == {"cuda-decode": reason, "metal-decode": reason}
     block = make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=0)
-    block.gate = nn.Sequential(block.gate)
+    block.gate = nn.Sequential(block.gate)  # the Metal decode calls the router as a module: any layer
     assert moe.kernel_problems(block) == {"cuda-decode": "moe router: a Sequential layer (gate)"}
     assert moe.quantization_problem(object()) == "a object layer"
     assert moe.quantization_problem(block.switch_mlp.gate_proj) is None
@@ -695,7 +701,7 @@ def test_declined_block_runs_stock_where_the_kernels_would(cuda_machine, env):
     env.unset(config.MOE_DECODE_KERNEL.name)
     block = make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=1,
                        quant={"switch_mlp": {"bits": 3, "group_size": 64}})
-    assert set(moe.decide_kernels(block)) == {"cuda-prefill", "cuda-decode"}
+    assert set(moe.decide_kernels(block)) == {"cuda-prefill", "cuda-decode", "metal-decode"}
     for n in (1, moe.DECODE_MAX_TOKENS, moe.PREFILL_MIN_TOKENS):
         assert moe.implementation_for(n) != "stock"
         x = mx.random.normal((1, n, 256), key=mx.random.key(n)).astype(mx.bfloat16)
@@ -931,3 +937,124 @@ def test_moe_decode_step_compiled_equals_eager(n):
     after = moe._cuda_decode(block, x)
     assert mx.array_equal(after, moe.moe_decode(block, x)).item()
     assert not mx.array_equal(after, before).item()
+
+
+# ---------------------------------------------------------------------------
+# Metal decode: the dispatch (any backend) and the block on simulated Metal
+# ---------------------------------------------------------------------------
+
+METAL_MODULES = ("mlx_qwen_fast.kernels.moe_route_metal", "mlx_qwen_fast.kernels.moe_gate_up_metal",
+                 "mlx_qwen_fast.kernels.moe_down_metal")
+
+
+def test_metal_dispatch(env, monkeypatch):
+    """On Metal "metal-decode" for 1..4 tokens when MLX_QWEN_FAST_METAL=1
+    (stock otherwise, and without a Metal device); the patch report names
+    it; forced where MLX has no Metal device, the stock block runs."""
+    from mlx_qwen_fast import patching
+
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)  # the table for a machine with Metal
+    env.unset(config.METAL_KERNELS.name)
+    assert [moe.implementation_for(n, "metal") for n in (1, 4)] == ["stock"] * 2  # opt-in
+    env.set(config.METAL_KERNELS.name, "1")
+    for n in (0, 1, 2, 3, 4, 5, moe.PREFILL_MIN_TOKENS, 4096):
+        assert moe.implementation_for(n, "metal") == ("metal-decode" if 1 <= n <= 4 else "stock"), n
+        assert moe.implementation_for(n, "cpu") == "stock"
+    ops = patching.op_implementations("metal")
+    assert ops["moe.decode"] == "metal-decode" and ops["moe.prefill"] == "stock"
+    monkeypatch.setattr(mx.metal, "is_available", lambda: False)
+    assert moe.implementation_for(1, "metal") == "stock"
+    block = make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=3)
+    x = mx.random.normal((1, 1, 256), key=mx.random.key(2)).astype(mx.bfloat16)
+    assert mx.array_equal(moe.sparse_moe(block, x, implementation="metal-decode"), moe._stock(block, x)).item()
+
+
+def test_metal_decode_plan_shapes():
+    """The Metal decode kernels take 1..4 bf16 tokens of a 4-bit group-64
+    block with bf16 scales, D and I multiples of 64 (blocks the CUDA
+    kernels decline among them), E a multiple of 32, at most 32 (token,
+    expert) pairs, unsharded (pure: nothing built)."""
+    block = make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16)
+    for n in (1, 2, 3, 4):
+        assert moe.metal_decode_plan(block, mx.zeros((n, 256), mx.bfloat16)) is not None
+    assert moe.metal_decode_plan(block, mx.zeros((1, 2, 256), mx.bfloat16)) is not None
+    assert moe.metal_decode_plan(block, mx.zeros((5, 256), mx.bfloat16)) is None  # N > 4
+    assert moe.metal_decode_plan(block, mx.zeros((1, 256), mx.float32)) is None  # not bf16
+    narrow = make_block(D=192, H=64, E=32, k=8, dtype=mx.bfloat16)
+    x = mx.zeros((1, 192), mx.bfloat16)
+    assert moe.metal_decode_plan(narrow, x) is not None and moe.decode_plan(narrow, x) is None
+    assert moe.metal_decode_plan(make_block(D=128, H=128, E=16, k=4, dtype=mx.bfloat16),
+                                 mx.zeros((1, 128), mx.bfloat16)) is None  # E % 32
+    wide = make_block(D=128, H=64, E=32, k=16, dtype=mx.bfloat16)
+    assert moe.metal_decode_plan(wide, mx.zeros((2, 128), mx.bfloat16)) is not None
+    assert moe.metal_decode_plan(wide, mx.zeros((3, 128), mx.bfloat16)) is None  # 48 pairs > 32
+    f32 = make_block(D=256, H=128, E=32, k=8, dtype=mx.float32)
+    assert moe.metal_decode_plan(f32, mx.zeros((1, 256), mx.bfloat16)) is None  # fp32 scales
+    block.sharding_group = object()
+    assert moe.metal_decode_plan(block, mx.zeros((1, 256), mx.bfloat16)) is None
+
+
+@pytest.fixture
+def metal(monkeypatch, env):
+    """The dispatch as on Apple silicon with MLX_QWEN_FAST_METAL=1, every
+    Metal kernel of the MoE run from MLX's generated source on the CPU
+    (tests/metal_check.py). Yields the three kernel modules."""
+    import metal_check as mc
+
+    from mlx_qwen_fast import backend
+
+    if mc.CXX is None:
+        pytest.skip("no C++ compiler (g++) to build the Metal sources")
+    env.set(config.METAL_KERNELS.name, "1")
+    with mc.simulated_modules(*METAL_MODULES) as mods:
+        monkeypatch.setattr(backend, "current", lambda: backend.METAL)
+        yield mods
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_metal_decode_block_vs_reference(metal, n):
+    """The block through the default dispatch on (simulated) Metal: one
+    launch of each kernel, every output written; within the bf16 bound of
+    the fp32 host reference on the kernels' routing, and of the reference
+    block (bf16 gather_qmm: GATHER_QMM_TOL), whose fp32 selection is the
+    same experts where no two logits tie at the top-k boundary (bf16
+    logits tie often; the kernels then take the lower id, the reference any:
+    the seeds give no such tie, asserted); a second call reuses the plan,
+    the same bits."""
+    block = make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=40 + n)
+    assert moe.decide_kernels(block) == {}
+    x = (mx.random.normal((1, n, 256), key=mx.random.key(50 + n)) * 1.5).astype(mx.bfloat16)
+    assert moe.implementation_for(n) == "metal-decode"
+    got = moe.sparse_moe(block, x)
+    assert [m._kernel().calls for m in metal] == [1, 1, 1]
+    assert got.shape == x.shape and got.dtype == mx.bfloat16 and finite(got)
+    assert mx.array_equal(moe.sparse_moe(block, x), got).item()
+    assert [m._kernel().calls for m in metal] == [2, 2, 2]
+    tok = x.reshape(n, 256)
+    logits = block.gate(tok)
+    inds, scores = metal[0].route_metal(logits, 8)
+    host = moe_decode_reference(tok, inds, scores, *moe.decode_arrays(block))[2]
+    assert_close(got.reshape(n, 256), host, tolerance(mx.bfloat16, roundings=2), "vs the fp32 host reference")
+    lg = -np.sort(-npa(logits), axis=-1)  # the softmax orders as the logits
+    assert np.all(lg[:, 7] > lg[:, 8]), "a tie at the top-k boundary: pick another seed"
+    ref_inds, _ = moe.route(logits, 8)
+    assert np.array_equal(np.sort(np.asarray(inds), -1), np.sort(np.asarray(ref_inds).astype(np.int32), -1))
+    assert_close(got, moe.sparse_moe_block(block, x), GATHER_QMM_TOL, "vs the reference block")
+
+
+def test_metal_decode_declines_to_stock(metal):
+    """The stock block's own result, no Metal kernel launched: a block
+    whose experts are 3-bit (declined at decide time), fp32 activations,
+    more than 4 tokens."""
+    odd = make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=5,
+                     quant={"switch_mlp": {"bits": 3, "group_size": 64}})
+    assert "metal-decode" in moe.decide_kernels(odd)
+    x = mx.random.normal((1, 2, 256), key=mx.random.key(6)).astype(mx.bfloat16)
+    assert mx.array_equal(moe.sparse_moe(odd, x), moe._stock(odd, x)).item()
+    block = make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=5)
+    x32 = x.astype(mx.float32)
+    assert mx.array_equal(moe._metal_decode(block, x32), moe._stock(block, x32)).item()
+    x5 = mx.random.normal((1, 5, 256), key=mx.random.key(7)).astype(mx.bfloat16)
+    assert moe.implementation_for(5) == "stock"
+    assert mx.array_equal(moe.sparse_moe(block, x5), moe._stock(block, x5)).item()
+    assert [m._kernel().calls for m in metal] == [0, 0, 0]
