@@ -184,8 +184,8 @@ DECODE_GEMV_KERNEL = Switch(
     "on CUDA instead of the fused quantised-GEMV kernel")
 METAL_KERNELS = Switch(
     "MLX_QWEN_FAST_METAL", "bool", False, "`1`",
-    "on Apple silicon, the package's Metal kernels run (the Gated DeltaNet decode step); checked only "
-    "by running MLX's generated source on a CPU, never timed on a Mac")
+    "on Apple silicon, the package's Metal kernels run (decode: the Gated DeltaNet step, the MoE block, "
+    "the head_dim-256 attention); checked only by running MLX's generated source on a CPU, never timed on a Mac")
 KERNEL_CACHE = Switch(
     "MLX_QWEN_FAST_CACHE", "path", None, "a folder",
     "where compiled CUDA kernels are cached (default `$XDG_CACHE_HOME/mlx_qwen_fast` "

@@ -176,7 +176,7 @@ def _warn_declined(declined: Dict[str, List[Tuple[str, int, int]]]) -> None:
     formats = {name: getattr(module, "KERNEL_QUANTIZATION", None) for name, module in _FAMILIES}
     for op, reasons in declined.items():
         fmt = formats[op.split(".", 1)[0]]
-        implement = f"; the CUDA kernels implement {fmt}" if fmt else ""
+        implement = f"; the kernels implement {fmt}" if fmt else ""
         for reason, n, total in reasons:
             warnings.warn(f"mlx_qwen_fast: {op} runs stock in {n} of {total} layers: {reason}{implement}",
                           stacklevel=3)
