@@ -42,15 +42,10 @@
 // 1.6 GB per layer for the second chunk) come from L2, where the 8 query
 // heads of a KV head that run together find them. So the kernel is bound by
 // mma.sync issue, not bytes; no scratch memory beyond the output at any
-// prompt length. Expected and measured on an H200 (2048-token chunk, one
-// layer, median of 10; bench/results/2026-12-04-nvidia-h200-attention-
-// prefill-calls.md): at long context 240-270 TFLOP/s (offset 14K: 2.1
-// ms, 30K: 4.0 ms; MLX's unfused path 3.5 and 6.4 ms holding 1.1 and 2.2 GB
-// of scores; the kernel 17 MB, its output); at short context the causal
-// triangle leaves few blocks of uneven length (512 for the first chunk, two
-// resident per SM) and the rate falls to 90 (offset 0: 0.39 ms) and 150
-// TFLOP/s (offset 2048: 0.67 ms): the 10 layers of a 4K prompt take ~11 ms,
-// MLX's path ~22 ms.
+// prompt length. Expected: 240-270 TFLOP/s at long context; at short
+// context the causal triangle leaves few blocks of uneven length (512 for
+// the first chunk, two resident per SM) and the rate falls. Measured rates
+// and memory: bench/results/INDEX.md, the attention prefill kernel's rows.
 //
 // Layouts: q [B, HQ, T, DH]; k, v [B, HKV, cap, DH] with cap >= offset + T
 // (positions >= offset + T are never read); out [B, T, HQ, DH].

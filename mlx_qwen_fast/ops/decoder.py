@@ -483,7 +483,7 @@ def decode_model(model, inputs: mx.array, cache) -> Optional[mx.array]:
     call entry -- in Python; here that is one call, and the plan of the
     whole stack is kept on the model (:class:`_ModelPlan`), so a token
     costs one pass of identity checks, the states' argument list and the
-    compiled call (bench/results/2026-12-04-nvidia-h200-model-step-calls.md). The embedding
+    compiled call (bench/results/INDEX.md, the model-step rows). The embedding
     stays the module's own call (its few nodes), the language-model head
     stays outside (mlx-lm's ``TextModel`` applies it).
 

@@ -803,6 +803,18 @@ def decode_arrays(block):
     return tuple(q(m) for m in mods[:3]), tuple(q(m) for m in mods[3:]), eg
 
 
+def _decode_rows(block, x) -> Optional[int]:
+    """The token rows of ``x`` where both decode kernels' plans may apply --
+    an unsharded block, ``x`` bf16 ``[..., D]`` with 1 to
+    ``MAX_TOKENS`` rows -- else None."""
+    if getattr(block, "sharding_group", None) is not None:
+        return None
+    if not isinstance(x, mx.array) or x.ndim < 1 or x.dtype != mx.bfloat16:
+        return None
+    n = math.prod(x.shape[:-1])
+    return n if 1 <= n <= _decode_gemv.MAX_TOKENS else None
+
+
 def decode_plan(block, x) -> Optional[tuple]:
     """The arrays (:func:`decode_arrays`) the decode kernels run ``block`` on
     ``x`` with, or None where they do not apply: a sharded block, ``x`` not
@@ -811,12 +823,8 @@ def decode_plan(block, x) -> Optional[tuple]:
     (:func:`mlx_qwen_fast.kernels.moe_decode_gemv.supports_arrays`). Pure
     (no backend check, never compiles)."""
     try:
-        if getattr(block, "sharding_group", None) is not None:
-            return None
-        if not isinstance(x, mx.array) or x.ndim < 1 or x.dtype != mx.bfloat16:
-            return None
-        n = math.prod(x.shape[:-1])
-        if not 1 <= n <= _decode_gemv.MAX_TOKENS:
+        n = _decode_rows(block, x)
+        if n is None:
             return None
         E, k = block.num_experts, block.top_k
         if E % 32 or E > 1024 or not 1 <= k <= min(32, E):
@@ -985,11 +993,9 @@ def metal_decode_plan(block, x) -> Optional[tuple]:
     (:func:`mlx_qwen_fast.kernels.moe_gate_up_metal.problem`: D and I
     multiples of 64). Pure (no backend check, never builds a kernel)."""
     try:
-        if getattr(block, "sharding_group", None) is not None:
+        n = _decode_rows(block, x)
+        if n is None:
             return None
-        if not isinstance(x, mx.array) or x.ndim < 1 or x.dtype != mx.bfloat16:
-            return None
-        n = math.prod(x.shape[:-1])
         E, k = block.num_experts, block.top_k
         if E % 32 or not 32 <= E <= _route_metal.MAX_EXPERTS or not 1 <= k <= min(_route_metal.MAX_TOP_K, E):
             return None
