@@ -6,6 +6,12 @@
   the subfolders (pytest's default ``prepend`` import mode needs that).
 * Marker ``cuda``: needs an NVIDIA GPU with MLX's CUDA backend; skipped here
   when there is none. The one way to mark a CUDA test (no per-file skipif).
+* Marker ``cpu_check("file.cu", ...)``: a ``cuda`` test (or one parameter
+  set of it) that also runs without a GPU, on the CPU, through the CUDA check
+  (``cuda_check.simulated()``: the named kernel sources are compiled as C++
+  and run checked, tests/cuda_check.py). The test fails if a named source
+  never launched. ``test_cuda_check.py`` fails when a kernel source of the
+  package has no such test.
 * Marker ``large``: builds full-size-shape models or arrays (several GB of
   GPU memory). Under pytest-xdist workers they are skipped unless
   ``--run-large`` is given: run them alone, serially
@@ -63,6 +69,11 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs an NVIDIA GPU with MLX's CUDA backend (skipped otherwise)")
     config.addinivalue_line(
         "markers",
+        "cpu_check(*sources): a cuda test that also runs on the CPU through the CUDA check "
+        "(tests/cuda_check.py) when there is no GPU; sources: the kernel files it must launch",
+    )
+    config.addinivalue_line(
+        "markers",
         "large: full-size shapes, several GB of GPU memory; skipped under pytest-xdist workers "
         "unless --run-large (run them alone: -m 'cuda and large')",
     )
@@ -79,7 +90,8 @@ def pytest_collection_modifyitems(config, items):
         reason="large: skipped under pytest-xdist workers; run alone (-m 'cuda and large') or pass --run-large")
     large_off = bool(_xdist_worker()) and not config.getoption("--run-large")
     for item in items:
-        if not HAS_CUDA and item.get_closest_marker("cuda") is not None:
+        if (not HAS_CUDA and item.get_closest_marker("cuda") is not None
+                and item.get_closest_marker("cpu_check") is None):
             item.add_marker(skip_cuda)
         if large_off and item.get_closest_marker("large") is not None:
             item.add_marker(skip_large)
@@ -94,6 +106,35 @@ def _switches_and_memory():
     config.reload()
     if HAS_CUDA:
         mx.clear_cache()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keep the call phase's report on the item (the cuda-check fixture reads it)."""
+    outcome = yield
+    if call.when == "call":
+        item.mqf_call_report = outcome.get_result()
+
+
+@pytest.fixture(autouse=True)
+def _cuda_check(request):
+    """Tests marked ``cpu_check`` run under ``cuda_check.simulated()`` when
+    there is no GPU, and fail if a kernel source the marker names never
+    launched."""
+    mark = request.node.get_closest_marker("cpu_check")
+    if HAS_CUDA or mark is None:
+        yield
+        return
+    import cuda_check
+
+    first = len(cuda_check.launches)
+    with cuda_check.simulated():
+        yield
+    ran = {f for f, _ in cuda_check.launches[first:]}
+    missing = [s for s in mark.args if s not in ran]
+    report = getattr(request.node, "mqf_call_report", None)
+    if missing and report is not None and report.passed:
+        pytest.fail(f"marked cpu_check for {missing}, which never launched (ran: {sorted(ran)})")
 
 
 @pytest.fixture
@@ -219,3 +260,4 @@ def kernel_heads(monkeypatch, gdn128):
     cfg["text_config"]["rope_parameters"]["mrope_section"] = [11, 11, 10]
     monkeypatch.setitem(checkpoint.PRESETS, "tiny-kernel-heads", cfg)
     return "tiny-kernel-heads"
+

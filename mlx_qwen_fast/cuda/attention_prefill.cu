@@ -80,51 +80,35 @@ static_assert(NT % CHUNKS == 0 && BM % (NT / CHUNKS) == 0, "whole rows per pass 
 
 // ---- tensor-core primitives (PTX ISA: ldmatrix, mma.sync m16n8k16) --------
 
-// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i.
-__device__ __forceinline__ void ldsm_x4(unsigned addr, unsigned* r) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-// The same, each matrix transposed on the way (V as the k-major B operand).
-__device__ __forceinline__ void ldsm_x4_t(unsigned addr, unsigned* r) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
-}
-
+// The tensor-core steps of one element type (ptx.cuh): c[16x8] += a[16x16]
+// b[16x8] with fp32 accumulators, and (lo, hi) packed to two elements,
+// rounded to nearest even, lo in the low half.
 template <typename T>
 struct Mma;
 template <>
 struct Mma<bf16_t> {
-  // c[16x8] += a[16x16] b[16x8], fp32 accumulators.
-  static __device__ __forceinline__ void run(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  static __device__ __forceinline__ void run(float* c, const unsigned* a, unsigned b0, unsigned b1 MQF_PTX_SITE) {
+#ifdef MQF_CPU_CHECK
+    mma_bf16_m16n8k16_nv(c, a, b0, b1, mqf_site);
+#else
+    mma_bf16_m16n8k16_nv(c, a, b0, b1);
+#endif
   }
-  // (lo, hi) rounded to nearest even, lo in the low half.
   static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
+    return cvt_rn_bf16x2_f32(hi, lo);
   }
 };
 template <>
 struct Mma<f16_t> {
-  static __device__ __forceinline__ void run(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-    asm(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  static __device__ __forceinline__ void run(float* c, const unsigned* a, unsigned b0, unsigned b1 MQF_PTX_SITE) {
+#ifdef MQF_CPU_CHECK
+    mma_f16_m16n8k16_nv(c, a, b0, b1, mqf_site);
+#else
+    mma_f16_m16n8k16_nv(c, a, b0, b1);
+#endif
   }
   static __device__ __forceinline__ unsigned pack(float lo, float hi) {
-    unsigned r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
+    return cvt_rn_f16x2_f32(hi, lo);
   }
 };
 
@@ -221,11 +205,11 @@ extern "C" __global__ void __launch_bounds__(NT, 2) KNAME(
 #pragma unroll
     for (int kd = 0; kd < DH / 16; ++kd) {
       unsigned a[4];
-      ldsm_x4(qa + kd * 32, a);
+      ldmatrix_x4(qa + kd * 32, a);
 #pragma unroll
       for (int np = 0; np < BN / 16; ++np) {
         unsigned bk[4];
-        ldsm_x4(ka + np * 16 * ROWB + kd * 32, bk);
+        ldmatrix_x4(ka + np * 16 * ROWB + kd * 32, bk);
         Mma<xt>::run(s[2 * np], a, bk[0], bk[1]);
         Mma<xt>::run(s[2 * np + 1], a, bk[2], bk[3]);
       }
@@ -294,7 +278,7 @@ extern "C" __global__ void __launch_bounds__(NT, 2) KNAME(
 #pragma unroll
       for (int nd = 0; nd < DH / 16; ++nd) {
         unsigned bv[4];
-        ldsm_x4_t(va + kk * 16 * ROWB + nd * 32, bv);
+        ldmatrix_x4_trans(va + kk * 16 * ROWB + nd * 32, bv);
         Mma<xt>::run(o[2 * nd], p[kk], bv[0], bv[1]);
         Mma<xt>::run(o[2 * nd + 1], p[kk], bv[2], bv[3]);
       }

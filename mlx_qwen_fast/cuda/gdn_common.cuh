@@ -1,6 +1,7 @@
 // Device helpers shared by the package's CUDA kernels (Gated DeltaNet and
 // MoE): element types and conversions, 16-byte loads and stores, 4-bit
-// dequantisation of a nibble pair, warp sums, cp.async copies, activations.
+// dequantisation of a nibble pair, warp sums, activations (the inline PTX
+// they use, and the cp.async copies: ptx.cuh).
 //
 // Self-contained on purpose: it needs no CUDA header, so NVRTC compiles the
 // kernels with no include path (the mlx-cuda wheel ships no CUDA headers) and
@@ -9,6 +10,7 @@
 // Element types: activations may be bf16_t, f16_t or float (chosen per build by
 // a -D macro); every kernel computes in fp32 and rounds once on store.
 #pragma once
+#include "ptx.cuh"
 
 typedef unsigned short gdn_u16;
 
@@ -28,9 +30,7 @@ __device__ __forceinline__ float to_f(bf16_t v) {
   return __uint_as_float(((unsigned)v.x) << 16);
 }
 __device__ __forceinline__ float to_f(f16_t v) {
-  float f;
-  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(v.x));
-  return f;
+  return cvt_f32_f16(v.x);
 }
 
 template <typename T>
@@ -45,7 +45,7 @@ template <>
 struct Cvt<bf16_t> {
   static __device__ __forceinline__ bf16_t from(float v) {
     bf16_t r;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.x) : "f"(v));
+    r.x = cvt_rn_bf16_f32(v);
     return r;
   }
 };
@@ -53,7 +53,7 @@ template <>
 struct Cvt<f16_t> {
   static __device__ __forceinline__ f16_t from(float v) {
     f16_t r;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(r.x) : "f"(v));
+    r.x = cvt_rn_f16_f32(v);
     return r;
   }
 };
@@ -76,13 +76,6 @@ struct Vec16 {
   static constexpr int N = 16 / sizeof(T);
 };
 
-// PTX byte permute: bytes of {b, a} picked by the four nibbles of sel.
-__device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
-  unsigned d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-
 // MLX affine 4-bit dequantisation of one nibble pair into bf16x2: the nibbles
 // at bits 0-3 and 16-19 of `w` -> (bf16(s * q + b)) for both halves, s2 / b2 =
 // (s, s) / (b, b). The nibbles OR-ed into the mantissa of bf16 128.0 give
@@ -90,11 +83,9 @@ __device__ __forceinline__ unsigned prmt(unsigned a, unsigned b, unsigned sel) {
 // (exact), one fma.rn.bf16x2 (one rounding, as MLX's dequantize).
 __device__ __forceinline__ unsigned dequant_nibble_pair(unsigned w, unsigned s2, unsigned b2) {
   const unsigned magic = 0x43004300u;  // bf16x2 (128, 128)
-  unsigned m, q, r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(m) : "r"(w), "r"(0x000F000Fu), "r"(magic));  // (w & b) | c
-  asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(q) : "r"(m), "r"(magic));
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(q), "r"(s2), "r"(b2));
-  return r;
+  const unsigned m = lop3_and_or(w, 0x000F000Fu, magic);
+  const unsigned q = sub_rn_bf16x2(m, magic);
+  return fma_rn_bf16x2(q, s2, b2);
 }
 
 __device__ __forceinline__ void unpack_bf16x2(unsigned w, float& lo, float& hi) {
@@ -103,8 +94,8 @@ __device__ __forceinline__ void unpack_bf16x2(unsigned w, float& lo, float& hi) 
 }
 __device__ __forceinline__ void unpack_f16x2(unsigned w, float& lo, float& hi) {
   gdn_u16 a = (gdn_u16)(w & 0xffffu), b = (gdn_u16)(w >> 16);
-  asm("cvt.f32.f16 %0, %1;" : "=f"(lo) : "h"(a));
-  asm("cvt.f32.f16 %0, %1;" : "=f"(hi) : "h"(b));
+  lo = cvt_f32_f16(a);
+  hi = cvt_f32_f16(b);
 }
 
 __device__ __forceinline__ void load16(const float* p, float* o) {
@@ -202,41 +193,7 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// ---- asynchronous global -> shared copies (sm_80+) -------------------------
-
-__device__ __forceinline__ unsigned smem_addr(const void* p) {
-  return (unsigned)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  asm volatile(
-      "cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(smem)),
-      "l"(gmem));
-}
-__device__ __forceinline__ void cp_async8(void* smem, const void* gmem) {
-  asm volatile(
-      "cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(smem)),
-      "l"(gmem));
-}
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-  asm volatile(
-      "cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(smem)),
-      "l"(gmem));
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-// 16-byte copy to a shared address with zero fill: src_bytes 16 copies, 0 writes zeros.
-__device__ __forceinline__ void cp_async16_zfill(unsigned dst, const void* src, unsigned src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-// Wait until at most N of this thread's committed copy groups are in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
+// (asynchronous copies, cp_async*: ptx.cuh)
 
 // ---- activation helpers -----------------------------------------------------
 

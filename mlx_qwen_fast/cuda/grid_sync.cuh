@@ -32,28 +32,16 @@
 #pragma once
 #include "gdn_common.cuh"
 
-// ---- grid barrier, L2 loads --------------------------------------------------------
+// ---- grid barrier (the PTX helpers sleep_ns, ld_acquire_u64, ld_relaxed_u64,
+// red_release_add_u64, ldcg_f and the mbarrier/bulk-copy ones below: ptx.cuh) ----
 
-__device__ __forceinline__ void sleep_ns(unsigned ns) {
-  asm volatile("nanosleep.u32 %0;\n" ::"r"(ns));
-}
-__device__ __forceinline__ unsigned long long ld_acquire_u64(const unsigned long long* p) {
-  unsigned long long v;
-  asm volatile("ld.acquire.gpu.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ unsigned long long ld_relaxed_u64(const unsigned long long* p) {
-  unsigned long long v;
-  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];\n" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
 // Arrive (after the CTA's writes): CTA-wide barrier, then thread 0 adds with release.
 template <unsigned long long BARW>
 __device__ __forceinline__ void grid_arrive(unsigned long long* ctr) {
   __syncthreads();
   if (threadIdx.x == 0) {
     const unsigned long long w = blockIdx.x == 0 ? 1ull + BARW - gridDim.x : 1ull;
-    asm volatile("red.release.gpu.global.add.u64 [%0], %1;\n" ::"l"(ctr), "l"(w) : "memory");
+    red_release_add_u64(ctr, w);
   }
 }
 // Wait until every CTA arrived `target` (base + b * BARW); thread 0 polls.
@@ -66,36 +54,4 @@ __device__ __forceinline__ void grid_wait(const unsigned long long* ctr, unsigne
     }
   }
   __syncthreads();
-}
-
-// fp32 load through L2 only (ld.global.cg): data other CTAs wrote in this launch.
-__device__ __forceinline__ float ldcg_f(const float* p) {
-  float v;
-  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
-  return v;
-}
-
-// ---- TMA bulk copies into shared memory, mbarriers ---------------------------------
-
-__device__ __forceinline__ void mbar_init(unsigned bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
-}
-__device__ __forceinline__ void mbar_expect_tx(unsigned bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(unsigned bar, unsigned parity) {
-  asm volatile(
-      "{\n .reg .pred p;\n WAIT_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      " @!p bra WAIT_%=;\n}\n" ::"r"(bar), "r"(parity) : "memory");
-}
-// bytes: a multiple of 16; both addresses 16-byte aligned.
-__device__ __forceinline__ void bulk_g2s(unsigned dst, const void* src, unsigned bytes, unsigned bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-      ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
-}
-// Order earlier generic-proxy reads of a slot before the async-proxy refill.
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }

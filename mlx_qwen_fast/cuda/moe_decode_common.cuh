@@ -23,33 +23,17 @@
 #define MDG_SGB 8
 #endif
 
-__device__ __forceinline__ uint4 ldg_stream16(const void* p) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p));
-  return r;
-}
-__device__ __forceinline__ unsigned ldg_u16(const void* p) {
-  unsigned short r;
-  asm("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
-  return r;
-}
-__device__ __forceinline__ uint4 ldg16(const void* p) {
-  uint4 r;
-  asm("ld.global.nc.v4.u32 {%0,%1,%2,%3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p));
-  return r;
-}
+// (ldg_stream16, ldg_u16, ldg16: ptx.cuh)
 
+// c += a b on the tensor cores, the A fragment as four registers.
 __device__ __forceinline__ void mma_bf16(float* c, unsigned a0, unsigned a1, unsigned a2,
-                                         unsigned a3, unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+                                         unsigned a3, unsigned b0, unsigned b1 MQF_PTX_SITE) {
+  const unsigned a[4] = {a0, a1, a2, a3};
+#ifdef MQF_CPU_CHECK
+  mma_bf16_m16n8k16(c, a, b0, b1, mqf_site);
+#else
+  mma_bf16_m16n8k16(c, a, b0, b1);
+#endif
 }
 
 // One packed word -> 4 bf16x2: out[j] = (w of nibble j, w of nibble j + 4),

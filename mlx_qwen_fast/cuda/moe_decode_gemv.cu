@@ -130,9 +130,7 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
   static_assert(2 * RB * N * sizeof(float) <= 8 * 32 * 16, "partial sums fit a warp's weight slice");
   auto red = [&](int w) { return reinterpret_cast<float (*)[RB][N]>(&wsm[w][0][0]); };
   {
-    unsigned dyn;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-    if (dyn < GU_SMEM) __trap();
+    if (dynamic_smem_size() < GU_SMEM) __trap();
   }
 
   const int item = blockIdx.y, rb = blockIdx.x;

@@ -1,7 +1,7 @@
 // Shared by the two builds of the grouped expert GEMM (moe_grouped_gemm.cu,
 // mma.sync; moe_grouped_gemm_wgmma.cu, wgmma): one kernel contract
 // (moe_grouped_gemm.cu's header), so one parameter list, one launch-bounds
-// macro and the bf16 pair packing (prmt lives in gdn_common.cuh). Include
+// macro and the bf16 pair packing (prmt lives in ptx.cuh). Include
 // after MOE_KIND, NT and the `yt` typedef are defined.
 #pragma once
 #include "gdn_common.cuh"

@@ -93,28 +93,10 @@ static_assert(sizeof(gdn_u16) * LDS * (BM + NMAT * BN) <= 48 * 1024, "static sha
 typedef MOE_YT yt;
 #include "moe_gemm_common.cuh"
 
-__device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Not volatile: the compiler may move it past the (volatile) ldmatrix of the
-// next slice, so shared-memory loads run ahead of the tensor cores (MOE_WV 1).
-__device__ __forceinline__ void mma_bf16_nv(float* c, const unsigned* a, unsigned b0, unsigned b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ void ldsm_x4(unsigned* r, const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
-}
+// (the tensor-core steps: mma_bf16_m16n8k16, its not-volatile form
+// mma_bf16_m16n8k16_nv, which the compiler may move past the (volatile)
+// ldmatrix of the next slice so that shared-memory loads run ahead of the
+// tensor cores (MOE_WV 1), and ldmatrix_x4: ptx.cuh)
 
 // One packed word (8 nibbles) -> 8 bf16 in shared memory, in the order
 // (q0,q4),(q1,q5),(q2,q6),(q3,q7), each bf16(s * q + b) (one fma).
@@ -129,8 +111,8 @@ __device__ __forceinline__ uint4 dequant_word(unsigned word, gdn_u16 sb, gdn_u16
     // nibble j -> low half, nibble j + 4 -> high half; OR into 128's mantissa
     const unsigned m = ((word >> (4 * j)) & 0x000F000Fu) | magic;  // one lop3
     unsigned q, w;
-    asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(q) : "r"(m), "r"(magic));  // exact: q
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(w) : "r"(q), "r"(s2), "r"(b2));
+    q = sub_rn_bf16x2(m, magic);  // exact: q
+    w = fma_rn_bf16x2(q, s2, b2);
     pv[j] = w;
   }
   return v;
@@ -266,7 +248,7 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
       unsigned a[MT][4];
 #pragma unroll
       for (int i = 0; i < MT; ++i) {
-        ldsm_x4(a[i], &xs[wm * WM + i * 16 + (lane & 15)][kk + (lane >> 4) * 8]);
+        ldmatrix_x4(smem_addr(&xs[wm * WM + i * 16 + (lane & 15)][kk + (lane >> 4) * 8]), a[i]);
       }
 #if MOE_WV
       {  // all B fragments of this slice first, then its mma (non-volatile)
@@ -275,15 +257,15 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
         for (int m = 0; m < NMAT; ++m)
 #pragma unroll
           for (int j2 = 0; j2 < NTL / 2; ++j2)
-            ldsm_x4(bfr[m][j2], &ws[m][wn * WN + j2 * 16 + (lane & 7) + ((lane >> 4) << 3)][kk + ((lane >> 3) & 1) * 8]);
+            ldmatrix_x4(smem_addr(&ws[m][wn * WN + j2 * 16 + (lane & 7) + ((lane >> 4) << 3)][kk + ((lane >> 3) & 1) * 8]), bfr[m][j2]);
 #pragma unroll
         for (int m = 0; m < NMAT; ++m)
 #pragma unroll
           for (int j2 = 0; j2 < NTL / 2; ++j2)
 #pragma unroll
             for (int i = 0; i < MT; ++i) {
-              mma_bf16_nv(acc[m][i][2 * j2], a[i], bfr[m][j2][0], bfr[m][j2][1]);
-              mma_bf16_nv(acc[m][i][2 * j2 + 1], a[i], bfr[m][j2][2], bfr[m][j2][3]);
+              mma_bf16_m16n8k16_nv(acc[m][i][2 * j2], a[i], bfr[m][j2][0], bfr[m][j2][1]);
+              mma_bf16_m16n8k16_nv(acc[m][i][2 * j2 + 1], a[i], bfr[m][j2][2], bfr[m][j2][3]);
             }
       }
 #else
@@ -292,11 +274,11 @@ extern "C" __global__ void MOE_LB KNAME(MOE_GEMM_PARAMS) {
 #pragma unroll
         for (int j = 0; j < NTL; j += 2) {
           unsigned bb[4];  // b0, b1 of n-tile j, then of n-tile j + 1
-          ldsm_x4(bb, &ws[m][wn * WN + j * 8 + (lane & 7) + ((lane >> 4) << 3)][kk + ((lane >> 3) & 1) * 8]);
+          ldmatrix_x4(smem_addr(&ws[m][wn * WN + j * 8 + (lane & 7) + ((lane >> 4) << 3)][kk + ((lane >> 3) & 1) * 8]), bb);
 #pragma unroll
           for (int i = 0; i < MT; ++i) {
-            mma_bf16(acc[m][i][j], a[i], bb[0], bb[1]);
-            mma_bf16(acc[m][i][j + 1], a[i], bb[2], bb[3]);
+            mma_bf16_m16n8k16(acc[m][i][j], a[i], bb[0], bb[1]);
+            mma_bf16_m16n8k16(acc[m][i][j + 1], a[i], bb[2], bb[3]);
           }
         }
       }

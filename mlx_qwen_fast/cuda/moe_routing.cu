@@ -43,6 +43,9 @@
 //   block_map [max_tiles, 2], all int32. Scalars: int NK, int chunk (a
 //   multiple of 1024), scatter also int tile, int max_tiles. Launch: C * 1024
 //   threads, 1024 per block, C = ceil(NK / chunk) (>= 1), the same C for both.
+//   cuda-check: order-free outputs 2, 4 (scatter's order and inverse follow
+//   the order of the shared atomics; tests/cuda_check.py compares them between
+//   thread schedules as sets)
 //
 // Build macros: KNAME, MOE_STAGE, MOE_E (experts, multiple of 32, <= 1024),
 // MOE_K (top-k, stage 1), MOE_LT (logit type, stage 1), MOE_SHARED (stage 1,

@@ -73,9 +73,7 @@ __device__ __forceinline__ void dequant8_pairs(unsigned a, unsigned b, float s, 
     const unsigned sel = (unsigned)j | (4u << 4) | (4u << 8) | (7u << 12);
     const float q0 = __uint_as_float(prmt(a, magic, sel)) - 8388608.0f;
     const float q1 = __uint_as_float(prmt(b, magic, sel)) - 8388608.0f;
-    unsigned r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(fmaf(s, q1, bias)), "f"(fmaf(s, q0, bias)));
-    out[j] = r;
+    out[j] = cvt_rn_bf16x2_f32(fmaf(s, q1, bias), fmaf(s, q0, bias));
   }
 }
 }  // namespace

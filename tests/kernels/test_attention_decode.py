@@ -167,6 +167,7 @@ CASES = [
 
 
 @pytest.mark.cuda
+@pytest.mark.cpu_check("attention_decode.cu")
 @pytest.mark.usefixtures("poison")
 @pytest.mark.parametrize("B,hq,hkv,cap,off,dtype,wdtype,dims,trad,rscale", CASES)
 def test_kernels_match_reference(B, hq, hkv, cap, off, dtype, wdtype, dims, trad, rscale):
@@ -189,6 +190,7 @@ def test_kernels_match_reference(B, hq, hkv, cap, off, dtype, wdtype, dims, trad
 
 
 @pytest.mark.cuda
+@pytest.mark.cpu_check("attention_decode.cu")
 @pytest.mark.usefixtures("poison")
 def test_offset_past_the_buffer_stays_inside_it():
     """An offset outside [0, capacity): the result is unspecified, but the

@@ -22,6 +22,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import cuda_check
 from compare import assert_close, finite, npa, tolerance
 from gdn_helpers import NOT_ARRAYS
 from mlx_qwen_fast.kernels import _cuda_build as cb
@@ -190,25 +191,33 @@ def _check(B, hq, hkv, T, offset, pad, dtype, seed):
     assert_close(out, reference(q, k, v, SCALE, offset), tolerance(dtype, 2), "out")
 
 
+#: The CPU-run parameter sets (tests/cuda_check.py): short chunks, short caches.
+CPU = pytest.mark.cpu_check("attention_prefill.cu")
+
+
 @pytest.mark.cuda
 @pytest.mark.usefixtures("poison")
-@pytest.mark.parametrize("B,hq,hkv", [(1, 16, 2), (2, 16, 2), (1, 8, 8), (2, 8, 8)])
+@pytest.mark.parametrize("B,hq,hkv", [pytest.param(1, 16, 2, marks=CPU), (2, 16, 2), (1, 8, 8),
+                                      pytest.param(2, 8, 8, marks=CPU)])
 @pytest.mark.parametrize("offset", [0, 30, 4096 + 5])
 @pytest.mark.parametrize("T", [2, 7, 64, 65, 2048])
 def test_kernel_matches_reference(B, hq, hkv, T, offset):
+    if cuda_check.active() and (T > 65 or offset > 30):
+        pytest.skip("the CPU check runs the short chunks and caches")
     """bf16; the cache 3 positions longer than the chunk's end (NaN there)."""
     _check(B, hq, hkv, T, offset, 3, mx.bfloat16, seed=T * 7 + offset + B + hq)
 
 
 @pytest.mark.cuda
 @pytest.mark.usefixtures("poison")
-@pytest.mark.parametrize("B,hq,hkv,T,offset,pad", [(1, 16, 2, 65, 30, 0), (2, 8, 8, 130, 4101, 61),
+@pytest.mark.parametrize("B,hq,hkv,T,offset,pad", [pytest.param(1, 16, 2, 65, 30, 0, marks=CPU), (2, 8, 8, 130, 4101, 61),
                                                   (1, 16, 2, 2048, 0, 0)])
 def test_kernel_fp16(B, hq, hkv, T, offset, pad):
     _check(B, hq, hkv, T, offset, pad, mx.float16, seed=T + offset)
 
 
 @pytest.mark.cuda
+@pytest.mark.cpu_check("attention_prefill.cu")
 @pytest.mark.usefixtures("poison")
 def test_kernel_32_query_heads_per_kv_head():
     """GQA of another ratio (32 query heads on one KV head)."""
@@ -216,6 +225,7 @@ def test_kernel_32_query_heads_per_kv_head():
 
 
 @pytest.mark.cuda
+@pytest.mark.cpu_check("attention_prefill.cu")
 @pytest.mark.usefixtures("poison")
 def test_a_dominant_key_gives_its_value_row():
     """Each query is its own key times a large factor: its score (64 after

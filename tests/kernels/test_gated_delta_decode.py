@@ -87,6 +87,7 @@ def test_packed_width_is_the_four_projections():
 
 
 @pytest.mark.cuda
+@pytest.mark.cpu_check("gated_delta_decode.cu")
 @pytest.mark.usefixtures("poison")
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("B", [1, 2])

@@ -15,7 +15,7 @@ import pytest
 from compare import assert_close, finite, tolerance
 from gdn_helpers import C, HK, HV, fe_params, ref_frontend
 
-pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("poison")]
+pytestmark = [pytest.mark.cuda, pytest.mark.cpu_check("gated_delta_frontend.cu"), pytest.mark.usefixtures("poison")]
 
 
 # T: one token, a few, the edges of a 16- and an 8-token tile, ragged ends.

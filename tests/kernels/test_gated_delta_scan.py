@@ -18,6 +18,8 @@ from mlx_qwen_fast.kernels.gated_delta_scan import DEFAULT_CONFIG, ScanConfig, g
 
 F32 = tolerance(mx.float32)
 
+#: The CPU-run parameter sets (tests/cuda_check.py): the short ones.
+CPU = pytest.mark.cpu_check("gated_delta_scan.cu")
 EXTRA_CONFIGS = [(8, 2, 4, 32, 1, 1), (8, 2, 4, 64, 0, 1), (8, 2, 4, 32, 0, 4)]
 
 
@@ -50,7 +52,8 @@ def test_scan_config_rejects_bad_fields(bad, field):
 @pytest.mark.usefixtures("poison")
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("decay", ["strong", "weak"])
-@pytest.mark.parametrize("B,T", [(1, 1), (1, 3), (2, 64), (1, 65), (2, 300), (1, 4096)])
+@pytest.mark.parametrize("B,T", [pytest.param(1, 1, marks=CPU), pytest.param(1, 3, marks=CPU),
+                                 pytest.param(2, 64, marks=CPU), pytest.param(1, 65, marks=CPU), (2, 300), (1, 4096)])
 def test_scan_matches_reference(B, T, decay, dtype):
     q, k, v, g, beta, s0 = make_scan_inputs(B, T, decay, seed=T * 7 + B, dtype=dtype)
     assert supports(q, k, v, g, beta, s0)
@@ -69,8 +72,9 @@ def test_scan_matches_reference(B, T, decay, dtype):
     "config", [(8, 2, 4, 32, 1, 1), (8, 2, 4, 32, 0, 4), (8, 2, 4, 32, 1, 2), (16, 2, 8, 16, 1, 4),
                (8, 2, 4, 64, 0, 1), (8, 1, 4, 8, 0, 1)]
 )
-def test_scan_other_variants(config):
-    q, k, v, g, beta, s0 = make_scan_inputs(2, 67, "strong", seed=17, dtype=mx.float32)
+@pytest.mark.parametrize("B,T", [(2, 67), pytest.param(1, 19, marks=CPU)])
+def test_scan_other_variants(config, B, T):
+    q, k, v, g, beta, s0 = make_scan_inputs(B, T, "strong", seed=17, dtype=mx.float32)
     y, s = gated_delta_scan(q, k, v, g, beta, s0, config=config)
     yb, sb = gated_delta_scan(*(x.astype(mx.bfloat16) for x in (q, k, v)), g, beta, s0, config=config)
     yr, sr = reference(q, k, v, g, beta, s0)
@@ -85,7 +89,7 @@ def test_scan_other_variants(config):
 @pytest.mark.usefixtures("poison")
 @pytest.mark.parametrize("config", [None] + EXTRA_CONFIGS)
 @pytest.mark.parametrize("decay", ["mixed", "strong"])
-@pytest.mark.parametrize("T", [7, 8, 9, 33, 200])
+@pytest.mark.parametrize("T", [pytest.param(7, marks=CPU), 8, 9, pytest.param(33, marks=CPU), 200])
 def test_scan_extreme_gates(config, decay, T):
     """Gates of exactly 0, 1e-6 and 1e-3 among weak ones, at stage and
     8-token boundaries (fp32 bounds as everywhere)."""
@@ -109,6 +113,7 @@ def test_scan_carry_over_two_calls():
 
 
 @pytest.mark.cuda
+@pytest.mark.cpu_check("gated_delta_scan.cu")
 @pytest.mark.usefixtures("poison")
 def test_scan_mask_and_zero_state():
     q, k, v, g, beta, _ = make_scan_inputs(2, 40, "strong", seed=11, dtype=mx.float32)

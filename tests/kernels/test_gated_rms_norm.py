@@ -17,7 +17,7 @@ from mlx_lm.models.qwen3_next import Qwen3NextRMSNormGated
 from compare import assert_close, finite, tolerance
 from gdn_helpers import D, HV
 
-pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("poison")]
+pytestmark = [pytest.mark.cuda, pytest.mark.cpu_check("gated_rms_norm.cu"), pytest.mark.usefixtures("poison")]
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])

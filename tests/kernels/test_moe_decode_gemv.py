@@ -161,6 +161,20 @@ def check_kernels(n, E=64, D=2048, I=512, k=8, seed=0, gate_bits=8):
 
 
 @pytest.mark.cuda
+@pytest.mark.cpu_check("moe_decode_gemv.cu")
+@pytest.mark.usefixtures("poison")
+@pytest.mark.parametrize("n,k,E,D,I,gate_bits", [(1, 8, 32, 256, 128, 8), (2, 8, 32, 256, 128, 4),
+                                                 (3, 4, 16, 256, 256, 16), (4, 8, 32, 512, 128, 8),
+                                                 (1, 11, 16, 256, 128, 8), (1, 32, 64, 256, 128, 8),
+                                                 (2, 16, 32, 256, 128, 8)])
+def test_kernels_small_shapes(n, k, E, D, I, gate_bits):
+    """The small shapes the CPU check runs too (tests/cuda_check.py): 1-4
+    tokens, top-k 4 to 32 (the down kernel's widest CTAs, every lane a
+    pair), the three shared-gate widths, few experts."""
+    check_kernels(n, E=E, D=D, I=I, k=k, seed=60 + n + k, gate_bits=gate_bits)
+
+
+@pytest.mark.cuda
 @pytest.mark.usefixtures("poison")
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_kernels_vs_reference(n):

@@ -24,6 +24,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import cuda_check
 import moe_blocks
 from compare import GATHER_QMM_TOL, assert_close, finite, tolerance
 from moe_blocks import make_logits, qproj
@@ -342,6 +343,9 @@ DOWN_TOL = tolerance(BF, roundings=2)
 # ---------------------------------------------------------------------------
 
 FULL = pytest.param(2048, 512, 256, marks=large, id="2048-512-256")
+#: The CPU-run parameter sets (tests/cuda_check.py): the small shapes.
+CPU_MMA = pytest.mark.cpu_check("moe_grouped_gemm.cu")
+CPU_WGMMA = pytest.mark.cpu_check("moe_grouped_gemm_wgmma.cu")
 
 
 @pytest.mark.cuda
@@ -349,10 +353,12 @@ FULL = pytest.param(2048, 512, 256, marks=large, id="2048-512-256")
 @pytest.mark.parametrize("D,I,E", [(192, 128, 32), (320, 64, 32), FULL])
 @pytest.mark.parametrize("n", [1, 7, 64, 300])
 @pytest.mark.parametrize("variant,tile", [
-    ("mma", 32), ("mma", 64), ("mma", 128),
+    pytest.param("mma", 32, marks=CPU_MMA), ("mma", 64), pytest.param("mma", 128, marks=CPU_MMA),
     ("wgmma", 32), ("wgmma", 64), ("wgmma", 128),
 ])
 def test_grouped_gemm_vs_reference(D, I, E, n, variant, tile):
+    if cuda_check.active() and (n > 7 or D > 320):
+        pytest.skip("the CPU check runs the small shapes")
     k = 8
     gate, up, down = qproj(E, I, D, 1), qproj(E, I, D, 2), qproj(E, D, I, 3)
     x = mx.random.normal((n, D), key=mx.random.key(n + D)).astype(BF)
@@ -386,10 +392,13 @@ def test_grouped_gemm_vs_reference(D, I, E, n, variant, tile):
 @pytest.mark.cuda
 @pytest.mark.usefixtures("poison")
 @pytest.mark.parametrize("D,I,E", [(256, 128, 32), (512, 256, 64), FULL])
-@pytest.mark.parametrize("n,kind", [(1, "random"), (2, "random"), (4, "skewed"), (64, "empty"), (300, "one"),
+@pytest.mark.parametrize("n,kind", [pytest.param(1, "random", marks=CPU_WGMMA), (2, "random"),
+                                    pytest.param(4, "skewed", marks=CPU_WGMMA), (64, "empty"), (300, "one"),
                                     (2049, "skewed"), (4099, "skewed")])
 @pytest.mark.parametrize("tile", [32, 64, 128])
 def test_wgmma_grouped_gemm_vs_reference(D, I, E, n, kind, tile):
+    if cuda_check.active() and D > 256:
+        pytest.skip("the CPU check runs the small shapes")
     """The wgmma kernels on shapes they take (K chunks of 128, 128 / 256
     features per CTA): ragged item ends (n*k not a multiple of the tile),
     empty experts, all rows on one expert, n*k > 32,768 and not a multiple of

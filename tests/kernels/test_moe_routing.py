@@ -19,6 +19,9 @@ from moe_blocks import make_logits
 from mlx_qwen_fast.kernels import moe_routing as mr
 from mlx_qwen_fast.ops import moe
 
+#: The CPU-run parameter sets (tests/cuda_check.py): the small token counts.
+CPU = pytest.mark.cpu_check("moe_routing.cu")
+
 # ---------------------------------------------------------------------------
 # host side (any backend)
 # ---------------------------------------------------------------------------
@@ -157,7 +160,8 @@ def test_route_takes_leading_axes():
 
 @pytest.mark.cuda
 @pytest.mark.usefixtures("poison")
-@pytest.mark.parametrize("E,k", [(256, 8), (64, 4), (992, 31)])
+@pytest.mark.parametrize("E,k", [pytest.param(256, 8, marks=CPU), pytest.param(64, 4, marks=CPU),
+                                 pytest.param(992, 31, marks=CPU)])
 def test_route_ties_take_the_lowest_id_first(E, k):
     """Exact ties (logits from {0, 1, 2, 3}): slot j is the j-th expert by
     (probability descending, id ascending), every token (route_warp's rule)."""
@@ -211,7 +215,8 @@ def check_routing(logits, k, tile, normalize=True):
 
 @pytest.mark.cuda
 @pytest.mark.usefixtures("poison")
-@pytest.mark.parametrize("n", [1, 2, 7, 64, 2049, 4099])
+@pytest.mark.parametrize("n", [pytest.param(1, marks=CPU), pytest.param(2, marks=CPU), pytest.param(7, marks=CPU),
+                               pytest.param(64, marks=CPU), 2049, 4099])
 @pytest.mark.parametrize("kind", ["random", "skewed", "empty"])
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 def test_routing_vs_reference(n, kind, dtype):
@@ -225,7 +230,7 @@ def test_routing_vs_reference(n, kind, dtype):
 
 @pytest.mark.cuda
 @pytest.mark.usefixtures("poison")
-@pytest.mark.parametrize("n", [1, 64, 4099])
+@pytest.mark.parametrize("n", [pytest.param(1, marks=CPU), pytest.param(64, marks=CPU), 4099])
 def test_routing_all_to_one_expert(n):
     logits = make_logits(n, 256, "one", seed=n, dtype=mx.float32)
     r = check_routing(logits, 1, 32)
@@ -236,7 +241,7 @@ def test_routing_all_to_one_expert(n):
 
 @pytest.mark.cuda
 @pytest.mark.usefixtures("poison")
-@pytest.mark.parametrize("n,max_ctas", [(16385, None), (4099, 2), (300, 1)])
+@pytest.mark.parametrize("n,max_ctas", [(16385, None), (4099, 2), pytest.param(300, 1, marks=CPU)])
 def test_routing_chunked_grouping(monkeypatch, n, max_ctas):
     # chunks longer than one 1024-assignment round (ragged last round), and
     # more than GROUP_MAX_CTAS * 1024 assignments at the default
@@ -246,6 +251,7 @@ def test_routing_chunked_grouping(monkeypatch, n, max_ctas):
 
 
 @pytest.mark.cuda
+@pytest.mark.cpu_check("moe_routing.cu")
 @pytest.mark.usefixtures("poison")
 def test_routing_unnormalized_and_other_sizes():
     check_routing(make_logits(300, 128, "random", 1, mx.float32), 4, 64, normalize=False)
@@ -254,7 +260,7 @@ def test_routing_unnormalized_and_other_sizes():
 
 @pytest.mark.cuda
 @pytest.mark.usefixtures("poison")
-@pytest.mark.parametrize("n", [1, 7, 2049, 4099])
+@pytest.mark.parametrize("n", [pytest.param(1, marks=CPU), pytest.param(7, marks=CPU), 2049, 4099])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
 @pytest.mark.parametrize("where", ["input", "column"])
 def test_route_and_group_with_shared_slot(n, dtype, where):

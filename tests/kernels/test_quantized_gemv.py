@@ -131,6 +131,7 @@ CASES = [
 
 
 @pytest.mark.cuda
+@pytest.mark.cpu_check("quantized_gemv.cu")
 @pytest.mark.usefixtures("poison")
 @pytest.mark.parametrize("M,K,N,bits,gs,norm,res,xn,ndt", CASES)
 def test_kernel_matches_reference(M, K, N, bits, gs, norm, res, xn, ndt):

@@ -1,0 +1,388 @@
+"""The CUDA check itself (tests/cuda_check.py, cuda_shim.h, cuda_run.h):
+every kernel source of the package has a CPU-run test, the PTX helpers'
+CPU bodies against exact references, and planted bugs in the package's own
+kernels that the check must catch.
+
+No GPU needed: everything here runs on the CPU (and compiles with nvcc
+where it is installed)."""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import subprocess
+from fractions import Fraction
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import cuda_check
+from cuda_check import CudaCheckError
+
+TESTS = Path(__file__).resolve().parent
+KERNELS = TESTS / "cuda_kernels"
+cuda_check.SOURCE_DIRS.append(KERNELS)
+
+
+@pytest.fixture
+def sim():
+    with cuda_check.simulated():
+        yield
+
+
+# ---------------------------------------------------------------------------
+# coverage: every kernel the package launches has a CPU check
+# ---------------------------------------------------------------------------
+
+
+def _cpu_check_marks():
+    """Kernel sources named by cpu_check marks anywhere under tests/."""
+    named = set()
+    for path in TESTS.rglob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "cpu_check"
+                    and isinstance(node.func.value, ast.Attribute) and node.func.value.attr == "mark"):
+                named |= {a.value for a in node.args if isinstance(a, ast.Constant)}
+    return named
+
+
+def test_every_kernel_source_has_a_cpu_check():
+    """Each .cu file of mlx_qwen_fast/cuda/ is named by a cpu_check mark (the
+    conftest fixture then fails the test if that source never launched)."""
+    sources = {p.name for p in cuda_check.SOURCES.glob("*.cu")}
+    assert sources, "no kernel sources found"
+    missing = sorted(sources - _cpu_check_marks())
+    assert not missing, f"kernel sources without a CPU check (a cpu_check-marked test): {missing}"
+
+
+def test_kernels_use_no_inline_asm_outside_ptx_helpers():
+    """Inline PTX lives in ptx.cuh only, where each instruction has a CPU body."""
+    for p in sorted(cuda_check.SOURCES.glob("*.cu*")):
+        if p.name == "ptx.cuh":
+            continue
+        code = re.sub(r"//.*", "", p.read_text())
+        assert not re.search(r"\basm\b", code), f"{p.name} has inline asm outside ptx.cuh"
+
+
+def test_every_ptx_helper_has_a_cpu_body():
+    """Each asm statement of ptx.cuh sits in an #ifndef MQF_CPU_CHECK branch
+    whose #else holds the CPU body."""
+    lines = (cuda_check.SOURCES / "ptx.cuh").read_text().splitlines()
+    depth_gpu = []
+    for i, line in enumerate(lines):
+        s = line.strip()
+        if s.startswith("#ifndef MQF_CPU_CHECK"):
+            depth_gpu.append(i)
+        elif s.startswith("#else") and depth_gpu:
+            depth_gpu[-1] = None
+        elif s.startswith("#endif") and depth_gpu:
+            depth_gpu.pop()
+        if re.search(r"\basm\b", s.split("//")[0]):
+            assert depth_gpu and depth_gpu[-1] is not None, f"ptx.cuh:{i + 1}: asm outside a GPU branch"
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("source,defines", [
+    ("gated_rms_norm.cu", dict(GDN_X="bf16_t", GDN_N="bf16_t")),
+    ("gated_delta_decode.cu", dict(GDN_X="bf16_t", GDN_HV=32, GDN_HK=16)),
+    ("gated_delta_frontend.cu", dict(GDN_X="bf16_t", GDN_W="bf16_t", GDN_A="bf16_t", GDN_DT="bf16_t", GDN_HV=32,
+                                     GDN_HK=16, GDN_TT=16)),
+    ("attention_prefill.cu", dict(ATT_X="f16_t")),
+    ("moe_grouped_gemm.cu", dict(MOE_KIND=0, MOE_BM=64)),
+    ("moe_grouped_gemm_wgmma.cu", dict(MOE_KIND=1, MOE_BM=64, MOE_STAGES=4)),
+    ("tests/grid_exchange.cu", {}),
+])
+def test_nvcc_compiles_the_gpu_branch(tmp_path, source, defines):
+    """The same sources (the asm branch of ptx.cuh) compile for sm_90a."""
+    folder = KERNELS if source.startswith("tests/") else cuda_check.SOURCES
+    path = folder / source.removeprefix("tests/")
+    defs = [f"-D{k}={v}" for k, v in {"KNAME": "k", **defines}.items()]
+    r = subprocess.run(["nvcc", "-cubin", "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a",
+                        f"-I{cuda_check.SOURCES}", *defs, "-o", str(tmp_path / "k.cubin"), str(path)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------
+# the source rewrite and the launch checks
+# ---------------------------------------------------------------------------
+
+
+def test_rewrite_places_every_shared_declaration():
+    text = ("  __shared__ __align__(16) xt ks[TILE][DH];\n  __shared__ float red[K > 1 ? K : 1];\n"
+            "  __shared__ int n;\n  extern __shared__ __align__(16) unsigned char smem[];\n"
+            "  extern __shared__ float wsh[];  // comment __shared__\n")
+    out = cuda_check.rewrite(text)
+    assert "mqf::shared_static<mqf_t_ks>(&mqf_site_ks, \"ks\", 16)" in out
+    assert "typedef float mqf_t_red[K > 1 ? K : 1];" in out
+    assert "typedef int mqf_t_n;" in out
+    assert "unsigned char* const smem = static_cast<unsigned char*>(mqf::shared_dynamic(16));" in out
+    assert "float* const wsh = static_cast<float*>(mqf::shared_dynamic(0));" in out
+    with pytest.raises(CudaCheckError, match="not understood"):
+        cuda_check.rewrite("__shared__ float a[4], b[4];")
+
+
+def test_launch_bound_of_the_chosen_branch():
+    pre = "void __launch_bounds__(32) other(int);\nvoid __launch_bounds__((8 / 2) * 32, 2) mqf_x(int a);"
+    assert cuda_check.launch_bound(pre, "mqf_x") == "(8 / 2) * 32"
+    assert cuda_check.launch_bound("void mqf_x(int);", "mqf_x") == "0"
+
+
+def _exchange(blocks, **kw):
+    x = mx.random.normal((blocks * 64,), key=mx.random.key(blocks))
+    return x, cuda_check.launch("grid_exchange.cu", "mqf_test_exchange", kw, [x],
+                                [(1,), (blocks,), (blocks,)], [mx.uint64, mx.float32, mx.float32],
+                                (blocks * 64, 1, 1), (64, 1, 1), init_value=0)
+
+
+@pytest.mark.parametrize("blocks", [1, 5])
+def test_grid_barrier_exchanges_partials(blocks):
+    """grid_sync.cuh's barrier (all blocks resident): every block sees every
+    partial; the counter ends at one barrier's weight."""
+    x, (ctr, partial, total) = _exchange(blocks)
+    sums = x.reshape(blocks, 64).sum(axis=1)
+    assert np.allclose(np.array(partial), np.array(sums), rtol=1e-5, atol=1e-5)
+    assert np.allclose(np.array(total), float(sums.sum()), rtol=1e-5, atol=1e-4)
+    assert ctr.item() == 64
+
+
+def test_launch_that_does_not_fit_the_kernel_is_refused():
+    x = mx.zeros((64,))
+    outs = ([(1,), (1,), (1,)], [mx.uint64, mx.float32, mx.float32])
+    with pytest.raises(CudaCheckError, match=r"takes 4 arrays and 0 scalars; the launch passes 4 arrays .* 1 scalars"):
+        cuda_check.launch("grid_exchange.cu", "mqf_test_exchange", {}, [x], *outs, (64, 1, 1), (64, 1, 1),
+                          scalars=[3], init_value=0)
+    with pytest.raises(CudaCheckError, match=r"128 threads exceeds the kernel's __launch_bounds__\(64\)"):
+        cuda_check.launch("grid_exchange.cu", "mqf_test_exchange", {}, [x], *outs, (128, 1, 1), (128, 1, 1),
+                          init_value=0)
+
+
+# ---------------------------------------------------------------------------
+# the PTX helpers' CPU bodies against exact references
+# ---------------------------------------------------------------------------
+
+
+def _bf16_bits_of(values):
+    """Round-to-nearest-even bf16 bits of exact rationals (Fraction) or floats."""
+    out = []
+    for v in values:
+        v = Fraction(v)
+        if v == 0:
+            out.append(0)
+            continue
+        f = float(v)  # nearest double: then the two bf16 neighbours of v bracket it
+        b = int(np.array([f], np.float32).view(np.uint32)[0]) >> 16
+        cands = {(b + d) & 0xFFFF for d in (-1, 0, 1, 2)}
+        cands = {c for c in cands if (c & 0x7F80) != 0x7F80 and (c >> 15) == (v < 0)}  # finite, v's sign
+        best = min(cands, key=lambda c: (abs(Fraction(float(np.array([c << 16], np.uint32).view(np.float32)[0])) - v),
+                                         c & 1))
+        out.append(best)
+    return out
+
+
+def _bf16_value(bits):
+    return Fraction(float(np.array([bits << 16], np.uint32).view(np.float32)[0]))
+
+
+def test_ptx_helper_cpu_bodies_are_exact():
+    """cvt (bf16, f16, bf16x2), prmt, lop3, sub/fma.rn.bf16x2 on random and
+    edge values: conversions vs MLX's own (round to nearest even), bf16x2
+    arithmetic vs exact rational arithmetic rounded once, prmt vs the ISA's
+    byte table."""
+    rng = np.random.default_rng(7)
+    n = 300
+    fa = np.concatenate([(rng.standard_normal(n - 12) * 10.0 ** rng.integers(-3, 3, n - 12)).astype(np.float32),
+                         np.float32([0.0, -0.0, 1.0, 65504.0, 65520.0, 1e-8, 3.4e38, 1.00390625, 1.01171875,
+                                     -2.5, 6e-5, 1e-40])])
+    a = fa.view(np.uint32).copy()
+    b_bf = (rng.standard_normal((n, 2)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint32)
+    b = (b_bf[:, 0] | (b_bf[:, 1] << 16)).astype(np.uint32)
+    b[:8] = a[:8]  # pairs with a itself (sub: exact zeros)
+    c = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    c[::3] = (b_bf[::3, 1] | (b_bf[::3, 0] << 16))  # bf16 pairs for fma's addend too
+    a_bf = (rng.standard_normal((n, 2)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint32)
+    a2 = (a_bf[:, 0] | (a_bf[:, 1] << 16)).astype(np.uint32)
+    names = ["bf16", "f16", "f16f", "pair", "perm", "sub", "fma", "lop"]
+    for av in (a, a2):
+        outs = cuda_check.launch("ptx_ops.cu", "mqf_test_ptx", {}, [mx.array(av), mx.array(b), mx.array(c)],
+                                 [(n,)] * 8, [mx.uint32] * 8, (n, 1, 1), (128, 1, 1), scalars=[n])
+        got = {k: np.array(o) for k, o in zip(names, outs)}
+        f = av.view(np.float32)
+        assert np.array_equal(got["bf16"], np.array(mx.array(f).astype(mx.bfloat16).view(mx.uint16)).astype(np.uint32))
+        assert np.array_equal(got["f16"], f.astype(np.float16).view(np.uint16).astype(np.uint32))
+        assert np.array_equal(got["f16f"].view(np.float32), (av & 0xFFFF).astype(np.uint16).view(np.float16)
+                              .astype(np.float32), equal_nan=True)
+        hi = np.array(mx.array(f).astype(mx.bfloat16).view(mx.uint16)).astype(np.uint32)
+        lo = np.array(mx.array(b.view(np.float32)).astype(mx.bfloat16).view(mx.uint16)).astype(np.uint32)
+        assert np.array_equal(got["pair"], (hi << 16) | lo)
+        assert np.array_equal(got["lop"], (av & b) | c)
+        for i in range(n):
+            src = int(av[i]) | int(b[i]) << 32
+            want = 0
+            for k in range(4):
+                s = (int(c[i]) >> (4 * k)) & 0xF
+                byte = (src >> (8 * (s & 7))) & 0xFF
+                if s & 8:
+                    byte = 0xFF if byte & 0x80 else 0
+                want |= byte << (8 * k)
+            assert int(got["perm"][i]) == want, i
+        for h in range(2):
+            def half(w):
+                return (int(w) >> (16 * h)) & 0xFFFF
+
+            def ok(bits):  # finite, and far from overflow
+                return (bits & 0x7F80) != 0x7F80 and abs(_bf16_value(bits)) < 1e15
+
+            idx = [i for i in range(n) if ok(half(av[i])) and ok(half(b[i])) and ok(half(c[i]))]
+            want_sub = _bf16_bits_of([_bf16_value(half(av[i])) - _bf16_value(half(b[i])) for i in idx])
+            want_fma = _bf16_bits_of([_bf16_value(half(av[i])) * _bf16_value(half(b[i])) + _bf16_value(half(c[i]))
+                                      for i in idx])
+            assert [half(got["sub"][i]) for i in idx] == want_sub
+            assert [half(got["fma"][i]) for i in idx] == want_fma
+
+
+# ---------------------------------------------------------------------------
+# planted bugs in the package's own kernels: each must be caught
+# ---------------------------------------------------------------------------
+
+
+def _rms_norm(rows, dtype=mx.bfloat16):
+    from mlx_qwen_fast.kernels.gated_rms_norm import gated_rms_norm
+
+    ks = mx.random.split(mx.random.key(rows), 3)
+    y = mx.random.normal((rows, 128), key=ks[0]).astype(dtype)
+    z = mx.random.normal((rows, 128), key=ks[1]).astype(dtype)
+    w = mx.random.normal((128,), key=ks[2]).astype(dtype)
+    return gated_rms_norm(y, z, w, 1e-6)
+
+
+def _gdn_decode():
+    from gdn_helpers import D
+    from mlx_qwen_fast.kernels.gated_delta_decode import decode_params, gated_delta_decode
+
+    Hk, Hv, B, dtype = 1, 2, 1, mx.float32
+    C = (2 * Hk + Hv) * D
+    ks = mx.random.split(mx.random.key(3), 6)
+    w = mx.random.normal((C, 4, 1), key=ks[0]) * 0.5
+    params = decode_params(w, mx.random.normal((Hv,), key=ks[1]), mx.random.normal((Hv,), key=ks[2]),
+                           1 + 0.3 * mx.random.normal((D,), key=ks[3]))
+    proj = mx.random.normal((B, 1, C + Hv * D + 2 * Hv), key=ks[4])
+    state = 0.5 * mx.random.normal((B, Hv, D, D), key=ks[5])
+    return gated_delta_decode(proj, params, None, state, num_k_heads=Hk, num_v_heads=Hv)
+
+
+def test_planted_store_past_the_end(sim):
+    """gated_rms_norm.cu without its row guard on the store: the rows past N
+    of the last block write past the output (4 rows: 64 threads of 256)."""
+    assert not mx.isnan(_rms_norm(4)).any().item()
+    with cuda_check.planted("gated_rms_norm.cu", "  if (ok) {\n    store4(out + base, o);", "  {\n    store4(out + base, o);"):
+        # rows past N read row 0 (clamped) but store at their own row
+        with cuda_check.planted("gated_rms_norm.cu", "const size_t base = (size_t)(ok ? row : 0) * D + l * 8;",
+                                "const size_t base = (size_t)row * D + l * 8;"):
+            with pytest.raises(CudaCheckError, match=r"out-of-bounds access of array 'in0'"):
+                _rms_norm(4)
+
+
+def test_planted_wrong_shuffle_mask(sim):
+    """warp_sum (gdn_common.cuh) with a half-warp mask: lanes 16-31 call it
+    with a mask that leaves them out."""
+    with cuda_check.planted("gdn_common.cuh", "v += __shfl_xor_sync(0xffffffffu, v, o);",
+                            "v += __shfl_xor_sync(0x0000ffffu, v, o);"):
+        with pytest.raises(CudaCheckError, match=r"__shfl_xor_sync at gdn_common.cuh:\d+: lane \d+ calls it with mask "
+                                                 r"0x0000ffff, which leaves it out"):
+            _rms_norm(8)
+
+
+def test_planted_missing_syncthreads(sim):
+    """gated_delta_decode.cu without the barrier after the key/query rows are
+    staged in shared memory: threads read rows others have not written (a
+    race only the other schedule exposes, or poison)."""
+    ok = _gdn_decode()
+    assert all(not mx.isnan(o).any().item() for o in ok)
+    src = (cuda_check.SOURCES / "gated_delta_decode.cu").read_text()
+    caught = 0
+    n = src.count("__syncthreads();")
+    assert n >= 3
+    for i in range(n):  # each barrier, removed in turn
+        with cuda_check.planted("gated_delta_decode.cu", "__syncthreads();", ";", index=i):
+            try:
+                out = _gdn_decode()
+            except CudaCheckError as e:
+                assert "depends on the order" in str(e), str(e)
+                caught += 1
+                continue
+            # no schedule difference: then the result itself must be wrong (poison or stale data)
+            assert any(not mx.array_equal(a, b).item() for a, b in zip(out, ok)), f"barrier {i} removed: not caught"
+            caught += 1
+    assert caught == n
+
+
+def test_planted_lane_that_never_arrives(sim):
+    """A lane returning before warp_sum's shuffles: the others wait for it."""
+    with cuda_check.planted("gated_rms_norm.cu", "  ss = warp_sum<16>(ss);",
+                            "  if (l == 3) return;\n  ss = warp_sum<16>(ss);"):
+        with pytest.raises(CudaCheckError, match=r"lane 3 returned while lanes .* wait for it at __shfl_xor_sync"):
+            _rms_norm(2)
+
+
+def test_planted_wrong_mma_fragment_index(sim):
+    """The 4-bit GEMV step (moe_decode_common.cuh's mma_word, which
+    quantized_gemv.cu runs) with two A fragment registers of its mma swapped:
+    the kernel runs clean but its product is wrong (the reference catches
+    it; the right source matches)."""
+    from mlx_qwen_fast.kernels.quantized_gemv import quantized_gemv
+
+    K, N = 256, 64
+    ks = mx.random.split(mx.random.key(11), 2)
+    w, s, b = mx.quantize(mx.random.normal((N, K), key=ks[0]).astype(mx.bfloat16), group_size=64, bits=4)
+    x = mx.random.normal((1, K), key=ks[1]).astype(mx.bfloat16)
+    ref = x.astype(mx.float32) @ mx.dequantize(w, s, b, group_size=64, bits=4).T
+    good = quantized_gemv(x, w, s, b, group_size=64, bits=4).astype(mx.float32)
+    err = lambda y: (mx.linalg.norm(y - ref) / mx.linalg.norm(ref)).item()  # noqa: E731
+    assert err(good) < 2**-7
+    with cuda_check.planted("moe_decode_common.cuh", "mma_bf16(acc, p0[0], p1[0], p0[1], p1[1], bb[0], bb[1]);",
+                            "mma_bf16(acc, p1[0], p0[0], p0[1], p1[1], bb[0], bb[1]);"):
+        bad = quantized_gemv(x, w, s, b, group_size=64, bits=4).astype(mx.float32)
+    assert err(bad) > 0.1
+
+
+def _attention_decode(cap, off):
+    from mlx_qwen_fast.kernels import attention_decode as ad
+
+    B, hq, hkv, DH = 1, 16, 2, 256
+    ks = mx.random.split(mx.random.key(cap), 5)
+    proj = mx.random.normal((B, 1, ad.proj_width(hq, hkv)), key=ks[0])
+    keys = mx.random.normal((B, hkv, cap, DH), key=ks[1])
+    values = mx.random.normal((B, hkv, cap, DH), key=ks[2])
+    qw, kw = 1.0 + 0.3 * mx.random.normal((DH,), key=ks[3]), 1.0 + 0.3 * mx.random.normal((DH,), key=ks[4])
+    return ad.attention_decode(proj, keys, values, mx.array(off, mx.int32), qw, kw, num_heads=hq, num_kv_heads=hkv,
+                               scale=DH ** -0.5, q_eps=1e-6, k_eps=1e-6, rope_dims=64)
+
+
+def test_planted_off_by_one_tile_edge(sim):
+    """attention_decode.cu's partial kernel with its split's end one past the
+    query and no longer clamped to the buffer: at a full buffer (offset =
+    capacity - 1) the last head's key rows are read one past the end."""
+    assert not mx.isnan(_attention_decode(64, 63)[0]).any().item()
+    with cuda_check.planted("attention_decode.cu", "const int hi = min(min(lo + split_len, off + 1), cap);",
+                            "const int hi = min(lo + split_len + 1, off + 2);"):
+        with pytest.raises(CudaCheckError, match=r"out-of-bounds access of array 'in[12]'"):
+            _attention_decode(64, 63)
+
+
+def test_planted_missing_grid_barrier():
+    """grid_exchange.cu without its grid barrier: blocks read partials that
+    other blocks have not written yet (the two block orders differ)."""
+    with pytest.raises(CudaCheckError, match="depends on the order"):
+        _exchange(5, NO_GRID_BARRIER=1)
+    _exchange(5)  # the same build without the plant passes
+
+
+def test_planted_grid_barrier_that_never_completes():
+    """A grid barrier whose target one arrival short of reach: every block spins."""
+    with cuda_check.planted("grid_exchange.cu", "grid_wait(ctr, 64);", "grid_wait(ctr, 65);"):
+        with pytest.raises(CudaCheckError, match=r"spin-waits at grid_sync.cuh:\d+ and no thread can make progress"):
+            _exchange(3)
