@@ -30,8 +30,8 @@ Per layer kind:
   256 its kernels, on Metal with :data:`mlx_qwen_fast.config.METAL_KERNELS`
   on its Metal kernels, else MLX's ops with the positions past the offset
   masked), ``o_proj``, the residual, then the MoE step as above. The trace
-  depends on the buffer's capacity, which grows by mlx-lm's step of 256
-  positions, not on the offset.
+  depends on the buffer's capacity, which grows to multiples of
+  :data:`KV_GROWTH` positions (mlx-lm grows by 256), not on the offset.
 
 Where a part has no decode step (a CPU or Metal backend, a LoRA-wrapped or
 sharded module, a cache other than mlx-lm's plain ``KVCache`` /
@@ -137,13 +137,27 @@ def _attention_core(static, x, norm, keys, values, offset, qn_w, kn_w, flat):
     return linear_ops.decode_linear(out, flat[:n_o], o_s, residual=x), keys, values
 
 
+#: Positions a KV buffer grows to a multiple of when the decode step needs
+#: room (mlx-lm grows by ``KVCache.step``, 256). The compiled step traces
+#: again for every new buffer shape (a whole-stack trace: one slow token,
+#: bench.decode_split --boundary), so growing in larger steps makes that
+#: token 16 times rarer, for at most 4095 spare positions per attention
+#: layer (20 KB a position at the reference model's 2 KV heads of 256 in
+#: bf16: 80 MB over its 10 layers at batch 1).
+KV_GROWTH = 4096
+
+
 def _room(cache, x_dtype, B: int, hkv: int, dh: int) -> bool:
     """Make room for one more position in a plain ``KVCache`` as
-    ``KVCache.update_and_fetch`` (mlx-lm 0.32.2) does (buffers grown by
-    ``cache.step`` positions of the new rows' dtype, ``x_dtype``, so that a
-    cache of another dtype is promoted as stock promotes it). False (nothing
-    changed) where the buffers do not match the step's batch, heads or head
-    size."""
+    ``KVCache.update_and_fetch`` (mlx-lm 0.32.2) does, in larger steps: a
+    full buffer is cut to the cache's offset and extended with zero rows of
+    the new rows' dtype, ``x_dtype`` (so that a cache of another dtype is
+    promoted as stock promotes it), to the next multiple of
+    ``max(KV_GROWTH, cache.step)`` positions. mlx-lm's own calls take any
+    capacity (``update_and_fetch``, ``trim`` and the attention work from the
+    offset; ``state``, and so a saved prompt cache, holds the whole buffer,
+    spare positions included). False (nothing changed) where the buffers do
+    not match the step's batch, heads or head size."""
     keys = cache.keys
     if keys is None or keys.ndim != 4 or tuple(keys.shape[:2]) != (B, hkv) or keys.shape[3] != dh:
         return False
@@ -151,10 +165,11 @@ def _room(cache, x_dtype, B: int, hkv: int, dh: int) -> bool:
         return False
     prev = cache.offset
     if prev + 1 > keys.shape[2]:
-        step = cache.step
-        new_k = mx.zeros((B, hkv, step, dh), x_dtype)
-        new_v = mx.zeros((B, hkv, step, dh), x_dtype)
-        if prev % step != 0:
+        growth = max(KV_GROWTH, cache.step)
+        extra = -(-(prev + 1) // growth) * growth - prev
+        new_k = mx.zeros((B, hkv, extra, dh), x_dtype)
+        new_v = mx.zeros((B, hkv, extra, dh), x_dtype)
+        if keys.shape[2] != prev:
             cache.keys, cache.values = cache.keys[..., :prev, :], cache.values[..., :prev, :]
         cache.keys = mx.concatenate([cache.keys, new_k], axis=2)
         cache.values = mx.concatenate([cache.values, new_v], axis=2)
@@ -423,8 +438,8 @@ class _ModelPlan:
 def _plan_model(model, h: mx.array, cache) -> Optional[_ModelPlan]:
     """A :class:`_ModelPlan` from every layer's plan (made or checked here),
     or None where a layer does not take its whole step. May grow KV buffers
-    (by mlx-lm's step, as ``KVCache.update_and_fetch`` does before writing):
-    invisible to the caller, as stock's growth is."""
+    (:func:`_room`, as ``KVCache.update_and_fetch`` does before writing, in
+    larger steps): invisible to the caller, as stock's growth is."""
     layers = model.layers
     entries = []
     for layer, c in zip(layers, cache):

@@ -36,6 +36,19 @@ def _arrays(cache):
     return [v for c in cache for _, v in tree_flatten(c.state) if isinstance(v, mx.array)]
 
 
+def _valid(cache):
+    """The cache with each KVCache's buffers cut to its offset (the decode
+    step grows them in larger steps than stock: ops.decoder.KV_GROWTH)."""
+    out = []
+    for c in cache:
+        if isinstance(c, KVCache) and c.keys is not None:
+            v = KVCache()
+            v.keys, v.values, v.offset = c.keys[..., :c.offset, :], c.values[..., :c.offset, :], c.offset
+            c = v
+        out.append(c)
+    return out
+
+
 def _spy(monkeypatch):
     """Count the compiled layer steps that ran, by layer kind."""
     taken = {"linear": 0, "attention": 0}
@@ -95,12 +108,15 @@ def test_attention_layer_step_matches_stock(monkeypatch, prompt_len, steps, batc
         assert (mx.argmax(a[:, -1], -1) == mx.argmax(b[:, -1], -1)).all().item()
     n_attn = sum(not l.is_linear for l in fast.layers)
     assert taken["attention"] == n_attn * steps
-    for x, y in zip(_arrays(cs), _arrays(cf)):
+    for x, y in zip(_arrays(_valid(cs)), _arrays(_valid(cf))):
         assert x.shape == y.shape and x.dtype == y.dtype
         assert_close(y, x, FP32_TOL, "cache array")
     kv = [(c1, c2) for c1, c2 in zip(cs, cf) if isinstance(c1, KVCache)]
     assert all(c1.offset == c2.offset == prompt_len + steps for c1, c2 in kv)
-    assert all(c1.keys.shape == c2.keys.shape for c1, c2 in kv)  # grown as mlx-lm grows it
+    for c1, c2 in kv:  # grown as stock grows it where stock's buffer had room, else to KV_GROWTH multiples
+        cap = c1.keys.shape[2]
+        grown = -(-c2.offset // decoder.KV_GROWTH) * decoder.KV_GROWTH
+        assert c2.keys.shape[2] in (cap, grown) and c2.keys.shape[:2] == c1.keys.shape[:2]
 
 
 def test_layer_step_outputs_and_stock_layer_agree_bf16():
@@ -247,8 +263,30 @@ def test_a_cache_of_another_dtype_grows_as_stock_grows_it():
     i, c1, c2, x = _attention_inputs(stock, fast, 256, mx.bfloat16)
     ref, got = stock.layers[i](x, None, c1), fast.layers[i](x, None, c2)
     mx.eval(ref, got)
-    assert c2.keys.dtype == c1.keys.dtype == mx.float32 and c2.keys.shape == c1.keys.shape
+    assert c2.keys.dtype == c1.keys.dtype == mx.float32 and c2.keys.shape[2] == decoder.KV_GROWTH
     assert_close(got, ref, FP32_TOL, "after growth")
+    assert_close(c2.keys[..., :c2.offset, :], c1.keys[..., :c1.offset, :], FP32_TOL, "keys")
+
+
+@pytest.mark.parametrize("prev,cap,step,want", [(256, 256, 256, 4096), (4096, 4096, 256, 8192),
+                                                (300, 300, 256, 4096), (5000, 5000, 8192, 8192), (10, 12, 256, 12)])
+def test_room_grows_to_multiples_of_kv_growth(prev, cap, step, want):
+    """A full buffer grows to the next multiple of max(KV_GROWTH, step)
+    (cut to the offset first where stock's buffer was not a multiple), the
+    rows before the offset kept, zeros after; a buffer with room is left
+    alone."""
+    c = KVCache()
+    c.step = step
+    k = mx.random.normal((1, 2, cap, 8), key=mx.random.key(prev))
+    c.keys, c.values, c.offset = k, 2 * k, prev
+    assert decoder._room(c, mx.float32, 1, 2, 8)
+    assert c.keys.shape == c.values.shape == (1, 2, want, 8) and c.offset == prev
+    assert mx.array_equal(c.keys[..., :prev, :], k[..., :prev, :]).item()
+    assert mx.array_equal(c.values[..., :prev, :], 2 * k[..., :prev, :]).item()
+    if want != cap:
+        assert not mx.any(c.keys[..., prev:, :]).item()
+    assert c.keys_and_values()[0].shape[2] == prev  # what mlx-lm's attention reads: up to the offset
+    assert not decoder._room(c, mx.float32, 2, 2, 8)  # another batch: nothing changes
 
 
 def test_unpatch_restores_the_stock_layer_class():
