@@ -24,7 +24,8 @@
 //   on its first page are a canary checked when the block ends. Shared
 //   addresses (__cvta_generic_to_shared) are offsets into the arena.
 // * cp.async copies (cp_async_* in ptx.cuh) join the thread's open group;
-//   commit closes it; wait_group<N> completes all but the newest N groups.
+//   commit closes it; wait_group<N> completes all but the newest N groups
+//   (a wait with copies not yet committed fails: no wait covers them).
 //   Schedule 0 copies at issue, schedule 1 at completion, so a read of the
 //   destination before the wait (or before the barrier after it) gives
 //   different outputs in the two runs.
@@ -440,6 +441,10 @@ inline void cp_async_commit() {
   cur->open_group.clear();
 }
 inline void cp_async_wait(int keep) {
+  for (const PendingCopy& c : cur->open_group)
+    if (c.bytes || schedule == 0)  // any copy issued since the last commit
+      fail("cp.async.wait_group with copies issued since the last commit_group: they belong to no group, so "
+           "the wait does not cover them");
   auto& g = cur->groups;
   while (int(g.size()) > keep) {
     for (auto& c : g.front())

@@ -160,6 +160,59 @@ def test_launch_that_does_not_fit_the_kernel_is_refused():
                           init_value=0)
 
 
+def test_warp_and_block_collectives():
+    """Shuffles (index, xor, up, down, with widths), votes, reductions,
+    __match_any_sync and the _or/_and/_count barriers against numpy, two
+    blocks of 64 threads."""
+    n = 128
+    x = np.random.default_rng(3).integers(0, 50, n).astype(np.int32)
+    names = ["shfl", "xor", "up", "down", "ballot", "any", "all", "radd", "rmin", "rmax", "match", "bor", "band",
+             "bcount"]
+    outs = cuda_check.launch("warp_ops.cu", "mqf_test_warp", {}, [mx.array(x)], [(n,)] * len(names),
+                             [mx.int32] * len(names), (n, 1, 1), (64, 1, 1))
+    got = {k: np.array(o) for k, o in zip(names, outs)}
+    lane = np.arange(n) % 32
+    warp = np.arange(n) // 32 * 32
+    blk = np.arange(n) // 64 * 64
+    assert np.array_equal(got["shfl"], x[warp + (lane * 5) % 32])
+    assert np.array_equal(got["xor"], x[warp + (lane ^ 5)])  # lane ^ 5 stays in its 16-lane group
+    up_src = lane - 3
+    assert np.array_equal(got["up"], np.where(up_src >= lane // 8 * 8, x[warp + np.maximum(up_src, 0)], x))
+    down_src = lane + 2
+    assert np.array_equal(got["down"], np.where(down_src < 32, x[warp + np.minimum(down_src, 31)], x))
+    w = x.reshape(-1, 32)
+    bits = ((w & 1).astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum(1).astype(np.uint32).view(np.int32)
+    assert np.array_equal(got["ballot"], np.repeat(bits, 32))
+    assert np.array_equal(got["any"], np.repeat((w > 40).any(1), 32).astype(np.int32))
+    assert np.array_equal(got["all"], np.ones(n, np.int32))
+    assert np.array_equal(got["radd"], np.repeat(w.sum(1), 32))
+    assert np.array_equal(got["rmin"], np.repeat(w.min(1), 32))
+    assert np.array_equal(got["rmax"], np.repeat(w.max(1), 32))
+    m = w % 4
+    want = [int(((m[r] == m[r, l]).astype(np.uint64) << np.arange(32, dtype=np.uint64)).sum()) for r in range(n // 32)
+            for l in range(32)]
+    assert np.array_equal(got["match"].view(np.uint32), np.array(want, np.uint32))
+    b = x.reshape(-1, 64)
+    assert np.array_equal(got["bor"], np.repeat((b == 7).any(1), 64).astype(np.int32))
+    assert np.array_equal(got["band"], np.ones(n, np.int32))
+    assert np.array_equal(got["bcount"], np.repeat((b % 3 == 0).sum(1), 64))
+    del blk
+
+
+def test_planted_cp_async_wait_before_commit(sim):
+    """gated_delta_scan.cu's copies waited for before their commit: the wait
+    covers no group holding them."""
+    from gdn_helpers import make_scan_inputs
+    from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan
+
+    src = (cuda_check.SOURCES / "gated_delta_scan.cu").read_text()
+    assert "cp_async_commit();" in src
+    q, k, v, g, beta, s0 = make_scan_inputs(1, 9, "strong", seed=5, dtype=mx.float32)
+    with cuda_check.planted("gated_delta_scan.cu", "cp_async_commit();", ";", index=0):
+        with pytest.raises(CudaCheckError, match="copies issued since the last commit_group"):
+            gated_delta_scan(q, k, v, g, beta, s0)
+
+
 # ---------------------------------------------------------------------------
 # the PTX helpers' CPU bodies against exact references
 # ---------------------------------------------------------------------------
