@@ -4,7 +4,8 @@ What it does, for one launch of a :class:`mlx_qwen_fast.kernels._cuda_build.Cuda
 
 1. **The kernel's own source.** The ``.cu`` file and the package's ``*.cuh``
    headers, with the launch's build macros (``KNAME`` and the wrapper's
-   ``defines``), compiled by the system C++ compiler as C++20 against
+   ``defines``) and ``__CUDA_ARCH__`` of the simulated GPU (:data:`ARCH`),
+   compiled by the system C++ compiler as C++20 against
    ``cuda_shim.h`` (the CUDA subset the kernels use, read on the CPU) with
    ``MQF_CPU_CHECK`` defined, which selects the CPU bodies of the PTX helpers
    in ``mlx_qwen_fast/cuda/ptx.cuh``. Each ``__shared__`` declaration is
@@ -89,6 +90,14 @@ SCHEDULES = (0, 1)
 
 #: SMs the simulated GPU reports (``_cuda_build.sm_count``): an H100 SXM's.
 SM_COUNT = 132
+
+#: The simulated GPU's compute capability (``_cuda_build.gpu_arch``): an
+#: H100's. The CPU builds define ``__CUDA_ARCH__`` from it (900), as nvcc and
+#: NVRTC do for the device pass, so that a kernel's ``#if __CUDA_ARCH__``
+#: branches run as on that GPU (undefined, the macro reads as 0: the oldest
+#: branch).
+ARCH = (9, 0)
+_arch = ARCH  # the architecture builds are made for now (simulated(arch=...))
 
 _NP = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16, mx.int32: np.int32,
        mx.uint32: np.uint32, mx.int64: np.int64, mx.uint64: np.uint64, mx.int16: np.int16,
@@ -235,7 +244,7 @@ def build(filename: str, defines: Dict[str, object]) -> Path:
         raise CudaCheckError("no C++ compiler (g++) on PATH")
     files = _closure(filename)
     texts = {f: rewrite(_read(f)) for f in files}
-    defs = [f"-D{k}={v}" for k, v in sorted(defines.items())]
+    defs = [f"-D{k}={v}" for k, v in sorted(defines.items())] + [f"-D__CUDA_ARCH__={_arch[0] * 100 + _arch[1] * 10}"]
     h = hashlib.sha256()
     for part in [*(f + "\0" + texts[f] for f in sorted(texts)), SHIM.read_text(), RUNNER.read_text(), *defs,
                  *CXXFLAGS, CXX]:
@@ -400,20 +409,22 @@ def active() -> bool:
 
 
 @contextlib.contextmanager
-def simulated(sm_count: int = SM_COUNT):
+def simulated(sm_count: int = SM_COUNT, arch: Tuple[int, int] = ARCH):
     """Within: the package sees a CUDA GPU (``backend.current()`` is "cuda",
-    ``_cuda_build.cuda_available()`` True, sm_90 with ``sm_count`` SMs) and
-    every CudaKernel launch runs on the CPU through :func:`launch`. MLX's own
-    ops run on the CPU, uncompiled (``mx.compile`` would trace the kernels'
-    inputs, which the checker must evaluate)."""
-    global _active
-    saved = (cb.CudaKernel.__call__, cb.cuda_available, cb.gpu_arch, cb.sm_count, backend.current)
+    ``_cuda_build.cuda_available()`` True, compute capability ``arch`` (sm_90
+    by default) with ``sm_count`` SMs) and every CudaKernel launch runs on
+    the CPU through :func:`launch`, built with ``__CUDA_ARCH__`` of ``arch``.
+    MLX's own ops run on the CPU, uncompiled (``mx.compile`` would trace the
+    kernels' inputs, which the checker must evaluate)."""
+    global _active, _arch
+    saved = (cb.CudaKernel.__call__, cb.cuda_available, cb.gpu_arch, cb.sm_count, backend.current, _arch)
     device = mx.default_device()
     cb.CudaKernel.__call__ = _simulated_call
     cb.cuda_available = lambda: True
-    cb.gpu_arch = lambda: (9, 0)
+    cb.gpu_arch = lambda: tuple(arch)
     cb.sm_count = lambda: sm_count
     backend.current = lambda: backend.CUDA
+    _arch = tuple(arch)
     mx.set_default_device(mx.cpu)
     mx.disable_compile()
     _active += 1
@@ -423,4 +434,4 @@ def simulated(sm_count: int = SM_COUNT):
         _active -= 1
         mx.enable_compile()
         mx.set_default_device(device)
-        cb.CudaKernel.__call__, cb.cuda_available, cb.gpu_arch, cb.sm_count, backend.current = saved
+        cb.CudaKernel.__call__, cb.cuda_available, cb.gpu_arch, cb.sm_count, backend.current, _arch = saved

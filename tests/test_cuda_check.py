@@ -93,6 +93,9 @@ def test_every_ptx_helper_has_a_cpu_body():
     ("attention_prefill.cu", dict(ATT_X="f16_t")),
     ("moe_grouped_gemm.cu", dict(MOE_KIND=0, MOE_BM=64)),
     ("moe_grouped_gemm_wgmma.cu", dict(MOE_KIND=1, MOE_BM=64, MOE_STAGES=4)),
+    ("moe_routing.cu", dict(MOE_STAGE=1, MOE_E=256, MOE_K=8, MOE_LT="bf16_t")),
+    ("moe_decode_gemv.cu", dict(MDG_KIND=0, MDG_N=4, MDG_K=8, MDG_D=2048, MDG_I=512, MDG_SGB=8, MDG_ROUTE=1,
+                                MDG_E=512, MDG_LT="bf16_t")),
     ("tests/grid_exchange.cu", {}),
 ])
 def test_nvcc_compiles_the_gpu_branch(tmp_path, source, defines):
@@ -104,6 +107,23 @@ def test_nvcc_compiles_the_gpu_branch(tmp_path, source, defines):
                         f"-I{cuda_check.SOURCES}", *defs, "-o", str(tmp_path / "k.cubin"), str(path)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+@pytest.mark.parametrize("n,k,E", [(1, 8, 256), (4, 8, 512), (1, 32, 96)])
+def test_nvcc_routing_gate_up_fits_its_registers(tmp_path, n, k, E):
+    """The gate+up build that routes (the routing's E/32 logits and keys per
+    lane on top of the GEMV's registers) stays within __launch_bounds__(256,
+    3)'s 80 registers with no spills or stack frame, for sm_90a."""
+    defs = dict(KNAME="k", MDG_KIND=0, MDG_N=n, MDG_K=k, MDG_D=2048, MDG_I=512, MDG_SGB=8, MDG_ROUTE=1, MDG_E=E,
+                MDG_LT="bf16_t")
+    r = subprocess.run(["nvcc", "-cubin", "-std=c++17", "-O3", "-gencode=arch=compute_90a,code=sm_90a",
+                        f"-I{cuda_check.SOURCES}", *[f"-D{a}={b}" for a, b in defs.items()], "-Xptxas", "-v",
+                        "-o", str(tmp_path / "k.cubin"), str(cuda_check.SOURCES / "moe_decode_gemv.cu")],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    regs = int(re.search(r"Used (\d+) registers", r.stderr).group(1))
+    assert regs <= 80 and "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in r.stderr, r.stderr
 
 
 # ---------------------------------------------------------------------------
@@ -441,3 +461,95 @@ def test_planted_grid_barrier_that_never_completes():
     with cuda_check.planted("grid_exchange.cu", "grid_wait(ctr, 64);", "grid_wait(ctr, 65);"):
         with pytest.raises(CudaCheckError, match=r"spin-waits at grid_sync.cuh:\d+ and no thread can make progress"):
             _exchange(3)
+
+
+# ---------------------------------------------------------------------------
+# the simulated GPU's architecture branches; the in-kernel MoE routing
+# ---------------------------------------------------------------------------
+
+#: moe_route_common.cuh's sm_80+ arg-max: the taken expert's bit set in the
+#: lane's mask (planted away below).
+_TAKEN = "taken |= 1u << (id >> 5);"
+
+
+def _route_logits(n, E, seed, dtype=mx.bfloat16):
+    """Router logits [n, E]: row 0 all equal, the odd rows from {0, 1, 2, 3}
+    (exact ties everywhere), the other rows random."""
+    rng = np.random.default_rng(seed)
+    lg = rng.normal(size=(n, E)).astype(np.float32) * 2.0
+    lg[1::2] = rng.integers(0, 4, size=lg[1::2].shape)
+    lg[0] = 0.0
+    return mx.array(lg).astype(dtype)
+
+
+def _top_k_ids(logits, k):
+    """The expected selection: logits descending, ties by the lower id."""
+    lg = np.asarray(logits.astype(mx.float32))
+    return np.stack([np.lexsort((np.arange(lg.shape[1]), -row))[:k] for row in lg])
+
+
+def test_builds_take_the_simulated_architecture_branch():
+    """The CPU builds define __CUDA_ARCH__ of the simulated GPU (900 by
+    default), as nvcc and NVRTC do: moe_route_common.cuh's sm_80+ arg-max
+    (redux.sync over keys, the taken experts a bit mask) is what runs, so
+    that with the taken mask planted away every round picks the same
+    expert again; under arch (7, 5) its older shuffle arg-max runs, which
+    the plant does not touch."""
+    from mlx_qwen_fast.kernels import moe_routing as mr
+
+    logits = _route_logits(4, 64, 5)
+    with cuda_check.simulated():
+        inds, scores = mr.route(logits, 8)
+        assert np.array_equal(np.asarray(inds), _top_k_ids(logits, 8))
+        with cuda_check.planted("moe_route_common.cuh", _TAKEN, ""):
+            bad, _ = mr.route(logits, 8)
+    assert all(len(set(row)) == 1 for row in np.asarray(bad).tolist())
+    with cuda_check.simulated(arch=(7, 5)):
+        with cuda_check.planted("moe_route_common.cuh", _TAKEN, ""):
+            old, old_scores = mr.route(logits, 8)
+    assert np.array_equal(np.asarray(old), np.asarray(inds)) and mx.array_equal(old_scores, scores).item()
+
+
+@pytest.mark.parametrize("E,k,dtype", [(32, 32, mx.bfloat16), (64, 8, mx.bfloat16), (160, 3, mx.float16),
+                                       (512, 8, mx.float32), (1024, 31, mx.bfloat16)])
+def test_routing_branches_agree(E, k, dtype):
+    """The routing's two arg-max branches (sm_80+: redux.sync on keys with a
+    taken mask; older GPUs: shuffles on (probability, id)) on the same
+    logits: the same experts and weights, bit for bit, ties by the lower id,
+    from one logit per lane (E = 32, every expert taken) to 32 (E = 1024)."""
+    from mlx_qwen_fast.kernels import moe_routing as mr
+
+    logits = _route_logits(6, E, E + k, dtype)
+    out = []
+    for arch in ((9, 0), (7, 5)):
+        with cuda_check.simulated(arch=arch):
+            out.append([np.asarray(a) for a in mr.route(logits, k, normalize=k > 1)])
+    (i9, s9), (i7, s7) = out
+    assert np.array_equal(i9, _top_k_ids(logits, k))
+    assert np.array_equal(i9, i7) and np.array_equal(s9.view(np.uint32), s7.view(np.uint32))
+
+
+def test_planted_routing_barrier_missing_in_gate_up(sim):
+    """moe_decode_gemv.cu's gate+up build that routes, without the barrier
+    between the routing warps' writes of the ids to shared memory and every
+    warp's read: the other warps read ids not yet written (poison), so that
+    the CTA no longer agrees on whether a lower pair owns its expert (some
+    warps return, the rest wait at the reduction's barrier), or a race the
+    other schedule exposes."""
+    from moe_blocks import make_arrays, x_tokens
+
+    from mlx_qwen_fast.kernels import moe_decode_gemv as md
+
+    experts, shared, eg = make_arrays(E=32, D=256, I=128, seed=3)
+    x, logits = x_tokens(2, 256, 4), _route_logits(2, 32, 6)
+    good = md.route_gate_up_swiglu(x, logits, 4, experts, shared, eg)
+    assert not mx.isnan(good[0]).any().item()
+    with cuda_check.planted("moe_decode_gemv.cu", "    __syncthreads();\n  }\n  const int* ids = rinds;",
+                            "  }\n  const int* ids = rinds;"):
+        try:
+            bad = md.route_gate_up_swiglu(x, logits, 4, experts, shared, eg)
+        except CudaCheckError as e:
+            assert re.search(r"depends on the order|out-of-bounds|__syncthreads at moe_decode_gemv\.cu:\d+ after \d+ "
+                             r"threads of the block returned", str(e)), str(e)
+        else:
+            assert any(not mx.array_equal(a, b).item() for a, b in zip(bad, good)), "missing barrier not caught"

@@ -1,5 +1,6 @@
 // Fused decode MoE (N <= 4 tokens): expert GEMVs with in-register 4-bit
-// dequantisation on tensor cores, two launches per layer.
+// dequantisation on tensor cores, two launches per layer after the router's
+// GEMV (the first routes the tokens itself: MDG_ROUTE).
 //
 // Weights: MLX affine 4-bit, group 64: W [E, O, K/8] uint32 (eight nibbles per
 // word, lowest nibble = lowest input index), bf16 scales/biases [E, O, K/64].
@@ -42,6 +43,17 @@
 //   outputs: h [NK + N, I] bf16: row n*k + j = bf16(silu(bf16(x.Wg)) *
 //   bf16(x.Wu)) of pair (n, j), row NK + n = the shared expert's for token n;
 //   sgate [N] float = sigmoid(bf16(x[n] . w_gate)).
+//   MDG_ROUTE 1: the kernel routes the tokens itself. Input logits [N, E]
+//   (MDG_LT, E = MDG_E) in place of inds; every routed pair's CTA (item <
+//   NK) first routes all N tokens, warp n token n, with route_row of
+//   moe_route_common.cuh (the routing kernel's own code: the same experts
+//   and weights, bit for bit), the N*k ids kept in shared memory; CTA (0, 0)
+//   also writes them: extra outputs inds [N, k] int32 and scores [N, k]
+//   float (what the down kernel reads). Scalar: int normalize (divide the k
+//   probabilities by their sum). The shared-expert and gate CTAs do not
+//   route. Costs every routed CTA the routing (E/32 logits per lane, k
+//   rounds of two warp reductions) before its first weight load, and saves
+//   the routing kernel's launch.
 // MDG_KIND 1: down + routing weights + shared expert + combine.
 //   grid D/16 CTAs of 32 MDG_DNW threads (kernels/moe_decode_gemv.py
 //   down_warps: N*k + 1 at one token up to 12, so that every item has its own
@@ -62,15 +74,22 @@
 //
 // Build macros: KNAME, MDG_KIND, MDG_N (1..4), MDG_K (top-k, N*k <= 32),
 // MDG_D, MDG_I (D % 256 == 0, I % 128 == 0), MDG_SGB (4, 8, 16; gate+up),
+// MDG_ROUTE (gate+up, default 0), with it MDG_E (experts, a multiple of 32,
+// 32..512: kernels/moe_decode_gemv.py ROUTE_MAX_EXPERTS) and MDG_LT (logit
+// type: float, bf16_t, f16_t),
 // MDG_YT (down output type); MDG_DNW (down only, default 8): warps per CTA;
 // MDG_RES (down only, default 0): add the residual input.
 #include "moe_decode_common.cuh"
+#include "moe_route_common.cuh"
 
 #ifndef MDG_YT
 #define MDG_YT bf16_t
 #endif
 #ifndef MDG_RES
 #define MDG_RES 0
+#endif
+#ifndef MDG_ROUTE
+#define MDG_ROUTE 0
 #endif
 
 constexpr int N = MDG_N;
@@ -101,17 +120,39 @@ constexpr int GKG = D / 64;   // groups per row
 constexpr int GU_OFF_SB = NW * 8 * 32 * 16;
 constexpr int GU_OFF_X = GU_OFF_SB + NW * 2 * 2 * RB * 4 * 2;
 constexpr int GU_SMEM = GU_OFF_X + NW * N * KC * 2;  // = 36864 + 4096 N (gate_up_smem_bytes in kernels/moe_decode_gemv.py)
+#if MDG_ROUTE
+#ifndef MDG_LT
+#define MDG_LT bf16_t
+#endif
+typedef MDG_LT lt;
+constexpr int E = MDG_E;
+// 512: ROUTE_MAX_EXPERTS of kernels/moe_decode_gemv.py (every routed CTA
+// repeats the routing, whose cost grows with E, before its first weight load)
+static_assert(E % 32 == 0 && E >= 32 && E <= 512, "MDG_E: a multiple of 32 in [32, 512]");
+static_assert(TOPK <= E, "top_k <= E");
+#endif
 
 extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
     const bf16_t* __restrict__ x,
+#if MDG_ROUTE
+    const lt* __restrict__ logits,
+#else
     const int* __restrict__ inds,
+#endif
     const unsigned* __restrict__ wg, const bf16_t* __restrict__ sg, const bf16_t* __restrict__ bg,
     const unsigned* __restrict__ wu, const bf16_t* __restrict__ su, const bf16_t* __restrict__ bu,
     const unsigned* __restrict__ xwg, const bf16_t* __restrict__ xsg, const bf16_t* __restrict__ xbg,
     const unsigned* __restrict__ xwu, const bf16_t* __restrict__ xsu, const bf16_t* __restrict__ xbu,
     const void* __restrict__ gw, const bf16_t* __restrict__ gs, const bf16_t* __restrict__ gb,
     bf16_t* __restrict__ h,
+#if MDG_ROUTE
+    float* __restrict__ sgate,
+    int* __restrict__ inds_out,
+    float* __restrict__ scores_out,
+    int normalize) {
+#else
     float* __restrict__ sgate) {
+#endif
   extern __shared__ __align__(16) unsigned char dsm[];
   // Dynamic shared memory (GU_SMEM bytes; the kernel traps when given less):
   // every global read of the dot products goes through cp.async, so that all
@@ -184,8 +225,31 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
 
   // ---- which expert ---------------------------------------------------------
   const bool shared = item == NK;
+#if MDG_ROUTE
+  // the N tokens' routing, warp n token n (ids: shared memory; CTA (0, 0)
+  // writes the routing outputs); only the routed pairs' CTAs need it
+  __shared__ int rinds[NK];
+  if (!shared) {
+    if (warp < N) {
+      int ri;
+      float rs;
+      route_row<E, TOPK>(logits + (size_t)warp * E, normalize != 0, ri, rs);
+      if (lane < TOPK) {
+        rinds[warp * TOPK + lane] = ri;
+        if (item == 0 && rb == 0) {
+          inds_out[warp * TOPK + lane] = ri;
+          scores_out[warp * TOPK + lane] = rs;
+        }
+      }
+    }
+    __syncthreads();
+  }
+  const int* ids = rinds;
+#else
+  const int* ids = inds;
+#endif
   int e = 0;
-  const int my_e = lane < NK ? inds[lane] : -1;
+  const int my_e = !shared && lane < NK ? ids[lane] : -1;
   if (!shared) {
     e = __shfl_sync(0xffffffffu, my_e, item);
     const unsigned dup = __ballot_sync(0xffffffffu, lane < item && my_e == e);
@@ -306,7 +370,7 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
       // twice gets both rows: down_combine reads the first)
 #pragma unroll
       for (int j = 0; j < TOPK; ++j)
-        if (inds[n * TOPK + j] == e) h[(size_t)(n * TOPK + j) * I + row0 + r] = hv;
+        if (ids[n * TOPK + j] == e) h[(size_t)(n * TOPK + j) * I + row0 + r] = hv;
     }
   }
 }

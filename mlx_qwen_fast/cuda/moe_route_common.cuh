@@ -1,7 +1,9 @@
-// Softmax + top-k of one token's router logits by one warp (MoE routing):
-// the routing kernel's stage 1 (moe_routing.cu) as a device function, for any
-// kernel that routes inside itself.
-// All 32 lanes of the warp call it together (warp shuffles and reductions).
+// Softmax + top-k of one token's router logits by one warp (MoE routing).
+// route_row is the whole per-token routing; the routing kernel's stage 1
+// (moe_routing.cu) and the decode gate+up kernel's in-kernel routing
+// (moe_decode_gemv.cu, MDG_ROUTE) both call it, so that both select the same
+// experts with the same weights, bit for bit.
+// All 32 lanes of the warp call these together (warp shuffles and reductions).
 #pragma once
 #include "gdn_common.cuh"
 
@@ -26,11 +28,13 @@ __device__ __forceinline__ void route_warp(float (&p)[E / 32], int& my_i, float&
   for (int o = 16; o > 0; o >>= 1) {
     m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
   }
+  // the sum with add.rn: never contracted with the exponential's last
+  // multiply, whatever kernel this is inlined into (the same bits in each)
   float s = 0.0f;
 #pragma unroll
   for (int i = 0; i < EPL; ++i) {
     p[i] = expf(p[i] - m);
-    s += p[i];
+    s = __fadd_rn(s, p[i]);
   }
   s = warp_sum(s);
   const float inv = 1.0f / s;
@@ -42,18 +46,29 @@ __device__ __forceinline__ void route_warp(float (&p)[E / 32], int& my_i, float&
   tot = 0.0f;
   my_i = 0;
 #if __CUDA_ARCH__ >= 800
-  // keys: probability bits + 1 (p >= 0: the bits order as the values), 0 once taken
+  // keys: probability bits + 1 (p >= 0: the bits order as the values), read
+  // as 0 once taken. The taken experts are a bit mask (bit i: expert
+  // i * 32 + lane), so that the keys are never written at a run-time index
+  // (which puts the array in local memory).
   unsigned key[EPL];
 #pragma unroll
   for (int i = 0; i < EPL; ++i) key[i] = __float_as_uint(p[i]) + 1u;
-  unsigned bk = key[0];
-  int bi = 0;  // the lane's best: the lowest i among its largest keys
+  unsigned taken = 0u;
+  unsigned bk;
+  int bi;  // the lane's best: the lowest i among its largest keys
+  auto lane_best = [&]() {
+    bk = (taken & 1u) ? 0u : key[0];
+    bi = 0;
 #pragma unroll
-  for (int i = 1; i < EPL; ++i)
-    if (key[i] > bk) {
-      bk = key[i];
-      bi = i;
+    for (int i = 1; i < EPL; ++i) {
+      const unsigned ki = ((taken >> i) & 1u) ? 0u : key[i];
+      if (ki > bk) {
+        bk = ki;
+        bi = i;
+      }
     }
+  };
+  lane_best();
 #pragma unroll 1
   for (int j = 0; j < K; ++j) {
     const unsigned m = __reduce_max_sync(0xffffffffu, bk);
@@ -66,17 +81,8 @@ __device__ __forceinline__ void route_warp(float (&p)[E / 32], int& my_i, float&
       my_i = (int)id;
     }
     if (lane == (int)(id & 31u)) {
-#pragma unroll
-      for (int i = 0; i < EPL; ++i)
-        if (i == (int)(id >> 5)) key[i] = 0u;
-      bk = key[0];
-      bi = 0;
-#pragma unroll
-      for (int i = 1; i < EPL; ++i)
-        if (key[i] > bk) {
-          bk = key[i];
-          bi = i;
-        }
+      taken |= 1u << (id >> 5);
+      lane_best();
     }
   }
 #else
@@ -114,4 +120,23 @@ __device__ __forceinline__ void route_warp(float (&p)[E / 32], int& my_i, float&
     }
   }
 #endif
+}
+
+// One token's routing from its row of E logits (type LT: float, bf16_t or
+// f16_t): lane l loads logits l, l + 32, ..., route_warp, then with
+// normalize each of the K probabilities divided by their sum (one IEEE
+// division). On return lane j < K holds slot j (decreasing probability,
+// ties: lower expert id first): expert my_i, weight my_s.
+template <int E, int K, class LT>
+__device__ __forceinline__ void route_row(const LT* __restrict__ row, bool normalize, int& my_i, float& my_s) {
+  constexpr int EPL = E / 32;
+  const int lane = threadIdx.x & 31;
+  float p[EPL];
+#pragma unroll
+  for (int i = 0; i < EPL; ++i) {
+    p[i] = to_f(row[i * 32 + lane]);
+  }
+  float my_p, tot;
+  route_warp<E, K>(p, my_i, my_p, tot);
+  my_s = normalize ? my_p / tot : my_p;
 }

@@ -68,7 +68,6 @@ constexpr int E = MOE_E;
 constexpr int K = MOE_K;
 constexpr int KS = K + (MOE_SHARED ? 1 : 0);  // slots per token
 constexpr int LD = MOE_SHARED == 2 ? E + 32 : E;  // logits per row
-constexpr int EPL = E / 32;  // logits per lane
 static_assert(KS <= 32, "top-k plus the shared slot must fit one warp");
 
 extern "C" __global__ void __launch_bounds__(256) KNAME(
@@ -86,17 +85,12 @@ extern "C" __global__ void __launch_bounds__(256) KNAME(
     return;  // whole warp leaves together
   }
   const lt* row = logits + (size_t)n * LD;
-  float p[EPL];
-#pragma unroll
-  for (int i = 0; i < EPL; ++i) {
-    p[i] = to_f(row[i * 32 + lane]);
-  }
   int my_i;
-  float my_p, tot;
-  route_warp<E, K>(p, my_i, my_p, tot);
+  float my_s;
+  route_row<E, K>(row, normalize != 0, my_i, my_s);
   if (lane < K) {
     inds[(size_t)n * KS + lane] = my_i;
-    scores[(size_t)n * KS + lane] = normalize ? my_p / tot : my_p;
+    scores[(size_t)n * KS + lane] = my_s;
   }
 #if MOE_SHARED
   if (lane == K) {

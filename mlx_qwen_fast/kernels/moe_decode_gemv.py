@@ -1,4 +1,4 @@
-"""Fused decode MoE (N <= 4 tokens) on CUDA: two launches per layer.
+"""Fused decode MoE (N <= 4 tokens) on CUDA: two launches per layer after the router.
 
 Replaces, for decode-sized calls, the three ``mx.gather_qmm`` of mlx-lm's
 ``SwitchGLU``, the weighted sum over the k experts, the shared expert MLP (three
@@ -12,6 +12,13 @@ Replaces, for decode-sized calls, the three ``mx.gather_qmm`` of mlx-lm's
   with the 4-bit weights dequantised in registers, fp32 accumulation, and
   ``bf16(silu(bf16(g)) * bf16(u))`` (the roundings of ``SwitchGLU`` on bf16);
   one more CTA computes ``sigmoid(bf16(x . w_shared_gate))``.
+  :func:`route_gate_up_swiglu` is the same kernel taking the router's
+  logits instead of the ids: every routed CTA first routes the N tokens
+  (softmax, top-k, normalisation) with the routing kernel's own device code
+  (``route_row``, ``mlx_qwen_fast/cuda/moe_route_common.cuh``: the same
+  ids and weights as :func:`mlx_qwen_fast.kernels.moe_routing.route`, bit
+  for bit), and one CTA writes that routing for the down kernel; for E up to
+  :data:`ROUTE_MAX_EXPERTS` (:func:`route_fits`).
 - :func:`down_combine`: the down GEMVs of the same experts, each output
   rounded to bf16, times its routing weight (the shared expert's times its
   sigmoid gate), summed in fp32 in a fixed order (no atomics: deterministic)
@@ -36,8 +43,10 @@ the shared gate's sigmoid is not rounded, selection uses fp32 probabilities
 (:func:`mlx_qwen_fast.kernels.moe_routing.route`).
 
 The patched model runs them through :func:`mlx_qwen_fast.ops.moe.sparse_moe`
-("cuda-decode": the router, the routing kernel and these two kernels as one
-``mx.compile``-d step). The down kernel keeps one mma chain per 128-input
+("cuda-decode": the router's GEMV and these two kernels, the first routing,
+as one ``mx.compile``-d step, :func:`moe_decode_logits`; for a router wider
+than :data:`ROUTE_MAX_EXPERTS` the routing kernel between them,
+:func:`moe_decode_arrays`). The down kernel keeps one mma chain per 128-input
 block, adds them in block order, and sums the items' weighted outputs in
 slot order. Measured GPU times and the block's read floor:
 bench/results/INDEX.md (kind "moe_decode").
@@ -45,6 +54,7 @@ bench/results/INDEX.md (kind "moe_decode").
 
 from __future__ import annotations
 
+import numbers
 from typing import Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -54,14 +64,24 @@ from ._cuda_build import describe as _describe
 
 __all__ = [
     "moe_decode_arrays",
+    "moe_decode_logits",
     "gate_up_swiglu",
+    "route_gate_up_swiglu",
     "down_combine",
     "supports_arrays",
+    "route_fits",
     "down_warps",
     "MAX_TOKENS",
+    "ROUTE_MAX_EXPERTS",
 ]
 
 MAX_TOKENS = 4
+#: Most experts the gate+up kernel routes itself (:func:`route_fits`): every
+#: routed CTA repeats the routing (E/32 logits per lane, k rounds of two warp
+#: reductions) before its first weight load, a cost that grows with E; wider
+#: routers keep the routing kernel's launch.
+ROUTE_MAX_EXPERTS = 512
+_LOGITS = (mx.float32, mx.bfloat16, mx.float16)
 NT = 256  # threads per CTA
 RB = 16  # weight rows per CTA
 SMEM_LIMIT = 46 * 1024  # static shared memory of the down kernel
@@ -128,15 +148,39 @@ def gate_up_smem_bytes(n: int) -> int:
     return 36864 + 4096 * n
 
 
+def _is_int(v) -> bool:
+    """A Python or numpy integer (not a bool)."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def route_fits(num_experts, top_k) -> bool:
+    """True when the gate+up kernel routes the tokens itself
+    (:func:`route_gate_up_swiglu`): ``num_experts`` an int multiple of 32 in
+    ``[32, ROUTE_MAX_EXPERTS]`` and ``top_k`` an int in ``[1, min(32,
+    num_experts)]``. Pure (no backend check, never compiles). Where it is
+    False the decode step keeps the routing kernel's launch
+    (:func:`mlx_qwen_fast.kernels.moe_routing.route`)."""
+    return (_is_int(num_experts) and _is_int(top_k) and num_experts % 32 == 0
+            and 32 <= num_experts <= ROUTE_MAX_EXPERTS and 1 <= top_k <= min(32, num_experts))
+
+
+def _x_problem(x) -> Optional[str]:
+    """The tokens' part of the checks: x bfloat16 ``[N, D]``, 1 <= N <= 4."""
+    if not isinstance(x, mx.array) or x.ndim != 2 or x.dtype != mx.bfloat16:
+        return f"x must be bfloat16 [N, D], got {_describe(x)}"
+    if not 1 <= x.shape[0] <= MAX_TOKENS:
+        return f"x must have 1..{MAX_TOKENS} tokens, got N={x.shape[0]}"
+    return None
+
+
 def _shape_problem(x, inds, scores, experts, shared, expert_gate, down_smem: bool = True) -> Optional[str]:
     """None when the arrays fit the kernels, else what is wrong (one line).
     ``down_smem=False`` skips the down kernel's shared-memory limit (for
     callers that do not run it)."""
-    if not isinstance(x, mx.array) or x.ndim != 2 or x.dtype != mx.bfloat16:
-        return f"x must be bfloat16 [N, D], got {_describe(x)}"
+    problem = _x_problem(x)
+    if problem is not None:
+        return problem
     n, D = x.shape
-    if not 1 <= n <= MAX_TOKENS:
-        return f"x must have 1..{MAX_TOKENS} tokens, got N={n}"
     if not isinstance(inds, mx.array) or inds.ndim != 2 or inds.shape[0] != n or inds.dtype not in (mx.int32, mx.uint32):
         return f"inds must be int32/uint32 [N={n}, k], got {_describe(inds)}"
     k = inds.shape[1]
@@ -146,6 +190,37 @@ def _shape_problem(x, inds, scores, experts, shared, expert_gate, down_smem: boo
         not isinstance(scores, mx.array) or tuple(scores.shape) != (n, k) or scores.dtype != mx.float32
     ):
         return f"scores must be float32 [{n}, {k}], got {_describe(scores)}"
+    return _weights_problem(n, D, k, experts, shared, expert_gate, down_smem)
+
+
+def _route_problem(x, logits, top_k, experts, shared, expert_gate, down_smem: bool = True) -> Optional[str]:
+    """:func:`_shape_problem` for the kernels that route (``logits`` and
+    ``top_k`` in place of ``inds`` and ``scores``)."""
+    problem = _x_problem(x)
+    if problem is not None:
+        return problem
+    n, D = x.shape
+    if not isinstance(logits, mx.array) or logits.ndim != 2 or logits.shape[0] != n or logits.dtype not in _LOGITS:
+        return f"logits must be float32/bfloat16/float16 [N={n}, E], got {_describe(logits)}"
+    E = logits.shape[1]
+    if E % 32 or not 32 <= E <= ROUTE_MAX_EXPERTS:
+        return (f"logits must have E columns, E a multiple of 32 in [32, ROUTE_MAX_EXPERTS={ROUTE_MAX_EXPERTS}], "
+                f"got E={E}")
+    if not _is_int(top_k) or not 1 <= top_k <= min(32, E):
+        return f"top_k must be an int in [1, min(32, E={E})], got top_k={top_k!r}"
+    if n * top_k > 32:
+        return f"N*k must be in [1, 32], got N={n}, k={top_k}"
+    problem = _weights_problem(n, D, int(top_k), experts, shared, expert_gate, down_smem)
+    if problem is not None:
+        return problem
+    if experts[0][0].shape[0] != E:
+        return f"logits must have one column per expert (E={experts[0][0].shape[0]}), got E={E}"
+    return None
+
+
+def _weights_problem(n: int, D: int, k: int, experts, shared, expert_gate, down_smem: bool) -> Optional[str]:
+    """The weights' part of :func:`_shape_problem` (``n`` tokens of width
+    ``D``, top-``k``)."""
     if D % 256:
         return f"D must be a multiple of 256, got D={D}"
     try:
@@ -187,24 +262,28 @@ _STAGES = {"gate_up": 0, "down": 1}  # the source's MDG_KIND
 
 
 def _kernel(stage: str, n: int, k: int, D: int, I: int, shared_gate_bits: int = 8,
-            yt: str = "bf16_t", residual: bool = False) -> cb.CudaKernel:
+            yt: str = "bf16_t", residual: bool = False, route_experts: int = 0,
+            logit_type: str = "bf16_t") -> cb.CudaKernel:
     """One build of ``moe_decode_gemv.cu``: ``stage`` "gate_up" (with the
-    shared-expert gate's bit width) or "down" (with or without the residual
-    input); cached per configuration."""
-    key = (stage, n, k, D, I, shared_gate_bits, yt, residual)
+    shared-expert gate's bit width; with ``route_experts`` = E, the build
+    that routes the tokens from logits of C type ``logit_type``) or "down"
+    (with or without the residual input); cached per configuration."""
+    key = (stage, n, k, D, I, shared_gate_bits, yt, residual, route_experts, logit_type)
     kern = _kernels.get(key)
     if kern is None:
         defs = dict(MDG_KIND=_STAGES[stage], MDG_N=n, MDG_K=k, MDG_D=D, MDG_I=I)
         if stage == "gate_up":
             defs["MDG_SGB"] = shared_gate_bits
+            if route_experts:
+                defs.update(MDG_ROUTE=1, MDG_E=route_experts, MDG_LT=logit_type)
+            name = "mqf_moe_dec_route_gate_up" if route_experts else "mqf_moe_dec_gate_up"
         else:
             defs["MDG_YT"] = yt
             defs["MDG_DNW"] = down_warps(n, k, I)
             if residual:
                 defs["MDG_RES"] = 1
-        kern = _kernels[key] = cb.CudaKernel(
-            "moe_decode_gemv.cu", "mqf_moe_dec_gate_up" if stage == "gate_up" else "mqf_moe_dec_down", defs
-        )
+            name = "mqf_moe_dec_down"
+        kern = _kernels[key] = cb.CudaKernel("moe_decode_gemv.cu", name, defs)
     return kern
 
 
@@ -254,26 +333,89 @@ def gate_up_swiglu(
     return _launch_gate_up(x, inds, experts, shared, expert_gate)
 
 
-def _launch_gate_up(x, inds, experts, shared, expert_gate):
-    """:func:`gate_up_swiglu` on arguments already checked (x ``[..., D]``,
-    inds ``[..., k]``: the kernel reads them as ``[N, D]``, ``[N, k]``)."""
-    D = x.shape[-1]
-    n, k = x.size // D, inds.shape[-1]
+def _gate_up_call(kern, x, sel, k, experts, shared, expert_gate, routing_shape=None, scalars=()):
+    """Launch a gate+up build: ``sel`` (the kernel's second input) is inds,
+    or the logits for a routing build, which also returns inds and scores
+    of ``routing_shape``."""
+    n = x.size // x.shape[-1]
     (wg, sg, bg), (wu, su, bu), _ = experts
     I = wg.shape[1]
     (xwg, xsg, xbg), (xwu, xsu, xbu), _ = shared
-    gw, gs, gb, bits = expert_gate
+    gw, gs, gb, _ = expert_gate
     nk = n * k
-    kern = _kernel("gate_up", n, k, D, I, int(bits))
-    h, sgate = kern(
-        inputs=[x, inds, wg, sg, bg, wu, su, bu, xwg, xsg, xbg, xwu, xsu, xbu, gw, gs, gb],
-        output_shapes=[(nk + n, I), (n,)],
-        output_dtypes=[mx.bfloat16, mx.float32],
+    routing = [] if routing_shape is None else [routing_shape, routing_shape]
+    return kern(
+        inputs=[x, sel, wg, sg, bg, wu, su, bu, xwg, xsg, xbg, xwu, xsu, xbu, gw, gs, gb],
+        output_shapes=[(nk + n, I), (n,)] + routing,
+        output_dtypes=[mx.bfloat16, mx.float32] + ([mx.int32, mx.float32] if routing else []),
         grid=((I // RB) * NT, nk + 2, 1),
         threadgroup=(NT, 1, 1),
         shared_memory=gate_up_smem_bytes(n),
+        scalars=list(scalars),
     )
+
+
+def _launch_gate_up(x, inds, experts, shared, expert_gate):
+    """:func:`gate_up_swiglu` on arguments already checked (x ``[..., D]``,
+    inds ``[..., k]``: the kernel reads them as ``[N, D]``, ``[N, k]``)."""
+    D, k = x.shape[-1], inds.shape[-1]
+    kern = _kernel("gate_up", x.size // D, k, D, experts[0][0].shape[1], int(expert_gate[3]))
+    h, sgate = _gate_up_call(kern, x, inds, k, experts, shared, expert_gate)
     return h, sgate
+
+
+def route_gate_up_swiglu(
+    x: mx.array, logits: mx.array, top_k: int, experts: Sequence, shared: Sequence, expert_gate: Sequence,
+    *, normalize: bool = True,
+) -> Tuple[mx.array, mx.array, mx.array, mx.array]:
+    """The tokens' routing, then :func:`gate_up_swiglu` of the experts it
+    selects, in one launch.
+
+    Every routed CTA of the gate+up kernel first routes the N tokens with
+    the routing kernel's device code (``route_row`` in
+    ``mlx_qwen_fast/cuda/moe_route_common.cuh``): fp32 softmax of the
+    logits, top-k by probability (ties: the lower expert id first),
+    divided by the k probabilities' sum with ``normalize``. The selection
+    and the weights are those of
+    :func:`mlx_qwen_fast.kernels.moe_routing.route` on the same logits, bit
+    for bit, and ``h``, ``sgate`` those of :func:`gate_up_swiglu` on its ids.
+
+    Args:
+        x: ``[N, D]`` bfloat16, 1 <= N <= 4, D % 256 == 0.
+        logits: ``[N, E]`` float32/bfloat16/float16 router outputs, E a
+            multiple of 32 in ``[32, ROUTE_MAX_EXPERTS]`` and the experts'
+            count.
+        top_k: experts per token, an int in ``[1, min(32, E)]``, N*k <= 32.
+        experts, shared, expert_gate: as :func:`gate_up_swiglu`.
+        normalize: divide the k probabilities by their sum
+            (``norm_topk_prob``).
+
+    Returns:
+        ``(h, sgate, inds, scores)``: ``h [N*k + N, I]`` bfloat16 and
+        ``sgate [N]`` float32 as :func:`gate_up_swiglu`; ``inds [N, k]``
+        int32 (slots in decreasing probability) and ``scores [N, k]``
+        float32 as :func:`~mlx_qwen_fast.kernels.moe_routing.route`.
+
+    Raises:
+        ValueError: a shape/dtype the kernel does not take, ``top_k`` out of
+            range, or logits whose E is not the experts' (named).
+    """
+    _check("route_gate_up_swiglu", _route_problem(x, logits, top_k, experts, shared, expert_gate,
+                                                  down_smem=False))
+    return _launch_route_gate_up(x, logits, int(top_k), normalize, experts, shared, expert_gate)
+
+
+def _launch_route_gate_up(x, logits, top_k, normalize, experts, shared, expert_gate):
+    """:func:`route_gate_up_swiglu` on arguments already checked (x
+    ``[..., D]``, logits ``[..., E]``: read as ``[N, D]``, ``[N, E]``); inds
+    and scores are shaped ``logits.shape[:-1] + (top_k,)``."""
+    D = x.shape[-1]
+    kern = _kernel("gate_up", x.size // D, top_k, D, experts[0][0].shape[1], int(expert_gate[3]),
+                   route_experts=logits.shape[-1], logit_type=cb.dtype_macro(logits.dtype))
+    h, sgate, inds, scores = _gate_up_call(kern, x, logits, top_k, experts, shared, expert_gate,
+                                           routing_shape=(*logits.shape[:-1], top_k),
+                                           scalars=[int(bool(normalize))])
+    return h, sgate, inds, scores
 
 
 def down_combine(
@@ -368,4 +510,34 @@ def _moe_decode_arrays(x, inds, scores, experts, shared, expert_gate, residual=N
     ``inds.shape[:-1] + (D,)``. ``residual`` (bf16, y's shape: the decoder
     layer's ``h``): returns ``residual + bf16(y)`` from the down kernel."""
     h, sgate = _launch_gate_up(x, inds, experts, shared, expert_gate)
+    return _launch_down(h, inds, scores, sgate, experts[2], shared[2], residual)
+
+
+def moe_decode_logits(
+    x: mx.array, logits: mx.array, top_k: int, experts: Sequence, shared: Sequence, expert_gate: Sequence,
+    *, normalize: bool = True,
+) -> mx.array:
+    """The MoE block's output from the router's logits: ``[N, D]`` bfloat16.
+
+    Two launches (:func:`route_gate_up_swiglu`, which routes, then
+    :func:`down_combine` on its ids and weights); the result is that of
+    :func:`mlx_qwen_fast.kernels.moe_routing.route` followed by
+    :func:`moe_decode_arrays` (three launches), bit for bit. Arguments as
+    :func:`route_gate_up_swiglu`; no host synchronisation (the ids come
+    from the kernel). :func:`_moe_decode_logits` is the unchecked entry
+    point of the compiled decode step.
+
+    Raises:
+        ValueError: a shape/dtype the kernels do not take, ``top_k`` out of
+            range, or logits whose E is not the experts' (named).
+    """
+    _check("moe_decode_logits", _route_problem(x, logits, top_k, experts, shared, expert_gate))
+    return _moe_decode_logits(x, logits, int(top_k), normalize, experts, shared, expert_gate)
+
+
+def _moe_decode_logits(x, logits, top_k, normalize, experts, shared, expert_gate, residual=None):
+    """:func:`moe_decode_logits` without the checks. ``x`` may be ``[..., D]``
+    with ``logits [..., E]`` (read as ``[N, D]``, ``[N, E]``); y is shaped
+    ``logits.shape[:-1] + (D,)``. ``residual`` as :func:`_moe_decode_arrays`."""
+    h, sgate, inds, scores = _launch_route_gate_up(x, logits, top_k, normalize, experts, shared, expert_gate)
     return _launch_down(h, inds, scores, sgate, experts[2], shared[2], residual)

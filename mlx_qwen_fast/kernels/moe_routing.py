@@ -7,7 +7,9 @@ cumsum, argsort, ...) by two kernels, with no host synchronisation and grids
 that depend only on ``N`` (CUDA-graph friendly):
 
 1. ``route``: one warp per token: fp32 softmax, k rounds of warp arg-max
-   (ties to the lower expert id), renormalisation.
+   (ties to the lower expert id), renormalisation. The decode gate+up
+   kernel routes with the same device code
+   (:func:`mlx_qwen_fast.kernels.moe_decode_gemv.route_gate_up_swiglu`).
 2. ``group``: two kernels over up to :data:`GROUP_MAX_CTAS` CTAs of 1024
    threads, each CTA taking a chunk of the assignments: ``count`` (the
    chunk's per-expert histogram) and ``scatter`` (column sums and scans of

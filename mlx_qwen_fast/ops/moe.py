@@ -34,7 +34,10 @@ reference adds sorting work that the stock ``SwitchGLU`` does not need, so
 backends without a kernel keep stock), "reference", "cuda-prefill" (routing
 kernels + grouped expert GEMMs, :mod:`mlx_qwen_fast.kernels.moe_routing`,
 :mod:`~mlx_qwen_fast.kernels.moe_grouped_gemm`) and "cuda-decode" (router +
-routing kernel + two fused GEMV kernels in one ``mx.compile``d step,
+two fused GEMV kernels, the first routing the tokens itself, in one
+``mx.compile``d step: three launches; a router of more than
+:data:`~mlx_qwen_fast.kernels.moe_decode_gemv.ROUTE_MAX_EXPERTS` experts
+keeps the routing kernel's launch between them,
 :mod:`~mlx_qwen_fast.kernels.moe_decode_gemv`) and, on Metal with
 :data:`mlx_qwen_fast.config.METAL_KERNELS` on, "metal-decode" (the router,
 then three Metal kernels of the CUDA decode kernels' contract: routing,
@@ -769,7 +772,7 @@ def _cuda_prefill(block, x: mx.array) -> mx.array:
 
 
 # ---------------------------------------------------------------------------
-# CUDA decode: router + routing kernel + two fused GEMV kernels, compiled
+# CUDA decode: router + two fused GEMV kernels (the first routes), compiled
 # ---------------------------------------------------------------------------
 
 
@@ -842,9 +845,12 @@ def decode_plan(block, x) -> Optional[tuple]:
 def moe_decode(block, x: mx.array) -> mx.array:
     """``Qwen3NextSparseMoeBlock(x)`` for 1..4 tokens through the decode
     kernels, op by op (what :func:`_cuda_decode` runs as one compiled step):
-    ``block.gate`` (quantised matmul), the routing kernel (fp32 softmax,
-    top-k, renormalised as ``block.norm_topk_prob``), the gate+up SwiGLU
-    kernel and the down + routing weights + shared expert + combine kernel.
+    ``block.gate`` (quantised matmul), the gate+up SwiGLU kernel routing the
+    tokens itself (fp32 softmax, top-k, renormalised as
+    ``block.norm_topk_prob``), the down + routing weights + shared expert +
+    combine kernel; where :func:`~mlx_qwen_fast.kernels.moe_decode_gemv.route_fits`
+    is False for the block's experts, the routing kernel before a gate+up
+    kernel that takes its ids (the same results).
 
     Args:
         block: a quantised ``Qwen3NextSparseMoeBlock`` (see :func:`decode_plan`).
@@ -861,8 +867,13 @@ def moe_decode(block, x: mx.array) -> mx.array:
         raise ValueError("moe_decode: the block's modules or x do not fit the decode kernels (see decode_plan)")
     lead, d = x.shape[:-1], x.shape[-1]
     tokens = x.reshape(-1, d)
-    inds, scores = _routing.route(block.gate(tokens), block.top_k, normalize=block.norm_topk_prob)
-    return _decode_gemv.moe_decode_arrays(tokens, inds, scores, *arrs).reshape(*lead, d)
+    logits = block.gate(tokens)
+    if _decode_gemv.route_fits(block.num_experts, block.top_k):
+        y = _decode_gemv.moe_decode_logits(tokens, logits, block.top_k, *arrs, normalize=block.norm_topk_prob)
+    else:
+        inds, scores = _routing.route(logits, block.top_k, normalize=block.norm_topk_prob)
+        y = _decode_gemv.moe_decode_arrays(tokens, inds, scores, *arrs)
+    return y.reshape(*lead, d)
 
 
 _DECODE_CHILDREN = ("gate", "shared_expert_gate", "switch_mlp", "shared_expert")
@@ -877,7 +888,10 @@ def _decode_step_plan(block, x, norm_eps: Optional[float] = None):
     :func:`decode_plan` declines. Path order = the compiled step's array
     order: router, routed experts gate/up/down, shared expert gate/up/down
     (weight, scales, biases each), shared-expert gate (weight, scales,
-    biases). ``norm_eps``: as :func:`decode_step_parts`."""
+    biases). ``norm_eps``: as :func:`decode_step_parts`. The step routes
+    inside the gate+up kernel where
+    :func:`~mlx_qwen_fast.kernels.moe_decode_gemv.route_fits` the block's
+    experts and top-k, else with the routing kernel."""
     declined = [(c,) for c in _DECODE_CHILDREN if c in block], None
     router = linear_arrays(block.gate) if "gate" in block else None
     arrs = decode_plan(block, x)
@@ -887,8 +901,9 @@ def _decode_step_plan(block, x, norm_eps: Optional[float] = None):
     gate = (("shared_expert_gate", "weight"),) * 3 if bits == 16 else tuple(
         ("shared_expert_gate", n) for n in ("weight", "scales", "biases"))
     paths = linear_paths(("gate",), router) + _EXPERT_PATHS + gate
+    route_in_kernel = _decode_gemv.route_fits(block.num_experts, block.top_k)
     return paths, _compiled_decode_step(block.top_k, block.norm_topk_prob, router[1], len(router[0]), bits,
-                                        norm_eps)
+                                        route_in_kernel, norm_eps)
 
 
 def decode_step_parts(block, x: mx.array, norm_eps: Optional[float] = None):
@@ -926,14 +941,18 @@ _decode_steps: Dict[tuple, Callable] = {}
 
 
 def _compiled_decode_step(top_k: int, normalize: bool, router_static: tuple, n_router: int,
-                          shared_gate_bits: int, norm_eps: Optional[float] = None):
+                          shared_gate_bits: int, route_in_kernel: bool, norm_eps: Optional[float] = None):
     """The ``mx.compile``d decode step for one static setting (one trace per
     input signature, shared by every layer: all arrays are inputs); with
     ``norm_eps``, the fused form of :func:`decode_step_parts`. The router
-    goes through :func:`mlx_qwen_fast.ops.linear.decode_linear`."""
+    goes through :func:`mlx_qwen_fast.ops.linear.decode_linear`; with
+    ``route_in_kernel`` its logits go to the gate+up kernel, which routes
+    (:func:`mlx_qwen_fast.kernels.moe_decode_gemv.moe_decode_logits`: three
+    launches), else to the routing kernel first (four launches, the same
+    results bit for bit)."""
     fused = norm_eps is not None
     key = (top_k, bool(normalize), router_static, n_router, shared_gate_bits, float(norm_eps) if fused else None,
-           config.DECODE_GEMV_KERNEL.get())
+           config.DECODE_GEMV_KERNEL.get(), bool(route_in_kernel))
     fn = _decode_steps.get(key)
     if fn is None:
 
@@ -944,13 +963,16 @@ def _compiled_decode_step(top_k: int, normalize: bool, router_static: tuple, n_r
             else:
                 logits, xin = linear_ops.decode_linear(x, arrays[:n_router], router_static, norm=norm,
                                                        normed_out=True)
-            inds, scores = _routing.route(logits, top_k, normalize=normalize)
             a = arrays[n_router:]
             experts, shared = (a[0:3], a[3:6], a[6:9]), (a[9:12], a[12:15], a[15:18])
+            expert_gate = (a[18], a[19], a[20], shared_gate_bits)
             # fused: the residual added by the down kernel (h + bf16(block(norm(h))), stock's roundings)
-            return _decode_gemv._moe_decode_arrays(xin, inds, scores, experts, shared,
-                                                   (a[18], a[19], a[20], shared_gate_bits),
-                                                   None if norm is None else x)
+            residual = None if norm is None else x
+            if route_in_kernel:
+                return _decode_gemv._moe_decode_logits(xin, logits, top_k, normalize, experts, shared, expert_gate,
+                                                       residual)
+            inds, scores = _routing.route(logits, top_k, normalize=normalize)
+            return _decode_gemv._moe_decode_arrays(xin, inds, scores, experts, shared, expert_gate, residual)
 
         if fused:
             def step(h, norm_weight, *arrays):

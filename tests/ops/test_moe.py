@@ -723,14 +723,17 @@ def cpu_device():
     mx.set_default_device(old)
 
 
-FAKE_CALLS = []
+FAKE_CALLS = []  # (stand-in, checked entry point or not), one per call while tracing or eager
 
 
 def fake_moe_decode_arrays(x, inds, scores, experts, shared, expert_gate, residual=None, *, checked=False):
     """Stands in for the two CUDA kernels: every array used, shapes as
     theirs, the residual added as the down kernel adds it."""
-    FAKE_CALLS.append(checked)
+    FAKE_CALLS.append(("arrays", checked))
+    return _fake_y(x, inds, scores, experts, shared, expert_gate, residual)
 
+
+def _fake_y(x, inds, scores, experts, shared, expert_gate, residual):
     def mean(t):
         if t.dtype == mx.uint32:
             t = (t & 0xF).astype(mx.float32)
@@ -743,11 +746,29 @@ def fake_moe_decode_arrays(x, inds, scores, experts, shared, expert_gate, residu
     return y if residual is None else residual + y
 
 
+def fake_moe_decode_logits(x, logits, top_k, normalize, experts, shared, expert_gate, residual=None, *,
+                           checked=False):
+    """Stands in for the two kernels that route in the first: the
+    reference routing, then :func:`fake_moe_decode_arrays`'s result."""
+    FAKE_CALLS.append(("logits", checked))
+    inds, scores = moe.route(logits, top_k, normalize=normalize)
+    return _fake_y(x, inds, scores, experts, shared, expert_gate, residual)
+
+
+def fake_route(logits, k, normalize=True):
+    """Stands in for the routing kernel: the reference routing."""
+    FAKE_CALLS.append(("route", True))
+    return moe.route(logits, k, normalize=normalize)
+
+
 @pytest.fixture
 def fake_decode_kernels(cpu_device, monkeypatch):
     monkeypatch.setattr(md, "moe_decode_arrays", fake_moe_decode_arrays)
     monkeypatch.setattr(md, "_moe_decode_arrays", lambda *a: fake_moe_decode_arrays(*a, checked=True))
-    monkeypatch.setattr(mr, "route", lambda logits, k, normalize=True: moe.route(logits, k, normalize=normalize))
+    monkeypatch.setattr(md, "moe_decode_logits", lambda x, logits, top_k, experts, shared, expert_gate, normalize=True:
+                        fake_moe_decode_logits(x, logits, top_k, normalize, experts, shared, expert_gate))
+    monkeypatch.setattr(md, "_moe_decode_logits", lambda *a: fake_moe_decode_logits(*a, checked=True))
+    monkeypatch.setattr(mr, "route", fake_route)
     monkeypatch.setattr(moe, "_decode_steps", {})  # traces of the fakes stay out of the real cache
     monkeypatch.setattr(moe._cuda_build, "cuda_available", lambda: True)  # the fakes stand in for the GPU
     FAKE_CALLS.clear()
@@ -805,6 +826,26 @@ def test_decode_step_with_the_norm_and_residual(fake_decode_kernels, monkeypatch
     want = h + moe.moe_decode(block, mx.fast.rms_norm(h, nw, 1e-5))
     assert mx.array_equal(got, want).item()
     assert moe.decode_step_parts(block, h) is not None and len(moe._decode_steps) == 2  # unfused: its own trace
+
+
+@pytest.mark.parametrize("E", [32, 512, 544, 1024])
+def test_decode_step_routes_in_the_gate_up_kernel_up_to_512_experts(fake_decode_kernels, E):
+    """The compiled step (traced with stand-in kernels that record their
+    calls) and its eager form give the router's logits to the gate+up
+    kernel that routes (``_moe_decode_logits``: three launches) for E up to
+    ROUTE_MAX_EXPERTS = 512, and keep the routing kernel's launch before
+    the kernels that take its ids above (shape-only: any backend)."""
+    block = moe_blocks.make_block(D=256, H=128, E=E, k=8, dtype=mx.bfloat16, seed=E)
+    x = mx.random.normal((1, 2, 256), key=mx.random.key(E)).astype(mx.bfloat16)
+    fused = E <= 512
+    assert md.route_fits(block.num_experts, block.top_k) == fused
+    FAKE_CALLS.clear()
+    got = moe._cuda_decode(block, x)
+    assert FAKE_CALLS == ([("logits", True)] if fused else [("route", True), ("arrays", True)])
+    assert len(moe._decode_steps) == 1 and next(iter(moe._decode_steps))[-1] == fused  # the step's key says which
+    FAKE_CALLS.clear()
+    assert mx.array_equal(got, moe.moe_decode(block, x)).item()
+    assert FAKE_CALLS == ([("logits", False)] if fused else [("route", True), ("arrays", False)])
 
 
 # ---------------------------------------------------------------------------
@@ -937,6 +978,91 @@ def test_moe_decode_step_compiled_equals_eager(n):
     after = moe._cuda_decode(block, x)
     assert mx.array_equal(after, moe.moe_decode(block, x)).item()
     assert not mx.array_equal(after, before).item()
+
+
+#: The CPU-run parameter sets (tests/cuda_check.py) of the decode step that
+#: routes in the gate+up kernel, compared with (or falling back to) the
+#: routing kernel's launch.
+CPU_ROUTE = pytest.mark.cpu_check("moe_decode_gemv.cu", "moe_routing.cu")
+
+
+def assert_step_equals_eager(block, x, env):
+    """The block's compiled decode step (``_cuda_decode``) = the eager
+    launches, bit for bit: with the GEMV switch on, the decode kernels on
+    the step's router logits (the fused GEMV's, whose sums agree with
+    MLX's matmul to bf16 rounding, not bit for bit: ops/linear.py); with it
+    off, :func:`moe.moe_decode` (the router by MLX's matmul in both).
+    Leaves the switch off (``env`` restores it after the test)."""
+    from mlx_qwen_fast.compiled import linear_arrays
+    from mlx_qwen_fast.ops import linear as linear_ops
+
+    got = moe._cuda_decode(block, x)
+    d, E, k = x.shape[-1], block.num_experts, block.top_k
+    tok = x.reshape(-1, d)
+    logits = linear_ops.decode_linear(tok, *linear_arrays(block.gate))
+    arrs = moe.decode_arrays(block)
+    if md.route_fits(E, k):
+        want = md.moe_decode_logits(tok, logits, k, *arrs, normalize=block.norm_topk_prob)
+    else:
+        inds, scores = mr.route(logits, k, normalize=block.norm_topk_prob)
+        want = md.moe_decode_arrays(tok, inds, scores, *arrs)
+    assert got.shape == x.shape and finite(got) and mx.array_equal(got.reshape(-1, d), want).item()
+    env.set(config.DECODE_GEMV_KERNEL.name, "0")
+    assert mx.array_equal(moe._cuda_decode(block, x), moe.moe_decode(block, x)).item()
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("poison")
+@pytest.mark.parametrize("n,E", [pytest.param(n, 64, marks=CPU_ROUTE) for n in (1, 2, 3, 4)]
+                         + [(n, 160) for n in (1, 2, 3, 4)])
+def test_decode_step_routing_in_the_kernel_equals_the_routing_launch(n, E, env):
+    """The compiled decode step routing inside the gate+up kernel (router,
+    gate+up, down: three launches) = the same step with the routing
+    kernel's launch (four), bit for bit, plain and with the decoder layer's
+    norm and residual; the block's plan takes the former, and equals the
+    eager launches."""
+    from mlx_qwen_fast.compiled import gather, linear_arrays
+
+    block = moe_blocks.make_block(D=256, H=128, E=E, k=8, dtype=mx.bfloat16, seed=n + E)
+    x = (mx.random.normal((1, n, 256), key=mx.random.key(n + E)) * 1.5).astype(mx.bfloat16)
+    nw = (1.0 + 0.1 * mx.random.normal((256,), key=mx.random.key(E))).astype(mx.bfloat16)
+    router = linear_arrays(block.gate)
+    bits = moe.decode_arrays(block)[2][3]
+    for norm_eps in (None, 1e-6):
+        paths, fn = moe._decode_step_plan(block, x, norm_eps)
+        routed, apart = (moe._compiled_decode_step(block.top_k, block.norm_topk_prob, router[1], len(router[0]),
+                                                   bits, in_kernel, norm_eps) for in_kernel in (True, False))
+        assert fn is routed
+        args = (x,) if norm_eps is None else (x, nw)
+        got, want = routed(*args, *gather(block, paths)), apart(*args, *gather(block, paths))
+        mx.eval(got, want)
+        assert got.shape == x.shape and finite(got) and mx.array_equal(got, want).item()
+    assert_step_equals_eager(block, x, env)
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("poison")
+@pytest.mark.parametrize("n", [pytest.param(1, marks=CPU_ROUTE), pytest.param(4, marks=CPU_ROUTE)])
+def test_decode_step_with_more_experts_than_the_kernel_routes(n, env):
+    """E = 544 > ROUTE_MAX_EXPERTS: the step keeps the routing kernel's
+    launch (its key says so); compiled = eager bit for bit, and the fp32
+    host reference on the routing kernel's ids within the decode kernels'
+    bound."""
+    block = moe_blocks.make_block(D=256, H=128, E=544, k=8, dtype=mx.bfloat16, seed=n)
+    x = (mx.random.normal((1, n, 256), key=mx.random.key(n)) * 1.5).astype(mx.bfloat16)
+    assert not md.route_fits(block.num_experts, block.top_k)
+    from mlx_qwen_fast.compiled import linear_arrays
+
+    router = linear_arrays(block.gate)
+    bits = moe.decode_arrays(block)[2][3]
+    assert moe._decode_step_plan(block, x)[1] is moe._compiled_decode_step(
+        block.top_k, block.norm_topk_prob, router[1], len(router[0]), bits, False)
+    assert_step_equals_eager(block, x, env)
+    tok = x.reshape(n, 256)
+    inds, scores = mr.route(block.gate(tok), 8)
+    host = moe_decode_reference(tok, inds, scores, *moe.decode_arrays(block))[2]
+    assert_close(moe.moe_decode(block, x).reshape(n, 256), host, tolerance(mx.bfloat16, roundings=2),
+                 "vs the fp32 host reference")
 
 
 # ---------------------------------------------------------------------------
