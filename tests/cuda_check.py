@@ -74,6 +74,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import mlx.core as mx
 import numpy as np
 
+from array_bytes import NP, from_bytes, to_bytes
+
 from mlx_qwen_fast import backend
 from mlx_qwen_fast.kernels import _cuda_build as cb
 
@@ -98,10 +100,6 @@ SM_COUNT = 132
 #: branch).
 ARCH = (9, 0)
 _arch = ARCH  # the architecture builds are made for now (simulated(arch=...))
-
-_NP = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16, mx.int32: np.int32,
-       mx.uint32: np.uint32, mx.int64: np.int64, mx.uint64: np.uint64, mx.int16: np.int16,
-       mx.uint16: np.uint16, mx.int8: np.int8, mx.uint8: np.uint8, mx.bool_: np.bool_}
 
 
 class CudaCheckError(AssertionError):
@@ -284,18 +282,6 @@ def build(filename: str, defines: Dict[str, object]) -> Path:
 # ---------------------------------------------------------------------------
 
 
-def _to_bytes(a: mx.array) -> bytes:
-    if a.dtype == mx.bfloat16:
-        a = a.view(mx.uint16)
-    return np.ascontiguousarray(np.array(a)).tobytes()
-
-
-def _from_bytes(b: bytes, shape, dtype) -> mx.array:
-    arr = np.frombuffer(b, dtype=_NP[dtype]).reshape(shape)
-    out = mx.array(arr)
-    return out.view(mx.bfloat16) if dtype == mx.bfloat16 else out
-
-
 def _scalar_line(s) -> str:
     if isinstance(s, bool) or not isinstance(s, (int, float)):
         raise CudaCheckError(f"scalar {s!r}: the launch takes Python ints and floats only")
@@ -334,13 +320,13 @@ def launch(filename: str, name: str, defines: Dict[str, object], inputs: Sequenc
     try:
         manifest, ins = [], []
         for i, a in enumerate(arrays):
-            data = _to_bytes(a)
+            data = to_bytes(a)
             ins.append(data)
             (d / f"{i}.bin").write_bytes(data)
             manifest.append(f"in{i} {len(data)}")
         for j, (shape, dt) in enumerate(zip(output_shapes, output_dtypes)):
             n = int(np.prod(shape)) * dt.size
-            data = b"\xff" * n if init_value is None else _to_bytes(mx.full(tuple(shape), init_value, dt))
+            data = b"\xff" * n if init_value is None else to_bytes(mx.full(tuple(shape), init_value, dt))
             (d / f"{len(arrays) + j}.bin").write_bytes(data)
             manifest.append(f"out{j} {n}")
         (d / "manifest").write_text("\n".join(manifest) + "\n")
@@ -373,7 +359,7 @@ def launch(filename: str, name: str, defines: Dict[str, object], inputs: Sequenc
         for j in range(len(output_shapes)):
             k = len(arrays) + j
             if j in free:  # the contract leaves the order open: the same elements, in any order
-                item = _NP[output_dtypes[j]]
+                item = NP[output_dtypes[j]]
                 if any(not np.array_equal(np.sort(np.frombuffer(r[k], item)), np.sort(np.frombuffer(results[0][k], item)))
                        for r in results[1:]):
                     raise CudaCheckError(f"{filename} ({name}): order-free output {j} holds other elements under "
@@ -384,7 +370,7 @@ def launch(filename: str, name: str, defines: Dict[str, object], inputs: Sequenc
                     f"{filename} ({name}): output {j} depends on the order threads and blocks run in (schedules "
                     f"{SCHEDULES}): a thread reads memory another writes with no barrier between (or a cp.async "
                     f"destination before its wait)")
-        return [_from_bytes(results[0][len(arrays) + j], tuple(s), dt)
+        return [from_bytes(results[0][len(arrays) + j], tuple(s), dt)
                 for j, (s, dt) in enumerate(zip(output_shapes, output_dtypes))]
     finally:
         shutil.rmtree(d, ignore_errors=True)

@@ -63,6 +63,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import mlx.core as mx
 import numpy as np
 
+from array_bytes import from_bytes, to_bytes
+
 HERE = Path(__file__).resolve().parent
 SHIM = HERE / "metal_shim.h"
 RUNNER = HERE / "metal_run.h"
@@ -83,10 +85,6 @@ ATTRIBUTES = {
     "simdgroups_per_threadgroup": "a.simdgroups_per_threadgroup",
 }
 
-_NP = {mx.float32: np.float32, mx.float16: np.float16, mx.bfloat16: np.uint16, mx.int32: np.int32,
-       mx.uint32: np.uint32, mx.int64: np.int64, mx.uint64: np.uint64, mx.int16: np.int16,
-       mx.uint16: np.uint16, mx.int8: np.int8, mx.uint8: np.uint8, mx.bool_: np.bool_}
-
 
 #: The thread schedules every kernel runs under (``metal_run.h``): 0 runs each
 #: runnable thread in turn until it blocks; 1 runs the lowest-numbered one
@@ -103,18 +101,6 @@ def _cache_dir() -> Path:
     d = Path(os.environ.get("MQF_METAL_CHECK_CACHE", Path(tempfile.gettempdir()) / "mqf-metal-check"))
     d.mkdir(parents=True, exist_ok=True)
     return d
-
-
-def _to_bytes(a: mx.array) -> bytes:
-    if a.dtype == mx.bfloat16:
-        a = a.view(mx.uint16)
-    return np.ascontiguousarray(np.array(a)).tobytes()
-
-
-def _from_bytes(b: bytes, shape, dtype) -> mx.array:
-    arr = np.frombuffer(b, dtype=_NP[dtype]).reshape(shape)
-    out = mx.array(arr)
-    return out.view(mx.bfloat16) if dtype == mx.bfloat16 else out
 
 
 @contextlib.contextmanager
@@ -265,14 +251,14 @@ class SimKernel:
             manifest, order = [], []
             for ctype, name, attr, index in sorted((p for p in params if p[2] == "buffer"), key=lambda p: p[3]):
                 if name in by_name:
-                    data = _to_bytes(by_name[name])
+                    data = to_bytes(by_name[name])
                 elif name in outs:
                     shape, dt = outs[name]
                     n = int(np.prod(shape)) * dt.size
                     if init_value is None:
                         data = b"\xff" * n
                     else:
-                        data = _to_bytes(mx.full(shape, init_value, dt))
+                        data = to_bytes(mx.full(shape, init_value, dt))
                 elif name.endswith(("_shape", "_strides", "_ndim")):
                     base, kind = name.rsplit("_", 1)
                     x = by_name[base]
@@ -299,7 +285,7 @@ class SimKernel:
                     raise MetalCheckError(
                         f"{self.name}: output '{n}' depends on the order threads run in (schedules "
                         f"{SCHEDULES}): a thread reads memory another writes with no barrier between")
-            return [_from_bytes(written[0][n], *outs[n]) for n in self.output_names]
+            return [from_bytes(written[0][n], *outs[n]) for n in self.output_names]
         finally:
             shutil.rmtree(d, ignore_errors=True)
 
