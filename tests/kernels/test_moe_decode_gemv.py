@@ -473,13 +473,14 @@ def test_route_in_gate_up_equals_the_routing_kernel(n, k, E):
 
 @pytest.mark.cuda
 @pytest.mark.usefixtures("poison")
-@pytest.mark.parametrize("n,k,E", [pytest.param(n, k, E, marks=CPU_ROUTE) for n, k, E in [
-    (1, 1, 64), (1, 4, 32), (1, 8, 64), (2, 1, 32), (2, 4, 64), (2, 8, 128),
-    (3, 1, 64), (3, 4, 128), (3, 8, 32), (4, 1, 64), (4, 4, 32), (4, 8, 64)]])
+@pytest.mark.parametrize("n,k,E", [pytest.param(n, k, E, marks=CPU_ROUTE if cpu else ()) for n, k, E, cpu in [
+    (1, 1, 64, True), (1, 4, 32, False), (1, 8, 64, True), (2, 1, 32, False), (2, 4, 64, False),
+    (2, 8, 128, True), (3, 1, 64, False), (3, 4, 128, True), (3, 8, 32, True), (4, 1, 64, True),
+    (4, 4, 32, False), (4, 8, 64, False)]])
 def test_route_in_gate_up_small_shapes(n, k, E):
-    """The small shapes the CPU check runs too: every token count with
-    top-k 1, 4 and 8, 32 to 128 experts (1 to 4 logits per lane), skewed
-    logits, exact ties and tokens that all pick the same experts."""
+    """The small shapes (half of them run by the CPU check too): every token
+    count with top-k 1, 4 and 8, 32 to 128 experts (1 to 4 logits per lane),
+    skewed logits, exact ties and tokens that all pick the same experts."""
     for i, kind in enumerate(("skewed", "ties", "same")):
         check_routed(n, k, E, kind, seed=500 * n + 10 * k + E + i)
 
@@ -496,11 +497,15 @@ def test_route_in_gate_up_limits(n, k, E):
         check_routed(n, k, E, kind, seed=7 * n + k + E + i)
 
 
+CPU_ROUTE_BOTH = pytest.mark.cpu_check("moe_decode_gemv.cu", "moe_routing.cu")
+
+
 @pytest.mark.cuda
-@pytest.mark.cpu_check("moe_decode_gemv.cu", "moe_routing.cu")
 @pytest.mark.usefixtures("poison")
-@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("dtype,normalize", [pytest.param(mx.float32, True, marks=CPU_ROUTE_BOTH),
+                                             pytest.param(mx.float16, True, marks=CPU_ROUTE_BOTH),
+                                             pytest.param(mx.bfloat16, False, marks=CPU_ROUTE_BOTH),
+                                             (mx.float32, False), (mx.float16, False), (mx.bfloat16, True)])
 def test_route_in_gate_up_logit_dtypes(dtype, normalize):
     for i, kind in enumerate(("skewed", "ties")):
         check_routed(3, 8, 128, kind, seed=31 + i, dtype=dtype, normalize=normalize)
