@@ -381,9 +381,10 @@ def launch(filename: str, name: str, defines: Dict[str, object], inputs: Sequenc
 # ---------------------------------------------------------------------------
 
 
-def _simulated_call(self, inputs, output_shapes, output_dtypes, grid, threadgroup, scalars=(), shared_memory=0):
+def _simulated_call(self, inputs, output_shapes, output_dtypes, grid, threadgroup, scalars=(), shared_memory=0,
+                    init_value=None):
     return launch(self.filename, self.name, self.defines, inputs, output_shapes, output_dtypes, grid, threadgroup,
-                  scalars, shared_memory)
+                  scalars, shared_memory, init_value)
 
 
 _active = 0

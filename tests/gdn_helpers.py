@@ -1,12 +1,15 @@
 """Inputs and fp32 references of the Gated DeltaNet kernel tests (scan, front
-end, decode) and the full-size layer of the layer tests.
+end, decode, the one-launch mixer) and the full-size layer of the layer tests.
 
-Shapes are Qwen3.6-35B-A3B's: 16 key heads, 32 value heads, head dims 128.
+Shapes are Qwen3.6-35B-A3B's: 16 key heads, 32 value heads, head dims 128
+(the front end, decode and mixer helpers take other head counts too).
 References are plain MLX ops in float32: :func:`reference` is
 ``ops.gated_delta.gated_delta_recurrent`` (the package's reference of
 record), :func:`ref_frontend` mlx-lm's own expressions for the conv, norms
 and gates.
 """
+
+from typing import NamedTuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -61,18 +64,20 @@ def fe_params(seed, dtype):
     return w, A_log, dt_bias
 
 
-def ref_frontend(qkv, a, b, w, cs, A_log, dt_bias, eps=1e-6):
+def ref_frontend(qkv, a, b, w, cs, A_log, dt_bias, eps=1e-6, hk=HK, hv=HV):
     """mlx-lm's front end in fp32: conv + SiLU, q/k L2 norm (q scaled), gates,
-    new conv state. Returns (q, k, v, g, beta, conv_state)."""
+    new conv state (``hk`` key and ``hv`` value heads of 128). Returns (q, k,
+    v, g, beta, conv_state)."""
     f = mx.float32
     B, T, _ = qkv.shape
+    c = (2 * hk + hv) * D
     x = mx.concatenate([cs.astype(f), qkv.astype(f)], axis=1)
-    conv = nn.Conv1d(C, C, 4, groups=C, bias=False)
+    conv = nn.Conv1d(c, c, 4, groups=c, bias=False)
     conv.weight = w.astype(f)
     o = nn.silu(conv(x))
-    q = o[..., : HK * D].reshape(B, T, HK, D)
-    k = o[..., HK * D: 2 * HK * D].reshape(B, T, HK, D)
-    v = o[..., 2 * HK * D:].reshape(B, T, HV, D)
+    q = o[..., : hk * D].reshape(B, T, hk, D)
+    k = o[..., hk * D: 2 * hk * D].reshape(B, T, hk, D)
+    v = o[..., 2 * hk * D:].reshape(B, T, hv, D)
     q = q * mx.rsqrt((q * q).sum(-1, keepdims=True) + eps) * D**-0.5
     k = k * mx.rsqrt((k * k).sum(-1, keepdims=True) + eps)
     g = mx.exp(-mx.exp(A_log.astype(f)) * nn.softplus(a.astype(f) + dt_bias.astype(f)))
@@ -90,20 +95,20 @@ def decode_step_inputs(key, B, dtype):
     return qkv, z, a, b
 
 
-def decode_reference(qkv, z, a, b, w, cs, A_log, dt_bias, state, norm_weight, dtype):
+def decode_reference(qkv, z, a, b, w, cs, A_log, dt_bias, state, norm_weight, dtype, hk=HK, hv=HV):
     """The decode step's fp32 reference (the kernels' contract): mlx-lm's
     front end (:func:`ref_frontend`), q/k/v rounded to ``dtype`` as the
     kernels store them, the fp32 recurrence (:func:`reference`), mlx-lm's
-    gated RMSNorm. Returns (out [B, 1, HV*D], conv_state, state)."""
+    gated RMSNorm. Returns (out [B, 1, hv*D], conv_state, state)."""
     from mlx_lm.models.qwen3_next import Qwen3NextRMSNormGated
 
     B = qkv.shape[0]
-    q, k, v, g, beta, rcs = ref_frontend(qkv, a, b, w, cs, A_log, dt_bias)
+    q, k, v, g, beta, rcs = ref_frontend(qkv, a, b, w, cs, A_log, dt_bias, hk=hk, hv=hv)
     q, k, v = (x.astype(dtype) for x in (q, k, v))
     y, rs = reference(q, k, v, g, beta, state)
     m = Qwen3NextRMSNormGated(D, eps=1e-6)
     m.weight = norm_weight
-    return m(y.astype(dtype), z.reshape(B, 1, HV, D)).reshape(B, 1, HV * D), rcs, rs
+    return m(y.astype(dtype), z.reshape(B, 1, hv, D)).reshape(B, 1, hv * D), rcs, rs
 
 
 def assert_decode_step(got, ref, dtype):
@@ -121,6 +126,87 @@ def assert_decode_step(got, ref, dtype):
     assert_close(ncs, rcs, 0.0, "conv state (exact)")
     assert_close(ns, rs, tolerance(dtype, roundings=1), "state")
     assert_close(out, ro, tolerance(dtype, roundings=5), "out")
+
+
+class MixerArrays(NamedTuple):
+    """A Gated DeltaNet decoder layer's mixer for one decode step (the
+    arrays of ``kernels/gdn_mixer_decode.py``): ``x`` [B, 1, K]; ``in_proj`` /
+    ``out_proj``: (weight, scales, biases) of ``mx.quantize`` (affine, 4-bit,
+    group 64, scales in x's dtype) of [qkv | z | a | b] [P, K] and out_proj
+    [K, hv * 128]; the layer's constants; the states."""
+
+    x: mx.array
+    in_proj: tuple
+    out_proj: tuple
+    conv_weight: mx.array
+    A_log: mx.array
+    dt_bias: mx.array
+    norm_weight: mx.array
+    input_norm_weight: mx.array
+    conv_state: mx.array
+    state: mx.array
+    hk: int
+    hv: int
+
+
+def mixer_arrays(seed, B, K, hk, hv, dtype) -> MixerArrays:
+    """Random :class:`MixerArrays` (weights scaled by their fan-in, the
+    constants as :func:`fe_params` and the decode tests draw them: decays
+    0.5-1, norm weights around 1)."""
+    c, kv = (2 * hk + hv) * D, hv * D
+    P = c + hv * D + 2 * hv
+    ks = mx.random.split(mx.random.key(seed), 10)
+    w_in = (mx.random.normal((P, K), key=ks[0]) * K**-0.5).astype(dtype)
+    w_out = (mx.random.normal((K, kv), key=ks[1]) * kv**-0.5).astype(dtype)
+    return MixerArrays(
+        x=(3.0 * mx.random.normal((B, 1, K), key=ks[2])).astype(dtype),
+        in_proj=tuple(mx.quantize(w_in, group_size=64, bits=4)),
+        out_proj=tuple(mx.quantize(w_out, group_size=64, bits=4)),
+        conv_weight=(0.5 * mx.random.normal((c, 4, 1), key=ks[3])).astype(dtype),
+        A_log=mx.log(mx.random.uniform(0.1, 8.0, (hv,), key=ks[4])),
+        dt_bias=mx.random.uniform(-1.0, 1.0, (hv,), key=ks[5]).astype(dtype),
+        norm_weight=(1 + 0.3 * mx.random.normal((D,), key=ks[6])).astype(dtype),
+        input_norm_weight=(1 + 0.2 * mx.random.normal((K,), key=ks[7])).astype(dtype),
+        conv_state=mx.random.normal((B, 3, c), key=ks[8]).astype(dtype),
+        state=0.5 * mx.random.normal((B, hv, D, D), key=ks[9]),
+        hk=hk, hv=hv)
+
+
+def mixer_reference(a: MixerArrays, conv_state, state, x=None, input_norm_eps=1e-6):
+    """``(out [B, 1, K], conv_state, state)`` of the mixer's step, composed
+    of the references of the three kernels it fuses: the input projection
+    with the RMSNorm, :func:`decode_reference`, out_proj with the residual.
+
+    float32 x: the projections are ``ops.linear.decode_linear_reference``
+    (MLX's ``rms_norm`` and fp32 ``quantized_matmul``), everything fp32.
+    bfloat16 x: the projections are ``references.decode_gemv_reference``
+    (float64 with the GEMV kernel's bf16 rounding points; MLX's bf16
+    ``quantized_matmul`` on the CPU is itself only bf16-accurate), the
+    projection's output rounded to bf16 as the kernel stores it."""
+    from references import decode_gemv_reference
+
+    from mlx_qwen_fast.ops.linear import decode_linear_reference
+
+    x = a.x if x is None else x
+    B, K = x.shape[0], x.shape[-1]
+    hk, hv = a.hk, a.hv
+    c = (2 * hk + hv) * D
+    static = ("quantized", 64, 4, "affine", True, False)
+    if x.dtype == mx.float32:
+        proj = decode_linear_reference(x, a.in_proj, static, norm=(a.input_norm_weight, input_norm_eps))
+    else:
+        proj, _ = decode_gemv_reference(x.reshape(B, K), *a.in_proj, 4, 64, a.input_norm_weight, input_norm_eps)
+        proj = mx.array(proj.astype(np.float32)).astype(x.dtype).reshape(B, 1, -1)
+    qkv, z, ga, gb = (proj[..., lo:hi] for lo, hi in ((0, c), (c, c + hv * D), (c + hv * D, c + hv * D + hv),
+                                                        (c + hv * D + hv, c + hv * D + 2 * hv)))
+    y, rcs, rs = decode_reference(qkv, z, ga, gb, a.conv_weight, conv_state, a.A_log, a.dt_bias, state,
+                                  a.norm_weight, x.dtype, hk=hk, hv=hv)
+    if x.dtype == mx.float32:
+        out = decode_linear_reference(y, a.out_proj, static, residual=x)
+    else:
+        out, _ = decode_gemv_reference(y.reshape(B, hv * D), *a.out_proj, 4, 64, residual=x.reshape(B, K))
+        out = mx.array(out.astype(np.float32)).reshape(B, 1, K)
+    return out, rcs, rs
 
 
 #: A Gated DeltaNet layer of Qwen3.6-35B-A3B's shape (hidden 2048).

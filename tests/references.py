@@ -6,7 +6,9 @@ behaviour from the package, where they served only the tests):
   ``bf16_round``, ``_bf16_round_f64``): the grouped GEMMs' dequantisation;
 * :func:`dequant_f32`, :func:`moe_decode_reference` (were
   ``mlx_qwen_fast.kernels.moe_decode_gemv.dequant_f32`` and ``reference``):
-  the decode kernels' fp32 reference.
+  the decode kernels' fp32 reference;
+* :func:`decode_gemv_reference`: the decode GEMV's (``quantized_gemv``)
+  float64 reference with the kernel's bf16 rounding points.
 
 Their own tests: tests/test_references.py.
 """
@@ -16,7 +18,8 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-__all__ = ["bf16_round", "bf16_round_f64", "dequant_f32", "moe_decode_reference", "unpack_affine_4bit"]
+__all__ = ["bf16_round", "bf16_round_f64", "decode_gemv_reference", "dequant_f32", "moe_decode_reference",
+           "unpack_affine_4bit"]
 
 
 def _np32(a) -> np.ndarray:
@@ -164,3 +167,33 @@ def moe_decode_reference(x, inds, scores, experts, shared, expert_gate, dtype=mx
             y[tok] += sc[tok, j] * outs[tok * k + j]
         y[tok] += sgate[tok] * outs[n * k + tok]
     return h, sgate, y
+
+
+# ---------------------------------------------------------------------------
+# the decode GEMV (kernels/quantized_gemv.py)
+# ---------------------------------------------------------------------------
+
+
+def _round64(a) -> np.ndarray:
+    return bf16_round_f64(np.asarray(a, np.float64)).astype(np.float64)
+
+
+def decode_gemv_reference(x, w, scales, biases, bits, gs, norm_weight=None, eps=1e-6, residual=None):
+    """float64 ``(out [M, N], xin [M, K])`` of ``residual + rms_norm(x) @
+    dequantize(w).T`` rounded to bf16 where the decode GEMV kernel rounds:
+    the RMSNorm's normalised value and its product with the weight, each
+    weight dequantised to bf16(s * q + b) (one rounding), the product's
+    result, the residual add; everything else in float64. x [M, K]."""
+    xf = _np(x).astype(np.float64)
+    if norm_weight is not None:
+        r = 1.0 / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + eps)
+        xf = _round64(_np(norm_weight).astype(np.float64) * _round64(xf * r))
+    s64 = np.repeat(_np(scales).astype(np.float64), gs, axis=-1)
+    b64 = np.repeat(_np(biases).astype(np.float64), gs, axis=-1)
+    # s = 1, b = 0: the integer levels q
+    q = dequant_f32(w, mx.ones(scales.shape), mx.zeros(biases.shape), bits, gs).astype(np.float64)
+    W = _round64(s64 * q + b64)
+    y = _round64(xf @ W.T)
+    if residual is not None:
+        y = _round64(_np(residual).astype(np.float64) + y)
+    return y, xf

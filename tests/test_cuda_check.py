@@ -88,6 +88,8 @@ def test_every_ptx_helper_has_a_cpu_body():
 @pytest.mark.parametrize("source,defines", [
     ("gated_rms_norm.cu", dict(GDN_X="bf16_t", GDN_N="bf16_t")),
     ("gated_delta_decode.cu", dict(GDN_X="bf16_t", GDN_HV=32, GDN_HK=16)),
+    ("gdn_mixer_decode.cu", dict(GDN_X="bf16_t", GDN_HV=32, GDN_HK=16, GM_K=2048, GM_M=4)),
+    ("gdn_mixer_decode.cu", dict(GDN_X="float", GDN_HV=32, GDN_HK=16, GM_K=2048, GM_M=1)),
     ("gated_delta_frontend.cu", dict(GDN_X="bf16_t", GDN_W="bf16_t", GDN_A="bf16_t", GDN_DT="bf16_t", GDN_HV=32,
                                      GDN_HK=16, GDN_TT=16)),
     ("attention_prefill.cu", dict(ATT_X="f16_t")),
@@ -372,17 +374,18 @@ def test_planted_wrong_shuffle_mask(sim):
 
 
 def test_planted_missing_syncthreads(sim):
-    """gated_delta_decode.cu without the barrier after the key/query rows are
-    staged in shared memory: threads read rows others have not written (a
-    race only the other schedule exposes, or poison)."""
+    """gated_delta_decode.cu's step (gdn_decode_step.cuh) without each of its
+    barriers in turn (e.g. the one after the key/query rows are staged in
+    shared memory): threads read rows others have not written (a race only
+    the other schedule exposes, or poison)."""
     ok = _gdn_decode()
     assert all(not mx.isnan(o).any().item() for o in ok)
-    src = (cuda_check.SOURCES / "gated_delta_decode.cu").read_text()
+    src = (cuda_check.SOURCES / "gdn_decode_step.cuh").read_text()
     caught = 0
     n = src.count("__syncthreads();")
     assert n >= 3
     for i in range(n):  # each barrier, removed in turn
-        with cuda_check.planted("gated_delta_decode.cu", "__syncthreads();", ";", index=i):
+        with cuda_check.planted("gdn_decode_step.cuh", "__syncthreads();", ";", index=i):
             try:
                 out = _gdn_decode()
             except CudaCheckError as e:
@@ -553,3 +556,54 @@ def test_planted_routing_barrier_missing_in_gate_up(sim):
                              r"threads of the block returned", str(e)), str(e)
         else:
             assert any(not mx.array_equal(a, b).item() for a, b in zip(bad, good)), "missing barrier not caught"
+def _mixer(shape):
+    """The one-launch GDN mixer (bf16) on a grid of 3 blocks: several
+    input-projection tiles per team, several (row, head) items per block."""
+    from gdn_helpers import mixer_arrays
+    from mlx_qwen_fast.kernels import gdn_mixer_decode as gm
+
+    K, hk, hv = shape
+    a = mixer_arrays(7, 2, K, hk, hv, mx.bfloat16)
+    params = gm.mixer_params(a.conv_weight, a.A_log, a.dt_bias, a.norm_weight, a.input_norm_weight)
+    with cuda_check.simulated(sm_count=3):
+        out = gm.gdn_mixer_decode(a.x, a.in_proj, params, a.conv_state, a.state, a.out_proj, num_k_heads=hk,
+                                  num_v_heads=hv, input_norm_eps=1e-6)
+        mx.eval(out)
+    return out
+
+
+@pytest.mark.parametrize("what,shape,old,new,index", [
+    ("grid barrier 1 (proj written)", (256, 2, 4), "grid_wait(ctr, base + BARW);", ";", None),
+    ("grid barrier 2 (y written)", (256, 2, 4), "grid_wait(ctr, base + 2 * BARW);", ";", 0),
+    ("y staged for out_proj", (256, 2, 4), "ldcg16(y + 8 * i);\n    __syncthreads();", "ldcg16(y + 8 * i);", None),
+    ("a tile round's partial sums read before the next round writes them", (1024, 2, 8),
+     "qg_store<Cfg, RES>(acc, out, residual, tile * 16, n_rows, g, t);\n      }\n      __syncthreads();",
+     "qg_store<Cfg, RES>(acc, out, residual, tile * 16, n_rows, g, t);\n      }", None),
+])
+def test_planted_missing_barriers_in_the_mixer(what, shape, old, new, index):
+    """gdn_mixer_decode.cu without one of its barriers: blocks read scratch
+    that other blocks have not written yet, or threads shared memory that
+    others have not written or still read: caught as a schedule-dependent
+    output, or as results that differ from the intact kernel's."""
+    ok = _mixer(shape)
+    assert all(not mx.isnan(o).any().item() for o in ok)
+    with cuda_check.planted("gdn_mixer_decode.cu", old, new, index=index):
+        try:
+            bad = _mixer(shape)
+        except CudaCheckError as e:
+            assert "depends on the order" in str(e), str(e)
+            return
+    assert any(not mx.array_equal(a, b).item() for a, b in zip(bad, ok)), f"{what}: removed, not caught"
+
+
+def test_mixer_traps_on_a_counter_it_cannot_use(monkeypatch):
+    """The one-launch mixer launched with its outputs left as 0xFF bytes
+    (its init value dropped): the barrier counter's start is no multiple of
+    2 * BARW, so the kernel traps rather than pass a barrier early."""
+    ok = _mixer((256, 2, 4))
+    assert all(not mx.isnan(o).any().item() for o in ok)
+    launch = cuda_check._simulated_call
+    monkeypatch.setattr(cuda_check, "_simulated_call",
+                        lambda self, *args, init_value=None, **kw: launch(self, *args, **kw))
+    with pytest.raises(CudaCheckError, match=r"gdn_mixer_decode.cu .*__trap\(\) at gdn_mixer_decode.cu"):
+        _mixer((256, 2, 4))

@@ -8,7 +8,8 @@ import pytest
 import moe_blocks
 from compare import assert_close, npa, tolerance
 from moe_blocks import x_tokens
-from references import bf16_round, dequant_f32, moe_decode_reference, unpack_affine_4bit
+from references import (bf16_round, bf16_round_f64, decode_gemv_reference, dequant_f32, moe_decode_reference,
+                        unpack_affine_4bit)
 from mlx_qwen_fast.ops import moe
 
 
@@ -111,3 +112,24 @@ def test_moe_decode_reference_matches_fp32_ops():
     assert not np.array_equal(y32, y)
     with pytest.raises(ValueError, match="dtype must be bfloat16 or float32"):
         moe_decode_reference(xf, inds, scores, *arrs, dtype=mx.float16)
+
+
+def test_decode_gemv_reference_matches_mlx_ops():
+    """The decode GEMV's float64 reference: its normalised rows are MLX's
+    bf16 ``rms_norm`` bit for bit, and its output is the float64 product of
+    those rows with the weights dequantised once to bf16
+    (``unpack_affine_4bit(rounding="once")``), rounded to bf16, plus the
+    residual, rounded again."""
+    M, K, N = 3, 256, 48
+    ks = mx.random.split(mx.random.key(5), 4)
+    w, s, b = mx.quantize((0.05 * mx.random.normal((N, K), key=ks[0])).astype(mx.bfloat16), group_size=64, bits=4)
+    x = (3.0 * mx.random.normal((M, K), key=ks[1])).astype(mx.bfloat16)
+    nw = (1.0 + 0.2 * mx.random.normal((K,), key=ks[2])).astype(mx.bfloat16)
+    res = mx.random.normal((M, N), key=ks[3]).astype(mx.bfloat16)
+    out, xin = decode_gemv_reference(x, w, s, b, 4, 64, nw, 1e-6, res)
+    assert np.array_equal(xin, npa(mx.fast.rms_norm(x, nw, 1e-6)).astype(np.float64))
+    W = unpack_affine_4bit(w, s, b, 64, rounding="once").astype(np.float64)
+    want = bf16_round_f64(npa(res).astype(np.float64) + bf16_round_f64(xin @ W.T).astype(np.float64))
+    assert np.array_equal(out, want.astype(np.float64))
+    plain, _ = decode_gemv_reference(x, w, s, b, 4, 64)
+    assert np.array_equal(plain, bf16_round_f64(npa(x).astype(np.float64) @ W.T).astype(np.float64))

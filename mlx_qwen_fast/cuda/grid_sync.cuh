@@ -1,7 +1,7 @@
 // Building blocks for one-launch kernels whose CTAs exchange data: a
 // grid-wide barrier on a persistent arrival counter, an L2-only load, and
-// TMA bulk copies into shared memory completed on mbarriers (sm_90). No
-// kernel includes it at present: it is kept for one-launch decode kernels.
+// TMA bulk copies into shared memory completed on mbarriers (sm_90). Used
+// by the one-launch decode kernels (gdn_mixer_decode.cu: the barrier).
 //
 // Grid barrier contract (the whole grid must be resident at once):
 // - ctr: a 64-bit global counter, zero before its first use, never reset,

@@ -612,6 +612,29 @@ __device__ __forceinline__ float ldcg_f(const float* p) {
 #endif
 }
 
+// ld.global.cg.u16: through L2 only (data other CTAs wrote in this launch).
+__device__ __forceinline__ unsigned ldcg_u16(const void* p) {
+#ifndef MQF_CPU_CHECK
+  unsigned short v;
+  asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+#else
+  return *static_cast<const unsigned short*>(p);
+#endif
+}
+// ld.global.cg.v4.u32: 16 bytes through L2 only (data other CTAs wrote in this launch).
+__device__ __forceinline__ uint4 ldcg16(const void* p) {
+#ifndef MQF_CPU_CHECK
+  uint4 r;
+  asm volatile("ld.global.cg.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+#else
+  return *static_cast<const uint4*>(p);
+#endif
+}
+
 // ---- mbarriers and TMA bulk copies into shared memory (sm_90) ----------------------------
 // CPU: an mbarrier's 8 bytes hold {pending arrivals (bits 0-15), expected
 // arrivals (16-30), phase (31)} and the transaction bytes still expected;

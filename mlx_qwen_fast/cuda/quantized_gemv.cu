@@ -27,7 +27,8 @@
 // blocks (warp w: blocks [w * BPW, (w + 1) * BPW)), lane (g, t) = (lane / 4,
 // lane % 4) loads rows 16 b + g and + 8, inputs [128 u + 32 t, + 32) of block
 // u; the warps' partial sums are added in warp order (deterministic). Every
-// weight load is issued before the block stages xin in shared memory.
+// weight load is issued before the block stages xin in shared memory. The
+// tile's device code: qgemv_tile.cuh (shared with gdn_mixer_decode.cu).
 //
 // Inputs: x [M, K] bf16, w, scales, biases, [norm_w [K] QG_WT (QG_NORM)],
 // [residual [M, N] bf16 (QG_RES)]. Outputs: out [M, N] bf16, [xn [M, K] bf16
@@ -36,7 +37,7 @@
 // Build macros: KNAME, QG_BITS (4, 8), QG_GS (32, 64, 128), QG_K (K % GS ==
 // 0), QG_M (1..4), QG_KW (warps per block, 1..16), QG_NORM, QG_RES, QG_XN
 // (0/1), QG_WT (norm weight type).
-#include "moe_decode_common.cuh"
+#include "qgemv_tile.cuh"
 
 #ifndef QG_WT
 #define QG_WT bf16_t
@@ -44,22 +45,11 @@
 typedef QG_WT wt;
 
 namespace {
-constexpr int BITS = QG_BITS;
-constexpr int GS = QG_GS;
-constexpr int K = QG_K;
-constexpr int M = QG_M;
-constexpr int KWARPS = QG_KW;
+typedef QgCfg<QG_BITS, QG_GS, QG_K, QG_M, QG_KW> Cfg;
+constexpr int K = Cfg::K;
+constexpr int M = Cfg::M;
+constexpr int KWARPS = Cfg::KWARPS;
 constexpr int NT = 32 * KWARPS;
-constexpr int NB = (K + 127) / 128;                 // 128-input blocks (the last may be partial)
-constexpr int BPW = (NB + KWARPS - 1) / KWARPS;     // blocks per warp
-constexpr int WPR = K * BITS / 32;                  // packed words per row
-constexpr int NG = K / GS;                          // groups per row
-constexpr int LV = BITS / 4;                        // 16-byte loads per lane per row and block
-static_assert(BITS == 4 || BITS == 8, "4- or 8-bit weights");
-static_assert(GS == 32 || GS == 64 || GS == 128, "group size 32, 64 or 128");
-static_assert(K % GS == 0 && K >= GS, "K a multiple of the group size");
-static_assert(M >= 1 && M <= 4, "1 to 4 token rows");
-static_assert(KWARPS >= 1 && KWARPS <= 16, "1 to 16 warps per block");
 static_assert(M * K * 2 <= 32768, "the staged rows fit 32 KB of shared memory");
 
 // 8 consecutive 8-bit values (words a: values 0-3, b: 4-7) -> 4 bf16x2:
@@ -101,30 +91,12 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int row0 = blockIdx.x * 16;
-  const int u0 = warp * BPW;
+  const int u0 = warp * Cfg::BPW;
 
   // ---- weight loads first: rows past N load row N - 1 (never stored) ------
-  uint4 A[2][BPW][LV];
-  unsigned sb[2][BPW];
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int r = min(row0 + g + 8 * hh, n_rows - 1);
-#pragma unroll
-    for (int i = 0; i < BPW; ++i) {
-      const int k0 = 128 * (u0 + i) + 32 * t;
-      if (u0 + i < NB && k0 < K) {
-        const unsigned* p = w + (size_t)r * WPR + k0 * BITS / 32;
-#pragma unroll
-        for (int v = 0; v < LV; ++v) A[hh][i][v] = ldg_stream16(p + 4 * v);
-        const size_t gi = (size_t)r * NG + k0 / GS;
-        sb[hh][i] = load_sb(scales + gi, biases + gi);
-      } else {
-#pragma unroll
-        for (int v = 0; v < LV; ++v) A[hh][i][v] = make_uint4(0u, 0u, 0u, 0u);
-        sb[hh][i] = 0u;
-      }
-    }
-  }
+  uint4 A[2][Cfg::BPW][Cfg::LV];
+  unsigned sb[2][Cfg::BPW];
+  qg_load<Cfg>(A, sb, w, scales, biases, row0, n_rows, u0, g, t);
 
   // ---- stage xin = x or rms_norm(x) in shared memory ------------------------
   float part[M];
@@ -180,8 +152,12 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
 
   // ---- the warp's blocks: one fp32 mma chain ---------------------------------
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#if QG_BITS == 4
+  unsigned bb[4];
+  qg_mma<Cfg>(acc, A, sb, xs, u0, g, t, bb);
+#else
 #pragma unroll
-  for (int i = 0; i < BPW; ++i) {
+  for (int i = 0; i < Cfg::BPW; ++i) {
     const int k0 = 128 * (u0 + i) + 32 * t;
     const unsigned s0 = splat_s(sb[0][i]), b0 = splat_b(sb[0][i]);
     const unsigned s1 = splat_s(sb[1][i]), b1 = splat_b(sb[1][i]);
@@ -189,10 +165,7 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
     for (int wq = 0; wq < 4; ++wq) {
       unsigned bb[4] = {0u, 0u, 0u, 0u};
       // B column g is token g; lanes past the tokens or past K give zeros
-      if (g < M && u0 + i < NB && k0 < K) b_pairs(*reinterpret_cast<const uint4*>(&xs[g][k0 + 8 * wq]), bb);
-#if QG_BITS == 4
-      mma_word(acc, w4(A[0][i][0], wq), w4(A[1][i][0], wq), s0, b0, s1, b1, bb);
-#else
+      if (g < M && u0 + i < Cfg::NB && k0 < K) b_pairs(*reinterpret_cast<const uint4*>(&xs[g][k0 + 8 * wq]), bb);
       unsigned p0[4], p1[4];
       const int v = wq >> 1, wa = 2 * (wq & 1);
       dequant8_pairs(w4(A[0][i][v], wa), w4(A[0][i][v], wa + 1), __uint_as_float(s0 << 16),
@@ -201,9 +174,9 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
                      __uint_as_float(b1 << 16), p1);
       mma_bf16(acc, p0[0], p1[0], p0[1], p1[1], bb[0], bb[1]);
       mma_bf16(acc, p0[2], p1[2], p0[3], p1[3], bb[2], bb[3]);
-#endif
     }
   }
+#endif
 
   // ---- the warps' sums in warp order, rounding, residual, store ------------
   if (KWARPS > 1) {
@@ -211,23 +184,11 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
     for (int c = 0; c < 4; ++c) red[warp][lane][c] = acc[c];
     __syncthreads();
     if (warp != 0) return;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      float s = red[0][lane][c];
-#pragma unroll 1
-      for (int ww = 1; ww < KWARPS; ++ww) s += red[ww][lane][c];
-      acc[c] = s;
-    }
+    qg_warp_order_sum<KWARPS>(acc, red, 0, lane);
   }
-#pragma unroll
-  for (int c = 0; c < 4; ++c) {
-    const int m = 2 * t + (c & 1), row = row0 + g + 8 * (c >> 1);
-    if (m < M && row < n_rows) {
-      float v = from_f_round<bf16_t>(acc[c]);
 #if QG_RES
-      v += to_f(residual[(size_t)m * n_rows + row]);
+  qg_store<Cfg, true>(acc, out, residual, row0, n_rows, g, t);
+#else
+  qg_store<Cfg, false>(acc, out, nullptr, row0, n_rows, g, t);
 #endif
-      out[(size_t)m * n_rows + row] = from_f<bf16_t>(v);
-    }
-  }
 }

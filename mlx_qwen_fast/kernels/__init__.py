@@ -29,6 +29,10 @@ Modules (each exposes the wrapper of the same name and ``supports``):
 - ``quantized_gemv``        decode projection, 1-4 rows: RMSNorm + 4/8-bit GEMV
                             + residual (on by default on CUDA inside the decode
                             step; see ``ops.linear``)
+- ``gdn_mixer_decode``      a GDN layer's whole mixer for one token, 1-4 rows:
+                            RMSNorm + in_proj, the decode step, out_proj +
+                            residual in one persistent launch (grid barriers);
+                            not used by the ops yet
 
 Import them by module path, e.g.
 ``from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan, supports``

@@ -81,6 +81,7 @@ __all__ = [
     "cuda_available",
     "fatbin_id",
     "gpu_arch",
+    "poisoning",
     "sm_count",
     "set_poison",
 ]
@@ -99,6 +100,12 @@ def set_poison(on: Optional[bool]) -> None:
     pass); None goes back to :data:`mlx_qwen_fast.config.POISON`."""
     global _poison
     _poison = None if on is None else bool(on)
+
+
+def poisoning() -> bool:
+    """Whether launches fill their outputs with NaN first (:func:`set_poison`,
+    else :data:`mlx_qwen_fast.config.POISON`)."""
+    return config.POISON.get() if _poison is None else _poison
 
 
 def cuda_available() -> bool:
@@ -625,11 +632,16 @@ class CudaKernel:
         threadgroup: Tuple[int, int, int],
         scalars: Sequence = (),
         shared_memory: int = 0,
+        init_value: Optional[float] = None,
     ) -> List:
         """Launch; ``grid`` counts threads (MLX's convention), not blocks.
 
         ``scalars``: Python ints (int32 parameters) and floats (fp32
         parameters, rounded here to the nearest fp32 value).
+        ``init_value``: every output filled with this value before the
+        launch (MLX fills each output with a kernel of its own), whether or
+        not :func:`poisoning`; None: outputs start uninitialised, or NaN
+        while poisoning.
         """
         import mlx.core as mx
 
@@ -644,7 +656,7 @@ class CudaKernel:
             grid=grid,
             threadgroup=threadgroup,
             shared_memory=shared_memory,
-            init_value=_NAN if (config.POISON.get() if _poison is None else _poison) else None,
+            init_value=init_value if init_value is not None else _NAN if poisoning() else None,
             ensure_row_contiguous=True,
         )
 

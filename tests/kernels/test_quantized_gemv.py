@@ -20,13 +20,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from compare import assert_close, finite, npa, tolerance
-from references import bf16_round_f64, dequant_f32
+from compare import assert_close, finite, tolerance
+from references import decode_gemv_reference as reference
 from mlx_qwen_fast.kernels import quantized_gemv as qg
-
-
-def _round(a) -> np.ndarray:
-    return bf16_round_f64(np.asarray(a, np.float64)).astype(np.float64)
 
 
 def _inputs(M, K, N, bits, gs, seed, norm_dtype=mx.bfloat16):
@@ -37,23 +33,6 @@ def _inputs(M, K, N, bits, gs, seed, norm_dtype=mx.bfloat16):
     nw = (1.0 + 0.2 * mx.random.normal((K,), key=ks[2])).astype(norm_dtype)
     res = mx.random.normal((M, N), key=ks[3]).astype(mx.bfloat16)
     return x, w, scales, biases, nw, res
-
-
-def reference(x, w, scales, biases, bits, gs, norm_weight=None, eps=1e-6, residual=None):
-    """float64 ``(out [M, N], xin [M, K])`` with the kernel's rounding points."""
-    xf = npa(x).astype(np.float64)
-    if norm_weight is not None:
-        r = 1.0 / np.sqrt(np.mean(xf * xf, axis=-1, keepdims=True) + eps)
-        xf = _round(npa(norm_weight).astype(np.float64) * _round(xf * r))
-    s64 = np.repeat(npa(scales).astype(np.float64), gs, axis=-1)
-    b64 = np.repeat(npa(biases).astype(np.float64), gs, axis=-1)
-    # s = 1, b = 0: the integer levels q
-    q = dequant_f32(w, mx.ones(scales.shape), mx.zeros(biases.shape), bits, gs).astype(np.float64)
-    W = _round(s64 * q + b64)
-    y = _round(xf @ W.T)
-    if residual is not None:
-        y = _round(npa(residual).astype(np.float64) + y)
-    return y, xf
 
 
 # ---------------------------------------------------------------------------
