@@ -29,6 +29,11 @@ What it does, for one launch of a :class:`mlx_qwen_fast.kernels._cuda_build.Cuda
 (source file, build macros) to FILE as JSON lines (the input of
 ``bench/cubin_identity.py``).
 
+Where a libnvrtc is installed (the test extra's ``nvidia-cuda-nvrtc``),
+every kernel configuration launched inside :func:`simulated` is also
+compiled by NVRTC for the simulated target, as a GPU machine builds it at
+first use (:func:`nvrtc_compile`): NVRTC rejects some source nvcc accepts.
+
 It fails (:class:`CudaCheckError`, with the kernel, block and thread named) on:
 an access outside an array (which one, at which byte), a write before a
 shared array's start, a ``__syncthreads`` that not every thread of the block
@@ -42,9 +47,9 @@ race), an input the kernel wrote. Unwritten outputs stay NaN for the
 caller's comparison to catch.
 
 What a pass proves: for the shapes run, the kernel's arithmetic under a C++
-reading of CUDA and of the PTX helpers' ISA semantics, and the absence of the
-errors above. What it cannot: that NVRTC accepts the source (``nvcc`` here
-does: tests/test_cuda_check.py), anything about speed, register or shared
+reading of CUDA and of the PTX helpers' ISA semantics, that NVRTC builds it
+(where installed), and the absence of the errors above. What it cannot:
+anything about speed, register or shared
 memory pressure beyond the 227 KB per block, the GPU's weak memory model
 (threads here never run at once; races show only where the two schedules
 order them differently), bit-exact GPU arithmetic (fp32 sums in another
@@ -381,8 +386,32 @@ def launch(filename: str, name: str, defines: Dict[str, object], inputs: Sequenc
 # ---------------------------------------------------------------------------
 
 
+#: Kernel names NVRTC has compiled in this process (:func:`nvrtc_compile`).
+_nvrtc_done: set = set()
+
+
+def nvrtc_compile(kernel) -> bool:
+    """Compile ``kernel`` (a CudaKernel) with NVRTC for the simulated GPU's
+    target, as a GPU machine builds it at first use, where a libnvrtc is
+    installed (the test extra's ``nvidia-cuda-nvrtc``); False where none is.
+    NVRTC rejects some source nvcc accepts (a function without an execution
+    space is a host function, and JIT mode has none). Raises CudaCheckError
+    with NVRTC's log."""
+    if cb._get_nvrtc() is None:
+        return False
+    if kernel.name in _nvrtc_done:
+        return True
+    try:
+        kernel.cubin
+    except RuntimeError as exc:
+        raise CudaCheckError(f"{kernel.filename} ({kernel.name}): {exc}") from None
+    _nvrtc_done.add(kernel.name)
+    return True
+
+
 def _simulated_call(self, inputs, output_shapes, output_dtypes, grid, threadgroup, scalars=(), shared_memory=0,
                     init_value=None):
+    nvrtc_compile(self)
     return launch(self.filename, self.name, self.defines, inputs, output_shapes, output_dtypes, grid, threadgroup,
                   scalars, shared_memory, init_value)
 
@@ -407,6 +436,9 @@ def simulated(sm_count: int = SM_COUNT, arch: Tuple[int, int] = ARCH):
     saved = (cb.CudaKernel.__call__, cb.cuda_available, cb.gpu_arch, cb.sm_count, backend.current, _arch)
     device = mx.default_device()
     cb.CudaKernel.__call__ = _simulated_call
+    saved_build = (cb._arch_option, cb.cache_dir)
+    cb._arch_option = lambda: f"sm_{arch[0]}{arch[1]}" + ("a" if tuple(arch) == (9, 0) else "")
+    cb.cache_dir = lambda: _cache_dir() / "nvrtc"  # the check's cubins stay out of the user's cache
     cb.cuda_available = lambda: True
     cb.gpu_arch = lambda: tuple(arch)
     cb.sm_count = lambda: sm_count
@@ -422,3 +454,4 @@ def simulated(sm_count: int = SM_COUNT, arch: Tuple[int, int] = ARCH):
         mx.enable_compile()
         mx.set_default_device(device)
         cb.CudaKernel.__call__, cb.cuda_available, cb.gpu_arch, cb.sm_count, backend.current, _arch = saved
+        cb._arch_option, cb.cache_dir = saved_build

@@ -128,6 +128,33 @@ def test_nvcc_routing_gate_up_fits_its_registers(tmp_path, n, k, E):
     assert regs <= 80 and "0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads" in r.stderr, r.stderr
 
 
+def test_nvrtc_builds_what_the_check_launches(sim, tmp_path, monkeypatch):
+    """Inside simulated(), each launched configuration is also compiled by
+    NVRTC for sm_90a (as a GPU machine does at first use), into the check's
+    own cache; a source NVRTC rejects -- here a constexpr function without an
+    execution space, which nvcc takes and NVRTC's JIT mode calls a host
+    function -- fails with NVRTC's message."""
+    from mlx_qwen_fast.kernels import _cuda_build as cb
+
+    if cb._get_nvrtc() is None:
+        pytest.skip("no libnvrtc (the test extra's nvidia-cuda-nvrtc) installed")
+    monkeypatch.setattr(cuda_check, "_nvrtc_done", set())
+    y = _rms_norm(3)
+    assert not mx.isnan(y).any().item()
+    built = [n for n in cuda_check._nvrtc_done if n.startswith("mqf_gated_rms_norm")]
+    assert built and all(cb.build_stats[n]["arch"] == "sm_90a" for n in built)
+    src = (cuda_check.SOURCES / "gated_rms_norm.cu").read_text()
+    bad = src.replace("#include \"gdn_common.cuh\"", "#include \"gdn_common.cuh\"\nconstexpr int mqf_rows(int n) { return n; }\n"
+                      "__device__ int mqf_use() { return mqf_rows(2); }", 1)
+    assert bad != src
+    kern = cb.CudaKernel.__new__(cb.CudaKernel)
+    kern.filename, kern.base_name, kern.defines = "gated_rms_norm.cu", "mqf_planted", dict(GDN_X="bf16_t", GDN_N="bf16_t")
+    monkeypatch.setattr(cb, "_read_sources", lambda f: (bad, {p.name: p.read_text() for p in cuda_check.SOURCES.glob("*.cuh")}))
+    kern.__post_init__()
+    with pytest.raises(CudaCheckError, match="host function"):
+        cuda_check.nvrtc_compile(kern)
+
+
 # ---------------------------------------------------------------------------
 # the source rewrite and the launch checks
 # ---------------------------------------------------------------------------

@@ -105,7 +105,7 @@ static_assert(HID % GSZ == 0 && HID >= GSZ, "GM_K: a multiple of 64");
 static_assert(M >= 1 && M <= 4, "GM_M: 1 to 4 rows");
 
 // Warps per tile: quantized_gemv.py's warps() (one per 512 inputs, 1..16).
-constexpr int tile_warps(int k) {
+__host__ __device__ constexpr int tile_warps(int k) {
   return k <= 512 ? 1 : ((k + 511) / 512 > 16 ? 16 : (k + 511) / 512);
 }
 constexpr int KWA = tile_warps(HID), KWC = tile_warps(KO);
@@ -122,7 +122,7 @@ static_assert(STAGE <= 32768, "the staged rows fit 32 KB of shared memory");
 
 // Scratch (bytes): counter [0, 8), proj from 16, y 16-byte aligned after it
 // (gdn_mixer_decode.py's scratch_words: OFF_Y + round16(M * KO * sizeof(xt))).
-constexpr int round16(int n) {
+__host__ __device__ constexpr int round16(int n) {
   return (n + 15) / 16 * 16;
 }
 constexpr int OFF_PROJ = 16;
