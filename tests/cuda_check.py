@@ -41,10 +41,11 @@ reaches or that threads reach at different call sites, a warp collective
 whose mask is wrong (leaves the caller out, names missing lanes, is not
 met by every lane it names, reads a lane outside it), a ``cp.async`` wait
 with nothing to wait for being read early (seen as differing outputs), a
-grid barrier that never completes, ``__trap()``, a launch that does not fit
+grid barrier that never completes, ``__trap()``, a float output element
+never written (still poisoned; outputs a source declares ``cuda-check:
+unwritten outputs N`` excepted), a launch that does not fit
 the kernel's parameters or limits, outputs that depend on the schedule (a
-race), an input the kernel wrote. Unwritten outputs stay NaN for the
-caller's comparison to catch.
+race), an input the kernel wrote.
 
 What a pass proves: for the shapes run, the kernel's arithmetic under a C++
 reading of CUDA and of the PTX helpers' ISA semantics, that NVRTC builds it
@@ -228,6 +229,15 @@ def order_free_outputs(filename: str) -> set:
     return {int(v) for v in re.findall(r"\d+", m.group(1))} if m else set()
 
 
+def unwritten_ok(filename: str) -> set:
+    """Float output indices the kernel's contract lets it leave partly
+    unwritten, declared in its source by a comment line ``cuda-check:
+    unwritten outputs 1`` (every other float output must be written
+    everywhere: a poisoned element left over fails the launch)."""
+    m = re.search(r"cuda-check:\s*unwritten outputs\s+([\d ,]+)", _read(filename))
+    return {int(v) for v in re.findall(r"\d+", m.group(1))} if m else set()
+
+
 def _closure(filename: str) -> List[str]:
     """``filename`` and the kernel headers it includes, transitively."""
     seen, todo = [], [filename]
@@ -375,6 +385,19 @@ def launch(filename: str, name: str, defines: Dict[str, object], inputs: Sequenc
                     f"{filename} ({name}): output {j} depends on the order threads and blocks run in (schedules "
                     f"{SCHEDULES}): a thread reads memory another writes with no barrier between (or a cp.async "
                     f"destination before its wait)")
+        if init_value is None:  # poisoned outputs: a float element still all 0xFF bytes was never written
+            # (or computed from poison: the CPU's NaN arithmetic keeps the pattern)
+            for j, (shape, dt) in enumerate(zip(output_shapes, output_dtypes)):
+                if dt not in (mx.float32, mx.float16, mx.bfloat16) or j in unwritten_ok(filename):
+                    continue
+                words = np.frombuffer(results[0][len(arrays) + j], NP[dt]).view(f"u{dt.size}")
+                left = np.flatnonzero(words == np.iinfo(f"u{dt.size}").max)
+                if left.size:
+                    at = tuple(int(i) for i in np.unravel_index(int(left[0]), shape))
+                    raise CudaCheckError(
+                        f"{filename} ({name}): output {j} {tuple(shape)}: {left.size} elements hold the poison "
+                        f"pattern (never written, or computed from never-written memory), the first at flat index "
+                        f"{int(left[0])} (index {at})")
         return [from_bytes(results[0][len(arrays) + j], tuple(s), dt)
                 for j, (s, dt) in enumerate(zip(output_shapes, output_dtypes))]
     finally:

@@ -390,6 +390,16 @@ def test_planted_store_past_the_end(sim):
                 _rms_norm(4)
 
 
+def test_planted_unwritten_output(sim):
+    """gated_rms_norm.cu with one lane of every row skipping its store: the
+    elements it owns stay poisoned and the launch names the first of them."""
+    with cuda_check.planted("gated_rms_norm.cu", "  if (ok) {\n    store4(out + base, o);",
+                            "  if (ok && l != 5) {\n    store4(out + base, o);"):
+        with pytest.raises(CudaCheckError, match=r"output 0 \(3, 128\): 24 elements hold the poison pattern "
+                                                 r"\(never written.*the first at flat index 40 \(index \(0, 40\)\)"):
+            _rms_norm(3)
+
+
 def test_planted_wrong_shuffle_mask(sim):
     """warp_sum (gdn_common.cuh) with a half-warp mask: lanes 16-31 call it
     with a mask that leaves them out."""
@@ -416,7 +426,7 @@ def test_planted_missing_syncthreads(sim):
             try:
                 out = _gdn_decode()
             except CudaCheckError as e:
-                assert "depends on the order" in str(e), str(e)
+                assert "depends on the order" in str(e) or "poison pattern" in str(e), str(e)
                 caught += 1
                 continue
             # no schedule difference: then the result itself must be wrong (poison or stale data)
