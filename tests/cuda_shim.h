@@ -601,52 +601,25 @@ inline unsigned __match_all_sync(unsigned mask, T v, int* pred, MQF_SITE) {
 }
 
 // ---- atomics (fibers never preempt each other: plain read-modify-writes) -------------------
-template <typename T>
-inline T atomicAdd(T* p, T v) {
-  T o = *p;
-  *p = o + v;
-  return o;
-}
-template <typename T>
-inline T atomicSub(T* p, T v) {
-  T o = *p;
-  *p = o - v;
-  return o;
-}
-template <typename T>
-inline T atomicMax(T* p, T v) {
-  T o = *p;
-  *p = std::max(o, v);
-  return o;
-}
-template <typename T>
-inline T atomicMin(T* p, T v) {
-  T o = *p;
-  *p = std::min(o, v);
-  return o;
-}
-template <typename T>
-inline T atomicExch(T* p, T v) {
-  T o = *p;
-  *p = v;
-  return o;
-}
+#define MQF_ATOMIC(name, expr)   \
+  template <typename T>          \
+  inline T name(T* p, T v) {     \
+    T o = *p;                    \
+    *p = (expr);                 \
+    return o;                    \
+  }
+MQF_ATOMIC(atomicAdd, o + v)
+MQF_ATOMIC(atomicSub, o - v)
+MQF_ATOMIC(atomicMax, std::max(o, v))
+MQF_ATOMIC(atomicMin, std::min(o, v))
+MQF_ATOMIC(atomicExch, v)
+MQF_ATOMIC(atomicOr, o | v)
+MQF_ATOMIC(atomicAnd, o & v)
+#undef MQF_ATOMIC
 template <typename T>
 inline T atomicCAS(T* p, T cmp, T v) {
   T o = *p;
   if (o == cmp) *p = v;
-  return o;
-}
-template <typename T>
-inline T atomicOr(T* p, T v) {
-  T o = *p;
-  *p = o | v;
-  return o;
-}
-template <typename T>
-inline T atomicAnd(T* p, T v) {
-  T o = *p;
-  *p = o & v;
   return o;
 }
 inline unsigned atomicInc(unsigned* p, unsigned lim) {

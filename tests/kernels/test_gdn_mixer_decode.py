@@ -248,6 +248,18 @@ def test_grid_blocks():
 # ---------------------------------------------------------------------------
 
 
+def _two_chained_steps(a):
+    """Two steps of the fused kernel, the states carried from its first step
+    and a new x each step, each checked against the references."""
+    params = _params(a)
+    cs, st, x = a.conv_state, a.state, a.x
+    for step in range(2):
+        got = _fused(a, params, cs, st, x)
+        _check_against_reference(a, got, cs, st, x)
+        _, cs, st = got
+        x = _next_x(a, step)
+
+
 @pytest.mark.cuda
 @pytest.mark.cpu_check("gdn_mixer_decode.cu")
 @pytest.mark.usefixtures("poison")
@@ -257,14 +269,7 @@ def test_matches_reference(B, dtype):
     """Two chained steps (the states carried from the kernel's first step,
     a new x each step): each against the composition of the three fused
     kernels' references from the same inputs."""
-    a = _arrays(SMALL, B, dtype, 10 + B)
-    params = _params(a)
-    cs, st, x = a.conv_state, a.state, a.x
-    for step in range(2):
-        got = _fused(a, params, cs, st, x)
-        _check_against_reference(a, got, cs, st, x)
-        _, cs, st = got
-        x = _next_x(a, step)
+    _two_chained_steps(_arrays(SMALL, B, dtype, 10 + B))
 
 
 @pytest.mark.cuda
@@ -348,14 +353,7 @@ def test_zero_start_equals_nan_start(dtype):
 def test_full_size_matches_reference(B, dtype):
     """Qwen3.6-35B-A3B's layer (hidden 2048, 16 / 32 heads, P = 12352, 132
     blocks on an H100), two chained steps against the references."""
-    a = _arrays(FULL, B, dtype, 50 + B)
-    params = _params(a)
-    cs, st, x = a.conv_state, a.state, a.x
-    for step in range(2):
-        got = _fused(a, params, cs, st, x)
-        _check_against_reference(a, got, cs, st, x)
-        _, cs, st = got
-        x = _next_x(a, step)
+    _two_chained_steps(_arrays(FULL, B, dtype, 50 + B))
 
 
 @pytest.mark.cuda
