@@ -9,6 +9,7 @@
 #   bash bench/h200.sh userview   # bench.user_view: mlx-lm's own benchmark command, stock vs patched (~5-9 min)
 #   bash bench/h200.sh firstuse   # bench.first_use: the CLI's first and second run on a fresh machine (~6 min)
 #   bash bench/h200.sh decode     # nodes per decode token, then a decode switch on/off through the CLI (~6-9 min)
+#   bash bench/h200.sh split      # bench.decode_split with a decode switch off/on, alternating processes (~2-4 min)
 #
 # Run from the repository root on the device with .mlxcuda carried (and .nvfatbin for
 # compressed-fatbin launches); every result goes to $OUT (at most 8 files, named
@@ -126,5 +127,15 @@ decode)  # graph nodes per decode token at 4K (bench.nodes: stock and patched), 
     env "$AB=$L" timeout 90 $BENCH >> "$OUT/layer-ab.log" 2>&1; echo "rc=$?" >> "$OUT/layer-ab.log"
   done; done
   grep -E "^== |Averages|^rc=" "$OUT/layer-ab.log" ;;
-*) echo "usage: bash bench/h200.sh {tests|ab|ops|profile|userview|firstuse|decode}"; exit 2 ;;
+split)  # bench.decode_split at 4K on the in-memory random checkpoint (nodes per token, host build and encode,
+        # GPU wait, pipelined tok/s), the switch ${SPLIT_AB:-MLX_QWEN_FAST_GDN_MIXER} =0 and =1 alternating,
+        # ${SPLIT_PAIRS:-2} processes each. Files: split-ab.log
+  AB="${SPLIT_AB:-MLX_QWEN_FAST_GDN_MIXER}"
+  for i in $(seq "${SPLIT_PAIRS:-2}"); do for L in 0 1; do
+    echo "== pair $i $AB=$L" >> "$OUT/split-ab.log"
+    env "$AB=$L" timeout 150 python3 -m bench.decode_split $P --context 4096 --nodes --repeats 2 --steps 30 \
+      --pipelined 100 >> "$OUT/split-ab.log" 2>&1; echo "rc=$?" >> "$OUT/split-ab.log"
+  done; done
+  grep -E "^== |^# ops|^nodes|^split|^rc=" "$OUT/split-ab.log" ;;
+*) echo "usage: bash bench/h200.sh {tests|ab|ops|profile|userview|firstuse|decode|split}"; exit 2 ;;
 esac

@@ -43,6 +43,7 @@ __all__ = [
     "ATTENTION_DECODE_KERNEL",
     "ATTENTION_PREFILL_KERNEL",
     "DECODE_GEMV_KERNEL",
+    "GDN_MIXER_KERNEL",
     "METAL_KERNELS",
     "KERNEL_CACHE",
     "NVRTC",
@@ -182,6 +183,11 @@ DECODE_GEMV_KERNEL = Switch(
     "MLX_QWEN_FAST_GEMV_KERNEL", "bool", True, "`0`",
     "the decode layer step keeps MLX's RMSNorm, quantized matmul and residual add around each projection "
     "on CUDA instead of the fused quantised-GEMV kernel")
+GDN_MIXER_KERNEL = Switch(
+    "MLX_QWEN_FAST_GDN_MIXER", "bool", False, "`1`",
+    "on CUDA, a Gated DeltaNet layer's decode step runs its whole mixer (input RMSNorm and projection, the "
+    "recurrence, out_proj and the residual) as one persistent kernel instead of three launches (needs the "
+    "fused GEMV on)")
 METAL_KERNELS = Switch(
     "MLX_QWEN_FAST_METAL", "bool", False, "`1`",
     "on Apple silicon, the package's Metal kernels run (decode: the Gated DeltaNet step, the MoE block, "
@@ -207,8 +213,8 @@ POISON = Switch(
 #: Every switch, in the README's order.
 SWITCHES: Tuple[Switch, ...] = (
     FAST_PATH, MOE_PREFILL_KERNEL, MOE_DECODE_KERNEL, DECODE_LAYER_STEP, DECODE_MODEL_STEP,
-    ATTENTION_DECODE_KERNEL, ATTENTION_PREFILL_KERNEL, DECODE_GEMV_KERNEL, METAL_KERNELS, KERNEL_CACHE, NVRTC,
-    NVFATBIN, ARCH, POISON,
+    ATTENTION_DECODE_KERNEL, ATTENTION_PREFILL_KERNEL, DECODE_GEMV_KERNEL, GDN_MIXER_KERNEL, METAL_KERNELS,
+    KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
 )
 
 

@@ -125,9 +125,12 @@ def op_implementations(backend_name: Optional[str] = None) -> Dict[str, str]:
     # the projections with their RMSNorm and residual, inside the layer step
     gemv = config.DECODE_LAYER_STEP.get() and linear_ops.implementation_for(1, b) == "cuda-kernel"
     table["linear.decode"] = "compiled-layer+cuda-kernel" if gemv else "stock"
+    gdn_kernel = table["gated_delta.decode"] == "cuda-kernel"
+    if gdn_kernel and gemv and config.GDN_MIXER_KERNEL.get():  # the layer step's whole mixer, one launch
+        table["gated_delta.decode"] = "cuda-mixer"
     # every layer in one compiled call: only where both layer kinds take their whole step
     whole = (config.DECODE_LAYER_STEP.get() and config.DECODE_MODEL_STEP.get()
-             and table["gated_delta.decode"] == "cuda-kernel" and table["moe.decode"] == "cuda-decode")
+             and gdn_kernel and table["moe.decode"] == "cuda-decode")
     table["model.decode"] = "compiled-model" if whole else (
         "compiled-layer" if config.DECODE_LAYER_STEP.get() else "stock")
     return table

@@ -432,11 +432,10 @@ def nvrtc_compile(kernel) -> bool:
     return True
 
 
-def _simulated_call(self, inputs, output_shapes, output_dtypes, grid, threadgroup, scalars=(), shared_memory=0,
-                    init_value=None):
+def _simulated_call(self, inputs, output_shapes, output_dtypes, grid, threadgroup, scalars=(), shared_memory=0):
     nvrtc_compile(self)
     return launch(self.filename, self.name, self.defines, inputs, output_shapes, output_dtypes, grid, threadgroup,
-                  scalars, shared_memory, init_value)
+                  scalars, shared_memory)  # outputs start as 0xFF bytes: NaN, poisoning or not
 
 
 _active = 0

@@ -218,12 +218,12 @@ FULL_ARGS = TextModelArgs(
 )
 
 
-def full_size_layer(seed, dtype):
-    """Stock ``GatedDeltaNet`` of :data:`FULL_ARGS`, random weights from
-    ``seed``, 4-bit group-64 projections, activations in ``dtype`` (A_log
-    kept in float32, as mlx-lm keeps it)."""
+def full_size_layer(seed, dtype, args=FULL_ARGS):
+    """Stock ``GatedDeltaNet`` of ``args`` (:data:`FULL_ARGS`: Qwen3.6's
+    layer), random weights from ``seed``, 4-bit group-64 projections,
+    activations in ``dtype`` (A_log kept in float32, as mlx-lm keeps it)."""
     mx.random.seed(seed)
-    layer = GatedDeltaNet(FULL_ARGS)
+    layer = GatedDeltaNet(args)
     new = []
     for name, p in tree_flatten(layer.parameters()):
         if name.endswith("A_log"):

@@ -633,14 +633,13 @@ def test_planted_missing_barriers_in_the_mixer(what, shape, old, new, index):
     assert any(not mx.array_equal(a, b).item() for a, b in zip(bad, ok)), f"{what}: removed, not caught"
 
 
-def test_mixer_traps_on_a_counter_it_cannot_use(monkeypatch):
-    """The one-launch mixer launched with its outputs left as 0xFF bytes
-    (its init value dropped): the barrier counter's start is no multiple of
-    2 * BARW, so the kernel traps rather than pass a barrier early."""
+def test_mixer_traps_on_a_counter_it_cannot_use():
+    """The one-launch mixer whose module-level barrier counter starts at a
+    value no launch can leave (1500: remainder mod 2 * BARW at least BARW)
+    traps rather than pass a barrier early."""
     ok = _mixer((256, 2, 4))
     assert all(not mx.isnan(o).any().item() for o in ok)
-    launch = cuda_check._simulated_call
-    monkeypatch.setattr(cuda_check, "_simulated_call",
-                        lambda self, *args, init_value=None, **kw: launch(self, *args, **kw))
-    with pytest.raises(CudaCheckError, match=r"gdn_mixer_decode.cu .*__trap\(\) at gdn_mixer_decode.cu"):
-        _mixer((256, 2, 4))
+    with cuda_check.planted("gdn_mixer_decode.cu", "__device__ unsigned long long mixer_ctr;",
+                            "__device__ unsigned long long mixer_ctr = 1500;"):
+        with pytest.raises(CudaCheckError, match=r"gdn_mixer_decode.cu .*__trap\(\) at gdn_mixer_decode.cu"):
+            _mixer((256, 2, 4))

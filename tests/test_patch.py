@@ -459,6 +459,19 @@ def cuda_machine(monkeypatch, env):
 _KERNELS = {"moe.prefill": "cuda-prefill", "moe.decode": "cuda-decode"}
 
 
+def test_report_follows_the_mixer_switch(cuda_machine, env):
+    """The GDN decode entry names the one-launch mixer exactly when its switch
+    and the fused GEMV are on; the whole-stack step is kept either way."""
+    from mlx_qwen_fast import op_implementations
+
+    for mixer, gemv, want in (("0", "1", "cuda-kernel"), ("1", "1", "cuda-mixer"), ("1", "0", "cuda-kernel")):
+        env.set(config.GDN_MIXER_KERNEL.name, mixer)
+        env.set(config.DECODE_GEMV_KERNEL.name, gemv)
+        table = op_implementations()
+        assert table["gated_delta.decode"] == want, (mixer, gemv)
+        assert table["model.decode"] == "compiled-model", (mixer, gemv)
+
+
 @pytest.mark.parametrize(
     "kwargs, declined",
     [

@@ -44,8 +44,8 @@
 // (D) | w_in_norm (K)], conv_state [M, 3, C] (xt), state [M, HV, D, D] fp32,
 // w_out uint32 [K, HV*D / 8], s_out, b_out [K, HV*D / 64] (xt). Outputs: out
 // [M, K] (xt), conv_state_out [M, 3, C], state_out [M, HV, D, D], scratch
-// fp32 [scratch_words]: the barrier counter (bytes 0-7), proj [M, P] (xt,
-// from byte 16), y [M, HV*D] (xt, 16-byte aligned). Scalars: float eps_in,
+// uint32 [scratch_words]: proj [M, P] (xt, from byte 0), y [M, HV*D] (xt,
+// 16-byte aligned); no output needs a start value. Scalars: float eps_in,
 // eps_qk, eps_norm. Weights: affine 4-bit, group 64 (mx.quantize).
 //
 // Launch contract: G blocks of 512 threads, G <= the number of SMs and
@@ -55,11 +55,10 @@
 // the other forever; MLX orders two launches when one reads what the other
 // writes, as consecutive layers do), while other kernels only delay it. A
 // grid that is not resident traps after ~2^23 polls rather than hang. The
-// counter's 8 bytes start as a multiple of 2 * BARW = 2048 that adding 2048
-// does not wrap: a scratch output filled with zeros, or with fp32 NaNs
-// (0x7FC00000 or 0xFFC00000 per word: low 22 bits zero), by the launch's
-// init value. A start that cannot be such a multiple (remainder mod 2048 at
-// least 1024 when a block first reads it) traps.
+// barrier counter is a __device__ variable of the kernel's module (zero when
+// the module loads, never reset: grid_sync.cuh's contract), so a launch
+// needs no output filled first; a value that cannot be a launch's start
+// (remainder mod 2 * BARW at least BARW when a block first reads it) traps.
 //
 // Build macros: KNAME, GDN_X (bf16_t or float), GDN_HV, GDN_HK, GM_K
 // (hidden size, a multiple of 64), GM_M (1..4 rows).
@@ -67,19 +66,17 @@
 // Prediction for the GPU (Qwen3.6-35B-A3B: K = 2048, HK = 16, HV = 32, P =
 // 12352, bf16, one token; not measured). Bytes per step: in_proj 12352 x
 // 2048 x 0.5 B = 12.65 MB + scales/biases 1.58 MB; out_proj 2048 x 4096 x
-// 0.5 B = 4.19 MB + 0.52 MB; state 2.10 MB read + 2.10 MB written; MLX's
-// fill of every output before the launch (its init value) ~2.2 MB written;
-// conv state, constants, x, scratch < 0.5 MB: ~26 MB, 19 MB of it weights.
-// At ~3 TB/s effective: ~8.6 us of memory time, plus two grid barriers
+// 0.5 B = 4.19 MB + 0.52 MB; state 2.10 MB read + 2.10 MB written;
+// conv state, constants, x, scratch < 0.5 MB: ~24 MB, 19 MB of it weights.
+// At ~3 TB/s effective: ~8 us of memory time, plus two grid barriers
 // (~1 us each, bench: 0.6-1.3 us per grid-wide exchange), the launch and the
 // first loads (~2 us): ~12-13 us per layer, ~0.4 ms per token over 30
 // layers. Phase B runs on B * HV blocks (32 of 132 at B = 1), as
 // gated_delta_decode.cu's grid does. About the three launches' GPU time
-// (same bytes; two barriers for two inter-kernel gaps of ~1.3 us; the fill
-// added). The gain is host time: 3 graph nodes -> 1 per GDN layer, 60 nodes
-// fewer per token (7-9 us of host time per small custom-kernel node,
-// bench/node_cost.py: ~0.4-0.5 ms per token), less what this node's 10
-// inputs and MLX's four fill kernels inside it add.
+// (same bytes; two barriers for two inter-kernel gaps of ~1.3 us). The gain
+// is host time: 3 graph nodes -> 1 per GDN layer, 60 nodes fewer per token
+// (7-9 us of host time per small custom-kernel node, bench/node_cost.py:
+// ~0.4-0.5 ms per token), less what this node's 10 inputs add.
 #include "grid_sync.cuh"
 #include "gdn_decode_step.cuh"
 #include "qgemv_tile.cuh"
@@ -120,16 +117,19 @@ constexpr int STAGE_A = M * HID * (BF ? 2 : 4), STAGE_C = BF ? M * KO * 2 : 0;
 constexpr int STAGE = STAGE_A > STAGE_C ? STAGE_A : STAGE_C;
 static_assert(STAGE <= 32768, "the staged rows fit 32 KB of shared memory");
 
-// Scratch (bytes): counter [0, 8), proj from 16, y 16-byte aligned after it
-// (gdn_mixer_decode.py's scratch_words: OFF_Y + round16(M * KO * sizeof(xt))).
+// Scratch (bytes): proj from 0, y 16-byte aligned after it (gdn_mixer_decode.py's
+// scratch_words: OFF_Y + round16(M * KO * sizeof(xt))).
 __host__ __device__ constexpr int round16(int n) {
   return (n + 15) / 16 * 16;
 }
-constexpr int OFF_PROJ = 16;
+constexpr int OFF_PROJ = 0;
 constexpr int OFF_Y = OFF_PROJ + round16(M * P * (int)sizeof(xt));
 
 constexpr unsigned long long BARW = 1024;  // barrier weight, >= gridDim.x
 constexpr unsigned long long NBAR = 2;     // barriers per launch
+// The grid barriers' arrival counter: one per module (one per build
+// configuration), launches of a module one at a time (see the top).
+__device__ unsigned long long mixer_ctr;
 
 // proj read by the GDN step: through L2 (other blocks wrote it in this launch).
 struct ScratchLoad {
@@ -350,9 +350,9 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
                                       const float* __restrict__ state_in, const unsigned* __restrict__ w_out,
                                       const T* __restrict__ s_out, const T* __restrict__ b_out, T* __restrict__ out,
                                       T* __restrict__ conv_state_out, float* __restrict__ state_out,
-                                      float* __restrict__ scratch, float eps_in, float eps_qk, float eps_norm,
+                                      unsigned* __restrict__ scratch, float eps_in, float eps_qk, float eps_norm,
                                       const Smem& sm) {
-  unsigned long long* const ctr = reinterpret_cast<unsigned long long*>(scratch);
+  unsigned long long* const ctr = &mixer_ctr;
   T* const proj = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(scratch) + OFF_PROJ);
   T* const y = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(scratch) + OFF_Y);
   const float* const in_norm_w = params + C * KW + 2 * HV + D;
@@ -436,7 +436,7 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
     xt* __restrict__ out,
     xt* __restrict__ conv_state_out,
     float* __restrict__ state_out,
-    float* __restrict__ scratch,
+    unsigned* __restrict__ scratch,
     float eps_in,
     float eps_qk,
     float eps_norm) {

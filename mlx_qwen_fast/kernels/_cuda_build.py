@@ -632,16 +632,12 @@ class CudaKernel:
         threadgroup: Tuple[int, int, int],
         scalars: Sequence = (),
         shared_memory: int = 0,
-        init_value: Optional[float] = None,
     ) -> List:
         """Launch; ``grid`` counts threads (MLX's convention), not blocks.
 
         ``scalars``: Python ints (int32 parameters) and floats (fp32
-        parameters, rounded here to the nearest fp32 value).
-        ``init_value``: every output filled with this value before the
-        launch (MLX fills each output with a kernel of its own), whether or
-        not :func:`poisoning`; None: outputs start uninitialised, or NaN
-        while poisoning.
+        parameters, rounded here to the nearest fp32 value). Outputs start
+        uninitialised, or NaN while :func:`poisoning`.
         """
         import mlx.core as mx
 
@@ -656,7 +652,7 @@ class CudaKernel:
             grid=grid,
             threadgroup=threadgroup,
             shared_memory=shared_memory,
-            init_value=init_value if init_value is not None else _NAN if poisoning() else None,
+            init_value=_NAN if poisoning() else None,
             ensure_row_contiguous=True,
         )
 

@@ -20,19 +20,17 @@ fp32 (fp32 scales and biases, dot products on the CUDA cores).
 
 The kernel is persistent: ``min(SM count, work)`` blocks of 512 threads
 (:func:`grid_blocks`), all resident at once, meeting at two grid barriers
-whose counter lives in a scratch output (with the projection and GDN
-outputs handed between phases). That output must start at a known value,
-so every launch fills all its outputs first (MLX's ``init_value``: zeros,
-or NaN while :func:`mlx_qwen_fast.kernels._cuda_build.poisoning`; the
-counter takes both). One block fills an SM, so two launches of this kernel
-must not run at once (MLX orders them when one reads the other's outputs,
-as consecutive layers do); a grid that cannot be resident traps (a CUDA
-error) rather than hang. Source: ``mlx_qwen_fast/cuda/gdn_mixer_decode.cu``.
+whose arrival counter is a variable of the kernel's module (zero when it
+loads, never reset), so no output needs filling before a launch; the
+projection and GDN outputs pass between phases through a scratch output.
+One block fills an SM, so two launches of this kernel must not run at once
+(MLX orders them when one reads the other's outputs, as consecutive layers
+do, and runs a stream's kernels in order); a grid that cannot be resident
+traps (a CUDA error) rather than hang. Source: ``mlx_qwen_fast/cuda/gdn_mixer_decode.cu``.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
@@ -192,10 +190,10 @@ def grid_blocks(B: int, Hk: int, Hv: int, K: int, sm_count: int) -> int:
 
 
 def scratch_words(B: int, Hk: int, Hv: int, x_dtype) -> int:
-    """fp32 words of the scratch output: the barrier counter (16 bytes), proj
-    [B, P] and y [B, Hv*128] in x's dtype, each 16-byte aligned."""
+    """uint32 words of the scratch output: proj [B, P] and y [B, Hv*128] in
+    x's dtype, each 16-byte aligned."""
     es = 2 if x_dtype == mx.bfloat16 else 4
-    return (16 + _round16(B * packed_width(Hk, Hv) * es) + _round16(B * Hv * D * es)) // 4
+    return (_round16(B * packed_width(Hk, Hv) * es) + _round16(B * Hv * D * es)) // 4
 
 
 def gdn_mixer_decode(
@@ -270,7 +268,6 @@ def gdn_mixer_decode(
     out, new_conv, new_state, _ = kern(
         [x, *in_proj, params, conv_state, state, *out_proj],
         [tuple(x.shape), (B, KW - 1, C), (B, Hv, D, D), (scratch_words(B, Hk, Hv, dt),)],
-        [dt, dt, mx.float32, mx.float32], (blocks * _THREADS, 1, 1), (_THREADS, 1, 1), eps,
-        init_value=math.nan if cb.poisoning() else 0.0,
+        [dt, dt, mx.float32, mx.uint32], (blocks * _THREADS, 1, 1), (_THREADS, 1, 1), eps,
     )
     return out, new_conv, new_state

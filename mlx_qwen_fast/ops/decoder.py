@@ -18,8 +18,10 @@ Per layer kind:
 
 * Gated DeltaNet layer: both RMSNorms, the layer's decode step
   (:func:`mlx_qwen_fast.ops.gated_delta.decode_step_parts`: packed input
-  projection, decode kernel, ``out_proj``), the residuals and the MoE
-  block's decode step (:func:`mlx_qwen_fast.ops.moe.decode_step_parts`).
+  projection, decode kernel, ``out_proj``; with
+  :data:`mlx_qwen_fast.config.GDN_MIXER_KERNEL` these with the input norm
+  and the residual as one launch), the residuals and the MoE block's decode
+  step (:func:`mlx_qwen_fast.ops.moe.decode_step_parts`).
 * Gated attention layer (mlx-lm's ``Qwen3NextAttention``): RMSNorm, one
   quantised matmul over the concatenated q|k|v projections, then
   :func:`mlx_qwen_fast.ops.attention.decode_attention` (q/k RMSNorm, RoPE at
@@ -202,7 +204,8 @@ def _moe_parts(layer, x):
 def _linear_plan(layer, x, cache):
     children = [("linear_attn",), ("mlp",), ("input_layernorm",), ("post_attention_layernorm",)]
     gdn = gated_delta_ops.decode_step_parts(layer.linear_attn, x, cache,
-                                            input_norm_eps=layer.input_layernorm.eps)
+                                            input_norm_eps=layer.input_layernorm.eps,
+                                            input_norm_weight=layer.input_layernorm.weight)
     moe = _moe_parts(layer, x)
     if gdn is None or moe is None:
         return children, None
@@ -278,7 +281,7 @@ def _layer_entry(layer, x: mx.array, cache):
                 or cache[1] is None:
             return None
         key = ("linear", tuple(x.shape), x.dtype, cache[0].dtype, cache[1].dtype, _norm_eps(layer),
-               config.DECODE_GEMV_KERNEL.get())
+               config.DECODE_GEMV_KERNEL.get(), config.GDN_MIXER_KERNEL.get())
         arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _linear_plan(layer, x, cache))
     else:
         if type(cache) is not _kv_cache_type() or cache.keys is None:
@@ -411,8 +414,7 @@ class _ModelPlan:
         return (type(None), ())
 
     def holds(self, model, h: mx.array, cache) -> bool:
-        if (tuple(h.shape), h.dtype, config.DECODE_GEMV_KERNEL.get(),
-                config.ATTENTION_DECODE_KERNEL.get()) != self.sig:
+        if _model_sig(h) != self.sig:
             return False
         layers = model.layers
         if len(cache) != len(self.cache_refs) or len(layers) != len(self.layers):
@@ -433,6 +435,13 @@ class _ModelPlan:
         return all(c.lengths is None and c[0] is not None and c[1] is not None
                    and (c[0].dtype, c[1].dtype) == d
                    for c, d in zip((c for c, lin in zip(cache, self.linear) if lin), self.state_dtypes))
+
+
+def _model_sig(h: mx.array) -> tuple:
+    """What a model plan bakes in besides the layers' plans: the input's
+    shape and dtype, the switches the traces read."""
+    return (tuple(h.shape), h.dtype, config.DECODE_GEMV_KERNEL.get(), config.ATTENTION_DECODE_KERNEL.get(),
+            config.GDN_MIXER_KERNEL.get())
 
 
 def _plan_model(model, h: mx.array, cache) -> Optional[_ModelPlan]:
@@ -473,7 +482,7 @@ def _plan_model(model, h: mx.array, cache) -> Optional[_ModelPlan]:
         layout.append((plan[0], raw, n_in + len(extra)))
     arrays.append(model.norm.weight)
     mp = _ModelPlan()
-    mp.sig = (tuple(h.shape), h.dtype, config.DECODE_GEMV_KERNEL.get(), config.ATTENTION_DECODE_KERNEL.get())
+    mp.sig = _model_sig(h)
     mp.layers = tuple(layers)
     mp.cache_refs = tuple(weakref.ref(c) for c in cache)
     mp.linear = tuple(linear)

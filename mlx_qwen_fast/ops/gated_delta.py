@@ -62,6 +62,7 @@ from ..kernels import gated_delta_decode_metal as _k_decode_metal
 from ..kernels import gated_delta_frontend as _k_frontend
 from ..kernels import gated_delta_scan as _k_scan
 from ..kernels import gated_rms_norm as _k_norm
+from ..kernels import gdn_mixer_decode as _k_mixer
 from . import linear as linear_ops
 
 __all__ = [
@@ -929,7 +930,8 @@ def _cuda_decode(layer, inputs, cache):
     return out
 
 
-def decode_step_parts(layer, inputs: mx.array, cache, input_norm_eps: Optional[float] = None):
+def decode_step_parts(layer, inputs: mx.array, cache, input_norm_eps: Optional[float] = None,
+                      input_norm_weight: Optional[mx.array] = None):
     """The compiled decode step of ``layer`` for one token per row, for a
     caller that traces it inside its own compiled function
     (:func:`mlx_qwen_fast.ops.decoder.decode_layer`); None where
@@ -945,6 +947,12 @@ def decode_step_parts(layer, inputs: mx.array, cache, input_norm_eps: Optional[f
             and the residual, and computes ``x + layer(rms_norm(x))`` (the
             norm fused into the input projection, the add into
             ``out_proj``: :func:`mlx_qwen_fast.ops.linear.decode_linear`).
+        input_norm_weight: that norm's weight ([D]), read only to build the
+            one-launch mixer's constants (:data:`config.GDN_MIXER_KERNEL`:
+            :func:`mlx_qwen_fast.kernels.gdn_mixer_decode.gdn_mixer_decode`
+            replaces the three launches; ``fn`` then ignores its
+            ``norm_weight`` argument, the caller's plan holding the weight
+            it was built from). None: the three launches.
 
     Returns:
         ``(paths, fn, n_used, extra)``: ``fn(x, conv_state, state,
@@ -959,14 +967,15 @@ def decode_step_parts(layer, inputs: mx.array, cache, input_norm_eps: Optional[f
     conv_state, state = _states(cache)
     if conv_state is None or state is None:
         return None
-    paths, plan = _decode_plan(layer, inputs, state, input_norm_eps)
+    paths, plan = _decode_plan(layer, inputs, state, input_norm_eps, input_norm_weight)
     if plan is None or plan == "modules":
         return None
     fn, n_used, extra = plan
     return tuple(paths), fn, n_used, extra
 
 
-def _decode_plan(layer, inputs, state, input_norm_eps: Optional[float] = None):
+def _decode_plan(layer, inputs, state, input_norm_eps: Optional[float] = None,
+                 input_norm_weight: Optional[mx.array] = None):
     """``(paths, plan)`` for :class:`StepPlans`: plan = ``(compiled step,
     number of the gathered arrays it takes, extra arrays)``, "modules" (a
     projection of another kind, or four that do not concatenate) or None
@@ -991,6 +1000,13 @@ def _decode_plan(layer, inputs, state, input_norm_eps: Optional[float] = None):
     paths = linear_paths(("out_proj",), lins[4])
     n_used = len(paths)
     paths += _STEP_ARRAYS + tuple(p for n, lin in zip(_PROJECTIONS[:4], lins) for p in linear_paths((n,), lin))
+    heads = (layer.num_k_heads, layer.num_v_heads)
+    if _mixer_takes(inputs, in_proj, lins[4], state, heads, input_norm_eps, input_norm_weight):
+        params = _k_mixer.mixer_params(layer.conv1d.weight, layer.A_log, layer.dt_bias, layer.norm.weight,
+                                       input_norm_weight)
+        mx.eval(params)
+        fn = _mixer_step(*heads, layer.norm.eps, len(lins[4][0]), input_norm_eps)
+        return paths, (fn, n_used, (params,) + tuple(in_proj[0]))
     params = _k_decode.decode_params(layer.conv1d.weight, layer.A_log, layer.dt_bias, layer.norm.weight)
     mx.eval(params)  # built once, outside the first step's graph
     fn = _decode_step(layer.num_k_heads, layer.num_v_heads, layer.norm.eps,
@@ -1088,6 +1104,39 @@ def _decode_step(num_k_heads: int, num_v_heads: int, norm_eps: float, out_static
         else:
             def step(x, conv_state, state, *flat):
                 return core(x, conv_state, state, None, flat)
+
+        fn = _decode_steps[key] = mx.compile(step)
+    return fn
+
+
+def _mixer_takes(inputs, in_proj, out_proj, state, heads, input_norm_eps, input_norm_weight) -> bool:
+    """Whether the decode step runs the one-launch mixer: its switch and the
+    fused GEMV's on, the input norm fused (its weight given), both
+    projections affine 4-bit group-64 with biases and no bias, the kernel's
+    shapes (:func:`mlx_qwen_fast.kernels.gdn_mixer_decode.supports`)."""
+    if not (config.GDN_MIXER_KERNEL.get() and config.DECODE_GEMV_KERNEL.get()):
+        return False
+    if input_norm_eps is None or input_norm_weight is None:
+        return False
+    want = ("quantized", _k_mixer.GROUP_SIZE, _k_mixer.BITS, "affine", True, False)
+    if in_proj[1] != want or out_proj[1] != want:
+        return False
+    return _k_mixer.supports(inputs, in_proj[0], out_proj[0], state, num_k_heads=heads[0], num_v_heads=heads[1])
+
+
+def _mixer_step(num_k_heads: int, num_v_heads: int, norm_eps: float, n_out: int, input_norm_eps: float):
+    """The ``mx.compile``d decode step on the one-launch mixer, with
+    :func:`_decode_step`'s fused signature: ``fn(x, conv_state, state,
+    norm_weight, *out_proj, mixer_params, *in_proj) -> (x + y, conv_state,
+    state)``; ``norm_weight`` is not read (``mixer_params`` holds it)."""
+    key = ("mixer", int(num_k_heads), int(num_v_heads), float(norm_eps), int(n_out), float(input_norm_eps))
+    fn = _decode_steps.get(key)
+    if fn is None:
+
+        def step(x, conv_state, state, norm_weight, *flat):
+            return _k_mixer.gdn_mixer_decode(
+                x, flat[n_out + 1:], flat[n_out], conv_state, state, flat[:n_out], num_k_heads=key[1],
+                num_v_heads=key[2], input_norm_eps=key[5], norm_eps=key[3])
 
         fn = _decode_steps[key] = mx.compile(step)
     return fn

@@ -22,9 +22,9 @@ follows through q/k/v's rounding (2); y takes the decode step's 5
 (test_gated_delta_decode) after the projection's 1, and out adds out_proj's
 result and the residual add: 8.
 
-Outputs start as NaN (the ``poison`` fixture: the kernel fills its outputs
-with NaN rather than zeros before the launch) except in the test of the
-zero start, so an element the kernel does not write fails ``finite``.
+Outputs start as NaN (the ``poison`` fixture: MLX fills them with NaN
+before the launch; unfilled otherwise), so an element the kernel does not
+write fails ``finite``.
 """
 
 from __future__ import annotations
@@ -327,23 +327,31 @@ def test_few_blocks(monkeypatch, dtype):
 @pytest.mark.cuda
 @pytest.mark.cpu_check("gdn_mixer_decode.cu")
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-def test_zero_start_equals_nan_start(dtype):
-    """Outputs filled with zeros (the launch's init value when not
-    poisoning: the barrier counter starts at 0) or with NaN (its counter
-    words NaN): the same results bit for bit."""
+def test_launches_in_a_row_need_no_filled_output(monkeypatch, dtype):
+    """The barrier counter lives in the kernel's module and carries over
+    launches on a GPU: five launches of one build in a row, with grids of 3
+    blocks and of every SM alternating and the outputs left as allocated (no
+    poison) or filled with NaN, give the same bits. (The CUDA check runs
+    each launch in a process of its own: there the counter starts at zero
+    every time.)"""
     a = _arrays(SMALL, 2, dtype, 40)
     params = _params(a)
-    cb.set_poison(False)
+    results = []
     try:
-        zero = _fused(a, params, a.conv_state, a.state)
-        mx.eval(zero)
-        cb.set_poison(True)
-        nan = _fused(a, params, a.conv_state, a.state)
-        mx.eval(nan)
+        for sms, poison in ((3, False), (None, False), (3, True), (None, True), (3, False)):
+            if sms is not None:
+                monkeypatch.setattr(cb, "sm_count", lambda: sms)
+            else:
+                monkeypatch.undo()
+            cb.set_poison(poison)
+            got = _fused(a, params, a.conv_state, a.state)
+            mx.eval(got)
+            results.append(got)
     finally:
         cb.set_poison(None)
-    assert finite(*nan)
-    assert all(mx.array_equal(z, n).item() for z, n in zip(zero, nan))
+    for got in results:
+        assert finite(*got)
+        assert all(mx.array_equal(g, w).item() for g, w in zip(got, results[0]))
 
 
 @pytest.mark.cuda

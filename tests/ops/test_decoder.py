@@ -312,7 +312,7 @@ def test_linear_layer_step_composes_its_parts(monkeypatch):
 
     eps_seen = []
 
-    def gdn_parts(layer, x, cache, input_norm_eps):
+    def gdn_parts(layer, x, cache, input_norm_eps, input_norm_weight=None):
         made.append("gdn")
         eps_seen.append(input_norm_eps)
 
@@ -474,12 +474,16 @@ def test_cuda_whole_layer_steps_match_module_path(monkeypatch, env, kernel_heads
 @pytest.mark.cuda
 @pytest.mark.usefixtures("poison")
 @pytest.mark.parametrize("batch", [1, 2])
-def test_cuda_model_step_matches_the_layer_steps(monkeypatch, env, kernel_heads, batch):
+@pytest.mark.parametrize("mixer", ["0", "1"])
+def test_cuda_model_step_matches_the_layer_steps(monkeypatch, env, kernel_heads, batch, mixer):
     """CUDA, bf16, every kernel inside: the whole stack in one compiled call
     gives the logits of one compiled call per layer within bf16 rounding at
     each of 40 teacher-forced steps (the cache crossing 256 positions), and
-    it ran for every decode token (the prompt took mlx-lm's stack)."""
+    it ran for every decode token (the prompt took mlx-lm's stack). With
+    ``mixer`` the stack runs the one-launch GDN mixer
+    (``config.GDN_MIXER_KERNEL``) and the layer steps its three launches."""
     assert HAS_CUDA
+    env.set(config.GDN_MIXER_KERNEL.name, mixer)
     ran = []
     real = decoder.decode_model
 
@@ -493,6 +497,7 @@ def test_cuda_model_step_matches_the_layer_steps(monkeypatch, env, kernel_heads,
     pairs, cs, cf = _decode_pair(stock, fast, 230, 40, batch, seed=batch)
     assert ran.count(True) == 40 and ran[0] is False  # the prompt: not a decode call
     env.set(config.DECODE_MODEL_STEP.name, "0")
+    env.set(config.GDN_MIXER_KERNEL.name, "0")
     _, off = _models(seed=5, dtype=mx.bfloat16, preset=kernel_heads)
     pairs_off, _, co = _decode_pair(stock, off, 230, 40, batch, seed=batch)
     for i, ((_, b), (_, c)) in enumerate(zip(pairs, pairs_off)):
@@ -510,7 +515,7 @@ def _stand_in_parts(monkeypatch):
 
     made = []
 
-    def gdn_parts(layer, x, cache, input_norm_eps):
+    def gdn_parts(layer, x, cache, input_norm_eps, input_norm_weight=None):
         made.append("gdn")
 
         def fn(x, cs, st, n1, a_log, dt_bias, e):

@@ -33,7 +33,7 @@ from compare import FP32_TOL, assert_close, tolerance
 from gdn_helpers import FULL_ARGS, NOT_ARRAYS, full_size_layer
 from mlx_lm.models import gated_delta as stock
 from mlx_qwen_fast import layers
-from mlx_qwen_fast.compiled import StepPlans
+from mlx_qwen_fast.compiled import StepPlans, gather
 from mlx_qwen_fast.kernels import _cuda_build as cb
 from mlx_qwen_fast.kernels import gated_delta_decode as k_decode
 from mlx_qwen_fast.ops import gated_delta as gd
@@ -886,6 +886,73 @@ def test_compiled_decode_step_equals_eager(env, gemv, dtype, B):
     y2_ref = eager(layer, x, zero_conv, zero_state, ArraysCache(size=2))
     mx.eval(y2, y2_ref)
     assert mx.array_equal(y2, y2_ref).item() and not mx.array_equal(y2, y1).item()
+
+
+def _mixer_step_run(layer, norm_weight, xs, conv, st):
+    """The layer's decode step from :func:`gd.decode_step_parts` (input norm
+    fused) over the rows of ``xs``, states carried: (outputs, conv, state)."""
+    cache = ArraysCache(size=2)
+    cache[0], cache[1] = conv, st
+    paths, fn, n_used, extra = gd.decode_step_parts(layer, xs[0], cache, input_norm_eps=1e-6,
+                                                    input_norm_weight=norm_weight)
+    arrays = gather(layer, paths[:n_used])
+    ys = []
+    for x in xs:
+        y, conv, st = fn(x, conv, st, norm_weight, *arrays, *extra)
+        mx.eval(y, conv, st)
+        ys.append(y)
+    return ys, conv, st
+
+
+_MIXER_SOURCES = ("gdn_mixer_decode.cu", "gated_delta_decode.cu")
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("poison")
+@pytest.mark.parametrize("dtype", [
+    pytest.param(mx.bfloat16, marks=pytest.mark.cpu_check(*_MIXER_SOURCES, "quantized_gemv.cu")),
+    pytest.param(mx.float32, marks=pytest.mark.cpu_check(*_MIXER_SOURCES)),
+])
+@pytest.mark.parametrize("B", [1, 3])
+def test_mixer_switch_runs_the_one_launch_mixer(env, monkeypatch, dtype, B):
+    """With ``config.GDN_MIXER_KERNEL`` on, the layer's decode step
+    (:func:`gd.decode_step_parts` with the decoder layer's input norm) runs
+    the one-launch mixer; over three chained steps from random states its
+    outputs and states equal the three launches' (the switch off): bf16 bit
+    for bit (the same device code in the same order), fp32 within FP32_TOL
+    (the three launches project on MLX's quantised matmul). With the fused
+    GEMV off the switch is ignored."""
+    from mlx_qwen_fast import config
+    from mlx_qwen_fast.kernels import gdn_mixer_decode as k_mixer
+
+    seed = int(np.random.default_rng().integers(1 << 30))
+    layer = full_size_layer(seed, dtype, SMALL_ARGS)
+    K, C = SMALL_ARGS.hidden_size, layer.conv_dim
+    key = mx.random.key(seed)
+    ks = mx.random.split(key, 4)
+    norm_weight = (1.0 + 0.1 * mx.random.normal((K,), key=ks[0])).astype(dtype)
+    xs = (2.0 * mx.random.normal((3, B, 1, K), key=ks[1])).astype(dtype)
+    conv = mx.random.normal((B, 3, C), key=ks[2]).astype(dtype)
+    st = 0.1 * mx.random.normal((B, layer.num_v_heads, 128, 128), key=ks[3])
+    launched = []
+    real = k_mixer.gdn_mixer_decode
+    monkeypatch.setattr(k_mixer, "gdn_mixer_decode", lambda *a, **k: launched.append(1) or real(*a, **k))
+    monkeypatch.setattr(gd, "_decode_steps", {})
+    runs = {}
+    for mixer, gemv in (("1", "1"), ("0", "1"), ("1", "0")):
+        env.set(config.GDN_MIXER_KERNEL.name, mixer)
+        env.set(config.DECODE_GEMV_KERNEL.name, gemv)
+        launched.clear()
+        runs[mixer, gemv] = _mixer_step_run(layer, norm_weight, xs, conv, st)
+        assert bool(launched) == (mixer == gemv == "1"), (mixer, gemv, launched)
+    (ys, c1, s1), (ys_ref, c_ref, s_ref) = runs["1", "1"], runs["0", "1"]
+    tol = 0.0 if dtype == mx.bfloat16 else FP32_TOL
+    for i, (y, y_ref) in enumerate(zip(ys, ys_ref)):
+        assert y.shape == y_ref.shape and y.dtype == y_ref.dtype
+        assert_close(y, y_ref, tol, f"seed {seed}: step {i} output")
+    assert_close(c1, c_ref, tol, f"seed {seed}: conv state")
+    assert_close(s1, s_ref, tol, f"seed {seed}: recurrent state")
+    assert s1.dtype == mx.float32
 
 
 def test_metal_decode_kernel_runs_the_whole_tiny_model(env, gdn128):
