@@ -2,7 +2,7 @@
 
 ``python -m bench.decode_split --preset qwen3.6-35b-a3b --context 4096
 [--steps 40] [--pipelined 100] [--repeats 2] [--boundary] [--profile N]
-[--engine patched|stock] [--out FILE]``
+[--engine patched|stock] [--switch VARIABLE] [--out FILE]``
 
 For one engine (default the patched twin of the checkpoint), on mlx-lm's
 prompt cache filled as if ``--context`` tokens had been prefilled
@@ -30,6 +30,13 @@ prompt cache filled as if ``--context`` tokens had been prefilled
   sum over the step's kernels), since MLX hashes a launched image on every
   launch (bench/results/package-figures.md, "Kernel builds").
 
+``--switch VARIABLE`` (a boolean switch of :mod:`mlx_qwen_fast.config`):
+each repeat runs the split twice, the switch off and on (the order
+alternating between repeats), in this process, and the medians per value
+follow: an A/B free of the 2x host-time differences seen between processes
+(the plans follow the switch: each value traces its own step once, in the
+warm-up tokens).
+
 Each ``--repeats`` starts from a fresh cache. Host-side figures vary with
 the machine's CPU: compare engines or switches in the same process or in
 alternating processes of one device call. Writes a JSON result (kind
@@ -41,6 +48,7 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
+import os
 import pstats
 import statistics
 import sys
@@ -162,8 +170,16 @@ def main(argv=None) -> int:
     p.add_argument("--boundary", action="store_true", help="also time the tokens around a KV buffer growth")
     p.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile of N step builds")
     p.add_argument("--nodes", action="store_true", help="also count the step's graph nodes (bench.nodes)")
+    p.add_argument("--switch", default=None, metavar="VARIABLE",
+                   help="a boolean switch of mlx_qwen_fast.config (its environment variable): each repeat runs "
+                        "the split with it off and on, in alternating order, in this process")
     p.add_argument("--out", default=None, help="JSON result file")
     args = p.parse_args(argv)
+    if args.switch is not None:
+        from mlx_qwen_fast import config
+
+        if not any(sw.name == args.switch and sw.kind == "bool" for sw in config.SWITCHES):
+            p.error(f"--switch must name a boolean switch of mlx_qwen_fast.config, got {args.switch!r}")
     for name, v in (("--context", args.context), ("--steps", args.steps), ("--pipelined", args.pipelined),
                     ("--repeats", args.repeats)):
         if v < 1:
@@ -183,11 +199,23 @@ def main(argv=None) -> int:
         print(f"nodes per token: {st['nodes']} ({st['launching']} launching); per layer: {kinds}; "
               f"outside the layers {out['nodes']} ({out['launching']})", flush=True)
     runs = []
+    values = [None] if args.switch is None else ["0", "1"]
     for i in range(args.repeats):
-        r = split(model, args.context, args.steps, args.pipelined)
-        runs.append(r)
-        print(f"split {i}: warm-up {r['warmup_s']:.1f} s  build {r['build_ms']:.2f} ms  encode {r['encode_ms']:.2f} ms"
+        for v in values if i % 2 == 0 else values[::-1]:
+            if v is not None:
+                os.environ[args.switch] = v
+            r = split(model, args.context, args.steps, args.pipelined)
+            if v is not None:
+                r["switch"] = {args.switch: v}
+            runs.append(r)
+            tag = "" if v is None else f" {args.switch}={v}"
+            print(f"split {i}{tag}: warm-up {r['warmup_s']:.1f} s  build {r['build_ms']:.2f} ms  encode {r['encode_ms']:.2f} ms"
               f"  wait {r['wait_ms']:.2f} ms  pipelined {r['pipelined_tok_s']:.1f} tok/s", flush=True)
+    for v in values if args.switch is not None else ():
+        mine = [r for r in runs if r["switch"][args.switch] == v]
+        print(f"median {args.switch}={v}: " + "  ".join(
+            f"{k} {statistics.median(r[k] for r in mine):.2f}" for k in ("build_ms", "encode_ms", "wait_ms",
+                                                                         "pipelined_tok_s")), flush=True)
     result = common.result_header("decode_split", args, engine=args.engine, context=args.context, runs=runs)
     if result_nodes is not None:
         result["nodes"] = result_nodes
