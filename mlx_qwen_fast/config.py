@@ -184,10 +184,10 @@ DECODE_GEMV_KERNEL = Switch(
     "the decode layer step keeps MLX's RMSNorm, quantized matmul and residual add around each projection "
     "on CUDA instead of the fused quantised-GEMV kernel")
 GDN_MIXER_KERNEL = Switch(
-    "MLX_QWEN_FAST_GDN_MIXER", "bool", False, "`1`",
-    "on CUDA, a Gated DeltaNet layer's decode step runs its whole mixer (input RMSNorm and projection, the "
-    "recurrence, out_proj and the residual) as one persistent kernel instead of three launches (needs the "
-    "fused GEMV on)")
+    "MLX_QWEN_FAST_GDN_MIXER", "bool", True, "`0`",
+    "on CUDA, a Gated DeltaNet layer's decode step runs its input RMSNorm and projection, the recurrence, "
+    "out_proj and the residual as three launches instead of one persistent kernel (the one-launch mixer needs "
+    "the fused GEMV on)")
 METAL_KERNELS = Switch(
     "MLX_QWEN_FAST_METAL", "bool", False, "`1`",
     "on Apple silicon, the package's Metal kernels run (decode: the Gated DeltaNet step, the MoE block, "

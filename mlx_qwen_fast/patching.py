@@ -377,6 +377,10 @@ def _patch(model: nn.Module, warn: bool, stacklevel: int) -> PatchReport:
     swapped = _swap(model, to_fast=True)
     previous = getattr(model, "patch_report", None)
     ops = op_implementations()
+    if ops["gated_delta.decode"] == "cuda-mixer" and not all(
+            gated_delta_ops.mixer_takes_weights(layer.linear_attn) for layer in model.layers
+            if getattr(layer, "is_linear", False)):
+        ops["gated_delta.decode"] = "cuda-kernel"  # the three launches for projections of another format
     declined = _apply_declines(ops, _decide_kernels(model))
     if warn:
         _warn_declined(declined)

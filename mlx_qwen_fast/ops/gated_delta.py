@@ -1109,6 +1109,20 @@ def _decode_step(num_k_heads: int, num_v_heads: int, norm_eps: float, out_static
     return fn
 
 
+#: ``compiled.linear_arrays``' static settings of a projection the one-launch mixer reads.
+_MIXER_STATIC = ("quantized", _k_mixer.GROUP_SIZE, _k_mixer.BITS, "affine", True, False)
+
+
+def mixer_takes_weights(layer) -> bool:
+    """Whether ``layer``'s (an mlx-lm ``GatedDeltaNet``) five projections
+    are in the one-launch decode mixer's format (affine 4-bit, group 64,
+    with biases, no bias): shapes and settings only, for the report
+    (:func:`mlx_qwen_fast.patching.patch`); the decode step also checks the
+    call's shapes and switches."""
+    lins = [linear_arrays(getattr(layer, n, None)) for n in _PROJECTIONS]
+    return all(lin is not None and lin[1] == _MIXER_STATIC for lin in lins)
+
+
 def _mixer_takes(inputs, in_proj, out_proj, state, heads, input_norm_eps, input_norm_weight) -> bool:
     """Whether the decode step runs the one-launch mixer: its switch and the
     fused GEMV's on, the input norm fused (its weight given), both
@@ -1118,8 +1132,7 @@ def _mixer_takes(inputs, in_proj, out_proj, state, heads, input_norm_eps, input_
         return False
     if input_norm_eps is None or input_norm_weight is None:
         return False
-    want = ("quantized", _k_mixer.GROUP_SIZE, _k_mixer.BITS, "affine", True, False)
-    if in_proj[1] != want or out_proj[1] != want:
+    if in_proj[1] != _MIXER_STATIC or out_proj[1] != _MIXER_STATIC:
         return False
     return _k_mixer.supports(inputs, in_proj[0], out_proj[0], state, num_k_heads=heads[0], num_v_heads=heads[1])
 
