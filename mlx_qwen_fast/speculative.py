@@ -50,10 +50,13 @@ Plain decoding and prefill pay nothing: a cache is a
 :func:`install`'s wrapper of ``speculative_generate_step`` enters for the
 target's and the draft's caches and leaves when the generator ends);
 everywhere else the caches are mlx-lm's plain ``ArraysCache`` and nothing is
-recorded. Inside it the whole-model compiled decode step
-(:func:`mlx_qwen_fast.ops.decoder.decode_model`) declines the swapped
-caches, so the draft's one-token calls run layer by layer (each layer's own
-fast step still applies).
+recorded. Inside it the compiled whole-model and decoder-layer decode
+steps (:mod:`mlx_qwen_fast.ops.decoder`) decline the swapped caches, so a
+draft's one-token call runs module by module: the Gated DeltaNet module's
+own decode path (on CUDA its fused kernel) and the attention layers'
+compiled layer step still apply; the Gated DeltaNet layers' norms and
+residuals run as mlx-lm's layer runs them, their MoE block through its
+fast module's own dispatch.
 """
 
 from __future__ import annotations
