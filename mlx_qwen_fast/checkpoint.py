@@ -247,6 +247,27 @@ PRESETS: Dict[str, dict] = {
         shared_expert_intermediate_size=128,
         vocab_size=TOKENIZER_VOCAB_SIZE,  # the tokenizer's ~1.2K tokens, rounded up
     ),
+    # A draft model for speculative decoding with "tiny" as the target: the
+    # tiny shape with 4 layers (3 Gated DeltaNet, 1 full attention), the same
+    # vocabulary and tokenizer (mlx-lm's speculative loop feeds the target's
+    # tokens to the draft).
+    "tiny-draft": _make_config(
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=16,
+        num_key_value_heads=2,
+        head_dim=64,
+        mrope_section=[3, 3, 2],
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        num_experts=32,
+        num_experts_per_tok=8,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+    ),
 }
 
 
@@ -676,7 +697,7 @@ def build_model(
     (19.5 GB + ~3 GB for the full preset).
 
     Args:
-        preset: a key of ``PRESETS`` (``"tiny"`` or ``"qwen3.6-35b-a3b"``).
+        preset: a key of ``PRESETS`` (``"tiny"``, ``"tiny-draft"`` or ``"qwen3.6-35b-a3b"``).
         seed: non-negative int; same seed, same weights.
         router_skew: ``S >= 0``, expert popularity skew (see
             ``write_checkpoint``); 0 gives statistically uniform routing.

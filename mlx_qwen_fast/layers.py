@@ -29,7 +29,7 @@ from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer, GatedDeltaNet, Qwen3_5TextModel
 from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextSparseMoeBlock
 
-from . import config
+from . import config, speculative
 from .ops import attention as attention_ops
 from .ops import decoder as decoder_ops
 from .ops import gated_delta as gated_delta_ops
@@ -49,12 +49,17 @@ def rebind(module: nn.Module, cls: type) -> nn.Module:
 
 
 class FastGatedDeltaNet(GatedDeltaNet):
-    """``qwen3_5.GatedDeltaNet`` through :func:`ops.gated_delta.gated_delta_net`."""
+    """``qwen3_5.GatedDeltaNet`` through :func:`ops.gated_delta.gated_delta_net`;
+    on a :class:`mlx_qwen_fast.speculative.RollbackArraysCache` (inside a
+    speculative loop) through :func:`mlx_qwen_fast.speculative.forward`,
+    which records the states a trim puts back."""
 
     stock_class = GatedDeltaNet
     ops = gated_delta_ops  # the op family's dispatcher
 
     def __call__(self, inputs: mx.array, mask: Optional[mx.array] = None, cache: Optional[Any] = None) -> mx.array:
+        if type(cache) is speculative.RollbackArraysCache:  # inside a speculative loop: record the steps
+            return speculative.forward(self, inputs, mask, cache)
         return gated_delta_ops.gated_delta_net(self, inputs, mask, cache)
 
 

@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Tuple
 import mlx.nn as nn
 import mlx_lm.utils
 
-from . import backend, config
+from . import backend, config, speculative
 from .compiled import StepPlans
 from .layers import FAST_CLASSES, LAYER_CLASSES, MODEL_CLASSES, rebind
 from .ops import attention as attention_ops
@@ -375,6 +375,7 @@ def _patch(model: nn.Module, warn: bool, stacklevel: int) -> PatchReport:
             _set_report(model, report)
         return report
     swapped = _swap(model, to_fast=True)
+    speculative.install()  # mlx-lm's speculative decoding: the patched caches roll back
     previous = getattr(model, "patch_report", None)
     ops = op_implementations()
     if ops["gated_delta.decode"] == "cuda-mixer" and not all(

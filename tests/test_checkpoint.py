@@ -733,8 +733,8 @@ CLI = "python -m mlx_qwen_fast.checkpoint"
     [
         (["--bogus"], "unrecognized arguments: --bogus (python -m mlx_qwen_fast.checkpoint --help lists the flags)"),
         (["--presett", "tiny", "--out", "{out}"], "unrecognized arguments: --presett tiny (did you mean --preset?)"),
-        ([], "the following arguments are required: --preset {qwen3.6-35b-a3b,tiny}, --out OUT"),
-        (["--out", "{out}"], "the following arguments are required: --preset {qwen3.6-35b-a3b,tiny}"),
+        ([], "the following arguments are required: --preset {qwen3.6-35b-a3b,tiny,tiny-draft}, --out OUT"),
+        (["--out", "{out}"], "the following arguments are required: --preset {qwen3.6-35b-a3b,tiny,tiny-draft}"),
         (["--preset", "big", "--out", "{out}"], "argument --preset: invalid choice: 'big'"),
         (["--preset", "tiny", "--out", "{out}", "--seed", "-1"],
          "argument --seed: expected a whole number >= 0, got -1"),
@@ -794,4 +794,14 @@ def test_help_shows_the_required_flags(capsys):
         ckpt.main(["-h"])
     assert e.value.code == 0
     usage = " ".join(capsys.readouterr().out.split("\n\n")[0].split())
-    assert "--preset {qwen3.6-35b-a3b,tiny} --out OUT [--overwrite]" in usage, usage
+    assert "--preset {qwen3.6-35b-a3b,tiny,tiny-draft} --out OUT [--overwrite]" in usage, usage
+
+
+def test_tiny_draft_is_the_tiny_family_with_fewer_layers():
+    """The draft preset: tiny's shape and vocabulary, 4 layers (3 Gated
+    DeltaNet, 1 full attention)."""
+    tiny, draft = PRESETS["tiny"]["text_config"], PRESETS["tiny-draft"]["text_config"]
+    assert draft["num_hidden_layers"] == 4
+    assert draft["layer_types"] == ["linear_attention"] * 3 + ["full_attention"]
+    differ = {k for k in tiny if tiny[k] != draft[k]}
+    assert differ == {"num_hidden_layers", "layer_types"}, differ

@@ -353,3 +353,30 @@ def test_the_parsers_error_is_one_line(capsys):
         parser.error("could not load:\n  first\n\tsecond ")
     assert e.value.code == 2
     assert capsys.readouterr().err == "prog: error: could not load: first second\n"
+
+
+@pytest.fixture(scope="module")
+def draft_checkpoint(tmp_path_factory):
+    """The tiny-draft preset's checkpoint (4 layers, the tiny vocabulary)."""
+    from mlx_qwen_fast.checkpoint import DEMO_LM_HEAD_SCALE, write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("draft"), "tiny-draft", seed=1,
+                            lm_head_scale=DEMO_LM_HEAD_SCALE)
+
+
+def test_generate_with_a_draft_model(demo_checkpoint, draft_checkpoint):
+    """`--draft-model` through our generate entry point: mlx-lm's speculative
+    decoding runs on the patched target and draft (both loaded patched) and
+    prints plain generation's text (on the CPU a verify's tokens get the
+    bits one-token decoding gives them: tests/test_speculative.py); with
+    `--stock` mlx-lm refuses the hybrid model's caches."""
+    args = ("-m", "mlx_qwen_fast.generate", "--model", str(demo_checkpoint), "--prompt", "Tell me about rivers.",
+            "-m", "12", "--verbose", "False")
+    plain = _run(*args, timeout=300)
+    assert plain.returncode == 0, plain.stderr
+    spec = _run(*args, "--draft-model", str(draft_checkpoint), "--num-draft-tokens", "3", timeout=300)
+    assert spec.returncode == 0, spec.stderr
+    assert spec.stderr.count("mlx_qwen_fast: patched") == 2, spec.stderr  # target and draft
+    assert spec.stdout.strip() and spec.stdout == plain.stdout
+    stock = _run(*args, "--draft-model", str(draft_checkpoint), "--stock", timeout=300)
+    assert stock.returncode != 0 and "requires a trimmable prompt cache" in stock.stderr, stock.stderr

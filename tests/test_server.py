@@ -4,6 +4,7 @@ chat completions streamed and not, text completions, two concurrent streams,
 bad requests answered with HTTP 400 while the server keeps serving. One
 server process on the tiny checkpoint serves the whole module."""
 
+import contextlib
 import json
 import os
 import socket
@@ -54,21 +55,20 @@ class _Server(types.SimpleNamespace):
             return False
 
 
-@pytest.fixture(scope="module")
-def server(tiny_checkpoint, tmp_path_factory):
-    """The server on the tiny checkpoint, ``HF_HOME`` an empty folder (no
-    hub cache in it), started once for the module and stopped after it."""
-    root = tmp_path_factory.mktemp("server")
+@contextlib.contextmanager
+def _serving(model, root, *flags):
+    """The server on ``model`` (extra mlx-lm ``flags``), ``HF_HOME`` an empty
+    folder under ``root`` (no hub cache in it); stopped on exit."""
     hf_home = root / "hf_home"
     hf_home.mkdir()
     env = dict(os.environ, HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("HF_HUB_CACHE", None)  # the cache is HF_HOME/hub, which does not exist
-    srv = _Server(port=_free_port(), model=str(tiny_checkpoint), log=root / "server.log")
+    srv = _Server(port=_free_port(), model=str(model), log=root / "server.log")
     with open(srv.log, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "mlx_qwen_fast.server", "--model", srv.model,
-             "--host", "127.0.0.1", "--port", str(srv.port)],
+             "--host", "127.0.0.1", "--port", str(srv.port), *flags],
             stdout=log, stderr=subprocess.STDOUT, env=env,
         )
     try:
@@ -87,6 +87,14 @@ def server(tiny_checkpoint, tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_checkpoint, tmp_path_factory):
+    """The server on the tiny checkpoint, started once for the module and
+    stopped after it."""
+    with _serving(tiny_checkpoint, tmp_path_factory.mktemp("server")) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -265,3 +273,19 @@ def test_install_sets_the_methods_once():
     assert mlx_server.APIHandler.handle_models_request is not fast_server.handle_models_request
     with pytest.raises(AttributeError, match="handle_models_request not found"):
         fast_server.install(types.SimpleNamespace(__name__="empty", APIHandler=object))
+
+
+def test_draft_model_serves_plain_greedy_text(server, client, tmp_path):
+    """`--draft-model` passes through to mlx-lm's server: its speculative
+    decoding runs on the patched target and draft (the tiny-draft preset)
+    and answers what the plain server answers, twice (the second request
+    reuses the prompt cache the first left)."""
+    from mlx_qwen_fast.checkpoint import write_checkpoint
+
+    draft = write_checkpoint(tmp_path / "draft", "tiny-draft", seed=1)
+    want = _chat(client, server.model, stream=False).choices[0].message.content
+    with _serving(server.model, tmp_path, "--draft-model", str(draft), "--num-draft-tokens", "3") as spec:
+        spec_client = openai.OpenAI(base_url=spec.url("/v1"), api_key="x", max_retries=0, timeout=120)
+        for _ in range(2):
+            assert _chat(spec_client, spec.model, stream=False).choices[0].message.content == want
+        assert spec.log_text().count("mlx_qwen_fast: patched") == 2, spec.log_text()[-4000:]

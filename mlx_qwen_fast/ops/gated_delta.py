@@ -47,7 +47,7 @@ then discards; in mlx-lm's models q is 0 at padded steps, so both give 0).
 from __future__ import annotations
 
 from functools import partial
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -67,10 +67,12 @@ from . import linear as linear_ops
 
 __all__ = [
     "gated_delta_recurrent",
+    "gated_delta_recurrent_steps",
     "gated_delta_chunked",
     "compute_gates",
     "gated_delta_update",
     "gated_delta_net",
+    "gated_delta_net_steps",
     "decide_kernels",
     "implementation_for",
     "IMPLEMENTATIONS",
@@ -281,6 +283,51 @@ def gated_delta_recurrent(
         if mask is None:
             return _recurrent_one(q, k, v, g, beta, state)
         return _recurrent_one_masked(q, k, v, g, beta, state, mask)
+    y, states = _recurrent_loop(q, k, v, g, beta, state, mask, keep_steps=False)
+    return y, states[-1]
+
+
+def gated_delta_recurrent_steps(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    g: mx.array,
+    beta: mx.array,
+    state: Optional[mx.array] = None,
+) -> Tuple[mx.array, List[mx.array]]:
+    """:func:`gated_delta_recurrent` that also returns the state after every step.
+
+    The same per-token loop as :func:`gated_delta_recurrent` for T > 1 (the
+    same compiled step, the same fp32 arithmetic; no mask), keeping each
+    step's state: what a speculative verify needs to put the state back at
+    any accepted prefix (:mod:`mlx_qwen_fast.speculative`). Memory: T states
+    of ``B * Hv * Dv * Dk * 4`` bytes (2 MiB per state at Qwen3.6's Hv = 32,
+    Dv = Dk = 128, B = 1).
+
+    Args:
+      q, k, v, g, beta, state: as :func:`gated_delta_recurrent`.
+
+    Returns:
+      (y [B, T, Hv, Dv] in q.dtype, states): ``states[t]`` is the float32
+      state [B, Hv, Dv, Dk] after step t (t = 0 .. T-1); empty for T = 0.
+
+    Raises:
+      ValueError: as :func:`gated_delta_recurrent`.
+    """
+    B, T, Hk, Dk, Hv, Dv = _check_inputs(q, k, v, g, beta, state, None)
+    if state is None:
+        state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
+    if T == 0:
+        return mx.zeros((B, 0, Hv, Dv), q.dtype), []
+    return _recurrent_loop(q, k, v, g, beta, state, None, keep_steps=True)
+
+
+def _recurrent_loop(q, k, v, g, beta, state, mask, keep_steps: bool):
+    """The per-token loop of checked arguments (T >= 1, state an array):
+    ``(y, states)``, states the state after every step when ``keep_steps``,
+    else only the last one (a one-element list)."""
+    B, T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
     R = Hv // Hk
     f32 = mx.float32
     S = state.reshape(B, Hk, R, Dv, Dk)
@@ -289,7 +336,7 @@ def gated_delta_recurrent(
     vf = v.astype(f32).reshape(B, T, Hk, R, Dv)
     gf = g.astype(f32).reshape(B, T, Hk, R)
     bf = beta.astype(f32).reshape(B, T, Hk, R)
-    ys = []
+    ys, states = [], []
     for t in range(T):
         if mask is None:
             y, S = _step(qf[:, t], kf[:, t], vf[:, t], gf[:, t], bf[:, t], S)
@@ -298,8 +345,10 @@ def gated_delta_recurrent(
                 qf[:, t], kf[:, t], vf[:, t], gf[:, t], bf[:, t], S, mask[:, t]
             )
         ys.append(y)
+        if keep_steps:
+            states.append(S.reshape(B, Hv, Dv, Dk))
     y = mx.stack(ys, axis=1).reshape(B, T, Hv, Dv).astype(q.dtype)
-    return y, S.reshape(B, Hv, Dv, Dk)
+    return y, states if keep_steps else [S.reshape(B, Hv, Dv, Dk)]
 
 
 def _one_token_args(q, k, v, g, beta, state):
@@ -858,6 +907,47 @@ def gated_delta_net(layer, inputs: mx.array, mask: Optional[mx.array] = None, ca
     return _layer_reference(layer, inputs, mask, cache)
 
 
+def gated_delta_net_steps(layer, inputs: mx.array, cache) -> Tuple[mx.array, List[Tuple[mx.array, mx.array]]]:
+    """:func:`gated_delta_net` that also returns the cache's states after
+    every token: mlx-lm's layer math (:func:`_layer_reference`) with the
+    recurrence one token at a time (:func:`gated_delta_recurrent_steps`,
+    fp32, the reference of record) on every backend. A speculative verify
+    runs the layer this way (:mod:`mlx_qwen_fast.speculative`); on CUDA the
+    prefill kernels (front end + chunked scan) do not expose per-step
+    states, so such a call takes this reference path instead of them.
+
+    Args:
+        layer: an mlx-lm ``GatedDeltaNet``.
+        inputs: ``[B, S, D]`` hidden states, S >= 1.
+        cache: the layer's ``ArraysCache`` (conv state, recurrent state; None
+            entries mean zeros) without per-row lengths or left padding;
+            updated in place and advanced by S, as :func:`gated_delta_net`.
+
+    Returns:
+        ``(out [B, S, D], steps)``: ``steps[j]`` = ``(conv state [B,
+        conv_kernel_size - 1, conv_dim] in the activation dtype, recurrent
+        state [B, Hv, Dv, Dk] float32)`` after token j (j = 0 .. S-1);
+        ``steps[-1]`` are the arrays the cache then holds. Memory: S
+        recurrent states (2 MiB each at Qwen3.6's shapes, B = 1).
+
+    Raises:
+        ValueError: ``inputs`` not an mx.array of rank 3 with S >= 1 and
+            B >= 1, ``cache`` None or with per-row lengths / left padding.
+    """
+    if not isinstance(inputs, mx.array):
+        _cuda_build.check_arrays("gated_delta_net_steps", _LAYER_ARRAYS, inputs, None)
+    if inputs.ndim != 3 or inputs.shape[0] < 1 or inputs.shape[1] < 1:
+        raise ValueError(f"gated_delta_net_steps: inputs must have shape [B, S, D] with B, S >= 1, "
+                         f"got {_shape(inputs)}")
+    if cache is None or getattr(cache, "lengths", None) is not None \
+            or getattr(cache, "left_padding", None) is not None:
+        raise ValueError("gated_delta_net_steps: cache must be the layer's ArraysCache without per-row lengths "
+                         f"or left padding, got {cache!r}")
+    steps: List[Tuple[mx.array, mx.array]] = []
+    out = _layer_reference(layer, inputs, None, cache, steps)
+    return out, steps
+
+
 def _heads(layer) -> dict:
     return dict(num_k_heads=layer.num_k_heads, num_v_heads=layer.num_v_heads)
 
@@ -1155,10 +1245,13 @@ def _mixer_step(num_k_heads: int, num_v_heads: int, norm_eps: float, n_out: int,
     return fn
 
 
-def _layer_reference(layer, inputs, mask, cache):
+def _layer_reference(layer, inputs, mask, cache, steps: Optional[list] = None):
     """mlx-lm's ``GatedDeltaNet.__call__`` (0.32.2) with the recurrence
     through :func:`gated_delta_update`: sharding collectives, padding masks
-    and per-row cache lengths included."""
+    and per-row cache lengths included. With a list ``steps`` (no mask, a
+    cache without per-row lengths: :func:`gated_delta_net_steps` checks) the
+    recurrence is :func:`gated_delta_recurrent_steps` and ``(conv state,
+    recurrent state)`` after each of the S tokens is appended to it."""
     from mlx.nn.layers.distributed import sum_gradients
     from mlx_lm.models.gated_delta import normalize_qk
 
@@ -1199,7 +1292,17 @@ def _layer_reference(layer, inputs, mask, cache):
     q, k = normalize_qk(q, k, inv_scale=layer.head_k_dim**-0.5, eps=1e-6)
 
     state = cache[1] if cache else None
-    out, state = _update(q, k, v, a, b, layer.A_log, layer.dt_bias, state, mask)
+    if steps is None:
+        out, state = _update(q, k, v, a, b, layer.A_log, layer.dt_bias, state, mask)
+    else:
+        g, beta = compute_gates(a, b, layer.A_log, layer.dt_bias)
+        out, states = gated_delta_recurrent_steps(q, k, v, g, beta, state)
+        state = states[-1]
+        # after token j the conv state is the window conv_input[j : j + n_keep]
+        # (the last one is the cache's own, stored above)
+        n_keep = layer.conv_kernel_size - 1
+        steps.extend((conv_input[:, j:j + n_keep, :], s) for j, s in zip(range(1, S), states))
+        steps.append((cache[0], state))
     if cache is not None:
         cache[1] = state
         cache.advance(S)

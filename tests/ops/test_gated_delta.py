@@ -995,3 +995,70 @@ def test_metal_decode_kernel_runs_the_whole_tiny_model(env, gdn128):
     prompt_kernels = [k for k in run.kernels if k.origin == "mlx_lm.models.gated_delta"]
     assert sum(k.calls for k in prompt_kernels) == n_linear  # the prompt: mlx-lm's Metal kernel once per GDN layer
     assert kernel.calls == 6 * n_linear
+
+
+# ---------------------------------------------------------------------------
+# per-step states (the speculative verify's rollback: mlx_qwen_fast/speculative.py)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("B, T", [(1, 1), (2, 2), (1, 6)])
+def test_recurrent_steps_are_the_recurrence_after_every_token(rng, B, T):
+    """gated_delta_recurrent_steps: y and the last state bit for bit
+    gated_delta_recurrent's (the same loop; T = 1 there is a separately
+    compiled graph: fp32 tolerance), and every step's state the float64
+    loop's over that prefix."""
+    arrs = make_inputs(rng, B=B, T=T, Hk=2, Hv=4, Dk=32, Dv=16)
+    q, k, v, g, beta, S0 = to_mx(arrs)
+    y, states = gd.gated_delta_recurrent_steps(q, k, v, g, beta, S0)
+    y_ref, S_ref = gd.gated_delta_recurrent(q, k, v, g, beta, S0)
+    assert len(states) == T and all(s.shape == S0.shape and s.dtype == mx.float32 for s in states)
+    if T > 1:
+        assert mx.array_equal(y, y_ref).item() and mx.array_equal(states[-1], S_ref).item()
+    assert_fp32_close(y, y_ref, "y")
+    for t in range(T):
+        _, S_t = naive(*(x[:, :t + 1] for x in arrs[:5]), arrs[5])
+        assert_fp32_close(states[t], S_t, f"state after step {t}")
+    y0, none = gd.gated_delta_recurrent_steps(q[:, :0], k[:, :0], v[:, :0], g[:, :0], beta[:, :0], S0)
+    assert y0.shape == (B, 0, 4, 16) and none == []
+    with pytest.raises(ValueError, match=r"q must have shape \[B, T, Hk, Dk\]"):
+        gd.gated_delta_recurrent_steps(q[0], k, v, g, beta, S0)
+    with pytest.raises(ValueError, match=r"state must have dtype float32"):
+        gd.gated_delta_recurrent_steps(q, k, v, g, beta, S0.astype(mx.bfloat16))
+
+
+def test_layer_steps_are_the_layer_after_every_token():
+    """gated_delta_net_steps: the layer's output and final cache as
+    gated_delta_net's (fp32: recurrence vs chunked form), and each step's
+    (conv, recurrent) state what gated_delta_net leaves after that many
+    tokens; bad arguments are a ValueError naming them."""
+    layer = gdn_layer(0, quantize=True)
+    mx.random.seed(7)
+    x = mx.random.normal((2, 5, SMALL_ARGS.hidden_size))
+    warm = mx.random.normal((2, 3, SMALL_ARGS.hidden_size))
+
+    def primed():
+        c = ArraysCache(size=2)
+        gd.gated_delta_net(layer, warm, cache=c)
+        return c
+
+    cache = primed()
+    out, steps = gd.gated_delta_net_steps(layer, x, cache)
+    assert len(steps) == 5 and steps[-1][0] is cache[0] and steps[-1][1] is cache[1]
+    for t in range(1, 6):
+        ref = primed()
+        ref_out = gd.gated_delta_net(layer, x[:, :t], cache=ref)
+        assert_close(out[:, :t], ref_out, FP32_TOL, f"output over {t} tokens")
+        assert mx.array_equal(steps[t - 1][0], ref[0]).item(), t  # conv windows: the same values
+        assert_close(steps[t - 1][1], ref[1], FP32_TOL, f"state after {t} tokens")
+    with pytest.raises(ValueError, match="cache must be the layer's ArraysCache"):
+        gd.gated_delta_net_steps(layer, x, None)
+    padded = primed()
+    padded.lengths = mx.array([5, 4])
+    with pytest.raises(ValueError, match="cache must be the layer's ArraysCache without per-row lengths"):
+        gd.gated_delta_net_steps(layer, x, padded)
+    for bad in (x[0], x[:, :0]):
+        with pytest.raises(ValueError, match=r"inputs must have shape \[B, S, D\] with B, S >= 1"):
+            gd.gated_delta_net_steps(layer, bad, primed())
+    with pytest.raises(ValueError, match=r"inputs must be an mx.array"):
+        gd.gated_delta_net_steps(layer, [[0.0]], primed())
