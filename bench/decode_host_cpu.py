@@ -38,7 +38,7 @@ _MOE_NAMES = (tuple(("gate", n) for n in ("weight", "scales", "biases"))
 def _stand_ins(decoder) -> None:
     """Replace the GDN and MoE decode-step parts with stand-ins (see the module docstring)."""
 
-    def gdn_parts(layer, x, cache, input_norm_eps):
+    def gdn_parts(layer, x, cache, input_norm_eps, input_norm_weight=None):
         def fn(x, cs, st, n1, *arrays):
             return x + mx.fast.rms_norm(x, n1, input_norm_eps), cs * 0.5, st * 0.9
 

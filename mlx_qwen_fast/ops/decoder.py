@@ -353,33 +353,54 @@ def decode_layer(layer, x: mx.array, cache) -> Optional[mx.array]:
 # the whole model's decode step
 # ---------------------------------------------------------------------------
 
-_model_steps: Dict[tuple, Callable] = {}
+#: Compiled whole-stack steps a model keeps (the newest), each holding its arrays.
+_MODEL_STEPS_KEPT = 4
 
 
-def _model_step(layout: tuple, norm_eps: float) -> Callable:
-    """The compiled decode step of a whole layer stack: ``fn(h, *states,
-    *arrays) -> (rms_norm(layers(h)), *new states)``; ``layout`` = per layer
-    (kind, raw layer step, number of its arrays), ``states`` = per layer its
-    states (GDN: conv state, recurrent state; attention: keys, values,
-    offset), ``arrays`` = per layer its arrays, then the final norm's
-    weight (states first: they are the only inputs a token changes). One
-    trace per input signature (the KV buffers' capacity among it)."""
-    key = (layout, norm_eps)
-    fn = _model_steps.get(key)
+def _model_step(layout: tuple, norm_eps: float, arrays: tuple) -> Callable:
+    """The compiled decode step of a whole layer stack: ``fn(h, *states) ->
+    (rms_norm(layers(h)), *new states)``; ``layout`` = per layer (kind, raw
+    layer step, number of its arrays), ``states`` = per layer its states
+    (GDN: conv state, recurrent state; attention: keys, values, offset),
+    ``arrays`` = per layer its arrays, then the final norm's weight.
+
+    The arrays are constants of the trace (captured, not inputs): a token's
+    call passes only the ~100 states instead of ~1,400 arrays more (MLX
+    checks every input of a compiled call, ~0.2 us each on the host). This
+    is sound because a plan is used only while every array is the same
+    object (:meth:`_ModelPlan.holds`); another array makes another plan and
+    another step. One trace per input signature (the KV buffers' capacity
+    among it)."""
+    def step(h, *states_in):
+        s, a, states = 0, 0, []
+        for kind, raw, n_args in layout:
+            k = 2 if kind == "linear" else 3
+            h, *new = raw(h, *states_in[s:s + k], *arrays[a:a + n_args])
+            states.extend(new)
+            s += k
+            a += n_args
+        return (mx.fast.rms_norm(h, arrays[a], norm_eps), *states)
+
+    return mx.compile(step)
+
+
+def _kept_model_step(kept: Dict[tuple, Callable], layout: tuple, norm_eps: float, arrays: tuple) -> Callable:
+    """:func:`_model_step` for these arguments from ``kept`` (a model's
+    steps, keyed by the layout, the eps and the arrays' identities: a new
+    prompt cache or a regrown KV buffer with the same weights reuses the
+    step and its traces), made and kept there if missing. Only steps of
+    these very arrays stay (at most :data:`_MODEL_STEPS_KEPT`): a step of
+    replaced weights would keep them alive."""
+    ids = tuple(map(id, arrays))  # every kept step holds its arrays: their ids are not reused
+    for stale in [k for k in kept if k[2] != ids]:
+        del kept[stale]
+    key = (layout, norm_eps, ids)
+    fn = kept.pop(key, None)
     if fn is None:
-        n_states = sum(2 if kind == "linear" else 3 for kind, _, _ in layout)
-
-        def step(h, *flat):
-            s, a, states = 0, n_states, []
-            for kind, raw, n_args in layout:
-                k = 2 if kind == "linear" else 3
-                h, *new = raw(h, *flat[s:s + k], *flat[a:a + n_args])
-                states.extend(new)
-                s += k
-                a += n_args
-            return (mx.fast.rms_norm(h, flat[a], norm_eps), *states)
-
-        fn = _model_steps[key] = mx.compile(step)
+        fn = _model_step(layout, norm_eps, arrays)  # its closure holds the arrays: the ids stay theirs
+    kept[key] = fn
+    while len(kept) > _MODEL_STEPS_KEPT:
+        del kept[next(iter(kept))]
     return fn
 
 
@@ -405,7 +426,7 @@ class _ModelPlan:
     """
 
     __slots__ = ("sig", "layers", "cache_refs", "linear", "kv_shapes", "state_dtypes", "parents", "names",
-                 "children", "arrays", "fn")
+                 "children", "arrays", "fn", "kept")
 
     def __deepcopy__(self, memo):
         return None  # a copied model plans again (this holds the original's objects)
@@ -444,7 +465,7 @@ def _model_sig(h: mx.array) -> tuple:
             config.GDN_MIXER_KERNEL.get())
 
 
-def _plan_model(model, h: mx.array, cache) -> Optional[_ModelPlan]:
+def _plan_model(model, h: mx.array, cache, kept: Optional[Dict[tuple, Callable]] = None) -> Optional[_ModelPlan]:
     """A :class:`_ModelPlan` from every layer's plan (made or checked here),
     or None where a layer does not take its whole step. May grow KV buffers
     (:func:`_room`, as ``KVCache.update_and_fetch`` does before writing, in
@@ -490,7 +511,8 @@ def _plan_model(model, h: mx.array, cache) -> Optional[_ModelPlan]:
     mp.state_dtypes = tuple(state_dtypes)
     mp.parents, mp.names, mp.children = tuple(parents), tuple(names), tuple(children)
     mp.arrays = tuple(arrays)
-    mp.fn = _model_step(tuple(layout), float(model.norm.eps))
+    mp.kept = {} if kept is None else kept
+    mp.fn = _kept_model_step(mp.kept, tuple(layout), float(model.norm.eps), mp.arrays)
     return mp
 
 
@@ -533,7 +555,7 @@ def decode_model(model, inputs: mx.array, cache) -> Optional[mx.array]:
     mp = model.__dict__.get(_PLAN_ATTR)
     if mp is None or not mp.holds(model, h, cache):
         model.__dict__.pop(_PLAN_ATTR, None)
-        mp = _plan_model(model, h, cache)
+        mp = _plan_model(model, h, cache, None if mp is None else mp.kept)
         if mp is None:
             return None
         object.__setattr__(model, _PLAN_ATTR, mp)
@@ -551,7 +573,7 @@ def decode_model(model, inputs: mx.array, cache) -> Optional[mx.array]:
     for c in kv:
         c.keys = c.values = None  # the step's inputs alone hold the buffers: they are donated
     try:
-        out, *new = mp.fn(h, *states, *mp.arrays)
+        out, *new = mp.fn(h, *states)
     except BaseException:
         for c, (k, v) in zip(kv, saved):
             c.keys, c.values = k, v

@@ -701,22 +701,32 @@ def test_model_plan_is_kept_and_replanned(monkeypatch):
             h = layer(h, None, c)
         return h
 
+    def plan():
+        return m.__dict__["_mqf_model_plan"]
+
     both(cache, ref_cache)
     assert len(entries) == n  # planned once
+    step = plan().fn
     both(cache, ref_cache)
     assert len(entries) == n  # kept: the second token planned nothing
     both(cache, ref_cache)  # offset cap: the KV buffers are full now
     assert len(entries) == 2 * n  # grown and planned again
+    assert plan().fn is step  # the same weights: the same compiled step (a trace for the new capacity)
     both(cache, ref_cache)
     assert len(entries) == 2 * n
     other = copy.deepcopy(cache)
     ref_other = copy.deepcopy(ref_cache)
     both(other, ref_other)
     assert len(entries) == 3 * n  # another cache
+    assert plan().fn is step and len(plan().kept) == 1
     layer = next(l for l in m.layers if l.is_linear)
-    layer.input_layernorm.weight = layer.input_layernorm.weight * 2.0
+    old = layer.input_layernorm.weight
+    layer.input_layernorm.weight = old * 2.0
     both(other, ref_other)
     assert len(entries) == 4 * n  # a replaced weight
+    # a new step over the new weight; the old step (holding the old weight) is dropped
+    assert plan().fn is not step and len(plan().kept) == 1
+    assert all(id(old) not in key[2] for key in plan().kept)
     m.layers[0] = copy.deepcopy(m.layers[0])
     both(other, ref_other)
     assert len(entries) == 5 * n  # a replaced layer
