@@ -206,6 +206,25 @@ def _make_config(
     }
 
 
+#: The "tiny" preset's arguments (also the draft preset's, with fewer layers).
+_TINY = dict(
+    hidden_size=256,
+    num_hidden_layers=8,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=64,
+    mrope_section=[3, 3, 2],
+    linear_num_key_heads=4,
+    linear_num_value_heads=8,
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    num_experts=32,
+    num_experts_per_tok=8,
+    moe_intermediate_size=128,
+    shared_expert_intermediate_size=128,
+    vocab_size=TOKENIZER_VOCAB_SIZE,  # the tokenizer's ~1.2K tokens, rounded up
+)
+
 # Config dicts (config.json before quantization) of the presets. Read-only:
 # use ``preset_config`` for a copy.
 PRESETS: Dict[str, dict] = {
@@ -230,44 +249,12 @@ PRESETS: Dict[str, dict] = {
     # Same structure, scaled down: GQA 8:1 with 2 KV heads, Hv = 2 * Hk,
     # partial rotary, 8 layers (2 full attention), top-8 routing, every input
     # dimension a multiple of the quantization group (64).
-    "tiny": _make_config(
-        hidden_size=256,
-        num_hidden_layers=8,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        head_dim=64,
-        mrope_section=[3, 3, 2],
-        linear_num_key_heads=4,
-        linear_num_value_heads=8,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        num_experts=32,
-        num_experts_per_tok=8,
-        moe_intermediate_size=128,
-        shared_expert_intermediate_size=128,
-        vocab_size=TOKENIZER_VOCAB_SIZE,  # the tokenizer's ~1.2K tokens, rounded up
-    ),
+    "tiny": _make_config(**_TINY),
     # A draft model for speculative decoding with "tiny" as the target: the
     # tiny shape with 4 layers (3 Gated DeltaNet, 1 full attention), the same
     # vocabulary and tokenizer (mlx-lm's speculative loop feeds the target's
     # tokens to the draft).
-    "tiny-draft": _make_config(
-        hidden_size=256,
-        num_hidden_layers=4,
-        num_attention_heads=16,
-        num_key_value_heads=2,
-        head_dim=64,
-        mrope_section=[3, 3, 2],
-        linear_num_key_heads=4,
-        linear_num_value_heads=8,
-        linear_key_head_dim=64,
-        linear_value_head_dim=64,
-        num_experts=32,
-        num_experts_per_tok=8,
-        moe_intermediate_size=128,
-        shared_expert_intermediate_size=128,
-        vocab_size=TOKENIZER_VOCAB_SIZE,
-    ),
+    "tiny-draft": _make_config(**dict(_TINY, num_hidden_layers=4)),
 }
 
 
