@@ -191,7 +191,8 @@ def test_supports(monkeypatch):
     pytest.param(1, 4, 32, 256, 128, 8, 8, marks=CPU),
     pytest.param(2, 4, 32, 256, 128, 4, 8, marks=CPU),
     pytest.param(3, 2, 64, 256, 128, 16, 4, marks=CPU),
-    pytest.param(4, 8, 32, 256, 128, 8, 8, marks=CPU),
+    pytest.param(4, 2, 32, 256, 128, 8, 8, marks=CPU),
+    (4, 8, 32, 256, 128, 8, 8),
     (1, 8, 256, 2048, 512, 8, 8),
     (2, 8, 256, 2048, 512, 8, 8),
     (4, 8, 256, 2048, 512, 8, 8),
@@ -199,20 +200,24 @@ def test_supports(monkeypatch):
 def test_equals_three_kernels(n, k, E, D, I, gate_bits, rbits):
     """The output and the intermediates equal the three launches' bit for
     bit over two chained steps: 1 to 4 rows, 4- and 8-bit routers, the three
-    shared-gate widths; N*k = 32 at 4 rows (E = 32: tokens share experts,
-    one tile serving several pairs); Qwen3.6-35B-A3B's block (GPU only)."""
+    shared-gate widths, tokens sharing experts (E = 32: one tile serving
+    several pairs); GPU only: N*k = 32 on a full grid (on the CPU:
+    test_few_blocks; 132 blocks of 512 threads exceed the simulator's
+    fibers) and Qwen3.6-35B-A3B's block."""
     _check_equal(n, k, E, D, I, gate_bits, rbits, seed=10 * n + k)
 
 
 @pytest.mark.cuda
 @pytest.mark.usefixtures("poison")
-@pytest.mark.parametrize("n", [pytest.param(2, marks=CPU), pytest.param(4, marks=CPU)])
-def test_few_blocks(monkeypatch, n):
+@pytest.mark.parametrize("n,k", [pytest.param(2, 4, marks=CPU), pytest.param(4, 8, marks=CPU)])
+def test_few_blocks(monkeypatch, n, k):
     """A grid of 3 blocks (as on a GPU of 3 SMs): each team several gate+up
-    items, each block several down tiles and router tiles; the same bits."""
+    items, each block several down tiles and router tiles, at 4 rows x top-8
+    (N*k = 32: every lane of the routing a slot, several items per warp in
+    the down phase); the same bits."""
     monkeypatch.setattr(cb, "sm_count", lambda: 3)
-    assert mb.grid_blocks(n, 4, 32, 256, 128, 8, cb.sm_count()) == 3
-    _check_equal(n, 4, 32, 256, 128, seed=40 + n, steps=1)
+    assert mb.grid_blocks(n, k, 32, 256, 128, 8, cb.sm_count()) == 3
+    _check_equal(n, k, 32, 256, 128, seed=40 + n, steps=1)
 
 
 @pytest.mark.cuda
