@@ -975,9 +975,9 @@ def _compiled_decode_step(top_k: int, normalize: bool, router_static: tuple, n_r
     three launches' results bit for bit)."""
     fused = norm_eps is not None
     key = (top_k, bool(normalize), router_static, n_router, shared_gate_bits, float(norm_eps) if fused else None,
-           config.DECODE_GEMV_KERNEL.get(), bool(route_in_kernel), bool(one_launch and fused))
+           config.DECODE_GEMV_KERNEL.get(), bool(one_launch and fused), bool(route_in_kernel))
     fn = _decode_steps.get(key)
-    if fn is None and key[-1]:
+    if fn is None and key[-2]:
         _, group_size, bits = router_static[:3]
 
         def step(h, norm_weight, *arrays):
