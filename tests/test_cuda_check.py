@@ -609,22 +609,25 @@ def _mixer(shape):
     return out
 
 
-@pytest.mark.parametrize("what,shape,old,new,index", [
-    ("grid barrier 1 (proj written)", (256, 2, 4), "grid_wait(ctr, base + BARW);", ";", None),
-    ("grid barrier 2 (y written)", (256, 2, 4), "grid_wait(ctr, base + 2 * BARW);", ";", 0),
-    ("y staged for out_proj", (256, 2, 4), "ldcg16(y + 8 * i);\n    __syncthreads();", "ldcg16(y + 8 * i);", None),
-    ("a tile round's partial sums read before the next round writes them", (1024, 2, 8),
+@pytest.mark.parametrize("what,shape,source,old,new,index", [
+    ("grid barrier 1 (proj written)", (256, 2, 4), "gdn_mixer_decode.cu", "grid_wait(ctr, base + BARW);", ";", None),
+    ("grid barrier 2 (y written)", (256, 2, 4), "gdn_mixer_decode.cu", "grid_wait(ctr, base + 2 * BARW);", ";", 0),
+    ("y staged for out_proj", (256, 2, 4), "gdn_mixer_decode.cu", "ldcg16(y + 8 * i);\n    __syncthreads();",
+     "ldcg16(y + 8 * i);", None),
+    ("a tile round's partial sums read before the next round writes them (qg_tiles)", (1024, 2, 8),
+     "qgemv_tile.cuh",
      "qg_store<Cfg, RES>(acc, out, residual, tile * 16, n_rows, g, t);\n      }\n      __syncthreads();",
      "qg_store<Cfg, RES>(acc, out, residual, tile * 16, n_rows, g, t);\n      }", None),
 ])
-def test_planted_missing_barriers_in_the_mixer(what, shape, old, new, index):
-    """gdn_mixer_decode.cu without one of its barriers: blocks read scratch
-    that other blocks have not written yet, or threads shared memory that
-    others have not written or still read: caught as a schedule-dependent
-    output, or as results that differ from the intact kernel's."""
+def test_planted_missing_barriers_in_the_mixer(what, shape, source, old, new, index):
+    """gdn_mixer_decode.cu (or the GEMV tiles it runs from qgemv_tile.cuh)
+    without one of its barriers: blocks read scratch that other blocks have
+    not written yet, or threads shared memory that others have not written
+    or still read: caught as a schedule-dependent output, or as results that
+    differ from the intact kernel's."""
     ok = _mixer(shape)
     assert all(not mx.isnan(o).any().item() for o in ok)
-    with cuda_check.planted("gdn_mixer_decode.cu", old, new, index=index):
+    with cuda_check.planted(source, old, new, index=index):
         try:
             bad = _mixer(shape)
         except CudaCheckError as e:
