@@ -5,7 +5,13 @@ cubins compared byte for byte.
 For source changes meant to leave the machine code alone (helpers moved,
 comments, the CPU branches of ``ptx.cuh``): identical cubins show the GPU
 runs what it ran before, without a GPU. Needs ``nvcc``; ``KNAME`` is fixed
-(the package's kernel names hash the source text).
+(the package's kernel names hash the source text), and the hash nvcc puts
+into the names of a source's internal-linkage symbols (``_INTERNAL_<8 hex>_``,
+``_GLOBAL__N__<8 hex>_``:
+a ``__device__`` variable in an anonymous namespace, such as a grid
+barrier's counter) is masked before hashing (it follows the file's text, so
+any edit of that file changes it; the names keep their length, the rest of
+the cubin its bytes).
 
 Usage::
 
@@ -19,6 +25,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import re
 import subprocess
 import sys
 import tempfile
@@ -35,7 +42,11 @@ def cubin_hash(root: Path, source: str, defines: dict, arch: str, out: Path) -> 
                        capture_output=True, text=True)
     if r.returncode != 0:
         return "error: " + r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "error"
-    return hashlib.sha256(out.read_bytes()).hexdigest()
+    return hashlib.sha256(_INTERNAL.sub(rb"\g<1>00000000_", out.read_bytes())).hexdigest()
+
+
+#: nvcc's per-source hash in the names of internal-linkage symbols.
+_INTERNAL = re.compile(rb"(_INTERNAL_|_GLOBAL__N__)[0-9a-f]{8}_")
 
 
 def main(argv=None) -> int:

@@ -44,6 +44,7 @@ __all__ = [
     "ATTENTION_PREFILL_KERNEL",
     "DECODE_GEMV_KERNEL",
     "GDN_MIXER_KERNEL",
+    "MOE_BLOCK_KERNEL",
     "METAL_KERNELS",
     "KERNEL_CACHE",
     "NVRTC",
@@ -188,6 +189,11 @@ GDN_MIXER_KERNEL = Switch(
     "on CUDA, a Gated DeltaNet layer's decode step runs its input RMSNorm and projection, the recurrence, "
     "out_proj and the residual as three launches instead of one persistent kernel (the one-launch mixer needs "
     "the fused GEMV on)")
+MOE_BLOCK_KERNEL = Switch(
+    "MLX_QWEN_FAST_MOE_BLOCK", "bool", False, "`1`",
+    "on CUDA, a layer's decode step runs its MoE block (post-attention RMSNorm, router, routing, the experts, "
+    "the shared expert and the residual) as one persistent kernel instead of three launches (needs the fused "
+    "GEMV on)")
 METAL_KERNELS = Switch(
     "MLX_QWEN_FAST_METAL", "bool", False, "`1`",
     "on Apple silicon, the package's Metal kernels run (decode: the Gated DeltaNet step, the MoE block, "
@@ -213,8 +219,8 @@ POISON = Switch(
 #: Every switch, in the README's order.
 SWITCHES: Tuple[Switch, ...] = (
     FAST_PATH, MOE_PREFILL_KERNEL, MOE_DECODE_KERNEL, DECODE_LAYER_STEP, DECODE_MODEL_STEP,
-    ATTENTION_DECODE_KERNEL, ATTENTION_PREFILL_KERNEL, DECODE_GEMV_KERNEL, GDN_MIXER_KERNEL, METAL_KERNELS,
-    KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
+    ATTENTION_DECODE_KERNEL, ATTENTION_PREFILL_KERNEL, DECODE_GEMV_KERNEL, GDN_MIXER_KERNEL, MOE_BLOCK_KERNEL,
+    METAL_KERNELS, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
 )
 
 

@@ -128,9 +128,12 @@ def op_implementations(backend_name: Optional[str] = None) -> Dict[str, str]:
     gdn_kernel = table["gated_delta.decode"] == "cuda-kernel"
     if gdn_kernel and gemv and config.GDN_MIXER_KERNEL.get():  # the layer step's whole mixer, one launch
         table["gated_delta.decode"] = "cuda-mixer"
+    moe_kernels = table["moe.decode"] == "cuda-decode"
+    if moe_kernels and gemv and config.MOE_BLOCK_KERNEL.get():  # the layer step's MoE block, one launch
+        table["moe.decode"] = "cuda-block"
     # every layer in one compiled call: only where both layer kinds take their whole step
     whole = (config.DECODE_LAYER_STEP.get() and config.DECODE_MODEL_STEP.get()
-             and gdn_kernel and table["moe.decode"] == "cuda-decode")
+             and gdn_kernel and moe_kernels)
     table["model.decode"] = "compiled-model" if whole else (
         "compiled-layer" if config.DECODE_LAYER_STEP.get() else "stock")
     return table

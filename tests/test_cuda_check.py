@@ -609,22 +609,25 @@ def _mixer(shape):
     return out
 
 
-@pytest.mark.parametrize("what,shape,old,new,index", [
-    ("grid barrier 1 (proj written)", (256, 2, 4), "grid_wait(ctr, base + BARW);", ";", None),
-    ("grid barrier 2 (y written)", (256, 2, 4), "grid_wait(ctr, base + 2 * BARW);", ";", 0),
-    ("y staged for out_proj", (256, 2, 4), "ldcg16(y + 8 * i);\n    __syncthreads();", "ldcg16(y + 8 * i);", None),
-    ("a tile round's partial sums read before the next round writes them", (1024, 2, 8),
+@pytest.mark.parametrize("what,shape,source,old,new,index", [
+    ("grid barrier 1 (proj written)", (256, 2, 4), "gdn_mixer_decode.cu", "grid_wait(ctr, base + BARW);", ";", None),
+    ("grid barrier 2 (y written)", (256, 2, 4), "gdn_mixer_decode.cu", "grid_wait(ctr, base + 2 * BARW);", ";", 0),
+    ("y staged for out_proj", (256, 2, 4), "gdn_mixer_decode.cu", "ldcg16(y + 8 * i);\n    __syncthreads();",
+     "ldcg16(y + 8 * i);", None),
+    ("a tile round's partial sums read before the next round writes them (qg_tiles)", (1024, 2, 8),
+     "qgemv_tile.cuh",
      "qg_store<Cfg, RES>(acc, out, residual, tile * 16, n_rows, g, t);\n      }\n      __syncthreads();",
      "qg_store<Cfg, RES>(acc, out, residual, tile * 16, n_rows, g, t);\n      }", None),
 ])
-def test_planted_missing_barriers_in_the_mixer(what, shape, old, new, index):
-    """gdn_mixer_decode.cu without one of its barriers: blocks read scratch
-    that other blocks have not written yet, or threads shared memory that
-    others have not written or still read: caught as a schedule-dependent
-    output, or as results that differ from the intact kernel's."""
+def test_planted_missing_barriers_in_the_mixer(what, shape, source, old, new, index):
+    """gdn_mixer_decode.cu (or the GEMV tiles it runs from qgemv_tile.cuh)
+    without one of its barriers: blocks read scratch that other blocks have
+    not written yet, or threads shared memory that others have not written
+    or still read: caught as a schedule-dependent output, or as results that
+    differ from the intact kernel's."""
     ok = _mixer(shape)
     assert all(not mx.isnan(o).any().item() for o in ok)
-    with cuda_check.planted("gdn_mixer_decode.cu", old, new, index=index):
+    with cuda_check.planted(source, old, new, index=index):
         try:
             bad = _mixer(shape)
         except CudaCheckError as e:
@@ -643,3 +646,42 @@ def test_mixer_traps_on_a_counter_it_cannot_use():
                             "__device__ unsigned long long mixer_ctr = 1500;"):
         with pytest.raises(CudaCheckError, match=r"gdn_mixer_decode.cu .*__trap\(\) at gdn_mixer_decode.cu"):
             _mixer((256, 2, 4))
+
+
+def _moe_block():
+    """The one-launch MoE block (2 rows, top-4 of 32 experts, D 256, I 128)
+    on a grid of 3 blocks: several router tiles, gate+up items and down
+    tiles per block."""
+    from moe_blocks import make_arrays, quant
+    from mlx_qwen_fast.kernels import moe_block_decode as mb
+
+    experts, shared, eg = make_arrays(E=32, D=256, I=128, seed=5)
+    router = quant((32, 256), 55, scale=3.0, bits=8)
+    nw = (1.0 + 0.2 * mx.random.normal((256,), key=mx.random.key(56))).astype(mx.bfloat16)
+    x = (2.0 * mx.random.normal((2, 1, 256), key=mx.random.key(57))).astype(mx.bfloat16)
+    with cuda_check.simulated(sm_count=3):
+        out = mb.moe_block_decode(x, nw, router, experts, shared, eg, top_k=4, norm_eps=1e-6)
+        mx.eval(out)
+    return out
+
+
+@pytest.mark.parametrize("what,old,new,index", [
+    ("grid barrier 1 (logits written)", "grid_wait(ctr, base + BARW);", ";", None),
+    ("grid barrier 2 (h and the shared gate written)", "grid_wait(ctr, base + 2 * BARW);", ";", None),
+    ("h staged for the down tiles", "ldcg16(h + 8 * i);\n  __syncthreads();", "ldcg16(h + 8 * i);", None),
+])
+def test_planted_missing_barriers_in_the_moe_block(what, old, new, index):
+    """moe_block_decode.cu without one of its barriers: blocks route from
+    logits, or read SwiGLU rows, that other blocks have not written yet, or
+    threads read staged rows others have not written: caught as a
+    schedule-dependent output, as an unwritten (poisoned) output, or as
+    results that differ from the intact kernel's."""
+    ok = _moe_block()
+    assert not mx.isnan(ok).any().item()
+    with cuda_check.planted("moe_block_decode.cu", old, new, index=index):
+        try:
+            bad = _moe_block()
+        except CudaCheckError as e:
+            assert re.search(r"depends on the order|never written|poison|out-of-bounds", str(e)), str(e)
+            return
+    assert not mx.array_equal(bad, ok).item(), f"{what}: removed, not caught"

@@ -459,6 +459,19 @@ def cuda_machine(monkeypatch, env):
 _KERNELS = {"moe.prefill": "cuda-prefill", "moe.decode": "cuda-decode"}
 
 
+def test_report_follows_the_moe_block_switch(cuda_machine, env):
+    """The MoE decode entry names the one-launch block exactly when its
+    switch and the fused GEMV are on; the whole-stack step is kept either way."""
+    from mlx_qwen_fast import op_implementations
+
+    for one, gemv, want in (("0", "1", "cuda-decode"), ("1", "1", "cuda-block"), ("1", "0", "cuda-decode")):
+        env.set(config.MOE_BLOCK_KERNEL.name, one)
+        env.set(config.DECODE_GEMV_KERNEL.name, gemv)
+        table = op_implementations()
+        assert table["moe.decode"] == want, (one, gemv)
+        assert table["model.decode"] == "compiled-model", (one, gemv)
+
+
 def test_report_follows_the_mixer_switch(cuda_machine, env):
     """The GDN decode entry names the one-launch mixer exactly when its switch
     and the fused GEMV are on; the whole-stack step is kept either way."""

@@ -141,103 +141,8 @@ struct ScratchLoad {
   }
 };
 
-// ---- bf16: the GEMVs as quantized_gemv.cu's tiles --------------------------------------
-
-// xin [M][HID] = rms_norm(x) in shared memory, as quantized_gemv.cu stages it
-// for a block of 32 * KWA threads: the first 32 * KWA threads take the sums
-// of squares in that kernel's order (chunk i of 8 inputs by thread i mod
-// 32 KWA, a warp_sum per row, the warps' sums in warp order), every thread
-// normalises. Ends with a __syncthreads.
-__device__ __forceinline__ void stage_norm_bf16(gdn_u16 (*xs)[HID], float (*ssq)[M], const bf16_t* x,
-                                                const float* norm_w, float eps) {
-  constexpr int NTR = 32 * KWA;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  float part[M];
-#pragma unroll
-  for (int m = 0; m < M; ++m) part[m] = 0.0f;
-  if (tid < NTR) {
-    for (int i = tid; i < M * HID / 8; i += NTR) {
-      const uint4 v = ldg16(x + 8 * i);
-      *reinterpret_cast<uint4*>(&xs[0][0] + 8 * i) = v;
-      float f[8];
-      load16(reinterpret_cast<const bf16_t*>(&v), f);
-      float s = 0.0f;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) s = fmaf(f[e], f[e], s);
-      const int m = (8 * i) / HID;
-#pragma unroll
-      for (int mm = 0; mm < M; ++mm)
-        if (mm == m) part[mm] += s;
-    }
-  }
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-    const float s = warp_sum(part[m]);
-    if (lane == 0 && warp < KWA) ssq[warp][m] = s;
-  }
-  __syncthreads();
-  float r[M];
-#pragma unroll
-  for (int m = 0; m < M; ++m) {
-    float s = 0.0f;
-#pragma unroll 1
-    for (int ww = 0; ww < KWA; ++ww) s += ssq[ww][m];
-    r[m] = rsqrtf(s / (float)HID + eps);
-  }
-  for (int i = tid; i < M * HID; i += NT) {
-    const int m = i / HID, k = i - m * HID;
-    float rm = r[0];
-#pragma unroll
-    for (int mm = 1; mm < M; ++mm)
-      if (mm == m) rm = r[mm];
-    bf16_t* e = reinterpret_cast<bf16_t*>(&xs[0][0]) + i;
-    const float v = from_f_round<bf16_t>(to_f(norm_w[k]) * from_f_round<bf16_t>(to_f(*e) * rm));
-    *e = from_f<bf16_t>(v);
-  }
-  __syncthreads();
-}
-
-// One GEMV over the grid's teams (team = warp / KW of every block, tile
-// blockIdx.x * T + team + r * gridDim.x * T in round r): each tile exactly as
-// quantized_gemv.cu's block computes it. A / sb hold round 0's weights on
-// entry (qg_load by the caller); the next round's are loaded after each mma
-// chain. red [NW][32][4]: the warps' partial sums. Ends with a __syncthreads.
-template <class Cfg, int KW, int T, int TILES, bool RES>
-__device__ __forceinline__ void gemv_tiles_bf16(QgA<Cfg>& A, QgSB<Cfg>& sb, const gdn_u16 (*xs)[Cfg::K],
-                                                const unsigned* w, const bf16_t* scales, const bf16_t* biases,
-                                                bf16_t* out, const bf16_t* residual, int n_rows, float (*red)[32][4]) {
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int team = warp / KW, wt = warp - team * KW;
-  const int u0 = wt * Cfg::BPW;
-  const int stride = (int)gridDim.x * T;
-  const int rounds = (TILES + stride - 1) / stride;
-  int tile = (int)blockIdx.x * T + team;
-  bool act = team < T && tile < TILES;
-  for (int r = 0; r < rounds; ++r) {
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    unsigned bb[4];
-    if (act) qg_mma<Cfg>(acc, A, sb, xs, u0, g, t, bb);
-    const int next = tile + stride;
-    const bool next_act = team < T && next < TILES;
-    if (next_act) qg_load<Cfg>(A, sb, w, scales, biases, next * 16, n_rows, u0, g, t);
-    if constexpr (KW > 1) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) red[warp][lane][c] = acc[c];
-      __syncthreads();
-      if (act && wt == 0) {
-        qg_warp_order_sum<KW>(acc, red, team * KW, lane);
-        qg_store<Cfg, RES>(acc, out, residual, tile * 16, n_rows, g, t);
-      }
-      __syncthreads();
-    } else {
-      if (act) qg_store<Cfg, RES>(acc, out, residual, tile * 16, n_rows, g, t);
-    }
-    tile = next;
-    act = next_act;
-  }
-  __syncthreads();
-}
+// ---- bf16: the GEMVs as quantized_gemv.cu's tiles (qgemv_tile.cuh: qg_stage_norm,
+// qg_tiles) ------------------------------------------------------------------------------
 
 // ---- fp32: the GEMVs on the CUDA cores ----------------------------------------------------
 
@@ -372,8 +277,8 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
     QgSB<CfgA> sb;
     if (team < TA && tile < TILES_A)  // weight loads first, as quantized_gemv.cu
       qg_load<CfgA>(A, sb, w_in, s_in, b_in, tile * 16, P, wt * CfgA::BPW, lane >> 2, lane & 3);
-    stage_norm_bf16(xs, sm.ssq, x, in_norm_w, eps_in);
-    gemv_tiles_bf16<CfgA, KWA, TA, TILES_A, false>(A, sb, xs, w_in, s_in, b_in, proj, nullptr, P, sm.red);
+    qg_stage_norm<M, HID, KWA, NT>(xs, sm.ssq, x, in_norm_w, eps_in);
+    qg_tiles<CfgA, KWA, TA, TILES_A, false>(A, sb, xs, w_in, s_in, b_in, proj, nullptr, P, sm.red);
   } else {
     float* xs = reinterpret_cast<float*>(sm.stage);
     stage_norm_f32(xs, sm.ssq, x, in_norm_w, eps_in);
@@ -413,7 +318,7 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
     for (int i = tid; i < M * KO / 8; i += NT)
       *reinterpret_cast<uint4*>(&xs[0][0] + 8 * i) = ldcg16(y + 8 * i);
     __syncthreads();
-    gemv_tiles_bf16<CfgC, KWC, TC, TILES_C, true>(A, sb, xs, w_out, s_out, b_out, out, x, HID, sm.red);
+    qg_tiles<CfgC, KWC, TC, TILES_C, true>(A, sb, xs, w_out, s_out, b_out, out, x, HID, sm.red);
   } else {
     grid_arrive<BARW>(ctr);
     grid_wait(ctr, base + 2 * BARW);

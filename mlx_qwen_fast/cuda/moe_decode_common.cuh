@@ -152,3 +152,244 @@ __device__ __forceinline__ void item_coefs(int e, int my_e, float my_s, SG sg, i
     }
   }
 }
+
+// ---- the kernels' work items as functions (moe_decode_gemv.cu runs one item
+// per CTA; moe_block_decode.cu runs them as phases of one launch) ----------------
+//
+// Gate + up tile: rows [row0, row0 + 16) of both matrices of one expert, by
+// NW warps (warp = the warp's index among them, 0..NW-1), each warp the
+// 256-input chunks c = warp, warp + NW, ... of the D inputs. Per warp the
+// shared memory of moe_decode_gemv.cu's MDG_KIND 0 header: wsm [8][32]
+// uint4 (the chunk's weights; after the last chunk, the warp's partial
+// sums, gu_red), sbs [2][2][16][4] bf16 (scales, biases), xs [N][256] bf16
+// (x's chunk in B-pair order). XL: uint4 xl(n, kb, l) = x[n][kb + 8 l .. + 8).
+
+constexpr int GU_KC = 256;  // inputs per warp chunk
+constexpr int GU_RB = 16;   // weight rows per tile
+
+// A warp's partial sums [2][16][N] (gate, up) in its weight slice.
+template <int N>
+__device__ __forceinline__ float (*gu_red(uint4 (*wsm)[8][32], int w))[GU_RB][N] {
+  return reinterpret_cast<float (*)[GU_RB][N]>(&wsm[w][0][0]);
+}
+
+// The warp's chunks into acc[m] (m = 0 gate, 1 up; c0..c3 of the m16n8 C
+// fragment): weights, scales and biases through cp.async in four commit
+// groups, waited for in the order they are used. moe_decode_gemv.cu's
+// gate+up build runs the same statements inline (for its machine code).
+template <int N, int NW, int D, class XL>
+__device__ __forceinline__ void gu_dots(float (&acc)[2][4], uint4 (*wsm)[8][32], gdn_u16 (*sbs)[2][2][GU_RB][4],
+                                        gdn_u16 (*xs)[N][GU_KC], XL xl, const unsigned* W0, const unsigned* W1,
+                                        const bf16_t* S0, const bf16_t* S1, const bf16_t* B0, const bf16_t* B1,
+                                        int row0, int warp, int lane, int g, int t) {
+  constexpr int NCH = D / GU_KC, GKW = D / 8, GKG = D / 64;
+  for (int ch = warp; ch < NCH; ch += NW) {
+    const int kb = ch * GU_KC;
+    // weights: 16 bytes per (u, mat, row g / g+8), copied in four groups in
+    // the order they are used, (u, m) = (0, 0), (0, 1), (1, 0), (1, 1), so
+    // that the first can be computed while the later ones are in flight
+    // (ptxas hoists the second wait of each u next to the first: in effect
+    // two halves, u = 0 and u = 1). A lane reads back only the weights it
+    // copied (its own waits suffice); the scales and biases, in the first
+    // group, 8 bytes (4 groups) per (array, mat, row), two pieces per lane,
+    // are read by other lanes: a __syncwarp after the first wait.
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int p = lane + 32 * i, arr = p & 1, m = (p >> 1) & 1, r = p >> 2;
+      const bf16_t* src = (arr ? (m ? B1 : B0) : (m ? S1 : S0)) + (size_t)(row0 + r) * GKG + (kb >> 6);
+      cp_async8(&sbs[warp][arr][m][r][0], src);
+    }
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const size_t row = (size_t)(row0 + g + 8 * hh);
+          cp_async16(&wsm[warp][4 * m + 2 * hh + u][lane], (m ? W1 : W0) + row * GKW + (kb >> 3) + 16 * u + 4 * t);
+        }
+        cp_async_commit();
+      }
+    // x[:, kb : kb + 256] -> this warp's shared slice, each 8 inputs stored as
+    // the mma's B pairs (0,4), (1,5), (2,6), (3,7) (b_pairs once per input)
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      unsigned bb[4];
+      b_pairs(xl(n, kb, lane), bb);
+      *reinterpret_cast<uint4*>(&xs[warp][n][8 * lane]) = make_uint4(bb[0], bb[1], bb[2], bb[3]);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      uint4 xb[4] = {};  // B pairs of the 128 inputs of u (token g; zero for g >= N)
+#pragma unroll
+      for (int wd = 0; wd < 4; ++wd)
+        if (g < N) xb[wd] = *reinterpret_cast<const uint4*>(&xs[warp][g][128 * u + 32 * t + 8 * wd]);
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        // group (u, m) has landed: at most 3 - (2u + m) younger groups pending
+        if (2 * u + m == 0) {
+          cp_async_wait<3>();
+          __syncwarp();  // the other lanes' scale/bias copies are visible
+        }
+        else if (2 * u + m == 1) cp_async_wait<2>();
+        else if (2 * u + m == 2) cp_async_wait<1>();
+        else cp_async_wait<0>();
+        unsigned s2[2], b2[2];
+        uint4 A[2];
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          // the lane's 32 inputs lie in group kb/64 + 2u + t/2
+          const unsigned sv = sbs[warp][0][m][g + 8 * hh][2 * u + (t >> 1)];
+          const unsigned bv = sbs[warp][1][m][g + 8 * hh][2 * u + (t >> 1)];
+          s2[hh] = sv | (sv << 16);
+          b2[hh] = bv | (bv << 16);
+          A[hh] = wsm[warp][4 * m + 2 * hh + u][lane];
+        }
+#pragma unroll
+        for (int wd = 0; wd < 4; ++wd) {
+          const unsigned bb[4] = {xb[wd].x, xb[wd].y, xb[wd].z, xb[wd].w};
+          mma_word(acc[m], w4(A[0], wd), w4(A[1], wd), s2[0], b2[0], s2[1], b2[1], bb);
+        }
+      }
+    }
+    __syncwarp();
+  }
+}
+
+// After gu_dots, each warp's acc stored with gu_red, and a barrier: the
+// SwiGLU of row r, token n: bf16(silu(bf16(gate)) * bf16(up)), the NW
+// warps' sums added in warp order.
+template <int N, int NW>
+__device__ __forceinline__ bf16_t gu_swiglu(uint4 (*wsm)[8][32], int r, int n) {
+  float gt = 0.0f, up = 0.0f;
+#pragma unroll
+  for (int w = 0; w < NW; ++w) {
+    gt += gu_red<N>(wsm, w)[0][r][n];
+    up += gu_red<N>(wsm, w)[1][r][n];
+  }
+  gt = from_f_round<bf16_t>(gt);
+  up = from_f_round<bf16_t>(up);
+  return from_f<bf16_t>(silu_f(gt) * up);
+}
+
+// Shared-expert gate, first part: thread tid (of NT) takes the inputs 8 tid
+// + 8 NT i of x [N][D] (any address space) . w, w dequantised in fp32 (SGB 4,
+// 8: s * q + b from packed gw and bf16 gs, gb per group of 64; 16: bf16 gw);
+// the warp sums go to gu_red(wsm, warp)[0][0][n]. Then a barrier, then
+// sgate_final. moe_decode_gemv.cu's gate+up build runs the same statements
+// inline (for its machine code).
+template <int N, int D, int NT, int SGB>
+__device__ __forceinline__ void sgate_dots(uint4 (*wsm)[8][32], const bf16_t* x, const void* gw, const bf16_t* gs,
+                                           const bf16_t* gb, int tid, int lane, int warp) {
+  float dot[N];
+#pragma unroll
+  for (int n = 0; n < N; ++n) dot[n] = 0.0f;
+  for (int k0 = 8 * tid; k0 < D; k0 += 8 * NT) {
+    float w[8];
+    if constexpr (SGB == 16) {
+      load16(reinterpret_cast<const bf16_t*>(gw) + k0, w);
+    } else {
+      const float s = to_f(gs[k0 / 64]), b = to_f(gb[k0 / 64]);
+      if constexpr (SGB == 8) {
+        const uint2 q = *reinterpret_cast<const uint2*>(reinterpret_cast<const unsigned*>(gw) + k0 / 4);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[j] = s * (float)(((j < 4 ? q.x : q.y) >> (8 * (j & 3))) & 255u) + b;
+      } else {
+        const unsigned q = reinterpret_cast<const unsigned*>(gw)[k0 / 8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) w[j] = s * (float)((q >> (4 * j)) & 15u) + b;
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < N; ++n) {
+      float xv[8];
+      load16(x + (size_t)n * D + k0, xv);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) dot[n] = fmaf(xv[j], w[j], dot[n]);
+    }
+  }
+#pragma unroll
+  for (int n = 0; n < N; ++n) {
+    const float v = warp_sum(dot[n]);
+    if (lane == 0) gu_red<N>(wsm, warp)[0][0][n] = v;
+  }
+}
+// Token n's gate: sigmoid(bf16(the NW warps' sums in warp order)).
+template <int N, int NW>
+__device__ __forceinline__ float sgate_final(uint4 (*wsm)[8][32], int n) {
+  float v = 0.0f;
+#pragma unroll
+  for (int w = 0; w < NW; ++w) v += gu_red<N>(wsm, w)[0][0][n];
+  return sigmoid_f(from_f_round<bf16_t>(v));
+}
+
+// Down item registers: a lane's weight words of rows g, g + 8 of one
+// 16-row tile over the whole expert width (NU = I / 128 blocks), and their
+// (scale, bias) pairs.
+template <int NU>
+struct DownRegs {
+  uint4 A[2][NU];      // rows g, g + 8
+  unsigned sb[2][NU];  // (scale, bias) of the lane's group
+};
+
+// Load a down item's registers: rows row0 + g, + 8 of W [D, I / 8] (S, B
+// [D, I / 64]) of one expert.
+template <int NU>
+__device__ __forceinline__ void down_load(DownRegs<NU>& R, const unsigned* Wm, const bf16_t* Sm, const bf16_t* Bm,
+                                          int row0, int g, int t) {
+  constexpr int KW = NU * 16, KG = NU * 2;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const size_t row = (size_t)(row0 + g + 8 * hh);
+#pragma unroll
+    for (int u = 0; u < NU; ++u) {
+      R.A[hh][u] = ldg_stream16(Wm + row * KW + 16 * u + 4 * t);
+      const size_t gi = row * KG + 2 * u + (t >> 1);
+      R.sb[hh][u] = load_sb(Sm + gi, Bm + gi);
+    }
+  }
+}
+
+// A down item of expert e (-1: shared) from its registers: coef *
+// bf16(h . Wd) for the tile's 16 rows and the N tokens into out [16][N]
+// (down_item, item_coefs). hs: the staged h rows [N*k + N][NU * 128]; sg(n):
+// the shared expert's gate of token n.
+template <int N, int TOPK, int NU, class SG>
+__device__ __forceinline__ void down_compute(const DownRegs<NU>& R, int e, int my_e, float my_s, SG sg,
+                                             const gdn_u16 (*hs)[NU * 128], float (*out)[N], int lane, int g,
+                                             int t) {
+  int hrow;
+  float cf0, cf1;
+  item_coefs<N, TOPK>(e, my_e, my_s, sg, lane, g, t, hrow, cf0, cf1);
+  float yacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  down_item<NU>(
+      yacc,
+      [&](int u, uint4(&A)[2], unsigned(&s2)[2], unsigned(&b2)[2]) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          A[hh] = R.A[hh][u];
+          s2[hh] = splat_s(R.sb[hh][u]);
+          b2[hh] = splat_b(R.sb[hh][u]);
+        }
+      },
+      hrow >= 0 ? &hs[hrow][0] : nullptr, t, cf0, cf1);
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int tok = 2 * t + (c & 1);
+    if (tok < N) out[g + 8 * (c >> 1)][tok] = yacc[c];
+  }
+}
+
+// Row r, token n of a down tile: the items' outputs (ired [N*k + 1][16][N],
+// by slot) added in slot order: the slots in the mask items (those whose
+// expert no lower slot lists), then the shared slot N*k.
+template <int N, int NK>
+__device__ __forceinline__ float down_slot_sum(const float (*ired)[GU_RB][N], unsigned items, int r, int n) {
+  float v = 0.0f;
+#pragma unroll 1
+  for (int sl = 0; sl < NK; ++sl)
+    if ((items >> sl) & 1u) v += ired[sl][r][n];
+  v += ired[NK][r][n];
+  return v;
+}

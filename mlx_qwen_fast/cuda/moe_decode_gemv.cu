@@ -113,7 +113,7 @@ typedef MDG_YT yt;
 // ============================================================================
 // gate + up + SwiGLU
 // ============================================================================
-constexpr int KC = 256;       // inputs per warp chunk
+constexpr int KC = GU_KC;     // inputs per warp chunk
 constexpr int NCH = D / KC;   // chunks (warp w: c = w, w + NW, ...)
 constexpr int GKW = D / 8;    // packed words per row (x side)
 constexpr int GKG = D / 64;   // groups per row
@@ -161,7 +161,7 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
   // first mma under the 80-register cap: a second DRAM round trip).
   //   wsm [NW][8][32] uint4: a warp's weights of one chunk, [m*4 + hh*2 + u][lane];
   //       after the last chunk the warp's slice holds its partial sums,
-  //       red(w) = [2][RB][N] floats
+  //       gu_red(wsm, w) = [2][RB][N] floats
   //   sbs [NW][2][2][RB][4] bf16: the chunk's scales (0) and biases (1) of
   //       both matrices, 4 groups per row
   //   xs  [NW][N][KC] bf16: x's chunk, each 8 inputs stored as B pairs
@@ -169,7 +169,6 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
   gdn_u16 (*sbs)[2][2][RB][4] = reinterpret_cast<gdn_u16 (*)[2][2][RB][4]>(dsm + GU_OFF_SB);
   gdn_u16 (*xs)[N][KC] = reinterpret_cast<gdn_u16 (*)[N][KC]>(dsm + GU_OFF_X);
   static_assert(2 * RB * N * sizeof(float) <= 8 * 32 * 16, "partial sums fit a warp's weight slice");
-  auto red = [&](int w) { return reinterpret_cast<float (*)[RB][N]>(&wsm[w][0][0]); };
   {
     if (dynamic_smem_size() < GU_SMEM) __trap();
   }
@@ -181,6 +180,8 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
   if (item == NK + 1) {
     // ---- shared-expert gate: sigmoid(bf16(x[n] . w)) ----------------------
     if (rb != 0) return;
+    // sgate_dots of moe_decode_common.cuh, statement for statement, kept
+    // inline here (for this kernel's machine code, bench/cubin_identity.py)
     float dot[N];
 #pragma unroll
     for (int n = 0; n < N; ++n) dot[n] = 0.0f;
@@ -211,15 +212,10 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
 #pragma unroll
     for (int n = 0; n < N; ++n) {
       const float v = warp_sum(dot[n]);
-      if (lane == 0) red(warp)[0][0][n] = v;
+      if (lane == 0) gu_red<N>(wsm, warp)[0][0][n] = v;
     }
     __syncthreads();
-    if (tid < N) {
-      float v = 0.0f;
-#pragma unroll
-      for (int w = 0; w < NW; ++w) v += red(w)[0][0][tid];
-      sgate[tid] = sigmoid_f(from_f_round<bf16_t>(v));
-    }
+    if (tid < N) sgate[tid] = sgate_final<N, NW>(wsm, tid);
     return;
   }
 
@@ -269,6 +265,9 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
 #pragma unroll
     for (int c = 0; c < 4; ++c) acc[m][c] = 0.0f;
 
+  // gu_dots of moe_decode_common.cuh, statement for statement, kept inline
+  // here: as a call nvcc numbers the virtual registers otherwise and this
+  // kernel's machine code would change (bench/cubin_identity.py)
   for (int ch = warp; ch < NCH; ch += NW) {
     const int kb = ch * KC;
     // weights: 16 bytes per (u, mat, row g / g+8), copied in four groups in
@@ -349,20 +348,12 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       const int tok = 2 * t + (c & 1);
-      if (tok < N) red(warp)[m][g + 8 * (c >> 1)][tok] = acc[m][c];
+      if (tok < N) gu_red<N>(wsm, warp)[m][g + 8 * (c >> 1)][tok] = acc[m][c];
     }
   __syncthreads();
   if (tid < RB * N) {
     const int r = tid % RB, n = tid / RB;
-    float gt = 0.0f, up = 0.0f;
-#pragma unroll
-    for (int w = 0; w < NW; ++w) {
-      gt += red(w)[0][r][n];
-      up += red(w)[1][r][n];
-    }
-    gt = from_f_round<bf16_t>(gt);
-    up = from_f_round<bf16_t>(up);
-    const bf16_t hv = from_f<bf16_t>(silu_f(gt) * up);
+    const bf16_t hv = gu_swiglu<N, NW>(wsm, r, n);
     if (shared) {
       h[(size_t)(NK + n) * I + row0 + r] = hv;
     } else {
@@ -386,10 +377,7 @@ constexpr int HROWS = NK + N;
 static_assert(sizeof(gdn_u16) * HROWS * I + sizeof(float) * (NK + 1) * RB * N <= 46 * 1024,
               "h staging over the 48 KB static shared-memory limit");
 
-struct ItemRegs {
-  uint4 A[2][NU];         // rows g, g + 8
-  unsigned sb[2][NU];     // (scale, bias) of the lane's group
-};
+typedef DownRegs<NU> ItemRegs;
 
 extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     const bf16_t* __restrict__ hin,
@@ -429,42 +417,14 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     const unsigned* Wm = e < 0 ? xwd : wd + (size_t)e * D * KW;
     const bf16_t* Sm = e < 0 ? xsd : sd + (size_t)e * D * KG;
     const bf16_t* Bm = e < 0 ? xbd : bd + (size_t)e * D * KG;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const size_t row = (size_t)(row0 + g + 8 * hh);
-#pragma unroll
-      for (int u = 0; u < NU; ++u) {
-        R.A[hh][u] = ldg_stream16(Wm + row * KW + 16 * u + 4 * t);
-        const size_t gi = row * KG + 2 * u + (t >> 1);
-        R.sb[hh][u] = load_sb(Sm + gi, Bm + gi);
-      }
-    }
+    down_load<NU>(R, Wm, Sm, Bm, row0, g, t);
   };
 
   // an item's coef * bf16(out) goes to ired[slot]; y sums them in slot order
   // (the same bits whatever the warp count)
   auto compute_item = [&](const ItemRegs& R, int e, int slot) {
     if (e == SKIP) return;
-    int hrow;
-    float cf0, cf1;
-    item_coefs<N, TOPK>(e, my_e, my_s, [&](int n) { return sgate[n]; }, lane, g, t, hrow, cf0, cf1);
-    float yacc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    down_item<NU>(
-        yacc,
-        [&](int u, uint4(&A)[2], unsigned(&s2)[2], unsigned(&b2)[2]) {
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            A[hh] = R.A[hh][u];
-            s2[hh] = splat_s(R.sb[hh][u]);
-            b2[hh] = splat_b(R.sb[hh][u]);
-          }
-        },
-        hrow >= 0 ? &hs[hrow][0] : nullptr, t, cf0, cf1);
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int tok = 2 * t + (c & 1);
-      if (tok < N) ired[slot][g + 8 * (c >> 1)][tok] = yacc[c];
-    }
+    down_compute<N, TOPK, NU>(R, e, my_e, my_s, [&](int n) { return sgate[n]; }, hs, ired[slot], lane, g, t);
   };
 
   // first item's weights in flight before the h copy and the barrier
@@ -506,11 +466,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
   __syncthreads();
   if (tid < RB * N) {
     const int r = tid % RB, n = tid / RB;
-    float v = 0.0f;
-#pragma unroll 1
-    for (int sl = 0; sl < NK; ++sl)
-      if ((items >> sl) & 1u) v += ired[sl][r][n];
-    v += ired[NK][r][n];
+    float v = down_slot_sum<N, NK>(ired, items, r, n);
 #if MDG_RES
     // the decoder layer's residual: h + bf16(block output), rounded once more (stock's add)
     v = to_f(res[(size_t)n * D + row0 + r]) + from_f_round<yt>(v);

@@ -1,8 +1,10 @@
 // Softmax + top-k of one token's router logits by one warp (MoE routing).
 // route_row is the whole per-token routing; the routing kernel's stage 1
-// (moe_routing.cu) and the decode gate+up kernel's in-kernel routing
-// (moe_decode_gemv.cu, MDG_ROUTE) both call it, so that both select the same
-// experts with the same weights, bit for bit.
+// (moe_routing.cu), the decode gate+up kernel's in-kernel routing
+// (moe_decode_gemv.cu, MDG_ROUTE) and the one-launch MoE block
+// (moe_block_decode.cu, through route_row_ld: logits read through L2) all
+// call it, so that all select the same experts with the same weights, bit
+// for bit.
 // All 32 lanes of the warp call these together (warp shuffles and reductions).
 #pragma once
 #include "gdn_common.cuh"
@@ -122,21 +124,27 @@ __device__ __forceinline__ void route_warp(float (&p)[E / 32], int& my_i, float&
 #endif
 }
 
-// One token's routing from its row of E logits (type LT: float, bf16_t or
-// f16_t): lane l loads logits l, l + 32, ..., route_warp, then with
-// normalize each of the K probabilities divided by their sum (one IEEE
-// division). On return lane j < K holds slot j (decreasing probability,
-// ties: lower expert id first): expert my_i, weight my_s.
-template <int E, int K, class LT>
-__device__ __forceinline__ void route_row(const LT* __restrict__ row, bool normalize, int& my_i, float& my_s) {
+// One token's routing from its E logits, logit i read as ld(i) (fp32): lane
+// l loads logits l, l + 32, ..., route_warp, then with normalize each of the
+// K probabilities divided by their sum (one IEEE division). On return lane
+// j < K holds slot j (decreasing probability, ties: lower expert id first):
+// expert my_i, weight my_s.
+template <int E, int K, class LD>
+__device__ __forceinline__ void route_row_ld(LD ld, bool normalize, int& my_i, float& my_s) {
   constexpr int EPL = E / 32;
   const int lane = threadIdx.x & 31;
   float p[EPL];
 #pragma unroll
   for (int i = 0; i < EPL; ++i) {
-    p[i] = to_f(row[i * 32 + lane]);
+    p[i] = ld(i * 32 + lane);
   }
   float my_p, tot;
   route_warp<E, K>(p, my_i, my_p, tot);
   my_s = normalize ? my_p / tot : my_p;
+}
+
+// route_row_ld from a row of E logits of type LT (float, bf16_t or f16_t).
+template <int E, int K, class LT>
+__device__ __forceinline__ void route_row(const LT* __restrict__ row, bool normalize, int& my_i, float& my_s) {
+  route_row_ld<E, K>([&](int i) { return to_f(row[i]); }, normalize, my_i, my_s);
 }

@@ -52,20 +52,6 @@ constexpr int KWARPS = Cfg::KWARPS;
 constexpr int NT = 32 * KWARPS;
 static_assert(M * K * 2 <= 32768, "the staged rows fit 32 KB of shared memory");
 
-// 8 consecutive 8-bit values (words a: values 0-3, b: 4-7) -> 4 bf16x2:
-// out[j] = (bf16(s q_j + b), bf16(s q_{j+4} + b)). A byte placed in the
-// mantissa of 2^23 gives 2^23 + q exactly; the fma and the bf16 rounding are
-// fp32 math on exact values.
-__device__ __forceinline__ void dequant8_pairs(unsigned a, unsigned b, float s, float bias, unsigned* out) {
-  const unsigned magic = 0x4B000000u;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const unsigned sel = (unsigned)j | (4u << 4) | (4u << 8) | (7u << 12);
-    const float q0 = __uint_as_float(prmt(a, magic, sel)) - 8388608.0f;
-    const float q1 = __uint_as_float(prmt(b, magic, sel)) - 8388608.0f;
-    out[j] = cvt_rn_bf16x2_f32(fmaf(s, q1, bias), fmaf(s, q0, bias));
-  }
-}
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(NT) KNAME(
@@ -156,6 +142,9 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
   unsigned bb[4];
   qg_mma<Cfg>(acc, A, sb, xs, u0, g, t, bb);
 #else
+  // qg_mma8 of qgemv_tile.cuh, statement for statement, kept inline here: as
+  // a call nvcc numbers the virtual registers otherwise and this kernel's
+  // machine code would change (bench/cubin_identity.py)
 #pragma unroll
   for (int i = 0; i < Cfg::BPW; ++i) {
     const int k0 = 128 * (u0 + i) + 32 * t;

@@ -281,7 +281,7 @@ def _layer_entry(layer, x: mx.array, cache):
                 or cache[1] is None:
             return None
         key = ("linear", tuple(x.shape), x.dtype, cache[0].dtype, cache[1].dtype, _norm_eps(layer),
-               config.DECODE_GEMV_KERNEL.get(), config.GDN_MIXER_KERNEL.get())
+               config.DECODE_GEMV_KERNEL.get(), config.GDN_MIXER_KERNEL.get(), config.MOE_BLOCK_KERNEL.get())
         arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _linear_plan(layer, x, cache))
     else:
         if type(cache) is not _kv_cache_type() or cache.keys is None:
@@ -291,7 +291,7 @@ def _layer_entry(layer, x: mx.array, cache):
         # a changed scale or eps makes a new plan
         key = ("attention", tuple(x.shape), x.dtype, cache.keys.dtype, _norm_eps(layer), id(attn.rope),
                attn.scale, attn.q_norm.eps, attn.k_norm.eps, config.ATTENTION_DECODE_KERNEL.get(),
-               config.METAL_KERNELS.get(), config.DECODE_GEMV_KERNEL.get())
+               config.METAL_KERNELS.get(), config.DECODE_GEMV_KERNEL.get(), config.MOE_BLOCK_KERNEL.get())
         arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _attention_plan(layer, x, cache))
     return None if plan is None else (key, arrays, plan)
 
@@ -462,7 +462,7 @@ def _model_sig(h: mx.array) -> tuple:
     """What a model plan bakes in besides the layers' plans: the input's
     shape and dtype, the switches the traces read."""
     return (tuple(h.shape), h.dtype, config.DECODE_GEMV_KERNEL.get(), config.ATTENTION_DECODE_KERNEL.get(),
-            config.GDN_MIXER_KERNEL.get())
+            config.GDN_MIXER_KERNEL.get(), config.MOE_BLOCK_KERNEL.get())
 
 
 def _plan_model(model, h: mx.array, cache, kept: Optional[Dict[tuple, Callable]] = None) -> Optional[_ModelPlan]:

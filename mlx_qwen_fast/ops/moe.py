@@ -62,6 +62,7 @@ from .. import config
 from ..compiled import StepPlans, apply_linear, concat_linears, linear_arrays, linear_paths
 from ..kernels import _cuda_build
 from ..kernels._cuda_build import describe as _describe
+from ..kernels import moe_block_decode as _k_block
 from ..kernels import moe_decode_gemv as _decode_gemv
 from ..kernels import moe_down_metal as _down_metal
 from ..kernels import moe_gate_up_metal as _gate_up_metal
@@ -902,8 +903,26 @@ def _decode_step_plan(block, x, norm_eps: Optional[float] = None):
         ("shared_expert_gate", n) for n in ("weight", "scales", "biases"))
     paths = linear_paths(("gate",), router) + _EXPERT_PATHS + gate
     route_in_kernel = _decode_gemv.route_fits(block.num_experts, block.top_k)
+    one_launch = _block_kernel_takes(block, x, router, arrs, norm_eps)
     return paths, _compiled_decode_step(block.top_k, block.norm_topk_prob, router[1], len(router[0]), bits,
-                                        route_in_kernel, norm_eps)
+                                        route_in_kernel, norm_eps, one_launch)
+
+
+def _block_kernel_takes(block, x, router, arrs, norm_eps) -> bool:
+    """Whether the fused decode step (``norm_eps`` given) runs the one-launch
+    MoE block (:func:`mlx_qwen_fast.kernels.moe_block_decode.moe_block_decode`):
+    its switch and the fused GEMV's on, the router affine 4/8-bit with
+    biases and no bias, the kernel's shapes (its ``supports``; the norm
+    weight's shape stands in as [D] bf16: the kernel takes every float
+    dtype)."""
+    if norm_eps is None or not (config.MOE_BLOCK_KERNEL.get() and config.DECODE_GEMV_KERNEL.get()):
+        return False
+    static = router[1]
+    if static[0] != "quantized" or static[3] != "affine" or not static[4] or static[5] or len(router[0]) != 3:
+        return False
+    norm_like = mx.zeros((x.shape[-1],), mx.bfloat16)  # shape only, never evaluated
+    return _k_block.supports(x, norm_like, router[0], *arrs, top_k=block.top_k, router_group_size=static[1],
+                             router_bits=static[2])
 
 
 def decode_step_parts(block, x: mx.array, norm_eps: Optional[float] = None):
@@ -941,7 +960,8 @@ _decode_steps: Dict[tuple, Callable] = {}
 
 
 def _compiled_decode_step(top_k: int, normalize: bool, router_static: tuple, n_router: int,
-                          shared_gate_bits: int, route_in_kernel: bool, norm_eps: Optional[float] = None):
+                          shared_gate_bits: int, route_in_kernel: bool, norm_eps: Optional[float] = None,
+                          one_launch: bool = False):
     """The ``mx.compile``d decode step for one static setting (one trace per
     input signature, shared by every layer: all arrays are inputs); with
     ``norm_eps``, the fused form of :func:`decode_step_parts`. The router
@@ -949,11 +969,24 @@ def _compiled_decode_step(top_k: int, normalize: bool, router_static: tuple, n_r
     ``route_in_kernel`` its logits go to the gate+up kernel, which routes
     (:func:`mlx_qwen_fast.kernels.moe_decode_gemv.moe_decode_logits`: three
     launches), else to the routing kernel first (four launches, the same
-    results bit for bit)."""
+    results bit for bit). ``one_launch`` (fused form only,
+    :func:`_block_kernel_takes`): the whole step as one launch
+    (:func:`mlx_qwen_fast.kernels.moe_block_decode.moe_block_decode`: the
+    three launches' results bit for bit)."""
     fused = norm_eps is not None
     key = (top_k, bool(normalize), router_static, n_router, shared_gate_bits, float(norm_eps) if fused else None,
-           config.DECODE_GEMV_KERNEL.get(), bool(route_in_kernel))
+           config.DECODE_GEMV_KERNEL.get(), bool(one_launch and fused), bool(route_in_kernel))
     fn = _decode_steps.get(key)
+    if fn is None and key[-2]:
+        _, group_size, bits = router_static[:3]
+
+        def step(h, norm_weight, *arrays):
+            a = arrays[n_router:]
+            return _k_block._moe_block_decode(h, norm_weight, arrays[:n_router], (a[0:3], a[3:6], a[6:9]),
+                                              (a[9:12], a[12:15], a[15:18]), (a[18], a[19], a[20], shared_gate_bits),
+                                              top_k, key[5], bool(normalize), group_size, bits)
+
+        fn = _decode_steps[key] = mx.compile(step)
     if fn is None:
 
         def core(x, norm, arrays):

@@ -1184,3 +1184,52 @@ def test_metal_decode_declines_to_stock(metal):
     assert moe.implementation_for(5) == "stock"
     assert mx.array_equal(moe.sparse_moe(block, x5), moe._stock(block, x5)).item()
     assert [m._kernel().calls for m in metal] == [0, 0, 0]
+
+
+_BLOCK_SOURCES = ("moe_block_decode.cu", "quantized_gemv.cu", "moe_decode_gemv.cu")
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("poison")
+@pytest.mark.parametrize("n", [pytest.param(1, marks=pytest.mark.cpu_check(*_BLOCK_SOURCES)),
+                               pytest.param(3, marks=pytest.mark.cpu_check(*_BLOCK_SOURCES))])
+def test_block_switch_runs_the_one_launch_block(env, monkeypatch, n):
+    """With ``config.MOE_BLOCK_KERNEL`` on, the fused decode step
+    (:func:`moe.decode_step_parts` with the post-attention norm) runs the
+    one-launch MoE block; over three chained steps its outputs equal the
+    three launches' (the switch off) bit for bit (bf16: the same device code
+    in the same order). With the fused GEMV off the switch is ignored."""
+    from mlx_qwen_fast.compiled import gather
+    from mlx_qwen_fast.kernels import moe_block_decode as k_block
+
+    from cuda_helpers import HAS_CUDA
+
+    monkeypatch.setattr(moe, "implementation_for", lambda n, backend=None: "cuda-decode")
+    if not HAS_CUDA:  # the CUDA check: a grid of 8 blocks of 512 threads (fibers), not one per SM
+        monkeypatch.setattr(cb, "sm_count", lambda: 8)
+    seed = int(np.random.default_rng().integers(1 << 30))
+    block = make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=seed % 1000)
+    ks = mx.random.split(mx.random.key(seed), 2)
+    nw = (1.0 + 0.1 * mx.random.normal((256,), key=ks[0])).astype(mx.bfloat16)
+    h0 = (2.0 * mx.random.normal((n, 1, 256), key=ks[1])).astype(mx.bfloat16)
+    launched = []
+    real = k_block._moe_block_decode
+    monkeypatch.setattr(k_block, "_moe_block_decode", lambda *a, **k: launched.append(1) or real(*a, **k))
+    monkeypatch.setattr(moe, "_decode_steps", {})
+    runs = {}
+    for one, gemv in (("1", "1"), ("0", "1"), ("1", "0")):
+        env.set(config.MOE_BLOCK_KERNEL.name, one)
+        env.set(config.DECODE_GEMV_KERNEL.name, gemv)
+        launched.clear()
+        paths, fn = moe.decode_step_parts(block, h0, norm_eps=1e-6)
+        arrays = gather(block, paths)
+        h, ys = h0, []
+        for _ in range(3):
+            h = fn(h, nw, *arrays)
+            mx.eval(h)
+            ys.append(h)
+        runs[one, gemv] = ys
+        assert bool(launched) == (one == gemv == "1"), (one, gemv, launched)
+    for i, (y, y_ref) in enumerate(zip(runs["1", "1"], runs["0", "1"])):
+        assert y.shape == y_ref.shape == h0.shape and y.dtype == y_ref.dtype
+        assert finite(y) and mx.array_equal(y, y_ref).item(), f"seed {seed}: step {i}"

@@ -1,0 +1,261 @@
+"""A MoE block's whole decode step on CUDA, in one launch.
+
+Computes, for 1 to 4 token rows ``x`` (mlx-lm's ``DecoderLayer`` around
+``Qwen3NextSparseMoeBlock.__call__`` at one token per row)::
+
+    xn     = rms_norm(x, norm_weight, norm_eps)
+    logits = xn @ W_router.T                                   # [N, E]
+    ids, w = top-k of softmax(logits) (renormalised with ``normalize``)
+    out    = x + sum_j w_j * expert_{ids_j}(xn) + sigmoid(xn . w_gate) * shared_expert(xn)
+
+what three launches compute in the compiled decode step today
+(``quantized_gemv`` with the norm and ``normed_out``,
+``moe_decode_gemv.route_gate_up_swiglu``, ``moe_decode_gemv`` down with the
+residual): one graph node instead of three. Each phase runs those kernels'
+device code in their arithmetic order, so the output equals the three
+launches' bit for bit (bf16 activations only, as those kernels take).
+
+The kernel is persistent: ``min(SM count, work)`` blocks of 512 threads
+(:func:`grid_blocks`), all resident at once, meeting at two grid barriers
+whose arrival counter is a variable of the kernel's module (zero when it
+loads, never reset), so no output needs filling before a launch; the
+logits, the experts' SwiGLU rows and the shared gate pass between phases
+through a scratch output. Every block routes the tokens itself from the
+logits. One block fills an SM, so two launches of this kernel must not run
+at once (MLX orders them when one reads the other's outputs, as consecutive
+layers do); a grid that cannot be resident traps (a CUDA error) rather than
+hang. Source: ``mlx_qwen_fast/cuda/moe_block_decode.cu``.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Sequence
+
+import mlx.core as mx
+
+from . import _cuda_build as cb
+from . import moe_decode_gemv as md
+
+__all__ = ["MAX_ROWS", "grid_blocks", "moe_block_decode", "scratch_words", "smem_bytes", "supports"]
+
+#: Token rows per call at most.
+MAX_ROWS = md.MAX_TOKENS
+_THREADS = 512
+_MAX_BLOCKS = 1024  # the source's barrier weight (BARW)
+_ROUTER_BITS = (4, 8)
+_ROUTER_GROUPS = (32, 64, 128)
+_NORM_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
+#: Shared memory of one block on sm_90 (static + dynamic).
+_SMEM_LIMIT = 227 * 1024
+_kernels: Dict[tuple, cb.CudaKernel] = {}
+_ARRAYS = (("x", "[..., D] bfloat16", False), ("norm_weight", "[D] (float)", False),
+           ("router[0] (weight)", "[E, D * bits / 32] uint32", False),
+           ("router[1] (scales)", "[E, D / group_size] bfloat16", False),
+           ("router[2] (biases)", "[E, D / group_size] bfloat16", False))
+
+
+def _round16(n: int) -> int:
+    return -(-n // 16) * 16
+
+
+def _rows(x) -> int:
+    n = 1
+    for s in x.shape[:-1]:
+        n *= s
+    return n
+
+
+def router_warps(D: int, bits: int) -> int:
+    """Warps per router tile (``quantized_gemv.warps``)."""
+    per = 512 if bits == 4 else 256
+    return max(1, min(16, -(-D // per)))
+
+
+def grid_blocks(n: int, k: int, E: int, D: int, I: int, router_bits: int, sm_count: int) -> int:
+    """Blocks of the launch: the most that any phase can use (router tiles
+    per block's teams; gate+up items -- (distinct experts + shared) x I/16
+    tiles + the shared gate -- over two teams per block; down tiles D/16),
+    at most ``sm_count`` (every block resident) and the barrier weight."""
+    tiles_r = -(-E // 16)
+    teams_r = 16 // router_warps(D, router_bits)
+    items = (I // 16) * (min(n * k, E) + 1) + 1
+    work = max(-(-tiles_r // teams_r), -(-items // 2), D // 16)
+    return max(1, min(work, sm_count, _MAX_BLOCKS))
+
+
+def scratch_words(n: int, k: int, E: int, I: int) -> int:
+    """uint32 words of the scratch output: logits [n, E] bf16, h [n*k + n,
+    I] bf16, sgate [n] float32, each 16-byte aligned."""
+    return (_round16(n * E * 2) + _round16((n * k + n) * I * 2) + _round16(n * 4)) // 4
+
+
+def smem_bytes(n: int, k: int, I: int) -> int:
+    """Dynamic shared memory of the launch (``DSM`` of the source): two
+    gate+up teams' staging (2 x (36864 + 4096 n)) or the down phase's h rows
+    and item outputs, the larger."""
+    gate_up = 2 * md.gate_up_smem_bytes(n)
+    down = _round16((n * k + n) * I * 2) + (n * k + 1) * 16 * n * 4
+    return max(gate_up, down)
+
+
+def _static_smem(n: int, D: int) -> int:
+    return n * D * 2 + 16 * 32 * 4 * 4 + 16 * n * 4 + 2 * 4 * 32
+
+
+def _router_problem(x, norm_weight, router, group_size, bits, E) -> Optional[str]:
+    if bits not in _ROUTER_BITS:
+        return f"router_bits must be one of {_ROUTER_BITS}, got {bits!r}"
+    if group_size not in _ROUTER_GROUPS:
+        return f"router_group_size must be one of {_ROUTER_GROUPS}, got {group_size!r}"
+    D = x.shape[-1]
+    if norm_weight.dtype not in _NORM_DTYPES or tuple(norm_weight.shape) != (D,):
+        return f"norm_weight must be a float array of shape [{D}], got {norm_weight.dtype} {tuple(norm_weight.shape)}"
+    if D % group_size:
+        return f"x's last axis ({D}) must be a multiple of router_group_size ({group_size})"
+    w, s, b = router
+    if w.dtype != mx.uint32 or tuple(w.shape) != (E, D * bits // 32):
+        return f"router[0] (weight) must be uint32 [{E}, {D * bits // 32}], got {w.dtype} {tuple(w.shape)}"
+    for part, a in (("1] (scales)", s), ("2] (biases)", b)):
+        if a.dtype != mx.bfloat16 or tuple(a.shape) != (E, D // group_size):
+            return f"router[{part} must be bfloat16 [{E}, {D // group_size}], got {a.dtype} {tuple(a.shape)}"
+    return None
+
+
+def _problem(x, norm_weight, router, experts, shared, expert_gate, top_k, group_size, bits) -> Optional[str]:
+    """None when the kernel takes these (array) arguments, else what does not fit."""
+    if x.dtype != mx.bfloat16 or x.ndim < 2:
+        return f"x must be bfloat16 [..., D] with 1 to {MAX_ROWS} rows, got {x.dtype} {tuple(x.shape)}"
+    n, D = _rows(x), x.shape[-1]
+    if not 1 <= n <= MAX_ROWS:
+        return f"x must hold 1 to {MAX_ROWS} rows (the product of its leading axes), got {tuple(x.shape)}"
+    if n * D * 2 > 32768:
+        return f"x's rows * D * 2 must be at most 32768, got {tuple(x.shape)}"
+    try:
+        E = experts[0][0].shape[0]
+    except (TypeError, IndexError, AttributeError):
+        return "experts must be (gate, up, down), each (weight, scales, biases)"
+    if not md.route_fits(E, top_k):
+        return (f"top_k ({top_k!r}) and the experts' count ({E}) must fit the in-kernel routing: E a multiple of 32 "
+                f"in [32, {md.ROUTE_MAX_EXPERTS}], 1 <= top_k <= min(32, E)")
+    if n * top_k > 32:
+        return f"rows * top_k must be at most 32, got {n} rows, top_k {top_k}"
+    problem = md._weights_problem(n, D, int(top_k), experts, shared, expert_gate, False)
+    if problem is not None:
+        return problem
+    problem = _router_problem(x, norm_weight, router, group_size, bits, E)
+    if problem is not None:
+        return problem
+    I = experts[0][0].shape[1]
+    if smem_bytes(n, int(top_k), I) + _static_smem(n, D) > _SMEM_LIMIT:
+        return f"(rows * top_k + rows) * I too large for one block's shared memory (rows {n}, top_k {top_k}, I {I})"
+    return None
+
+
+def supports(x, norm_weight, router: Sequence, experts: Sequence, shared: Sequence, expert_gate: Sequence, *,
+             top_k: int, router_group_size: int = 64, router_bits: int = 8) -> bool:
+    """True when :func:`moe_block_decode` takes these arrays on this
+    machine: the CUDA backend and the shapes of its docstring. Shape checks
+    only (nothing is evaluated or compiled)."""
+    if not cb.cuda_available():
+        return False
+    try:
+        if not (cb.is_array(x) and cb.is_array(norm_weight) and len(router) == 3
+                and all(cb.is_array(a) for a in router)):
+            return False
+        return _problem(x, norm_weight, router, experts, shared, expert_gate, top_k, router_group_size,
+                        router_bits) is None
+    except (TypeError, ValueError, AttributeError):
+        return False
+
+
+def _kernel(n, k, E, D, I, sgb, rbits, rgs, norm_dtype) -> cb.CudaKernel:
+    key = (n, k, E, D, I, sgb, rbits, rgs, norm_dtype)
+    kern = _kernels.get(key)
+    if kern is None:
+        kern = _kernels[key] = cb.CudaKernel("moe_block_decode.cu", "mqf_moe_block", dict(
+            MBD_N=n, MBD_K=k, MBD_E=E, MBD_D=D, MBD_I=I, MBD_SGB=sgb, MBD_RBITS=rbits, MBD_RGS=rgs,
+            MBD_WT=cb.dtype_macro(norm_dtype)))
+    return kern
+
+
+def moe_block_decode(
+    x: mx.array,
+    norm_weight: mx.array,
+    router: Sequence[mx.array],
+    experts: Sequence,
+    shared: Sequence,
+    expert_gate: Sequence,
+    *,
+    top_k: int,
+    norm_eps: float,
+    normalize: bool = True,
+    router_group_size: int = 64,
+    router_bits: int = 8,
+) -> mx.array:
+    """``x + block(rms_norm(x))`` of a quantised Qwen3-Next MoE block for one
+    token per row, in one launch.
+
+    Args:
+      x: ``[..., D]`` bfloat16, 1 to 4 rows (the product of the leading
+        axes), D a multiple of 256 with rows * D * 2 <= 32768.
+      norm_weight: ``[D]`` (bfloat16, float16 or float32): the decoder
+        layer's post-attention RMSNorm weight.
+      router: ``(weight uint32 [E, D * bits / 32], scales, biases bfloat16
+        [E, D / group_size])``: ``mx.quantize`` (affine) of the router
+        (``block.gate``).
+      experts, shared, expert_gate: as
+        :func:`mlx_qwen_fast.kernels.moe_decode_gemv.gate_up_swiglu` (4-bit
+        group-64 experts ``[E, I, D / 8]`` ..., the shared expert of the same
+        width I, the shared-expert gate 4/8-bit or bf16).
+      top_k: experts per token; E a multiple of 32 in ``[32, 512]``, ``1 <=
+        top_k <= min(32, E)``, rows * top_k <= 32.
+      norm_eps: the RMSNorm's eps, in (0, 1).
+      normalize: divide the k probabilities by their sum (``norm_topk_prob``).
+      router_group_size, router_bits: the router's quantisation (32/64/128,
+        4/8).
+
+    Returns:
+      x's shape, bfloat16: ``quantized_gemv`` (norm, router) then
+      ``moe_decode_gemv._moe_decode_logits`` with x as the residual, bit for
+      bit.
+
+    Raises:
+      ValueError: an argument outside the above (named).
+      RuntimeError: no CUDA compiler could build the kernel.
+    """
+    fn = "moe_block_decode"
+    if not isinstance(router, (tuple, list)) or len(router) != 3:
+        raise ValueError(f"{fn}: router must be (weight, scales, biases), got {cb.describe(router)}")
+    cb.check_arrays(fn, _ARRAYS, x, norm_weight, *router)
+    problem = _problem(x, norm_weight, router, experts, shared, expert_gate, top_k, router_group_size,
+                       router_bits)
+    if problem is not None:
+        raise ValueError(f"{fn}: {problem}")
+    eps = cb.check_eps(fn, "norm_eps", norm_eps)
+    return _moe_block_decode(x, norm_weight, router, experts, shared, expert_gate, int(top_k), eps,
+                             bool(normalize), router_group_size, router_bits)
+
+
+def _moe_block_decode(x, norm_weight, router, experts, shared, expert_gate, top_k, eps, normalize,
+                      router_group_size, router_bits, return_scratch=False):
+    """:func:`moe_block_decode` on arguments already checked (the compiled
+    decode step's entry point); ``return_scratch``: also the scratch output
+    (tests read the phases' intermediates from it)."""
+    n, D = _rows(x), x.shape[-1]
+    (wg, sg, bg), (wu, su, bu), (wd, sd, bd) = experts
+    E, I = wg.shape[0], wg.shape[1]
+    (xwg, xsg, xbg), (xwu, xsu, xbu), (xwd, xsd, xbd) = shared
+    gw, gs, gb, sgb = expert_gate
+    kern = _kernel(n, top_k, E, D, I, int(sgb), router_bits, router_group_size, norm_weight.dtype)
+    blocks = grid_blocks(n, top_k, E, D, I, router_bits, cb.sm_count())
+    out, scratch = kern(
+        inputs=[x, norm_weight, *router, wg, sg, bg, wu, su, bu, wd, sd, bd, xwg, xsg, xbg, xwu, xsu, xbu,
+                xwd, xsd, xbd, gw, gs, gb],
+        output_shapes=[tuple(x.shape), (scratch_words(n, top_k, E, I),)],
+        output_dtypes=[mx.bfloat16, mx.uint32],
+        grid=(blocks * _THREADS, 1, 1),
+        threadgroup=(_THREADS, 1, 1),
+        shared_memory=smem_bytes(n, top_k, I),
+        scalars=[int(normalize), eps],
+    )
+    return (out, scratch) if return_scratch else out
