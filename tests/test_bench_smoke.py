@@ -45,7 +45,7 @@ SMALL_CEILINGS = ["--copy-mib", "4", "--matmul-n", "64"]
 #: modules run as ``python -m bench.<name>``, and the CUDA-only device scripts.
 MODULES = ("ab", "numerics", "ops", "ceilings", "plots", "first_use", "startup")
 DEVICE_SCRIPTS = ("gdn_cuda.py", "moe_cuda.py", "moe_decode_cuda.py", "profile_kernels.py", "node_cost.py")
-H200_STAGES = {"tests", "ab", "ops", "profile", "userview", "firstuse", "decode"}
+H200_STAGES = {"tests", "ab", "ops", "profile", "userview", "firstuse", "decode", "split"}
 
 
 def check_keys(record, schema, where):
@@ -438,3 +438,23 @@ def test_nodes_counts_graph_and_layers():
     cap = kv.keys.shape[2]
     nodes.step_graph(model, cache)
     assert cap == 512 and kv.keys.shape[2] == cap and kv.offset == 257
+
+
+def test_decode_split_switch_alternates_in_one_process(tmp_path, monkeypatch):
+    """bench.decode_split --switch: each repeat runs the split with the switch
+    off and on, the order alternating between repeats, each run tagged with
+    its value; the variable is left as the last run set it; a name that is
+    not a boolean switch is refused before any model is built."""
+    from bench import decode_split
+
+    var = "MLX_QWEN_FAST_GDN_MIXER"
+    monkeypatch.setenv(var, "1")  # restored (or removed) afterwards: the run sets it
+    out = tmp_path / "split.json"
+    assert decode_split.main(["--preset", "tiny", "--context", "16", "--steps", "2", "--pipelined", "3",
+                              "--repeats", "2", "--switch", var, "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["switch"][var] for r in runs] == ["0", "1", "1", "0"]
+    assert all(r["pipelined_tok_s"] > 0 and r["build_ms"] > 0 for r in runs)
+    for bad in ("MLX_QWEN_FAST_CACHE", "NOT_A_SWITCH"):
+        with pytest.raises(SystemExit):
+            decode_split.main(["--preset", "tiny", "--switch", bad])
