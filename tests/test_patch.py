@@ -485,6 +485,20 @@ def test_report_follows_the_mixer_switch(cuda_machine, env):
         assert table["model.decode"] == "compiled-model", (mixer, gemv)
 
 
+def test_report_declines_the_moe_block_with_the_decode_kernels(cuda_machine, env):
+    """With the one-launch MoE block on, experts of a quantisation the MoE
+    decode kernels decline are reported stock, as with the block off."""
+    env.set(config.MOE_BLOCK_KERNEL.name, "1")
+    model, _ = build_model("tiny", seed=0, parts={"experts": {"bits": 3}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = patch(model)
+    assert report.ops["moe.decode"] == "stock" and "moe.decode" in report.declined
+    model, _ = build_model("tiny", seed=0)
+    report = patch(model, warn=False)
+    assert report.ops["moe.decode"] == "cuda-block" and not report.declined
+
+
 @pytest.mark.parametrize(
     "kwargs, declined",
     [
