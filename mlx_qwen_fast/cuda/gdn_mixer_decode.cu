@@ -290,10 +290,7 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
   if ((int)blockIdx.x < M * HV) gdn_step_state_loads(state_in, blockIdx.x, S);
   // The launch's base: the counter rounded down to a multiple of NBAR * BARW.
   unsigned long long base = 0;
-  if (tid == 0) {
-    if (v0 % (NBAR * BARW) >= BARW || gridDim.x > BARW) __trap();
-    base = v0 - v0 % (NBAR * BARW);
-  }
+  if (tid == 0) base = grid_launch_base<NBAR, BARW>(v0);
   grid_arrive<BARW>(ctr);
   grid_wait(ctr, base + BARW);
 

@@ -44,6 +44,15 @@ __device__ __forceinline__ void grid_arrive(unsigned long long* ctr) {
     red_release_add_u64(ctr, w);
   }
 }
+// The launch's base (thread 0; v0: the counter it read before its first
+// arrival): v0 rounded down to a multiple of NBAR * BARW. Traps where v0 cannot
+// be a launch's start (remainder at least BARW: a CTA of this launch arrived
+// already, or the counter never started at a multiple) or the grid exceeds BARW.
+template <unsigned long long NBAR, unsigned long long BARW>
+__device__ __forceinline__ unsigned long long grid_launch_base(unsigned long long v0) {
+  if (v0 % (NBAR * BARW) >= BARW || gridDim.x > BARW) __trap();
+  return v0 - v0 % (NBAR * BARW);
+}
 // Wait until every CTA arrived `target` (base + b * BARW); thread 0 polls.
 __device__ __forceinline__ void grid_wait(const unsigned long long* ctr, unsigned long long target) {
   if (threadIdx.x == 0) {

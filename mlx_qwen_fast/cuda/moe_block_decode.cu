@@ -199,10 +199,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
 
   // The launch's base: the counter rounded down to a multiple of NBAR * BARW.
   unsigned long long base = 0;
-  if (tid == 0) {
-    if (v0 % (NBAR * BARW) >= BARW || gridDim.x > BARW) __trap();
-    base = v0 - v0 % (NBAR * BARW);
-  }
+  if (tid == 0) base = grid_launch_base<NBAR, BARW>(v0);
   grid_arrive<BARW>(ctr);
   grid_wait(ctr, base + BARW);
 
