@@ -175,8 +175,9 @@ def main(argv=None) -> int:
                         "the split with it off and on, in alternating order, in this process")
     p.add_argument("--out", default=None, help="JSON result file")
     args = p.parse_args(argv)
+    config = None
     if args.switch is not None:
-        from mlx_qwen_fast import config
+        from mlx_qwen_fast import config  # only here: the import applies the package's process settings
 
         if not any(sw.name == args.switch and sw.kind == "bool" for sw in config.SWITCHES):
             p.error(f"--switch must name a boolean switch of mlx_qwen_fast.config, got {args.switch!r}")
@@ -190,23 +191,33 @@ def main(argv=None) -> int:
 
         model, report = patched_copy(model)
         print(f"# ops: {getattr(report, 'ops', report)}", flush=True)
-    result_nodes = None
-    if args.nodes:
-        result_nodes = nodes.measure_engine(model, args.context)
-        st = result_nodes["step"]
-        kinds = ", ".join(f"{k} {r['nodes']} ({r['launching']}) x{r['layers']}" for k, r in result_nodes["layers"].items())
-        out = result_nodes["outside_layers"]
-        print(f"nodes per token: {st['nodes']} ({st['launching']} launching); per layer: {kinds}; "
-              f"outside the layers {out['nodes']} ({out['launching']})", flush=True)
-    runs = []
     values = [None] if args.switch is None else ["0", "1"]
+    switch = None if args.switch is None else next(sw for sw in config.SWITCHES if sw.name == args.switch)
+
+    def set_switch(v):
+        if v is not None:
+            os.environ[args.switch] = v
+            config.reload()  # the package parses each switch once: read the environment again
+
+    result_nodes = {}
+    if args.nodes:
+        for v in values:
+            set_switch(v)
+            counted = result_nodes[v] = nodes.measure_engine(model, args.context)
+            st = counted["step"]
+            kinds = ", ".join(f"{k} {r['nodes']} ({r['launching']}) x{r['layers']}" for k, r in counted["layers"].items())
+            out = counted["outside_layers"]
+            tag = "" if v is None else f" {args.switch}={v}"
+            print(f"nodes per token{tag}: {st['nodes']} ({st['launching']} launching); per layer: {kinds}; "
+                  f"outside the layers {out['nodes']} ({out['launching']})", flush=True)
+    runs = []
     for i in range(args.repeats):
         for v in values if i % 2 == 0 else values[::-1]:
-            if v is not None:
-                os.environ[args.switch] = v
+            set_switch(v)
             r = split(model, args.context, args.steps, args.pipelined)
             if v is not None:
                 r["switch"] = {args.switch: v}
+                r["switch_read"] = switch.get()  # what the package's plans read during this split
             runs.append(r)
             tag = "" if v is None else f" {args.switch}={v}"
             print(f"split {i}{tag}: warm-up {r['warmup_s']:.1f} s  build {r['build_ms']:.2f} ms  encode {r['encode_ms']:.2f} ms"
@@ -217,8 +228,8 @@ def main(argv=None) -> int:
             f"{k} {statistics.median(r[k] for r in mine):.2f}" for k in ("build_ms", "encode_ms", "wait_ms",
                                                                          "pipelined_tok_s")), flush=True)
     result = common.result_header("decode_split", args, engine=args.engine, context=args.context, runs=runs)
-    if result_nodes is not None:
-        result["nodes"] = result_nodes
+    if result_nodes:
+        result["nodes"] = result_nodes[None] if args.switch is None else result_nodes
     if args.boundary:
         result["boundary"] = b = boundary(model, args.context)
         if b:

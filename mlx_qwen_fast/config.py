@@ -190,10 +190,10 @@ GDN_MIXER_KERNEL = Switch(
     "out_proj and the residual as three launches instead of one persistent kernel (the one-launch mixer needs "
     "the fused GEMV on)")
 MOE_BLOCK_KERNEL = Switch(
-    "MLX_QWEN_FAST_MOE_BLOCK", "bool", False, "`1`",
+    "MLX_QWEN_FAST_MOE_BLOCK", "bool", True, "`0`",
     "on CUDA, a layer's decode step runs its MoE block (post-attention RMSNorm, router, routing, the experts, "
-    "the shared expert and the residual) as one persistent kernel instead of three launches (needs the fused "
-    "GEMV on)")
+    "the shared expert and the residual) as three launches instead of one persistent kernel (the one-launch "
+    "block needs the fused GEMV on)")
 METAL_KERNELS = Switch(
     "MLX_QWEN_FAST_METAL", "bool", False, "`1`",
     "on Apple silicon, the package's Metal kernels run (decode: the Gated DeltaNet step, the MoE block, "

@@ -29,9 +29,9 @@ from typing import Dict, List, Optional, Tuple
 import mlx.nn as nn
 import mlx_lm.utils
 
-from . import backend, config, speculative
+from . import backend, config, generation, speculative
 from .compiled import StepPlans
-from .layers import FAST_CLASSES, LAYER_CLASSES, MODEL_CLASSES, rebind
+from .layers import FAST_CLASSES, LAYER_CLASSES, MODEL_CLASSES, FastSparseMoeBlock, rebind
 from .ops import attention as attention_ops
 from .ops import linear as linear_ops
 from .ops import gated_delta as gated_delta_ops
@@ -385,12 +385,17 @@ def _patch(model: nn.Module, warn: bool, stacklevel: int) -> PatchReport:
         return report
     swapped = _swap(model, to_fast=True)
     speculative.install()  # mlx-lm's speculative decoding: the patched caches roll back
+    generation.install()  # mlx-lm's generate_step: the KV buffers sized for the whole generation
     previous = getattr(model, "patch_report", None)
     ops = op_implementations()
     if ops["gated_delta.decode"] == "cuda-mixer" and not all(
             gated_delta_ops.mixer_takes_weights(layer.linear_attn) for layer in model.layers
             if getattr(layer, "is_linear", False)):
         ops["gated_delta.decode"] = "cuda-kernel"  # the three launches for projections of another format
+    if ops["moe.decode"] == "cuda-block" and not all(
+            moe_ops.block_takes_weights(layer.mlp) for layer in model.layers
+            if isinstance(getattr(layer, "mlp", None), FastSparseMoeBlock)):
+        ops["moe.decode"] = "cuda-decode"  # the three launches for a router of another format
     declined = _apply_declines(ops, _decide_kernels(model))
     if warn:
         _warn_declined(declined)

@@ -443,7 +443,8 @@ def test_nodes_counts_graph_and_layers():
 def test_decode_split_switch_alternates_in_one_process(tmp_path, monkeypatch):
     """bench.decode_split --switch: each repeat runs the split with the switch
     off and on, the order alternating between repeats, each run tagged with
-    its value; the variable is left as the last run set it; a name that is
+    its value and the value the package read (the switch parsed again); the
+    variable is left as the last run set it; a name that is
     not a boolean switch is refused before any model is built."""
     from bench import decode_split
 
@@ -454,6 +455,7 @@ def test_decode_split_switch_alternates_in_one_process(tmp_path, monkeypatch):
                               "--repeats", "2", "--switch", var, "--out", str(out)]) == 0
     runs = json.loads(out.read_text())["runs"]
     assert [r["switch"][var] for r in runs] == ["0", "1", "1", "0"]
+    assert [r["switch_read"] for r in runs] == [False, True, True, False]  # what the package read
     assert all(r["pipelined_tok_s"] > 0 and r["build_ms"] > 0 for r in runs)
     for bad in ("MLX_QWEN_FAST_CACHE", "NOT_A_SWITCH"):
         with pytest.raises(SystemExit):

@@ -530,7 +530,10 @@ def test_patch_report_declines_kernels_for_other_quantisations(cuda_machine, kwa
                                                                    "mode": kwargs.get("mode", "affine")})
     mixer = gdn_format.get("bits", 4) == 4 and gdn_format.get("mode", "affine") == "affine"
     assert report.ops["gated_delta.decode"] == ("cuda-mixer" if mixer else "cuda-kernel"), (kwargs, report.ops)
-    for op, impl in _KERNELS.items():
+    # the one-launch MoE block reads an affine 4- or 8-bit router; another takes the three launches
+    router_bits = kwargs.get("parts", {}).get("router", {}).get("bits", kwargs.get("bits", 8))
+    kernels = dict(_KERNELS, **{"moe.decode": "cuda-block" if router_bits in (4, 8) else "cuda-decode"})
+    for op, impl in kernels.items():
         assert report.ops[op] == ("stock" if op in declined else impl), (op, report.ops)
     assert set(report.declined) == set(declined)
     messages = [str(w.message) for w in caught]
@@ -557,7 +560,7 @@ def test_patch_declines_per_layer_and_quietly_without_warn(cuda_machine):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         report = patch(model, warn=False)
-    assert report.ops["moe.prefill"] == "cuda-prefill" and report.ops["moe.decode"] == "cuda-decode"
+    assert report.ops["moe.prefill"] == "cuda-prefill" and report.ops["moe.decode"] == "cuda-block"
     n = len(model.layers)
     assert report.declined == {op: f"moe experts: 3-bit weights (switch_mlp.gate_proj) in 2 of {n} layers"
                                for op in _KERNELS}

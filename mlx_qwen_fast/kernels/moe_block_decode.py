@@ -42,8 +42,9 @@ __all__ = ["MAX_ROWS", "grid_blocks", "moe_block_decode", "scratch_words", "smem
 MAX_ROWS = md.MAX_TOKENS
 _THREADS = 512
 _MAX_BLOCKS = 1024  # the source's barrier weight (BARW)
-_ROUTER_BITS = (4, 8)
-_ROUTER_GROUPS = (32, 64, 128)
+#: The router quantisations the kernel reads (affine, with biases): bits and group sizes.
+ROUTER_BITS = (4, 8)
+ROUTER_GROUPS = (32, 64, 128)
 _NORM_DTYPES = (mx.bfloat16, mx.float16, mx.float32)
 #: Shared memory of one block on sm_90 (static + dynamic).
 _SMEM_LIMIT = 227 * 1024
@@ -103,10 +104,10 @@ def _static_smem(n: int, D: int) -> int:
 
 
 def _router_problem(x, norm_weight, router, group_size, bits, E) -> Optional[str]:
-    if bits not in _ROUTER_BITS:
-        return f"router_bits must be one of {_ROUTER_BITS}, got {bits!r}"
-    if group_size not in _ROUTER_GROUPS:
-        return f"router_group_size must be one of {_ROUTER_GROUPS}, got {group_size!r}"
+    if bits not in ROUTER_BITS:
+        return f"router_bits must be one of {ROUTER_BITS}, got {bits!r}"
+    if group_size not in ROUTER_GROUPS:
+        return f"router_group_size must be one of {ROUTER_GROUPS}, got {group_size!r}"
     D = x.shape[-1]
     if norm_weight.dtype not in _NORM_DTYPES or tuple(norm_weight.shape) != (D,):
         return f"norm_weight must be a float array of shape [{D}], got {norm_weight.dtype} {tuple(norm_weight.shape)}"

@@ -58,7 +58,7 @@ from . import gated_delta as gated_delta_ops
 from . import linear as linear_ops
 from . import moe as moe_ops
 
-__all__ = ["attention_decode_parts", "decode_layer", "decode_layer_reference", "decode_model"]
+__all__ = ["attention_decode_parts", "decode_layer", "decode_layer_reference", "decode_model", "reserve_kv"]
 
 
 def decode_layer_reference(layer, x: mx.array, cache) -> mx.array:
@@ -148,33 +148,108 @@ def _attention_core(static, x, norm, keys, values, offset, qn_w, kn_w, flat):
 #: bf16: 80 MB over its 10 layers at batch 1).
 KV_GROWTH = 4096
 
+#: Most positions past a cache's offset that a reservation
+#: (:func:`reserve_kv`) adds at once: 32768 positions are ~650 MB over the
+#: reference model's 10 attention layers at batch 1 (20 KB a position).
+KV_RESERVE_MAX = 32768
+
+_RESERVE_ATTR = "_mqf_kv_reserve"  # a KVCache's reserved capacity (positions), set by reserve_kv
+
+
+def _grow(cache, want: int, dtype) -> None:
+    """Grow ``cache``'s buffers (``[B, Hkv, capacity, Dh]``, capacity <
+    ``want``) to the next multiple of ``max(KV_GROWTH, cache.step)``
+    positions at or above ``want``, as ``KVCache.update_and_fetch`` (mlx-lm
+    0.32.2) grows them: cut to the offset where the buffer is not full,
+    extended with zero rows of ``dtype``."""
+    prev, keys = cache.offset, cache.keys
+    growth = max(KV_GROWTH, cache.step)
+    extra = -(-want // growth) * growth - prev
+    B, hkv, _, dh = keys.shape
+    new_k = mx.zeros((B, hkv, extra, dh), dtype)
+    new_v = mx.zeros((B, hkv, extra, cache.values.shape[3]), dtype)
+    if keys.shape[2] != prev:
+        cache.keys, cache.values = cache.keys[..., :prev, :], cache.values[..., :prev, :]
+    cache.keys = mx.concatenate([cache.keys, new_k], axis=2)
+    cache.values = mx.concatenate([cache.values, new_v], axis=2)
+
+
+def _wanted(cache) -> int:
+    """The capacity the decode step wants of a KV cache now: one more
+    position, or its reservation (at most :data:`KV_RESERVE_MAX` past
+    that)."""
+    want = cache.offset + 1
+    reserved = cache.__dict__.get(_RESERVE_ATTR)
+    if type(reserved) is int and reserved > want:
+        want = min(reserved, want + KV_RESERVE_MAX)
+    return want
+
+
+def reserve_kv(prompt_cache, positions: int) -> int:
+    """Tell the decode step how many positions the plain ``KVCache``
+    entries of ``prompt_cache`` will hold, so that it sizes their buffers
+    once instead of growing them as the tokens come: the compiled whole-
+    stack step traces again for every new buffer shape (a slow token; see
+    :data:`KV_GROWTH`), and a buffer sized for the whole generation never
+    changes shape within it.
+
+    A cache with buffers grows now (to the next multiple of
+    ``max(KV_GROWTH, step)`` at or above ``positions``, at most
+    :data:`KV_RESERVE_MAX` past its offset); an empty one keeps the
+    number, which the decode step honours when it first plans for it (a
+    prefill through mlx-lm's ``update_and_fetch`` still grows it by
+    ``step`` as stock does). Other entries (``ArraysCache``,
+    ``RotatingKVCache``, quantised caches, ``None``) are left alone.
+    mlx-lm's own calls take any capacity (``update_and_fetch``, ``trim``
+    and the attention work from the offset; ``state``, and so a saved
+    prompt cache, holds the whole buffer).
+
+    Args:
+        prompt_cache: a list of mlx-lm cache objects (one per layer).
+        positions: the total positions (offset included) the caches will
+            hold, e.g. ``offset + prompt tokens + max_tokens``.
+
+    Returns:
+        The number of ``KVCache`` entries the reservation applies to.
+
+    Raises:
+        ValueError: ``positions`` not an int >= 0, or ``prompt_cache`` not a
+            list or tuple.
+    """
+    if type(positions) is not int or positions < 0:
+        raise ValueError(f"reserve_kv: positions must be an int >= 0, got {positions!r}")
+    if not isinstance(prompt_cache, (list, tuple)):
+        raise ValueError(f"reserve_kv: prompt_cache must be a list of mlx-lm caches, got "
+                         f"{type(prompt_cache).__name__}")
+    kv_type, n = _kv_cache_type(), 0
+    for c in prompt_cache:
+        if type(c) is not kv_type:
+            continue
+        c.__dict__[_RESERVE_ATTR] = positions
+        n += 1
+        k, v = c.keys, c.values
+        if isinstance(k, mx.array) and isinstance(v, mx.array) and k.ndim == 4 and v.ndim == 4:
+            want = _wanted(c)
+            if want > k.shape[2]:
+                _grow(c, want, k.dtype)
+    return n
+
 
 def _room(cache, x_dtype, B: int, hkv: int, dh: int) -> bool:
-    """Make room for one more position in a plain ``KVCache`` as
-    ``KVCache.update_and_fetch`` (mlx-lm 0.32.2) does, in larger steps: a
-    full buffer is cut to the cache's offset and extended with zero rows of
-    the new rows' dtype, ``x_dtype`` (so that a cache of another dtype is
-    promoted as stock promotes it), to the next multiple of
-    ``max(KV_GROWTH, cache.step)`` positions. mlx-lm's own calls take any
-    capacity (``update_and_fetch``, ``trim`` and the attention work from the
-    offset; ``state``, and so a saved prompt cache, holds the whole buffer,
-    spare positions included). False (nothing changed) where the buffers do
-    not match the step's batch, heads or head size."""
+    """Make room for one more position in a plain ``KVCache`` (and for its
+    reservation, :func:`reserve_kv`) as ``KVCache.update_and_fetch``
+    (mlx-lm 0.32.2) does, in larger steps (:func:`_grow`): new rows of the
+    new rows' dtype, ``x_dtype``, so that a cache of another dtype is
+    promoted as stock promotes it. False (nothing changed) where the
+    buffers do not match the step's batch, heads or head size."""
     keys = cache.keys
     if keys is None or keys.ndim != 4 or tuple(keys.shape[:2]) != (B, hkv) or keys.shape[3] != dh:
         return False
     if cache.values is None or tuple(cache.values.shape) != tuple(keys.shape):
         return False
-    prev = cache.offset
-    if prev + 1 > keys.shape[2]:
-        growth = max(KV_GROWTH, cache.step)
-        extra = -(-(prev + 1) // growth) * growth - prev
-        new_k = mx.zeros((B, hkv, extra, dh), x_dtype)
-        new_v = mx.zeros((B, hkv, extra, dh), x_dtype)
-        if keys.shape[2] != prev:
-            cache.keys, cache.values = cache.keys[..., :prev, :], cache.values[..., :prev, :]
-        cache.keys = mx.concatenate([cache.keys, new_k], axis=2)
-        cache.values = mx.concatenate([cache.values, new_v], axis=2)
+    want = _wanted(cache)
+    if want > keys.shape[2]:
+        _grow(cache, want, x_dtype)
     return True
 
 

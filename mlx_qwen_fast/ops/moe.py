@@ -74,6 +74,7 @@ from . import linear as linear_ops
 
 __all__ = [
     "ExpertGroups",
+    "block_takes_weights",
     "route",
     "group_by_expert",
     "block_map",
@@ -918,11 +919,31 @@ def _block_kernel_takes(block, x, router, arrs, norm_eps) -> bool:
     if norm_eps is None or not (config.MOE_BLOCK_KERNEL.get() and config.DECODE_GEMV_KERNEL.get()):
         return False
     static = router[1]
-    if static[0] != "quantized" or static[3] != "affine" or not static[4] or static[5] or len(router[0]) != 3:
+    if not _block_router_fits(router):
         return False
     norm_like = mx.zeros((x.shape[-1],), mx.bfloat16)  # shape only, never evaluated
     return _k_block.supports(x, norm_like, router[0], *arrs, top_k=block.top_k, router_group_size=static[1],
                              router_bits=static[2])
+
+
+def _block_router_fits(router) -> bool:
+    """Whether a router's ``linear_arrays`` are in the one-launch block's
+    format: affine quantised with biases and no bias, the kernel's bits and
+    group sizes."""
+    static = router[1]
+    return (static[0] == "quantized" and static[3] == "affine" and bool(static[4]) and not static[5]
+            and len(router[0]) == 3 and static[2] in _k_block.ROUTER_BITS and static[1] in _k_block.ROUTER_GROUPS)
+
+
+def block_takes_weights(block) -> bool:
+    """Whether ``block``'s (a ``Qwen3NextSparseMoeBlock``) router is in the
+    one-launch MoE block's format (affine 4- or 8-bit with biases and no
+    bias, group 32/64/128): settings only, for the report
+    (:func:`mlx_qwen_fast.patching.patch`); the experts' format is the MoE
+    decode kernels' (declined with them), and the decode step also checks
+    the call's shapes and switches."""
+    router = linear_arrays(getattr(block, "gate", None))
+    return router is not None and _block_router_fits(router)
 
 
 def decode_step_parts(block, x: mx.array, norm_eps: Optional[float] = None):

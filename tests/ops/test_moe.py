@@ -762,7 +762,10 @@ def fake_route(logits, k, normalize=True):
 
 
 @pytest.fixture
-def fake_decode_kernels(cpu_device, monkeypatch):
+def fake_decode_kernels(cpu_device, monkeypatch, env):
+    """Stand-ins for the three MoE decode launches (the one-launch block,
+    which has none, off)."""
+    env.set(config.MOE_BLOCK_KERNEL.name, "0")
     monkeypatch.setattr(md, "moe_decode_arrays", fake_moe_decode_arrays)
     monkeypatch.setattr(md, "_moe_decode_arrays", lambda *a: fake_moe_decode_arrays(*a, checked=True))
     monkeypatch.setattr(md, "moe_decode_logits", lambda x, logits, top_k, experts, shared, expert_gate, normalize=True:
@@ -1020,9 +1023,11 @@ def test_decode_step_routing_in_the_kernel_equals_the_routing_launch(n, E, env):
     gate+up, down: three launches) = the same step with the routing
     kernel's launch (four), bit for bit, plain and with the decoder layer's
     norm and residual; the block's plan takes the former, and equals the
-    eager launches."""
+    eager launches. (The one-launch block, which routes in its kernel
+    too, off: its own test is test_block_switch_runs_the_one_launch_block.)"""
     from mlx_qwen_fast.compiled import gather, linear_arrays
 
+    env.set(config.MOE_BLOCK_KERNEL.name, "0")
     block = moe_blocks.make_block(D=256, H=128, E=E, k=8, dtype=mx.bfloat16, seed=n + E)
     x = (mx.random.normal((1, n, 256), key=mx.random.key(n + E)) * 1.5).astype(mx.bfloat16)
     nw = (1.0 + 0.1 * mx.random.normal((256,), key=mx.random.key(E))).astype(mx.bfloat16)
