@@ -5,6 +5,7 @@ bench.ab's warm-up rule stops where it should. Not a timing claim: lengths,
 rounds and steps are the smallest that exercise the code paths (chunked
 prefill, decode from a copied cache, ``--append``, every op family)."""
 
+import contextlib
 import importlib.util
 import json
 import math
@@ -13,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,7 +45,7 @@ SMALL_CEILINGS = ["--copy-mib", "4", "--matmul-n", "64"]
 
 #: The scripts of bench/ this file covers (bench.user_view has its own tests):
 #: modules run as ``python -m bench.<name>``, and the CUDA-only device scripts.
-MODULES = ("ab", "numerics", "ops", "ceilings", "plots", "first_use", "startup")
+MODULES = ("ab", "numerics", "ops", "ceilings", "plots", "first_use", "startup", "verify_pass")
 DEVICE_SCRIPTS = ("gdn_cuda.py", "moe_cuda.py", "moe_decode_cuda.py", "profile_kernels.py", "node_cost.py")
 H200_STAGES = {"tests", "ab", "ops", "profile", "userview", "firstuse", "decode", "split"}
 
@@ -460,3 +462,55 @@ def test_decode_split_switch_alternates_in_one_process(tmp_path, monkeypatch):
     for bad in ("MLX_QWEN_FAST_CACHE", "NOT_A_SWITCH"):
         with pytest.raises(SystemExit):
             decode_split.main(["--preset", "tiny", "--switch", bad])
+
+
+def test_verify_pass_on_cpu(tmp_path):
+    """bench.verify_pass on the tiny preset (fp32, CPU): every size of
+    --sizes timed (median and min of the repeats, t(S)/t(1) exactly 1 at
+    S = 1) for B = 2 inside the rollback context, each op's implementation
+    per size in the JSON, the cache put back after every pass (the same
+    logits from every pass of one size); bad arguments refused before any
+    model is built."""
+    from bench import verify_pass
+
+    out = tmp_path / "verify.json"
+    assert verify_pass.main(TINY + ["--context", "16", "--sizes", "1-2,5", "--batch", "2", "--repeats", "2",
+                                    "--warmup", "1", "--rollback", "--out", str(out)]) == 0
+    res = load(out, "verify_pass")
+    assert res["sizes"] == [1, 2, 5] and res["batch"] == 2 and res["rollback"] is True
+    assert [r["S"] for r in res["runs"]] == [1, 2, 5]
+    assert all(len(r["times_ms"]) == 2 and 0 < r["min_ms"] <= r["median_ms"] for r in res["runs"])
+    assert [r["S"] for r in res["table"]] == [1, 2, 5] and res["table"][0]["ratio"] == 1.0
+    assert set(res["implementations"]) == {"1", "2", "5"}
+    assert res["implementations"]["5"]["gated_delta"] == "steps-reference"
+    for bad in (["--sizes", "0-3"], ["--sizes", "a"], ["--batch", "0"], ["--stock", "--rollback"],
+                ["--switch", "NOT_A_SWITCH"]):
+        with pytest.raises(SystemExit):
+            verify_pass.main(TINY + bad)
+
+
+def test_verify_pass_cache_comes_back(tmp_path):
+    """A pass and the cache's restore: the next pass of the same tokens sees
+    the same cache (the same logits bit for bit), on the patched tiny model
+    inside the rollback context and outside it."""
+    from bench import verify_pass
+    from mlx_qwen_fast import patched_copy, speculative
+    from mlx_qwen_fast.checkpoint import build_model
+
+    model, _ = build_model("tiny", seed=0, dtype=mx.float32)
+    model, _ = patched_copy(model)
+    for rollback in (False, True):
+        cache = verify_pass.make_cache(model, 16, 2, 4)
+        with speculative.rollback(model, cache, 4) if rollback else contextlib.nullcontext():
+            state = verify_pass.CacheState(cache)
+            tokens = mx.array([[3, 4, 5], [6, 7, 8]])
+            kv = [c for c in cache if not hasattr(c, "cache")]
+            gdn = [c for c in cache if hasattr(c, "cache")]
+            states = [c[1] for c in gdn]
+            first = model(tokens, cache=cache)
+            mx.eval(first)
+            assert all(c.offset == 19 for c in kv) and all(c[1] is not st for c, st in zip(gdn, states))
+            state.restore()
+            assert all(c.offset == 16 for c in kv) and all(c[1] is st for c, st in zip(gdn, states))
+            again = model(tokens, cache=cache)
+            assert mx.array_equal(first, again).item()
