@@ -206,6 +206,7 @@ def measure(model, sizes: Sequence[int], context: int, batch: int, repeats: int,
     repeat of each S once with the switch off and once on, alternating."""
     from mlx_qwen_fast import config
 
+    seen = {sw.name: sw for sw in config.SWITCHES}
     cache = make_cache(model, context, batch, max(sizes))
     values: List[Optional[str]] = [None] if switch is None else ["0", "1"]
     runs: List[Dict[str, Any]] = []
@@ -221,17 +222,20 @@ def measure(model, sizes: Sequence[int], context: int, batch: int, repeats: int,
         for s in sizes:
             tokens = common.random_tokens(batch * s, vocab, seed=seed + s).reshape(batch, s)
             times = {v: [] for v in values}
+            parsed = {}
             for i in range(warmup + repeats):
                 for v in values if i % 2 == 0 else values[::-1]:
                     if v is not None:
                         os.environ[switch] = v
-                        config.reload()
+                        config.reload()  # the switches are parsed once: read the changed variable again
+                        parsed[v] = seen[switch].get()
                     t = one_pass(model, cache, tokens)
                     state.restore()
                     if i >= warmup:
                         times[v].append(t * 1e3)
             for v in values:
-                runs.append({"S": s, "switch": None if v is None else {switch: v}, "times_ms": times[v],
+                runs.append({"S": s, "switch": None if v is None else {switch: v},
+                             "switch_parsed": parsed.get(v), "times_ms": times[v],
                              "median_ms": statistics.median(times[v]), "min_ms": min(times[v])})
     return {"runs": runs}
 

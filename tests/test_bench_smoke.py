@@ -464,7 +464,7 @@ def test_decode_split_switch_alternates_in_one_process(tmp_path, monkeypatch):
             decode_split.main(["--preset", "tiny", "--switch", bad])
 
 
-def test_verify_pass_on_cpu(tmp_path):
+def test_verify_pass_on_cpu(tmp_path, monkeypatch):
     """bench.verify_pass on the tiny preset (fp32, CPU): every size of
     --sizes timed (median and min of the repeats, t(S)/t(1) exactly 1 at
     S = 1) for B = 2 inside the rollback context, each op's implementation
@@ -483,6 +483,13 @@ def test_verify_pass_on_cpu(tmp_path):
     assert [r["S"] for r in res["table"]] == [1, 2, 5] and res["table"][0]["ratio"] == 1.0
     assert set(res["implementations"]) == {"1", "2", "5"}
     assert res["implementations"]["5"]["gated_delta"] == "steps-reference"
+    # --switch: each pass with the switch off and on, the parsed value following the variable
+    monkeypatch.setenv("MLX_QWEN_FAST_GDN_MIXER", "1")  # restored afterwards: the run sets it
+    assert verify_pass.main(TINY + ["--context", "8", "--sizes", "2", "--repeats", "1", "--warmup", "0",
+                                    "--switch", "MLX_QWEN_FAST_GDN_MIXER", "--out", str(out)]) == 0
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["switch"]["MLX_QWEN_FAST_GDN_MIXER"], r["switch_parsed"]) for r in runs] == \
+        [("0", False), ("1", True)]
     for bad in (["--sizes", "0-3"], ["--sizes", "a"], ["--batch", "0"], ["--stock", "--rollback"],
                 ["--switch", "NOT_A_SWITCH"]):
         with pytest.raises(SystemExit):
