@@ -9,21 +9,44 @@ Python::
 
     import mlx_lm, mlx_qwen_fast
     from mlx_qwen_fast import dflash
-    model, tokenizer = mlx_lm.load(TARGET)      # after mlx_qwen_fast.install()
+    mlx_qwen_fast.install()
+    model, tokenizer = mlx_lm.load(TARGET)
     drafter = dflash.load_drafter(DRAFTER_DIR)
     text = dflash.generate(model, tokenizer, prompt, drafter, max_tokens=256)
     # or dflash.stream_generate(...), dflash.dflash_generate_step(...), or
     # mlx_lm.generate(model, tokenizer, prompt, draft_model=drafter)
 
+Command line: ``python -m mlx_qwen_fast.generate --model TARGET
+--dflash-drafter DIR ...``; a random-weight drafter folder:
+``python -m mlx_qwen_fast.checkpoint --preset tiny-dflash --out DIR``.
+
 Modules: :mod:`.drafter` (the drafter model and its loader),
 :mod:`.capture` (the target's forward that returns the hidden states of
 the drafter's target layers), :mod:`.loop` (the generation loop and the
-entry points), :mod:`.presets` (random-weight drafter checkpoints).
-Importing this package imports mlx-lm (through :mod:`mlx_qwen_fast.speculative`).
+entry points), :mod:`.presets` (random-weight drafter checkpoints),
+:mod:`.cli` (the ``--dflash-drafter`` flag). Importing the package is
+light; its names load their module (and mlx-lm) on first use.
 """
 
-from .drafter import DFlashDrafter, DrafterArgs, load_drafter
-from .loop import DFlashStats, dflash_generate_step, generate, stream_generate
+import importlib
 
-__all__ = ["DFlashDrafter", "DFlashStats", "DrafterArgs", "dflash_generate_step", "generate", "load_drafter",
-           "stream_generate"]
+#: public name -> the submodule that defines it
+_NAMES = {
+    "DFlashDrafter": "drafter", "DrafterArgs": "drafter", "load_drafter": "drafter",
+    "DFlashStats": "loop", "dflash_generate_step": "loop", "generate": "loop", "stream_generate": "loop",
+}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name):
+    # PEP 562: a public name imports its module on first access
+    if name in _NAMES:
+        value = getattr(importlib.import_module(f".{_NAMES[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -116,12 +116,14 @@ class DrafterArgs:
     config: dict = field(repr=False)
 
     @classmethod
-    def from_dict(cls, config: dict, where: str = "drafter") -> "DrafterArgs":
+    def from_dict(cls, config: dict, where: str = "drafter", *, light: bool = False) -> Optional["DrafterArgs"]:
         """Check a drafter config.json dict and read it.
 
         Args:
             config: the parsed config.json.
             where: how error messages name the drafter (e.g. its folder).
+            light: check only, without importing mlx-lm (the CLIs' argument
+                checks); returns None.
 
         Raises:
             ValueError: a required key missing or of the wrong type
@@ -178,6 +180,11 @@ class DrafterArgs:
                              f"full (non-causal) attention layers are supported")
         if config.get("is_causal"):
             raise ValueError(f"{where}: config.json is_causal=true: DFlash drafters attend non-causally")
+        rope = config.get("rope_parameters")
+        if config.get("rope_theta") is None and not (isinstance(rope, dict) and rope.get("rope_theta") is not None):
+            raise ValueError(f"{where}: config.json lacks 'rope_theta' (or 'rope_parameters.rope_theta')")
+        if light:
+            return None
         from mlx_lm.models import qwen3
 
         q = dict(model_type="qwen3", rms_norm_eps=1e-6, max_position_embeddings=262144,
@@ -387,7 +394,11 @@ def load_drafter(path: Union[str, Path], *, lazy: bool = False) -> DFlashDrafter
     DrafterArgs.from_dict(config, where)  # the config's own errors, named, before any weight is read
     if not list(path.glob("model*.safetensors")):
         raise ValueError(f"{where}: no weights (model*.safetensors) in it")
-    from mlx_lm.utils import load_model
+    import inspect
+
+    import mlx_lm.utils
+
+    load_model = inspect.unwrap(mlx_lm.utils.load_model)  # mlx-lm's own: install()'s wrapper patches targets
 
     def classes(config):
         return DFlashDrafter, _ArgsReader(where)

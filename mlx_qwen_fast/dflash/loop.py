@@ -4,7 +4,8 @@ The loop (DFlash, arXiv 2602.06036; z-lab/dflash ``dflash_generate`` and
 its MLX port ``dflash/model_mlx.py``):
 
 1. prefill: the target runs over the prompt (chunks of
-   ``prefill_step_size`` tokens) through :func:`capture.forward`, which also
+   ``prefill_step_size`` tokens, the last token alone, as mlx-lm's
+   ``generate_step`` reads a prompt) through :func:`capture.forward`, which also
    returns its hidden states after the layers ``target_layer_ids``; each
    chunk's hidden states go into the drafter's context cache
    (:meth:`DFlashDrafter.add_context`); the first token is sampled from the
@@ -168,7 +169,9 @@ def _steps(prompt: mx.array, model, drafter, stream, *, max_tokens: int, sampler
         progress(0, P)
         done = 0
         while done < P:
-            n = min(prefill_step_size, P - done)
+            # the last prompt token alone, as mlx-lm's generate_step reads it: the first token's logits are
+            # plain decoding's to the bit (a call over more tokens may round differently in bf16)
+            n = 1 if done == P - 1 else min(prefill_step_size, P - 1 - done)
             last = done + n == P
             logits, hidden = capture.forward(model, prompt[done:done + n][None], cache, ids, parts,
                                              last_only=True)

@@ -178,3 +178,42 @@ def write_drafter(out_dir: Union[str, Path], preset: str = "tiny-dflash", *, see
 def is_preset(name: Optional[str]) -> bool:
     """Whether ``name`` is a drafter preset (the checkpoint CLI's dispatch)."""
     return name in PRESETS
+
+
+#: The checkpoint CLI's flags that a drafter preset does not take (target-only settings).
+_TARGET_FLAGS = ("--router-skew", "--lm-head-scale", "--bits", "--group-size", "--mode", "--part-bits",
+                 "--part-group-size", "--part-mode", "--recipe")
+
+
+def cli_write(parser, args, argv) -> None:
+    """``python -m mlx_qwen_fast.checkpoint --preset *-dflash``: check
+    ``--out`` as for a target (one line, exit code 2: a file, or a folder
+    already holding a checkpoint without ``--overwrite``; a target-only flag
+    given), then :func:`write_drafter` with ``--seed``."""
+    import sys
+
+    from ..checkpoint import _out_problem, existing_checkpoint_files
+
+    given = [a.split("=", 1)[0] for a in (sys.argv[1:] if argv is None else argv)]
+    extra = [f for f in _TARGET_FLAGS if f in given]
+    if extra:
+        parser.error(f"--preset {args.preset} is a DFlash drafter: {', '.join(extra)} apply to target presets "
+                     f"only (a drafter takes --out, --overwrite and --seed)")
+    if not args.out.strip():
+        parser.error("--out must name a directory, got an empty string")
+    out = Path(args.out)
+    problem = _out_problem(out)
+    if problem:
+        parser.error(f"--out {out}: {problem}")
+    held = existing_checkpoint_files(out)
+    if held and not args.overwrite:
+        parser.error(f"--out {out} already holds a checkpoint ({', '.join(held[:3])}"
+                     f"{', ...' if len(held) > 3 else ''}); pass --overwrite to replace it")
+    for stale in out.glob("model*.safetensors") if out.is_dir() else ():
+        stale.unlink()  # load_drafter reads every such file
+    try:
+        write_drafter(out, args.preset, seed=args.seed)
+    except OSError as e:
+        parser.error(f"--out {args.out}: {e.strerror or e}")
+    n = sum(v.size for v in mx.load(str(out / "model.safetensors")).values())
+    print(f"{out}: DFlash drafter {args.preset}, {n:,} parameters (bf16)", flush=True)
