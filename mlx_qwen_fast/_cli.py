@@ -497,7 +497,7 @@ def _loading_error(exc: BaseException) -> bool:
 
 
 @one_line_warnings()
-def run_mlx_lm_main(module: str, argv=None) -> None:
+def run_mlx_lm_main(module: str, argv=None, *, before_main=None) -> None:
     """Run mlx-lm's CLI ``module`` (e.g. "mlx_lm.generate") with :func:`install` applied.
 
     ``--stock`` anywhere in ``argv`` skips the install and undoes what the
@@ -507,7 +507,9 @@ def run_mlx_lm_main(module: str, argv=None) -> None:
     are checked first (:func:`check_arguments`); an error while mlx-lm loads
     the checkpoint is printed as one line (exit code 2). For
     "mlx_lm.server" (without ``--stock``) ``GET /v1/models`` is answered by
-    :func:`mlx_qwen_fast.server.handle_models_request`.
+    :func:`mlx_qwen_fast.server.handle_models_request`. ``before_main``,
+    when given, is called with the imported mlx-lm module just before its
+    ``main`` runs (the fast path installed), e.g. to hook its functions.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--version" in argv:
@@ -535,6 +537,8 @@ def run_mlx_lm_main(module: str, argv=None) -> None:
         from .server import install as install_server  # GET /v1/models lists the loaded model
 
         install_server(mod)
+    if before_main is not None:
+        before_main(mod)
     main = mod.main
     prog = sys.argv[0] if " " in sys.argv[0] else f"mlx_qwen_fast.{command}"  # argparse's usage lines
     sys.argv = [prog] + argv

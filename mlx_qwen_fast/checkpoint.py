@@ -16,6 +16,7 @@ Python API::
 
 Command line::
 
+    python -m mlx_qwen_fast.checkpoint --preset tiny-dflash --out /tmp/tiny-dflash  # a DFlash drafter
     python -m mlx_qwen_fast.checkpoint --preset tiny --out /tmp/tiny \\
         [--seed N] [--router-skew S] [--lm-head-scale X] \\
         [--bits B] [--group-size G] [--mode affine|mxfp4|nvfp4|mxfp8] \\
@@ -1189,7 +1190,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         "(default: mlx-community's 4-bit layout, affine 4-bit group 64 with 8-bit router and "
         "shared-expert gates; other quantisations with --bits, --group-size, --mode, --part-*, --recipe)."
     )
-    parser.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    from .dflash.presets import PRESETS as DRAFTER_PRESETS, cli_write as write_drafter_preset
+
+    parser.add_argument("--preset", required=True, choices=sorted(PRESETS) + sorted(DRAFTER_PRESETS),
+                        help="A target (Qwen3.5/3.6-MoE) or a DFlash drafter (*-dflash: z-lab's layout; takes "
+                        "--out, --overwrite and --seed only).")
     parser.add_argument("--out", required=True, help="Output directory.")
     parser.add_argument(
         "--overwrite",
@@ -1236,6 +1241,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     quant.add_argument("--recipe", default=None, choices=list(QUANT_RECIPES),
                        help="mlx-lm's mixed per-layer recipe (mlx_lm.convert --quant-predicate; affine).")
     args = parser.parse_args(argv)
+    if args.preset in DRAFTER_PRESETS:
+        write_drafter_preset(parser, args, argv)
+        return
     try:
         _check_args(args.preset, args.seed, args.router_skew, args.lm_head_scale)
         parts = parse_parts({"bits": args.part_bits, "group_size": args.part_group_size,

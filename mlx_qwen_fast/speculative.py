@@ -243,6 +243,11 @@ def _wrap(stock):
 
     @functools.wraps(stock)
     def speculative_generate_step(prompt, model, draft_model, *args, **kwargs):
+        if getattr(draft_model, "is_dflash_drafter", False):  # a DFlash drafter runs its own loop
+            from .dflash.loop import speculative_step
+
+            yield from speculative_step(prompt, model, draft_model, *args, **kwargs)
+            return
         cache = kwargs.get("prompt_cache")
         if cache is None:  # what the stock function makes itself
             cache = make_prompt_cache(model) + make_prompt_cache(draft_model)
@@ -266,7 +271,9 @@ def install() -> None:
     and the draft's Gated DeltaNet caches in recording mode for the
     generator's lifetime. Idempotent; :func:`mlx_qwen_fast.patch` calls it.
     A model none of whose layers is patched passes through unchanged, so
-    stock mlx-lm still refuses it ("requires a trimmable prompt cache")."""
+    stock mlx-lm still refuses it ("requires a trimmable prompt cache").
+    A DFlash drafter as the draft model (``is_dflash_drafter``) runs the
+    DFlash loop instead (:func:`mlx_qwen_fast.dflash.loop.speculative_step`)."""
     module = importlib.import_module("mlx_lm.generate")  # the module: mlx_lm.generate is also a function
     current = module.speculative_generate_step
     if getattr(current, "_mqf_stock", None) is None:

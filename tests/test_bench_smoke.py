@@ -45,7 +45,7 @@ SMALL_CEILINGS = ["--copy-mib", "4", "--matmul-n", "64"]
 
 #: The scripts of bench/ this file covers (bench.user_view has its own tests):
 #: modules run as ``python -m bench.<name>``, and the CUDA-only device scripts.
-MODULES = ("ab", "numerics", "ops", "ceilings", "plots", "first_use", "startup", "verify_pass")
+MODULES = ("ab", "numerics", "ops", "ceilings", "plots", "first_use", "startup", "verify_pass", "dflash")
 DEVICE_SCRIPTS = ("gdn_cuda.py", "moe_cuda.py", "moe_decode_cuda.py", "profile_kernels.py", "node_cost.py")
 H200_STAGES = {"tests", "ab", "ops", "profile", "userview", "firstuse", "decode", "split"}
 
@@ -521,3 +521,24 @@ def test_verify_pass_cache_comes_back(tmp_path):
             assert all(c.offset == 16 for c in kv) and all(c[1] is st for c, st in zip(gdn, states))
             again = model(tokens, cache=cache)
             assert mx.array_equal(first, again).item()
+def test_dflash_bench_on_cpu(tmp_path):
+    """bench.dflash on the tiny preset: plain decoding, the oracle and a
+    synthetic-acceptance stand-in, the drafter's cost; the oracle accepts
+    every draft and all modes give plain greedy decoding's tokens; a bad
+    --accept is refused before any model is built."""
+    from bench import dflash as bench_dflash
+
+    out = tmp_path / "dflash.json"
+    assert bench_dflash.main(TINY + ["--lm-head-scale", "16", "--context", "12", "--tokens", "10", "--accept",
+                                     "oracle,0.6", "--block", "4", "--repeats", "1", "--out", str(out)]) == 0
+    data = load(out, "dflash")
+    modes = [r["mode"] for r in data["records"]]
+    assert modes == ["plain", "oracle", "0.6"]
+    for r in data["records"]:
+        assert r["tok_s"] > 0 and r["exact"] is True, r
+    oracle = data["records"][1]
+    assert oracle["acceptance"] == 1.0 and oracle["tokens_per_block"] >= 3 and oracle["tok_s_with_drafter"] > 0
+    assert data["drafter"]["drafter"] == "tiny-dflash" and data["drafter"]["block_ms"] > 0
+    for bad in ("oracle,1.5", "sometimes"):
+        with pytest.raises(SystemExit):
+            bench_dflash.main(TINY + ["--accept", bad])

@@ -733,8 +733,8 @@ CLI = "python -m mlx_qwen_fast.checkpoint"
     [
         (["--bogus"], "unrecognized arguments: --bogus (python -m mlx_qwen_fast.checkpoint --help lists the flags)"),
         (["--presett", "tiny", "--out", "{out}"], "unrecognized arguments: --presett tiny (did you mean --preset?)"),
-        ([], "the following arguments are required: --preset {qwen3.6-35b-a3b,tiny,tiny-draft}, --out OUT"),
-        (["--out", "{out}"], "the following arguments are required: --preset {qwen3.6-35b-a3b,tiny,tiny-draft}"),
+        ([], "the following arguments are required: --preset {qwen3.6-35b-a3b,tiny,tiny-draft,qwen3.6-35b-a3b-dflash,tiny-dflash}, --out OUT"),
+        (["--out", "{out}"], "the following arguments are required: --preset {qwen3.6-35b-a3b,tiny,tiny-draft,qwen3.6-35b-a3b-dflash,tiny-dflash}"),
         (["--preset", "big", "--out", "{out}"], "argument --preset: invalid choice: 'big'"),
         (["--preset", "tiny", "--out", "{out}", "--seed", "-1"],
          "argument --seed: expected a whole number >= 0, got -1"),
@@ -794,7 +794,7 @@ def test_help_shows_the_required_flags(capsys):
         ckpt.main(["-h"])
     assert e.value.code == 0
     usage = " ".join(capsys.readouterr().out.split("\n\n")[0].split())
-    assert "--preset {qwen3.6-35b-a3b,tiny,tiny-draft} --out OUT [--overwrite]" in usage, usage
+    assert "--preset {qwen3.6-35b-a3b,tiny,tiny-draft,qwen3.6-35b-a3b-dflash,tiny-dflash} --out OUT [--overwrite]" in usage, usage
 
 
 def test_tiny_draft_is_the_tiny_family_with_fewer_layers():
