@@ -293,21 +293,31 @@ def _safetensors_problem(path: Path) -> Optional[str]:
     return None
 
 
+def folder_config(path: Path, kind: str, holds: str):
+    """``(config.json's contents, None)`` where ``path`` is a folder with a
+    readable JSON ``config.json``, else ``(None, what is wrong)`` (one line;
+    ``kind`` names the folder, e.g. "checkpoint", ``holds`` what it should
+    hold)."""
+    if not path.exists():
+        return None, "no such folder"
+    if not path.is_dir():
+        return None, f"is a file; expected a {kind} folder ({holds})"
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        return None, f"not a {kind} folder (no config.json in it)"
+    try:
+        return json.loads(cfg.read_text()), None
+    except (OSError, ValueError, UnicodeDecodeError) as exc:
+        return None, f"config.json is not valid JSON ({exc})"
+
+
 def check_checkpoint_folder(path: Path) -> Optional[str]:
     """None when ``path`` looks like a loadable mlx-lm checkpoint folder, else
     what is wrong (one line, without the flag name). Reads config.json, the
     safetensors headers and the tokenizer's file names; loads nothing."""
-    if not path.exists():
-        return "no such folder"
-    if not path.is_dir():
-        return "is a file; expected a checkpoint folder (config.json, *.safetensors, tokenizer)"
-    cfg = path / "config.json"
-    if not cfg.is_file():
-        return "not a checkpoint folder (no config.json in it)"
-    try:
-        data = json.loads(cfg.read_text())
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        return f"config.json is not valid JSON ({exc})"
+    data, problem = folder_config(path, "checkpoint", "config.json, *.safetensors, tokenizer")
+    if problem:
+        return problem
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
         return "config.json has no \"model_type\" (not an mlx-lm / Hugging Face model config)"
     index = path / "model.safetensors.index.json"

@@ -1180,6 +1180,23 @@ def _out_problem(out: Path) -> Optional[str]:
 
 
 @one_line_warnings()
+def checked_out_dir(parser, out: str, overwrite: bool) -> Path:
+    """The CLI's ``--out`` as a Path, or ``parser.error`` (exit code 2, one
+    line) where it is empty, not a usable folder (:func:`_out_problem`), or
+    holds a checkpoint already and ``overwrite`` is off."""
+    if not out.strip():
+        parser.error("--out must name a directory, got an empty string")
+    path = Path(out)
+    problem = _out_problem(path)
+    if problem:
+        parser.error(f"--out {path}: {problem}")
+    held = existing_checkpoint_files(path)
+    if held and not overwrite:
+        parser.error(f"--out {path} already holds a checkpoint ({', '.join(held[:3])}"
+                     f"{', ...' if len(held) > 3 else ''}); pass --overwrite to replace it")
+    return path
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     """``python -m mlx_qwen_fast.checkpoint``: check the arguments (each
     usage error one line, exit code 2, before mlx-lm is imported), then
@@ -1251,18 +1268,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         quantization_plan(args.bits, args.group_size, args.mode, parts, args.recipe, names=_CLI_NAMES)
     except ValueError as e:
         parser.error(str(e))
-    if not args.out.strip():
-        parser.error("--out must name a directory, got an empty string")
-    out = Path(args.out)
-    problem = _out_problem(out)
-    if problem:
-        parser.error(f"--out {out}: {problem}")
-    held = existing_checkpoint_files(out)
-    if held and not args.overwrite:
-        parser.error(
-            f"--out {out} already holds a checkpoint ({', '.join(held[:3])}"
-            f"{', ...' if len(held) > 3 else ''}); pass --overwrite to replace it"
-        )
+    out = checked_out_dir(parser, args.out, args.overwrite)
     try:
         write_checkpoint(
             out,

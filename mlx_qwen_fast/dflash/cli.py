@@ -16,11 +16,10 @@ acceptance is printed after mlx-lm's timing lines. ``--draft-model`` and
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from .._cli import _safetensors_problem, usage_error
+from .._cli import _safetensors_problem, folder_config, usage_error
 
 FLAG = "--dflash-drafter"
 HELP = (f"{FLAG} DIR: speculative decoding with a DFlash block drafter (a folder in z-lab's layout: config.json "
@@ -56,17 +55,9 @@ def folder_problem(path: Path) -> Optional[str]:
     wrong (one line). Reads config.json and the safetensors headers only."""
     from .drafter import DrafterArgs
 
-    if not path.exists():
-        return "no such folder"
-    if not path.is_dir():
-        return "is a file; expected a drafter folder (config.json, model*.safetensors)"
-    cfg = path / "config.json"
-    if not cfg.is_file():
-        return "not a drafter folder (no config.json in it)"
-    try:
-        config = json.loads(cfg.read_text())
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        return f"config.json is not valid JSON ({exc})"
+    config, problem = folder_config(path, "drafter", "config.json, model*.safetensors")
+    if problem:
+        return problem
     try:
         DrafterArgs.from_dict(config, "x", light=True)
     except ValueError as exc:

@@ -192,23 +192,14 @@ def cli_write(parser, args, argv) -> None:
     given), then :func:`write_drafter` with ``--seed``."""
     import sys
 
-    from ..checkpoint import _out_problem, existing_checkpoint_files
+    from ..checkpoint import checked_out_dir
 
     given = [a.split("=", 1)[0] for a in (sys.argv[1:] if argv is None else argv)]
     extra = [f for f in _TARGET_FLAGS if f in given]
     if extra:
         parser.error(f"--preset {args.preset} is a DFlash drafter: {', '.join(extra)} apply to target presets "
                      f"only (a drafter takes --out, --overwrite and --seed)")
-    if not args.out.strip():
-        parser.error("--out must name a directory, got an empty string")
-    out = Path(args.out)
-    problem = _out_problem(out)
-    if problem:
-        parser.error(f"--out {out}: {problem}")
-    held = existing_checkpoint_files(out)
-    if held and not args.overwrite:
-        parser.error(f"--out {out} already holds a checkpoint ({', '.join(held[:3])}"
-                     f"{', ...' if len(held) > 3 else ''}); pass --overwrite to replace it")
+    out = checked_out_dir(parser, args.out, args.overwrite)
     for stale in out.glob("model*.safetensors") if out.is_dir() else ():
         stale.unlink()  # load_drafter reads every such file
     try:
