@@ -73,7 +73,7 @@ from . import decoder as decoder_ops
 from . import gated_delta as gated_delta_ops
 from . import moe as moe_ops
 
-__all__ = ["MAX_TOKENS", "MIN_TOKENS", "trace_count", "verify_attention", "verify_model"]
+__all__ = ["MAX_TOKENS", "MIN_TOKENS", "step_count", "trace_count", "verify_attention", "verify_model"]
 
 #: Fewest tokens per row the step takes (one token is :func:`decode_model`'s).
 MIN_TOKENS = 2
@@ -81,12 +81,19 @@ MIN_TOKENS = 2
 MAX_TOKENS = 16
 
 _traces = [0]  # incremented by the traced Python: one count per trace
+_steps_run = [0]  # incremented by every call of verify_model that ran the step
 
 
 def trace_count() -> int:
     """How many times the whole-stack step's Python has run (once per
     trace under ``mx.compile``; every call where compilation is disabled)."""
     return _traces[0]
+
+
+def step_count() -> int:
+    """How many calls of :func:`verify_model` in this process ran the
+    compiled step (did not return None): for benchmarks and tests."""
+    return _steps_run[0]
 
 
 def verify_attention(attn, x: mx.array, keys: mx.array, values: mx.array, offset: mx.array):
@@ -459,4 +466,5 @@ def verify_model(model, inputs: mx.array, cache) -> Optional[mx.array]:
             c[0], c[1] = convs[-1], recs[-1]
             c.advance(S)
             i += 2 * S
+    _steps_run[0] += 1
     return out
