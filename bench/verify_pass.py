@@ -32,9 +32,16 @@ timed passes, in ms, and ``t(S) / t(1)``.
   every repeat of every S runs with the switch off and on, the order
   alternating, in this process (:func:`mlx_qwen_fast.config.reload` after
   each change; each value traces its own steps in the warm-up).
+  ``--switch MLX_QWEN_FAST_VERIFY_STEP`` compares mlx-lm's loop with the
+  compiled whole-stack step of S = 2..16 tokens
+  (:mod:`mlx_qwen_fast.ops.verify`; the table's ``verify_step`` column
+  counts the timed passes that ran it).
 
 What runs for S tokens per row, B rows, with a cache, on CUDA (the patched
-model; :func:`implementations` prints it for the run's backend):
+model, ``MLX_QWEN_FAST_VERIFY_STEP`` off; on, S = 2..16 runs the whole
+stack as one compiled call: the GDN and MoE columns as below, traced
+inside, the attention as MLX's masked SDPA over the KV buffer at an offset
+passed as data; :func:`implementations` prints it for the run's backend):
 
 ====================  ================================  ====================================
 op                    S = 1 (decode step)               S = 2..16 (verify)
@@ -169,15 +176,24 @@ def one_pass(model, cache, tokens: mx.array) -> float:
     return time.perf_counter() - t0
 
 
-def implementations(sizes: Sequence[int], batch: int, rollback: bool, patched: bool) -> Dict[int, Dict[str, str]]:
+def implementations(sizes: Sequence[int], batch: int, rollback: bool, patched: bool,
+                    switch: Optional[str] = None) -> Dict[int, Dict[str, str]]:
     """Per S: the implementation each op family's dispatcher names for a
     pass of S tokens per row and ``batch`` rows on this backend (the
-    table of the module docstring, as this process would run it)."""
+    table of the module docstring, as this process would run it). With
+    :data:`mlx_qwen_fast.config.VERIFY_MODEL_STEP` on (or named by
+    ``switch``: "off / on") S = 2..16 runs the compiled whole-stack step
+    (:mod:`mlx_qwen_fast.ops.verify`), where a layer or cache that does not
+    fit still falls back to the loop (``step_runs`` of each run says
+    whether it ran)."""
     out = {}
     if not patched:
         return {s: {"all": "stock"} for s in sizes}
-    from mlx_qwen_fast import op_implementations
-    from mlx_qwen_fast.ops import attention, gated_delta, linear, moe
+    from mlx_qwen_fast import config, op_implementations
+    from mlx_qwen_fast.ops import attention, gated_delta, linear, moe, verify
+
+    step_on = config.VERIFY_MODEL_STEP.get()
+    step_switched = switch == config.VERIFY_MODEL_STEP.name
 
     decode = op_implementations()
     for s in sizes:
@@ -194,6 +210,12 @@ def implementations(sizes: Sequence[int], batch: int, rollback: bool, patched: b
                 "attention": attention.implementation_for(s),
                 "moe": moe.implementation_for(n),
             }
+            if (step_on or step_switched) and verify.MIN_TOKENS <= s <= verify.MAX_TOKENS:
+                step = {"model": "verify-step (one compiled call)",
+                        "attention": "verify-step masked SDPA over the buffer",
+                        "moe": row["moe"] + " (traced in the step)"}
+                for k, v in step.items():
+                    row[k] = f"{row[k]} / {v}" if step_switched else v
         row["linear_rows_kernel_max"] = str(linear._k_gemv.MAX_ROWS)
         out[s] = row
     return out
@@ -222,6 +244,7 @@ def measure(model, sizes: Sequence[int], context: int, batch: int, repeats: int,
         for s in sizes:
             tokens = common.random_tokens(batch * s, vocab, seed=seed + s).reshape(batch, s)
             times = {v: [] for v in values}
+            ran = {v: 0 for v in values}
             parsed = {}
             for i in range(warmup + repeats):
                 for v in values if i % 2 == 0 else values[::-1]:
@@ -229,15 +252,25 @@ def measure(model, sizes: Sequence[int], context: int, batch: int, repeats: int,
                         os.environ[switch] = v
                         config.reload()  # the switches are parsed once: read the changed variable again
                         parsed[v] = seen[switch].get()
+                    n0 = _steps_run()
                     t = one_pass(model, cache, tokens)
                     state.restore()
                     if i >= warmup:
                         times[v].append(t * 1e3)
+                        ran[v] += _steps_run() > n0
             for v in values:
                 runs.append({"S": s, "switch": None if v is None else {switch: v},
                              "switch_parsed": parsed.get(v), "times_ms": times[v],
+                             "step_runs": ran[v],
                              "median_ms": statistics.median(times[v]), "min_ms": min(times[v])})
     return {"runs": runs}
+
+
+def _steps_run() -> int:
+    """Calls so far that ran the compiled S-token step (:mod:`mlx_qwen_fast.ops.verify`)."""
+    from mlx_qwen_fast.ops import verify
+
+    return verify.step_count()
 
 
 def table(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
@@ -256,7 +289,8 @@ def table(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
             rows.append({"switch": "" if key is None else " ".join(f"{k}={v}" for k, v in key), "S": r["S"],
                          "median_ms": round(r["median_ms"], 3), "min_ms": round(r["min_ms"], 3),
                          "ratio": None if t1 is None else round(r["median_ms"] / t1, 3),
-                         "ms_per_token": round(r["median_ms"] / r["S"], 3)})
+                         "ms_per_token": round(r["median_ms"] / r["S"], 3),
+                         "verify_step": f"{r.get('step_runs', 0)}/{len(r['times_ms'])}"})
     return rows
 
 
@@ -296,7 +330,7 @@ def main(argv=None) -> int:
 
         model, report = patched_copy(model)
         print(f"# {report}", flush=True)
-    impls = implementations(sizes, args.batch, args.rollback, not args.stock)
+    impls = implementations(sizes, args.batch, args.rollback, not args.stock, args.switch)
     for s in sizes:
         print(f"# S={s}: " + ", ".join(f"{k} {v}" for k, v in impls[s].items()), flush=True)
     result = measure(model, sizes, args.context, args.batch, args.repeats, args.warmup, args.rollback,
@@ -305,7 +339,7 @@ def main(argv=None) -> int:
     print(f"engine {'stock' if args.stock else 'patched'}{' (rollback)' if args.rollback else ''}, "
           f"context {args.context}, batch {args.batch}, {args.repeats} repeats after {args.warmup} warm-up "
           f"({common.device_name()})")
-    common.print_table(rows, ["switch", "S", "median_ms", "min_ms", "ratio", "ms_per_token"])
+    common.print_table(rows, ["switch", "S", "median_ms", "min_ms", "ratio", "ms_per_token", "verify_step"])
     out = common.result_header("verify_pass", args, engine="stock" if args.stock else "patched",
                                context=args.context, batch=args.batch, sizes=sizes, rollback=args.rollback,
                                implementations={str(k): v for k, v in impls.items()}, runs=result["runs"],

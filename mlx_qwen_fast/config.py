@@ -171,6 +171,10 @@ DECODE_LAYER_STEP = Switch(
 DECODE_MODEL_STEP = Switch(
     "MLX_QWEN_FAST_DECODE_MODEL", "bool", True, "`0`",
     "decode runs one compiled call per decoder layer instead of one for the whole layer stack")
+VERIFY_MODEL_STEP = Switch(
+    "MLX_QWEN_FAST_VERIFY_STEP", "bool", False, "`1`",
+    "a forward of 2-16 tokens per row with a cache (a speculative verify) runs every layer in one compiled call "
+    "instead of mlx-lm's loop over the layers (not yet timed on a GPU)")
 ATTENTION_DECODE_KERNEL = Switch(
     "MLX_QWEN_FAST_ATTENTION_KERNEL", "bool", True, "`0`",
     "the decode layer step keeps MLX's attention ops (RMSNorm, RoPE, masked SDPA, gate) on CUDA "
@@ -218,7 +222,7 @@ POISON = Switch(
 
 #: Every switch, in the README's order.
 SWITCHES: Tuple[Switch, ...] = (
-    FAST_PATH, MOE_PREFILL_KERNEL, MOE_DECODE_KERNEL, DECODE_LAYER_STEP, DECODE_MODEL_STEP,
+    FAST_PATH, MOE_PREFILL_KERNEL, MOE_DECODE_KERNEL, DECODE_LAYER_STEP, DECODE_MODEL_STEP, VERIFY_MODEL_STEP,
     ATTENTION_DECODE_KERNEL, ATTENTION_PREFILL_KERNEL, DECODE_GEMV_KERNEL, GDN_MIXER_KERNEL, MOE_BLOCK_KERNEL,
     METAL_KERNELS, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
 )

@@ -34,6 +34,7 @@ from .ops import attention as attention_ops
 from .ops import decoder as decoder_ops
 from .ops import gated_delta as gated_delta_ops
 from .ops import moe as moe_ops
+from .ops import verify as verify_ops
 
 
 def rebind(module: nn.Module, cls: type) -> nn.Module:
@@ -139,8 +140,11 @@ class FastTextModel(Qwen3_5TextModel):
     """``qwen3_5.Qwen3_5TextModel`` whose one-token call with a cache is
     :func:`ops.decoder.decode_model` (every layer in one compiled call)
     where that applies and :data:`mlx_qwen_fast.config.DECODE_MODEL_STEP`
-    and :data:`~mlx_qwen_fast.config.DECODE_LAYER_STEP` are on; every other
-    call is mlx-lm's (its layers then take their own fast steps)."""
+    and :data:`~mlx_qwen_fast.config.DECODE_LAYER_STEP` are on; whose call
+    of 2..16 tokens per row with a cache is :func:`ops.verify.verify_model`
+    (the same, for a speculative verify) where that applies and
+    :data:`~mlx_qwen_fast.config.VERIFY_MODEL_STEP` is on; every other call
+    is mlx-lm's (its layers then take their own fast steps)."""
 
     stock_class = Qwen3_5TextModel
     ops = decoder_ops
@@ -150,6 +154,10 @@ class FastTextModel(Qwen3_5TextModel):
         if (input_embeddings is None and cache is not None and config.DECODE_MODEL_STEP.get()
                 and config.DECODE_LAYER_STEP.get()):
             out = decoder_ops.decode_model(self, inputs, cache)
+            if out is not None:
+                return out
+        if input_embeddings is None and cache is not None and config.VERIFY_MODEL_STEP.get():
+            out = verify_ops.verify_model(self, inputs, cache)
             if out is not None:
                 return out
         return Qwen3_5TextModel.__call__(self, inputs, cache, input_embeddings)

@@ -490,6 +490,18 @@ def test_verify_pass_on_cpu(tmp_path, monkeypatch):
     runs = json.loads(out.read_text())["runs"]
     assert [(r["switch"]["MLX_QWEN_FAST_GDN_MIXER"], r["switch_parsed"]) for r in runs] == \
         [("0", False), ("1", True)]
+    # the compiled S-token step against mlx-lm's loop, inside the rollback context too: off never runs
+    # it, on runs it for every timed pass of S >= 2 (the one-token passes are decode_model's)
+    for extra in ([], ["--rollback"]):
+        monkeypatch.setenv("MLX_QWEN_FAST_VERIFY_STEP", "0")
+        assert verify_pass.main(TINY + ["--context", "8", "--sizes", "1,2,3", "--repeats", "2", "--warmup", "1",
+                                        "--switch", "MLX_QWEN_FAST_VERIFY_STEP", "--out", str(out)] + extra) == 0
+        res = json.loads(out.read_text())
+        steps = {(r["switch"]["MLX_QWEN_FAST_VERIFY_STEP"], r["S"]): r["step_runs"] for r in res["runs"]}
+        assert steps == {("0", 1): 0, ("0", 2): 0, ("0", 3): 0, ("1", 1): 0, ("1", 2): 2, ("1", 3): 2}, extra
+        assert "verify-step" in res["implementations"]["2"]["model"]
+        assert "verify-step" not in res["implementations"]["1"].get("model", "")
+        assert [row["verify_step"] for row in res["table"]] == ["0/2", "0/2", "0/2", "0/2", "2/2", "2/2"]
     for bad in (["--sizes", "0-3"], ["--sizes", "a"], ["--batch", "0"], ["--stock", "--rollback"],
                 ["--switch", "NOT_A_SWITCH"]):
         with pytest.raises(SystemExit):

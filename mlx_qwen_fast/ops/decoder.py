@@ -174,11 +174,11 @@ def _grow(cache, want: int, dtype) -> None:
     cache.values = mx.concatenate([cache.values, new_v], axis=2)
 
 
-def _wanted(cache) -> int:
-    """The capacity the decode step wants of a KV cache now: one more
-    position, or its reservation (at most :data:`KV_RESERVE_MAX` past
-    that)."""
-    want = cache.offset + 1
+def _wanted(cache, n: int = 1) -> int:
+    """The capacity a compiled step wants of a KV cache now: ``n`` more
+    positions (1 for a decode step), or its reservation (at most
+    :data:`KV_RESERVE_MAX` past that)."""
+    want = cache.offset + n
     reserved = cache.__dict__.get(_RESERVE_ATTR)
     if type(reserved) is int and reserved > want:
         want = min(reserved, want + KV_RESERVE_MAX)
@@ -235,8 +235,8 @@ def reserve_kv(prompt_cache, positions: int) -> int:
     return n
 
 
-def _room(cache, x_dtype, B: int, hkv: int, dh: int) -> bool:
-    """Make room for one more position in a plain ``KVCache`` (and for its
+def _room(cache, x_dtype, B: int, hkv: int, dh: int, n: int = 1) -> bool:
+    """Make room for ``n`` more positions in a plain ``KVCache`` (and for its
     reservation, :func:`reserve_kv`) as ``KVCache.update_and_fetch``
     (mlx-lm 0.32.2) does, in larger steps (:func:`_grow`): new rows of the
     new rows' dtype, ``x_dtype``, so that a cache of another dtype is
@@ -247,7 +247,7 @@ def _room(cache, x_dtype, B: int, hkv: int, dh: int) -> bool:
         return False
     if cache.values is None or tuple(cache.values.shape) != tuple(keys.shape):
         return False
-    want = _wanted(cache)
+    want = _wanted(cache, n)
     if want > keys.shape[2]:
         _grow(cache, want, x_dtype)
     return True

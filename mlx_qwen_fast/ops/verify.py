@@ -1,0 +1,470 @@
+"""A forward of S = 2..16 tokens per row with a cache (a speculative verify)
+as one ``mx.compile``d call over the whole layer stack.
+
+Contract: :func:`verify_model` computes what mlx-lm's
+``qwen3_5.Qwen3_5TextModel.__call__(inputs, cache)`` computes for ``inputs``
+of shape ``[B, S]``, 2 <= S <= :data:`MAX_TOKENS`, on a prompt cache of plain
+``KVCache`` (attention layers) and ``ArraysCache`` (Gated DeltaNet layers)
+entries without per-row lengths or left padding -- the token embedding,
+every ``DecoderLayer`` (``h = x + mixer(input_layernorm(x)); out = h +
+mlp(post_attention_layernorm(h))``) with the causal mask inside the block,
+the final RMSNorm -- and advances every cache by S positions, as the stock
+call does. The reference is that stock call (the fast modules of
+:mod:`mlx_qwen_fast.layers` compute the same within fp32 rounding).
+
+Why: S > 1 tokens otherwise run mlx-lm's Python loop over the layers,
+module by module: host-bound (~15 ms of host work per call at S = 2 on the
+reference model against ~5 ms for the whole one-token step,
+bench/results/2026-12-06-nvidia-h100-s43-calls.md, call 4). Here the
+Python runs once per input signature (B, S, the KV buffers' capacity, the
+dtypes) and each later call replays the traced graph from C++, as
+:func:`mlx_qwen_fast.ops.decoder.decode_model` does for S = 1.
+
+Per layer, inside the trace (the layers' parameters are constants of the
+trace, captured, not inputs: the plan holds only while every one of them is
+the same object, :class:`_VerifyPlan`):
+
+* Gated DeltaNet: the layer's own module call on a stand-in
+  ``ArraysCache`` holding the traced states (on CUDA the prefill kernels:
+  front end, chunked scan, gated RMSNorm, :func:`~mlx_qwen_fast.ops.
+  gated_delta.gated_delta_net`; on the CPU the chunked form). Inside
+  :func:`mlx_qwen_fast.speculative.rollback` (the cache a
+  ``RollbackArraysCache``, S <= its ``max_steps``) the layer runs
+  :func:`~mlx_qwen_fast.ops.gated_delta.gated_delta_net_steps` instead and
+  the step returns the conv and recurrent state after every token, which
+  are stored as :func:`mlx_qwen_fast.speculative.forward` stores them.
+* Gated attention (mlx-lm's ``Qwen3NextAttention``): the q/k/v projections
+  (the modules), q/k RMSNorm, RoPE at the cache offset -- a 0-d int32
+  input, so one trace serves every offset --, the S new K/V rows written
+  into the cache's buffers with ``mx.slice_update`` at the offset (the
+  buffers donated; room made before the call, in
+  :data:`~mlx_qwen_fast.ops.decoder.KV_GROWTH` steps as the decode step
+  makes it), the attention of the S queries over the whole buffer with
+  query t masked to positions ``<= offset + t`` (MLX's
+  ``scaled_dot_product_attention`` with a boolean mask: the flash prefill
+  kernel takes its offset as a launch constant, not as data), the sigmoid
+  gate, ``o_proj``.
+* MoE block: where :func:`mlx_qwen_fast.ops.moe.decode_step_parts` takes
+  B*S rows (CUDA, up to ``DECODE_MAX_TOKENS`` rows) its fused step (norm,
+  router, experts, residual); otherwise the module's own dispatch for B*S
+  rows (stock ``gather_qmm`` there and on the CPU).
+
+Where any layer or cache does not fit (another cache class, a quantised or
+rotating KV cache, per-row lengths or left padding, an empty state, a KV
+buffer of another batch, head count or dtype, a sharded or pipelined model,
+a layer class other than mlx-lm's ``DecoderLayer``, an MoE block that would
+run the prefill kernels) :func:`verify_model` returns None before touching
+the cache, and the caller runs mlx-lm's loop.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from typing import Callable, Dict, List, Optional
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .. import config
+from ..compiled import _links, gather
+from . import decoder as decoder_ops
+from . import gated_delta as gated_delta_ops
+from . import moe as moe_ops
+
+__all__ = ["MAX_TOKENS", "MIN_TOKENS", "step_count", "trace_count", "verify_attention", "verify_model"]
+
+#: Fewest tokens per row the step takes (one token is :func:`decode_model`'s).
+MIN_TOKENS = 2
+#: Most tokens per row the step takes (a verify of 15 draft tokens and the last one).
+MAX_TOKENS = 16
+
+_traces = [0]  # incremented by the traced Python: one count per trace
+_steps_run = [0]  # incremented by every call of verify_model that ran the step
+
+
+def trace_count() -> int:
+    """How many times the whole-stack step's Python has run (once per
+    trace under ``mx.compile``; every call where compilation is disabled)."""
+    return _traces[0]
+
+
+def step_count() -> int:
+    """How many calls of :func:`verify_model` in this process ran the
+    compiled step (did not return None): for benchmarks and tests."""
+    return _steps_run[0]
+
+
+def verify_attention(attn, x: mx.array, keys: mx.array, values: mx.array, offset: mx.array):
+    """mlx-lm's ``Qwen3NextAttention.__call__(x, "causal", cache)`` for S
+    tokens per row with the cache as arrays: the new rows written at a 0-d
+    offset array (traceable; one trace serves every offset).
+
+    Args:
+        attn: an mlx-lm ``Qwen3NextAttention`` (its projections called as
+            modules, its ``rope`` an ``nn.RoPE``).
+        x: ``[B, S, D]`` the normalised hidden states, float.
+        keys, values: ``[B, Hkv, capacity, Dh]`` the cache buffers in x's
+            dtype, positions ``[0, offset)`` written; ``capacity >= offset +
+            S`` (the caller checks: ``mx.slice_update`` at an array offset
+            does not).
+        offset: 0-d int32, the first new token's position.
+
+    Returns:
+        ``(out [B, S, D], keys, values)``: the module's output and the
+        buffers with the S new rows at ``offset .. offset + S - 1``.
+    """
+    B, S, _ = x.shape
+    queries, gate = mx.split(attn.q_proj(x).reshape(B, S, attn.num_attention_heads, -1), 2, axis=-1)
+    gate = gate.reshape(B, S, -1)
+    k = attn.k_proj(x).reshape(B, S, attn.num_key_value_heads, -1)
+    v = attn.v_proj(x).reshape(B, S, attn.num_key_value_heads, -1)
+    queries = attn.rope(attn.q_norm(queries).transpose(0, 2, 1, 3), offset=offset)
+    k = attn.rope(attn.k_norm(k).transpose(0, 2, 1, 3), offset=offset)
+    v = v.transpose(0, 2, 1, 3)
+    start = offset.reshape(1)
+    keys = mx.slice_update(keys, k, start, axes=(2,))
+    values = mx.slice_update(values, v, start, axes=(2,))
+    # query t (position offset + t) reads positions 0 .. offset + t: stock's causal mask over the valid rows
+    mask = mx.arange(keys.shape[2])[None, :] <= (offset + mx.arange(S))[:, None]
+    out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale, mask=mask)
+    out = out.transpose(0, 2, 1, 3).reshape(B, S, -1)
+    return attn.o_proj(out * mx.sigmoid(gate)), keys, values
+
+
+# ---------------------------------------------------------------------------
+# the plan
+# ---------------------------------------------------------------------------
+
+_PLAN_ATTR = "_mqf_verify_plan"  # the text model's attribute holding its _VerifyPlan
+_STEPS_KEPT = 4  # compiled steps a model keeps (the newest), each holding its arrays
+_call_ref = weakref.ref.__call__
+
+
+def _cache_types():
+    from mlx_lm.models.cache import ArraysCache, KVCache
+
+    from ..speculative import RollbackArraysCache
+
+    return KVCache, ArraysCache, RollbackArraysCache
+
+
+def _sig(h: mx.array) -> tuple:
+    """What a plan bakes in besides the layers: the hidden states' shape and
+    dtype, every boolean switch (the dispatchers traced inside read them)."""
+    return (tuple(h.shape), h.dtype) + tuple(s.get() for s in config.SWITCHES if s.kind == "bool")
+
+
+def _param_paths(module) -> Optional[tuple]:
+    """Paths (tuples of dict keys) of every parameter under ``module``, or
+    None where one runs through a list (not checkable by dict lookups)."""
+    paths = tuple(tuple(k.split(".")) for k, _ in tree_flatten(module.parameters()))
+    if any(part.isdigit() for p in paths for part in p):
+        return None
+    return paths
+
+
+def _moe_step(layer, x: mx.array) -> Optional[tuple]:
+    """``("parts", fn, arrays)`` where the MoE block's fused decode step
+    takes ``x``'s rows, ``("module",)`` where the block's own dispatch runs
+    traceably (stock on every backend but the decode kernels'), None where
+    it would run the prefill or Metal kernels (not traced here)."""
+    from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
+
+    block = layer.mlp
+    n = x.shape[0] * x.shape[1]
+    if isinstance(block, Qwen3NextSparseMoeBlock):
+        impl = moe_ops.implementation_for(n)
+        if impl == "cuda-decode":
+            parts = moe_ops.decode_step_parts(block, x, norm_eps=layer.post_attention_layernorm.eps)
+            if parts is not None:
+                paths, fn = parts
+                return "parts", fn, gather(block, paths)
+        elif impl != "stock":
+            return None
+    return ("module",)
+
+
+def _layer_fits(layer) -> bool:
+    from mlx_lm.models.qwen3_5 import DecoderLayer
+    from mlx_lm.models.qwen3_next import Qwen3NextAttention
+
+    from ..layers import FastDecoderLayer
+
+    if type(layer).__call__ not in (DecoderLayer.__call__, FastDecoderLayer.__call__):
+        return False
+    if type(layer.input_layernorm) is not nn.RMSNorm or type(layer.post_attention_layernorm) is not nn.RMSNorm:
+        return False
+    mixer = layer.linear_attn if layer.is_linear else layer.self_attn
+    if getattr(mixer, "sharding_group", None) is not None or getattr(layer.mlp, "sharding_group", None) is not None:
+        return False
+    return layer.is_linear or (isinstance(layer.self_attn, Qwen3NextAttention) and type(layer.self_attn.rope) is nn.RoPE)
+
+
+class _VerifyPlan:
+    """The whole stack's S-token step planned for one model, prompt cache and
+    input signature. It holds (:meth:`holds`) while the model's layers and
+    the cache's entries are the same objects (the entries through weak
+    references) of the same classes, the hidden states' shape and dtype and
+    the switches are unchanged, every parameter of every layer and the final
+    norm's weight is the same object (links checked by identity, one pass),
+    each KV cache's buffers keep their shape and dtype with room for S more
+    positions, and each Gated DeltaNet cache holds states without per-row
+    lengths or left padding (inside a rollback: ``max_steps >= S``)."""
+
+    __slots__ = ("sig", "layers", "cache_refs", "cache_types", "kinds", "kv_shapes", "parents", "names",
+                 "children", "fn", "kept")
+
+    def __deepcopy__(self, memo):
+        return None  # a copied model plans again (this holds the original's objects)
+
+    def __reduce__(self):
+        return (type(None), ())
+
+    def holds(self, model, h: mx.array, cache) -> bool:
+        if _sig(h) != self.sig or len(cache) != len(self.cache_refs) or len(model.layers) != len(self.layers):
+            return False
+        if not (all(map(operator.is_, model.layers, self.layers))
+                and all(map(operator.is_, map(_call_ref, self.cache_refs), cache))
+                and all(map(operator.is_, map(type, cache), self.cache_types))):
+            return False
+        try:
+            if not all(map(operator.is_, map(dict.__getitem__, self.parents, self.names), self.children)):
+                return False
+        except (KeyError, TypeError):
+            return False
+        S = h.shape[1]
+        kv = iter(self.kv_shapes)
+        for c, kind in zip(cache, self.kinds):
+            if kind == "attention":
+                shape, dtype = next(kv)
+                k, v = c.keys, c.values
+                if (k is None or v is None or k.shape != shape or v.shape != shape or k.dtype != dtype
+                        or v.dtype != dtype or c.offset + S > shape[2]):
+                    return False
+            elif not _gdn_cache_fits(c, kind, S, h):
+                return False
+        return True
+
+
+def _gdn_cache_fits(c, kind: str, S: int, h: mx.array) -> bool:
+    if c.lengths is not None or c.left_padding is not None or c[0] is None or c[1] is None:
+        return False
+    if c[0].ndim != 3 or c[0].shape[0] != h.shape[0] or c[1].ndim != 4 or c[1].shape[0] != h.shape[0]:
+        return False
+    return kind != "linear-steps" or S <= c.max_steps
+
+
+def _layer_kind(layer, c, types) -> Optional[str]:
+    kv_type, arrays_type, rollback_type = types
+    if layer.is_linear:
+        if type(c) is arrays_type:
+            return "linear"
+        if type(c) is rollback_type and isinstance(layer.linear_attn, _fast_gdn()):
+            return "linear-steps"
+        return None
+    return "attention" if type(c) is kv_type else None
+
+
+def _fast_gdn():
+    from ..layers import FastGatedDeltaNet
+
+    return FastGatedDeltaNet
+
+
+def _plan(model, h: mx.array, cache, kept: Optional[dict]) -> Optional[_VerifyPlan]:
+    """A :class:`_VerifyPlan`, or None where a layer or cache does not fit
+    (nothing changed then). May grow KV buffers after every check passed
+    (:func:`mlx_qwen_fast.ops.decoder._room`, as ``KVCache.update_and_fetch``
+    grows them before writing): invisible to the caller."""
+    types = _cache_types()
+    B, S = h.shape[0], h.shape[1]
+    kinds, moes, paths = [], [], []
+    for layer, c in zip(model.layers, cache):
+        kind = None if c is None or not _layer_fits(layer) else _layer_kind(layer, c, types)
+        if kind is None:
+            return None
+        if kind == "attention":
+            attn = layer.self_attn
+            k, v = c.keys, c.values
+            want = (B, attn.num_key_value_heads)
+            if (k is None or v is None or k.ndim != 4 or tuple(k.shape[:2]) != want or k.shape[3] != attn.head_dim
+                    or tuple(v.shape) != tuple(k.shape) or k.dtype != h.dtype or v.dtype != h.dtype):
+                return None
+        elif not _gdn_cache_fits(c, kind, S, h):
+            return None
+        moe = _moe_step(layer, h)
+        p = _param_paths(layer)
+        if moe is None or p is None:
+            return None
+        kinds.append(kind)
+        moes.append(moe)
+        paths.append(p)
+    for layer, c, kind in zip(model.layers, cache, kinds):
+        if kind == "attention" and not decoder_ops._room(c, h.dtype, B, layer.self_attn.num_key_value_heads,
+                                                         layer.self_attn.head_dim, S):
+            return None
+    parents, names, children = [model, model.norm], ["norm", "weight"], [model.norm, model.norm.weight]
+    arrays: List[mx.array] = [model.norm.weight]
+    for layer, p, moe in zip(model.layers, paths, moes):
+        lp, ln, lc = _links(layer, p)
+        parents += lp
+        names += ln
+        children += lc
+        arrays += [a for a in lc if isinstance(a, mx.array)]
+        if moe[0] == "parts":
+            arrays += moe[2]
+    vp = _VerifyPlan()
+    vp.sig = _sig(h)
+    vp.layers = tuple(model.layers)
+    vp.cache_refs = tuple(weakref.ref(c) for c in cache)
+    vp.cache_types = tuple(type(c) for c in cache)
+    vp.kinds = tuple(kinds)
+    vp.kv_shapes = tuple((tuple(c.keys.shape), c.keys.dtype) for c, k in zip(cache, kinds) if k == "attention")
+    vp.parents, vp.names, vp.children = tuple(parents), tuple(names), tuple(children)
+    vp.kept = {} if kept is None else kept
+    vp.fn = _kept_step(vp.kept, model, vp.kinds, tuple(moes), tuple(arrays))
+    return vp
+
+
+def _kept_step(kept: Dict[tuple, Callable], model, kinds: tuple, moes: tuple, arrays: tuple) -> Callable:
+    """The compiled step for these layers, kinds and arrays from ``kept``
+    (keyed by the kinds and the arrays' identities: a new prompt cache or a
+    regrown KV buffer with the same weights reuses the step and its traces),
+    made and kept there if missing; only steps of these very arrays stay."""
+    ids = tuple(map(id, arrays))  # every kept step holds its arrays (the closure): their ids are not reused
+    for stale in [k for k in kept if k[1] != ids]:
+        del kept[stale]
+    key = (kinds, ids, tuple(map(id, model.layers)))
+    fn = kept.pop(key, None)
+    if fn is None:
+        fn = _stack_step(model, kinds, moes, arrays)
+    kept[key] = fn
+    while len(kept) > _STEPS_KEPT:
+        del kept[next(iter(kept))]
+    return fn
+
+
+def _stack_step(model, kinds: tuple, moes: tuple, arrays: tuple) -> Callable:
+    """``mx.compile``d ``fn(h, *states) -> (rms_norm(layers(h)), *new
+    states)``: ``states`` per layer (GDN: conv state, recurrent state;
+    attention: keys, values, offset); new states per layer (GDN: conv,
+    recurrent; with per-step states: the S conv states then the S recurrent
+    states, the last of each the cache's; attention: keys, values).
+    ``arrays`` only keeps the captured parameters alive with the step."""
+    from mlx_lm.models.cache import ArraysCache
+
+    layers = tuple(model.layers)
+    norm = model.norm
+
+    def step(h, *states_in):
+        _traces[0] += 1
+        s, out = 0, []
+        for layer, kind, moe in zip(layers, kinds, moes):
+            x = layer.input_layernorm(h)
+            if kind == "attention":
+                r, keys, values = verify_attention(layer.self_attn, x, *states_in[s:s + 3])
+                out += (keys, values)
+                s += 3
+            else:
+                tmp = ArraysCache(2)
+                tmp[0], tmp[1] = states_in[s], states_in[s + 1]
+                if kind == "linear":
+                    r = layer.linear_attn(x, None, tmp)
+                    out += (tmp[0], tmp[1])
+                else:
+                    r, after = gated_delta_ops.gated_delta_net_steps(layer.linear_attn, x, tmp)
+                    out += [c for c, _ in after] + [st for _, st in after]
+                s += 2
+            h = h + r
+            if moe[0] == "parts":
+                h = moe[1](h, layer.post_attention_layernorm.weight, *moe[2])
+            else:
+                h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return (norm(h), *out)
+
+    step.arrays = arrays
+    return mx.compile(step)
+
+
+def verify_model(model, inputs: mx.array, cache) -> Optional[mx.array]:
+    """mlx-lm's ``Qwen3_5TextModel.__call__(inputs, cache)`` for S = 2 ..
+    :data:`MAX_TOKENS` tokens per row with every layer in one
+    ``mx.compile``d call (see the module docstring); None (nothing changed:
+    the caller runs mlx-lm's loop) where the input, a layer or a cache does
+    not fit.
+
+    Args:
+        model: an mlx-lm ``Qwen3_5TextModel`` (``model.language_model.model``).
+        inputs: ``[B, S]`` token ids, B >= 1, 2 <= S <= 16.
+        cache: mlx-lm's prompt cache, one entry per layer: ``KVCache`` for
+            the attention layers, ``ArraysCache`` (or, inside
+            :func:`mlx_qwen_fast.speculative.rollback`, its
+            ``RollbackArraysCache``) holding both states for the Gated
+            DeltaNet layers; updated in place and advanced by S positions
+            (a recording cache also records the states before each token).
+
+    Returns:
+        ``[B, S, D]`` hidden states after the final norm (activation dtype),
+        as the stock call returns; or None.
+    """
+    layers = model.layers
+    if (cache is None or not isinstance(inputs, mx.array) or inputs.ndim != 2
+            or not MIN_TOKENS <= inputs.shape[1] <= MAX_TOKENS or inputs.shape[0] == 0
+            or not isinstance(cache, (list, tuple)) or len(cache) != len(layers)
+            or getattr(model, "pipeline_size", 1) != 1 or type(model.norm) is not nn.RMSNorm):
+        return None
+    h = model.embed_tokens(inputs)
+    if not isinstance(h, mx.array) or h.ndim != 3:
+        return None
+    vp = model.__dict__.get(_PLAN_ATTR)
+    if vp is None or not vp.holds(model, h, cache):
+        model.__dict__.pop(_PLAN_ATTR, None)
+        vp = _plan(model, h, cache, None if vp is None else vp.kept)
+        if vp is None:
+            return None
+        object.__setattr__(model, _PLAN_ATTR, vp)
+    S = h.shape[1]
+    states, kv = [], []
+    offset = None
+    for c, kind in zip(cache, vp.kinds):
+        if kind == "attention":
+            if c.offset + S > c.keys.shape[2]:  # the plan checked: slice_update at an array offset does not
+                raise AssertionError("verify_model: KV buffer without room for the step")
+            if offset is None or offset[0] != c.offset:  # one offset array for the layers that share it
+                offset = (c.offset, mx.array(c.offset, mx.int32))
+            states += (c.keys, c.values, offset[1])
+            kv.append(c)
+        else:
+            states += (c[0], c[1])
+    saved = [(c.keys, c.values) for c in kv]
+    for c in kv:
+        c.keys = c.values = None  # the step's inputs alone hold the buffers: they are donated
+    try:
+        out, *new = vp.fn(h, *states)
+    except BaseException:
+        for c, (k, v) in zip(kv, saved):
+            c.keys, c.values = k, v
+        raise
+    del saved, states
+    i = 0
+    for c, kind in zip(cache, vp.kinds):
+        if kind == "attention":
+            c.keys, c.values = new[i], new[i + 1]
+            c.offset += S
+            i += 2
+        elif kind == "linear":
+            c[0], c[1] = new[i], new[i + 1]
+            c.advance(S)
+            i += 2
+        else:  # as speculative.forward records: the states before each of the S tokens
+            convs, recs = new[i:i + S], new[i + S:i + 2 * S]
+            c.steps.append((c[0], c[1]))
+            c.steps.extend(zip(convs[:-1], recs[:-1]))
+            del c.steps[:-c.max_steps]
+            c[0], c[1] = convs[-1], recs[-1]
+            c.advance(S)
+            i += 2 * S
+    _steps_run[0] += 1
+    return out
