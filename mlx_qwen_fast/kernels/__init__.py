@@ -1,38 +1,48 @@
-"""Fused CUDA kernels, one kernel per file (like mlx-lm's own ``mlx_lm/kernels``).
+"""Fused CUDA and Metal kernels, one kernel per file (like mlx-lm's own ``mlx_lm/kernels``).
 
-Each module holds one kernel: a docstring saying what it fuses, ``supports()``
-(whether a call can use it; never compiles) and a thin typed wrapper.  The
-kernel sources live in ``mlx_qwen_fast/cuda/*.cu``; ``_cuda_build`` compiles
-them once per machine (NVRTC, disk cache of cubins) and launches them with
-``mx.fast.precompiled_cuda_kernel``.
+Each module holds one kernel: a docstring saying what it fuses, a thin
+typed wrapper and, for the CUDA ones, ``supports()`` (whether a call can
+use it; never compiles). The CUDA sources live in
+``mlx_qwen_fast/cuda/*.cu``; ``_cuda_build`` compiles them once per machine
+(NVRTC, disk cache of cubins) and launches them with
+``mx.fast.precompiled_cuda_kernel``. The Metal sources live in
+``mlx_qwen_fast/metal/`` and run through ``mx.fast.metal_kernel``.
 
 Importing this package needs only MLX; nothing is compiled until a kernel is
-first called on a CUDA device.
+first called on its device. Which op calls which kernel by default is
+decided in ``mlx_qwen_fast/ops`` (one dispatcher per op family) and
+reported by ``mlx_qwen_fast.op_implementations()``.
 
-Modules (each exposes the wrapper of the same name and ``supports``):
+CUDA modules (each exposes the wrapper of the same name and ``supports``):
 
 - ``gated_delta_scan``      prefill recurrence (state in registers)
 - ``gated_delta_frontend``  conv + SiLU + q/k L2 norm + gates (prefill)
 - ``gated_rms_norm``        output gated RMSNorm with z
-- ``gated_delta_decode``    the whole GDN layer step for T = 1
-- ``moe_routing``           softmax/top-k routing + expert grouping + block map
-                            (MoE prefill, on by default on CUDA; see ``ops.moe``)
-- ``moe_grouped_gemm``      fused-dequant grouped expert GEMM (gate+up SwiGLU,
-                            down + routing weight; MoE prefill, on by default)
-- ``moe_decode_gemv``       fused decode MoE, N <= 4 tokens: gate+up SwiGLU and
-                            down + combine + shared expert (on by default on
-                            CUDA; see ``ops.moe``)
-- ``attention_decode``      gated attention for one token, head_dim 256: q/k
-                            RMSNorm + RoPE, the cache write, split-K attention
-                            and the output gate (on by default on CUDA inside
-                            the decode layer step; see ``ops.attention``)
-- ``quantized_gemv``        decode projection, 1-4 rows: RMSNorm + 4/8-bit GEMV
-                            + residual (on by default on CUDA inside the decode
-                            step; see ``ops.linear``)
+- ``gated_delta_decode``    the GDN recurrence step for T = 1
 - ``gdn_mixer_decode``      a GDN layer's whole mixer for one token, 1-4 rows:
                             RMSNorm + in_proj, the decode step, out_proj +
-                            residual in one persistent launch (grid barriers);
-                            not used by the ops yet
+                            residual in one persistent launch (grid barriers)
+- ``moe_routing``           softmax/top-k routing + expert grouping + block map
+                            (MoE prefill)
+- ``moe_grouped_gemm``      fused-dequant grouped expert GEMM (gate+up SwiGLU,
+                            down + routing weight; MoE prefill)
+- ``moe_decode_gemv``       fused decode MoE, N <= 4 tokens: gate+up SwiGLU and
+                            down + combine + shared expert
+- ``moe_block_decode``      a MoE block's whole decode step, 1-4 rows: RMSNorm +
+                            router, routing + gate/up, down + shared expert +
+                            combine + residual in one persistent launch
+- ``attention_decode``      gated attention for one token, head_dim 256: q/k
+                            RMSNorm + RoPE, the cache write, split-K attention
+                            and the output gate
+- ``attention_prefill``     causal flash-attention prefill, head_dim 256
+- ``quantized_gemv``        decode projection, 1-4 rows: RMSNorm + 4/8-bit GEMV
+                            + residual
+
+Metal modules (opt-in, ``MLX_QWEN_FAST_METAL=1``; checked by running MLX's
+generated source on a CPU): ``gated_delta_decode_metal`` (the GDN decode
+step), ``attention_decode_metal`` (gated attention decode, head_dim 256),
+``moe_route_metal``, ``moe_gate_up_metal`` and ``moe_down_metal`` (the decode
+MoE block's three launches).
 
 Import them by module path, e.g.
 ``from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan, supports``

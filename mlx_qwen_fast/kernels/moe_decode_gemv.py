@@ -42,11 +42,15 @@ stay fp32 (stock rounds probabilities, weighted outputs and the sum to bf16),
 the shared gate's sigmoid is not rounded, selection uses fp32 probabilities
 (:func:`mlx_qwen_fast.kernels.moe_routing.route`).
 
-The patched model runs them through :func:`mlx_qwen_fast.ops.moe.sparse_moe`
-("cuda-decode": the router's GEMV and these two kernels, the first routing,
-as one ``mx.compile``-d step, :func:`moe_decode_logits`; for a router wider
-than :data:`ROUTE_MAX_EXPERTS` the routing kernel between them,
-:func:`moe_decode_arrays`). The down kernel keeps one mma chain per 128-input
+The patched model runs them from :mod:`mlx_qwen_fast.ops.moe` ("cuda-decode":
+the router's GEMV and these two kernels, the first routing, as one
+``mx.compile``-d step, :func:`moe_decode_logits`; for a router wider than
+:data:`ROUTE_MAX_EXPERTS` the routing kernel between them,
+:func:`moe_decode_arrays`): its module call (:func:`~mlx_qwen_fast.ops.moe.sparse_moe`)
+and the decoder layer's step (:func:`~mlx_qwen_fast.ops.moe.decode_step_parts`,
+traced by :mod:`mlx_qwen_fast.ops.decoder`), where the one-launch block
+(:mod:`mlx_qwen_fast.kernels.moe_block_decode`, the default there) is off or
+does not take the router. The down kernel keeps one mma chain per 128-input
 block, adds them in block order, and sums the items' weighted outputs in
 slot order. Measured GPU times and the block's read floor:
 bench/results/INDEX.md (kind "moe_decode").
