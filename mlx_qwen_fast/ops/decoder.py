@@ -591,6 +591,23 @@ def _plan_model(model, h: mx.array, cache, kept: Optional[Dict[tuple, Callable]]
     return mp
 
 
+def call_donating(fn: Callable, h: mx.array, states: list, kv: list):
+    """``fn(h, *states)`` with the KV caches ``kv`` (whose buffers are among
+    ``states``) holding no reference to their buffers during the call, so
+    that the compiled step's ``slice_update`` writes them in place (MLX
+    donates an input only its call holds); put back if the call raises.
+    Returns what ``fn`` returns; the caller stores the new buffers."""
+    saved = [(c.keys, c.values) for c in kv]
+    for c in kv:
+        c.keys = c.values = None
+    try:
+        return fn(h, *states)
+    except BaseException:
+        for c, (k, v) in zip(kv, saved):
+            c.keys, c.values = k, v
+        raise
+
+
 def decode_model(model, inputs: mx.array, cache) -> Optional[mx.array]:
     """The decode step of mlx-lm's ``qwen3_5.Qwen3_5TextModel`` -- token
     embedding, every decoder layer, the final RMSNorm -- with all the layers
@@ -644,16 +661,8 @@ def decode_model(model, inputs: mx.array, cache) -> Optional[mx.array]:
                 offset = (c.offset, mx.array(c.offset, mx.int32))
             states += (c.keys, c.values, offset[1])
             kv.append(c)
-    saved = [(c.keys, c.values) for c in kv]
-    for c in kv:
-        c.keys = c.values = None  # the step's inputs alone hold the buffers: they are donated
-    try:
-        out, *new = mp.fn(h, *states)
-    except BaseException:
-        for c, (k, v) in zip(kv, saved):
-            c.keys, c.values = k, v
-        raise
-    del saved, states
+    out, *new = call_donating(mp.fn, h, states, kv)
+    del states
     i = 0
     for c, lin in zip(cache, mp.linear):
         if lin:

@@ -15,7 +15,7 @@ call does. The reference is that stock call (the fast modules of
 Why: S > 1 tokens otherwise run mlx-lm's Python loop over the layers,
 module by module: host-bound (~15 ms of host work per call at S = 2 on the
 reference model against ~5 ms for the whole one-token step,
-bench/results/2026-12-06-nvidia-h100-s43-calls.md, call 4). Here the
+bench/results/INDEX.md, the ``bench.verify_pass`` rows). Here the
 Python runs once per input signature (B, S, the KV buffers' capacity, the
 dtypes) and each later call replays the traced graph from C++, as
 :func:`mlx_qwen_fast.ops.decoder.decode_model` does for S = 1.
@@ -438,16 +438,8 @@ def verify_model(model, inputs: mx.array, cache) -> Optional[mx.array]:
             kv.append(c)
         else:
             states += (c[0], c[1])
-    saved = [(c.keys, c.values) for c in kv]
-    for c in kv:
-        c.keys = c.values = None  # the step's inputs alone hold the buffers: they are donated
-    try:
-        out, *new = vp.fn(h, *states)
-    except BaseException:
-        for c, (k, v) in zip(kv, saved):
-            c.keys, c.values = k, v
-        raise
-    del saved, states
+    out, *new = decoder_ops.call_donating(vp.fn, h, states, kv)
+    del states
     i = 0
     for c, kind in zip(cache, vp.kinds):
         if kind == "attention":
