@@ -24,10 +24,11 @@ from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.sample_utils import make_sampler
 
 from compare import FP32_TOL, assert_close
-from mlx_qwen_fast import dflash
+from mlx_qwen_fast import config, dflash
 from mlx_qwen_fast.checkpoint import DEMO_LM_HEAD_SCALE, build_model
 from mlx_qwen_fast.dflash import capture, presets
 from mlx_qwen_fast.dflash.drafter import DrafterArgs, build_target_layer_ids
+from mlx_qwen_fast.ops import verify as verify_ops
 from mlx_qwen_fast.patching import patched_copy
 
 PROMPTS = ([1, 5, 9, 33, 100, 7, 8, 200, 300, 11], [42], [3, 1, 4, 1, 5, 9, 2, 6])
@@ -285,8 +286,12 @@ def test_bad_arguments(tiny, drafter, kwargs, match):
 
 @pytest.mark.parametrize("prompt, n, block", [(PROMPTS[0], 24, 16), (PROMPTS[1], 9, 4), (PROMPTS[2], 23, 4),
                                               (PROMPTS[2], 1, 16), (PROMPTS[0], 2, 16)])
-def test_greedy_with_the_random_drafter_is_plain_greedy(tiny, drafter, prompt, n, block):
+@pytest.mark.parametrize("step", ["0", "1"])
+def test_greedy_with_the_random_drafter_is_plain_greedy(env, tiny, drafter, prompt, n, block, step):
+    """Greedy tokens are plain decoding's, the verify through mlx-lm's layer
+    loop (``step`` 0) or the whole-stack compiled step (1)."""
     _, fast = tiny
+    env.set(config.VERIFY_MODEL_STEP.name, step)
     stats = dflash.DFlashStats()
     got = [t for t, _ in dflash.dflash_generate_step(mx.array(prompt), fast, drafter, max_tokens=n,
                                                      block_size=block, stats=stats)]
@@ -315,11 +320,15 @@ def test_oracle_accepts_every_block(tiny):
     assert stats.accepted == [15, 15, 15, 0] and stats.drafted == [15, 15, 15, 0]  # the last: one token left
 
 
-def test_every_accepted_length(tiny):
+@pytest.mark.parametrize("step", ["0", "1"])
+def test_every_accepted_length(env, tiny, step):
     """The planted stand-in's k-th block has exactly k right drafts: each
     accepted length 0..15 occurs, the caches roll back to each, and the
-    tokens are plain greedy decoding's."""
+    tokens are plain greedy decoding's; the verify through mlx-lm's layer
+    loop (``step`` 0) or the whole-stack compiled step (1, which ran)."""
     _, fast = tiny
+    env.set(config.VERIFY_MODEL_STEP.name, step)
+    steps = verify_ops.step_count()
     prompt = PROMPTS[2]
     n = 1 + sum(k + 1 for k in range(16))
     ref = _plain(fast, prompt, n + 16)
@@ -328,6 +337,7 @@ def test_every_accepted_length(tiny):
     got = [t for t, _ in dflash.dflash_generate_step(mx.array(prompt), fast, planted, max_tokens=n, stats=stats)]
     assert stats.accepted == list(range(16))
     assert got == ref[:n]
+    assert (verify_ops.step_count() > steps) == (step == "1")
 
 
 def test_mlx_lm_generate_with_a_dflash_drafter(tiny, drafter, demo_checkpoint):

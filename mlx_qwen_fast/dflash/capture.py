@@ -7,9 +7,13 @@ cache, final norm, LM head) and keeps the output of the layers
 logits and the drafter's context in one pass. Each layer is called as the
 model calls it, so a patched model's layers take their own fast paths
 (and a Gated DeltaNet cache in rollback mode records,
-:mod:`mlx_qwen_fast.speculative`); only the layer-stack's own one-token
-compiled step (:func:`mlx_qwen_fast.ops.decoder.decode_model`) is not used,
-as every DFlash call but a last one-token step is several tokens.
+:mod:`mlx_qwen_fast.speculative`). A verify of 2..16 tokens on a patched
+model with :data:`mlx_qwen_fast.config.VERIFY_MODEL_STEP` on runs the
+whole stack as one compiled call that returns the same layer outputs
+(:func:`mlx_qwen_fast.ops.verify.verify_model_hidden`) where that step
+takes the model and cache; the layer-stack's one-token step
+(:func:`mlx_qwen_fast.ops.decoder.decode_model`) is not used, as every
+DFlash call but a last one-token step is several tokens.
 
 "The output of layer i" is the residual stream after decoder layer ``i``
 (0-based), before the final norm: the reference's
@@ -153,6 +157,16 @@ def forward(model, inputs: mx.array, cache: Sequence[Any], layer_ids: Sequence[i
 
     parts = parts or text_parts(model)
     tm = parts.text_model
+    if not last_only and _verify_step_applies(tm):
+        from ..ops import verify as verify_ops
+
+        if layer_ids:
+            out = verify_ops.verify_model_hidden(tm, inputs, cache, layer_ids)
+        else:
+            out = verify_ops.verify_model(tm, inputs, cache)
+            out = None if out is None else (out, None)
+        if out is not None:
+            return parts.lm_head(out[0]), out[1]
     h = tm.embed_tokens(inputs)
     fa_mask = create_attention_mask(h, cache[tm.fa_idx]) if tm.fa_idx is not None else None
     ssm_mask = create_ssm_mask(h, cache[tm.ssm_idx]) if tm.ssm_idx is not None else None
@@ -165,3 +179,12 @@ def forward(model, inputs: mx.array, cache: Sequence[Any], layer_ids: Sequence[i
     logits = parts.lm_head(tm.norm(h[:, -1:] if last_only else h))
     hidden = mx.concatenate(kept, axis=-1) if kept else None
     return logits, hidden
+
+
+def _verify_step_applies(text_model) -> bool:
+    """Whether the whole-stack S-token step may run for ``text_model``: the
+    patched layer stack (its own call would take that step) with the switch on."""
+    from .. import config
+    from ..layers import FastTextModel
+
+    return isinstance(text_model, FastTextModel) and config.VERIFY_MODEL_STEP.get()

@@ -61,7 +61,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -73,7 +73,8 @@ from . import decoder as decoder_ops
 from . import gated_delta as gated_delta_ops
 from . import moe as moe_ops
 
-__all__ = ["MAX_TOKENS", "MIN_TOKENS", "step_count", "trace_count", "verify_attention", "verify_model"]
+__all__ = ["MAX_TOKENS", "MIN_TOKENS", "step_count", "trace_count", "verify_attention", "verify_model",
+           "verify_model_hidden"]
 
 #: Fewest tokens per row the step takes (one token is :func:`decode_model`'s).
 MIN_TOKENS = 2
@@ -214,7 +215,7 @@ class _VerifyPlan:
     lengths or left padding (inside a rollback: ``max_steps >= S``)."""
 
     __slots__ = ("sig", "layers", "cache_refs", "cache_types", "kinds", "kv_shapes", "parents", "names",
-                 "children", "fn", "kept")
+                 "children", "fn", "kept", "capture")
 
     def __deepcopy__(self, memo):
         return None  # a copied model plans again (this holds the original's objects)
@@ -222,8 +223,8 @@ class _VerifyPlan:
     def __reduce__(self):
         return (type(None), ())
 
-    def holds(self, model, h: mx.array, cache) -> bool:
-        if _sig(h) != self.sig or len(cache) != len(self.cache_refs) or len(model.layers) != len(self.layers):
+    def holds(self, model, h: mx.array, cache, capture: tuple) -> bool:
+        if capture != self.capture or _sig(h) != self.sig or len(cache) != len(self.cache_refs) or len(model.layers) != len(self.layers):
             return False
         if not (all(map(operator.is_, model.layers, self.layers))
                 and all(map(operator.is_, map(_call_ref, self.cache_refs), cache))
@@ -273,7 +274,7 @@ def _fast_gdn():
     return FastGatedDeltaNet
 
 
-def _plan(model, h: mx.array, cache, kept: Optional[dict]) -> Optional[_VerifyPlan]:
+def _plan(model, h: mx.array, cache, kept: Optional[dict], capture: tuple) -> Optional[_VerifyPlan]:
     """A :class:`_VerifyPlan`, or None where a layer or cache does not fit
     (nothing changed then). May grow KV buffers after every check passed
     (:func:`mlx_qwen_fast.ops.decoder._room`, as ``KVCache.update_and_fetch``
@@ -324,11 +325,13 @@ def _plan(model, h: mx.array, cache, kept: Optional[dict]) -> Optional[_VerifyPl
     vp.kv_shapes = tuple((tuple(c.keys.shape), c.keys.dtype) for c, k in zip(cache, kinds) if k == "attention")
     vp.parents, vp.names, vp.children = tuple(parents), tuple(names), tuple(children)
     vp.kept = {} if kept is None else kept
-    vp.fn = _kept_step(vp.kept, model, vp.kinds, tuple(moes), tuple(arrays))
+    vp.capture = capture
+    vp.fn = _kept_step(vp.kept, model, vp.kinds, tuple(moes), tuple(arrays), capture)
     return vp
 
 
-def _kept_step(kept: Dict[tuple, Callable], model, kinds: tuple, moes: tuple, arrays: tuple) -> Callable:
+def _kept_step(kept: Dict[tuple, Callable], model, kinds: tuple, moes: tuple, arrays: tuple,
+               capture: tuple) -> Callable:
     """The compiled step for these layers, kinds and arrays from ``kept``
     (keyed by the kinds and the arrays' identities: a new prompt cache or a
     regrown KV buffer with the same weights reuses the step and its traces),
@@ -336,19 +339,21 @@ def _kept_step(kept: Dict[tuple, Callable], model, kinds: tuple, moes: tuple, ar
     ids = tuple(map(id, arrays))  # every kept step holds its arrays (the closure): their ids are not reused
     for stale in [k for k in kept if k[1] != ids]:
         del kept[stale]
-    key = (kinds, ids, tuple(map(id, model.layers)))
+    key = (kinds, ids, tuple(map(id, model.layers)), capture)
     fn = kept.pop(key, None)
     if fn is None:
-        fn = _stack_step(model, kinds, moes, arrays)
+        fn = _stack_step(model, kinds, moes, arrays, capture)
     kept[key] = fn
     while len(kept) > _STEPS_KEPT:
         del kept[next(iter(kept))]
     return fn
 
 
-def _stack_step(model, kinds: tuple, moes: tuple, arrays: tuple) -> Callable:
-    """``mx.compile``d ``fn(h, *states) -> (rms_norm(layers(h)), *new
-    states)``: ``states`` per layer (GDN: conv state, recurrent state;
+def _stack_step(model, kinds: tuple, moes: tuple, arrays: tuple, capture: tuple) -> Callable:
+    """``mx.compile``d ``fn(h, *states) -> (rms_norm(layers(h)), [hidden,]
+    *new states)``: ``hidden`` (only where ``capture`` names layers) the
+    outputs of the layers ``capture`` concatenated on the last axis in that
+    order; ``states`` per layer (GDN: conv state, recurrent state;
     attention: keys, values, offset); new states per layer (GDN: conv,
     recurrent; with per-step states: the S conv states then the S recurrent
     states, the last of each the cache's; attention: keys, values).
@@ -357,11 +362,13 @@ def _stack_step(model, kinds: tuple, moes: tuple, arrays: tuple) -> Callable:
 
     layers = tuple(model.layers)
     norm = model.norm
+    where = {i: n for n, i in enumerate(capture)}
 
     def step(h, *states_in):
         _traces[0] += 1
         s, out = 0, []
-        for layer, kind, moe in zip(layers, kinds, moes):
+        kept = [None] * len(capture)
+        for i, (layer, kind, moe) in enumerate(zip(layers, kinds, moes)):
             x = layer.input_layernorm(h)
             if kind == "attention":
                 r, keys, values = verify_attention(layer.self_attn, x, *states_in[s:s + 3])
@@ -382,6 +389,10 @@ def _stack_step(model, kinds: tuple, moes: tuple, arrays: tuple) -> Callable:
                 h = moe[1](h, layer.post_attention_layernorm.weight, *moe[2])
             else:
                 h = h + layer.mlp(layer.post_attention_layernorm(h))
+            if i in where:
+                kept[where[i]] = h
+        if capture:
+            return (norm(h), mx.concatenate(kept, axis=-1), *out)
         return (norm(h), *out)
 
     step.arrays = arrays
@@ -409,6 +420,42 @@ def verify_model(model, inputs: mx.array, cache) -> Optional[mx.array]:
         ``[B, S, D]`` hidden states after the final norm (activation dtype),
         as the stock call returns; or None.
     """
+    out = _verify(model, inputs, cache, ())
+    return None if out is None else out[0]
+
+
+def verify_model_hidden(model, inputs: mx.array, cache, layer_ids: Sequence[int]):
+    """:func:`verify_model` that also returns the outputs of the decoder
+    layers ``layer_ids`` (a DFlash drafter's context:
+    :func:`mlx_qwen_fast.dflash.capture.forward` computes the same with
+    mlx-lm's loop), from the same compiled call.
+
+    Args:
+        model, inputs, cache: as :func:`verify_model`.
+        layer_ids: 1 or more layer indices (0-based, each in ``[0,
+            len(model.layers))``), in the order their outputs are
+            concatenated.
+
+    Returns:
+        ``(out, hidden)``: ``out`` as :func:`verify_model`; ``hidden``
+        ``[B, S, len(layer_ids) * D]`` in the activation dtype, the residual
+        stream after each named layer (before the final norm); or None
+        where :func:`verify_model` returns None.
+
+    Raises:
+        ValueError: ``layer_ids`` is empty or names a layer the model does
+            not have.
+    """
+    ids = tuple(int(i) for i in layer_ids)
+    n = len(model.layers)
+    if not ids or any(not 0 <= i < n for i in ids):
+        raise ValueError(f"layer_ids: {list(ids)} must be 1 or more layer indices in [0, {n})")
+    return _verify(model, inputs, cache, ids)
+
+
+def _verify(model, inputs: mx.array, cache, capture: tuple) -> Optional[tuple]:
+    """The step of :func:`verify_model` capturing the layers ``capture``:
+    ``(out, hidden)`` (``hidden`` None where ``capture`` is empty), or None."""
     layers = model.layers
     if (cache is None or not isinstance(inputs, mx.array) or inputs.ndim != 2
             or not MIN_TOKENS <= inputs.shape[1] <= MAX_TOKENS or inputs.shape[0] == 0
@@ -419,9 +466,9 @@ def verify_model(model, inputs: mx.array, cache) -> Optional[mx.array]:
     if not isinstance(h, mx.array) or h.ndim != 3:
         return None
     vp = model.__dict__.get(_PLAN_ATTR)
-    if vp is None or not vp.holds(model, h, cache):
+    if vp is None or not vp.holds(model, h, cache, capture):
         model.__dict__.pop(_PLAN_ATTR, None)
-        vp = _plan(model, h, cache, None if vp is None else vp.kept)
+        vp = _plan(model, h, cache, None if vp is None else vp.kept, capture)
         if vp is None:
             return None
         object.__setattr__(model, _PLAN_ATTR, vp)
@@ -440,6 +487,7 @@ def verify_model(model, inputs: mx.array, cache) -> Optional[mx.array]:
             states += (c[0], c[1])
     out, *new = decoder_ops.call_donating(vp.fn, h, states, kv)
     del states
+    hidden = new.pop(0) if capture else None
     i = 0
     for c, kind in zip(cache, vp.kinds):
         if kind == "attention":
@@ -459,4 +507,4 @@ def verify_model(model, inputs: mx.array, cache) -> Optional[mx.array]:
             c.advance(S)
             i += 2 * S
     _steps_run[0] += 1
-    return out
+    return out, hidden

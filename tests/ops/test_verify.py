@@ -10,6 +10,7 @@ S = 2: the GDN prefill kernels and the MoE decode kernels traced inside
 the step.
 """
 
+import contextlib
 import copy
 
 import mlx.core as mx
@@ -312,6 +313,81 @@ def test_rollback_records_every_step(env, fp32_models, S, max_steps):
             for x, y in zip(xs, ys):
                 assert x.trim(n) == y.trim(n) == n
             _assert_caches_close(xs, ys, f"trim {n}")
+
+
+@pytest.mark.parametrize("S,ids,rollback", [(2, (0,), False), (5, (3, 1), True), (16, (1, 2, 3), True)])
+def test_hidden_is_the_layer_loops(env, fp32_models, S, ids, rollback):
+    """``verify_model_hidden``: the logits' hidden states, the cache and the
+    outputs of the named layers (in the order named) equal those of
+    mlx-lm's loop over the same fast layers (DFlash's capture with the
+    switch off), fp32, also inside a rollback (the per-step states
+    recorded); a second call replays the same plan without tracing again."""
+    from mlx_qwen_fast.dflash import capture
+
+    _, fast = fp32_models
+    fast = copy.deepcopy(fast)
+    m = fast.language_model.model
+    prompt = mx.array([[9, 4, 6, 2, 8, 1, 7]])
+    c_step, c_loop = _prefilled(fast, prompt), _prefilled(fast, prompt)
+    with contextlib.ExitStack() as stack:
+        if rollback:
+            stack.enter_context(speculative.rollback(m, c_step, MAX_STEPS))
+            stack.enter_context(speculative.rollback(m, c_loop, MAX_STEPS))
+        for i in range(2):
+            tokens = mx.random.randint(1, 1000, (1, S), key=mx.random.key(7 * S + i))
+            traces = verify.trace_count()
+            got = verify.verify_model_hidden(m, tokens, c_step, ids)
+            assert got is not None
+            out, hidden = got
+            env.set(config.VERIFY_MODEL_STEP.name, "0")
+            logits, ref_hidden = capture.forward(fast, tokens, c_loop, ids)
+            mx.eval(out, hidden, logits, ref_hidden)
+            D = out.shape[-1]
+            assert hidden.shape == (1, S, len(ids) * D) and hidden.dtype == out.dtype and finite(hidden)
+            assert_close(hidden, ref_hidden, FP32_TOL, f"call {i}: layer outputs")
+            assert_close(capture.text_parts(fast).lm_head(out), logits, FP32_TOL, f"call {i}: logits")
+            _assert_caches_close(c_step, c_loop, f"call {i}")
+            if i:
+                assert verify.trace_count() == traces  # the plan and trace of the first call serve
+            if rollback:
+                for x, y in zip(c_step, c_loop):
+                    if isinstance(x, speculative.RollbackArraysCache):
+                        assert len(x.steps) == len(y.steps)
+                        for (p, q), (r, s) in zip(x.steps, y.steps):
+                            assert_close(q, s, FP32_TOL, "recorded recurrent state")
+
+
+MAX_STEPS = 16
+
+
+def test_capture_forward_takes_the_step_with_the_switch(env, fp32_models):
+    """DFlash's ``capture.forward`` on a patched model runs the compiled
+    step when the switch is on (and not when off), with the same logits."""
+    from mlx_qwen_fast.dflash import capture
+
+    _, fast = fp32_models
+    fast = copy.deepcopy(fast)
+    prompt = mx.array([[3, 5, 7, 11]])
+    tokens = mx.array([[2, 4, 6]])
+    results = {}
+    for on in ("1", "0"):
+        env.set(config.VERIFY_MODEL_STEP.name, on)
+        cache = _prefilled(fast, prompt)
+        before = verify.step_count()
+        results[on] = capture.forward(fast, tokens, cache, (0, 2))
+        mx.eval(results[on])
+        assert verify.step_count() - before == (on == "1")
+    for a, b in zip(results["1"], results["0"]):
+        assert_close(a, b, FP32_TOL, "switch on vs off")
+
+
+@pytest.mark.parametrize("ids", [(), (-1,), (8,), (0, 99)])
+def test_hidden_rejects_bad_layer_ids(fp32_models, ids):
+    _, fast = fp32_models
+    m = fast.language_model.model
+    cache = _prefilled(fast, mx.array([[1, 2, 3]]))
+    with pytest.raises(ValueError, match="layer_ids"):
+        verify.verify_model_hidden(m, mx.array([[1, 2]]), cache, ids)
 
 
 # ---------------------------------------------------------------------------
