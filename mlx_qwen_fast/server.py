@@ -1,7 +1,9 @@
 """`python -m mlx_qwen_fast.server`: `mlx_lm.server` with the fast path installed.
 
 Takes exactly ``mlx_lm.server``'s flags, plus ``--stock`` to run stock
-mlx-lm and ``--version``; see :func:`mlx_qwen_fast._cli.run_mlx_lm_main`.
+mlx-lm, ``--version``, and ``--dflash-drafter DIR`` to serve with a DFlash
+block drafter as the draft model (:mod:`mlx_qwen_fast.dflash.cli`); see
+:func:`mlx_qwen_fast._cli.run_mlx_lm_main`.
 
 ``GET /v1/models`` (OpenAI's list format) names the model given by
 ``--model`` first, its id written as given (the value a request's
@@ -179,8 +181,19 @@ def install(server_module) -> None:
 
 def main() -> None:
     """Run ``mlx_lm.server`` with the fast path and the models list above;
-    ``--stock``: stock mlx-lm, unchanged."""
-    run_mlx_lm_main("mlx_lm.server")
+    ``--stock``: stock mlx-lm, unchanged; ``--dflash-drafter DIR``: the
+    DFlash drafter as the draft model."""
+    import sys
+
+    from .dflash import cli as dflash_cli
+
+    argv, drafter = dflash_cli.take(sys.argv[1:])
+    if "-h" in argv or "--help" in argv:
+        print(f"mlx_qwen_fast: {dflash_cli.HELP}")
+    elif drafter is not None:
+        dflash_cli.check(argv, drafter)
+    hook = None if drafter is None else (lambda module: dflash_cli.hook_server(module, drafter))
+    run_mlx_lm_main("mlx_lm.server", argv, before_main=hook)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,9 @@ no model."""
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 import mlx.core as mx
 import pytest
@@ -134,3 +137,61 @@ def test_a_drafter_that_does_not_fit_the_target(tmp_path, drafter_dir, tiny_chec
     assert r.returncode == 2, r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("mlx_qwen_fast: error: --dflash-drafter") and "vocab_size 2048 does not match" in last
+
+
+# --- the server ---------------------------------------------------------------
+
+
+def test_server_with_a_dflash_drafter(tiny_checkpoint, drafter_dir, tmp_path):
+    """`python -m mlx_qwen_fast.server --dflash-drafter DIR`: chat answers
+    are the plain server's greedy text, twice (the second request on the
+    prompt cache the first left), through the DFlash loop (the server logs
+    its draft model as the drafter); a drafter of another vocabulary ends
+    the server at start with one line, exit code 2."""
+    import openai
+
+    from test_server import MESSAGES, REPO, _free_port, _serving
+
+    def chat(srv):
+        client = openai.OpenAI(base_url=srv.url("/v1"), api_key="x", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model=srv.model, messages=MESSAGES, max_tokens=10, temperature=0.0)
+        return r.choices[0].message.content
+
+    plain_root, spec_root = tmp_path / "plain", tmp_path / "spec"
+    plain_root.mkdir()
+    spec_root.mkdir()
+    with _serving(tiny_checkpoint, plain_root) as plain:
+        want = chat(plain)
+    assert want
+    with _serving(tiny_checkpoint, spec_root, "--dflash-drafter", str(drafter_dir)) as spec:
+        assert [chat(spec), chat(spec)] == [want, want]
+        log = spec.log_text()
+        assert log.count("mlx_qwen_fast: patched") == 1, log[-4000:]
+        assert f"mlx_qwen_fast: draft model: the DFlash drafter in {drafter_dir}" in log, log[-4000:]
+
+    other = tmp_path / "other"
+    other.mkdir()
+    cfg = json.loads((drafter_dir / "config.json").read_text())
+    cfg["vocab_size"] = 2048
+    (other / "config.json").write_text(json.dumps(cfg))
+    (other / "model.safetensors").write_bytes((drafter_dir / "model.safetensors").read_bytes())
+    # a plain subprocess: the server ends with os._exit (from mlx-lm's generation thread), which
+    # skips run_module's module report
+    r = subprocess.run([sys.executable, "-m", "mlx_qwen_fast.server", "--model", str(tiny_checkpoint),
+                        "--port", str(_free_port()), "--dflash-drafter", str(other)],
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")))
+    assert r.returncode == 2, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("mlx_qwen_fast: error: --dflash-drafter") and "vocab_size 2048 does not match" in last
+
+
+@pytest.mark.parametrize("extra, expect", [
+    (("--stock",), "drop --stock"),
+    (("--draft-model", "x"), "--dflash-drafter and --draft-model cannot both be given"),
+])
+def test_server_flags_that_do_not_go_with_it(tiny_checkpoint, drafter_dir, extra, expect):
+    r = run_module("mlx_qwen_fast.server", "--model", str(tiny_checkpoint), "--dflash-drafter", str(drafter_dir),
+                   *extra, timeout=120)
+    assert r.returncode == 2 and expect in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert r.heavy() == []

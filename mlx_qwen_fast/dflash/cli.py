@@ -1,10 +1,14 @@
-"""``--dflash-drafter DIR`` for the package's generate CLI.
+"""``--dflash-drafter DIR`` for the package's generate and server CLIs.
 
 ``python -m mlx_qwen_fast.generate --model TARGET --dflash-drafter DIR
 [mlx-lm's generate flags]`` runs ``mlx_lm.generate``'s own CLI with the
 fast path, its generation going through the DFlash loop
 (:func:`mlx_qwen_fast.dflash.loop.speculative_step`, reached through
-mlx-lm's draft-model path). The flag is taken out of the arguments before
+mlx-lm's draft-model path). ``python -m mlx_qwen_fast.server --model
+TARGET --dflash-drafter DIR [mlx-lm's server flags]`` serves with it: the
+drafter becomes the server's draft model each time mlx-lm loads the target
+(:func:`hook_server`), so requests run mlx-lm's one-at-a-time speculative
+path, as with ``--draft-model``. The flag is taken out of the arguments before
 mlx-lm parses them; the folder is checked first (one line, exit code 2,
 before mlx-lm is imported: a missing folder, no or bad config.json, a
 config that is not a DFlash drafter's, no weights), then loaded and
@@ -74,7 +78,7 @@ def folder_problem(path: Path) -> Optional[str]:
 
 def check(argv: Sequence[str], folder: str) -> None:
     """The usage errors of ``--dflash-drafter`` (exit code 2, one line):
-    a bad folder, ``--draft-model`` or ``--stock`` with it."""
+    a bad folder, ``--draft-model`` or ``--stock`` with it (either CLI)."""
     if "--stock" in argv:
         usage_error(f"{FLAG} needs the fast path (its Gated DeltaNet caches roll back): drop --stock")
     if any(a == "--draft-model" or a.startswith("--draft-model=") for a in argv):
@@ -111,3 +115,53 @@ def hook_generate(module, folder: str) -> None:
         return text
 
     module.generate = generate
+
+
+class _DrafterMismatch(ValueError):
+    """The drafter does not fit the target the server loaded."""
+
+
+def hook_server(module, folder: str) -> None:
+    """Make ``module`` (``mlx_lm.server``)'s ``ModelProvider`` load the
+    drafter from ``folder`` as its draft model after each load of a target,
+    checked against it (:func:`~mlx_qwen_fast.dflash.capture.check_target`):
+    the server then serves one request at a time through mlx-lm's
+    speculative path (``is_batchable`` False, as with ``--draft-model``),
+    which runs the DFlash loop for a DFlash drafter. A drafter that does not
+    fit the target loaded at start (``--model``) ends the process with one
+    line (exit code 2), before the server answers anything: mlx-lm loads it
+    in its generation thread, where an exception would leave the server
+    up with no thread to answer. For a target a request names later it
+    raises ``ValueError`` (naming ``drafter``), which mlx-lm answers as a
+    failed request."""
+    import os
+    import sys
+
+    from . import capture
+    from .drafter import load_drafter
+
+    provider = module.ModelProvider
+    stock_load, stock_default = provider._load, provider.load_default
+
+    def _load(self, model_path, adapter_path=None, draft_model_path=None):
+        stock_load(self, model_path, adapter_path, draft_model_path)
+        try:
+            drafter = load_drafter(Path(folder).expanduser())
+            capture.check_target(self.model, drafter)
+        except ValueError as exc:
+            raise _DrafterMismatch(str(exc)) from exc
+        self.draft_model = drafter
+        self.is_batchable = False  # mlx-lm's batch generator has no draft model
+        print(f"mlx_qwen_fast: draft model: the DFlash drafter in {folder} (block {drafter.block_size}, "
+              f"target layers {list(drafter.target_layer_ids)})", file=sys.stderr, flush=True)
+
+    def load_default(self):
+        try:
+            stock_default(self)
+        except _DrafterMismatch as exc:
+            print(f"mlx_qwen_fast: error: {FLAG} {folder}: {' '.join(str(exc).split())}", file=sys.stderr,
+                  flush=True)
+            os._exit(2)  # from mlx-lm's generation thread: sys.exit would end that thread alone
+
+    _load.dflash_folder = folder
+    provider._load, provider.load_default = _load, load_default
