@@ -23,6 +23,7 @@ import json
 import logging
 from typing import List, Optional
 
+from . import prompt_cache
 from ._cli import run_mlx_lm_main
 
 #: Files a cached repo's ``main`` revision must hold to be listed: mlx-lm
@@ -160,11 +161,14 @@ def _with_request_checks(validate):
 
 def install(server_module) -> None:
     """Make mlx-lm's server module ``server_module`` (``mlx_lm.server``)
-    answer ``GET /v1/models`` with :func:`handle_models_request` and reject
-    the requests :func:`request_problem` finds fault with (HTTP 400). It
-    sets methods on the module's ``APIHandler`` class, the class
-    ``mlx_lm.server.run`` always serves with (it passes no handler class on
-    to the HTTP server). Installing twice changes nothing more.
+    answer ``GET /v1/models`` with :func:`handle_models_request`, reject
+    the requests :func:`request_problem` finds fault with (HTTP 400), and
+    keep its prompt cache in a
+    :class:`mlx_qwen_fast.prompt_cache.CheckpointPromptCache` (a speculative
+    request resumes from an earlier prompt's end). It sets methods on the
+    module's ``APIHandler`` class, the class ``mlx_lm.server.run`` always
+    serves with (it passes no handler class on to the HTTP server).
+    Installing twice changes nothing more.
 
     Raises AttributeError (one line) when ``APIHandler`` lacks either method
     (an mlx-lm this package does not fit).
@@ -177,6 +181,7 @@ def install(server_module) -> None:
     handler.handle_models_request = handle_models_request
     if not getattr(handler.validate_model_parameters, "checks_requests", False):
         handler.validate_model_parameters = _with_request_checks(handler.validate_model_parameters)
+    prompt_cache.install(server_module)
 
 
 def main() -> None:

@@ -69,6 +69,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
+from . import prompt_cache as prompt_cache_ops
 from .ops import gated_delta as gated_delta_ops
 
 __all__ = ["RollbackArraysCache", "forward", "install", "rollback", "rollback_layers",
@@ -255,9 +256,19 @@ def _wrap(stock):
         k = kwargs.get("num_draft_tokens", DEFAULT_NUM_DRAFT_TOKENS)
         steps = k + 1 if isinstance(k, int) and not isinstance(k, bool) and k >= 0 else 1  # stock checks k
         n = len(model.layers)
+        start = prompt_cache_ops._kv_offset(cache[:n])
         with _rollback_if_complete(model, cache[:n], steps), \
                 _rollback_if_complete(draft_model, cache[n:], steps):
-            yield from stock(prompt, model, draft_model, *args, **kwargs)
+            first = True
+            for item in stock(prompt, model, draft_model, *args, **kwargs):
+                if first and start is not None and isinstance(prompt, mx.array):
+                    # the prompt's last token is the first verify's first: both models have read
+                    # start + P - 1 positions before it (mlx-lm's prefill leaves one token)
+                    q = start + max(prompt.size - 1, 0)
+                    prompt_cache_ops.record(cache[:n], q)
+                    prompt_cache_ops.record(cache[n:], q)
+                first = False
+                yield item
 
     speculative_generate_step._mqf_stock = stock
     return speculative_generate_step

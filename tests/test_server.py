@@ -289,3 +289,65 @@ def test_draft_model_serves_plain_greedy_text(server, client, tmp_path):
         for _ in range(2):
             assert _chat(spec_client, spec.model, stream=False).choices[0].message.content == want
         assert spec.log_text().count("mlx_qwen_fast: patched") == 2, spec.log_text()[-4000:]
+
+
+def _fp32_copy(folder, out):
+    """A copy of the checkpoint ``folder`` at ``out`` with its bf16 tensors
+    (scales, biases, norms) in fp32: mlx-lm then computes in fp32."""
+    import shutil
+
+    import mlx.core as mx
+
+    shutil.copytree(folder, out)
+    for f in out.glob("*.safetensors"):
+        arrays = mx.load(str(f))
+        mx.save_safetensors(str(f), {k: v.astype(mx.float32) if v.dtype == mx.bfloat16 else v
+                                     for k, v in arrays.items()}, metadata={"format": "mlx"})
+    return out
+
+
+def _chat_turns(srv, turns=4):
+    """A chat of ``turns`` turns (a system prompt, then per turn a user
+    message; the assistant's answer sent back edited, as clients do when
+    they re-render or trim it): per turn (answer, prompt tokens, cached
+    tokens)."""
+    client = openai.OpenAI(base_url=srv.url("/v1"), api_key="x", max_retries=0, timeout=120)
+    messages = [{"role": "system", "content": "You answer in one line. " * 8}]
+    out = []
+    for turn in range(turns):
+        messages.append({"role": "user", "content": f"Turn {turn}: tell me about rivers and lakes. " * 3})
+        r = client.chat.completions.create(model=srv.model, messages=messages, max_tokens=8, temperature=0.0)
+        details = r.usage.prompt_tokens_details
+        out.append((r.choices[0].message.content, r.usage.prompt_tokens, details.cached_tokens if details else None))
+        messages.append({"role": "assistant", "content": f"(edited) {r.choices[0].message.content[:5]}"})
+    return out
+
+
+def test_speculative_chat_resumes_from_the_last_prompt(tiny_checkpoint, tmp_path):
+    """`--draft-model` serves one request at a time, where mlx-lm keeps only
+    each request's final cache (prompt + answer), which a hybrid model
+    cannot trim: each turn of a chat whose answers come back edited would
+    read its whole prompt again. With the checkpoint at each prompt's end
+    (mlx_qwen_fast.prompt_cache) turn k reads only what follows turn k-1's
+    prompt (cached = that prompt's tokens - 1, as mlx-lm's batched path
+    reuses for plain decoding), and every answer is the one a server
+    without a prompt cache gives."""
+    from mlx_qwen_fast.checkpoint import write_checkpoint
+
+    # fp32 copies: in bf16 a prompt read in two calls rounds differently from one call, and greedy
+    # tokens of random weights may follow the rounding
+    target = _fp32_copy(tiny_checkpoint, tmp_path / "target")
+    draft = _fp32_copy(write_checkpoint(tmp_path / "draft", "tiny-draft", seed=1), tmp_path / "draft32")
+    flags = ("--draft-model", str(draft), "--num-draft-tokens", "3")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with _serving(target, tmp_path / "a", *flags) as srv:
+        got = _chat_turns(srv)
+    with _serving(target, tmp_path / "b", *flags, "--prompt-cache-size", "0") as srv:
+        fresh = _chat_turns(srv)
+    assert [a for a, _, _ in got] == [a for a, _, _ in fresh]
+    assert [p for _, p, _ in got] == [p for _, p, _ in fresh]
+    assert all(c in (0, None) for _, _, c in fresh)
+    cached = [c for _, _, c in got]
+    assert cached[0] in (0, None)
+    assert cached[1:] == [p - 1 for _, p, _ in got[:-1]], got

@@ -49,6 +49,7 @@ from typing import Any, Callable, Generator, List, Optional, Sequence, Tuple, Un
 
 import mlx.core as mx
 
+from .. import prompt_cache as prompt_cache_ops
 from .. import speculative
 from . import capture
 
@@ -189,6 +190,10 @@ def _steps(prompt: mx.array, model, drafter, stream, *, max_tokens: int, sampler
         y = sampler(logprobs)
         mx.eval(y)
         y = int(y.item())
+        # the prompt's end (pos: every prompt position read, by the target and into the drafter's
+        # context): where a server's next request may resume (mlx_qwen_fast.prompt_cache)
+        prompt_cache_ops.record(cache, pos)
+        prompt_cache_ops.record(dcache, pos)
         yield y, logprobs[0], False
         emitted = 1
         if processors:
