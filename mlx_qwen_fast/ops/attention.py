@@ -68,6 +68,7 @@ elsewhere.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import mlx.core as mx
@@ -79,8 +80,13 @@ from ..kernels import attention_decode as _k_decode
 from ..kernels import attention_decode_metal as _k_decode_metal
 from ..kernels import attention_prefill as _k_prefill
 
-__all__ = ["IMPLEMENTATIONS", "decode_attention", "decode_attention_reference", "decode_implementation",
+__all__ = ["IMPLEMENTATIONS", "decode_attention", "decode_attention_reference", "decode_attention_unchecked",
+           "decode_implementation",
            "implementation_for", "prefill_attention", "prefill_attention_reference", "prefill_implementation"]
+
+def _describe(a) -> str:
+    return f"{a.dtype} {tuple(a.shape)}" if isinstance(a, mx.array) else type(a).__name__
+
 
 #: What :func:`decode_attention` and :func:`prefill_attention` can run: the
 #: kernels (the Metal ones for decode only) or the reference ops.
@@ -109,7 +115,10 @@ def decode_attention_reference(
     ``Qwen3NextAttention.__call__`` (mlx-lm 0.32.2), the cache written with
     ``mx.slice_update`` at ``offset`` and the attention taken over the
     whole buffer with the positions past ``offset`` masked. Any head_dim;
-    the buffers' capacity is the only shape the graph depends on."""
+    the buffers' capacity is the only shape the graph depends on. Unchecked
+    (traceable): an ``offset`` outside ``[0, capacity)`` gives an
+    unspecified result, but the row written is the offset clamped into the
+    buffers, as in the kernels, so nothing outside them is written."""
     B, dh = proj.shape[0], keys.shape[-1]
     nq, nk = 2 * num_heads * dh, num_kv_heads * dh
     queries, gate = mx.split(proj[..., :nq].reshape(B, 1, num_heads, -1), 2, axis=-1)
@@ -122,8 +131,11 @@ def decode_attention_reference(
     rope = dict(traditional=rope_traditional, base=rope_base, scale=rope_scale, offset=offset)
     queries = mx.fast.rope(queries, rope_dims, **rope)
     k = mx.fast.rope(k, rope_dims, **rope)
-    keys = mx.slice_update(keys, k, offset.reshape(1), axes=(2,))
-    values = mx.slice_update(values, v, offset.reshape(1), axes=(2,))
+    # the row written is the offset clamped into the buffer, as the kernels write it: mx.slice_update
+    # at an array offset does not check bounds (outside them it corrupts memory)
+    at = mx.clip(offset.reshape(1), 0, keys.shape[2] - 1)
+    keys = mx.slice_update(keys, k, at, axes=(2,))
+    values = mx.slice_update(values, v, at, axes=(2,))
     mask = mx.arange(keys.shape[2]) <= offset  # the positions written so far, this one included
     out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
     out = out.transpose(0, 2, 1, 3).reshape(B, 1, -1)
@@ -149,10 +161,68 @@ def decode_attention(proj, keys, values, offset, q_norm_weight, k_norm_weight, *
     """The contract above, by :func:`decode_implementation`'s choice: the
     CUDA kernels (:func:`mlx_qwen_fast.kernels.attention_decode.attention_decode`),
     the Metal kernels
-    (:func:`mlx_qwen_fast.kernels.attention_decode_metal.attention_decode_metal`;
-    both check their arguments and raise ValueError naming one outside
-    their contract) or :func:`decode_attention_reference`. ``settings``: the
-    keyword arguments of :func:`decode_attention_reference`."""
+    (:func:`mlx_qwen_fast.kernels.attention_decode_metal.attention_decode_metal`)
+    or :func:`decode_attention_reference`. ``settings``: the keyword
+    arguments of :func:`decode_attention_reference` (``num_heads``,
+    ``num_kv_heads``, ``scale``, ``q_eps``, ``k_eps``, ``rope_dims`` required).
+
+    The arguments are checked first, ``offset``'s value included (it is
+    evaluated: not for use inside ``mx.compile``; the traced decode step
+    calls :func:`decode_attention_unchecked`).
+
+    Raises:
+      ValueError: an argument outside the contract (named): not an
+        mx.array, a shape, dtype or head count that does not fit, ``offset``
+        not a 0-d integer array in ``[0, capacity)``, a missing setting.
+    """
+    _check_decode(proj, keys, values, offset, q_norm_weight, k_norm_weight, settings)
+    return decode_attention_unchecked(proj, keys, values, offset, q_norm_weight, k_norm_weight, **settings)
+
+
+def _check_decode(proj, keys, values, offset, q_norm_weight, k_norm_weight, settings) -> None:
+    fn = "decode_attention"
+    named = (("proj", proj), ("keys", keys), ("values", values), ("offset", offset),
+             ("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight))
+    for name, a in named:
+        if not isinstance(a, mx.array):
+            raise ValueError(f"{fn}: {name} must be an mx.array, got {type(a).__name__}")
+    for name in ("num_heads", "num_kv_heads", "scale", "q_eps", "k_eps", "rope_dims"):
+        if name not in settings:
+            raise ValueError(f"{fn}: the setting {name} is required")
+    hq, hkv = settings["num_heads"], settings["num_kv_heads"]
+    if not (isinstance(hq, int) and isinstance(hkv, int) and hkv > 0 and hq > 0 and hq % hkv == 0):
+        raise ValueError(f"{fn}: num_heads ({hq!r}) must be a positive multiple of num_kv_heads ({hkv!r})")
+    if keys.ndim != 4 or keys.shape[2] < 1 or keys.shape[1] != hkv or keys.dtype not in _FLOATS:
+        raise ValueError(f"{fn}: keys must be a float array of shape [B, {hkv}, capacity >= 1, head_dim], "
+                         f"got {keys.dtype} {tuple(keys.shape)}")
+    B, dh = keys.shape[0], keys.shape[3]
+    width = 2 * (hq + hkv) * dh
+    if proj.shape != (B, 1, width) or proj.dtype != keys.dtype:
+        raise ValueError(f"{fn}: proj must be {keys.dtype} of shape [{B}, 1, {width}] (2 * (num_heads + "
+                         f"num_kv_heads) * head_dim), got {proj.dtype} {tuple(proj.shape)}")
+    if values.shape != keys.shape or values.dtype != keys.dtype:
+        raise ValueError(f"{fn}: values must be {keys.dtype} of the shape of keys {tuple(keys.shape)}, got "
+                         f"{values.dtype} {tuple(values.shape)}")
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if w.shape != (dh,) or w.dtype not in _FLOATS:
+            raise ValueError(f"{fn}: {name} must be a float array of shape [{dh}], got {w.dtype} {tuple(w.shape)}")
+    if offset.ndim != 0 or offset.dtype not in (mx.int32, mx.int64):
+        raise ValueError(f"{fn}: offset must be a 0-d int32 array, got {offset.dtype} {tuple(offset.shape)}")
+    at = offset.item()
+    if not 0 <= at < keys.shape[2]:
+        raise ValueError(f"{fn}: offset must be in [0, {keys.shape[2]}) (the buffers' capacity: the caller makes "
+                         f"room), got {at}")
+
+
+_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+
+
+def decode_attention_unchecked(proj, keys, values, offset, q_norm_weight, k_norm_weight, **settings):
+    """:func:`decode_attention` without its argument checks, for a traced
+    step (``offset`` cannot be read there): the kernels check shapes
+    themselves; an ``offset`` outside ``[0, capacity)`` gives an unspecified
+    result but writes nothing outside the buffers (every implementation
+    clamps the row it writes)."""
     impl = decode_implementation(proj, keys, values, num_heads=settings.get("num_heads"),
                                  num_kv_heads=settings.get("num_kv_heads"),
                                  head_dim=keys.shape[-1] if isinstance(keys, mx.array) and keys.ndim else 0)
@@ -191,8 +261,28 @@ def prefill_attention(queries, keys, values, *, scale: float, offset: int) -> mx
     buffer).
 
     Raises:
-      ValueError: from the kernel, an argument outside its contract (named).
+      ValueError: an argument outside the contract (named): not an
+        mx.array, shapes that do not fit (4-d, one batch and head_dim, query
+        heads a multiple of KV heads), ``offset`` not an int with ``0 <=
+        offset`` and ``offset + T <= L``, ``scale`` not a finite number > 0.
     """
+    fn = "prefill_attention"
+    for name, a in (("queries", queries), ("keys", keys), ("values", values)):
+        if not isinstance(a, mx.array) or a.ndim != 4 or a.dtype not in _FLOATS:
+            raise ValueError(f"{fn}: {name} must be a 4-d float mx.array, got {_describe(a)}")
+    B, hq, T, dh = queries.shape
+    if (keys.shape[0] != B or keys.shape[3] != dh or keys.shape[1] < 1 or hq % keys.shape[1]
+            or keys.dtype != queries.dtype):
+        raise ValueError(f"{fn}: keys must be {queries.dtype} of shape [{B}, Hkv, L, {dh}] with {hq} query heads "
+                         f"a multiple of Hkv, got {_describe(keys)}")
+    if values.shape != keys.shape or values.dtype != keys.dtype:
+        raise ValueError(f"{fn}: values must be {keys.dtype} of the shape of keys {tuple(keys.shape)}, got "
+                         f"{_describe(values)}")
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0 or offset + T > keys.shape[2]:
+        raise ValueError(f"{fn}: offset must be an int with 0 <= offset and offset + {T} (queries) <= "
+                         f"{keys.shape[2]} (keys), got {offset!r}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{fn}: scale must be a finite number > 0, got {scale!r}")
     if prefill_implementation(queries, keys, values, offset=offset) == "cuda-kernel":
         return _k_prefill.attention_prefill(queries, keys, values, scale=scale, offset=offset)
     return prefill_attention_reference(queries, keys, values, scale=scale, offset=offset)

@@ -130,10 +130,10 @@ def _attention_core(static, x, norm, keys, values, offset, qn_w, kn_w, flat):
     arrays. The norm is fused into the q|k|v GEMV and the residual into
     o_proj's (:func:`mlx_qwen_fast.ops.linear.decode_linear`); the part
     between the projections is
-    :func:`mlx_qwen_fast.ops.attention.decode_attention`."""
+    :func:`mlx_qwen_fast.ops.attention.decode_attention_unchecked` (traced: the offset is data)."""
     hq, hkv, dh, eps_q, eps_k, scale, (dims, traditional, base, rscale), (n_qkv, qkv_s), (n_o, o_s) = static
     proj = linear_ops.decode_linear(x, flat[n_o:n_o + n_qkv], qkv_s, norm=norm)
-    out, keys, values = attention_ops.decode_attention(
+    out, keys, values = attention_ops.decode_attention_unchecked(
         proj, keys, values, offset, qn_w, kn_w, num_heads=hq, num_kv_heads=hkv, scale=scale, q_eps=eps_q,
         k_eps=eps_k, rope_dims=dims, rope_traditional=traditional, rope_base=base, rope_scale=rscale)
     return linear_ops.decode_linear(out, flat[:n_o], o_s, residual=x), keys, values

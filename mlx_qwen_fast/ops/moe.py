@@ -866,7 +866,12 @@ def moe_decode(block, x: mx.array) -> mx.array:
     """
     arrs = decode_plan(block, x)
     if arrs is None:
-        raise ValueError("moe_decode: the block's modules or x do not fit the decode kernels (see decode_plan)")
+        _check_block_input("moe_decode", block, x)
+        if x.dtype != mx.bfloat16 or _decode_rows(block, x) is None:
+            raise ValueError(f"moe_decode: x must be bfloat16 with 1..{_decode_gemv.MAX_TOKENS} tokens "
+                             f"(the decode kernels'), got {_describe(x)}")
+        raise ValueError("moe_decode: block does not fit the decode kernels (sharded, its expert count or top_k, "
+                         "or its arrays' quantisation: see decode_plan)")
     lead, d = x.shape[:-1], x.shape[-1]
     tokens = x.reshape(-1, d)
     logits = block.gate(tokens)
@@ -1209,6 +1214,9 @@ def sparse_moe(block, x: mx.array, *, implementation: Optional[str] = None) -> m
             ``implementation``.
     """
     _check_block_input("sparse_moe", block, x)
+    if implementation is not None and (not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS):
+        raise ValueError(f"sparse_moe: implementation must be one of {sorted(IMPLEMENTATIONS)}, "
+                         f"got {implementation!r}")
     if x.size == 0:  # no tokens: nothing to route (MLX's quantised matmul does not take 0 rows)
         return mx.zeros(x.shape, x.dtype)
     if implementation is None:
@@ -1219,11 +1227,4 @@ def sparse_moe(block, x: mx.array, *, implementation: Optional[str] = None) -> m
         implementation = "stock"  # a CUDA implementation asked for where MLX has no CUDA device
     elif isinstance(implementation, str) and implementation.startswith("metal-") and not mx.metal.is_available():
         implementation = "stock"  # a Metal implementation asked for where MLX has no Metal device
-    try:
-        fn = IMPLEMENTATIONS[implementation]
-    except KeyError:
-        raise ValueError(
-            f"sparse_moe: implementation must be one of {sorted(IMPLEMENTATIONS)}, "
-            f"got {implementation!r}"
-        ) from None
-    return fn(block, x)
+    return IMPLEMENTATIONS[implementation](block, x)
