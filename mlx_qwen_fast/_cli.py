@@ -2,7 +2,8 @@
 
 The package's CLIs (``python -m mlx_qwen_fast.generate``, ``.server`` and
 ``python -m mlx_qwen_fast SUBCOMMAND``) take exactly mlx-lm's flags plus
-``--stock``. Before anything heavy is imported (mlx-lm, transformers) the
+``--stock`` and ``--dtype {bfloat16,float16,float32}`` (the dtype the loaded
+model computes in, :func:`cast_model`; default the checkpoint's). Before anything heavy is imported (mlx-lm, transformers) the
 arguments a user most often gets wrong are checked here, each failure one
 line naming the argument and what was expected, exit code 2 (argparse's
 usage-error code): the ``--model`` folder (exists, is a folder, parseable
@@ -415,6 +416,76 @@ def check_arguments(command: str, argv: Sequence[str]) -> None:
     _check_prompt(command, argv)
 
 
+#: ``--dtype`` values: the activation dtype the loaded model computes in.
+DTYPES = ("bfloat16", "float16", "float32")
+DTYPE_HELP = ("--dtype {bfloat16,float16,float32}: the dtype the model computes in (default: the checkpoint's); "
+              "on a CPU float32 is several times faster than bfloat16 and makes patched and --stock tokens "
+              "comparable.")
+
+
+def take_dtype(argv: Sequence[str]):
+    """``argv`` without ``--dtype D`` / ``--dtype=D``, and D (None when
+    absent). A missing or unknown value, or the flag twice: usage error
+    (one line, exit code 2)."""
+    out, found = [], []
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--dtype":
+            if i + 1 >= len(argv):
+                usage_error(f"--dtype: expected one of {', '.join(DTYPES)}")
+            found.append(argv[i + 1])
+            i += 2
+            continue
+        if a.startswith("--dtype="):
+            found.append(a.split("=", 1)[1])
+        else:
+            out.append(a)
+        i += 1
+    if len(found) > 1:
+        usage_error(f"--dtype given {len(found)} times: expected one")
+    if found and found[0] not in DTYPES:
+        usage_error(f"--dtype: expected one of {', '.join(DTYPES)}, got {found[0]!r}")
+    return out, (found[0] if found else None)
+
+
+def cast_model(model, dtype) -> None:
+    """Put ``model``'s floating parameters in ``dtype`` (an mx.Dtype), in
+    place: for float32 every floating parameter; for bfloat16 / float16 the
+    16-bit ones (parameters a checkpoint keeps in float32, such as the Gated
+    DeltaNet's ``A_log``, stay float32, as mlx-lm loads them). Quantised
+    weights (integer arrays) are untouched; their scales and biases follow
+    the rule above."""
+    import mlx.core as mx
+
+    if dtype == mx.float32:
+        model.set_dtype(dtype, lambda t: mx.issubdtype(t, mx.floating))
+    else:
+        model.set_dtype(dtype, lambda t: t in (mx.bfloat16, mx.float16))
+
+
+def install_dtype(name: str) -> None:
+    """Make every ``mlx_lm.load`` in this process cast the loaded model to
+    the dtype ``name`` (:func:`cast_model`), before the fast path's wrapper
+    (installed after this) patches it: ``mlx_lm.utils.load_model`` is
+    wrapped."""
+    import functools
+
+    import mlx.core as mx
+    import mlx_lm.utils
+
+    dtype = getattr(mx, name)
+    stock = mlx_lm.utils.load_model
+
+    @functools.wraps(stock)
+    def load_model(*args, **kwargs):
+        model, model_config = stock(*args, **kwargs)
+        cast_model(model, dtype)
+        return model, model_config
+
+    mlx_lm.utils.load_model = load_model
+
+
 def versions() -> str:
     """``mlx_qwen_fast X (mlx Y, mlx-lm Z)``, read from the installed packages' metadata."""
     from importlib.metadata import PackageNotFoundError, version
@@ -528,14 +599,17 @@ def run_mlx_lm_main(module: str, argv=None, *, before_main=None) -> None:
     stock = "--stock" in argv
     argv = [a for a in argv if a != "--stock"]
     command = module.rsplit(".", 1)[-1]
+    argv, dtype = take_dtype(argv)
     argv = _expand_model(argv)
     check_arguments(command, argv)
     if "-h" in argv or "--help" in argv:
         print("mlx_qwen_fast: mlx-lm's own flags follow; add --stock to run stock mlx-lm "
-              "(MLX_QWEN_FAST=0 does the same).\n")
+              f"(MLX_QWEN_FAST=0 does the same). {DTYPE_HELP}\n")
     if stock:
         config.restore_process_settings()
         print("mlx_qwen_fast: --stock: running stock mlx-lm", file=sys.stderr)
+    if dtype is not None:
+        install_dtype(dtype)  # before the fast path's wrapper: the model is cast, then patched
     cold = None
     if not stock:
         from .patching import install

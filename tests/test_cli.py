@@ -380,3 +380,67 @@ def test_generate_with_a_draft_model(demo_checkpoint, draft_checkpoint):
     assert spec.stdout.strip() and spec.stdout == plain.stdout
     stock = _run(*args, "--draft-model", str(draft_checkpoint), "--stock", timeout=300)
     assert stock.returncode != 0 and "requires a trimmable prompt cache" in stock.stderr, stock.stderr
+
+
+def test_dtype_float32_makes_patched_and_stock_tokens_agree(demo_checkpoint):
+    """`--dtype float32`: the model is cast before the fast path patches it
+    (the report names no kernel the fp32 model would decline), and the
+    patched and the `--stock` run print the same text; a bad value or the
+    flag twice is one line, exit code 2."""
+    args = ("-m", "mlx_qwen_fast.generate", "--model", str(demo_checkpoint), "--prompt", "Tell me about rivers.",
+            "-m", "16", "--verbose", "False")
+    fast = _run(*args, "--dtype", "float32", timeout=300)
+    stock = _run(*args, "--dtype=float32", "--stock", timeout=300)
+    assert fast.returncode == 0 and stock.returncode == 0, fast.stderr + stock.stderr
+    assert "mlx_qwen_fast: patched" in fast.stderr
+    assert fast.stdout.strip() and fast.stdout == stock.stdout
+    for bad, expect in ((("--dtype", "float8"), "--dtype: expected one of bfloat16, float16, float32, got 'float8'"),
+                        (("--dtype", "float32", "--dtype", "float16"), "--dtype given 2 times: expected one")):
+        r = _run("-m", "mlx_qwen_fast.generate", "--model", str(demo_checkpoint), "--prompt", "hi", *bad)
+        assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"mlx_qwen_fast: error: {expect}"], r.stderr
+
+
+def test_cast_model_keeps_what_the_checkpoint_keeps_in_float32():
+    """cast_model: float32 casts every floating parameter; bfloat16/float16
+    cast the 16-bit ones and leave float32 ones (A_log); integer (packed
+    quantised) weights never change."""
+    import copy
+
+    from mlx.utils import tree_flatten
+
+    import mlx.core as mx
+
+    from mlx_qwen_fast._cli import cast_model
+    from mlx_qwen_fast.checkpoint import build_model
+
+    model, _ = build_model("tiny", seed=0)
+    before = dict(tree_flatten(model.parameters()))
+    assert any(v.dtype == mx.float32 for v in before.values()) and any(v.dtype == mx.uint32 for v in before.values())
+    for dtype in (mx.float32, mx.float16):
+        m = copy.deepcopy(model)
+        cast_model(m, dtype)
+        for k, v in tree_flatten(m.parameters()):
+            was = before[k].dtype
+            if was == mx.uint32:
+                assert v.dtype == mx.uint32, k
+            elif dtype == mx.float32 or was in (mx.bfloat16, mx.float16):
+                assert v.dtype == dtype, k
+            else:
+                assert v.dtype == was, k
+
+
+def test_install_dtype_casts_what_mlx_lm_loads(monkeypatch, tiny_checkpoint):
+    """After install_dtype("float32"), mlx_lm.load returns a model whose
+    floating parameters are all float32 (the checkpoint's are bfloat16)."""
+    import mlx.core as mx
+    import mlx_lm
+    import mlx_lm.utils
+    from mlx.utils import tree_flatten
+
+    monkeypatch.setattr(mlx_lm.utils, "load_model", mlx_lm.utils.load_model)  # undone after the test
+    model, _ = mlx_lm.load(str(tiny_checkpoint))
+    assert mx.bfloat16 in {v.dtype for _, v in tree_flatten(model.parameters())}
+    _cli.install_dtype("float32")
+    model, _ = mlx_lm.load(str(tiny_checkpoint))
+    dtypes = {v.dtype for _, v in tree_flatten(model.parameters())}
+    assert dtypes <= {mx.float32, mx.uint32} and mx.float32 in dtypes
