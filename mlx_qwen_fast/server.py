@@ -23,7 +23,6 @@ import json
 import logging
 from typing import List, Optional
 
-from . import prompt_cache
 from ._cli import run_mlx_lm_main
 
 #: Files a cached repo's ``main`` revision must hold to be listed: mlx-lm
@@ -181,6 +180,8 @@ def install(server_module) -> None:
     handler.handle_models_request = handle_models_request
     if not getattr(handler.validate_model_parameters, "checks_requests", False):
         handler.validate_model_parameters = _with_request_checks(handler.validate_model_parameters)
+    from . import prompt_cache  # imports mlx-lm: not at module level, which the CLI imports before its checks
+
     prompt_cache.install(server_module)
 
 
