@@ -451,3 +451,20 @@ def test_sampling_keeps_the_targets_distribution(tiny):
         bad_counts[keys[i]] = bad_counts.get(keys[i], 0) + 1
     bad_stat, bad_dof = _chi2(bad_counts, probs, N_SAMPLES)
     assert bad_stat > _CHI2_999[bad_dof - 1], (bad_stat, bad_dof)
+
+
+def test_the_verify_keeps_one_shape_to_the_end(env, tiny, drafter):
+    """Every verify pass is a whole block, also where fewer tokens are left
+    (the extra ones trimmed): with the whole-stack step on, a generation
+    whose blocks mostly accept nothing traces the step once per KV
+    capacity, not once per tokens-left count; the tokens stay plain
+    greedy decoding's."""
+    _, fast = tiny
+    env.set(config.VERIFY_MODEL_STEP.name, "1")
+    prompt, n = PROMPTS[1], 30
+    stats = dflash.DFlashStats()
+    traces = verify_ops.trace_count()
+    got = [t for t, _ in dflash.dflash_generate_step(mx.array(prompt), fast, drafter, max_tokens=n, stats=stats)]
+    assert got == _plain(fast, prompt, n)
+    assert stats.blocks >= 10
+    assert verify_ops.trace_count() - traces <= 2, (verify_ops.trace_count() - traces, stats.accepted)

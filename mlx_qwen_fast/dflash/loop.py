@@ -202,7 +202,10 @@ def _steps(prompt: mx.array, model, drafter, stream, *, max_tokens: int, sampler
         # pos: the position of y, the last emitted token (not yet read by the target)
         with speculative.rollback(parts.text_model, cache, block):
             while max_tokens < 0 or emitted < max_tokens:
-                b = block if max_tokens < 0 else min(block, max_tokens - emitted)
+                # a whole block even where fewer tokens are left: one verify shape (S = block) for the whole
+                # generation, so the compiled verify step is traced once; the extra tokens are trimmed below
+                b = block
+                left = None if max_tokens < 0 else max_tokens - emitted
                 y_arr = mx.array([y], mx.uint32)
                 drafts = drafter.propose(model, y_arr, pos, b - 1, dcache) if b > 1 else None
                 tokens_in = y_arr if drafts is None else mx.concatenate([y_arr, drafts.astype(mx.uint32)])
@@ -216,12 +219,13 @@ def _steps(prompt: mx.array, model, drafter, stream, *, max_tokens: int, sampler
                 t = sampler(logprobs)
                 mx.eval(t, tokens_in)
                 t_list, d_list = t.tolist(), tokens_in.tolist()[1:]
+                usable = b - 1 if left is None else min(b - 1, left - 1)  # drafts that may still be emitted
                 a = 0
-                while a < b - 1 and d_list[a] == t_list[a]:
+                while a < usable and d_list[a] == t_list[a]:
                     a += 1
                 if stats is not None:
                     stats.accepted.append(a)
-                    stats.drafted.append(b - 1)
+                    stats.drafted.append(usable)
                 if b - 1 - a:
                     trim_prompt_cache(cache, b - 1 - a)
                 if hidden is not None:
