@@ -714,7 +714,7 @@ def test_cli_bad_quantization(tmp_path, capsys, argv, message):
 
 
 def test_mlx_lm_constants_are_mlx_lms():
-    """The constants of mlx-lm written out in checkpoint.py (so that
+    """The constants of mlx-lm written out in mlx_qwen_fast/checkpoint/ (so that
     importing it does not import mlx-lm) are still mlx-lm's."""
     import importlib
 

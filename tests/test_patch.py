@@ -157,8 +157,9 @@ def _greedy(model, prompt, n):
 def test_greedy_tokens_identical_for_64_steps(demo_checkpoint):
     # fp32 activations: in bf16 on random weights two code paths that round
     # differently pick different greedy tokens at near-ties (DESIGN-NOTES 8;
-    # mlx_qwen_fast/checkpoint.py measured 79-85% bf16-vs-fp32 agreement at
-    # any lm_head scale), so only fp32 makes token identity a real check.
+    # mlx_qwen_fast/checkpoint/weights.py measured 79-85% bf16-vs-fp32
+    # agreement at any lm_head scale), so only fp32 makes token identity a
+    # real check.
     model, tokenizer = mlx_lm.load(str(demo_checkpoint))
     model = _fp32(model)
     fast, _ = patched_copy(model)
