@@ -174,7 +174,8 @@ DECODE_MODEL_STEP = Switch(
 VERIFY_MODEL_STEP = Switch(
     "MLX_QWEN_FAST_VERIFY_STEP", "bool", False, "`1`",
     "a forward of 2-16 tokens per row with a cache (a speculative verify) runs every layer in one compiled call "
-    "instead of mlx-lm's loop over the layers (not yet timed on a GPU)")
+    "instead of mlx-lm's loop over the layers (off: 6-9 ms faster a pass on an H100, bench/results/verify-step-log.md, "
+    "but its fp32 tests against the loop fail on the GPU, not yet explained)")
 ATTENTION_DECODE_KERNEL = Switch(
     "MLX_QWEN_FAST_ATTENTION_KERNEL", "bool", True, "`0`",
     "the decode layer step keeps MLX's attention ops (RMSNorm, RoPE, masked SDPA, gate) on CUDA "
