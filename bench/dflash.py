@@ -2,19 +2,30 @@
 
 ``python -m bench.dflash [--model PATH | --preset P --dtype D] --context 4096
 [--tokens 128] [--accept oracle,0.6,0.8,0.9] [--block 16] [--repeats 2]
-[--drafter DIR | --drafter-preset NAME] [--out FILE]``
+[--oracle-rounds 4] [--drafter DIR | --drafter-preset NAME] [--out FILE]``
 
 On the patched target (``--model``, or a random-weight ``--preset``), after a
 prompt of ``--context`` random tokens:
 
 - **plain**: mlx-lm's ``generate_step`` (greedy), ``--tokens`` tokens; its
   tokens are the reference continuation;
+- **the loop's own continuation**: in bf16 on a GPU the verify's greedy
+  tokens are not plain decoding's (an S-token pass rounds differently, and
+  a random-weight model's top logits are near ties), so a stand-in that
+  proposed plain decoding's tokens would be rejected from the first
+  difference on. The reference of the stand-ins is therefore the loop's own
+  output, found as a fixed point (:func:`loop_reference`): run the loop
+  with the oracle proposing the current reference, take its output as the
+  next reference, until the output equals what was proposed (then every
+  draft was accepted) or ``--oracle-rounds`` runs (untimed) are spent. On
+  the CPU in fp32 it is plain decoding's continuation at once;
 - **DFlash with stand-in drafters** (:func:`mlx_qwen_fast.dflash.dflash_generate_step`,
-  greedy, block ``--block``): ``oracle`` proposes the reference
-  continuation (every draft accepted while the verify's tokens are plain
-  decoding's); ``p`` (a float) proposes the reference token with
-  probability p per position, else a wrong one (accepted length per block
-  geometric: E = sum_{k<b} p^k - 1 drafts). A stand-in drafts for free (a
+  greedy, block ``--block``): ``oracle`` proposes that reference
+  continuation (every draft accepted once the fixed point is reached);
+  ``p`` (a float) proposes the reference token with probability p per
+  position, else a wrong one (accepted length per block geometric: E =
+  sum_{k<b} p^k - 1 drafts, where the verify's tokens after a rejection
+  keep to the reference). A stand-in drafts for free (a
   host-side lookup), so these rows time the verify passes, the target's
   hidden-state capture and the rollback: the loop's cost without the
   drafter;
@@ -30,8 +41,10 @@ prompt of ``--context`` random tokens:
 Each timed run starts from a fresh cache (the prefill is not timed:
 decode tokens/s = tokens after the first / seconds from the first token to
 the last). Records: mode, tok_s (median over ``--repeats``), speedup over
-plain, measured acceptance and tokens per verify pass. Writes a JSON result
-(kind "dflash") with ``--out``.
+plain, measured acceptance and tokens per verify pass, whether the run's
+tokens are plain decoding's (``exact``) and the reference's
+(``as_reference``); the reference's rounds and whether it is plain
+decoding's. Writes a JSON result (kind "dflash") with ``--out``.
 """
 
 from __future__ import annotations
@@ -75,6 +88,26 @@ class StandIn:
             r = self.ref[i + j] if i + j < len(self.ref) else 0
             out.append(r if self.rng.random() < self.p else (r + 1) % self.vocab)
         return mx.array(out, mx.uint32)
+
+
+def loop_reference(prompt, model, start: List[int], block: int, layer_ids, vocab: int, tokens: int,
+                   rounds: int):
+    """The DFlash loop's own greedy continuation of ``prompt`` (``tokens``
+    tokens), as a fixed point: the oracle stand-in proposes the current
+    reference (first ``start``, plain decoding's), the loop's output becomes
+    the next one, until the output is what was proposed or ``rounds`` runs
+    are spent. Returns ``(reference, runs made, fixed point reached)``."""
+    from mlx_qwen_fast import dflash
+
+    cur = list(start)
+    for r in range(1, rounds + 1):
+        stand = StandIn(cur + [0] * block, prompt.size, 1.0, block, layer_ids, vocab)
+        out = [t for t, _ in dflash.dflash_generate_step(prompt, model, stand, max_tokens=tokens,
+                                                         block_size=block)]
+        if out == cur:
+            return cur, r, True
+        cur = out
+    return cur, rounds, False
 
 
 def _timed(gen, n: int):
@@ -158,6 +191,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--accept", default="oracle,0.6,0.8,0.9", help="stand-in modes (default %(default)s)")
     p.add_argument("--block", type=int, default=16, help="verify block size, drafts + 1 (default 16)")
     p.add_argument("--repeats", type=int, default=2, help="timed runs per mode (median; default 2)")
+    p.add_argument("--oracle-rounds", type=int, default=4,
+                   help="untimed runs to find the loop's own continuation (default 4)")
     p.add_argument("--drafter", default=None, help="a DFlash drafter folder for the drafter-cost row")
     p.add_argument("--drafter-preset", default=None, help="random drafter preset (default: the target's shape)")
     p.add_argument("--out", default=None, help="result JSON (default: no file)")
@@ -166,8 +201,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         modes = parse_accept(args.accept)
     except ValueError as e:
         p.error(str(e))
-    if args.context < 1 or args.tokens < 2 or args.block < 2 or args.repeats < 1:
-        p.error("--context >= 1, --tokens >= 2, --block >= 2 and --repeats >= 1 are required")
+    if args.context < 1 or args.tokens < 2 or args.block < 2 or args.repeats < 1 or args.oracle_rounds < 1:
+        p.error("--context >= 1, --tokens >= 2, --block >= 2, --repeats >= 1 and --oracle-rounds >= 1 are required")
 
     from mlx_lm.generate import generate_step
 
@@ -196,12 +231,20 @@ def main(argv: Optional[List[str]] = None) -> int:
                     "blocks": args.tokens - 1, "exact": True})
     print(f"plain: {plain:.2f} tok/s", flush=True)
 
+    loop_ref, rounds, fixed = loop_reference(prompt, model, ref, block, ids, vocab, args.tokens,
+                                             args.oracle_rounds)
+    reference = {"rounds": rounds, "fixed_point": fixed, "is_plain": loop_ref == ref}
+    print(f"reference: the loop's own continuation after {rounds} run(s) "
+          f"({'a fixed point' if fixed else 'no fixed point'}; "
+          f"{'plain decoding' + chr(39) + 's' if loop_ref == ref else 'not plain decoding' + chr(39) + 's'})",
+          flush=True)
+
     rows_per_block = {}
     for mode in modes:
         prob = 1.0 if mode == "oracle" else float(mode)
         runs, st = [], None
         for r in range(args.repeats):
-            stand = StandIn(ref + [0] * block, args.context, prob, block, ids, vocab, seed=r)
+            stand = StandIn(loop_ref + [0] * block, args.context, prob, block, ids, vocab, seed=r)
             st = dflash.DFlashStats()
             gen = dflash.dflash_generate_step(prompt, model, stand, max_tokens=args.tokens, block_size=block,
                                               stats=st)
@@ -212,7 +255,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         records.append({"mode": mode, "context": args.context, "tokens": args.tokens, "tok_s": tok_s,
                         "tok_s_runs": runs, "speedup": tok_s / plain, "acceptance": st.acceptance,
                         "tokens_per_block": st.tokens_per_block, "blocks": st.blocks, "exact": toks == ref,
-                        "seconds": (len(toks) - 1) / tok_s})
+                        "as_reference": toks == loop_ref, "seconds": (len(toks) - 1) / tok_s})
         print(f"{mode}: {tok_s:.2f} tok/s ({tok_s / plain:.2f}x), acceptance {100 * st.acceptance:.0f}%, "
               f"{st.tokens_per_block:.2f} tokens per pass", flush=True)
 
@@ -225,7 +268,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if args.out:
         data = common.result_header("dflash", args, **common.checkpoint_fields(args))
-        data.update(records=records, drafter=drafter_rec)
+        data.update(records=records, drafter=drafter_rec, reference=reference)
         common.write_json(args.out, data)
     return 0
 

@@ -551,6 +551,31 @@ def test_dflash_bench_on_cpu(tmp_path):
     oracle = data["records"][1]
     assert oracle["acceptance"] == 1.0 and oracle["tokens_per_block"] >= 3 and oracle["tok_s_with_drafter"] > 0
     assert data["drafter"]["drafter"] == "tiny-dflash" and data["drafter"]["block_ms"] > 0
+    # fp32 on the CPU: the loop's own continuation is plain decoding's, found by the first run
+    assert data["reference"] == {"rounds": 1, "fixed_point": True, "is_plain": True}
+    assert all(r["as_reference"] for r in data["records"][1:])
     for bad in ("oracle,1.5", "sometimes"):
         with pytest.raises(SystemExit):
             bench_dflash.main(TINY + ["--accept", bad])
+
+
+def test_dflash_loop_reference_reaches_the_loops_own_tokens():
+    """loop_reference started from a wrong continuation (plain decoding's
+    with one token changed) reaches the loop's own tokens in a second run
+    (fp32 CPU: plain decoding's) and says it took two; with one run allowed
+    it stops without a fixed point."""
+    from mlx_lm.generate import generate_step
+
+    from bench import dflash as bench_dflash
+    from mlx_qwen_fast.checkpoint import DEMO_LM_HEAD_SCALE, build_model
+    from mlx_qwen_fast.patching import patched_copy
+
+    model, _ = build_model("tiny", seed=0, dtype=mx.float32, lm_head_scale=DEMO_LM_HEAD_SCALE)
+    fast, _ = patched_copy(model, warn=False)
+    prompt = mx.array([3, 9, 27, 81, 243, 7])
+    plain = [t for t, _ in generate_step(prompt, fast, max_tokens=12)]
+    wrong = plain[:5] + [(plain[5] + 1) % 1000] + plain[6:]
+    ref, rounds, fixed = bench_dflash.loop_reference(prompt, fast, wrong, 4, (), 1280, 12, rounds=4)
+    assert (ref, rounds, fixed) == (plain, 2, True)
+    ref, rounds, fixed = bench_dflash.loop_reference(prompt, fast, wrong, 4, (), 1280, 12, rounds=1)
+    assert (ref, rounds, fixed) == (plain, 1, False)
