@@ -423,30 +423,39 @@ DTYPE_HELP = ("--dtype {bfloat16,float16,float32}: the dtype the model computes 
               "comparable.")
 
 
-def take_dtype(argv: Sequence[str]):
-    """``argv`` without ``--dtype D`` / ``--dtype=D``, and D (None when
-    absent). A missing or unknown value, or the flag twice: usage error
-    (one line, exit code 2)."""
+def take_flag(argv: Sequence[str], flag: str, expected: str):
+    """``argv`` without ``flag VALUE`` / ``flag=VALUE``, and VALUE (None
+    when the flag is absent): for the package's own flags, taken out before
+    mlx-lm parses the rest. The flag without a value (``expected`` says
+    what it takes) or given twice: usage error (one line, exit code 2)."""
     out, found = [], []
     i = 0
     while i < len(argv):
         a = argv[i]
-        if a == "--dtype":
-            if i + 1 >= len(argv):
-                usage_error(f"--dtype: expected one of {', '.join(DTYPES)}")
+        if a == flag:
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                usage_error(f"{flag}: expected {expected} after it")
             found.append(argv[i + 1])
             i += 2
             continue
-        if a.startswith("--dtype="):
+        if a.startswith(flag + "="):
             found.append(a.split("=", 1)[1])
         else:
             out.append(a)
         i += 1
     if len(found) > 1:
-        usage_error(f"--dtype given {len(found)} times: expected one")
-    if found and found[0] not in DTYPES:
-        usage_error(f"--dtype: expected one of {', '.join(DTYPES)}, got {found[0]!r}")
+        usage_error(f"{flag} given {len(found)} times: expected one")
     return out, (found[0] if found else None)
+
+
+def take_dtype(argv: Sequence[str]):
+    """``argv`` without ``--dtype D`` / ``--dtype=D``, and D (None when
+    absent). A missing or unknown value, or the flag twice: usage error
+    (one line, exit code 2)."""
+    out, found = take_flag(argv, "--dtype", f"one of {', '.join(DTYPES)}")
+    if found is not None and found not in DTYPES:
+        usage_error(f"--dtype: expected one of {', '.join(DTYPES)}, got {found!r}")
+    return out, found
 
 
 def cast_model(model, dtype) -> None:

@@ -23,8 +23,6 @@ import json
 import logging
 from typing import List, Optional
 
-from ._cli import run_mlx_lm_main
-
 #: Files a cached repo's ``main`` revision must hold to be listed: mlx-lm
 #: 0.32.2's own criterion for "probably an mlx-lm model".
 _MLX_LM_FILES = ("config.json", "model.safetensors.index.json", "tokenizer_config.json")
@@ -189,17 +187,9 @@ def main() -> None:
     """Run ``mlx_lm.server`` with the fast path and the models list above;
     ``--stock``: stock mlx-lm, unchanged; ``--dflash-drafter DIR``: the
     DFlash drafter as the draft model."""
-    import sys
-
     from .dflash import cli as dflash_cli
 
-    argv, drafter = dflash_cli.take(sys.argv[1:])
-    if "-h" in argv or "--help" in argv:
-        print(f"mlx_qwen_fast: {dflash_cli.HELP}")
-    elif drafter is not None:
-        dflash_cli.check(argv, drafter)
-    hook = None if drafter is None else (lambda module: dflash_cli.hook_server(module, drafter))
-    run_mlx_lm_main("mlx_lm.server", argv, before_main=hook)
+    dflash_cli.run("mlx_lm.server", dflash_cli.hook_server)
 
 
 if __name__ == "__main__":

@@ -124,15 +124,21 @@ def test_flags_that_do_not_go_with_it(tiny_checkpoint, drafter_dir, extra, expec
     assert r.heavy() == []
 
 
-def test_a_drafter_that_does_not_fit_the_target(tmp_path, drafter_dir, tiny_checkpoint):
-    """A drafter of another vocabulary: found once the target is loaded,
-    one line naming the flag and what differs."""
+def _other_vocabulary(drafter_dir, tmp_path):
+    """A copy of the drafter folder whose config names another vocabulary (2048)."""
     other = tmp_path / "other"
     other.mkdir()
     cfg = json.loads((drafter_dir / "config.json").read_text())
     cfg["vocab_size"] = 2048
     (other / "config.json").write_text(json.dumps(cfg))
     (other / "model.safetensors").write_bytes((drafter_dir / "model.safetensors").read_bytes())
+    return other
+
+
+def test_a_drafter_that_does_not_fit_the_target(tmp_path, drafter_dir, tiny_checkpoint):
+    """A drafter of another vocabulary: found once the target is loaded,
+    one line naming the flag and what differs."""
+    other = _other_vocabulary(drafter_dir, tmp_path)
     r = _generate(tiny_checkpoint, "--dflash-drafter", str(other))
     assert r.returncode == 2, r.stderr
     last = r.stderr.strip().splitlines()[-1]
@@ -169,12 +175,7 @@ def test_server_with_a_dflash_drafter(tiny_checkpoint, drafter_dir, tmp_path):
         assert log.count("mlx_qwen_fast: patched") == 1, log[-4000:]
         assert f"mlx_qwen_fast: draft model: the DFlash drafter in {drafter_dir}" in log, log[-4000:]
 
-    other = tmp_path / "other"
-    other.mkdir()
-    cfg = json.loads((drafter_dir / "config.json").read_text())
-    cfg["vocab_size"] = 2048
-    (other / "config.json").write_text(json.dumps(cfg))
-    (other / "model.safetensors").write_bytes((drafter_dir / "model.safetensors").read_bytes())
+    other = _other_vocabulary(drafter_dir, tmp_path)
     # a plain subprocess: the server ends with os._exit (from mlx-lm's generation thread), which
     # skips run_module's module report
     r = subprocess.run([sys.executable, "-m", "mlx_qwen_fast.server", "--model", str(tiny_checkpoint),

@@ -23,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from .._cli import _safetensors_problem, folder_config, usage_error
+from .._cli import _safetensors_problem, folder_config, take_flag, usage_error
 
 FLAG = "--dflash-drafter"
 HELP = (f"{FLAG} DIR: speculative decoding with a DFlash block drafter (a folder in z-lab's layout: config.json "
@@ -34,24 +34,25 @@ def take(argv: Sequence[str]) -> Tuple[List[str], Optional[str]]:
     """``argv`` without ``--dflash-drafter DIR`` / ``--dflash-drafter=DIR``,
     and DIR (None when the flag is absent). The flag given twice, or
     without a value: usage error (exit code 2)."""
-    out, found = [], []
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        if a == FLAG:
-            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                usage_error(f"{FLAG}: expected a drafter folder after it")
-            found.append(argv[i + 1])
-            i += 2
-            continue
-        if a.startswith(FLAG + "="):
-            found.append(a.split("=", 1)[1])
-        else:
-            out.append(a)
-        i += 1
-    if len(found) > 1:
-        usage_error(f"{FLAG} given {len(found)} times: expected one drafter folder")
-    return out, (found[0] if found else None)
+    return take_flag(argv, FLAG, "a drafter folder")
+
+
+def run(module: str, hook) -> None:
+    """Run mlx-lm's CLI ``module`` (``mlx_lm.generate`` or ``mlx_lm.server``)
+    with the fast path and ``--dflash-drafter``: the flag taken out and
+    checked, and ``hook(mlx_lm_module, folder)`` applied before mlx-lm's
+    ``main`` when it is given (:func:`hook_generate`, :func:`hook_server`)."""
+    import sys
+
+    from .._cli import run_mlx_lm_main
+
+    argv, drafter = take(sys.argv[1:])
+    if "-h" in argv or "--help" in argv:
+        print(f"mlx_qwen_fast: {HELP}")
+    elif drafter is not None:
+        check(argv, drafter)
+    before = None if drafter is None else (lambda mod: hook(mod, drafter))
+    run_mlx_lm_main(module, argv, before_main=before)
 
 
 def folder_problem(path: Path) -> Optional[str]:
