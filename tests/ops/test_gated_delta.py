@@ -251,7 +251,7 @@ def test_chunked_decay_extremes(rng, g_range, beta_range, key_corr, chunk):
 def test_chunked_flush_variants(rng, monkeypatch, flush, g_range):
     """Both compiled variants (CPU flushes operands < 2^-60, GPU does not)
     match the float64 loop where decays across a chunk underflow."""
-    monkeypatch.setattr(gd, "_flush_subnormals", lambda: flush)
+    monkeypatch.setattr(gd.chunk, "_flush_subnormals", lambda: flush)
     arrs = make_inputs(rng, B=1, T=150, Hk=2, Hv=4, g_range=g_range, key_corr=1.0)
     y_c, S_c = gd.gated_delta_chunked(*to_mx(arrs), chunk_size=64)
     y_n, S_n = naive(*arrs)
@@ -700,7 +700,7 @@ def fake_decode(cpu_device, monkeypatch):
     monkeypatch.setattr(gd, "implementation_for", lambda *_a, **_k: gd.CUDA_KERNEL)
     monkeypatch.setattr(k_decode, "supports", lambda *_a, **_k: True)
     monkeypatch.setattr(k_decode, "gated_delta_decode", fake_decode_kernel)
-    monkeypatch.setattr(gd, "_decode_steps", {})  # traces of the stand-in stay out of the real cache
+    monkeypatch.setattr(gd.cuda, "_decode_steps", {})  # traces of the stand-in stay out of the real cache
 
 
 def gdn_layer(seed, quantize):
@@ -937,7 +937,7 @@ def test_mixer_switch_runs_the_one_launch_mixer(env, monkeypatch, dtype, B):
     launched = []
     real = k_mixer.gdn_mixer_decode
     monkeypatch.setattr(k_mixer, "gdn_mixer_decode", lambda *a, **k: launched.append(1) or real(*a, **k))
-    monkeypatch.setattr(gd, "_decode_steps", {})
+    monkeypatch.setattr(gd.cuda, "_decode_steps", {})
     runs = {}
     for mixer, gemv in (("1", "1"), ("0", "1"), ("1", "0")):
         env.set(config.GDN_MIXER_KERNEL.name, mixer)
