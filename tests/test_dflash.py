@@ -468,3 +468,24 @@ def test_the_verify_keeps_one_shape_to_the_end(env, tiny, drafter):
     assert got == _plain(fast, prompt, n)
     assert stats.blocks >= 10
     assert verify_ops.trace_count() - traces <= 2, (verify_ops.trace_count() - traces, stats.accepted)
+
+
+@pytest.mark.parametrize("step", ["0", "1"])
+def test_every_accepted_length_on_the_replay_form(env, monkeypatch, tiny, step):
+    """The replay form of the rollback (a GPU's, forced here: the verify runs
+    the layers' own paths, a trim replays the kept tokens): each accepted
+    length 0..15 occurs and the tokens are plain greedy decoding's, through
+    mlx-lm's layer loop (``step`` 0) or the whole-stack step (1)."""
+    from mlx_qwen_fast import backend, speculative
+
+    monkeypatch.setattr(speculative, "REPLAY_BACKENDS", (backend.current(),))
+    _, fast = tiny
+    env.set(config.VERIFY_MODEL_STEP.name, step)
+    prompt = PROMPTS[2]
+    n = 1 + sum(k + 1 for k in range(16))
+    ref = _plain(fast, prompt, n + 16)
+    stats = dflash.DFlashStats()
+    planted = Planted(ref, len(prompt), range(16))
+    got = [t for t, _ in dflash.dflash_generate_step(mx.array(prompt), fast, planted, max_tokens=n, stats=stats)]
+    assert stats.accepted == list(range(16))
+    assert got == ref[:n]
