@@ -320,14 +320,20 @@ def test_oracle_accepts_every_block(tiny):
     assert stats.accepted == [15, 15, 15, 0] and stats.drafted == [15, 15, 15, 0]  # the last: one token left
 
 
+@pytest.mark.parametrize("replay", [False, True])
 @pytest.mark.parametrize("step", ["0", "1"])
-def test_every_accepted_length(env, tiny, step):
+def test_every_accepted_length(env, monkeypatch, tiny, step, replay):
     """The planted stand-in's k-th block has exactly k right drafts: each
     accepted length 0..15 occurs, the caches roll back to each, and the
     tokens are plain greedy decoding's; the verify through mlx-lm's layer
-    loop (``step`` 0) or the whole-stack compiled step (1, which ran)."""
+    loop (``step`` 0) or the whole-stack compiled step (1, which ran); the
+    rollback in the CPU's form or the GPU's replay form (forced here)."""
+    from mlx_qwen_fast import backend, speculative
+
     _, fast = tiny
     env.set(config.VERIFY_MODEL_STEP.name, step)
+    if replay:
+        monkeypatch.setattr(speculative, "REPLAY_BACKENDS", (backend.current(),))
     steps = verify_ops.step_count()
     prompt = PROMPTS[2]
     n = 1 + sum(k + 1 for k in range(16))
@@ -468,24 +474,3 @@ def test_the_verify_keeps_one_shape_to_the_end(env, tiny, drafter):
     assert got == _plain(fast, prompt, n)
     assert stats.blocks >= 10
     assert verify_ops.trace_count() - traces <= 2, (verify_ops.trace_count() - traces, stats.accepted)
-
-
-@pytest.mark.parametrize("step", ["0", "1"])
-def test_every_accepted_length_on_the_replay_form(env, monkeypatch, tiny, step):
-    """The replay form of the rollback (a GPU's, forced here: the verify runs
-    the layers' own paths, a trim replays the kept tokens): each accepted
-    length 0..15 occurs and the tokens are plain greedy decoding's, through
-    mlx-lm's layer loop (``step`` 0) or the whole-stack step (1)."""
-    from mlx_qwen_fast import backend, speculative
-
-    monkeypatch.setattr(speculative, "REPLAY_BACKENDS", (backend.current(),))
-    _, fast = tiny
-    env.set(config.VERIFY_MODEL_STEP.name, step)
-    prompt = PROMPTS[2]
-    n = 1 + sum(k + 1 for k in range(16))
-    ref = _plain(fast, prompt, n + 16)
-    stats = dflash.DFlashStats()
-    planted = Planted(ref, len(prompt), range(16))
-    got = [t for t, _ in dflash.dflash_generate_step(mx.array(prompt), fast, planted, max_tokens=n, stats=stats)]
-    assert stats.accepted == list(range(16))
-    assert got == ref[:n]
