@@ -22,10 +22,10 @@ timed passes, in ms, and ``t(S) / t(1)``.
 * ``--rollback``: the passes run inside
   :func:`mlx_qwen_fast.speculative.rollback` with ``max_steps`` = the
   largest S, as in a speculative loop: a Gated DeltaNet layer of S > 1
-  tokens then keeps the state after every token
-  (:func:`mlx_qwen_fast.ops.gated_delta.gated_delta_net_steps`), the
-  verify's real cost (patched only: stock mlx-lm cannot roll its caches
-  back). There S = 1 runs module by module too, as a draft's step in the
+  tokens then records the call (on a GPU the states before it and its
+  input, replayed only by a trim: :mod:`mlx_qwen_fast.speculative`; on
+  the CPU every token's states), the verify's real cost (patched only:
+  stock mlx-lm cannot roll its caches back). There S = 1 runs module by module too, as a draft's step in the
   loop does: the compiled whole-stack and layer steps decline the
   recording caches.
 * ``--switch VARIABLE`` (a boolean switch of :mod:`mlx_qwen_fast.config`):

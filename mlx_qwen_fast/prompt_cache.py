@@ -61,7 +61,7 @@ def record(cache: Sequence[Any], q: int) -> bool:
     A KV entry records q alone. A Gated DeltaNet entry (an ``ArraysCache``)
     records its states: the current ones where ``offset == q``; else, for a
     recording cache (:class:`mlx_qwen_fast.speculative.RollbackArraysCache`)
-    that still holds them, the states from before position q.
+    that reaches back to q, its states there (``state_at``).
 
     Args:
         cache: the entries of one model (target or draft), one per layer.
@@ -83,12 +83,11 @@ def record(cache: Sequence[Any], q: int) -> bool:
             elif offset == q:
                 marks.append((q, c[0], c[1]))
             else:
-                steps = getattr(c, "steps", None)
                 back = offset - q
-                if steps is None or back > len(steps):
+                if not callable(getattr(c, "state_at", None)) or back > c.recorded():
                     ok = False
                 else:
-                    marks.append((q, *steps[len(steps) - back]))
+                    marks.append((q, *c.state_at(back)))
         elif getattr(c, "offset", None) == offset and c.is_trimmable():
             marks.append((q,))
         else:

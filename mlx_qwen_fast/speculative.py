@@ -13,37 +13,46 @@ state cannot be un-applied.
 
 Here the state is not un-applied but kept: while a speculative loop runs,
 each Gated DeltaNet cache of a patched model is a :class:`RollbackArraysCache`
-(the same object, its class swapped) that keeps the states the layer had
-before each of its last ``max_steps`` tokens (per-step snapshots), and
-``trim(n)`` puts back the one from n tokens ago. The attention layers'
+(the same object, its class swapped) that records its calls over its last
+``max_steps`` tokens (the states before each call, and for a call of
+several tokens on a GPU its input), and ``trim(n)`` puts back the states
+from n tokens ago. The attention layers'
 ``KVCache`` is trimmed by mlx-lm as it always is (its offset moves back).
 ``max_steps`` is ``num_draft_tokens + 1``, the most tokens one verify adds
 (and the most a draft round adds), so every trim mlx-lm asks for is
 recorded.
 
-Which call records what:
+Which call records what (a **segment** per call: the states before it,
+and for a call of several tokens the layer's input, to replay a prefix):
 
 * one token (the draft's steps): the layer runs as it always does (any
-  backend's decode path); the snapshot is the previous state, which is kept
-  alive instead of freed: no computation;
-* 2 .. ``max_steps`` tokens (the verify, a draft step over two tokens): the
-  layer runs :func:`mlx_qwen_fast.ops.gated_delta.gated_delta_net_steps`,
-  mlx-lm's layer math with the recurrence one token at a time in fp32 (the
-  reference of record), which returns the conv and recurrent state after
-  every token. On CUDA this replaces the fused prefill kernels (front end +
-  chunked scan) for that call: they do not expose per-step states (a verify
-  kernel that does is separate work); on the CPU it replaces the chunked
-  form;
+  backend's decode path); the segment is the previous state, kept alive
+  instead of freed: no computation;
+* 2 .. ``max_steps`` tokens (the verify, a draft step over two tokens), on
+  a GPU (:data:`REPLAY_BACKENDS`): the layer runs as it always does too
+  (on CUDA the fused prefill kernels, whole); the segment keeps the states
+  before the call and the layer's input ``[B, T, D]``. A trim that ends
+  inside such a call puts the states from before it back and replays the
+  kept tokens through the layer's own call (:meth:`RollbackArraysCache.trim`):
+  the recurrence costs only where drafts were rejected, and the verify
+  runs at the speed of any S-token forward (recording every token's states
+  instead costs ~10 graph nodes per token and layer: host time). On the
+  CPU the call runs the recurrence token by token in fp32
+  (:func:`mlx_qwen_fast.ops.gated_delta.gated_delta_net_steps`, the
+  reference of record) and records one segment per token, so that a verify
+  trimmed to any accepted length is bit for bit sequential decoding;
 * more than ``max_steps`` tokens (a prompt's prefill), a padding mask, or a
   cache with per-row lengths: the layer runs as it always does and the
-  recorded steps are dropped, so a trim reaching back past that call raises.
+  recorded segments are dropped, so a trim reaching back past that call
+  raises.
 
-Memory, per Gated DeltaNet layer and batch row: up to ``max_steps``
-snapshots of the recurrent state (``Hv * Dv * Dk`` fp32: 2 MiB at
-Qwen3.6's Hv = 32, Dv = Dk = 128) and of the conv state (``3 * conv_dim``
-in the activation dtype, 48 KiB in bf16): for Qwen3.6's 30 such layers
-about 61 MiB per step, ~250 MiB at ``num_draft_tokens=3``, ~1 GiB at 15.
-The draft model's layers add their own (smaller) share.
+Memory, per Gated DeltaNet layer and batch row: one snapshot of the
+recurrent state (``Hv * Dv * Dk`` fp32: 2 MiB at Qwen3.6's Hv = 32, Dv = Dk
+= 128) and of the conv state (``3 * conv_dim`` in the activation dtype, 48
+KiB in bf16) per recorded call, at most ``max_steps`` of them (one-token
+calls: the draft's steps) and usually one or two (a verify); the verify's
+input, ``T * D`` in the activation dtype. For Qwen3.6's 30 such layers about
+61 MiB per recorded call.
 
 Plain decoding and prefill pay nothing: a cache is a
 :class:`RollbackArraysCache` only inside :func:`rollback` (which
@@ -64,51 +73,124 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, make_prompt_cache
 
 from . import prompt_cache as prompt_cache_ops
+from . import backend
 from .ops import gated_delta as gated_delta_ops
 
-__all__ = ["RollbackArraysCache", "forward", "install", "rollback", "rollback_layers",
+__all__ = ["RollbackArraysCache", "Segment", "forward", "install", "rollback", "rollback_layers",
            "stock_speculative_generate_step"]
 
 #: mlx-lm's ``num_draft_tokens`` default in ``speculative_generate_step``.
 DEFAULT_NUM_DRAFT_TOKENS = 2
 
 
+class Segment(NamedTuple):
+    """One recorded call of a Gated DeltaNet layer on a
+    :class:`RollbackArraysCache`: the states before it (``conv``, ``rec``;
+    None for a cache that held no state yet), its token count ``tokens``,
+    and for ``tokens > 1`` the layer and its input ``[B, tokens, D]`` to
+    replay a prefix of the call (``layer`` and ``inputs`` None for one
+    token)."""
+
+    conv: Optional[mx.array]
+    rec: Optional[mx.array]
+    tokens: int
+    layer: Any = None
+    inputs: Optional[mx.array] = None
+
+    def replay(self, k: int) -> Tuple[mx.array, mx.array]:
+        """The states after the first ``k`` tokens of the call (0 < k <
+        ``tokens``), by the layer's own call on them from the states before
+        it (:func:`mlx_qwen_fast.ops.gated_delta.gated_delta_net`)."""
+        tmp = ArraysCache(2)
+        tmp[0], tmp[1] = self.conv, self.rec
+        gated_delta_ops.gated_delta_net(self.layer, self.inputs[:, :k], None, tmp)
+        return tmp[0], tmp[1]
+
+
 class RollbackArraysCache(ArraysCache):
     """mlx-lm's ``ArraysCache`` of a Gated DeltaNet layer (``[conv state,
-    recurrent state]``) that records the states before each of its last
-    ``max_steps`` tokens and can be trimmed back over them.
+    recurrent state]``) that records its last calls, up to ``max_steps``
+    tokens, and can be trimmed back over them.
 
     Only :func:`rollback` makes one (by swapping an existing cache's class,
     so the same object keeps its arrays) and turns it back into a plain
     ``ArraysCache`` on exit. The layer's forward records through
     :func:`forward` (:class:`mlx_qwen_fast.layers.FastGatedDeltaNet` calls
-    it for a cache of this class).
+    it for a cache of this class), the whole-stack verify step
+    (:func:`mlx_qwen_fast.ops.verify.verify_model`) through :meth:`record`.
 
     Attributes:
         max_steps: how many tokens back :meth:`trim` can reach (>= 1).
-        steps: ``(conv state, recurrent state)`` before each recorded token,
-            oldest first (at most ``max_steps``; entries may be None for a
-            cache that held no state yet).
+        steps: the recorded calls (:class:`Segment`), oldest first, their
+            tokens adding up to at most ``max_steps`` (older calls dropped
+            whole).
     """
 
     max_steps: int
-    steps: List[Tuple[Optional[mx.array], Optional[mx.array]]]
+    steps: List[Segment]
 
     def is_trimmable(self) -> bool:
-        """True: :meth:`trim` can remove up to ``len(self.steps)`` tokens."""
+        """True: :meth:`trim` can remove up to :meth:`recorded` tokens."""
         return True
 
+    def recorded(self) -> int:
+        """Tokens recorded: how far back :meth:`trim` reaches."""
+        return sum(seg.tokens for seg in self.steps)
+
+    def record(self, segment: Segment) -> None:
+        """Add the call ``segment`` (made before the cache's states were
+        replaced by the call's), dropping the oldest calls whole while more
+        than ``max_steps`` tokens are recorded."""
+        self.steps.append(segment)
+        while self.steps and self.recorded() > self.max_steps:
+            del self.steps[0]
+
+    def state_at(self, n: int) -> Tuple[Optional[mx.array], Optional[mx.array]]:
+        """The ``(conv, recurrent)`` states ``n`` tokens ago (0 <= n <=
+        :meth:`recorded`), replaying a prefix of a recorded call where ``n``
+        ends inside one; nothing changes. Raises ValueError as :meth:`trim`."""
+        self._check(n)
+        return self._back(n)[0]
+
+    def _check(self, n) -> None:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"RollbackArraysCache.trim: n must be an int >= 0, got {n!r}")
+        have = self.recorded()
+        if n > have:
+            raise ValueError(
+                f"RollbackArraysCache.trim: n={n} tokens asked, but only the states before the last "
+                f"{have} tokens are recorded (max_steps={self.max_steps}; a call of more than "
+                f"max_steps tokens, a padding mask or per-row lengths drop them)")
+
+    def _back(self, n: int):
+        """``(states n tokens ago, recorded calls that stay, the shortened
+        call or None)``."""
+        if n == 0:
+            return (self.cache[0], self.cache[1]), len(self.steps), None
+        i, left = len(self.steps), n
+        while left >= self.steps[i - 1].tokens:
+            left -= self.steps[i - 1].tokens
+            i -= 1
+            if left == 0:
+                seg = self.steps[i]
+                return (seg.conv, seg.rec), i, None
+        seg = self.steps[i - 1]  # the trim ends inside this call: keep its first tokens - left
+        keep = seg.tokens - left
+        return seg.replay(keep), i - 1, seg._replace(tokens=keep)
+
     def trim(self, n: int) -> int:
-        """Put the states back to where they were ``n`` tokens ago.
+        """Put the states back to where they were ``n`` tokens ago (the
+        states from before a recorded call, and where ``n`` ends inside a
+        call of several tokens, its kept tokens replayed: :class:`Segment`).
 
         Args:
-            n: tokens to remove, 0 <= n <= ``len(self.steps)`` (the tokens
+            n: tokens to remove, 0 <= n <= :meth:`recorded` (the tokens
                 recorded since the last call the cache could not record).
 
         Returns:
@@ -120,16 +202,12 @@ class RollbackArraysCache(ArraysCache):
                 (the states from before them are gone: trimming fewer would
                 leave the cache at a wrong position silently).
         """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"RollbackArraysCache.trim: n must be an int >= 0, got {n!r}")
-        if n > len(self.steps):
-            raise ValueError(
-                f"RollbackArraysCache.trim: n={n} tokens asked, but only the states before the last "
-                f"{len(self.steps)} tokens are recorded (max_steps={self.max_steps}; a call of more than "
-                f"max_steps tokens, a padding mask or per-row lengths drop them)")
+        self._check(n)
         if n:
-            self.cache[0], self.cache[1] = self.steps[-n]
-            del self.steps[-n:]
+            (self.cache[0], self.cache[1]), stay, short = self._back(n)
+            del self.steps[stay:]
+            if short is not None:
+                self.steps.append(short)
         return n
 
 
@@ -156,16 +234,40 @@ def forward(layer, inputs: mx.array, mask: Optional[mx.array], cache: RollbackAr
     if T > cache.max_steps or mask is not None or cache.lengths is not None or cache.left_padding is not None:
         cache.steps.clear()  # a trim cannot reach back past this call
         return gated_delta_ops.gated_delta_net(layer, inputs, mask, cache)
-    before = (cache[0], cache[1])
-    if T == 1:
-        out = gated_delta_ops.gated_delta_net(layer, inputs, None, cache)
-        cache.steps.append(before)
-    else:
+    if T > 1 and not replays():
+        before = (cache[0], cache[1])
         out, after = gated_delta_ops.gated_delta_net_steps(layer, inputs, cache)
-        cache.steps.append(before)
-        cache.steps.extend(after[:-1])  # the last is the cache's own state
-    del cache.steps[:-cache.max_steps]
+        record_steps(cache, before, after)
+        return out
+    before = Segment(cache[0], cache[1], T, *((layer, inputs) if T > 1 else ()))
+    out = gated_delta_ops.gated_delta_net(layer, inputs, None, cache)
+    cache.record(before)
     return out
+
+
+#: Backends where a recorded call of several tokens runs the layer's own
+#: (fused) path and a trim replays (see the module docstring); elsewhere
+#: (the CPU) the call runs the recurrence token by token in fp32
+#: (:func:`~mlx_qwen_fast.ops.gated_delta.gated_delta_net_steps`) and
+#: records the states before each token, so that a verify is bit for bit
+#: sequential decoding: the reference of record, where speed does not count.
+REPLAY_BACKENDS = (backend.CUDA, backend.METAL)
+
+
+def replays() -> bool:
+    """Whether recorded calls of several tokens replay on trim (the
+    current backend in :data:`REPLAY_BACKENDS`) rather than record every
+    token's states."""
+    return backend.current() in REPLAY_BACKENDS
+
+
+def record_steps(cache: "RollbackArraysCache", before, after) -> None:
+    """Record a call of ``len(after)`` tokens as one-token segments:
+    ``before`` the states before it, ``after`` the ``(conv, recurrent)``
+    states after each of its tokens (the last is the cache's own)."""
+    states = [before] + list(after[:-1])
+    for conv, rec in states:
+        cache.record(Segment(conv, rec, 1))
 
 
 def _rollback_layer(layer) -> bool:

@@ -320,14 +320,20 @@ def test_oracle_accepts_every_block(tiny):
     assert stats.accepted == [15, 15, 15, 0] and stats.drafted == [15, 15, 15, 0]  # the last: one token left
 
 
+@pytest.mark.parametrize("replay", [False, True])
 @pytest.mark.parametrize("step", ["0", "1"])
-def test_every_accepted_length(env, tiny, step):
+def test_every_accepted_length(env, monkeypatch, tiny, step, replay):
     """The planted stand-in's k-th block has exactly k right drafts: each
     accepted length 0..15 occurs, the caches roll back to each, and the
     tokens are plain greedy decoding's; the verify through mlx-lm's layer
-    loop (``step`` 0) or the whole-stack compiled step (1, which ran)."""
+    loop (``step`` 0) or the whole-stack compiled step (1, which ran); the
+    rollback in the CPU's form or the GPU's replay form (forced here)."""
+    from mlx_qwen_fast import backend, speculative
+
     _, fast = tiny
     env.set(config.VERIFY_MODEL_STEP.name, step)
+    if replay:
+        monkeypatch.setattr(speculative, "REPLAY_BACKENDS", (backend.current(),))
     steps = verify_ops.step_count()
     prompt = PROMPTS[2]
     n = 1 + sum(k + 1 for k in range(16))

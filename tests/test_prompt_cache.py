@@ -137,7 +137,7 @@ def test_record_refuses_what_it_cannot_put_back():
     """``record`` leaves no checkpoint where an entry cannot be put back at
     q: no KV entry, q past the offset, a plain GDN cache behind q's state,
     a recording cache that no longer holds it."""
-    from mlx_qwen_fast.speculative import RollbackArraysCache
+    from mlx_qwen_fast.speculative import RollbackArraysCache, Segment
 
     kv = KVCache()
     kv.update_and_fetch(mx.zeros((1, 2, 5, 4)), mx.zeros((1, 2, 5, 4)))
@@ -149,9 +149,9 @@ def test_record_refuses_what_it_cannot_put_back():
     assert prompt_cache.checkpoint_position([kv, gdn]) is None
     rec = copy.deepcopy(gdn)
     rec.__class__ = RollbackArraysCache
-    rec.max_steps, rec.steps = 4, [(mx.ones((1, 3, 8)), mx.ones((1, 2, 4, 4)))] * 2
+    rec.max_steps, rec.steps = 4, [Segment(mx.ones((1, 3, 8)), mx.ones((1, 2, 4, 4)), 1)] * 2
     assert not prompt_cache.record([kv, rec], 2)  # 3 tokens back, 2 held
     assert prompt_cache.record([kv, rec], 3)
     assert prompt_cache.checkpoint_position([kv, rec]) == 3
     restored = prompt_cache.restore([kv, rec])
-    assert kv.offset == 3 and restored[1][0] is rec.steps[0][0]
+    assert kv.offset == 3 and restored[1][0] is rec.steps[0].conv

@@ -290,3 +290,89 @@ def test_install_is_idempotent():
     assert module.speculative_generate_step is first
     assert speculative.stock_speculative_generate_step() is first._mqf_stock
     assert not hasattr(first._mqf_stock, "_mqf_stock")
+
+
+# --- the replay form (a GPU's: the verify runs the layer's own path whole) ----
+
+
+@pytest.fixture
+def replay(monkeypatch):
+    """Recorded calls of several tokens replay on trim on this machine too
+    (the CPU runs the GPU's form: speculative.REPLAY_BACKENDS)."""
+    from mlx_qwen_fast import backend
+
+    monkeypatch.setattr(speculative, "REPLAY_BACKENDS", (backend.current(),))
+    assert speculative.replays()
+
+
+def _assert_near(cache, snapshot, what):
+    """The cache holds ``snapshot``'s states within the fp32 bound (the
+    verify ran the chunked form, sequential decoding the recurrence)."""
+    *arrays, offsets = snapshot
+    assert _offsets(cache) == offsets, what
+    got = _states(cache)
+    assert len(got) == len(arrays)
+    for i, (a, b) in enumerate(zip(got, arrays)):
+        assert a.shape == b.shape and a.dtype == b.dtype, (what, i)
+        assert_close(a, b, FP32_TOL, f"{what}: state {i}")
+
+
+@pytest.mark.parametrize("accepted", range(S))
+def test_replay_trimmed_to_every_accepted_length(tiny, sequential, replay, accepted):
+    """The replay form: the verify is one recorded call (its states before
+    and its input kept, one segment per layer), a trim to any accepted
+    length replays the kept tokens; states, the next logits and greedy
+    tokens as sequential decoding's within the fp32 bound."""
+    _, fast = tiny
+    xs, states, logits = sequential
+    cache = _prefilled(fast)
+    with speculative.rollback(fast, cache, max_steps=S) as made:
+        verify = fast(mx.array(xs)[None], cache=cache)[0]
+        assert all(len(c.steps) == 1 and c.steps[0].tokens == S and c.steps[0].inputs is not None for c in made)
+        for t in range(S):
+            assert_close(verify[t], logits[t], FP32_TOL, f"verify logits {t}")
+            assert mx.argmax(verify[t]).item() == mx.argmax(logits[t]).item()
+        keep = accepted + 1
+        assert trim_prompt_cache(cache, S - keep) == S - keep
+        assert all(c.recorded() == (keep if keep < S else S) for c in made)
+        _assert_near(cache, states[keep], f"accepted {accepted}")
+        if keep < S:
+            nxt = fast(mx.array([[xs[keep]]]), cache=cache)[0, -1]
+            assert mx.argmax(nxt).item() == mx.argmax(logits[keep]).item()
+            _assert_near(cache, states[keep + 1], "next step")
+            assert trim_prompt_cache(cache, 2) == 2  # back over the one-token call and into the verify's
+            _assert_near(cache, states[keep - 1], "two back")
+
+
+def test_replay_state_at_changes_nothing(tiny, sequential, replay):
+    """state_at(n) gives the states n tokens back (replaying inside a call)
+    without changing the cache; out of range it raises as trim does."""
+    _, fast = tiny
+    xs, states, _ = sequential
+    cache = _prefilled(fast)
+    with speculative.rollback(fast, cache, max_steps=S) as made:
+        fast(mx.array(xs)[None], cache=cache)
+        c = made[0]
+        i = next(j for j, e in enumerate(cache) if e is c)
+        before = (c[0], c[1])
+        for n in range(S + 1):
+            conv, rec = c.state_at(n)
+            ref = states[S - n]
+            k = [j for j, e in enumerate(cache) if not isinstance(e, KVCache)].index(i)
+            assert_close(conv, ref[2 * k], FP32_TOL, f"conv {n} back")
+            assert_close(rec, ref[2 * k + 1], FP32_TOL, f"recurrent {n} back")
+        assert (c[0], c[1]) == before and c.recorded() == S
+        with pytest.raises(ValueError, match="only the states before the last"):
+            c.state_at(S + 1)
+
+
+def test_replay_generation_is_plain_greedy(tiny, draft, replay):
+    """mlx-lm's speculative generation on the replay form: plain greedy tokens."""
+    _, fast = tiny
+    import importlib
+
+    gen = importlib.import_module("mlx_lm.generate")
+    want = _tokens(fast, 20)
+    got = [t for t, *_ in gen.speculative_generate_step(mx.array(PROMPT), fast, draft, max_tokens=20,
+                                                         num_draft_tokens=4)]
+    assert got == want

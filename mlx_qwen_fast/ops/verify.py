@@ -29,10 +29,10 @@ the same object, :class:`_VerifyPlan`):
   front end, chunked scan, gated RMSNorm, :func:`~mlx_qwen_fast.ops.
   gated_delta.gated_delta_net`; on the CPU the chunked form). Inside
   :func:`mlx_qwen_fast.speculative.rollback` (the cache a
-  ``RollbackArraysCache``, S <= its ``max_steps``) the layer runs
-  :func:`~mlx_qwen_fast.ops.gated_delta.gated_delta_net_steps` instead and
-  the step returns the conv and recurrent state after every token, which
-  are stored as :func:`mlx_qwen_fast.speculative.forward` stores them.
+  ``RollbackArraysCache``, S <= its ``max_steps``) the step also returns
+  the layer's input, and the call is recorded as
+  :func:`mlx_qwen_fast.speculative.forward` records it (the states before
+  it and that input, replayed only by a trim that ends inside the call).
 * Gated attention (mlx-lm's ``Qwen3NextAttention``): the q/k/v projections
   (the modules), q/k RMSNorm, RoPE at the cache offset -- a 0-d int32
   input, so one trace serves every offset --, the S new K/V rows written
@@ -254,7 +254,7 @@ def _gdn_cache_fits(c, kind: str, S: int, h: mx.array) -> bool:
         return False
     if c[0].ndim != 3 or c[0].shape[0] != h.shape[0] or c[1].ndim != 4 or c[1].shape[0] != h.shape[0]:
         return False
-    return kind != "linear-steps" or S <= c.max_steps
+    return kind not in ("linear-replay", "linear-exact") or S <= c.max_steps
 
 
 def _layer_kind(layer, c, types) -> Optional[str]:
@@ -263,7 +263,9 @@ def _layer_kind(layer, c, types) -> Optional[str]:
         if type(c) is arrays_type:
             return "linear"
         if type(c) is rollback_type and isinstance(layer.linear_attn, _fast_gdn()):
-            return "linear-steps"
+            from ..speculative import replays
+
+            return "linear-replay" if replays() else "linear-exact"
         return None
     return "attention" if type(c) is kv_type else None
 
@@ -355,8 +357,8 @@ def _stack_step(model, kinds: tuple, moes: tuple, arrays: tuple, capture: tuple)
     outputs of the layers ``capture`` concatenated on the last axis in that
     order; ``states`` per layer (GDN: conv state, recurrent state;
     attention: keys, values, offset); new states per layer (GDN: conv,
-    recurrent; with per-step states: the S conv states then the S recurrent
-    states, the last of each the cache's; attention: keys, values).
+    recurrent, and inside a rollback the layer's input; attention: keys,
+    values).
     ``arrays`` only keeps the captured parameters alive with the step."""
     from mlx_lm.models.cache import ArraysCache
 
@@ -377,12 +379,14 @@ def _stack_step(model, kinds: tuple, moes: tuple, arrays: tuple, capture: tuple)
             else:
                 tmp = ArraysCache(2)
                 tmp[0], tmp[1] = states_in[s], states_in[s + 1]
-                if kind == "linear":
-                    r = layer.linear_attn(x, None, tmp)
-                    out += (tmp[0], tmp[1])
-                else:
+                if kind == "linear-exact":  # the recurrence token by token: every token's states
                     r, after = gated_delta_ops.gated_delta_net_steps(layer.linear_attn, x, tmp)
                     out += [c for c, _ in after] + [st for _, st in after]
+                else:
+                    r = layer.linear_attn(x, None, tmp)
+                    out += (tmp[0], tmp[1])
+                    if kind == "linear-replay":  # the layer's input: a trim inside this call replays it
+                        out.append(x)
                 s += 2
             h = h + r
             if moe[0] == "parts":
@@ -488,8 +492,10 @@ def _verify(model, inputs: mx.array, cache, capture: tuple) -> Optional[tuple]:
     out, *new = decoder_ops.call_donating(vp.fn, h, states, kv)
     del states
     hidden = new.pop(0) if capture else None
+    from ..speculative import Segment, record_steps  # here: speculative imports this package's modules
+
     i = 0
-    for c, kind in zip(cache, vp.kinds):
+    for layer, c, kind in zip(layers, cache, vp.kinds):
         if kind == "attention":
             c.keys, c.values = new[i], new[i + 1]
             c.offset += S
@@ -498,11 +504,15 @@ def _verify(model, inputs: mx.array, cache, capture: tuple) -> Optional[tuple]:
             c[0], c[1] = new[i], new[i + 1]
             c.advance(S)
             i += 2
-        else:  # as speculative.forward records: the states before each of the S tokens
+        elif kind == "linear-replay":  # as speculative.forward records: the states before, the input
+            segment = Segment(c[0], c[1], S, layer.linear_attn, new[i + 2])
+            c[0], c[1] = new[i], new[i + 1]
+            c.record(segment)
+            c.advance(S)
+            i += 3
+        else:  # linear-exact: the states before each of the S tokens
             convs, recs = new[i:i + S], new[i + S:i + 2 * S]
-            c.steps.append((c[0], c[1]))
-            c.steps.extend(zip(convs[:-1], recs[:-1]))
-            del c.steps[:-c.max_steps]
+            record_steps(c, (c[0], c[1]), list(zip(convs, recs)))
             c[0], c[1] = convs[-1], recs[-1]
             c.advance(S)
             i += 2 * S

@@ -305,10 +305,48 @@ def test_rollback_records_every_step(env, fp32_models, S, max_steps):
             for x, y in zip(c_step, c_mod):
                 if isinstance(x, speculative.RollbackArraysCache):
                     assert len(x.steps) == len(y.steps) == min(max_steps, (i + 1) * S)
-                    for (p, q), (r, s) in zip(x.steps, y.steps):
-                        assert_close(p, r, FP32_TOL, "recorded conv state")
-                        assert_close(q, s, FP32_TOL, "recorded recurrent state")
+                    for a, b in zip(x.steps, y.steps):
+                        assert a.tokens == b.tokens
+                        assert_close(a.conv, b.conv, FP32_TOL, "recorded conv state")
+                        assert_close(a.rec, b.rec, FP32_TOL, "recorded recurrent state")
         for n in range(1, min(max_steps, 2 * S) + 1):
+            xs, ys = copy.deepcopy(c_step), copy.deepcopy(c_mod)
+            for x, y in zip(xs, ys):
+                assert x.trim(n) == y.trim(n) == n
+            _assert_caches_close(xs, ys, f"trim {n}")
+
+
+@pytest.mark.parametrize("S", [2, 5])
+def test_replay_records_the_call(monkeypatch, env, fp32_models, S):
+    """The replay form (a GPU's, forced here): inside a rollback the step
+    runs each Gated DeltaNet layer's own path and records the call (the
+    states before it, the layer's input) as the module path records it;
+    logits, states and every trim back over both calls agree (fp32)."""
+    from mlx_qwen_fast import backend
+
+    monkeypatch.setattr(speculative, "REPLAY_BACKENDS", (backend.current(),))
+    _, fast = fp32_models
+    fast = copy.deepcopy(fast)
+    m = fast.language_model.model
+    prompt = mx.array([[9, 4, 6, 2, 8]])
+    c_step, c_mod = _prefilled(fast, prompt), _prefilled(fast, prompt)
+    with speculative.rollback(m, c_step, 16), speculative.rollback(m, c_mod, 16):
+        for i in range(2):
+            tokens = mx.random.randint(1, 1000, (1, S), key=mx.random.key(31 * S + i))
+            before = verify.step_count()
+            env.set(config.VERIFY_MODEL_STEP.name, "1")
+            a = m(tokens, cache=c_step)
+            assert verify.step_count() == before + 1
+            env.set(config.VERIFY_MODEL_STEP.name, "0")
+            b = m(tokens, cache=c_mod)
+            mx.eval(a, b)
+            assert_close(a, b, FP32_TOL, f"call {i}: step vs modules")
+            _assert_caches_close(c_step, c_mod, f"call {i}")
+            for x, y in zip(c_step, c_mod):
+                if isinstance(x, speculative.RollbackArraysCache):
+                    assert [g.tokens for g in x.steps] == [g.tokens for g in y.steps] == [S] * (i + 1)
+                    assert_close(x.steps[-1].inputs, y.steps[-1].inputs, FP32_TOL, "recorded input")
+        for n in range(1, 2 * S + 1):
             xs, ys = copy.deepcopy(c_step), copy.deepcopy(c_mod)
             for x, y in zip(xs, ys):
                 assert x.trim(n) == y.trim(n) == n
@@ -353,8 +391,9 @@ def test_hidden_is_the_layer_loops(env, fp32_models, S, ids, rollback):
                 for x, y in zip(c_step, c_loop):
                     if isinstance(x, speculative.RollbackArraysCache):
                         assert len(x.steps) == len(y.steps)
-                        for (p, q), (r, s) in zip(x.steps, y.steps):
-                            assert_close(q, s, FP32_TOL, "recorded recurrent state")
+                        for a, b in zip(x.steps, y.steps):
+                            assert a.tokens == b.tokens
+                            assert_close(a.rec, b.rec, FP32_TOL, "recorded recurrent state")
 
 
 MAX_STEPS = 16
