@@ -135,6 +135,19 @@ def _other_vocabulary(drafter_dir, tmp_path):
     return other
 
 
+def test_the_fast_path_switched_off_is_a_usage_error(tiny_checkpoint, drafter_dir):
+    """MLX_QWEN_FAST=0 (what --stock does, from the environment) with the
+    flag: one line naming the variable, exit code 2, before mlx-lm loads."""
+    for module in ("mlx_qwen_fast.generate", "mlx_qwen_fast.server"):
+        r = run_module(module, "--model", str(tiny_checkpoint), "--dflash-drafter", str(drafter_dir),
+                       env={"MLX_QWEN_FAST": "0"}, timeout=120)
+        assert r.returncode == 2, r.stderr
+        assert r.stderr.strip().splitlines() == [
+            "mlx_qwen_fast: error: --dflash-drafter needs the fast path (its Gated DeltaNet caches roll back): "
+            "MLX_QWEN_FAST switches it off in the environment"], r.stderr
+        assert r.heavy() == []
+
+
 def test_a_drafter_that_does_not_fit_the_target(tmp_path, drafter_dir, tiny_checkpoint):
     """A drafter of another vocabulary: found once the target is loaded,
     one line naming the flag and what differs."""

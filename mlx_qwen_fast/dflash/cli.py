@@ -79,9 +79,15 @@ def folder_problem(path: Path) -> Optional[str]:
 
 def check(argv: Sequence[str], folder: str) -> None:
     """The usage errors of ``--dflash-drafter`` (exit code 2, one line):
-    a bad folder, ``--draft-model`` or ``--stock`` with it (either CLI)."""
+    a bad folder, ``--draft-model`` or ``--stock`` with it, the fast path
+    switched off by the environment (either CLI)."""
     if "--stock" in argv:
         usage_error(f"{FLAG} needs the fast path (its Gated DeltaNet caches roll back): drop --stock")
+    from .. import config
+
+    if not config.FAST_PATH.get():
+        usage_error(f"{FLAG} needs the fast path (its Gated DeltaNet caches roll back): "
+                    f"{config.FAST_PATH.name} switches it off in the environment")
     if any(a == "--draft-model" or a.startswith("--draft-model=") for a in argv):
         usage_error(f"{FLAG} and --draft-model cannot both be given (one speculative drafter)")
     problem = folder_problem(Path(folder).expanduser())

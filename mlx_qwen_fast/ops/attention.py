@@ -206,7 +206,7 @@ def _check_decode(proj, keys, values, offset, q_norm_weight, k_norm_weight, sett
     for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
         if w.shape != (dh,) or w.dtype not in _FLOATS:
             raise ValueError(f"{fn}: {name} must be a float array of shape [{dh}], got {w.dtype} {tuple(w.shape)}")
-    if offset.ndim != 0 or offset.dtype not in (mx.int32, mx.int64):
+    if offset.ndim != 0 or offset.dtype != mx.int32:
         raise ValueError(f"{fn}: offset must be a 0-d int32 array, got {offset.dtype} {tuple(offset.shape)}")
     at = offset.item()
     if not 0 <= at < keys.shape[2]:
