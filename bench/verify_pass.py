@@ -71,7 +71,7 @@ sparse MoE            router GEMV + 2 fused GEMV        B*S <= 4: the decode ker
                                                         routing + grouped GEMMs with the
                                                         shared expert in the slot (each
                                                         selected expert read once per call:
-                                                        the count in ops/moe.py)
+                                                        the count in ops/moe/)
 ====================  ================================  ====================================
 
 Writes a JSON result (kind "verify_pass") with ``--out``.

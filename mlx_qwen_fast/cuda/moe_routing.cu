@@ -2,7 +2,7 @@
 // the N*k assignments by expert and the (expert, row tile) block map, with no
 // host synchronisation and grids that depend only on N (never on the data).
 //
-// Contract: mlx_qwen_fast/ops/moe.py (route, group_by_expert, block_map).
+// Contract: mlx_qwen_fast/ops/moe/naive.py (route, group_by_expert, block_map).
 //
 // One source, three kernels, chosen by MOE_STAGE:
 //

@@ -551,19 +551,19 @@ def test_shared_expert_in_the_routing_slot_where_it_fits():
     experts' quantisation and sizes; else MLX's dense matmuls beside them."""
     block = moe_blocks.make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16)
     n = 4096
-    assert moe._shared_in_slot(block, n, 256, 128, "wgmma")
-    assert not moe._shared_in_slot(block, n, 256, 128, "mma")
-    assert not moe._shared_in_slot(block, n, 256, 256, "wgmma")  # routed experts of another size
+    assert moe.cuda._shared_in_slot(block, n, 256, 128, "wgmma")
+    assert not moe.cuda._shared_in_slot(block, n, 256, 128, "mma")
+    assert not moe.cuda._shared_in_slot(block, n, 256, 256, "wgmma")  # routed experts of another size
     block.top_k = 31
-    assert moe._shared_in_slot(block, n, 256, 128, "wgmma")
+    assert moe.cuda._shared_in_slot(block, n, 256, 128, "wgmma")
     block.top_k = 32  # 33 slots: more than a warp holds
-    assert not moe._shared_in_slot(block, n, 256, 128, "wgmma")
+    assert not moe.cuda._shared_in_slot(block, n, 256, 128, "wgmma")
     block.top_k, block.num_experts = 8, 992
-    assert moe._shared_in_slot(block, n, 256, 128, "wgmma")
+    assert moe.cuda._shared_in_slot(block, n, 256, 128, "wgmma")
     block.num_experts = 1024  # 1,056 grouped experts
-    assert not moe._shared_in_slot(block, n, 256, 128, "wgmma")
+    assert not moe.cuda._shared_in_slot(block, n, 256, 128, "wgmma")
     narrow = moe_blocks.make_block(D=256, H=64, E=32, k=8, dtype=mx.bfloat16)
-    assert not moe._shared_in_slot(narrow, n, 256, 64, "wgmma")  # no "wgmma" build for I = 64
+    assert not moe.cuda._shared_in_slot(narrow, n, 256, 64, "wgmma")  # no "wgmma" build for I = 64
 
 
 # ---------------------------------------------------------------------------
@@ -772,7 +772,7 @@ def fake_decode_kernels(cpu_device, monkeypatch, env):
                         fake_moe_decode_logits(x, logits, top_k, normalize, experts, shared, expert_gate))
     monkeypatch.setattr(md, "_moe_decode_logits", lambda *a: fake_moe_decode_logits(*a, checked=True))
     monkeypatch.setattr(mr, "route", fake_route)
-    monkeypatch.setattr(moe, "_decode_steps", {})  # traces of the fakes stay out of the real cache
+    monkeypatch.setattr(moe.cuda, "_decode_steps", {})  # traces of the fakes stay out of the real cache
     monkeypatch.setattr(moe._cuda_build, "cuda_available", lambda: True)  # the fakes stand in for the GPU
     FAKE_CALLS.clear()
 
@@ -797,7 +797,7 @@ def test_decode_compiled_step_equals_eager(fake_decode_kernels):
         for i, block in enumerate(blocks):
             x = mx.random.normal((1, n, 256), key=mx.random.key(n + 7 * i)).astype(mx.bfloat16)
             assert mx.array_equal(moe._cuda_decode(block, x), moe.moe_decode(block, x)).item()
-    assert len(moe._decode_steps) == 1  # one trace for both blocks and token counts
+    assert len(moe.cuda._decode_steps) == 1  # one trace for both blocks and token counts
     block = blocks[0]
     x = mx.random.normal((1, 1, 256)).astype(mx.bfloat16)
     y0 = moe._cuda_decode(block, x)
@@ -828,7 +828,7 @@ def test_decode_step_with_the_norm_and_residual(fake_decode_kernels, monkeypatch
     got = fn(h, nw, *gather(block, paths))
     want = h + moe.moe_decode(block, mx.fast.rms_norm(h, nw, 1e-5))
     assert mx.array_equal(got, want).item()
-    assert moe.decode_step_parts(block, h) is not None and len(moe._decode_steps) == 2  # unfused: its own trace
+    assert moe.decode_step_parts(block, h) is not None and len(moe.cuda._decode_steps) == 2  # unfused: its own trace
 
 
 @pytest.mark.parametrize("E", [32, 512, 544, 1024])
@@ -845,7 +845,8 @@ def test_decode_step_routes_in_the_gate_up_kernel_up_to_512_experts(fake_decode_
     FAKE_CALLS.clear()
     got = moe._cuda_decode(block, x)
     assert FAKE_CALLS == ([("logits", True)] if fused else [("route", True), ("arrays", True)])
-    assert len(moe._decode_steps) == 1 and next(iter(moe._decode_steps))[-1] == fused  # the step's key says which
+    steps = moe.cuda._decode_steps
+    assert len(steps) == 1 and next(iter(steps))[-1] == fused  # the step's key says which
     FAKE_CALLS.clear()
     assert mx.array_equal(got, moe.moe_decode(block, x)).item()
     assert FAKE_CALLS == ([("logits", False)] if fused else [("route", True), ("arrays", False)])
@@ -929,7 +930,7 @@ def test_block_shared_expert_in_slot_or_dense(monkeypatch):
     s = moe.PREFILL_MIN_TOKENS
     run(s)
     assert calls == [("column", s), ("slot", s)]
-    monkeypatch.setattr(moe, "_shared_in_slot", lambda *a, **k: False)  # where the slot does not apply
+    monkeypatch.setattr(moe.cuda, "_shared_in_slot", lambda *a, **k: False)  # where the slot does not apply
     dense = run(n)
     assert calls == [("plain", n), ("routed", n)]
     assert finite(slot, dense)
@@ -1220,7 +1221,7 @@ def test_block_switch_runs_the_one_launch_block(env, monkeypatch, n):
     launched = []
     real = k_block._moe_block_decode
     monkeypatch.setattr(k_block, "_moe_block_decode", lambda *a, **k: launched.append(1) or real(*a, **k))
-    monkeypatch.setattr(moe, "_decode_steps", {})
+    monkeypatch.setattr(moe.cuda, "_decode_steps", {})
     runs = {}
     for one, gemv in (("1", "1"), ("0", "1"), ("1", "0")):
         env.set(config.MOE_BLOCK_KERNEL.name, one)
