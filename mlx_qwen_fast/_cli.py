@@ -268,6 +268,19 @@ def _check_prompt(command: str, argv: Sequence[str]) -> None:
         sys.stdin = io.StringIO(text)  # mlx-lm reads it again
 
 
+def weights_problem(files) -> Optional[str]:
+    """None when ``files`` (a folder's safetensors weights) is not empty and
+    every file's header is whole (:func:`_safetensors_problem`), else what is
+    wrong (one line)."""
+    if not files:
+        return "no weights (model*.safetensors) in the folder"
+    for f in files:
+        problem = _safetensors_problem(f)
+        if problem:
+            return problem
+    return None
+
+
 def _safetensors_problem(path: Path) -> Optional[str]:
     """None when ``path`` is a complete safetensors file (its header parses
     and the file holds every byte the header's tensors span), else why not.
@@ -335,12 +348,9 @@ def check_checkpoint_folder(path: Path) -> Optional[str]:
         files = [path / n for n in names]
     else:
         files = sorted(path.glob("model*.safetensors"))
-        if not files:
-            return "no weights (model*.safetensors) in the folder"
-    for f in files:
-        problem = _safetensors_problem(f)
-        if problem:
-            return problem
+    problem = weights_problem(files)
+    if problem:
+        return problem
     if not any((path / n).is_file() for n in _TOKENIZER_FILES):
         return f"no tokenizer in the folder (expected one of {', '.join(_TOKENIZER_FILES)})"
     tok = path / "tokenizer.json"

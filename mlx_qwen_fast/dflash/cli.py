@@ -23,7 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from .._cli import _safetensors_problem, folder_config, take_flag, usage_error
+from .._cli import folder_config, take_flag, usage_error, weights_problem
 
 FLAG = "--dflash-drafter"
 HELP = (f"{FLAG} DIR: speculative decoding with a DFlash block drafter (a folder in z-lab's layout: config.json "
@@ -67,14 +67,7 @@ def folder_problem(path: Path) -> Optional[str]:
         DrafterArgs.from_dict(config, "x", light=True)
     except ValueError as exc:
         return str(exc).split(": ", 1)[1]
-    files = sorted(path.glob("model*.safetensors"))
-    if not files:
-        return "no weights (model*.safetensors) in the folder"
-    for f in files:
-        problem = _safetensors_problem(f)
-        if problem:
-            return problem
-    return None
+    return weights_problem(sorted(path.glob("model*.safetensors")))
 
 
 def check(argv: Sequence[str], folder: str) -> None:
