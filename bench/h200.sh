@@ -6,6 +6,7 @@
 #   bash bench/h200.sh ops        # bench.ops rows of the default paths at the model's shapes (~4 min)
 #   bash bench/h200.sh profile    # ncu: GPU time per kernel of one patched 4K prefill, then every
 #                                 # counter of the package's kernels (~6-8 min)
+#   bash bench/h200.sh dprofile   # ncu: GPU time per kernel of patched decode tokens at 4K (~3-5 min)
 #   bash bench/h200.sh userview   # bench.user_view: mlx-lm's own benchmark command, stock vs patched (~5-9 min)
 #   bash bench/h200.sh firstuse   # bench.first_use: the CLI's first and second run on a fresh machine (~6 min)
 #   bash bench/h200.sh decode     # nodes per decode token, then a decode switch on/off through the CLI (~6-9 min)
@@ -82,6 +83,19 @@ profile)  # ncu: GPU time of every kernel of one patched 4K prefill (profiler on
     > "$OUT/ncu-kernels.log" 2>&1; echo "rc=$?" >> "$OUT/ncu-kernels.log"; tail -2 "$OUT/ncu-kernels.log"
   "$NCU" --import /tmp/prof.ncu-rep --page details > "$OUT/ncu-details.txt" 2>&1
   grep -E "^  mqf_|Duration|Registers Per|DRAM Throughput|Achieved Occupancy" "$OUT/ncu-details.txt" | head -60 ;;
+dprofile)  # ncu: GPU time of every kernel of ${DPROFILE_TOKENS:-3} patched greedy decode tokens at 4K (the
+           # profiler on around those tokens only, after warm-up steps), per token and kernel family: the
+           # GPU floor under a decode token. DPROFILE_SWITCH=VAR=0 profiles with a switch set.
+           # Files: decode-breakdown.txt, decode-kernels.csv.gz
+  [ -n "$NCU" ] || { echo "no ncu (Nsight Compute) on this machine"; exit 2; }
+  K="${DPROFILE_TOKENS:-3}"
+  env ${DPROFILE_SWITCH:-} timeout 330 "$NCU" --profile-from-start off --metrics gpu__time_duration.sum --csv \
+    python3 bench/profile_kernels.py decode $P --context 4096 --tokens-profiled "$K" \
+    > /tmp/decode-kernels.csv 2> /tmp/decode-profile.err
+  echo "rc=$?" >> /tmp/decode-profile.err
+  { grep -E "^# decode|^rc=|rror" /tmp/decode-profile.err; python3 bench/profile_kernels.py summary \
+      /tmp/decode-kernels.csv --per "$K"; } > "$OUT/decode-breakdown.txt" 2>&1
+  gzip -c /tmp/decode-kernels.csv > "$OUT/decode-kernels.csv.gz"; cat "$OUT/decode-breakdown.txt" ;;
 userview)  # bench.user_view: mlx-lm's `benchmark` command in fresh processes, stock vs patched, 3 processes
            # per engine, alternating. UV_CONFIGS (default b1: 4K prompt, 128 tokens, batch 1; ~290 s warm; on a
            # fresh machine stock's first process alone took 204-312 s, so b1 needs a second call there) picks the configurations; the rest of the sweep (UV_CONFIGS=32k,128k, then
@@ -137,5 +151,5 @@ split)  # bench.decode_split at 4K on the in-memory random checkpoint (nodes per
       --pipelined 100 >> "$OUT/split-ab.log" 2>&1; echo "rc=$?" >> "$OUT/split-ab.log"
   done; done
   grep -E "^== |^# ops|^nodes|^split|^rc=" "$OUT/split-ab.log" ;;
-*) echo "usage: bash bench/h200.sh {tests|ab|ops|profile|userview|firstuse|decode|split}"; exit 2 ;;
+*) echo "usage: bash bench/h200.sh {tests|ab|ops|profile|dprofile|userview|firstuse|decode|split}"; exit 2 ;;
 esac

@@ -18,7 +18,15 @@ Subcommands (CUDA only, except ``summary``):
   the model, prefill one warm-up prompt, then one prompt of ``--tokens``
   tokens as ``bench.ab.prefill`` feeds it, with the profiler on only around
   that prompt (its wall time goes to stderr).
-* ``summary CSV``: an ``ncu --csv --metrics gpu__time_duration.sum`` file ->
+* ``decode [checkpoint args] [--context N] [--tokens-profiled K]``: build the
+  model (patched unless ``--engine stock``), a prompt cache filled as if
+  ``--context`` tokens had been prefilled (:func:`bench.nodes.synthetic_cache`),
+  warm-up greedy steps (the traces, the kernel loads), then ``K`` greedy
+  steps as mlx-lm's ``generate_step`` builds them, each evaluated alone,
+  with the profiler on: every kernel of K decode tokens. ``summary --per K``
+  then gives GPU ms per token, the floor under a decode token that no host
+  work can lower.
+* ``summary CSV [--per K]``: an ``ncu --csv --metrics gpu__time_duration.sum`` file ->
   GPU ms per kernel family (names matched by :data:`FAMILIES`, first match
   wins), share, kernel count, the serialised total and the top kernels. The
   sum of serialised kernel times is not a latency (no overlap, no launch
@@ -187,7 +195,36 @@ def prefill(args) -> None:
           f"(profiled, kernels serialised)", file=sys.stderr, flush=True)
 
 
-def summary(path: str) -> None:
+def decode(args) -> None:
+    import mlx.core as mx
+
+    from bench import common, nodes
+    from bench.ab import _decode_step
+
+    model, _, _ = common.load_checkpoint(args)
+    if args.engine == "patched":
+        from mlx_qwen_fast import patched_copy
+
+        model, _ = patched_copy(model)
+    cache = nodes.synthetic_cache(model, args.context)
+    tok = mx.array([1], mx.uint32)
+    for _ in range(args.warmup):
+        tok = _decode_step(model, tok, cache)
+        mx.eval(tok)
+    mx.synchronize()
+    _profiler(True)
+    t0 = time.perf_counter()
+    for _ in range(args.tokens_profiled):
+        tok = _decode_step(model, tok, cache)
+        mx.eval(tok)
+    mx.synchronize()
+    wall = time.perf_counter() - t0
+    _profiler(False)
+    print(f"# decode at context {args.context} ({args.engine}): {args.tokens_profiled} tokens profiled, "
+          f"{wall * 1e3:.1f} ms wall (kernels serialised)", file=sys.stderr, flush=True)
+
+
+def summary(path: str, per: int = 1) -> None:
     rows = []
     try:
         with open(path, newline="") as f:
@@ -212,13 +249,14 @@ def summary(path: str) -> None:
         fam_n[fam] += 1
         names[name[:90]] += ms
     total = sum(fam_ms.values())
-    print(f"{'family':44s} {'GPU ms':>9s} {'share':>6s} {'kernels':>7s}")
+    unit = "GPU ms" if per == 1 else f"ms / {per}"
+    print(f"{'family':44s} {unit:>9s} {'share':>6s} {'kernels':>7s}")
     for fam, ms in sorted(fam_ms.items(), key=lambda kv: -kv[1]):
-        print(f"{fam:44s} {ms:9.2f} {ms / total:6.1%} {fam_n[fam]:7d}")
-    print(f"{'total (serialised)':44s} {total:9.2f}        {len(rows):7d}")
-    print("\ntop kernels by GPU time:")
+        print(f"{fam:44s} {ms / per:9.3f} {ms / total:6.1%} {fam_n[fam] / per:7g}")
+    print(f"{'total (serialised)':44s} {total / per:9.3f}        {len(rows) / per:7g}")
+    print(f"\ntop kernels by GPU time ({unit}):")
     for name, ms in sorted(names.items(), key=lambda kv: -kv[1])[:15]:
-        print(f"  {ms:8.2f} ms  {name}")
+        print(f"  {ms / per:8.3f} ms  {name}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -236,18 +274,28 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tokens", type=common.lengths_arg, default=[4096], help="prompt tokens (default 4k)")
     r.add_argument("--engine", choices=("patched", "stock"), default="patched")
     r.add_argument("--step", type=int, default=2048, help="prefill_step_size (mlx-lm's default 2048)")
+    d = sub.add_parser("decode", help="the kernels of K profiled greedy decode tokens")
+    common.add_checkpoint_args(d)
+    d.add_argument("--context", type=int, default=4096, help="positions in the cache (default 4096)")
+    d.add_argument("--tokens-profiled", type=int, default=2, metavar="K", help="tokens profiled (default 2)")
+    d.add_argument("--warmup", type=int, default=8, help="greedy steps before the profiled ones (default 8)")
+    d.add_argument("--engine", choices=("patched", "stock"), default="patched")
     s = sub.add_parser("summary", help="GPU ms per kernel family of an ncu CSV")
     s.add_argument("csv", help="ncu --csv --metrics gpu__time_duration.sum output")
+    s.add_argument("--per", type=int, default=1, metavar="K",
+                   help="divide every figure by K (the decode tokens profiled): ms per token")
     return p
 
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     if args.what == "summary":
-        summary(args.csv)
+        if args.per < 1:
+            raise SystemExit(f"--per must be >= 1 (got {args.per})")
+        summary(args.csv, args.per)
         return
     _needs_cuda(args.what)
-    {"kernels": kernels, "block": block, "prefill": prefill}[args.what](args)
+    {"kernels": kernels, "block": block, "prefill": prefill, "decode": decode}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ SMALL_CEILINGS = ["--copy-mib", "4", "--matmul-n", "64"]
 #: modules run as ``python -m bench.<name>``, and the CUDA-only device scripts.
 MODULES = ("ab", "numerics", "ops", "ceilings", "plots", "first_use", "startup", "verify_pass", "dflash")
 DEVICE_SCRIPTS = ("gdn_cuda.py", "moe_cuda.py", "moe_decode_cuda.py", "profile_kernels.py", "node_cost.py")
-H200_STAGES = {"tests", "ab", "ops", "profile", "userview", "firstuse", "decode", "split"}
+H200_STAGES = {"tests", "ab", "ops", "profile", "dprofile", "userview", "firstuse", "decode", "split"}
 
 
 def check_keys(record, schema, where):
@@ -366,11 +366,18 @@ def test_profile_summary(tmp_path, capsys):
     pk.main(["summary", str(csv_path)])
     out = capsys.readouterr().out
     lines = {ln[:44].strip(): ln[44:].split() for ln in out.splitlines() if ln[:44].strip()}
-    assert lines["moe grouped GEMM (ours)"][:2] == ["1.50", "75.0%"]
-    assert lines["quantized matmul / GEMV / dequantize (MLX)"][:2] == ["0.30", "15.0%"]
-    assert lines["gdn scan (ours)"][:2] == ["0.15", "7.5%"]
-    assert lines["other"][:2] == ["0.05", "2.5%"]
-    assert lines["total (serialised)"][:2] == ["2.00", "4"]
+    assert lines["moe grouped GEMM (ours)"][:2] == ["1.500", "75.0%"]
+    assert lines["quantized matmul / GEMV / dequantize (MLX)"][:2] == ["0.300", "15.0%"]
+    assert lines["gdn scan (ours)"][:2] == ["0.150", "7.5%"]
+    assert lines["other"][:2] == ["0.050", "2.5%"]
+    assert lines["total (serialised)"][:2] == ["2.000", "4"]
+    pk.main(["summary", str(csv_path), "--per", "2"])  # two decode tokens profiled: per token
+    out = capsys.readouterr().out
+    lines = {ln[:44].strip(): ln[44:].split() for ln in out.splitlines() if ln[:44].strip()}
+    assert lines["moe grouped GEMM (ours)"] == ["0.750", "75.0%", "0.5"]
+    assert lines["total (serialised)"] == ["1.000", "2"]
+    with pytest.raises(SystemExit, match="--per must be >= 1"):
+        pk.main(["summary", str(csv_path), "--per", "0"])
     # every kernel base name of the package falls in one of "ours" families
     for name in ("mqf_moe_route_1", "mqf_moe_count_1", "mqf_moe_scatter_1", "mqf_moe_dec_gate_up_1",
                  "mqf_moe_dec_down_1", "mqf_moe_down_1", "mqf_gdn_frontend_1", "mqf_gdn_decode_1",
