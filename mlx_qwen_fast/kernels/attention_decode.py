@@ -8,8 +8,8 @@ matmuls and a softmax over a masked buffer) and the sigmoid output gate:
 about 13 launching graph nodes (bench/results/INDEX.md, "nodes") become
 
 1. the new key: RMSNorm + RoPE of each KV head (one warp per head);
-2. two ``mx.slice_update`` of the cache buffers at the offset (in place when
-   the buffers are donated, as mlx-lm's ``KVCache`` writes them);
+2. two row writes into the cache buffers at the offset (``_cache_rows``: in
+   place when the buffers are donated, as mlx-lm's ``KVCache`` writes them);
 3. split-K attention: each block takes one (row, KV head, split of the
    positions) and all the query heads of that KV head (GQA without repeating
    K/V: each K/V row is read once per block from shared memory), computes
@@ -32,6 +32,7 @@ from typing import Dict, Tuple
 import mlx.core as mx
 
 from . import _cuda_build as cb
+from ._cache_rows import write_rows
 
 __all__ = ["attention_decode", "check_step", "proj_width", "splits", "supports"]
 
@@ -196,8 +197,8 @@ def attention_decode(
     k_new, at = _kernel(0, *args)([proj, k_norm_weight, offset], [(B, hkv, 1, DH), (1,)], [x, mx.int32],
                                   (B * hkv * 32, 1, 1), (32, 1, 1), (cap, eps_k, log2_base, float(rope_scale)))
     v_new = proj[:, :, 2 * hq * DH + hkv * DH:].reshape(B, 1, hkv, DH).transpose(0, 2, 1, 3)
-    keys = mx.slice_update(keys, k_new, at, axes=(2,))
-    values = mx.slice_update(values, v_new, at, axes=(2,))
+    index = at.reshape(1, 1, 1, 1)  # the kernel's offset, clamped into the buffer
+    keys, values = write_rows(keys, k_new, index), write_rows(values, v_new, index)
     ns, split_len = splits(cap, B, hkv)
     g = hq // hkv
     (part,) = _kernel(1, *args)(

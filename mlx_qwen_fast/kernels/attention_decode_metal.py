@@ -10,7 +10,7 @@ concatenated q|k|v projection and ``o_proj``:
 1. the new key: RMSNorm + RoPE of each KV head (one SIMD group per head,
    ``metal/attention_decode_key.metal``), and the offset clamped into the
    buffer;
-2. two ``mx.slice_update`` of the cache buffers at that row (in place when
+2. two row writes into the cache buffers at that row (``_cache_rows``: in place when
    the buffers are donated, as mlx-lm's ``KVCache`` and the decoder layer
    step write them);
 3. attention: one threadgroup per (row, KV head[, block]) with one SIMD
@@ -53,6 +53,7 @@ import mlx.core as mx
 
 from . import _cuda_build as cb
 from . import attention_decode as _cuda_contract
+from ._cache_rows import write_rows
 
 __all__ = ["attention_decode_metal", "blocks", "supports", "BLOCK", "MAX_GROUP", "SINGLE_PASS_MAX", "SOURCE_DIR"]
 
@@ -201,8 +202,8 @@ def attention_decode_metal(
         grid=(B * hkv * 32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[(B, hkv, 1, DH), (1,)],
         output_dtypes=[x, mx.int32])
     v_new = proj[:, :, 2 * hq * DH + hkv * DH:].reshape(B, 1, hkv, DH).transpose(0, 2, 1, 3)
-    keys = mx.slice_update(keys, k_new, at, axes=(2,))
-    values = mx.slice_update(values, v_new, at, axes=(2,))
+    index = at.reshape(1, 1, 1, 1)  # the kernel's offset, clamped into the buffer
+    keys, values = write_rows(keys, k_new, index), write_rows(values, v_new, index)
     g = hq // hkv
     ns = blocks(cap)
     inputs = [flat, keys, values, offset, q_norm_weight, cfg]

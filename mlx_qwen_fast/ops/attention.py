@@ -76,6 +76,7 @@ import mlx.core as mx
 from .. import backend as _backend
 from .. import config
 from ..kernels import _cuda_build
+from ..kernels._cache_rows import row_index, write_rows
 from ..kernels import attention_decode as _k_decode
 from ..kernels import attention_decode_metal as _k_decode_metal
 from ..kernels import attention_prefill as _k_prefill
@@ -112,8 +113,8 @@ def decode_attention_reference(
     rope_scale: float = 1.0,
 ) -> Tuple[mx.array, mx.array, mx.array]:
     """The module's contract (above) in MLX ops: the ops and roundings of
-    ``Qwen3NextAttention.__call__`` (mlx-lm 0.32.2), the cache written with
-    ``mx.slice_update`` at ``offset`` and the attention taken over the
+    ``Qwen3NextAttention.__call__`` (mlx-lm 0.32.2), the cache written at
+    ``offset`` (``kernels._cache_rows``) and the attention taken over the
     whole buffer with the positions past ``offset`` masked. Any head_dim;
     the buffers' capacity is the only shape the graph depends on. Unchecked
     (traceable): an ``offset`` outside ``[0, capacity)`` gives an
@@ -131,11 +132,9 @@ def decode_attention_reference(
     rope = dict(traditional=rope_traditional, base=rope_base, scale=rope_scale, offset=offset)
     queries = mx.fast.rope(queries, rope_dims, **rope)
     k = mx.fast.rope(k, rope_dims, **rope)
-    # the row written is the offset clamped into the buffer, as the kernels write it: mx.slice_update
-    # at an array offset does not check bounds (outside them it corrupts memory)
-    at = mx.clip(offset.reshape(1), 0, keys.shape[2] - 1)
-    keys = mx.slice_update(keys, k, at, axes=(2,))
-    values = mx.slice_update(values, v, at, axes=(2,))
+    # the row written is the offset clamped into the buffer, as the kernels write it
+    index = row_index(offset, 1, keys.shape[2])
+    keys, values = write_rows(keys, k, index), write_rows(values, v, index)
     mask = mx.arange(keys.shape[2]) <= offset  # the positions written so far, this one included
     out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
     out = out.transpose(0, 2, 1, 3).reshape(B, 1, -1)

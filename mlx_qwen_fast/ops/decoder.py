@@ -27,7 +27,7 @@ Per layer kind:
   :func:`mlx_qwen_fast.ops.attention.decode_attention` (q/k RMSNorm, RoPE at
   the cache offset -- passed as an array, so one trace serves every
   position --, the new K/V row written into the cache's buffers in place:
-  ``mx.slice_update`` at the offset, the buffers donated; attention over
+  at the offset (``kernels._cache_rows``), the buffers donated; attention over
   the buffer up to the offset; the sigmoid output gate: on CUDA at head_dim
   256 its kernels, on Metal with :data:`mlx_qwen_fast.config.METAL_KERNELS`
   on its Metal kernels, else MLX's ops with the positions past the offset
@@ -594,7 +594,7 @@ def _plan_model(model, h: mx.array, cache, kept: Optional[Dict[tuple, Callable]]
 def call_donating(fn: Callable, h: mx.array, states: list, kv: list):
     """``fn(h, *states)`` with the KV caches ``kv`` (whose buffers are among
     ``states``) holding no reference to their buffers during the call, so
-    that the compiled step's ``slice_update`` writes them in place (MLX
+    that the compiled step's row writes go in place (MLX
     donates an input only its call holds); put back if the call raises.
     Returns what ``fn`` returns; the caller stores the new buffers."""
     saved = [(c.keys, c.values) for c in kv]

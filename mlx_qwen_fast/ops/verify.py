@@ -36,7 +36,7 @@ the same object, :class:`_VerifyPlan`):
 * Gated attention (mlx-lm's ``Qwen3NextAttention``): the q/k/v projections
   (the modules), q/k RMSNorm, RoPE at the cache offset -- a 0-d int32
   input, so one trace serves every offset --, the S new K/V rows written
-  into the cache's buffers with ``mx.slice_update`` at the offset (the
+  into the cache's buffers at the offset (``kernels._cache_rows``; the
   buffers donated; room made before the call, in
   :data:`~mlx_qwen_fast.ops.decoder.KV_GROWTH` steps as the decode step
   makes it), the attention of the S queries over the whole buffer with
@@ -69,6 +69,7 @@ from mlx.utils import tree_flatten
 
 from .. import config
 from ..compiled import _links, gather
+from ..kernels._cache_rows import row_index, write_rows
 from . import decoder as decoder_ops
 from . import gated_delta as gated_delta_ops
 from . import moe as moe_ops
@@ -108,8 +109,8 @@ def verify_attention(attn, x: mx.array, keys: mx.array, values: mx.array, offset
         x: ``[B, S, D]`` the normalised hidden states, float.
         keys, values: ``[B, Hkv, capacity, Dh]`` the cache buffers in x's
             dtype, positions ``[0, offset)`` written; ``capacity >= offset +
-            S`` (the caller checks: ``mx.slice_update`` at an array offset
-            does not).
+            S`` (the caller checks; rows past the end are clamped onto the
+            last one, never written outside the buffer).
         offset: 0-d int32, the first new token's position.
 
     Returns:
@@ -124,9 +125,8 @@ def verify_attention(attn, x: mx.array, keys: mx.array, values: mx.array, offset
     queries = attn.rope(attn.q_norm(queries).transpose(0, 2, 1, 3), offset=offset)
     k = attn.rope(attn.k_norm(k).transpose(0, 2, 1, 3), offset=offset)
     v = v.transpose(0, 2, 1, 3)
-    start = offset.reshape(1)
-    keys = mx.slice_update(keys, k, start, axes=(2,))
-    values = mx.slice_update(values, v, start, axes=(2,))
+    index = row_index(offset, S, keys.shape[2])
+    keys, values = write_rows(keys, k, index), write_rows(values, v, index)
     # query t (position offset + t) reads positions 0 .. offset + t: stock's causal mask over the valid rows
     mask = mx.arange(keys.shape[2])[None, :] <= (offset + mx.arange(S))[:, None]
     out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale, mask=mask)
@@ -481,7 +481,7 @@ def _verify(model, inputs: mx.array, cache, capture: tuple) -> Optional[tuple]:
     offset = None
     for c, kind in zip(cache, vp.kinds):
         if kind == "attention":
-            if c.offset + S > c.keys.shape[2]:  # the plan checked: slice_update at an array offset does not
+            if c.offset + S > c.keys.shape[2]:  # the plan checked: rows past the end would be clamped
                 raise AssertionError("verify_model: KV buffer without room for the step")
             if offset is None or offset[0] != c.offset:  # one offset array for the layers that share it
                 offset = (c.offset, mx.array(c.offset, mx.int32))
