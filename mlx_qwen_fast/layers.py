@@ -18,7 +18,10 @@ gated attention included, as one compiled call) and every other call as
 mlx-lm's layer. The layer stack
 (``Qwen3_5TextModel``) is swapped the same way: :class:`FastTextModel`
 runs a one-token step with every layer in one compiled call
-(:func:`ops.decoder.decode_model`).
+(:func:`ops.decoder.decode_model`). The language-model head
+(``TextModel.lm_head``, a quantised linear) is swapped the same way:
+:class:`FastHead` runs a call of 1 to 4 token rows through
+:func:`ops.linear.decode_linear`.
 """
 
 from typing import Any, Optional
@@ -30,9 +33,11 @@ from mlx_lm.models.qwen3_5 import DecoderLayer, GatedDeltaNet, Qwen3_5TextModel
 from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextSparseMoeBlock
 
 from . import config, speculative
+from .compiled import linear_arrays
 from .ops import attention as attention_ops
 from .ops import decoder as decoder_ops
 from .ops import gated_delta as gated_delta_ops
+from .ops import linear as linear_ops
 from .ops import moe as moe_ops
 from .ops import verify as verify_ops
 
@@ -162,6 +167,30 @@ class FastTextModel(Qwen3_5TextModel):
                 return out
         return Qwen3_5TextModel.__call__(self, inputs, cache, input_embeddings)
 
+
+class FastHead(nn.QuantizedLinear):
+    """mlx-lm's language-model head (``TextModel.lm_head``, an
+    ``nn.QuantizedLinear``) whose call on the rows of a decode step (1 to 4
+    token rows) is :func:`ops.linear.decode_linear` where that runs its
+    kernel (the fused quantised GEMV on CUDA: at the 248,320 x 2,048 4-bit
+    head, 175 us against MLX's ``quantized_matmul`` 408 us on an H100,
+    bench/results/2026-12-06-nvidia-h100-s45-calls.md); every other call
+    (a prefill chunk, another backend, the switch off) is the module's own.
+    Same rounding points as the module (one bf16 rounding of each output);
+    the sums run in another order."""
+
+    stock_class = nn.QuantizedLinear
+
+    def __call__(self, x: mx.array) -> mx.array:
+        arrays = linear_arrays(self)
+        if arrays is not None and linear_ops.decode_implementation(x, *arrays) == "cuda-kernel":
+            return linear_ops.decode_linear(x, *arrays)
+        return nn.QuantizedLinear.__call__(self, x)
+
+
+#: stock head class -> fast class (swapped in place by ``__class__``); the
+#: exact class only (a LoRA or sharded head keeps its own).
+HEAD_CLASSES = {nn.QuantizedLinear: FastHead}
 
 #: stock decoder-layer class -> fast class (swapped in place by ``__class__``).
 LAYER_CLASSES = {DecoderLayer: FastDecoderLayer}

@@ -31,7 +31,7 @@ import mlx_lm.utils
 
 from . import backend, config, generation, speculative
 from .compiled import StepPlans
-from .layers import FAST_CLASSES, LAYER_CLASSES, MODEL_CLASSES, FastSparseMoeBlock, rebind
+from .layers import FAST_CLASSES, HEAD_CLASSES, LAYER_CLASSES, MODEL_CLASSES, FastSparseMoeBlock, rebind
 from .ops import attention as attention_ops
 from .ops import linear as linear_ops
 from .ops import gated_delta as gated_delta_ops
@@ -125,6 +125,8 @@ def op_implementations(backend_name: Optional[str] = None) -> Dict[str, str]:
     # the projections with their RMSNorm and residual, inside the layer step
     gemv = config.DECODE_LAYER_STEP.get() and linear_ops.implementation_for(1, b) == "cuda-kernel"
     table["linear.decode"] = "compiled-layer+cuda-kernel" if gemv else "stock"
+    # the language-model head of a decode step (layers.FastHead), outside the compiled step
+    table["lm_head.decode"] = "cuda-kernel" if linear_ops.implementation_for(1, b) == "cuda-kernel" else "stock"
     gdn_kernel = table["gated_delta.decode"] == "cuda-kernel"
     if gdn_kernel and gemv and config.GDN_MIXER_KERNEL.get():  # the layer step's whole mixer, one launch
         table["gated_delta.decode"] = "cuda-mixer"
@@ -309,7 +311,27 @@ def _swap(model: nn.Module, to_fast: bool) -> Dict[str, int]:
         elif not to_fast and type(stack) in stock_models:
             stack.__class__ = stock_models[type(stack)]
             swapped["layer_stack"] = swapped.get("layer_stack", 0) + 1
+    stock_heads = {fast: stock for stock, fast in HEAD_CLASSES.items()}
+    for head in _heads(model):
+        if to_fast and type(head) in HEAD_CLASSES:
+            head.__class__ = HEAD_CLASSES[type(head)]  # same object, same arrays: only __call__ changes
+            swapped["lm_head"] = swapped.get("lm_head", 0) + 1
+        elif not to_fast and type(head) in stock_heads:
+            head.__class__ = stock_heads[type(head)]
+            swapped["lm_head"] = swapped.get("lm_head", 0) + 1
     return {k: v for k, v in swapped.items() if v}
+
+
+def _heads(model: nn.Module) -> List[nn.Module]:
+    """The language-model heads of ``model`` (mlx-lm's ``TextModel.lm_head``:
+    on the model itself or on its ``language_model``); none where the
+    embeddings are tied."""
+    found = []
+    for m in (model, getattr(model, "language_model", None)):
+        head = getattr(m, "lm_head", None) if isinstance(m, nn.Module) else None
+        if isinstance(head, nn.Module) and not any(head is f for f in found):
+            found.append(head)
+    return found
 
 
 def _layer_stacks(model: nn.Module) -> List[nn.Module]:

@@ -7,7 +7,11 @@ paths of the same layers: tests/ops/test_gated_delta.py (the whole Gated
 DeltaNet layer vs stock on CUDA) and tests/ops/test_moe.py.
 """
 
+import math
+
 import mlx.core as mx
+import numpy as np
+import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import ArraysCache
 from mlx_lm.models.qwen3_5 import GatedDeltaNet, TextModelArgs
@@ -70,3 +74,37 @@ def test_fast_gated_delta_net_computes_the_stock_layer():
     assert_close(y_f, y_s, tol, "output")
     assert_close(c_f[1], c_s[1], tol, "recurrent state")
     assert_close(c_f[0], c_s[0], tol, "conv state")
+
+
+@pytest.mark.parametrize("rows", [(1, 1), (4, 1), (2, 2), (1, 5), (1, 64)])
+def test_fast_head_dispatches_decode_rows(monkeypatch, rows):
+    """FastHead: 1 to 4 token rows go through ops.linear.decode_linear where
+    it runs its kernel (stood in for here: this CPU has none), everything
+    else (5+ rows, the reference chosen) is the stock module's call, bit for
+    bit; the same arrays are read either way."""
+    import mlx.nn as nn
+
+    from mlx_qwen_fast.ops import linear as linear_ops
+
+    head = nn.QuantizedLinear(64, 300, bias=False, group_size=32, bits=4)
+    x = mx.random.normal((*rows, 64), key=mx.random.key(sum(rows))).astype(mx.bfloat16)
+    want = head(x)
+    head.__class__ = layers.FastHead
+    calls = []
+    real = linear_ops.decode_implementation
+
+    def impl(x, arrays, static, **kw):
+        assert real(x, arrays, static, **kw) == "reference"  # no CUDA kernel here
+        return "cuda-kernel" if math.prod(x.shape[:-1]) <= 4 else "reference"
+
+    def kernel(x, arrays, static, **kw):
+        calls.append(x.shape)
+        assert arrays[0] is head.weight and arrays[1] is head.scales and static[0] == "quantized"
+        return linear_ops.decode_linear_reference(x, arrays, static, **kw)
+
+    monkeypatch.setattr(linear_ops, "decode_implementation", impl)
+    monkeypatch.setattr(linear_ops, "decode_linear", kernel)
+    got = head(x)
+    assert calls == ([x.shape] if math.prod(rows) <= 4 else [])
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_array_equal(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)))

@@ -8,6 +8,7 @@ the patch report (kernels declined for weights they do not read).
 import warnings
 
 import mlx.core as mx
+import mlx.nn as nn
 import mlx_lm
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ from compare import BF16_EPS, assert_close, tolerance
 from mlx_qwen_fast import backend, config
 from mlx_qwen_fast.checkpoint import build_model
 from mlx_qwen_fast.kernels import _cuda_build as cb
-from mlx_qwen_fast.layers import FAST_CLASSES, FastAttention
+from mlx_qwen_fast.layers import FAST_CLASSES, FastAttention, FastHead
 from mlx_qwen_fast.patching import enabled, patch, patched_copy, unpatch
 from quant_variants import VARIANTS
 
@@ -59,7 +60,9 @@ def test_patch_swaps_every_module_and_shares_arrays(tiny):
         "self_attn": n_attn,
         "decoder_layer": n_layers,
         "layer_stack": 1,
+        "lm_head": 1,
     }  # the gated attention's fast class takes its prefill; its decode step is the layer's
+    assert type(fast.language_model.lm_head) is FastHead and type(model.language_model.lm_head) is nn.QuantizedLinear
     assert all(type(l.self_attn) is FastAttention for l in fast.layers if not l.is_linear)
     assert all(type(l.self_attn) is Qwen3NextAttention for l in model.layers if not l.is_linear)
     assert set(report.ops) >= {"gated_delta.prefill", "gated_delta.decode"}
@@ -84,6 +87,7 @@ def test_unpatch_restores_stock_classes(tiny):
     )
     assert counts.pop("decoder_layer") == len(fast.layers)
     assert counts.pop("layer_stack") == 1
+    assert counts.pop("lm_head") == 1 and type(fast.language_model.lm_head) is nn.QuantizedLinear
     assert sum(counts.values()) == n_modules
     assert not mlx_qwen_fast.is_patched(fast)
     assert type(fast.model) is Qwen3_5TextModel
@@ -408,14 +412,14 @@ def test_op_implementations_per_backend():
 
     cur = op_implementations()
     assert set(cur) == {f"{f}.{p}" for f in ("gated_delta", "attention", "moe") for p in ("prefill", "decode")} | {
-        "linear.decode", "model.decode"}
+        "linear.decode", "lm_head.decode", "model.decode"}
     # the flash-attention kernel where CUDA runs it, else mlx-lm's module
     assert cur["attention.prefill"] == ("cuda-kernel" if cb.cuda_available() else "stock")
     assert cur["attention.decode"] == "compiled-layer"  # ops.decoder, on every backend
     cpu = op_implementations("cpu")
     assert cpu["moe.prefill"] == cpu["moe.decode"] == "stock"
     assert cpu["attention.prefill"] == "stock"
-    assert cpu["linear.decode"] == "stock"  # the fused GEMV is CUDA's
+    assert cpu["linear.decode"] == cpu["lm_head.decode"] == "stock"  # the fused GEMV is CUDA's
     assert cpu["model.decode"] == "compiled-layer"  # the whole stack needs the GDN and MoE decode kernels
     assert cpu["gated_delta.prefill"] == "chunked"
     if not cb.cuda_available():
