@@ -8,10 +8,10 @@ parameters (quantised or not) stay the same arrays under the same paths, so
 :func:`rebind` moves an existing module instance to another class without
 copying anything; :mod:`mlx_qwen_fast.patching` uses it in both directions.
 
-The gated attention's class, :class:`FastAttention`, replaces only the
-attention of a prefill chunk on CUDA (:func:`ops.attention.prefill_attention`);
-its one-token calls stay mlx-lm's, since the decoder layer's step below
-runs them. The decoder layer's class is swapped in place (``__class__``,
+The gated attention's class, :class:`FastAttention`, goes through
+:func:`ops.attention.gated_attention`, which replaces only the attention of
+a prefill chunk on CUDA; its one-token calls stay mlx-lm's, since the
+decoder layer's step below runs them. The decoder layer's class is swapped in place (``__class__``,
 the same object in ``model.layers``): :class:`FastDecoderLayer` runs a
 one-token step through :func:`ops.decoder.decode_layer` (the whole layer,
 gated attention included, as one compiled call) and every other call as
@@ -28,7 +28,6 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer, GatedDeltaNet, Qwen3_5TextModel
 from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextSparseMoeBlock
 
@@ -80,48 +79,19 @@ class FastSparseMoeBlock(Qwen3NextSparseMoeBlock):
 
 
 class FastAttention(Qwen3NextAttention):
-    """``qwen3_next.Qwen3NextAttention`` (qwen3_5's gated attention) whose
-    prefill on CUDA runs its scaled dot-product attention through
-    :func:`ops.attention.prefill_attention` (the flash-attention kernel at
-    head_dim 256: memory independent of the context) instead of MLX's.
-
-    That path is taken for more than one token per row with the causal mask
-    (the string ``"causal"``, as mlx-lm's ``create_attention_mask`` gives a
-    plain prompt) and no cache or a plain ``KVCache``, where
-    :func:`ops.attention.implementation_for` names the kernel (CUDA, the
-    switch on). q, k and v are computed as the stock module computes them
-    (projections, q/k RMSNorm, RoPE at the cache offset,
-    ``cache.update_and_fetch``), and the attention reads the cache's whole
-    buffers with the chunk's offset (no copy of the cache's view); the gate
-    and ``o_proj`` follow as in stock. Every other call -- one token (the
-    decoder layer's step runs those), a mask array, quantised, rotating or
-    batched caches (per-row lengths, left padding), the CPU and Metal -- is
-    mlx-lm's own ``__call__``."""
+    """``qwen3_next.Qwen3NextAttention`` (qwen3_5's gated attention) through
+    :func:`ops.attention.gated_attention`: on CUDA a prefill chunk's scaled
+    dot-product attention runs the flash-attention kernel at head_dim 256
+    (memory independent of the context) instead of MLX's; every other call
+    -- one token (the decoder layer's step runs those), a mask array,
+    quantised, rotating or batched caches, the CPU and Metal -- is mlx-lm's
+    own ``__call__``."""
 
     stock_class = Qwen3NextAttention
     ops = attention_ops  # the op family's dispatcher
 
     def __call__(self, x: mx.array, mask: Optional[Any] = None, cache: Optional[Any] = None) -> mx.array:
-        B, T, _ = x.shape
-        if not (T > 1 and isinstance(mask, str) and mask == "causal"
-                and (cache is None or type(cache) is KVCache)
-                and attention_ops.implementation_for(T) == "cuda-kernel"):
-            return Qwen3NextAttention.__call__(self, x, mask, cache)
-        queries, gate = mx.split(self.q_proj(x).reshape(B, T, self.num_attention_heads, -1), 2, axis=-1)
-        gate = gate.reshape(B, T, -1)
-        keys, values = self.k_proj(x), self.v_proj(x)
-        queries = self.q_norm(queries).transpose(0, 2, 1, 3)
-        keys = self.k_norm(keys.reshape(B, T, self.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
-        values = values.reshape(B, T, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
-        offset = 0 if cache is None else cache.offset
-        queries = self.rope(queries, offset=offset)
-        keys = self.rope(keys, offset=offset)
-        if cache is not None:
-            cache.update_and_fetch(keys, values)
-            keys, values = cache.keys, cache.values  # positions [0, offset + T) hold the context
-        output = attention_ops.prefill_attention(queries, keys, values, scale=self.scale, offset=offset)
-        output = output.transpose(0, 2, 1, 3).reshape(B, T, -1)
-        return self.o_proj(output * mx.sigmoid(gate))
+        return attention_ops.gated_attention(self, x, mask, cache)
 
 
 class FastDecoderLayer(DecoderLayer):

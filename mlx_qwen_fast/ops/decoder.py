@@ -24,7 +24,8 @@ Per layer kind:
   step (:func:`mlx_qwen_fast.ops.moe.decode_step_parts`).
 * Gated attention layer (mlx-lm's ``Qwen3NextAttention``): RMSNorm, one
   quantised matmul over the concatenated q|k|v projections, then
-  :func:`mlx_qwen_fast.ops.attention.decode_attention` (q/k RMSNorm, RoPE at
+  :func:`mlx_qwen_fast.ops.attention.decode_attention` (through
+  :func:`mlx_qwen_fast.ops.attention.decode_step`; q/k RMSNorm, RoPE at
   the cache offset -- passed as an array, so one trace serves every
   position --, the new K/V row written into the cache's buffers in place:
   at the offset (``kernels._cache_rows``), the buffers donated; attention over
@@ -46,19 +47,18 @@ from __future__ import annotations
 
 import operator
 import weakref
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from .. import config
-from ..compiled import StepPlans, concat_linears, linear_arrays, linear_paths
+from ..compiled import StepPlans
 from . import attention as attention_ops
 from . import gated_delta as gated_delta_ops
-from . import linear as linear_ops
 from . import moe as moe_ops
 
-__all__ = ["attention_decode_parts", "decode_layer", "decode_layer_reference", "decode_model", "reserve_kv"]
+__all__ = ["decode_layer", "decode_layer_reference", "decode_model", "reserve_kv"]
 
 
 def decode_layer_reference(layer, x: mx.array, cache) -> mx.array:
@@ -82,62 +82,8 @@ def _arrays_cache_type():
 
 
 # ---------------------------------------------------------------------------
-# gated attention: plan and step
+# KV buffers
 # ---------------------------------------------------------------------------
-
-_ATTN_PROJ = ("q_proj", "k_proj", "v_proj")
-
-
-def attention_decode_parts(attn) -> Optional[Tuple[tuple, tuple, tuple]]:
-    """The arrays and static settings of a gated-attention module's decode
-    step, or None where the step does not apply (a projection that is not a
-    plain or quantised linear layer, q/k/v of unlike quantisation, a RoPE
-    other than ``nn.RoPE``, a sharded module).
-
-    Returns:
-        ``(paths, extra, static)``: ``paths`` of the arrays read at call
-        time (under ``attn``: q/k norm weights, ``o_proj``'s arrays, then
-        the three projections' arrays, which decide the plan), ``extra`` =
-        the concatenated q|k|v arrays (new arrays: ~ the three projections'
-        bytes again), ``static`` (hashable) for :func:`_attention_core`.
-    """
-    if getattr(attn, "sharding_group", None) is not None or type(attn.rope) is not nn.RoPE:
-        return None
-    lins = [linear_arrays(getattr(attn, n)) for n in _ATTN_PROJ + ("o_proj",)]
-    if any(lin is None for lin in lins):
-        return None
-    qkv = concat_linears(lins[:3])
-    if qkv is None:
-        return None
-    rope = attn.rope
-    static = (
-        int(attn.num_attention_heads), int(attn.num_key_value_heads), int(attn.head_dim),
-        float(attn.q_norm.eps), float(attn.k_norm.eps), float(attn.scale),
-        (int(rope.dims), bool(rope.traditional), float(rope.base), float(rope.scale)),
-        (len(qkv[0]), qkv[1]), (len(lins[3][0]), lins[3][1]),
-    )
-    paths = (("q_norm", "weight"), ("k_norm", "weight")) + linear_paths(("o_proj",), lins[3])
-    paths += tuple(p for n, lin in zip(_ATTN_PROJ, lins[:3]) for p in linear_paths((n,), lin))
-    return paths, tuple(qkv[0]), static
-
-
-def _attention_core(static, x, norm, keys, values, offset, qn_w, kn_w, flat):
-    """The gated attention of one token per row with its residual:
-    ``(x + o_proj(attention(rms_norm(x, *norm))) [B, 1, D], keys, values)``
-    with the new K/V row written at ``offset`` (0-d int32) into
-    ``keys``/``values`` ``[B, Hkv, capacity, Dh]``. ``norm`` = (the input
-    RMSNorm's weight, eps); ``flat`` = o_proj's arrays then the q|k|v
-    arrays. The norm is fused into the q|k|v GEMV and the residual into
-    o_proj's (:func:`mlx_qwen_fast.ops.linear.decode_linear`); the part
-    between the projections is
-    :func:`mlx_qwen_fast.ops.attention.decode_attention_unchecked` (traced: the offset is data)."""
-    hq, hkv, dh, eps_q, eps_k, scale, (dims, traditional, base, rscale), (n_qkv, qkv_s), (n_o, o_s) = static
-    proj = linear_ops.decode_linear(x, flat[n_o:n_o + n_qkv], qkv_s, norm=norm)
-    out, keys, values = attention_ops.decode_attention_unchecked(
-        proj, keys, values, offset, qn_w, kn_w, num_heads=hq, num_kv_heads=hkv, scale=scale, q_eps=eps_q,
-        k_eps=eps_k, rope_dims=dims, rope_traditional=traditional, rope_base=base, rope_scale=rscale)
-    return linear_ops.decode_linear(out, flat[:n_o], o_s, residual=x), keys, values
-
 
 #: Positions a KV buffer grows to a multiple of when the decode step needs
 #: room (mlx-lm grows by ``KVCache.step``, 256). The compiled step traces
@@ -309,14 +255,14 @@ def _linear_plan(layer, x, cache):
 
 def _attention_plan(layer, x, cache):
     children = [("self_attn",), ("mlp",), ("input_layernorm",), ("post_attention_layernorm",)]
-    attn = attention_decode_parts(layer.self_attn)
+    attn = attention_ops.decode_step_parts(layer.self_attn)
     if attn is None:
         return children, None
     a_paths, a_extra, a_static = attn
     moe = _moe_parts(layer, x)
     m_paths, m_fn = moe if moe is not None else ((), None)
     eps = _norm_eps(layer)
-    n_m, n_o = len(m_paths), a_static[-1][0]
+    n_m, n_o = len(m_paths), a_static.o_proj[0]
     n_read = 2 + n_o  # q/k norm weights and o_proj's arrays; the q/k/v sources only decide the plan
     # the attention kernels' switches are read while tracing: a trace per value
     key = ("attention", a_static, m_fn, eps, n_m, len(a_extra), config.ATTENTION_DECODE_KERNEL.get(),
@@ -330,8 +276,8 @@ def _attention_plan(layer, x, cache):
             o = flat[4:4 + n_o]
             m = flat[2 + n_read:2 + n_read + n_m]
             qkv = flat[2 + n_read + n_m:]
-            h, keys, values = _attention_core(a_static, x, (n1, eps[0]), keys, values, offset, qn_w, kn_w,
-                                              tuple(o) + tuple(qkv))
+            h, keys, values = attention_ops.decode_step(a_static, x, (n1, eps[0]), keys, values, offset, qn_w,
+                                                        kn_w, tuple(o) + tuple(qkv))
             if m_fn is None:
                 return h, keys, values
             return m_fn(h, n2, *m), keys, values
@@ -339,8 +285,8 @@ def _attention_plan(layer, x, cache):
         fn = _steps[key] = (mx.compile(step), step)
     a_paths = _prefixed("self_attn", a_paths)
     paths = _NORMS + a_paths[:n_read] + m_paths + a_paths[n_read:]
-    return paths, ("attention", fn[0], a_extra, 2 + n_read + n_m, m_fn is not None, a_static[1], a_static[2],
-                   fn[1])
+    return paths, ("attention", fn[0], a_extra, 2 + n_read + n_m, m_fn is not None, a_static.num_kv_heads,
+                   a_static.head_dim, fn[1])
 
 
 def _norm_eps(layer) -> tuple:
