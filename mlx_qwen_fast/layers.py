@@ -11,16 +11,20 @@ copying anything; :mod:`mlx_qwen_fast.patching` uses it in both directions.
 The gated attention's class, :class:`FastAttention`, goes through
 :func:`ops.attention.gated_attention`, which replaces only the attention of
 a prefill chunk on CUDA; its one-token calls stay mlx-lm's, since the
-decoder layer's step below runs them. The decoder layer's class is swapped in place (``__class__``,
-the same object in ``model.layers``): :class:`FastDecoderLayer` runs a
-one-token step through :func:`ops.decoder.decode_layer` (the whole layer,
-gated attention included, as one compiled call) and every other call as
-mlx-lm's layer. The layer stack
-(``Qwen3_5TextModel``) is swapped the same way: :class:`FastTextModel`
-runs a one-token step with every layer in one compiled call
-(:func:`ops.decoder.decode_model`). The language-model head
-(``TextModel.lm_head``, a quantised linear) is swapped the same way:
-:class:`FastHead` runs a call of 1 to 4 token rows through
+decoder layer's step runs them.
+
+Which route a decode token takes -- the whole layer stack as one compiled
+call, each layer as one, each module's own dispatch entry, or stock -- is
+decided in :mod:`ops.decoder` alone (:func:`ops.decoder.model_step`,
+:func:`ops.decoder.layer_step`, reported by
+:func:`ops.decoder.decode_routes`). The decoder layer's class is swapped in
+place (``__class__``, the same object in ``model.layers``):
+:class:`FastDecoderLayer` asks :func:`ops.decoder.layer_step` and runs every
+call it declines as mlx-lm's layer. The layer stack (``Qwen3_5TextModel``)
+is swapped the same way: :class:`FastTextModel` asks
+:func:`ops.decoder.model_step`, then :func:`ops.verify.verify_step`. The
+language-model head (``TextModel.lm_head``, a quantised linear) is swapped
+the same way: :class:`FastHead` runs a call of 1 to 4 token rows through
 :func:`ops.linear.decode_linear`.
 """
 
@@ -31,7 +35,7 @@ import mlx.nn as nn
 from mlx_lm.models.qwen3_5 import DecoderLayer, GatedDeltaNet, Qwen3_5TextModel
 from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextSparseMoeBlock
 
-from . import config, speculative
+from . import speculative
 from .compiled import linear_arrays
 from .ops import attention as attention_ops
 from .ops import decoder as decoder_ops
@@ -95,30 +99,27 @@ class FastAttention(Qwen3NextAttention):
 
 
 class FastDecoderLayer(DecoderLayer):
-    """``qwen3_5.DecoderLayer`` whose one-token call (no mask, a cache) is
-    :func:`ops.decoder.decode_layer` where that applies and
-    :data:`mlx_qwen_fast.config.DECODE_LAYER_STEP` is on; every other call
-    is mlx-lm's."""
+    """``qwen3_5.DecoderLayer`` whose call is :func:`ops.decoder.layer_step`
+    (a one-token step as one compiled call, where that applies and
+    :data:`mlx_qwen_fast.config.DECODE_LAYER_STEP` is on); every call it
+    declines is mlx-lm's."""
 
     stock_class = DecoderLayer
     ops = decoder_ops
 
     def __call__(self, x: mx.array, mask: Optional[mx.array] = None, cache: Optional[Any] = None) -> mx.array:
-        if mask is None and cache is not None and config.DECODE_LAYER_STEP.get():
-            out = decoder_ops.decode_layer(self, x, cache)
-            if out is not None:
-                return out
-        return DecoderLayer.__call__(self, x, mask, cache)
+        out = decoder_ops.layer_step(self, x, mask, cache)
+        return DecoderLayer.__call__(self, x, mask, cache) if out is None else out
 
 
 class FastTextModel(Qwen3_5TextModel):
-    """``qwen3_5.Qwen3_5TextModel`` whose one-token call with a cache is
-    :func:`ops.decoder.decode_model` (every layer in one compiled call)
-    where that applies and :data:`mlx_qwen_fast.config.DECODE_MODEL_STEP`
-    and :data:`~mlx_qwen_fast.config.DECODE_LAYER_STEP` are on; whose call
-    of 2..16 tokens per row with a cache is :func:`ops.verify.verify_model`
-    (the same, for a speculative verify) where that applies and
-    :data:`~mlx_qwen_fast.config.VERIFY_MODEL_STEP` is on; every other call
+    """``qwen3_5.Qwen3_5TextModel`` whose call is :func:`ops.decoder.model_step`
+    (a one-token step with every layer in one compiled call, where that
+    applies and :data:`mlx_qwen_fast.config.DECODE_MODEL_STEP` and
+    :data:`~mlx_qwen_fast.config.DECODE_LAYER_STEP` are on), else
+    :func:`ops.verify.verify_step` (the same for 2..16 tokens per row, a
+    speculative verify, where that applies and
+    :data:`~mlx_qwen_fast.config.VERIFY_MODEL_STEP` is on); every other call
     is mlx-lm's (its layers then take their own fast steps)."""
 
     stock_class = Qwen3_5TextModel
@@ -126,16 +127,10 @@ class FastTextModel(Qwen3_5TextModel):
 
     def __call__(self, inputs: mx.array, cache: Optional[Any] = None,
                  input_embeddings: Optional[mx.array] = None) -> mx.array:
-        if (input_embeddings is None and cache is not None and config.DECODE_MODEL_STEP.get()
-                and config.DECODE_LAYER_STEP.get()):
-            out = decoder_ops.decode_model(self, inputs, cache)
-            if out is not None:
-                return out
-        if input_embeddings is None and cache is not None and config.VERIFY_MODEL_STEP.get():
-            out = verify_ops.verify_model(self, inputs, cache)
-            if out is not None:
-                return out
-        return Qwen3_5TextModel.__call__(self, inputs, cache, input_embeddings)
+        out = decoder_ops.model_step(self, inputs, cache, input_embeddings)
+        if out is None:
+            out = verify_ops.verify_step(self, inputs, cache, input_embeddings)
+        return Qwen3_5TextModel.__call__(self, inputs, cache, input_embeddings) if out is None else out
 
 
 class FastHead(nn.QuantizedLinear):

@@ -1,4 +1,17 @@
-"""One decoder layer's decode step (one token per row) as one ``mx.compile``d call.
+"""The decode planner, and one decoder layer's decode step (one token per
+row) as one ``mx.compile``d call.
+
+Which route a decode token takes is decided here alone, from the switches
+(:mod:`mlx_qwen_fast.config`, read per call): the whole layer stack as one
+compiled call (:func:`model_step` -> :func:`decode_model`), else each layer
+as one (:func:`layer_step` -> :func:`decode_layer`), else each module's own
+dispatch entry (:func:`mlx_qwen_fast.ops.gated_delta.gated_delta_net`,
+:func:`mlx_qwen_fast.ops.moe.sparse_moe`,
+:func:`mlx_qwen_fast.ops.attention.gated_attention`), else stock. Each
+step's kernels are chosen by its op family when the step is planned
+(``decode_step_parts`` of each family) and baked into the compiled step
+that the layer's plan holds (:class:`LinearStepPlan`,
+:class:`AttentionStepPlan`: named fields).
 
 Contract: :func:`decode_layer` computes what mlx-lm's
 ``qwen3_5.DecoderLayer.__call__`` computes for ``x`` of shape ``[B, 1, D]``
@@ -47,7 +60,7 @@ from __future__ import annotations
 
 import operator
 import weakref
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -58,7 +71,8 @@ from . import attention as attention_ops
 from . import gated_delta as gated_delta_ops
 from . import moe as moe_ops
 
-__all__ = ["decode_layer", "decode_layer_reference", "decode_model", "reserve_kv"]
+__all__ = ["AttentionStepPlan", "LinearStepPlan", "decode_layer", "decode_layer_reference", "decode_model",
+           "layer_step", "model_step", "reserve_kv"]
 
 
 def decode_layer_reference(layer, x: mx.array, cache) -> mx.array:
@@ -222,6 +236,44 @@ def _moe_parts(layer, x):
     return _prefixed("mlp", paths), fn
 
 
+class LinearStepPlan(NamedTuple):
+    """A Gated DeltaNet layer's compiled decode step, as planned for one
+    input signature (kept by :class:`StepPlans` with the arrays it reads)."""
+
+    kind: str  # "linear"
+    #: ``fn(x, conv_state, state, *arrays[:n_in], *extra) -> (out, conv_state, state)``, compiled
+    fn: Callable
+    #: arrays the plan made (the concatenated input projection, packed constants)
+    extra: Tuple[mx.array, ...]
+    #: how many of the arrays at the plan's paths the step reads (the rest decide the plan)
+    n_in: int
+    #: ``fn`` before ``mx.compile`` (traced inside the whole-stack step)
+    raw: Callable
+
+
+class AttentionStepPlan(NamedTuple):
+    """A gated-attention layer's compiled decode step, as planned for one
+    input signature (kept by :class:`StepPlans` with the arrays it reads)."""
+
+    kind: str  # "attention"
+    #: ``fn(x, keys, values, offset, *arrays[:n_in], *extra) -> (out, keys, values)``, compiled
+    fn: Callable
+    #: the concatenated q|k|v arrays
+    extra: Tuple[mx.array, ...]
+    #: how many of the arrays at the plan's paths the step reads (the rest decide the plan)
+    n_in: int
+    #: whether the step includes the MoE block (else the caller runs the layer's ``mlp``)
+    has_moe: bool
+    #: the KV cache's heads and head size the step writes
+    kv_heads: int
+    head_dim: int
+    #: ``fn`` before ``mx.compile`` (traced inside the whole-stack step)
+    raw: Callable
+
+
+LayerStepPlan = Union[LinearStepPlan, AttentionStepPlan]
+
+
 def _linear_plan(layer, x, cache):
     children = [("linear_attn",), ("mlp",), ("input_layernorm",), ("post_attention_layernorm",)]
     gdn = gated_delta_ops.decode_step_parts(layer.linear_attn, x, cache,
@@ -250,7 +302,7 @@ def _linear_plan(layer, x, cache):
     # the arrays the step reads first; the rest only decide whether the plan still holds
     g_paths = _prefixed("linear_attn", g_paths)
     paths = _NORMS + g_paths[:g_used] + m_paths + g_paths[g_used:]
-    return paths, ("linear", fn[0], g_extra, 2 + g_used + n_m, fn[1])
+    return paths, LinearStepPlan("linear", fn[0], g_extra, 2 + g_used + n_m, fn[1])
 
 
 def _attention_plan(layer, x, cache):
@@ -285,18 +337,28 @@ def _attention_plan(layer, x, cache):
         fn = _steps[key] = (mx.compile(step), step)
     a_paths = _prefixed("self_attn", a_paths)
     paths = _NORMS + a_paths[:n_read] + m_paths + a_paths[n_read:]
-    return paths, ("attention", fn[0], a_extra, 2 + n_read + n_m, m_fn is not None, a_static.num_kv_heads,
-                   a_static.head_dim, fn[1])
+    return paths, AttentionStepPlan("attention", fn[0], a_extra, 2 + n_read + n_m, m_fn is not None,
+                                    a_static.num_kv_heads, a_static.head_dim, fn[1])
 
 
 def _norm_eps(layer) -> tuple:
     return (layer.input_layernorm.eps, layer.post_attention_layernorm.eps)
 
 
-def _layer_entry(layer, x: mx.array, cache):
-    """``(key, arrays, plan)`` of the layer's compiled step for ``x`` and
-    ``cache`` (:class:`StepPlans`, keyed by what the trace bakes in), or None
-    where the step does not apply. Reads the cache, never changes it."""
+class _LayerEntry(NamedTuple):
+    """A layer's planned step: its :class:`StepPlans` key (what the trace
+    bakes in), the objects at the plan's paths (the arrays the step reads
+    first), the plan."""
+
+    key: tuple
+    arrays: tuple
+    plan: LayerStepPlan
+
+
+def _layer_entry(layer, x: mx.array, cache) -> Optional[_LayerEntry]:
+    """The :class:`_LayerEntry` of the layer's compiled step for ``x`` and
+    ``cache``, or None where the step does not apply. Reads the cache, never
+    changes it."""
     if layer.is_linear:
         if type(cache) is not _arrays_cache_type() or cache.lengths is not None or cache[0] is None \
                 or cache[1] is None:
@@ -314,13 +376,7 @@ def _layer_entry(layer, x: mx.array, cache):
                attn.scale, attn.q_norm.eps, attn.k_norm.eps, config.ATTENTION_DECODE_KERNEL.get(),
                config.METAL_KERNELS.get(), config.DECODE_GEMV_KERNEL.get(), config.MOE_BLOCK_KERNEL.get())
         arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _attention_plan(layer, x, cache))
-    return None if plan is None else (key, arrays, plan)
-
-
-def _layer_plan(layer, x: mx.array, cache):
-    """``(arrays, plan)`` of :func:`_layer_entry`, or None."""
-    entry = _layer_entry(layer, x, cache)
-    return None if entry is None else entry[1:]
+    return None if plan is None else _LayerEntry(key, arrays, plan)
 
 
 def _takes(x) -> bool:
@@ -344,30 +400,50 @@ def decode_layer(layer, x: mx.array, cache) -> Optional[mx.array]:
     """
     if cache is None or not _takes(x):
         return None
-    planned = _layer_plan(layer, x, cache)
-    if planned is None:
+    entry = _layer_entry(layer, x, cache)
+    if entry is None:
         return None
-    arrays, plan = planned
-    if plan[0] == "linear":
-        _, fn, extra, n_in, _raw = plan
-        out, conv_state, state = fn(x, cache[0], cache[1], *arrays[:n_in], *extra)
+    arrays, plan = entry.arrays, entry.plan
+    if plan.kind == "linear":
+        out, conv_state, state = plan.fn(x, cache[0], cache[1], *arrays[:plan.n_in], *plan.extra)
         cache[0] = conv_state
         cache[1] = state
         cache.advance(1)
         return out
-    _, fn, extra, n_in, has_moe, hkv, dh, _raw = plan
-    if not _room(cache, x.dtype, x.shape[0], hkv, dh):
+    if not _room(cache, x.dtype, x.shape[0], plan.kv_heads, plan.head_dim):
         return None
     keys, values = cache.keys, cache.values
     cache.keys = cache.values = None  # the step's inputs alone hold the buffers: they are donated
     try:
-        out, keys, values = fn(x, keys, values, mx.array(cache.offset, mx.int32), *arrays[:n_in], *extra)
+        out, keys, values = plan.fn(x, keys, values, mx.array(cache.offset, mx.int32), *arrays[:plan.n_in],
+                                    *plan.extra)
     finally:
         cache.keys, cache.values = keys, values
     cache.offset += 1
-    if not has_moe:
+    if not plan.has_moe:
         out = out + layer.mlp(layer.post_attention_layernorm(out))
     return out
+
+
+def layer_step(layer, x: mx.array, mask=None, cache=None) -> Optional[mx.array]:
+    """The route of a fast decoder layer's call
+    (:class:`mlx_qwen_fast.layers.FastDecoderLayer`): :func:`decode_layer`
+    for a call with a cache and no mask while
+    :data:`mlx_qwen_fast.config.DECODE_LAYER_STEP` is on; None otherwise,
+    and where :func:`decode_layer` declines (the caller runs mlx-lm's layer,
+    whose fast modules take their own dispatch entries).
+
+    Args:
+        layer, x, cache: as :func:`decode_layer` (any ``x``: the shape is
+            checked there).
+        mask: the stock call's mask; not None declines.
+
+    Returns:
+        ``[B, 1, D]`` as :func:`decode_layer`, or None.
+    """
+    if mask is not None or cache is None or not _layer_step_on():
+        return None
+    return decode_layer(layer, x, cache)
 
 
 # ---------------------------------------------------------------------------
@@ -495,12 +571,12 @@ def _plan_model(model, h: mx.array, cache, kept: Optional[Dict[tuple, Callable]]
     entries = []
     for layer, c in zip(layers, cache):
         entry = None if c is None else _layer_entry(layer, h, c)
-        if entry is None or (entry[2][0] == "attention" and not entry[2][4]):
+        if entry is None or (entry.plan.kind == "attention" and not entry.plan.has_moe):
             return None
         entries.append(entry)
     B = h.shape[0]
     for (_, _, plan), c in zip(entries, cache):
-        if plan[0] == "attention" and not _room(c, h.dtype, B, plan[5], plan[6]):
+        if plan.kind == "attention" and not _room(c, h.dtype, B, plan.kv_heads, plan.head_dim):
             return None
     parents, names, children = [model], ["norm"], [model.norm]
     parents.append(model.norm)
@@ -512,16 +588,14 @@ def _plan_model(model, h: mx.array, cache, kept: Optional[Dict[tuple, Callable]]
         parents += p
         names += n
         children += ch
-        if plan[0] == "linear":
-            _, _fn, extra, n_in, raw = plan
+        if plan.kind == "linear":
             state_dtypes.append((c[0].dtype, c[1].dtype))
         else:
-            _, _fn, extra, n_in, _moe, _hkv, _dh, raw = plan
             kv_shapes.append((tuple(c.keys.shape), c.keys.dtype))
-        linear.append(plan[0] == "linear")
-        arrays += objs[:n_in]
-        arrays += extra
-        layout.append((plan[0], raw, n_in + len(extra)))
+        linear.append(plan.kind == "linear")
+        arrays += objs[:plan.n_in]
+        arrays += plan.extra
+        layout.append((plan.kind, plan.raw, plan.n_in + len(plan.extra)))
     arrays.append(model.norm.weight)
     mp = _ModelPlan()
     mp.sig = _model_sig(h)
@@ -619,3 +693,43 @@ def decode_model(model, inputs: mx.array, cache) -> Optional[mx.array]:
             c.offset += 1
         i += 2
     return out
+
+
+def model_step(model, inputs: mx.array, cache=None, input_embeddings: Optional[mx.array] = None
+               ) -> Optional[mx.array]:
+    """The decode route of a fast layer stack's call
+    (:class:`mlx_qwen_fast.layers.FastTextModel`): :func:`decode_model` for
+    a call with a cache and no embeddings while
+    :data:`mlx_qwen_fast.config.DECODE_MODEL_STEP` and
+    :data:`~mlx_qwen_fast.config.DECODE_LAYER_STEP` are on; None otherwise,
+    and where :func:`decode_model` declines (the caller tries the verify
+    step, then mlx-lm's loop over the layers, each taking
+    :func:`layer_step`).
+
+    Args:
+        model, inputs, cache: as :func:`decode_model` (any ``inputs``: the
+            shape is checked there).
+        input_embeddings: the stock call's argument; not None declines.
+
+    Returns:
+        ``[B, 1, D]`` as :func:`decode_model`, or None.
+    """
+    if input_embeddings is not None or cache is None or not _model_step_on():
+        return None
+    return decode_model(model, inputs, cache)
+
+
+# ---------------------------------------------------------------------------
+# the switches of the routes
+# ---------------------------------------------------------------------------
+
+
+def _layer_step_on() -> bool:
+    """Whether decoder layers take :func:`decode_layer` (the switch)."""
+    return config.DECODE_LAYER_STEP.get()
+
+
+def _model_step_on() -> bool:
+    """Whether layer stacks take :func:`decode_model` (both switches: the
+    whole-stack step is made of the layer steps)."""
+    return config.DECODE_MODEL_STEP.get() and config.DECODE_LAYER_STEP.get()
