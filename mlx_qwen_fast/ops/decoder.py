@@ -12,6 +12,9 @@ step's kernels are chosen by its op family when the step is planned
 (``decode_step_parts`` of each family) and baked into the compiled step
 that the layer's plan holds (:class:`LinearStepPlan`,
 :class:`AttentionStepPlan`: named fields).
+:func:`decode_routes` names the routes and kernels for the patch report
+(:func:`mlx_qwen_fast.patching.op_implementations`) from the same switches
+and the families' dispatchers.
 
 Contract: :func:`decode_layer` computes what mlx-lm's
 ``qwen3_5.DecoderLayer.__call__`` computes for ``x`` of shape ``[B, 1, D]``
@@ -65,14 +68,16 @@ from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import backend as _backend
 from .. import config
 from ..compiled import StepPlans
 from . import attention as attention_ops
 from . import gated_delta as gated_delta_ops
+from . import linear as linear_ops
 from . import moe as moe_ops
 
-__all__ = ["AttentionStepPlan", "LinearStepPlan", "decode_layer", "decode_layer_reference", "decode_model",
-           "layer_step", "model_step", "reserve_kv"]
+__all__ = ["AttentionStepPlan", "DecodeRoutes", "LinearStepPlan", "decode_layer", "decode_layer_reference",
+           "decode_model", "decode_routes", "layer_step", "model_step", "reserve_kv"]
 
 
 def decode_layer_reference(layer, x: mx.array, cache) -> mx.array:
@@ -720,7 +725,7 @@ def model_step(model, inputs: mx.array, cache=None, input_embeddings: Optional[m
 
 
 # ---------------------------------------------------------------------------
-# the switches of the routes
+# the routes, for the patch report
 # ---------------------------------------------------------------------------
 
 
@@ -733,3 +738,87 @@ def _model_step_on() -> bool:
     """Whether layer stacks take :func:`decode_model` (both switches: the
     whole-stack step is made of the layer steps)."""
     return config.DECODE_MODEL_STEP.get() and config.DECODE_LAYER_STEP.get()
+
+
+class DecodeRoutes(NamedTuple):
+    """What a decode token (one token per row) runs on a backend: the route
+    (whole stack, layer, module, stock) and the kernels it reaches, as the
+    patch report names them (:meth:`table`)."""
+
+    #: "compiled-model" (:func:`model_step`), "compiled-layer" (:func:`layer_step`) or "stock"
+    model: str
+    #: the Gated DeltaNet layer's: "cuda-mixer" (one launch, inside the layer
+    #: step), "cuda-kernel", "metal-kernel", "mlx-lm-metal" or "recurrent"
+    gated_delta: str
+    #: the MoE block's: "cuda-block" (one launch, inside the layer step),
+    #: "cuda-decode", "metal-decode" or "stock"
+    moe: str
+    #: the gated attention's: "compiled-layer" (the layer step with MLX's
+    #: ops), "compiled-layer+cuda-kernel" / "compiled-layer+metal-kernel", or "stock"
+    attention: str
+    #: the layer step's projections: "compiled-layer+cuda-kernel" (the fused GEMV) or "stock"
+    linear: str
+    #: the language-model head's decode rows: "cuda-kernel" or "stock"
+    lm_head: str
+
+    def table(self) -> Dict[str, str]:
+        """``{"<op>.decode": implementation}``: the report's decode rows."""
+        return {"gated_delta.decode": self.gated_delta, "moe.decode": self.moe, "attention.decode": self.attention,
+                "linear.decode": self.linear, "lm_head.decode": self.lm_head, "model.decode": self.model}
+
+
+def decode_routes(backend: Optional[str] = None, model=None) -> DecodeRoutes:
+    """The decode routes on ``backend`` from the switches
+    (:mod:`mlx_qwen_fast.config`, read now) and the op families'
+    dispatchers (``implementation_for(1, backend)`` of
+    :mod:`~mlx_qwen_fast.ops.gated_delta`, :mod:`~mlx_qwen_fast.ops.moe`,
+    :mod:`~mlx_qwen_fast.ops.attention`, :mod:`~mlx_qwen_fast.ops.linear`):
+    the ones :func:`model_step`, :func:`layer_step` and the modules' entries
+    take for a model whose layers all take them. Names only: nothing is
+    planned, traced or evaluated.
+
+    Args:
+        backend: ``"cpu" | "cuda" | "metal"`` (what would run there on this
+            machine: a GPU backend without its device falls back as the ops
+            do), or None for :func:`mlx_qwen_fast.backend.current`.
+        model: None, or a model (anything with ``layers``) whose weights
+            narrow the one-launch kernels: "cuda-mixer" only where every
+            Gated DeltaNet layer's projections are in its format
+            (:func:`mlx_qwen_fast.ops.gated_delta.mixer_takes_weights`),
+            "cuda-block" only where every fast MoE block's router is
+            (:func:`mlx_qwen_fast.ops.moe.block_takes_weights`); else the
+            three launches. The kernels the op families decline for a
+            layer's quantisation (``decide_kernels``) are not applied here.
+
+    Returns:
+        :class:`DecodeRoutes`.
+
+    Raises:
+        ValueError: an unknown backend name (the empty string included).
+    """
+    b = _backend.resolve(backend)
+    layer_on = _layer_step_on()
+    gemv = layer_on and linear_ops.implementation_for(1, b) == "cuda-kernel"  # inside the layer step
+    gdn = gated_delta_ops.implementation_for(1, b)
+    if b == _backend.METAL and config.METAL_KERNELS.get():  # the layer's decode, not the recurrence alone
+        gdn = "metal-kernel"
+    moe = moe_ops.implementation_for(1, b)
+    gdn_kernel, moe_kernel = gdn == "cuda-kernel", moe == "cuda-decode"
+    layers = () if model is None else getattr(model, "layers", ())
+    if gdn_kernel and gemv and config.GDN_MIXER_KERNEL.get() and all(
+            gated_delta_ops.mixer_takes_weights(layer.linear_attn) for layer in layers
+            if getattr(layer, "is_linear", False)):
+        gdn = "cuda-mixer"  # else the three launches, for projections of another format
+    if moe_kernel and gemv and config.MOE_BLOCK_KERNEL.get() and all(
+            moe_ops.block_takes_weights(layer.mlp) for layer in layers
+            if getattr(getattr(layer, "mlp", None), "ops", None) is moe_ops):
+        moe = "cuda-block"  # else the three launches, for a router of another format
+    kernel = attention_ops.implementation_for(1, b)
+    attention = "stock" if not layer_on else "compiled-layer" if kernel == "reference" else f"compiled-layer+{kernel}"
+    # every layer in one compiled call: only where both layer kinds take their whole step
+    route = "compiled-model" if _model_step_on() and gdn_kernel and moe_kernel else (
+        "compiled-layer" if layer_on else "stock")
+    return DecodeRoutes(
+        model=route, gated_delta=gdn, moe=moe, attention=attention,
+        linear="compiled-layer+cuda-kernel" if gemv else "stock",
+        lm_head="cuda-kernel" if linear_ops.implementation_for(1, b) == "cuda-kernel" else "stock")
