@@ -8,19 +8,23 @@ parameters (quantised or not) stay the same arrays under the same paths, so
 :func:`rebind` moves an existing module instance to another class without
 copying anything; :mod:`mlx_qwen_fast.patching` uses it in both directions.
 
-The gated attention's class, :class:`FastAttention`, replaces only the
-attention of a prefill chunk on CUDA (:func:`ops.attention.prefill_attention`);
-its one-token calls stay mlx-lm's, since the decoder layer's step below
-runs them. The decoder layer's class is swapped in place (``__class__``,
-the same object in ``model.layers``): :class:`FastDecoderLayer` runs a
-one-token step through :func:`ops.decoder.decode_layer` (the whole layer,
-gated attention included, as one compiled call) and every other call as
-mlx-lm's layer. The layer stack
-(``Qwen3_5TextModel``) is swapped the same way: :class:`FastTextModel`
-runs a one-token step with every layer in one compiled call
-(:func:`ops.decoder.decode_model`). The language-model head
-(``TextModel.lm_head``, a quantised linear) is swapped the same way:
-:class:`FastHead` runs a call of 1 to 4 token rows through
+The gated attention's class, :class:`FastAttention`, goes through
+:func:`ops.attention.gated_attention`, which replaces only the attention of
+a prefill chunk on CUDA; its one-token calls stay mlx-lm's, since the
+decoder layer's step runs them.
+
+Which route a decode token takes -- the whole layer stack as one compiled
+call, each layer as one, each module's own dispatch entry, or stock -- is
+decided in :mod:`ops.decoder` alone (:func:`ops.decoder.model_step`,
+:func:`ops.decoder.layer_step`, reported by
+:func:`ops.decoder.decode_routes`). The decoder layer's class is swapped in
+place (``__class__``, the same object in ``model.layers``):
+:class:`FastDecoderLayer` asks :func:`ops.decoder.layer_step` and runs every
+call it declines as mlx-lm's layer. The layer stack (``Qwen3_5TextModel``)
+is swapped the same way: :class:`FastTextModel` asks
+:func:`ops.decoder.model_step`, then :func:`ops.verify.verify_step`. The
+language-model head (``TextModel.lm_head``, a quantised linear) is swapped
+the same way: :class:`FastHead` runs a call of 1 to 4 token rows through
 :func:`ops.linear.decode_linear`.
 """
 
@@ -28,11 +32,10 @@ from typing import Any, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
 from mlx_lm.models.qwen3_5 import DecoderLayer, GatedDeltaNet, Qwen3_5TextModel
 from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextSparseMoeBlock
 
-from . import config, speculative
+from . import speculative
 from .compiled import linear_arrays
 from .ops import attention as attention_ops
 from .ops import decoder as decoder_ops
@@ -80,75 +83,43 @@ class FastSparseMoeBlock(Qwen3NextSparseMoeBlock):
 
 
 class FastAttention(Qwen3NextAttention):
-    """``qwen3_next.Qwen3NextAttention`` (qwen3_5's gated attention) whose
-    prefill on CUDA runs its scaled dot-product attention through
-    :func:`ops.attention.prefill_attention` (the flash-attention kernel at
-    head_dim 256: memory independent of the context) instead of MLX's.
-
-    That path is taken for more than one token per row with the causal mask
-    (the string ``"causal"``, as mlx-lm's ``create_attention_mask`` gives a
-    plain prompt) and no cache or a plain ``KVCache``, where
-    :func:`ops.attention.implementation_for` names the kernel (CUDA, the
-    switch on). q, k and v are computed as the stock module computes them
-    (projections, q/k RMSNorm, RoPE at the cache offset,
-    ``cache.update_and_fetch``), and the attention reads the cache's whole
-    buffers with the chunk's offset (no copy of the cache's view); the gate
-    and ``o_proj`` follow as in stock. Every other call -- one token (the
-    decoder layer's step runs those), a mask array, quantised, rotating or
-    batched caches (per-row lengths, left padding), the CPU and Metal -- is
-    mlx-lm's own ``__call__``."""
+    """``qwen3_next.Qwen3NextAttention`` (qwen3_5's gated attention) through
+    :func:`ops.attention.gated_attention`: on CUDA a prefill chunk's scaled
+    dot-product attention runs the flash-attention kernel at head_dim 256
+    (memory independent of the context) instead of MLX's; every other call
+    -- one token (the decoder layer's step runs those), a mask array,
+    quantised, rotating or batched caches, the CPU and Metal -- is mlx-lm's
+    own ``__call__``."""
 
     stock_class = Qwen3NextAttention
     ops = attention_ops  # the op family's dispatcher
 
     def __call__(self, x: mx.array, mask: Optional[Any] = None, cache: Optional[Any] = None) -> mx.array:
-        B, T, _ = x.shape
-        if not (T > 1 and isinstance(mask, str) and mask == "causal"
-                and (cache is None or type(cache) is KVCache)
-                and attention_ops.implementation_for(T) == "cuda-kernel"):
-            return Qwen3NextAttention.__call__(self, x, mask, cache)
-        queries, gate = mx.split(self.q_proj(x).reshape(B, T, self.num_attention_heads, -1), 2, axis=-1)
-        gate = gate.reshape(B, T, -1)
-        keys, values = self.k_proj(x), self.v_proj(x)
-        queries = self.q_norm(queries).transpose(0, 2, 1, 3)
-        keys = self.k_norm(keys.reshape(B, T, self.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
-        values = values.reshape(B, T, self.num_key_value_heads, -1).transpose(0, 2, 1, 3)
-        offset = 0 if cache is None else cache.offset
-        queries = self.rope(queries, offset=offset)
-        keys = self.rope(keys, offset=offset)
-        if cache is not None:
-            cache.update_and_fetch(keys, values)
-            keys, values = cache.keys, cache.values  # positions [0, offset + T) hold the context
-        output = attention_ops.prefill_attention(queries, keys, values, scale=self.scale, offset=offset)
-        output = output.transpose(0, 2, 1, 3).reshape(B, T, -1)
-        return self.o_proj(output * mx.sigmoid(gate))
+        return attention_ops.gated_attention(self, x, mask, cache)
 
 
 class FastDecoderLayer(DecoderLayer):
-    """``qwen3_5.DecoderLayer`` whose one-token call (no mask, a cache) is
-    :func:`ops.decoder.decode_layer` where that applies and
-    :data:`mlx_qwen_fast.config.DECODE_LAYER_STEP` is on; every other call
-    is mlx-lm's."""
+    """``qwen3_5.DecoderLayer`` whose call is :func:`ops.decoder.layer_step`
+    (a one-token step as one compiled call, where that applies and
+    :data:`mlx_qwen_fast.config.DECODE_LAYER_STEP` is on); every call it
+    declines is mlx-lm's."""
 
     stock_class = DecoderLayer
     ops = decoder_ops
 
     def __call__(self, x: mx.array, mask: Optional[mx.array] = None, cache: Optional[Any] = None) -> mx.array:
-        if mask is None and cache is not None and config.DECODE_LAYER_STEP.get():
-            out = decoder_ops.decode_layer(self, x, cache)
-            if out is not None:
-                return out
-        return DecoderLayer.__call__(self, x, mask, cache)
+        out = decoder_ops.layer_step(self, x, mask, cache)
+        return DecoderLayer.__call__(self, x, mask, cache) if out is None else out
 
 
 class FastTextModel(Qwen3_5TextModel):
-    """``qwen3_5.Qwen3_5TextModel`` whose one-token call with a cache is
-    :func:`ops.decoder.decode_model` (every layer in one compiled call)
-    where that applies and :data:`mlx_qwen_fast.config.DECODE_MODEL_STEP`
-    and :data:`~mlx_qwen_fast.config.DECODE_LAYER_STEP` are on; whose call
-    of 2..16 tokens per row with a cache is :func:`ops.verify.verify_model`
-    (the same, for a speculative verify) where that applies and
-    :data:`~mlx_qwen_fast.config.VERIFY_MODEL_STEP` is on; every other call
+    """``qwen3_5.Qwen3_5TextModel`` whose call is :func:`ops.decoder.model_step`
+    (a one-token step with every layer in one compiled call, where that
+    applies and :data:`mlx_qwen_fast.config.DECODE_MODEL_STEP` and
+    :data:`~mlx_qwen_fast.config.DECODE_LAYER_STEP` are on), else
+    :func:`ops.verify.verify_step` (the same for 2..16 tokens per row, a
+    speculative verify, where that applies and
+    :data:`~mlx_qwen_fast.config.VERIFY_MODEL_STEP` is on); every other call
     is mlx-lm's (its layers then take their own fast steps)."""
 
     stock_class = Qwen3_5TextModel
@@ -156,16 +127,10 @@ class FastTextModel(Qwen3_5TextModel):
 
     def __call__(self, inputs: mx.array, cache: Optional[Any] = None,
                  input_embeddings: Optional[mx.array] = None) -> mx.array:
-        if (input_embeddings is None and cache is not None and config.DECODE_MODEL_STEP.get()
-                and config.DECODE_LAYER_STEP.get()):
-            out = decoder_ops.decode_model(self, inputs, cache)
-            if out is not None:
-                return out
-        if input_embeddings is None and cache is not None and config.VERIFY_MODEL_STEP.get():
-            out = verify_ops.verify_model(self, inputs, cache)
-            if out is not None:
-                return out
-        return Qwen3_5TextModel.__call__(self, inputs, cache, input_embeddings)
+        out = decoder_ops.model_step(self, inputs, cache, input_embeddings)
+        if out is None:
+            out = verify_ops.verify_step(self, inputs, cache, input_embeddings)
+        return Qwen3_5TextModel.__call__(self, inputs, cache, input_embeddings) if out is None else out
 
 
 class FastHead(nn.QuantizedLinear):

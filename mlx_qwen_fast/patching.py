@@ -31,9 +31,9 @@ import mlx_lm.utils
 
 from . import backend, config, generation, speculative
 from .compiled import StepPlans
-from .layers import FAST_CLASSES, HEAD_CLASSES, LAYER_CLASSES, MODEL_CLASSES, FastSparseMoeBlock, rebind
+from .layers import FAST_CLASSES, HEAD_CLASSES, LAYER_CLASSES, MODEL_CLASSES, rebind
 from .ops import attention as attention_ops
-from .ops import linear as linear_ops
+from .ops import decoder as decoder_ops
 from .ops import gated_delta as gated_delta_ops
 from .ops import moe as moe_ops
 
@@ -98,6 +98,10 @@ class PatchReport:
 def op_implementations(backend_name: Optional[str] = None) -> Dict[str, str]:
     """Implementation of each op family for prefill and decode on a backend.
 
+    The prefill rows are the op families' dispatchers' choice for a
+    prefill chunk (``implementation_for``); the decode rows are the decode
+    planner's (:func:`mlx_qwen_fast.ops.decoder.decode_routes`).
+
     Args:
         backend_name: ``"cpu" | "cuda" | "metal"`` (the implementations that
             would run there on this machine: a GPU backend without its device
@@ -109,35 +113,20 @@ def op_implementations(backend_name: Optional[str] = None) -> Dict[str, str]:
     Raises:
         ValueError: an unknown backend name (the empty string included).
     """
-    b = backend.current() if backend_name is None else backend.resolve(backend_name)
+    return _op_table(backend.resolve(backend_name), None)
+
+
+def _op_table(b: str, model: Optional[nn.Module]) -> Dict[str, str]:
+    """:func:`op_implementations` on backend ``b``; with ``model``, its
+    decode rows narrowed to the model's weights (see
+    :func:`mlx_qwen_fast.ops.decoder.decode_routes`)."""
+    decode = decoder_ops.decode_routes(b, model).table()
     table = {}
     for name, module in _FAMILIES:
-        for phase, tokens in _PHASES:
-            table[f"{name}.{phase}"] = module.implementation_for(tokens, b)
-    if b == backend.METAL and config.METAL_KERNELS.get():  # the layer's decode, not the recurrence alone
-        table["gated_delta.decode"] = "metal-kernel"
+        table[f"{name}.prefill"] = module.implementation_for(_PREFILL_TOKENS, b)
+        table[f"{name}.decode"] = decode[f"{name}.decode"]
     table["attention.prefill"] = attention_ops.implementation_for(_PREFILL_TOKENS, b)
-    if config.DECODE_LAYER_STEP.get():  # the layer step runs ops.attention's dispatcher
-        kernel = attention_ops.implementation_for(1, b)
-        table["attention.decode"] = "compiled-layer" if kernel == "reference" else f"compiled-layer+{kernel}"
-    else:
-        table["attention.decode"] = "stock"
-    # the projections with their RMSNorm and residual, inside the layer step
-    gemv = config.DECODE_LAYER_STEP.get() and linear_ops.implementation_for(1, b) == "cuda-kernel"
-    table["linear.decode"] = "compiled-layer+cuda-kernel" if gemv else "stock"
-    # the language-model head of a decode step (layers.FastHead), outside the compiled step
-    table["lm_head.decode"] = "cuda-kernel" if linear_ops.implementation_for(1, b) == "cuda-kernel" else "stock"
-    gdn_kernel = table["gated_delta.decode"] == "cuda-kernel"
-    if gdn_kernel and gemv and config.GDN_MIXER_KERNEL.get():  # the layer step's whole mixer, one launch
-        table["gated_delta.decode"] = "cuda-mixer"
-    moe_kernels = table["moe.decode"] == "cuda-decode"
-    if moe_kernels and gemv and config.MOE_BLOCK_KERNEL.get():  # the layer step's MoE block, one launch
-        table["moe.decode"] = "cuda-block"
-    # every layer in one compiled call: only where both layer kinds take their whole step
-    whole = (config.DECODE_LAYER_STEP.get() and config.DECODE_MODEL_STEP.get()
-             and gdn_kernel and moe_kernels)
-    table["model.decode"] = "compiled-model" if whole else (
-        "compiled-layer" if config.DECODE_LAYER_STEP.get() else "stock")
+    table.update(decode)  # the attention, projections, head and whole-step rows, in the planner's order
     return table
 
 
@@ -409,15 +398,7 @@ def _patch(model: nn.Module, warn: bool, stacklevel: int) -> PatchReport:
     speculative.install()  # mlx-lm's speculative decoding: the patched caches roll back
     generation.install()  # mlx-lm's generate_step: the KV buffers sized for the whole generation
     previous = getattr(model, "patch_report", None)
-    ops = op_implementations()
-    if ops["gated_delta.decode"] == "cuda-mixer" and not all(
-            gated_delta_ops.mixer_takes_weights(layer.linear_attn) for layer in model.layers
-            if getattr(layer, "is_linear", False)):
-        ops["gated_delta.decode"] = "cuda-kernel"  # the three launches for projections of another format
-    if ops["moe.decode"] == "cuda-block" and not all(
-            moe_ops.block_takes_weights(layer.mlp) for layer in model.layers
-            if isinstance(getattr(layer, "mlp", None), FastSparseMoeBlock)):
-        ops["moe.decode"] = "cuda-decode"  # the three launches for a router of another format
+    ops = _op_table(backend.current(), model)
     declined = _apply_declines(ops, _decide_kernels(model))
     if warn:
         _warn_declined(declined)

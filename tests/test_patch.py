@@ -490,6 +490,75 @@ def test_report_follows_the_mixer_switch(cuda_machine, env):
         assert table["model.decode"] == "compiled-model", (mixer, gemv)
 
 
+def test_report_follows_the_decode_planner(cuda_machine, env):
+    """The report's decode rows are the decode planner's
+    (``ops.decoder.decode_routes``) and follow each route switch -- the
+    whole-stack and layer steps, the one-launch mixer and MoE block --
+    in ``op_implementations`` and in a patched model's report, patched again
+    after the change; a router of another format narrows the block to the
+    three launches for that model only."""
+    from mlx_qwen_fast import op_implementations
+    from mlx_qwen_fast.ops import decoder
+
+    model, _ = build_model("tiny", seed=0)
+    odd, _ = build_model("tiny", seed=0, parts={"router": {"bits": 3}})
+    for layer_on, model_on, mixer, block in ((1, 1, 1, 1), (1, 0, 1, 1), (1, 1, 0, 0), (1, 0, 0, 1), (0, 1, 1, 1)):
+        env.set(config.DECODE_LAYER_STEP.name, str(layer_on))
+        env.set(config.DECODE_MODEL_STEP.name, str(model_on))
+        env.set(config.GDN_MIXER_KERNEL.name, str(mixer))
+        env.set(config.MOE_BLOCK_KERNEL.name, str(block))
+        case = (layer_on, model_on, mixer, block)
+        routes = decoder.decode_routes()
+        assert routes == decoder.decode_routes("cuda")
+        want = {
+            "model.decode": "stock" if not layer_on else "compiled-model" if model_on else "compiled-layer",
+            "gated_delta.decode": "cuda-mixer" if layer_on and mixer else "cuda-kernel",
+            "moe.decode": "cuda-block" if layer_on and block else "cuda-decode",
+            "attention.decode": "compiled-layer+cuda-kernel" if layer_on else "stock",
+            "linear.decode": "compiled-layer+cuda-kernel" if layer_on else "stock",
+            "lm_head.decode": "cuda-kernel",
+        }
+        assert routes.table() == want, case
+        table = op_implementations()
+        assert {k: v for k, v in table.items() if k.endswith(".decode")} == want, case
+        assert table["moe.prefill"] == "cuda-prefill" and table["gated_delta.prefill"] == "cuda-kernel", case
+        report = patch(model, warn=False)
+        assert report.ops == table and model.patch_report is report, case
+        odd_ops = patch(odd, warn=False).ops
+        narrowed = decoder.decode_routes(model=odd)  # the patched model's fast blocks
+        assert narrowed._replace(moe=routes.moe) == routes, case
+        assert narrowed.moe == ("cuda-decode" if routes.moe == "cuda-block" else routes.moe), case
+        assert odd_ops == dict(table, **{"moe.decode": narrowed.moe}), case
+
+
+@pytest.mark.parametrize("layer_on, model_on", [(1, 1), (1, 0), (0, 1)])
+def test_decode_token_takes_the_planned_route(monkeypatch, env, layer_on, model_on):
+    """On this machine a patched model's decode token takes the route the
+    planner names: the layer stack's step is asked first while both step
+    switches are on, each layer's step while the layer switch is on (every
+    layer here: the CPU has no whole-stack step), neither when it is off."""
+    from mlx_qwen_fast.ops import decoder
+
+    env.set(config.DECODE_LAYER_STEP.name, str(layer_on))
+    env.set(config.DECODE_MODEL_STEP.name, str(model_on))
+    model, _ = build_model("tiny", seed=0)
+    patch(model, warn=False)
+    asked = {"model": 0, "layer": 0}
+    real_model, real_layer = decoder.decode_model, decoder.decode_layer
+    monkeypatch.setattr(decoder, "decode_model",
+                        lambda m, i, c: asked.__setitem__("model", asked["model"] + 1) or real_model(m, i, c))
+    monkeypatch.setattr(decoder, "decode_layer",
+                        lambda l, x, c: asked.__setitem__("layer", asked["layer"] + 1) or real_layer(l, x, c))
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([[1, 2, 3]]), cache=cache))
+    asked.update(model=0, layer=0)
+    mx.eval(model(mx.array([[4]]), cache=cache))
+    route = decoder.decode_routes().model
+    assert route == ("compiled-layer" if layer_on else "stock")
+    assert asked == {"model": int(bool(layer_on and model_on)),
+                     "layer": len(model.layers) if route == "compiled-layer" else 0}
+
+
 def test_report_declines_the_moe_block_with_the_decode_kernels(cuda_machine, env):
     """With the one-launch MoE block on, experts of a quantisation the MoE
     decode kernels decline are reported stock, as with the block off."""

@@ -37,6 +37,16 @@ kernels of :mod:`mlx_qwen_fast.kernels.attention_decode_metal` where those
 apply (head_dim 256, at most 8 query heads per KV head,
 :data:`mlx_qwen_fast.config.METAL_KERNELS` on) and the reference elsewhere.
 
+The module: :func:`gated_attention` is the dispatch entry of the fast
+gated-attention module (:class:`mlx_qwen_fast.layers.FastAttention`), as
+:func:`mlx_qwen_fast.ops.gated_delta.gated_delta_net` and
+:func:`mlx_qwen_fast.ops.moe.sparse_moe` are of theirs: the prefill's
+kernel where it applies, mlx-lm's module elsewhere. Its one-token step
+runs inside the decoder layer's compiled step
+(:mod:`mlx_qwen_fast.ops.decoder`), from :func:`decode_step_parts` (which
+modules take it, their arrays and settings) and :func:`decode_step` (the
+step, the input RMSNorm and the residual included).
+
 Prefill (a chunk of T queries per row): the scaled dot-product attention
 that ``Qwen3NextAttention.__call__`` runs with ``mask="causal"`` once q/k/v
 are normalised, rotated and written into the cache:
@@ -69,21 +79,27 @@ elsewhere.
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import Any, NamedTuple, Optional, Tuple
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
+from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
 from .. import backend as _backend
 from .. import config
+from ..compiled import concat_linears, linear_arrays, linear_paths
+from . import linear as linear_ops
 from ..kernels import _cuda_build
 from ..kernels._cache_rows import row_index, write_rows
 from ..kernels import attention_decode as _k_decode
 from ..kernels import attention_decode_metal as _k_decode_metal
 from ..kernels import attention_prefill as _k_prefill
 
-__all__ = ["IMPLEMENTATIONS", "decode_attention", "decode_attention_reference", "decode_attention_unchecked",
-           "decode_implementation",
-           "implementation_for", "prefill_attention", "prefill_attention_reference", "prefill_implementation"]
+__all__ = ["IMPLEMENTATIONS", "DecodeStatic", "DecodeStepParts", "decode_attention", "decode_attention_reference",
+           "decode_attention_unchecked", "decode_implementation", "decode_step", "decode_step_parts",
+           "gated_attention", "implementation_for", "prefill_attention", "prefill_attention_reference",
+           "prefill_implementation"]
 
 def _describe(a) -> str:
     return f"{a.dtype} {tuple(a.shape)}" if isinstance(a, mx.array) else type(a).__name__
@@ -304,3 +320,150 @@ def implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:
     if name == _backend.METAL and mx.metal.is_available() and config.METAL_KERNELS.get():
         return "metal-kernel"
     return "reference"
+
+
+# ---------------------------------------------------------------------------
+# the gated-attention module: its dispatch entry and its decode step's parts
+# ---------------------------------------------------------------------------
+
+
+def gated_attention(attn, x: mx.array, mask: Optional[Any] = None, cache: Optional[Any] = None) -> mx.array:
+    """``Qwen3NextAttention.__call__`` (mlx_lm/models/qwen3_next.py) through
+    this module: the dispatch entry of :class:`mlx_qwen_fast.layers.FastAttention`.
+
+    A prefill chunk -- more than one token per row, the causal mask (the
+    string ``"causal"``, as mlx-lm's ``create_attention_mask`` gives a plain
+    prompt), no cache or a plain ``KVCache``, and
+    :func:`implementation_for` naming the kernel (CUDA, the switch on) --
+    computes q, k and v as the stock module does (projections, q/k RMSNorm,
+    RoPE at the cache offset, ``cache.update_and_fetch``) and its attention
+    with :func:`prefill_attention` over the cache's whole buffers at the
+    chunk's offset; the gate and ``o_proj`` follow as in stock. Every other
+    call -- one token per row (the decoder layer's compiled step,
+    :func:`mlx_qwen_fast.ops.decoder.decode_layer`, runs those through
+    :func:`decode_step_parts`; where it declines, the stock module), a mask
+    array, quantised, rotating or batched caches, the CPU and Metal -- is
+    mlx-lm's own ``__call__``.
+
+    Args:
+        attn: an mlx-lm ``Qwen3NextAttention``.
+        x: ``[B, T, D]`` hidden states.
+        mask: None, ``"causal"`` or a mask array, as mlx-lm passes it.
+        cache: None or the layer's mlx-lm cache; updated in place and
+            advanced by T, as the stock call does.
+
+    Returns:
+        ``[B, T, D]``, as ``Qwen3NextAttention.__call__``.
+    """
+    B, T, _ = x.shape
+    if not (T > 1 and isinstance(mask, str) and mask == "causal"
+            and (cache is None or type(cache) is KVCache)
+            and implementation_for(T) == "cuda-kernel"):
+        return Qwen3NextAttention.__call__(attn, x, mask, cache)
+    queries, gate = mx.split(attn.q_proj(x).reshape(B, T, attn.num_attention_heads, -1), 2, axis=-1)
+    gate = gate.reshape(B, T, -1)
+    keys, values = attn.k_proj(x), attn.v_proj(x)
+    queries = attn.q_norm(queries).transpose(0, 2, 1, 3)
+    keys = attn.k_norm(keys.reshape(B, T, attn.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
+    values = values.reshape(B, T, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
+    offset = 0 if cache is None else cache.offset
+    queries = attn.rope(queries, offset=offset)
+    keys = attn.rope(keys, offset=offset)
+    if cache is not None:
+        cache.update_and_fetch(keys, values)
+        keys, values = cache.keys, cache.values  # positions [0, offset + T) hold the context
+    output = prefill_attention(queries, keys, values, scale=attn.scale, offset=offset)
+    output = output.transpose(0, 2, 1, 3).reshape(B, T, -1)
+    return attn.o_proj(output * mx.sigmoid(gate))
+
+
+class DecodeStatic(NamedTuple):
+    """The settings a gated-attention decode step bakes into its trace
+    (hashable: part of the compiled step's key)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q_eps: float
+    k_eps: float
+    scale: float
+    #: (dims, traditional, base, scale) of the module's ``nn.RoPE``
+    rope: Tuple[int, bool, float, float]
+    #: (number of arrays, linear static) of the concatenated q|k|v projection
+    qkv: Tuple[int, tuple]
+    #: (number of arrays, linear static) of ``o_proj``
+    o_proj: Tuple[int, tuple]
+
+
+class DecodeStepParts(NamedTuple):
+    """What :func:`decode_step_parts` found for one module."""
+
+    #: paths (under the module) of the arrays read at call time: q/k norm
+    #: weights, ``o_proj``'s arrays (the first ``2 + static.o_proj[0]``),
+    #: then the three projections' arrays, which only decide the plan
+    paths: Tuple[Tuple[str, ...], ...]
+    #: the concatenated q|k|v arrays (new arrays: ~ the three projections' bytes again)
+    extra: Tuple[mx.array, ...]
+    static: DecodeStatic
+
+
+_PROJ = ("q_proj", "k_proj", "v_proj")
+
+
+def decode_step_parts(attn) -> Optional[DecodeStepParts]:
+    """The arrays and static settings of a gated-attention module's decode
+    step (:func:`decode_step`), for a caller that traces it inside its own
+    compiled function (:func:`mlx_qwen_fast.ops.decoder.decode_layer`); None
+    where the step does not apply: a projection that is not a plain or
+    quantised linear layer (LoRA), q/k/v of unlike quantisation, a RoPE
+    other than ``nn.RoPE``, a sharded module. Evaluates the concatenated
+    projection (new arrays)."""
+    if getattr(attn, "sharding_group", None) is not None or type(attn.rope) is not nn.RoPE:
+        return None
+    lins = [linear_arrays(getattr(attn, n)) for n in _PROJ + ("o_proj",)]
+    if any(lin is None for lin in lins):
+        return None
+    qkv = concat_linears(lins[:3])
+    if qkv is None:
+        return None
+    rope = attn.rope
+    static = DecodeStatic(
+        int(attn.num_attention_heads), int(attn.num_key_value_heads), int(attn.head_dim),
+        float(attn.q_norm.eps), float(attn.k_norm.eps), float(attn.scale),
+        (int(rope.dims), bool(rope.traditional), float(rope.base), float(rope.scale)),
+        (len(qkv[0]), qkv[1]), (len(lins[3][0]), lins[3][1]),
+    )
+    paths = (("q_norm", "weight"), ("k_norm", "weight")) + linear_paths(("o_proj",), lins[3])
+    paths += tuple(p for n, lin in zip(_PROJ, lins[:3]) for p in linear_paths((n,), lin))
+    return DecodeStepParts(paths, tuple(qkv[0]), static)
+
+
+def decode_step(static: DecodeStatic, x: mx.array, norm: Tuple[mx.array, float], keys: mx.array,
+                values: mx.array, offset: mx.array, q_norm_weight: mx.array, k_norm_weight: mx.array,
+                flat: Tuple[mx.array, ...]) -> Tuple[mx.array, mx.array, mx.array]:
+    """The gated attention of one token per row with its residual (traced:
+    the offset is data; nothing is checked).
+
+    Args:
+        static: :class:`DecodeStatic` of the module.
+        x: ``[B, 1, D]`` hidden states before the layer's input RMSNorm.
+        norm: (the input RMSNorm's weight ``[D]``, eps).
+        keys, values: ``[B, Hkv, capacity, Dh]`` the KV cache's buffers.
+        offset: 0-d int32, this token's position, in ``[0, capacity)``.
+        q_norm_weight, k_norm_weight: ``[Dh]``.
+        flat: ``o_proj``'s arrays, then the concatenated q|k|v arrays.
+
+    Returns:
+        ``(x + o_proj(attention(rms_norm(x, *norm))) [B, 1, D], keys,
+        values)`` with the new K/V row written at ``offset``. The norm is
+        fused into the q|k|v GEMV and the residual into ``o_proj``'s
+        (:func:`mlx_qwen_fast.ops.linear.decode_linear`); the part between
+        the projections is :func:`decode_attention_unchecked`.
+    """
+    (dims, traditional, base, rscale), (n_qkv, qkv_s), (n_o, o_s) = static.rope, static.qkv, static.o_proj
+    proj = linear_ops.decode_linear(x, flat[n_o:n_o + n_qkv], qkv_s, norm=norm)
+    out, keys, values = decode_attention_unchecked(
+        proj, keys, values, offset, q_norm_weight, k_norm_weight, num_heads=static.num_heads,
+        num_kv_heads=static.num_kv_heads, scale=static.scale, q_eps=static.q_eps, k_eps=static.k_eps,
+        rope_dims=dims, rope_traditional=traditional, rope_base=base, rope_scale=rscale)
+    return linear_ops.decode_linear(out, flat[:n_o], o_s, residual=x), keys, values

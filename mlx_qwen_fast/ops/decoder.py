@@ -1,4 +1,20 @@
-"""One decoder layer's decode step (one token per row) as one ``mx.compile``d call.
+"""The decode planner, and one decoder layer's decode step (one token per
+row) as one ``mx.compile``d call.
+
+Which route a decode token takes is decided here alone, from the switches
+(:mod:`mlx_qwen_fast.config`, read per call): the whole layer stack as one
+compiled call (:func:`model_step` -> :func:`decode_model`), else each layer
+as one (:func:`layer_step` -> :func:`decode_layer`), else each module's own
+dispatch entry (:func:`mlx_qwen_fast.ops.gated_delta.gated_delta_net`,
+:func:`mlx_qwen_fast.ops.moe.sparse_moe`,
+:func:`mlx_qwen_fast.ops.attention.gated_attention`), else stock. Each
+step's kernels are chosen by its op family when the step is planned
+(``decode_step_parts`` of each family) and baked into the compiled step
+that the layer's plan holds (:class:`LinearStepPlan`,
+:class:`AttentionStepPlan`: named fields).
+:func:`decode_routes` names the routes and kernels for the patch report
+(:func:`mlx_qwen_fast.patching.op_implementations`) from the same switches
+and the families' dispatchers.
 
 Contract: :func:`decode_layer` computes what mlx-lm's
 ``qwen3_5.DecoderLayer.__call__`` computes for ``x`` of shape ``[B, 1, D]``
@@ -24,7 +40,8 @@ Per layer kind:
   step (:func:`mlx_qwen_fast.ops.moe.decode_step_parts`).
 * Gated attention layer (mlx-lm's ``Qwen3NextAttention``): RMSNorm, one
   quantised matmul over the concatenated q|k|v projections, then
-  :func:`mlx_qwen_fast.ops.attention.decode_attention` (q/k RMSNorm, RoPE at
+  :func:`mlx_qwen_fast.ops.attention.decode_attention` (through
+  :func:`mlx_qwen_fast.ops.attention.decode_step`; q/k RMSNorm, RoPE at
   the cache offset -- passed as an array, so one trace serves every
   position --, the new K/V row written into the cache's buffers in place:
   at the offset (``kernels._cache_rows``), the buffers donated; attention over
@@ -46,19 +63,21 @@ from __future__ import annotations
 
 import operator
 import weakref
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 import mlx.core as mx
 import mlx.nn as nn
 
+from .. import backend as _backend
 from .. import config
-from ..compiled import StepPlans, concat_linears, linear_arrays, linear_paths
+from ..compiled import StepPlans
 from . import attention as attention_ops
 from . import gated_delta as gated_delta_ops
 from . import linear as linear_ops
 from . import moe as moe_ops
 
-__all__ = ["attention_decode_parts", "decode_layer", "decode_layer_reference", "decode_model", "reserve_kv"]
+__all__ = ["AttentionStepPlan", "DecodeRoutes", "LinearStepPlan", "decode_layer", "decode_layer_reference",
+           "decode_model", "decode_routes", "layer_step", "model_step", "reserve_kv"]
 
 
 def decode_layer_reference(layer, x: mx.array, cache) -> mx.array:
@@ -82,62 +101,8 @@ def _arrays_cache_type():
 
 
 # ---------------------------------------------------------------------------
-# gated attention: plan and step
+# KV buffers
 # ---------------------------------------------------------------------------
-
-_ATTN_PROJ = ("q_proj", "k_proj", "v_proj")
-
-
-def attention_decode_parts(attn) -> Optional[Tuple[tuple, tuple, tuple]]:
-    """The arrays and static settings of a gated-attention module's decode
-    step, or None where the step does not apply (a projection that is not a
-    plain or quantised linear layer, q/k/v of unlike quantisation, a RoPE
-    other than ``nn.RoPE``, a sharded module).
-
-    Returns:
-        ``(paths, extra, static)``: ``paths`` of the arrays read at call
-        time (under ``attn``: q/k norm weights, ``o_proj``'s arrays, then
-        the three projections' arrays, which decide the plan), ``extra`` =
-        the concatenated q|k|v arrays (new arrays: ~ the three projections'
-        bytes again), ``static`` (hashable) for :func:`_attention_core`.
-    """
-    if getattr(attn, "sharding_group", None) is not None or type(attn.rope) is not nn.RoPE:
-        return None
-    lins = [linear_arrays(getattr(attn, n)) for n in _ATTN_PROJ + ("o_proj",)]
-    if any(lin is None for lin in lins):
-        return None
-    qkv = concat_linears(lins[:3])
-    if qkv is None:
-        return None
-    rope = attn.rope
-    static = (
-        int(attn.num_attention_heads), int(attn.num_key_value_heads), int(attn.head_dim),
-        float(attn.q_norm.eps), float(attn.k_norm.eps), float(attn.scale),
-        (int(rope.dims), bool(rope.traditional), float(rope.base), float(rope.scale)),
-        (len(qkv[0]), qkv[1]), (len(lins[3][0]), lins[3][1]),
-    )
-    paths = (("q_norm", "weight"), ("k_norm", "weight")) + linear_paths(("o_proj",), lins[3])
-    paths += tuple(p for n, lin in zip(_ATTN_PROJ, lins[:3]) for p in linear_paths((n,), lin))
-    return paths, tuple(qkv[0]), static
-
-
-def _attention_core(static, x, norm, keys, values, offset, qn_w, kn_w, flat):
-    """The gated attention of one token per row with its residual:
-    ``(x + o_proj(attention(rms_norm(x, *norm))) [B, 1, D], keys, values)``
-    with the new K/V row written at ``offset`` (0-d int32) into
-    ``keys``/``values`` ``[B, Hkv, capacity, Dh]``. ``norm`` = (the input
-    RMSNorm's weight, eps); ``flat`` = o_proj's arrays then the q|k|v
-    arrays. The norm is fused into the q|k|v GEMV and the residual into
-    o_proj's (:func:`mlx_qwen_fast.ops.linear.decode_linear`); the part
-    between the projections is
-    :func:`mlx_qwen_fast.ops.attention.decode_attention_unchecked` (traced: the offset is data)."""
-    hq, hkv, dh, eps_q, eps_k, scale, (dims, traditional, base, rscale), (n_qkv, qkv_s), (n_o, o_s) = static
-    proj = linear_ops.decode_linear(x, flat[n_o:n_o + n_qkv], qkv_s, norm=norm)
-    out, keys, values = attention_ops.decode_attention_unchecked(
-        proj, keys, values, offset, qn_w, kn_w, num_heads=hq, num_kv_heads=hkv, scale=scale, q_eps=eps_q,
-        k_eps=eps_k, rope_dims=dims, rope_traditional=traditional, rope_base=base, rope_scale=rscale)
-    return linear_ops.decode_linear(out, flat[:n_o], o_s, residual=x), keys, values
-
 
 #: Positions a KV buffer grows to a multiple of when the decode step needs
 #: room (mlx-lm grows by ``KVCache.step``, 256). The compiled step traces
@@ -276,6 +241,44 @@ def _moe_parts(layer, x):
     return _prefixed("mlp", paths), fn
 
 
+class LinearStepPlan(NamedTuple):
+    """A Gated DeltaNet layer's compiled decode step, as planned for one
+    input signature (kept by :class:`StepPlans` with the arrays it reads)."""
+
+    kind: str  # "linear"
+    #: ``fn(x, conv_state, state, *arrays[:n_in], *extra) -> (out, conv_state, state)``, compiled
+    fn: Callable
+    #: arrays the plan made (the concatenated input projection, packed constants)
+    extra: Tuple[mx.array, ...]
+    #: how many of the arrays at the plan's paths the step reads (the rest decide the plan)
+    n_in: int
+    #: ``fn`` before ``mx.compile`` (traced inside the whole-stack step)
+    raw: Callable
+
+
+class AttentionStepPlan(NamedTuple):
+    """A gated-attention layer's compiled decode step, as planned for one
+    input signature (kept by :class:`StepPlans` with the arrays it reads)."""
+
+    kind: str  # "attention"
+    #: ``fn(x, keys, values, offset, *arrays[:n_in], *extra) -> (out, keys, values)``, compiled
+    fn: Callable
+    #: the concatenated q|k|v arrays
+    extra: Tuple[mx.array, ...]
+    #: how many of the arrays at the plan's paths the step reads (the rest decide the plan)
+    n_in: int
+    #: whether the step includes the MoE block (else the caller runs the layer's ``mlp``)
+    has_moe: bool
+    #: the KV cache's heads and head size the step writes
+    kv_heads: int
+    head_dim: int
+    #: ``fn`` before ``mx.compile`` (traced inside the whole-stack step)
+    raw: Callable
+
+
+LayerStepPlan = Union[LinearStepPlan, AttentionStepPlan]
+
+
 def _linear_plan(layer, x, cache):
     children = [("linear_attn",), ("mlp",), ("input_layernorm",), ("post_attention_layernorm",)]
     gdn = gated_delta_ops.decode_step_parts(layer.linear_attn, x, cache,
@@ -304,19 +307,19 @@ def _linear_plan(layer, x, cache):
     # the arrays the step reads first; the rest only decide whether the plan still holds
     g_paths = _prefixed("linear_attn", g_paths)
     paths = _NORMS + g_paths[:g_used] + m_paths + g_paths[g_used:]
-    return paths, ("linear", fn[0], g_extra, 2 + g_used + n_m, fn[1])
+    return paths, LinearStepPlan("linear", fn[0], g_extra, 2 + g_used + n_m, fn[1])
 
 
 def _attention_plan(layer, x, cache):
     children = [("self_attn",), ("mlp",), ("input_layernorm",), ("post_attention_layernorm",)]
-    attn = attention_decode_parts(layer.self_attn)
+    attn = attention_ops.decode_step_parts(layer.self_attn)
     if attn is None:
         return children, None
     a_paths, a_extra, a_static = attn
     moe = _moe_parts(layer, x)
     m_paths, m_fn = moe if moe is not None else ((), None)
     eps = _norm_eps(layer)
-    n_m, n_o = len(m_paths), a_static[-1][0]
+    n_m, n_o = len(m_paths), a_static.o_proj[0]
     n_read = 2 + n_o  # q/k norm weights and o_proj's arrays; the q/k/v sources only decide the plan
     # the attention kernels' switches are read while tracing: a trace per value
     key = ("attention", a_static, m_fn, eps, n_m, len(a_extra), config.ATTENTION_DECODE_KERNEL.get(),
@@ -330,8 +333,8 @@ def _attention_plan(layer, x, cache):
             o = flat[4:4 + n_o]
             m = flat[2 + n_read:2 + n_read + n_m]
             qkv = flat[2 + n_read + n_m:]
-            h, keys, values = _attention_core(a_static, x, (n1, eps[0]), keys, values, offset, qn_w, kn_w,
-                                              tuple(o) + tuple(qkv))
+            h, keys, values = attention_ops.decode_step(a_static, x, (n1, eps[0]), keys, values, offset, qn_w,
+                                                        kn_w, tuple(o) + tuple(qkv))
             if m_fn is None:
                 return h, keys, values
             return m_fn(h, n2, *m), keys, values
@@ -339,18 +342,28 @@ def _attention_plan(layer, x, cache):
         fn = _steps[key] = (mx.compile(step), step)
     a_paths = _prefixed("self_attn", a_paths)
     paths = _NORMS + a_paths[:n_read] + m_paths + a_paths[n_read:]
-    return paths, ("attention", fn[0], a_extra, 2 + n_read + n_m, m_fn is not None, a_static[1], a_static[2],
-                   fn[1])
+    return paths, AttentionStepPlan("attention", fn[0], a_extra, 2 + n_read + n_m, m_fn is not None,
+                                    a_static.num_kv_heads, a_static.head_dim, fn[1])
 
 
 def _norm_eps(layer) -> tuple:
     return (layer.input_layernorm.eps, layer.post_attention_layernorm.eps)
 
 
-def _layer_entry(layer, x: mx.array, cache):
-    """``(key, arrays, plan)`` of the layer's compiled step for ``x`` and
-    ``cache`` (:class:`StepPlans`, keyed by what the trace bakes in), or None
-    where the step does not apply. Reads the cache, never changes it."""
+class _LayerEntry(NamedTuple):
+    """A layer's planned step: its :class:`StepPlans` key (what the trace
+    bakes in), the objects at the plan's paths (the arrays the step reads
+    first), the plan."""
+
+    key: tuple
+    arrays: tuple
+    plan: LayerStepPlan
+
+
+def _layer_entry(layer, x: mx.array, cache) -> Optional[_LayerEntry]:
+    """The :class:`_LayerEntry` of the layer's compiled step for ``x`` and
+    ``cache``, or None where the step does not apply. Reads the cache, never
+    changes it."""
     if layer.is_linear:
         if type(cache) is not _arrays_cache_type() or cache.lengths is not None or cache[0] is None \
                 or cache[1] is None:
@@ -368,13 +381,7 @@ def _layer_entry(layer, x: mx.array, cache):
                attn.scale, attn.q_norm.eps, attn.k_norm.eps, config.ATTENTION_DECODE_KERNEL.get(),
                config.METAL_KERNELS.get(), config.DECODE_GEMV_KERNEL.get(), config.MOE_BLOCK_KERNEL.get())
         arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _attention_plan(layer, x, cache))
-    return None if plan is None else (key, arrays, plan)
-
-
-def _layer_plan(layer, x: mx.array, cache):
-    """``(arrays, plan)`` of :func:`_layer_entry`, or None."""
-    entry = _layer_entry(layer, x, cache)
-    return None if entry is None else entry[1:]
+    return None if plan is None else _LayerEntry(key, arrays, plan)
 
 
 def _takes(x) -> bool:
@@ -398,30 +405,50 @@ def decode_layer(layer, x: mx.array, cache) -> Optional[mx.array]:
     """
     if cache is None or not _takes(x):
         return None
-    planned = _layer_plan(layer, x, cache)
-    if planned is None:
+    entry = _layer_entry(layer, x, cache)
+    if entry is None:
         return None
-    arrays, plan = planned
-    if plan[0] == "linear":
-        _, fn, extra, n_in, _raw = plan
-        out, conv_state, state = fn(x, cache[0], cache[1], *arrays[:n_in], *extra)
+    arrays, plan = entry.arrays, entry.plan
+    if plan.kind == "linear":
+        out, conv_state, state = plan.fn(x, cache[0], cache[1], *arrays[:plan.n_in], *plan.extra)
         cache[0] = conv_state
         cache[1] = state
         cache.advance(1)
         return out
-    _, fn, extra, n_in, has_moe, hkv, dh, _raw = plan
-    if not _room(cache, x.dtype, x.shape[0], hkv, dh):
+    if not _room(cache, x.dtype, x.shape[0], plan.kv_heads, plan.head_dim):
         return None
     keys, values = cache.keys, cache.values
     cache.keys = cache.values = None  # the step's inputs alone hold the buffers: they are donated
     try:
-        out, keys, values = fn(x, keys, values, mx.array(cache.offset, mx.int32), *arrays[:n_in], *extra)
+        out, keys, values = plan.fn(x, keys, values, mx.array(cache.offset, mx.int32), *arrays[:plan.n_in],
+                                    *plan.extra)
     finally:
         cache.keys, cache.values = keys, values
     cache.offset += 1
-    if not has_moe:
+    if not plan.has_moe:
         out = out + layer.mlp(layer.post_attention_layernorm(out))
     return out
+
+
+def layer_step(layer, x: mx.array, mask=None, cache=None) -> Optional[mx.array]:
+    """The route of a fast decoder layer's call
+    (:class:`mlx_qwen_fast.layers.FastDecoderLayer`): :func:`decode_layer`
+    for a call with a cache and no mask while
+    :data:`mlx_qwen_fast.config.DECODE_LAYER_STEP` is on; None otherwise,
+    and where :func:`decode_layer` declines (the caller runs mlx-lm's layer,
+    whose fast modules take their own dispatch entries).
+
+    Args:
+        layer, x, cache: as :func:`decode_layer` (any ``x``: the shape is
+            checked there).
+        mask: the stock call's mask; not None declines.
+
+    Returns:
+        ``[B, 1, D]`` as :func:`decode_layer`, or None.
+    """
+    if mask is not None or cache is None or not _layer_step_on():
+        return None
+    return decode_layer(layer, x, cache)
 
 
 # ---------------------------------------------------------------------------
@@ -549,12 +576,12 @@ def _plan_model(model, h: mx.array, cache, kept: Optional[Dict[tuple, Callable]]
     entries = []
     for layer, c in zip(layers, cache):
         entry = None if c is None else _layer_entry(layer, h, c)
-        if entry is None or (entry[2][0] == "attention" and not entry[2][4]):
+        if entry is None or (entry.plan.kind == "attention" and not entry.plan.has_moe):
             return None
         entries.append(entry)
     B = h.shape[0]
     for (_, _, plan), c in zip(entries, cache):
-        if plan[0] == "attention" and not _room(c, h.dtype, B, plan[5], plan[6]):
+        if plan.kind == "attention" and not _room(c, h.dtype, B, plan.kv_heads, plan.head_dim):
             return None
     parents, names, children = [model], ["norm"], [model.norm]
     parents.append(model.norm)
@@ -566,16 +593,14 @@ def _plan_model(model, h: mx.array, cache, kept: Optional[Dict[tuple, Callable]]
         parents += p
         names += n
         children += ch
-        if plan[0] == "linear":
-            _, _fn, extra, n_in, raw = plan
+        if plan.kind == "linear":
             state_dtypes.append((c[0].dtype, c[1].dtype))
         else:
-            _, _fn, extra, n_in, _moe, _hkv, _dh, raw = plan
             kv_shapes.append((tuple(c.keys.shape), c.keys.dtype))
-        linear.append(plan[0] == "linear")
-        arrays += objs[:n_in]
-        arrays += extra
-        layout.append((plan[0], raw, n_in + len(extra)))
+        linear.append(plan.kind == "linear")
+        arrays += objs[:plan.n_in]
+        arrays += plan.extra
+        layout.append((plan.kind, plan.raw, plan.n_in + len(plan.extra)))
     arrays.append(model.norm.weight)
     mp = _ModelPlan()
     mp.sig = _model_sig(h)
@@ -673,3 +698,127 @@ def decode_model(model, inputs: mx.array, cache) -> Optional[mx.array]:
             c.offset += 1
         i += 2
     return out
+
+
+def model_step(model, inputs: mx.array, cache=None, input_embeddings: Optional[mx.array] = None
+               ) -> Optional[mx.array]:
+    """The decode route of a fast layer stack's call
+    (:class:`mlx_qwen_fast.layers.FastTextModel`): :func:`decode_model` for
+    a call with a cache and no embeddings while
+    :data:`mlx_qwen_fast.config.DECODE_MODEL_STEP` and
+    :data:`~mlx_qwen_fast.config.DECODE_LAYER_STEP` are on; None otherwise,
+    and where :func:`decode_model` declines (the caller tries the verify
+    step, then mlx-lm's loop over the layers, each taking
+    :func:`layer_step`).
+
+    Args:
+        model, inputs, cache: as :func:`decode_model` (any ``inputs``: the
+            shape is checked there).
+        input_embeddings: the stock call's argument; not None declines.
+
+    Returns:
+        ``[B, 1, D]`` as :func:`decode_model`, or None.
+    """
+    if input_embeddings is not None or cache is None or not _model_step_on():
+        return None
+    return decode_model(model, inputs, cache)
+
+
+# ---------------------------------------------------------------------------
+# the routes, for the patch report
+# ---------------------------------------------------------------------------
+
+
+def _layer_step_on() -> bool:
+    """Whether decoder layers take :func:`decode_layer` (the switch)."""
+    return config.DECODE_LAYER_STEP.get()
+
+
+def _model_step_on() -> bool:
+    """Whether layer stacks take :func:`decode_model` (both switches: the
+    whole-stack step is made of the layer steps)."""
+    return config.DECODE_MODEL_STEP.get() and config.DECODE_LAYER_STEP.get()
+
+
+class DecodeRoutes(NamedTuple):
+    """What a decode token (one token per row) runs on a backend: the route
+    (whole stack, layer, module, stock) and the kernels it reaches, as the
+    patch report names them (:meth:`table`)."""
+
+    #: "compiled-model" (:func:`model_step`), "compiled-layer" (:func:`layer_step`) or "stock"
+    model: str
+    #: the Gated DeltaNet layer's: "cuda-mixer" (one launch, inside the layer
+    #: step), "cuda-kernel", "metal-kernel", "mlx-lm-metal" or "recurrent"
+    gated_delta: str
+    #: the MoE block's: "cuda-block" (one launch, inside the layer step),
+    #: "cuda-decode", "metal-decode" or "stock"
+    moe: str
+    #: the gated attention's: "compiled-layer" (the layer step with MLX's
+    #: ops), "compiled-layer+cuda-kernel" / "compiled-layer+metal-kernel", or "stock"
+    attention: str
+    #: the layer step's projections: "compiled-layer+cuda-kernel" (the fused GEMV) or "stock"
+    linear: str
+    #: the language-model head's decode rows: "cuda-kernel" or "stock"
+    lm_head: str
+
+    def table(self) -> Dict[str, str]:
+        """``{"<op>.decode": implementation}``: the report's decode rows."""
+        return {"gated_delta.decode": self.gated_delta, "moe.decode": self.moe, "attention.decode": self.attention,
+                "linear.decode": self.linear, "lm_head.decode": self.lm_head, "model.decode": self.model}
+
+
+def decode_routes(backend: Optional[str] = None, model=None) -> DecodeRoutes:
+    """The decode routes on ``backend`` from the switches
+    (:mod:`mlx_qwen_fast.config`, read now) and the op families'
+    dispatchers (``implementation_for(1, backend)`` of
+    :mod:`~mlx_qwen_fast.ops.gated_delta`, :mod:`~mlx_qwen_fast.ops.moe`,
+    :mod:`~mlx_qwen_fast.ops.attention`, :mod:`~mlx_qwen_fast.ops.linear`):
+    the ones :func:`model_step`, :func:`layer_step` and the modules' entries
+    take for a model whose layers all take them. Names only: nothing is
+    planned, traced or evaluated.
+
+    Args:
+        backend: ``"cpu" | "cuda" | "metal"`` (what would run there on this
+            machine: a GPU backend without its device falls back as the ops
+            do), or None for :func:`mlx_qwen_fast.backend.current`.
+        model: None, or a model (anything with ``layers``) whose weights
+            narrow the one-launch kernels: "cuda-mixer" only where every
+            Gated DeltaNet layer's projections are in its format
+            (:func:`mlx_qwen_fast.ops.gated_delta.mixer_takes_weights`),
+            "cuda-block" only where every fast MoE block's router is
+            (:func:`mlx_qwen_fast.ops.moe.block_takes_weights`); else the
+            three launches. The kernels the op families decline for a
+            layer's quantisation (``decide_kernels``) are not applied here.
+
+    Returns:
+        :class:`DecodeRoutes`.
+
+    Raises:
+        ValueError: an unknown backend name (the empty string included).
+    """
+    b = _backend.resolve(backend)
+    layer_on = _layer_step_on()
+    gemv = layer_on and linear_ops.implementation_for(1, b) == "cuda-kernel"  # inside the layer step
+    gdn = gated_delta_ops.implementation_for(1, b)
+    if b == _backend.METAL and config.METAL_KERNELS.get():  # the layer's decode, not the recurrence alone
+        gdn = "metal-kernel"
+    moe = moe_ops.implementation_for(1, b)
+    gdn_kernel, moe_kernel = gdn == "cuda-kernel", moe == "cuda-decode"
+    layers = () if model is None else getattr(model, "layers", ())
+    if gdn_kernel and gemv and config.GDN_MIXER_KERNEL.get() and all(
+            gated_delta_ops.mixer_takes_weights(layer.linear_attn) for layer in layers
+            if getattr(layer, "is_linear", False)):
+        gdn = "cuda-mixer"  # else the three launches, for projections of another format
+    if moe_kernel and gemv and config.MOE_BLOCK_KERNEL.get() and all(
+            moe_ops.block_takes_weights(layer.mlp) for layer in layers
+            if getattr(getattr(layer, "mlp", None), "ops", None) is moe_ops):
+        moe = "cuda-block"  # else the three launches, for a router of another format
+    kernel = attention_ops.implementation_for(1, b)
+    attention = "stock" if not layer_on else "compiled-layer" if kernel == "reference" else f"compiled-layer+{kernel}"
+    # every layer in one compiled call: only where both layer kinds take their whole step
+    route = "compiled-model" if _model_step_on() and gdn_kernel and moe_kernel else (
+        "compiled-layer" if layer_on else "stock")
+    return DecodeRoutes(
+        model=route, gated_delta=gdn, moe=moe, attention=attention,
+        linear="compiled-layer+cuda-kernel" if gemv else "stock",
+        lm_head="cuda-kernel" if linear_ops.implementation_for(1, b) == "cuda-kernel" else "stock")

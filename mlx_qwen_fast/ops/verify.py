@@ -75,7 +75,7 @@ from . import gated_delta as gated_delta_ops
 from . import moe as moe_ops
 
 __all__ = ["MAX_TOKENS", "MIN_TOKENS", "step_count", "trace_count", "verify_attention", "verify_model",
-           "verify_model_hidden"]
+           "verify_model_hidden", "verify_step"]
 
 #: Fewest tokens per row the step takes (one token is :func:`decode_model`'s).
 MIN_TOKENS = 2
@@ -426,6 +426,26 @@ def verify_model(model, inputs: mx.array, cache) -> Optional[mx.array]:
     """
     out = _verify(model, inputs, cache, ())
     return None if out is None else out[0]
+
+
+def verify_step(model, inputs: mx.array, cache, input_embeddings: Optional[mx.array] = None) -> Optional[mx.array]:
+    """The route of a fast layer stack's call of several tokens per row
+    (:class:`mlx_qwen_fast.layers.FastTextModel`): :func:`verify_model`
+    where :data:`mlx_qwen_fast.config.VERIFY_MODEL_STEP` is on, a cache is
+    given and no embeddings are; None (nothing changed: the caller runs
+    mlx-lm's loop) otherwise, and where :func:`verify_model` declines.
+
+    Args:
+        model, inputs, cache: as :func:`verify_model` (any ``inputs``: the
+            shape is checked there).
+        input_embeddings: the stock call's argument; not None declines.
+
+    Returns:
+        ``[B, S, D]`` as :func:`verify_model`, or None.
+    """
+    if input_embeddings is not None or cache is None or not config.VERIFY_MODEL_STEP.get():
+        return None
+    return verify_model(model, inputs, cache)
 
 
 def verify_model_hidden(model, inputs: mx.array, cache, layer_ids: Sequence[int]):
