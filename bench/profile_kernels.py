@@ -195,6 +195,20 @@ def prefill(args) -> None:
           f"(profiled, kernels serialised)", file=sys.stderr, flush=True)
 
 
+def _tie_layers(model) -> None:
+    """Every Gated DeltaNet layer takes the first one's mixer module and
+    every layer the first layer's MoE block (the same arrays), so that from
+    the second layer on a kernel finds its weights in L2 where they fit: the
+    GPU time of a layer with its weights L2-resident, against the untied
+    model's (an upper bound for prefetching the next layer's weights)."""
+    layers = model.layers
+    gdn = [l for l in layers if getattr(l, "is_linear", False)]
+    for l in gdn[1:]:
+        l.linear_attn = gdn[0].linear_attn
+    for l in layers[1:]:
+        l.mlp = layers[0].mlp
+
+
 def decode(args) -> None:
     import mlx.core as mx
 
@@ -202,6 +216,8 @@ def decode(args) -> None:
     from bench.ab import _decode_step
 
     model, _, _ = common.load_checkpoint(args)
+    if args.tie_layers:
+        _tie_layers(model)
     if args.engine == "patched":
         from mlx_qwen_fast import patched_copy
 
@@ -280,6 +296,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tokens-profiled", type=int, default=2, metavar="K", help="tokens profiled (default 2)")
     d.add_argument("--warmup", type=int, default=8, help="greedy steps before the profiled ones (default 8)")
     d.add_argument("--engine", choices=("patched", "stock"), default="patched")
+    d.add_argument("--tie-layers", action="store_true",
+                   help="every GDN layer and MoE block shares the first one's weights (L2-resident from the "
+                        "second layer on where they fit)")
     s = sub.add_parser("summary", help="GPU ms per kernel family of an ncu CSV")
     s.add_argument("csv", help="ncu --csv --metrics gpu__time_duration.sum output")
     s.add_argument("--per", type=int, default=1, metavar="K",

@@ -22,6 +22,11 @@
   fixture to change a switch inside a test.
 * On CUDA, MLX's buffer cache is emptied after every test; under xdist each
   worker's MLX memory limit is set to its share of the GPU.
+* fp32 means fp32: MLX's CUDA backend runs fp32 matrix products on the
+  tensor cores as TF32 (10-bit mantissa) unless ``MLX_ENABLE_TF32=0``
+  (``mlx/utils.h``: ``enable_tf32``, read at the first product), which
+  would hold fp32 comparisons to TF32's rounding; the suite sets it to 0
+  unless the environment says otherwise.
 """
 
 import os
@@ -31,6 +36,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("MLX_ENABLE_TF32", "0")  # before MLX's first matrix product (see above)
 
 import mlx.core as mx  # noqa: E402
 
