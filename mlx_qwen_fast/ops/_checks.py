@@ -31,7 +31,7 @@ def fail(fn: str, message: str):
 
 def is_int(value) -> bool:
     """A Python (or numpy) integer that is not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
 
 
 def check_int(fn: str, name: str, value, lo: Optional[int] = None, hi: Optional[int] = None) -> int:

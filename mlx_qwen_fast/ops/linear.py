@@ -80,15 +80,12 @@ def _check_static(fn: str, arrays, static) -> Tuple[int, int]:
     has_bias) with (weight [N, K][, bias [N]]), or ("quantized", group_size,
     bits, mode, has_biases, has_bias) with (weight [N, K * bits / 32],
     scales[, biases][, bias])."""
-    if isinstance(static, tuple) and len(static) == 2 and static[0] == "dense" and isinstance(static[1], bool):
-        n_arrays, bits = 1 + static[1], None
-    elif (isinstance(static, tuple) and len(static) == 6 and static[0] == "quantized" and is_int(static[1])
-          and static[1] > 0 and is_int(static[2]) and 0 < static[2] <= 32 and isinstance(static[3], str)
-          and isinstance(static[4], bool) and isinstance(static[5], bool)):
-        n_arrays, bits = 2 + static[4] + static[5], static[2]
-    else:
-        fail(fn, f"static must be linear_arrays' settings, (\"dense\", has_bias) or (\"quantized\", group_size, "
-                 f"bits, mode, has_biases, has_bias), got {static!r}")
+    known = _STATICS.get(static) if isinstance(static, tuple) and all(map(_hashable, static)) else None
+    if known is None:
+        known = _static_layout(fn, static)
+        if len(_STATICS) < 64:
+            _STATICS[static] = known
+    n_arrays, bits = known
     if (not isinstance(arrays, (tuple, list)) or len(arrays) != n_arrays
             or not all(isinstance(a, mx.array) for a in arrays)):
         fail(fn, f"arrays must be {n_arrays} mx.arrays (linear_arrays' arrays for static {static!r}), got "
@@ -100,11 +97,32 @@ def _check_static(fn: str, arrays, static) -> Tuple[int, int]:
     return K, w.shape[0]
 
 
+#: static -> (array count, bits or None) of the settings checked so far
+_STATICS: dict = {}
+
+
+def _hashable(v) -> bool:
+    return isinstance(v, (str, int, bool, type(None)))
+
+
+def _static_layout(fn: str, static) -> Tuple[int, Optional[int]]:
+    """(array count, bits or None) of a valid ``static``, else ValueError."""
+    if isinstance(static, tuple) and len(static) == 2 and static[0] == "dense" and isinstance(static[1], bool):
+        return 1 + static[1], None
+    if (isinstance(static, tuple) and len(static) == 6 and static[0] == "quantized" and is_int(static[1])
+            and static[1] > 0 and is_int(static[2]) and 0 < static[2] <= 32 and isinstance(static[3], str)
+            and isinstance(static[4], bool) and isinstance(static[5], bool)):
+        return 2 + static[4] + static[5], static[2]
+    fail(fn, f"static must be linear_arrays' settings, (\"dense\", has_bias) or (\"quantized\", group_size, "
+             f"bits, mode, has_biases, has_bias), got {static!r}")
+
+
 def _check_call(fn: str, x, arrays, static, norm, residual, normed_out) -> None:
     """The arguments of :func:`decode_linear` / :func:`decode_linear_reference`
     (shapes, dtypes and Python values only: traced inside the decode steps)."""
     K, N = _check_static(fn, arrays, static)
-    check_float_array(fn, "x", x, f"[..., {K}]", min_ndim=1)
+    if not isinstance(x, mx.array) or x.dtype not in FLOATS or x.ndim < 1:
+        check_float_array(fn, "x", x, f"[..., {K}]", min_ndim=1)
     if x.shape[-1] != K:
         fail(fn, f"x must have shape [..., {K}] (the layer's input size), got {describe(x)}")
     if norm is not None:
@@ -113,11 +131,11 @@ def _check_call(fn: str, x, arrays, static, norm, residual, normed_out) -> None:
         if not isinstance(norm[0], mx.array) or norm[0].dtype not in FLOATS or norm[0].shape != (K,):
             fail(fn, f"norm's weight must be a float mx.array of shape [{K}], got {describe(norm[0])}")
         check_eps(fn, "norm's eps", norm[1])
-    want = tuple(x.shape[:-1]) + (N,)
-    if residual is not None and (not isinstance(residual, mx.array) or tuple(residual.shape) != want):
-        fail(fn, f"residual must be None or an mx.array of shape {list(want)} (x's rows, the layer's {N} outputs), "
-                 f"got {describe(residual)}")
-    if not isinstance(normed_out, bool):
+    if residual is not None and (not isinstance(residual, mx.array) or residual.shape[:-1] != x.shape[:-1]
+                                 or residual.shape[-1:] != (N,)):
+        fail(fn, f"residual must be None or an mx.array of shape {list(x.shape[:-1]) + [N]} (x's rows, the "
+                 f"layer's {N} outputs), got {describe(residual)}")
+    if normed_out is not False and normed_out is not True:
         fail(fn, f"normed_out must be a bool, got {normed_out!r}")
     if normed_out and norm is None:
         fail(fn, "normed_out needs norm (the normalised rows)")
