@@ -38,6 +38,8 @@ from .. import config
 from ..compiled import apply_linear
 from ..kernels import _cuda_build
 from ..kernels import quantized_gemv as _k_gemv
+from ..kernels._cuda_build import check_eps, describe
+from ._checks import FLOATS, check_float_array, fail, is_int
 
 __all__ = ["IMPLEMENTATIONS", "decode_linear", "decode_linear_reference", "decode_implementation",
            "implementation_for"]
@@ -53,10 +55,18 @@ def decode_linear_reference(x: mx.array, arrays: Sequence[mx.array], static: tup
                             normed_out: bool = False) -> Union[mx.array, Tuple[mx.array, mx.array]]:
     """The contract above in stock ops: ``xin = mx.fast.rms_norm(x, *norm)``
     (or x), ``y = apply_linear(xin, arrays, static)``, ``residual + y``;
-    ``(out, xin)`` with ``normed_out``. Raises ValueError for normed_out
-    without a norm."""
-    if normed_out and norm is None:
-        raise ValueError("decode_linear: normed_out needs norm (the normalised rows)")
+    ``(out, xin)`` with ``normed_out``.
+
+    Raises:
+        ValueError: an argument outside the contract (:func:`decode_linear`'s
+            checks), e.g. normed_out without a norm.
+    """
+    _check_call("decode_linear_reference", x, arrays, static, norm, residual, normed_out)
+    return _reference(x, arrays, static, norm, residual, normed_out)
+
+
+def _reference(x, arrays, static, norm, residual, normed_out):
+    """:func:`decode_linear_reference` of checked arguments."""
     xin = x if norm is None else mx.fast.rms_norm(x, norm[0], norm[1])
     y = apply_linear(xin, arrays, static)
     if residual is not None:
@@ -64,10 +74,77 @@ def decode_linear_reference(x: mx.array, arrays: Sequence[mx.array], static: tup
     return (y, xin) if normed_out else y
 
 
+def _check_static(fn: str, arrays, static) -> Tuple[int, int]:
+    """``(K, N)`` (input and output size) of the layer :func:`linear_arrays`
+    described, after checking ``static`` and ``arrays`` agree: ("dense",
+    has_bias) with (weight [N, K][, bias [N]]), or ("quantized", group_size,
+    bits, mode, has_biases, has_bias) with (weight [N, K * bits / 32],
+    scales[, biases][, bias])."""
+    known = _STATICS.get(static) if isinstance(static, tuple) and all(map(_hashable, static)) else None
+    if known is None:
+        known = _static_layout(fn, static)
+        if len(_STATICS) < 64:
+            _STATICS[static] = known
+    n_arrays, bits = known
+    if (not isinstance(arrays, (tuple, list)) or len(arrays) != n_arrays
+            or not all(isinstance(a, mx.array) for a in arrays)):
+        fail(fn, f"arrays must be {n_arrays} mx.arrays (linear_arrays' arrays for static {static!r}), got "
+                 f"{describe(arrays) if not isinstance(arrays, (tuple, list)) else [describe(a) for a in arrays]}")
+    w = arrays[0]
+    if w.ndim != 2:
+        fail(fn, f"arrays[0] (the weight) must be 2-d, got {describe(w)}")
+    K = w.shape[1] if bits is None else w.shape[1] * 32 // bits
+    return K, w.shape[0]
+
+
+#: static -> (array count, bits or None) of the settings checked so far
+_STATICS: dict = {}
+
+
+def _hashable(v) -> bool:
+    return isinstance(v, (str, int, bool, type(None)))
+
+
+def _static_layout(fn: str, static) -> Tuple[int, Optional[int]]:
+    """(array count, bits or None) of a valid ``static``, else ValueError."""
+    if isinstance(static, tuple) and len(static) == 2 and static[0] == "dense" and isinstance(static[1], bool):
+        return 1 + static[1], None
+    if (isinstance(static, tuple) and len(static) == 6 and static[0] == "quantized" and is_int(static[1])
+            and static[1] > 0 and is_int(static[2]) and 0 < static[2] <= 32 and isinstance(static[3], str)
+            and isinstance(static[4], bool) and isinstance(static[5], bool)):
+        return 2 + static[4] + static[5], static[2]
+    fail(fn, f"static must be linear_arrays' settings, (\"dense\", has_bias) or (\"quantized\", group_size, "
+             f"bits, mode, has_biases, has_bias), got {static!r}")
+
+
+def _check_call(fn: str, x, arrays, static, norm, residual, normed_out) -> None:
+    """The arguments of :func:`decode_linear` / :func:`decode_linear_reference`
+    (shapes, dtypes and Python values only: traced inside the decode steps)."""
+    K, N = _check_static(fn, arrays, static)
+    if not isinstance(x, mx.array) or x.dtype not in FLOATS or x.ndim < 1:
+        check_float_array(fn, "x", x, f"[..., {K}]", min_ndim=1)
+    if x.shape[-1] != K:
+        fail(fn, f"x must have shape [..., {K}] (the layer's input size), got {describe(x)}")
+    if norm is not None:
+        if not isinstance(norm, (tuple, list)) or len(norm) != 2:
+            fail(fn, f"norm must be None or (weight [{K}], eps), got {describe(norm)}")
+        if not isinstance(norm[0], mx.array) or norm[0].dtype not in FLOATS or norm[0].shape != (K,):
+            fail(fn, f"norm's weight must be a float mx.array of shape [{K}], got {describe(norm[0])}")
+        check_eps(fn, "norm's eps", norm[1])
+    if residual is not None and (not isinstance(residual, mx.array) or residual.shape[:-1] != x.shape[:-1]
+                                 or residual.shape[-1:] != (N,)):
+        fail(fn, f"residual must be None or an mx.array of shape {list(x.shape[:-1]) + [N]} (x's rows, the "
+                 f"layer's {N} outputs), got {describe(residual)}")
+    if normed_out is not False and normed_out is not True:
+        fail(fn, f"normed_out must be a bool, got {normed_out!r}")
+    if normed_out and norm is None:
+        fail(fn, "normed_out needs norm (the normalised rows)")
+
+
 def _kernel_args(static: tuple) -> Optional[Tuple[int, int]]:
     """(group_size, bits) of a quantised layer the kernel takes (affine,
     with biases, no bias), else None."""
-    if static[0] != "quantized":
+    if static[0] != "quantized" or len(static) != 6:
         return None
     _, group_size, bits, mode, has_biases, has_bias = static
     if mode != "affine" or not has_biases or has_bias:
@@ -92,10 +169,20 @@ def decode_linear(x: mx.array, arrays: Sequence[mx.array], static: tuple, *, nor
                   residual: Optional[mx.array] = None,
                   normed_out: bool = False) -> Union[mx.array, Tuple[mx.array, mx.array]]:
     """The contract above, by :func:`decode_implementation`'s choice: the
-    fused kernel (which raises ValueError naming an argument outside its
-    contract) or :func:`decode_linear_reference`."""
+    fused kernel or :func:`decode_linear_reference`.
+
+    Raises:
+        ValueError: an argument outside the contract, named: ``static`` not
+            :func:`~mlx_qwen_fast.compiled.linear_arrays`' settings,
+            ``arrays`` not its arrays for them, ``x`` not a float ``[...,
+            K]`` (K the layer's input size), ``norm`` not None or ``(weight
+            [K], eps in (0, 1))``, ``residual`` not None or ``[..., N]``
+            (x's rows), ``normed_out`` without ``norm``. Shape checks only
+            (traced inside the decode steps).
+    """
+    _check_call("decode_linear", x, arrays, static, norm, residual, normed_out)
     if decode_implementation(x, arrays, static, norm=norm, residual=residual) == "reference":
-        return decode_linear_reference(x, arrays, static, norm=norm, residual=residual, normed_out=normed_out)
+        return _reference(x, arrays, static, norm, residual, normed_out)
     group_size, bits = _kernel_args(static)
     w, scales, biases = arrays[:3]
     return _k_gemv.quantized_gemv(x, w, scales, biases, group_size=group_size, bits=bits,

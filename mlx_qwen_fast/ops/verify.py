@@ -70,9 +70,11 @@ from mlx.utils import tree_flatten
 from .. import config
 from ..compiled import _links, gather
 from ..kernels._cache_rows import row_index, write_rows
+from ..kernels._cuda_build import describe
 from . import decoder as decoder_ops
 from . import gated_delta as gated_delta_ops
 from . import moe as moe_ops
+from ._checks import check_float_array, fail, is_int, linear_input_size
 
 __all__ = ["MAX_TOKENS", "MIN_TOKENS", "step_count", "trace_count", "verify_attention", "verify_model",
            "verify_model_hidden", "verify_step"]
@@ -116,7 +118,17 @@ def verify_attention(attn, x: mx.array, keys: mx.array, values: mx.array, offset
     Returns:
         ``(out [B, S, D], keys, values)``: the module's output and the
         buffers with the S new rows at ``offset .. offset + S - 1``.
+
+    Raises:
+        ValueError: ``attn`` not a ``Qwen3NextAttention``, ``x`` not a float
+            ``[B, S, D]`` (D the projections' input size where they say),
+            ``keys`` / ``values`` not ``[B, num_key_value_heads, capacity
+            >= S, head_dim]`` in x's dtype, ``offset`` not a 0-d integer
+            mx.array. Shapes and dtypes only (this runs inside the verify
+            step's trace): ``offset``'s value is not read, an offset past
+            ``capacity - S`` writes the clamped rows.
     """
+    _check_attention(attn, x, keys, values, offset)
     B, S, _ = x.shape
     queries, gate = mx.split(attn.q_proj(x).reshape(B, S, attn.num_attention_heads, -1), 2, axis=-1)
     gate = gate.reshape(B, S, -1)
@@ -132,6 +144,28 @@ def verify_attention(attn, x: mx.array, keys: mx.array, values: mx.array, offset
     out = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=attn.scale, mask=mask)
     out = out.transpose(0, 2, 1, 3).reshape(B, S, -1)
     return attn.o_proj(out * mx.sigmoid(gate)), keys, values
+
+
+def _check_attention(attn, x, keys, values, offset) -> None:
+    from mlx_lm.models.qwen3_next import Qwen3NextAttention
+
+    fn = "verify_attention"
+    if not isinstance(attn, Qwen3NextAttention):
+        fail(fn, f"attn must be an mlx-lm Qwen3NextAttention, got {type(attn).__name__}")
+    d = linear_input_size(attn.q_proj)
+    check_float_array(fn, "x", x, f"[B, S, {d or 'D'}]", ndim=3)
+    if d is not None and x.shape[2] != d:
+        fail(fn, f"x must have shape [B, S, {d}] (the projections' input size), got {describe(x)}")
+    B, S = x.shape[0], x.shape[1]
+    hkv, dh = attn.num_key_value_heads, attn.head_dim
+    if (not isinstance(keys, mx.array) or keys.ndim != 4 or keys.shape[:2] != (B, hkv) or keys.shape[3] != dh
+            or keys.shape[2] < S or keys.dtype != x.dtype):
+        fail(fn, f"keys must be {x.dtype} of shape [{B}, {hkv}, capacity >= {S}, {dh}] (x's rows, the module's KV "
+                 f"heads and head_dim, room for the {S} new rows), got {describe(keys)}")
+    if not isinstance(values, mx.array) or values.shape != keys.shape or values.dtype != keys.dtype:
+        fail(fn, f"values must be {keys.dtype} of the shape of keys {tuple(keys.shape)}, got {describe(values)}")
+    if not isinstance(offset, mx.array) or offset.ndim != 0 or not mx.issubdtype(offset.dtype, mx.integer):
+        fail(fn, f"offset must be a 0-d int32 mx.array (the first new row's position), got {describe(offset)}")
 
 
 # ---------------------------------------------------------------------------
@@ -423,7 +457,15 @@ def verify_model(model, inputs: mx.array, cache) -> Optional[mx.array]:
     Returns:
         ``[B, S, D]`` hidden states after the final norm (activation dtype),
         as the stock call returns; or None.
+
+    Raises:
+        ValueError: ``model`` not an mlx-lm ``Qwen3_5TextModel``; ``inputs``
+            an mx.array that is not of an integer dtype. Token ids are not
+            read (that would synchronise): an id outside ``[0, vocab)`` is
+            clamped into the embedding table (a meaningless row, never a
+            read outside it).
     """
+    _check_model("verify_model", model, inputs)
     out = _verify(model, inputs, cache, ())
     return None if out is None else out[0]
 
@@ -467,14 +509,36 @@ def verify_model_hidden(model, inputs: mx.array, cache, layer_ids: Sequence[int]
         where :func:`verify_model` returns None.
 
     Raises:
-        ValueError: ``layer_ids`` is empty or names a layer the model does
-            not have.
+        ValueError: as :func:`verify_model`; ``layer_ids`` not a sequence
+            of 1 or more ints (bools are not) naming layers the model has.
     """
-    ids = tuple(int(i) for i in layer_ids)
+    fn = "verify_model_hidden"
+    _check_model(fn, model, inputs)
     n = len(model.layers)
-    if not ids or any(not 0 <= i < n for i in ids):
-        raise ValueError(f"layer_ids: {list(ids)} must be 1 or more layer indices in [0, {n})")
-    return _verify(model, inputs, cache, ids)
+    if (not isinstance(layer_ids, Sequence) or isinstance(layer_ids, str) or not layer_ids
+            or not all(is_int(i) and 0 <= i < n for i in layer_ids)):
+        fail(fn, f"layer_ids must be 1 or more layer indices (ints) in [0, {n}), got {layer_ids!r}")
+    return _verify(model, inputs, cache, tuple(int(i) for i in layer_ids))
+
+
+def _check_model(fn: str, model, inputs) -> None:
+    """``model`` a text model; ``inputs`` token ids where it is an mx.array
+    (anything else is left to the fallback, mlx-lm's loop)."""
+    from mlx_lm.models.qwen3_5 import Qwen3_5TextModel
+
+    if not isinstance(model, Qwen3_5TextModel):
+        fail(fn, f"model must be an mlx-lm Qwen3_5TextModel (model.language_model.model), got {type(model).__name__}")
+    if isinstance(inputs, mx.array) and not mx.issubdtype(inputs.dtype, mx.integer):
+        fail(fn, f"inputs must be integer token ids [B, S], got {describe(inputs)}")
+
+
+def _embed(model, inputs: mx.array) -> mx.array:
+    """``model.embed_tokens(inputs)`` with the ids clamped into the table
+    (its rows where the module says how many): no id reads outside it."""
+    w = model.embed_tokens.get("weight") if isinstance(model.embed_tokens, nn.Module) else None
+    if isinstance(w, mx.array) and w.ndim == 2 and w.shape[0] > 0:
+        inputs = mx.clip(inputs, 0, w.shape[0] - 1)
+    return model.embed_tokens(inputs)
 
 
 def _verify(model, inputs: mx.array, cache, capture: tuple) -> Optional[tuple]:
@@ -486,7 +550,7 @@ def _verify(model, inputs: mx.array, cache, capture: tuple) -> Optional[tuple]:
             or not isinstance(cache, (list, tuple)) or len(cache) != len(layers)
             or getattr(model, "pipeline_size", 1) != 1 or type(model.norm) is not nn.RMSNorm):
         return None
-    h = model.embed_tokens(inputs)
+    h = _embed(model, inputs)
     if not isinstance(h, mx.array) or h.ndim != 3:
         return None
     vp = model.__dict__.get(_PLAN_ATTR)

@@ -76,7 +76,7 @@ from mlx_lm.models import gated_delta as _stock
 from ... import backend as _backend
 from ...kernels import _cuda_build
 from ...kernels import gated_delta_scan as _k_scan
-from .checks import _LAYER_ARRAYS, _UPDATE_ARRAYS, _check_inputs, _shape, _states
+from .checks import _LAYER_ARRAYS, _UPDATE_ARRAYS, _check_gates, _check_inputs, _check_layer_call, _states
 from .chunk import DEFAULT_CHUNK_SIZE, gated_delta_chunked
 from .cuda import _cuda_decode, _cuda_prefill, _decode_plan
 from .metal import _layer_takes_metal_decode, _metal_decode
@@ -221,11 +221,20 @@ def gated_delta_update(
       (y [B, T, Hv, Dv] in q.dtype, state [B, Hv, Dv, Dk] float32).
 
     Raises:
-      ValueError: an argument that is not an mx.array; as
-        :func:`compute_gates` for ``a``, ``b``, ``A_log`` and ``dt_bias``,
-        and as :func:`gated_delta_recurrent` for the rest.
+      ValueError (the message starts with ``gated_delta_update``): an
+        argument that is not an mx.array; as :func:`compute_gates` for
+        ``a``, ``b``, ``A_log`` and ``dt_bias``, ``a`` and ``b`` not of the
+        ``[B, T, Hv]`` of q and v; as :func:`gated_delta_recurrent` for the
+        rest; ``lower_bound`` not None or a number. Vector gates (``a`` of
+        rank 4) are mlx-lm's and checked there.
     """
-    _cuda_build.check_arrays(None, _UPDATE_ARRAYS, q, k, v, a, b, A_log, dt_bias, state, mask)
+    fn = "gated_delta_update"
+    _cuda_build.check_arrays(fn, _UPDATE_ARRAYS, q, k, v, a, b, A_log, dt_bias, state, mask)
+    if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))):
+        raise ValueError(f"{fn}: lower_bound must be None or a number, got {lower_bound!r}")
+    if a.ndim != 4:
+        _check_gates(fn, a, b, A_log, dt_bias)
+        _check_inputs(q, k, v, a, b, state, mask, fn, gates=("a", "b"))
     return _update(q, k, v, a, b, A_log, dt_bias, state, mask, use_kernel=use_kernel, lower_bound=lower_bound,
                    allow_neg_eigval=allow_neg_eigval)
 
@@ -253,7 +262,7 @@ def _update(q, k, v, a, b, A_log, dt_bias, state, mask, *, use_kernel: bool = Tr
     if name == "mlx-lm-metal" and not use_kernel:
         name = "recurrent" if T <= RECURRENT_MAX_T else "chunked"
     if name == "mlx-lm-metal":
-        _check_inputs(q, k, v, g, beta, state, mask)
+        _check_inputs(q, k, v, g, beta, state, mask, "gated_delta_update")
     return _TABLE[name](q, k, v, g, beta, state, mask)
 
 
@@ -319,13 +328,13 @@ def gated_delta_net(layer, inputs: mx.array, mask: Optional[mx.array] = None, ca
         quantised matmul does not take 0 rows).
 
     Raises:
-        ValueError: ``inputs`` (or ``mask``) is not an mx.array, or
-            ``inputs`` is not of rank 3.
+        ValueError: ``layer`` not an mlx-lm ``GatedDeltaNet``; ``inputs``
+            (or ``mask``) not an mx.array; ``inputs`` not a float ``[B, S,
+            D]`` with D the layer's hidden size; ``mask`` not ``[B, S]``;
+            ``cache`` not None or an ``ArraysCache``, or holding states of
+            other shapes than the layer's for B rows (shape checks only).
     """
-    if not isinstance(inputs, mx.array) or not (mask is None or isinstance(mask, mx.array)):  # per token: inline
-        _cuda_build.check_arrays("gated_delta_net", _LAYER_ARRAYS, inputs, mask)
-    if inputs.ndim != 3:
-        raise ValueError(f"gated_delta_net: inputs must have shape [B, S, D], got {_shape(inputs)}")
+    _check_layer_call("gated_delta_net", layer, inputs, mask, cache)
     if inputs.size == 0:
         return mx.zeros(inputs.shape, inputs.dtype)
     S = inputs.shape[1]
@@ -364,18 +373,19 @@ def gated_delta_net_steps(layer, inputs: mx.array, cache) -> Tuple[mx.array, Lis
         recurrent states (2 MiB each at Qwen3.6's shapes, B = 1).
 
     Raises:
-        ValueError: ``inputs`` not an mx.array of rank 3 with S >= 1 and
-            B >= 1, ``cache`` None or with per-row lengths / left padding.
+        ValueError: as :func:`gated_delta_net`, and ``inputs`` with B or S
+            0, ``cache`` None or with per-row lengths / left padding.
     """
-    if not isinstance(inputs, mx.array):
-        _cuda_build.check_arrays("gated_delta_net_steps", _LAYER_ARRAYS, inputs, None)
-    if inputs.ndim != 3 or inputs.shape[0] < 1 or inputs.shape[1] < 1:
-        raise ValueError(f"gated_delta_net_steps: inputs must have shape [B, S, D] with B, S >= 1, "
-                         f"got {_shape(inputs)}")
+    fn = "gated_delta_net_steps"
     if cache is None or getattr(cache, "lengths", None) is not None \
             or getattr(cache, "left_padding", None) is not None:
-        raise ValueError("gated_delta_net_steps: cache must be the layer's ArraysCache without per-row lengths "
+        raise ValueError(f"{fn}: cache must be the layer's ArraysCache without per-row lengths "
                          f"or left padding, got {cache!r}")
+    if not isinstance(inputs, mx.array):
+        _cuda_build.check_arrays(fn, _LAYER_ARRAYS, inputs, None)
+    if inputs.ndim != 3 or inputs.shape[0] < 1 or inputs.shape[1] < 1:
+        raise ValueError(f"{fn}: inputs must have shape [B, S, D] with B, S >= 1, got {tuple(inputs.shape)}")
+    _check_layer_call(fn, layer, inputs, None, cache)
     steps: List[Tuple[mx.array, mx.array]] = []
     out = _layer_reference(layer, inputs, None, cache, steps)
     return out, steps

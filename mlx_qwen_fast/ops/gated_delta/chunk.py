@@ -14,7 +14,7 @@ from typing import Callable, Optional, Tuple
 import mlx.core as mx
 
 from ... import backend as _backend
-from .checks import _as_bool, _check_inputs
+from .checks import _as_bool, _check_chunk_size, _check_inputs
 
 DEFAULT_CHUNK_SIZE = 64
 
@@ -164,10 +164,6 @@ def _make_chunk_fns(flush: bool):
 _CHUNK_FNS = {flush: _make_chunk_fns(flush) for flush in (False, True)}
 
 
-def _is_pow2(n: int) -> bool:
-    return n > 0 and (n & (n - 1)) == 0
-
-
 def gated_delta_chunked(
     q: mx.array,
     k: mx.array,
@@ -211,13 +207,11 @@ def gated_delta_chunked(
 
     Raises:
       ValueError: shape/dtype errors as for :func:`gated_delta_recurrent`,
-        or ``chunk_size`` not a positive power of two.
+        or ``chunk_size`` not an int (a bool is not) that is a positive
+        power of two.
     """
-    if not isinstance(chunk_size, int) or not _is_pow2(chunk_size):
-        raise ValueError(
-            f"chunk_size must be a positive power of two, got {chunk_size!r}"
-        )
-    B, T, Hk, Dk, Hv, Dv = _check_inputs(q, k, v, g, beta, state, mask)
+    _check_chunk_size("gated_delta_chunked", chunk_size)
+    B, T, Hk, Dk, Hv, Dv = _check_inputs(q, k, v, g, beta, state, mask, "gated_delta_chunked")
     R = Hv // Hk
     f32 = mx.float32
     if T == 0:

@@ -15,8 +15,7 @@ from typing import List, Optional, Tuple
 import mlx.core as mx
 import mlx.nn as nn
 
-from ...kernels import _cuda_build
-from .checks import _GATE_ARRAYS, _as_bool, _check_inputs
+from .checks import _as_bool, _check_gates, _check_inputs
 
 
 # --------------------------------------------------------------------------
@@ -79,10 +78,12 @@ def gated_delta_recurrent(
       (y [B, T, Hv, Dv] in q.dtype, state [B, Hv, Dv, Dk] float32).
 
     Raises:
-      ValueError: on a wrong rank/shape of any argument, Hv not a multiple of
-        Hk, or a state that is not float32 (see the package docstring).
+      ValueError (the message starts with the function's name): an
+        argument that is not an mx.array, not floating point (mask aside)
+        or of a wrong rank/shape, Hv not a multiple of Hk, or a state that
+        is not float32 (see the package docstring).
     """
-    B, T, Hk, Dk, Hv, Dv = _check_inputs(q, k, v, g, beta, state, mask)
+    B, T, Hk, Dk, Hv, Dv = _check_inputs(q, k, v, g, beta, state, mask, "gated_delta_recurrent")
     if state is None:
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
     if mask is not None:
@@ -124,7 +125,7 @@ def gated_delta_recurrent_steps(
     Raises:
       ValueError: as :func:`gated_delta_recurrent`.
     """
-    B, T, Hk, Dk, Hv, Dv = _check_inputs(q, k, v, g, beta, state, None)
+    B, T, Hk, Dk, Hv, Dv = _check_inputs(q, k, v, g, beta, state, None, "gated_delta_recurrent_steps")
     if state is None:
         state = mx.zeros((B, Hv, Dv, Dk), dtype=mx.float32)
     if T == 0:
@@ -220,18 +221,10 @@ def compute_gates(
        beta [B, T, Hv] in b's dtype, in (0, 1)).
 
     Raises:
-      ValueError: an argument that is not an mx.array, ``a`` not of rank 3,
-        ``b`` not of ``a``'s shape, or ``A_log`` / ``dt_bias`` not ``[Hv]``
-        (Hv = ``a.shape[-1]``); the compiled gate expression is shapeless
-        and would broadcast them.
+      ValueError: an argument that is not a floating mx.array, ``a`` not of
+        rank 3, ``b`` not of ``a``'s shape, or ``A_log`` / ``dt_bias`` not
+        ``[Hv]`` (Hv = ``a.shape[-1]``); the compiled gate expression is
+        shapeless and would broadcast them.
     """
-    _cuda_build.check_arrays("compute_gates", _GATE_ARRAYS, a, b, A_log, dt_bias)
-    if a.ndim != 3:
-        raise ValueError(f"compute_gates: a must have shape [B, T, Hv], got {tuple(a.shape)}")
-    hv = a.shape[-1]
-    if b.shape != a.shape:
-        raise ValueError(f"compute_gates: b must have a's shape {tuple(a.shape)}, got {tuple(b.shape)}")
-    for name, t in (("A_log", A_log), ("dt_bias", dt_bias)):
-        if t.shape != (hv,):
-            raise ValueError(f"compute_gates: {name} must have shape [Hv] = ({hv},), got {tuple(t.shape)}")
+    _check_gates("compute_gates", a, b, A_log, dt_bias)
     return _compute_g(A_log, a, dt_bias), mx.sigmoid(b)

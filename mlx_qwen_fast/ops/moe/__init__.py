@@ -77,6 +77,7 @@ import math
 from typing import Callable, Dict, Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ... import backend as _backend
 from ... import config
@@ -132,7 +133,14 @@ def decide_kernels(block) -> Dict[str, str]:
 
     Returns:
         :func:`kernel_problems` of ``block``.
+
+    Raises:
+        ValueError: ``block`` is not an ``mlx.nn.Module`` (the answer is
+            kept on it).
     """
+    if not isinstance(block, nn.Module):
+        raise ValueError(f"decide_kernels: block must be a Qwen3NextSparseMoeBlock (an mlx.nn.Module), "
+                         f"got {type(block).__name__}")
     problems = kernel_problems(block)
     object.__setattr__(block, _DECLINED, dict(problems))
     return problems

@@ -23,6 +23,7 @@ import mlx.core as mx
 
 from ...compiled import linear_arrays
 from ...kernels import moe_decode_gemv as _decode_gemv
+from .._checks import is_int
 
 
 # ---------------------------------------------------------------------------
@@ -63,7 +64,12 @@ def quantization_problem(m, bits: Tuple[int, ...] = (4,)) -> Optional[str]:
         None, or the first difference in a few words: "3-bit weights",
         "mxfp4 weights", "group size 32", "float32 scales", "unquantised
         weights", "a LoRASwitchLinear layer", ...
+
+    Raises:
+        ValueError: ``bits`` not a tuple of ints.
     """
+    if not isinstance(bits, tuple) or not all(is_int(b) for b in bits):
+        raise ValueError(f"quantization_problem: bits must be a tuple of ints (the bit widths accepted), got {bits!r}")
     name = type(m).__name__
     if name not in _QUANTIZED_CLASSES:
         return "unquantised weights" if name in ("Linear", "SwitchLinear") else f"a {name} layer"

@@ -32,7 +32,7 @@ from ...kernels import moe_grouped_gemm as _grouped_gemm
 from ...kernels import moe_routing as _routing
 from .. import linear as linear_ops
 from .checks import _DECODE_CHILDREN, _EXPERT_PATHS, _decode_rows, decode_arrays
-from .naive import _check_block_input, _stock, shared_expert
+from .naive import _check_block_input, _shared_expert, _stock
 
 
 # ---------------------------------------------------------------------------
@@ -128,7 +128,7 @@ def _cuda_prefill(block, x: mx.array) -> mx.array:
     tile = _grouped_gemm.choose_tile_rows(n * k, e, variant)
     routing = _routing.route_and_group(logits, k, tile, normalize=block.norm_topk_prob)
     y = _grouped_gemm._moe_experts(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj, variant=variant)
-    return y.reshape(*lead, d) + shared_expert(block, x)
+    return y.reshape(*lead, d) + _shared_expert(block, x)
 
 
 # ---------------------------------------------------------------------------

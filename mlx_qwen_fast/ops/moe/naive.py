@@ -258,6 +258,20 @@ def _check_switch_linear(name: str, proj, in_dims: int):
         )
 
 
+def _check_experts_agree(gate_proj, up_proj, down_proj) -> None:
+    """The three projections hold the same experts, and up's outputs are
+    gate's (the SwiGLU product): an expert id valid for one is valid for
+    all, so the grouped matmuls index inside every weight (shapes only)."""
+    e = gate_proj["weight"].shape[0]
+    for name, proj in (("up_proj", up_proj), ("down_proj", down_proj)):
+        if proj["weight"].shape[0] != e:
+            raise ValueError(f"expert_swiglu: {name} must hold the {e} experts of gate_proj, "
+                             f"got {proj['weight'].shape[0]}")
+    if up_proj.output_dims != gate_proj.output_dims:
+        raise ValueError(f"expert_swiglu: up_proj must have gate_proj's output size {gate_proj.output_dims}, "
+                         f"got {up_proj.output_dims}")
+
+
 def _switch_linear(proj, x: mx.array, experts: mx.array) -> mx.array:
     """``x [M, 1, K]`` rows sorted by ``experts [M]`` -> ``[M, 1, out]``."""
     if isinstance(proj, QuantizedSwitchLinear):
@@ -317,9 +331,12 @@ def expert_swiglu(
         ``inds[n, j]`` applied to token ``n``.
 
     Raises:
-        ValueError: ``x`` not a 2-D float array; ``N*k`` differs from the
-            groups' size; a projection's input size differs from its input or
-            is not a multiple of its quantization ``group_size``; with
+        ValueError: ``x`` not a 2-D float array; ``groups`` not an
+            :class:`ExpertGroups`; ``N*k`` differs from the groups' size; a
+            projection's input size differs from its input or is not a
+            multiple of its quantization ``group_size``; the projections
+            holding different expert counts, or up's output size not
+            gate's (checked with or without ``check``); with
             ``check`` (default; one host synchronisation, not inside
             ``mx.compile``), groups whose index arrays leave their ranges
             or name more experts than the weights hold. Without the check
@@ -331,6 +348,8 @@ def expert_swiglu(
             "expert_swiglu: x must be a float mx.array of shape [N, D], got "
             f"{_describe(x)}"
         )
+    if not isinstance(groups, ExpertGroups):
+        raise ValueError(f"expert_swiglu: groups must be an ExpertGroups (group_by_expert), got {type(groups).__name__}")
     n, d = x.shape
     k = groups.top_k
     if n * k != groups.num_assignments:
@@ -341,6 +360,7 @@ def expert_swiglu(
     _check_switch_linear("gate_proj", gate_proj, d)
     _check_switch_linear("up_proj", up_proj, d)
     _check_switch_linear("down_proj", down_proj, gate_proj.output_dims)
+    _check_experts_agree(gate_proj, up_proj, down_proj)
     if check:
         _check_groups("expert_swiglu", groups, gate_proj["weight"].shape[0])
         experts, order, inverse = groups.sorted_experts, groups.order, groups.inverse
@@ -372,8 +392,17 @@ def combine(
         ``[..., D]``.
 
     Raises:
-        ValueError: ``scores.shape != expert_out.shape[:-1]``.
+        ValueError: ``expert_out`` not a float array of rank >= 2,
+            ``scores`` not a float array of shape ``expert_out.shape[:-1]``,
+            ``dtype`` not None or an mlx dtype.
     """
+    if not isinstance(expert_out, mx.array) or expert_out.ndim < 2 or expert_out.dtype not in _FLOATS:
+        raise ValueError(f"combine: expert_out must be a float mx.array of shape [..., k, D], got {_describe(expert_out)}")
+    if not isinstance(scores, mx.array) or scores.dtype not in _FLOATS:
+        raise ValueError(f"combine: scores must be a float mx.array of shape {tuple(expert_out.shape[:-1])}, "
+                         f"got {_describe(scores)}")
+    if dtype is not None and not isinstance(dtype, mx.Dtype):
+        raise ValueError(f"combine: dtype must be None or an mlx dtype (mx.float32, ...), got {dtype!r}")
     if tuple(scores.shape) != tuple(expert_out.shape[:-1]):
         raise ValueError(
             f"combine: scores must have shape {tuple(expert_out.shape[:-1])} "
@@ -384,7 +413,19 @@ def combine(
 
 
 def shared_expert(block, x: mx.array) -> mx.array:
-    """``sigmoid(shared_expert_gate(x)) * shared_expert(x)``: ``[..., D]``."""
+    """``sigmoid(shared_expert_gate(x)) * shared_expert(x)``: ``[..., D]``.
+
+    Raises:
+        ValueError: ``block`` not a ``Qwen3NextSparseMoeBlock``, ``x`` not a
+            float ``[..., D]`` with D the block's hidden size (as
+            :func:`sparse_moe_block`).
+    """
+    _check_block_input("shared_expert", block, x)
+    return _shared_expert(block, x)
+
+
+def _shared_expert(block, x: mx.array) -> mx.array:
+    """:func:`shared_expert` of checked arguments (the dispatch's paths)."""
     return mx.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
 
 
@@ -458,7 +499,7 @@ def sparse_moe_block(block, x: mx.array) -> mx.array:
     sm = block.switch_mlp
     y = expert_swiglu(tokens, groups, sm.gate_proj, sm.up_proj, sm.down_proj, check=False)
     y = combine(y, scores.reshape(tokens.shape[0], -1)).reshape(*lead, d)
-    y = y + shared_expert(block, x)
+    y = y + _shared_expert(block, x)
 
     if group is not None:
         y = mx.distributed.all_sum(y, group=group)
