@@ -488,6 +488,16 @@ def test_planted_off_by_one_tile_edge(sim):
             _attention_decode(64, 63)
 
 
+def test_planted_missing_cp_async_wait(sim):
+    """attention_decode.cu's partial kernel reading a K/V tile before its
+    cp.async group is waited for: caught (the copies land only at a wait)."""
+    out = _attention_decode(200, 150)[0]
+    assert not mx.isnan(out).any().item()
+    with cuda_check.planted("attention_decode.cu", "      cp_async_wait<1>();", "      (void)0;"):
+        with pytest.raises(CudaCheckError):
+            _attention_decode(200, 150)
+
+
 def test_planted_missing_grid_barrier():
     """grid_exchange.cu without its grid barrier: blocks read partials that
     other blocks have not written yet (the two block orders differ)."""

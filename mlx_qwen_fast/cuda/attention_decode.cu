@@ -28,10 +28,12 @@
 // ATT_KIND 1, partial attention: grid B*HKV*NS blocks of G = HQ/HKV warps,
 //   block (b, j, s) covers positions [s*split_len, (s+1)*split_len) that are
 //   <= off, warp w is query head j*G + w. K/V rows go through shared memory
-//   in tiles of TILE positions (16-byte loads, every warp reads every row);
-//   each lane owns DH/32 consecutive dims of q and of the accumulator; the
-//   scores of a tile are one per lane (lane = position), so the online
-//   softmax rescales once per tile. Inputs proj, keys, values [B, HKV, cap,
+//   in tiles of TILE positions, two stages (cp.async: tile t + 1 is copied
+//   while tile t is read; every warp reads every row); each lane owns DH/32
+//   consecutive dims of q and of the accumulator; a tile's dot products are
+//   summed across the warp by a transposed reduction that leaves one score
+//   per lane (lane = position), so the online softmax rescales once per
+//   tile. Dynamic shared memory: smem_bytes(G) of the wrapper. Inputs proj, keys, values [B, HKV, cap,
 //   DH] (the buffers with this token's row written at off), off, w_q [DH].
 //   Output part float32 [B*HQ*NS*(DH + 2)]: the unnormalised accumulators
 //   [B*HQ*NS, DH] then (max, sum) in log2 units [B*HQ*NS, 2]. Scalars cap,
@@ -159,6 +161,38 @@ extern "C" __global__ void __launch_bounds__(32) KNAME(
 
 #elif ATT_KIND == 1
 
+// The block's K/V tiles: stage t & 1 holds tile t while tile t + 1 is copied into the other.
+constexpr int STAGE_BYTES = 2 * TILE * DH * (int)sizeof(xt);  // one K tile and one V tile
+
+// Rows [0, TILE) of a tile, one partial dot product per row in each lane (d), summed across the
+// warp so that lane L ends with row L % TILE's total in d[0]: at each level the lanes that differ
+// in bit o exchange half of their rows (Hillis-Steele transposed reduction: 31 shuffles for 32
+// rows where a butterfly per row takes 160).
+template <int O>
+__device__ __forceinline__ void transpose_level(float* d, int lane) {  // 2*O rows in, O out
+  const bool up = (lane & O) != 0;
+#pragma unroll
+  for (int i = 0; i < O; ++i) {
+    const float send = up ? d[i] : d[i + O];
+    const float keep = up ? d[i + O] : d[i];
+    d[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+  }
+  if constexpr (O > 1) {
+    transpose_level<O / 2>(d, lane);
+  }
+}
+template <int N>
+__device__ __forceinline__ void transpose_sum(float* d, int lane) {
+  static_assert(N == 16 || N == 32, "16 or 32 rows");
+  if constexpr (N < 32) {  // fewer rows than lanes: the halves of the warp add first
+#pragma unroll
+    for (int r = 0; r < N; ++r) {
+      d[r] += __shfl_xor_sync(0xffffffffu, d[r], 16);
+    }
+  }
+  transpose_level<N / 2>(d, lane);
+}
+
 extern "C" __global__ void __launch_bounds__(G * 32) KNAME(
     const xt* __restrict__ proj,
     const xt* __restrict__ keys,
@@ -173,9 +207,9 @@ extern "C" __global__ void __launch_bounds__(G * 32) KNAME(
     float scale_log2,
     float log2_base,
     float rope_scale) {
-  __shared__ __align__(16) xt ks[TILE][DH];
-  __shared__ __align__(16) xt vs[TILE][DH];
-  __shared__ float qsh[G][DH];
+  // dynamic shared memory: 2 stages x (K tile, V tile) [TILE][DH] xt, then G rows of DH floats
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* qsh = reinterpret_cast<float*>(smem + 2 * STAGE_BYTES);
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
   const int s = blockIdx.x % ns;
@@ -184,52 +218,71 @@ extern "C" __global__ void __launch_bounds__(G * 32) KNAME(
   const int h = j * G + warp;
   const int off = *offset;
 
+  // Positions of this split: [lo, hi), none past the query or the buffer.
+  const int lo = s * split_len;
+  const int hi = min(min(lo + split_len, off + 1), cap);
+  const int tiles = hi > lo ? (hi - lo + TILE - 1) / TILE : 0;
+  const size_t row0 = (size_t)bj * cap;
+  constexpr int CHUNKS = TILE * DH / VEC;  // 16-byte chunks per tile and tensor
+  // Tile t into stage st: rows past the split's end are zero-filled (no read), so every row of a
+  // stage holds finite values.
+  auto copy_tile = [&](int t, int st) {
+    xt* kt = reinterpret_cast<xt*>(smem + st * STAGE_BYTES);
+    xt* vt = kt + TILE * DH;
+    const int t0 = lo + t * TILE;
+    const int n = min(TILE, hi - t0);
+    for (int c = tid; c < CHUNKS; c += G * 32) {
+      const int r = c / (DH / VEC), col = (c % (DH / VEC)) * VEC;
+      const size_t g = (row0 + t0 + (r < n ? r : 0)) * DH + col;
+      const unsigned bytes = r < n ? 16u : 0u;
+      cp_async16_zfill(smem_addr(kt + r * DH + col), keys + g, bytes);
+      cp_async16_zfill(smem_addr(vt + r * DH + col), values + g, bytes);
+    }
+    cp_async_commit();
+  };
+  if (tiles > 0) {
+    copy_tile(0, 0);  // in flight during the query's norm and rope
+  }
+
   float q[EL];
   load_lane(proj + (size_t)b * P + h * 2 * DH + lane * EL, q);
-  norm_rope(q, w_q, eps_q, off, log2_base, rope_scale, qsh[warp]);
+  norm_rope(q, w_q, eps_q, off, log2_base, rope_scale, qsh + warp * DH);
 #pragma unroll
   for (int e = 0; e < EL; ++e) {
     q[e] *= scale_log2;
   }
 
-  // Positions of this split: [lo, hi), none past the query or the buffer.
-  const int lo = s * split_len;
-  const int hi = min(min(lo + split_len, off + 1), cap);
   float m = neg_inf(), l = 0.0f, acc[EL];
 #pragma unroll
   for (int e = 0; e < EL; ++e) {
     acc[e] = 0.0f;
   }
-  const size_t row0 = (size_t)bj * cap;
-  constexpr int CHUNKS = TILE * DH / VEC;  // 16-byte chunks per tile and tensor
-  for (int t0 = lo; t0 < hi; t0 += TILE) {
-    const int n = min(TILE, hi - t0);
-    for (int c = tid; c < CHUNKS; c += G * 32) {
-      const int r = c / (DH / VEC), col = (c % (DH / VEC)) * VEC;
-      if (r < n) {
-        const size_t g = (row0 + t0 + r) * DH + col;
-        *reinterpret_cast<uint4*>(&ks[r][col]) = *reinterpret_cast<const uint4*>(keys + g);
-        *reinterpret_cast<uint4*>(&vs[r][col]) = *reinterpret_cast<const uint4*>(values + g);
-      }
+  for (int t = 0; t < tiles; ++t) {
+    const int st = t & 1;
+    if (t + 1 < tiles) {
+      copy_tile(t + 1, st ^ 1);  // the stage tile t - 1 used: freed by the barrier ending t - 1
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
     }
     __syncthreads();
-    float sc = neg_inf();  // lane r's score: position t0 + r
-#pragma unroll 4
-    for (int r = 0; r < TILE; ++r) {
-      if (r < n) {
-        float kv[EL];
-        load_lane(&ks[r][lane * EL], kv);
-        float d = 0.0f;
+    const xt* kt = reinterpret_cast<const xt*>(smem + st * STAGE_BYTES);
+    const xt* vt = kt + TILE * DH;
+    const int n = min(TILE, hi - (lo + t * TILE));
+    float d[TILE];
 #pragma unroll
-        for (int e = 0; e < EL; ++e) {
-          d = fmaf(q[e], kv[e], d);
-        }
-        d = warp_sum(d);
-        if (lane == r) {
-          sc = d;
-        }
+    for (int r = 0; r < TILE; ++r) {
+      float kv[EL];
+      load_lane(kt + r * DH + lane * EL, kv);
+      float x = 0.0f;
+#pragma unroll
+      for (int e = 0; e < EL; ++e) {
+        x = fmaf(q[e], kv[e], x);
       }
+      d[r] = x;
     }
+    transpose_sum<TILE>(d, lane);
+    const float sc = lane < n ? d[0] : neg_inf();  // lane r's score: position lo + t * TILE + r
     const float m_new = fmaxf(m, warp_max(sc));
     const float alpha = exp2f(m - m_new);  // 0 for the first tile (m = -inf)
     const float p = lane < n ? exp2f(sc - m_new) : 0.0f;
@@ -239,16 +292,14 @@ extern "C" __global__ void __launch_bounds__(G * 32) KNAME(
     for (int e = 0; e < EL; ++e) {
       acc[e] *= alpha;
     }
-#pragma unroll 4
-    for (int r = 0; r < TILE; ++r) {
-      if (r < n) {
-        const float pr = __shfl_sync(0xffffffffu, p, r);
-        float vv[EL];
-        load_lane(&vs[r][lane * EL], vv);
 #pragma unroll
-        for (int e = 0; e < EL; ++e) {
-          acc[e] = fmaf(pr, vv[e], acc[e]);
-        }
+    for (int r = 0; r < TILE; ++r) {  // rows past n: p = 0 and zero-filled values
+      const float pr = __shfl_sync(0xffffffffu, p, r);
+      float vv[EL];
+      load_lane(vt + r * DH + lane * EL, vv);
+#pragma unroll
+      for (int e = 0; e < EL; ++e) {
+        acc[e] = fmaf(pr, vv[e], acc[e]);
       }
     }
     __syncthreads();
@@ -321,7 +372,8 @@ extern "C" __global__ void __launch_bounds__(DH) KNAME(
   __syncthreads();
   const float* pa = part + (size_t)bh * ns * DH + t;
   float acc = 0.0f;
-  for (int s = 0; s < ns; ++s) {
+#pragma unroll 8
+  for (int s = 0; s < ns; ++s) {  // unrolled: the loads of 8 splits in flight together, the sum in split order
     acc = fmaf(wsh[s], pa[(size_t)s * DH], acc);
   }
   const float o = from_f_round<xt>(acc / tot[1]);

@@ -62,6 +62,13 @@ def splits(capacity: int, batch: int, num_kv_heads: int) -> Tuple[int, int]:
     return ns, -(-capacity // ns)
 
 
+def part_smem_bytes(group: int) -> int:
+    """Dynamic shared memory of the partial-attention kernel, bytes: two
+    stages of a K and a V tile (16 KB each, whatever the dtype) and one
+    256-float row per query head of the block (``group`` = Hq / Hkv)."""
+    return 2 * 2 * 16384 + group * DH * 4
+
+
 def supports(proj, keys, values, *, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """True when :func:`attention_decode` takes this step: the CUDA
     backend, head_dim 256, ``num_heads`` a multiple of ``num_kv_heads`` with
@@ -204,7 +211,8 @@ def attention_decode(
     (part,) = _kernel(1, *args)(
         [proj, keys, values, offset, q_norm_weight], [(B * hq * ns * (DH + 2),)], [mx.float32],
         (B * hkv * ns * g * 32, 1, 1), (g * 32, 1, 1),
-        (cap, ns, split_len, eps_q, float(scale) * math.log2(math.e), log2_base, float(rope_scale)))
+        (cap, ns, split_len, eps_q, float(scale) * math.log2(math.e), log2_base, float(rope_scale)),
+        shared_memory=part_smem_bytes(g))
     (out,) = _kernel(2, *args)([part, proj], [(B, 1, hq * DH)], [x], (B * hq * DH, 1, 1), (DH, 1, 1), (ns,),
                                shared_memory=4 * ns)
     return out, keys, values
