@@ -35,7 +35,7 @@ import mlx.nn as nn
 from mlx_lm.models.qwen3_5 import DecoderLayer, GatedDeltaNet, Qwen3_5TextModel
 from mlx_lm.models.qwen3_next import Qwen3NextAttention, Qwen3NextSparseMoeBlock
 
-from . import speculative
+from . import backend, config, speculative
 from .compiled import linear_arrays
 from .ops import attention as attention_ops
 from .ops import decoder as decoder_ops
@@ -142,14 +142,31 @@ class FastHead(nn.QuantizedLinear):
     bench/results/2026-12-06-nvidia-h100-s45-calls.md); every other call
     (a prefill chunk, another backend, the switch off) is the module's own.
     Same rounding points as the module (one bf16 rounding of each output);
-    the sums run in another order."""
+    the sums run in another order.
+
+    The decision and the argument checks are made once per input shape,
+    weight shapes and dtypes, backend and switch value, and kept on the
+    module (one call per decode token runs here, outside the compiled step,
+    so their Python would be paid per token); later calls with the same key
+    go to :func:`ops.linear.decode_linear_unchecked`."""
 
     stock_class = nn.QuantizedLinear
 
     def __call__(self, x: mx.array) -> mx.array:
-        arrays = linear_arrays(self)
-        if arrays is not None and linear_ops.decode_implementation(x, *arrays) == "cuda-kernel":
-            return linear_ops.decode_linear(x, *arrays)
+        if not isinstance(x, mx.array):
+            return nn.QuantizedLinear.__call__(self, x)
+        arrays, static = linear_arrays(self)
+        # dtypes by name: the key is kept on the module, which copy.deepcopy must be able to copy
+        key = (x.shape, str(x.dtype), static, tuple((a.shape, str(a.dtype)) for a in arrays), backend.current(),
+               config.DECODE_GEMV_KERNEL.get())
+        kept = self.__dict__.get("_mqf_head")
+        if kept is None or kept[0] != key:
+            kernel = linear_ops.decode_implementation(x, arrays, static) == "cuda-kernel"
+            if kernel:
+                linear_ops.decode_linear(x, arrays, static)  # its checks, once per key (the graph is dropped)
+            kept = self.__dict__["_mqf_head"] = (key, kernel)
+        if kept[1]:
+            return linear_ops.decode_linear_unchecked(x, arrays, static, "cuda-kernel")
         return nn.QuantizedLinear.__call__(self, x)
 
 

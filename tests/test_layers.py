@@ -77,13 +77,16 @@ def test_fast_gated_delta_net_computes_the_stock_layer():
 
 
 @pytest.mark.parametrize("rows", [(1, 1), (4, 1), (2, 2), (1, 5), (1, 64)])
-def test_fast_head_dispatches_decode_rows(monkeypatch, rows):
-    """FastHead: 1 to 4 token rows go through ops.linear.decode_linear where
-    it runs its kernel (stood in for here: this CPU has none), everything
-    else (5+ rows, the reference chosen) is the stock module's call, bit for
-    bit; the same arrays are read either way."""
+def test_fast_head_dispatches_decode_rows(monkeypatch, env, rows):
+    """FastHead: 1 to 4 token rows go to the kernel path where
+    ops.linear.decode_implementation chooses it (stood in for here: this
+    CPU has none): the first call of a shape through the checked
+    decode_linear, later ones through decode_linear_unchecked; everything
+    else (5+ rows, the reference chosen, the switch off) is the stock
+    module's call, bit for bit; the same arrays are read either way."""
     import mlx.nn as nn
 
+    from mlx_qwen_fast import config
     from mlx_qwen_fast.ops import linear as linear_ops
 
     head = nn.QuantizedLinear(64, 300, bias=False, group_size=32, bits=4)
@@ -95,16 +98,26 @@ def test_fast_head_dispatches_decode_rows(monkeypatch, rows):
 
     def impl(x, arrays, static, **kw):
         assert real(x, arrays, static, **kw) == "reference"  # no CUDA kernel here
-        return "cuda-kernel" if math.prod(x.shape[:-1]) <= 4 else "reference"
+        calls.append("decide")
+        return "cuda-kernel" if math.prod(x.shape[:-1]) <= 4 and config.DECODE_GEMV_KERNEL.get() else "reference"
 
-    def kernel(x, arrays, static, **kw):
-        calls.append(x.shape)
-        assert arrays[0] is head.weight and arrays[1] is head.scales and static[0] == "quantized"
-        return linear_ops.decode_linear_reference(x, arrays, static, **kw)
+    def kernel(name):
+        def run(x, arrays, static, *rest, **kw):
+            calls.append(name)
+            assert arrays[0] is head.weight and arrays[1] is head.scales and static[0] == "quantized"
+            return linear_ops.decode_linear_reference(x, arrays, static)
+        return run
 
     monkeypatch.setattr(linear_ops, "decode_implementation", impl)
-    monkeypatch.setattr(linear_ops, "decode_linear", kernel)
-    got = head(x)
-    assert calls == ([x.shape] if math.prod(rows) <= 4 else [])
-    assert got.shape == want.shape and got.dtype == want.dtype
-    np.testing.assert_array_equal(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)))
+    monkeypatch.setattr(linear_ops, "decode_linear", kernel("checked"))
+    monkeypatch.setattr(linear_ops, "decode_linear_unchecked", kernel("unchecked"))
+    small = math.prod(rows) <= 4
+    for _ in range(3):
+        got = head(x)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_array_equal(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)))
+    assert calls == (["decide", "checked", "unchecked", "unchecked", "unchecked"] if small else ["decide"])
+    calls.clear()
+    env.set(config.DECODE_GEMV_KERNEL.name, "0")  # a new key: decided again, and stock now
+    np.testing.assert_array_equal(np.array(head(x).astype(mx.float32)), np.array(want.astype(mx.float32)))
+    assert calls == ["decide"]

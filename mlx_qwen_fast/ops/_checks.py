@@ -69,3 +69,19 @@ def linear_input_size(module) -> Optional[int]:
         w = module.get("weight")
         return w.shape[1] if isinstance(w, mx.array) and w.ndim == 2 else None
     return None
+
+
+def check_attention_module(fn: str, attn, x=None, rows: str = "T") -> None:
+    """``attn`` an mlx-lm ``Qwen3NextAttention`` and, where given, ``x`` a
+    float ``[B, <rows>, D]`` of its projections' input size; else
+    ValueError naming the argument."""
+    from mlx_lm.models.qwen3_next import Qwen3NextAttention
+
+    if not isinstance(attn, Qwen3NextAttention):
+        fail(fn, f"attn must be an mlx-lm Qwen3NextAttention, got {type(attn).__name__}")
+    if x is None:
+        return
+    d = linear_input_size(attn.q_proj)
+    check_float_array(fn, "x", x, f"[B, {rows}, {d or 'D'}]", ndim=3)
+    if d is not None and x.shape[2] != d:
+        fail(fn, f"x must have shape [B, {rows}, {d}] (the projections' input size), got {describe(x)}")

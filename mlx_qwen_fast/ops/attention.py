@@ -90,6 +90,7 @@ from .. import backend as _backend
 from .. import config
 from ..compiled import concat_linears, linear_arrays, linear_paths
 from . import linear as linear_ops
+from ._checks import check_attention_module
 from ..kernels import _cuda_build
 from ..kernels._cache_rows import row_index, write_rows
 from ..kernels import attention_decode as _k_decode
@@ -354,7 +355,12 @@ def gated_attention(attn, x: mx.array, mask: Optional[Any] = None, cache: Option
 
     Returns:
         ``[B, T, D]``, as ``Qwen3NextAttention.__call__``.
+
+    Raises:
+        ValueError: ``attn`` not a ``Qwen3NextAttention``, ``x`` not a float
+            ``[B, T, D]`` of the projections' input size (named).
     """
+    check_attention_module("gated_attention", attn, x)
     B, T, _ = x.shape
     if not (T > 1 and isinstance(mask, str) and mask == "causal"
             and (cache is None or type(cache) is KVCache)
@@ -417,7 +423,9 @@ def decode_step_parts(attn) -> Optional[DecodeStepParts]:
     where the step does not apply: a projection that is not a plain or
     quantised linear layer (LoRA), q/k/v of unlike quantisation, a RoPE
     other than ``nn.RoPE``, a sharded module. Evaluates the concatenated
-    projection (new arrays)."""
+    projection (new arrays). Raises ValueError when ``attn`` is not an
+    mlx-lm ``Qwen3NextAttention``."""
+    check_attention_module("decode_step_parts", attn)
     if getattr(attn, "sharding_group", None) is not None or type(attn.rope) is not nn.RoPE:
         return None
     lins = [linear_arrays(getattr(attn, n)) for n in _PROJ + ("o_proj",)]

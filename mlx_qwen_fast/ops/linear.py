@@ -41,8 +41,8 @@ from ..kernels import quantized_gemv as _k_gemv
 from ..kernels._cuda_build import check_eps, describe
 from ._checks import FLOATS, check_float_array, fail, is_int
 
-__all__ = ["IMPLEMENTATIONS", "decode_linear", "decode_linear_reference", "decode_implementation",
-           "implementation_for"]
+__all__ = ["IMPLEMENTATIONS", "decode_linear", "decode_linear_reference", "decode_linear_unchecked",
+           "decode_implementation", "implementation_for"]
 
 #: What :func:`decode_linear` can run: the fused kernel or the reference ops.
 IMPLEMENTATIONS = ("cuda-kernel", "reference")
@@ -189,6 +189,19 @@ def decode_linear(x: mx.array, arrays: Sequence[mx.array], static: tuple, *, nor
                                   norm_weight=None if norm is None else norm[0],
                                   norm_eps=None if norm is None else norm[1], residual=residual,
                                   normed_out=normed_out)
+
+
+def decode_linear_unchecked(x: mx.array, arrays: Sequence[mx.array], static: tuple, implementation: str) -> mx.array:
+    """:func:`decode_linear` without norm or residual and without its checks,
+    for a caller that checked a call of the same shapes, dtypes and settings
+    before and kept :func:`decode_implementation`'s answer for it (the
+    language-model head of each decode token: ``layers.FastHead``). Runs
+    ``implementation`` ("cuda-kernel" or "reference") as given; arguments
+    outside what was checked are undefined behaviour."""
+    if implementation == "reference":
+        return _reference(x, arrays, static, None, None, False)
+    group_size, bits = _kernel_args(static)
+    return _k_gemv._quantized_gemv(x, arrays[0], arrays[1], arrays[2], group_size, bits, None, 1e-6, None, False)
 
 
 def implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:

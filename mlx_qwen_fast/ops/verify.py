@@ -74,7 +74,7 @@ from ..kernels._cuda_build import describe
 from . import decoder as decoder_ops
 from . import gated_delta as gated_delta_ops
 from . import moe as moe_ops
-from ._checks import check_float_array, fail, is_int, linear_input_size
+from ._checks import check_attention_module, fail, is_int
 
 __all__ = ["MAX_TOKENS", "MIN_TOKENS", "step_count", "trace_count", "verify_attention", "verify_model",
            "verify_model_hidden", "verify_step"]
@@ -147,15 +147,8 @@ def verify_attention(attn, x: mx.array, keys: mx.array, values: mx.array, offset
 
 
 def _check_attention(attn, x, keys, values, offset) -> None:
-    from mlx_lm.models.qwen3_next import Qwen3NextAttention
-
     fn = "verify_attention"
-    if not isinstance(attn, Qwen3NextAttention):
-        fail(fn, f"attn must be an mlx-lm Qwen3NextAttention, got {type(attn).__name__}")
-    d = linear_input_size(attn.q_proj)
-    check_float_array(fn, "x", x, f"[B, S, {d or 'D'}]", ndim=3)
-    if d is not None and x.shape[2] != d:
-        fail(fn, f"x must have shape [B, S, {d}] (the projections' input size), got {describe(x)}")
+    check_attention_module(fn, attn, x, rows="S")
     B, S = x.shape[0], x.shape[1]
     hkv, dh = attn.num_key_value_heads, attn.head_dim
     if (not isinstance(keys, mx.array) or keys.ndim != 4 or keys.shape[:2] != (B, hkv) or keys.shape[3] != dh

@@ -342,6 +342,10 @@ CASES = {
     "verify.verify_attention: offset an int": lambda: vattn(offset=3),
     "verify.verify_attention: offset float": lambda: vattn(offset=mx.array(1.5)),
     "verify.verify_attention: attn a Linear": lambda: vattn(attn=nn.Linear(256, 4)),
+    "attention.gated_attention: attn a Linear": lambda: attention.gated_attention(nn.Linear(256, 4), mx.zeros((1, 2, 256))),
+    "attention.gated_attention: hidden size": lambda: attention.gated_attention(attn_layer(), mx.zeros((1, 2, 100))),
+    "attention.gated_attention: x rank 2": lambda: attention.gated_attention(attn_layer(), mx.zeros((2, 256))),
+    "attention.decode_step_parts: attn an int": lambda: attention.decode_step_parts(3),
     "verify.verify_attention: offset 1000": lambda: vattn_unchecked(1000),
     "verify.verify_attention: offset -5": lambda: vattn_unchecked(-5),
     "verify.verify_model: inputs float": lambda: vmodel(inputs=mx.zeros((1, 2))),
@@ -504,6 +508,10 @@ _CASES = {
     "verify.verify_attention: offset an int": ("raise", "offset must be a 0-d int32 mx.array"),
     "verify.verify_attention: offset float": ("raise", "offset must be a 0-d int32 mx.array"),
     "verify.verify_attention: attn a Linear": ("raise", "attn must be an mlx-lm Qwen3NextAttention"),
+    "attention.gated_attention: attn a Linear": ("raise", "gated_attention: attn must be an mlx-lm Qwen3NextAttention"),
+    "attention.gated_attention: hidden size": ("raise", "gated_attention: x must have shape [B, T, 256]"),
+    "attention.gated_attention: x rank 2": ("raise", "gated_attention: x must be a float32/float16/bfloat16"),
+    "attention.decode_step_parts: attn an int": ("raise", "decode_step_parts: attn must be an mlx-lm Qwen3NextAttention"),
     "verify.verify_attention: offset 1000": ("return", "clamped"),
     "verify.verify_attention: offset -5": ("return", "clamped"),
     "verify.verify_model: inputs float": ("raise", "inputs must be integer token ids"),
@@ -528,6 +536,9 @@ _EXEMPT = {
         "IMPLEMENTATIONS": "constant",
         "decode_implementation": "query: names the implementation decode_attention would run (shape checks only)",
         "prefill_implementation": "query: names the implementation prefill_attention would run (shape checks only)",
+        "DecodeStatic": "a NamedTuple type: decode_step_parts builds it from a checked module",
+        "DecodeStepParts": "a NamedTuple type: decode_step_parts' result",
+        "decode_step": "traced inside the compiled decode steps on a plan decode_step_parts made (unchecked by contract)",
         "implementation_for": "query: the implementation for a token count and backend",
         "prefill_attention_reference": "unchecked reference of prefill_attention (which checks); not checked itself yet",
     },
@@ -550,6 +561,7 @@ _EXEMPT = {
     "linear": {
         "IMPLEMENTATIONS": "constant",
         "decode_implementation": "query: names the implementation decode_linear would run (which checks)",
+        "decode_linear_unchecked": "unchecked by contract: the hot entry for arguments a checked call had (FastHead)",
         "implementation_for": "query: the implementation for a token count and backend",
     },
     "verify": {
@@ -557,6 +569,7 @@ _EXEMPT = {
         "MAX_TOKENS": "constant",
         "step_count": "takes no arguments",
         "trace_count": "takes no arguments",
+        "verify_step": "a route: returns None or verify_model's result (verify_model checks; its cases)",
     },
 }
 
