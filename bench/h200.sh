@@ -7,6 +7,7 @@
 #   bash bench/h200.sh profile    # ncu: GPU time per kernel of one patched 4K prefill, then every
 #                                 # counter of the package's kernels (~6-8 min)
 #   bash bench/h200.sh dprofile   # ncu: GPU time per kernel of patched decode tokens at 4K (~3-5 min)
+#   bash bench/h200.sh phases     # SM cycles per phase of the one-launch GDN mixer and MoE block (~2 min)
 #   bash bench/h200.sh userview   # bench.user_view: mlx-lm's own benchmark command, stock vs patched (~5-9 min)
 #   bash bench/h200.sh firstuse   # bench.first_use: the CLI's first and second run on a fresh machine (~6 min)
 #   bash bench/h200.sh decode     # nodes per decode token, then a decode switch on/off through the CLI (~6-9 min)
@@ -96,6 +97,12 @@ dprofile)  # ncu: GPU time of every kernel of ${DPROFILE_TOKENS:-3} patched gree
   { grep -E "^# decode|^rc=|rror" /tmp/decode-profile.err; python3 bench/profile_kernels.py summary \
       /tmp/decode-kernels.csv --per "$K"; } > "$OUT/decode-breakdown.txt" 2>&1
   gzip -c /tmp/decode-kernels.csv > "$OUT/decode-kernels.csv.gz"; cat "$OUT/decode-breakdown.txt" ;;
+phases)  # bench.phase_clock: the diagnostic builds of the one-launch GDN mixer and MoE block at the model's
+         # shapes, SM cycles per phase (median and last block) at the card's SM clock. Files: phase-clock.json,
+         # phase-clock.log
+  MHZ=$(nvidia-smi --query-gpu=clocks.max.sm --format=csv,noheader,nounits | head -1)
+  timeout 300 python3 -m bench.phase_clock --sm-mhz "${MHZ:-1980}" --out "$OUT/phase-clock.json" \
+    > "$OUT/phase-clock.log" 2>&1; echo "rc=$?" >> "$OUT/phase-clock.log"; cat "$OUT/phase-clock.log" ;;
 userview)  # bench.user_view: mlx-lm's `benchmark` command in fresh processes, stock vs patched, 3 processes
            # per engine, alternating. UV_CONFIGS (default b1: 4K prompt, 128 tokens, batch 1; ~290 s warm; on a
            # fresh machine stock's first process alone took 204-312 s, so b1 needs a second call there) picks the configurations; the rest of the sweep (UV_CONFIGS=32k,128k, then
@@ -151,5 +158,5 @@ split)  # bench.decode_split at 4K on the in-memory random checkpoint (nodes per
       --pipelined 100 >> "$OUT/split-ab.log" 2>&1; echo "rc=$?" >> "$OUT/split-ab.log"
   done; done
   grep -E "^== |^# ops|^nodes|^split|^rc=" "$OUT/split-ab.log" ;;
-*) echo "usage: bash bench/h200.sh {tests|ab|ops|profile|dprofile|userview|firstuse|decode|split}"; exit 2 ;;
+*) echo "usage: bash bench/h200.sh {tests|ab|ops|profile|dprofile|phases|userview|firstuse|decode|split}"; exit 2 ;;
 esac

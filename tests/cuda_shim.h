@@ -150,6 +150,7 @@ struct Fiber {
   std::vector<std::vector<PendingCopy>> groups;  // committed, oldest first
   std::vector<std::function<void()>> async_open;  // wgmma: issued, not committed
   std::vector<std::vector<std::function<void()>>> async_groups;  // committed, oldest first
+  long long clock = 0;  // clock64(): this thread's reads so far (deterministic, the same in every schedule)
 };
 
 struct Alloc {
@@ -481,6 +482,11 @@ inline void async_wait(int keep) {
 #define blockDim (mqf::block_dim)
 #define gridDim (mqf::grid_dim)
 constexpr int warpSize = 32;
+
+// ---- clocks -------------------------------------------------------------------------------------
+// clock64: increasing per thread, one tick per read, so that a kernel that stores differences of
+// its reads gives the same output under every schedule (cycle counts mean nothing here).
+inline long long clock64() { return ++mqf::cur->clock; }
 
 // ---- synchronisation ----------------------------------------------------------------------
 #define MQF_SITE std::source_location site = std::source_location::current()

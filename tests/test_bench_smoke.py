@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import ab, common, numerics, ops  # noqa: E402
+from cuda_helpers import HAS_CUDA  # noqa: E402
 
 HEADER = {
     "kind": str, "date": str, "device": str, "backend": str, "mlx_version": str,
@@ -47,7 +48,7 @@ SMALL_CEILINGS = ["--copy-mib", "4", "--matmul-n", "64"]
 #: modules run as ``python -m bench.<name>``, and the CUDA-only device scripts.
 MODULES = ("ab", "numerics", "ops", "ceilings", "plots", "first_use", "startup", "verify_pass", "dflash")
 DEVICE_SCRIPTS = ("gdn_cuda.py", "moe_cuda.py", "moe_decode_cuda.py", "profile_kernels.py", "node_cost.py")
-H200_STAGES = {"tests", "ab", "ops", "profile", "dprofile", "userview", "firstuse", "decode", "split"}
+H200_STAGES = {"tests", "ab", "ops", "profile", "dprofile", "phases", "userview", "firstuse", "decode", "split"}
 
 
 def check_keys(record, schema, where):
@@ -341,6 +342,17 @@ def test_module_help(name):
     assert r.returncode == 0 and "usage" in r.stdout.lower(), r.stderr[-2000:]
 
 
+def test_phase_clock_help_and_cpu_refusal():
+    """bench.phase_clock answers --help and, without CUDA, exits 2 with one
+    line (its kernels' diagnostic builds run on the CPU in their kernel
+    tests: test_phase_clock_build)."""
+    r = run_py("-m", "bench.phase_clock", "--help")
+    assert r.returncode == 0 and "usage" in r.stdout.lower(), r.stderr[-2000:]
+    if not HAS_CUDA:
+        r = run_py("-m", "bench.phase_clock")
+        assert r.returncode == 2 and "Traceback" not in r.stderr and "CUDA" in r.stderr, r.stderr[-2000:]
+
+
 @pytest.mark.parametrize("script", DEVICE_SCRIPTS)
 def test_device_script_help_and_cpu_refusal(script):
     """Every device script answers --help here and, without CUDA, exits with
@@ -586,3 +598,20 @@ def test_dflash_loop_reference_reaches_the_loops_own_tokens():
     assert (ref, rounds, fixed) == (plain, 2, True)
     ref, rounds, fixed = bench_dflash.loop_reference(prompt, fast, wrong, 4, (), 1280, 12, rounds=1)
     assert (ref, rounds, fixed) == (plain, 1, False)
+
+
+def test_phase_clock_table():
+    """bench.phase_clock's rows: per mark the median and last block's cycles
+    (median over launches) and the step from the previous mark, in us."""
+    import numpy as np
+
+    from bench import phase_clock
+
+    marks = ("start", "A", "end")
+    launches = [mx.array(np.array([[0, 100, 300, -1], [0, 200, 500, -1], [0, 150, 400, -1]], np.int64)),
+                mx.array(np.array([[0, 100, 300, -1], [0, 300, 700, -1], [0, 150, 400, -1]], np.int64))]
+    rows = phase_clock._table("k", marks, launches, mhz=100.0)
+    assert [r["mark"] for r in rows] == list(marks)
+    assert [r["cycles_median_block"] for r in rows] == [0, 150, 400]
+    assert [r["cycles_max_block"] for r in rows] == [0, 250, 600]  # medians of (200, 300) and (500, 700)
+    assert [r["us_step_max"] for r in rows] == [0.0, 2.5, 3.5]

@@ -78,6 +78,7 @@
 // (7-9 us of host time per small custom-kernel node, bench/node_cost.py:
 // ~0.4-0.5 ms per token), less what this node's 10 inputs add.
 #include "grid_sync.cuh"
+#include "phase_clock.cuh"
 #include "gdn_decode_step.cuh"
 #include "qgemv_tile.cuh"
 
@@ -124,6 +125,9 @@ __host__ __device__ constexpr int round16(int n) {
 }
 constexpr int OFF_PROJ = 0;
 constexpr int OFF_Y = OFF_PROJ + round16(M * P * (int)sizeof(xt));
+// MQF_PHASE_CLOCK builds: PC_SLOTS int64 per block after y (phase_clock.cuh), marks 0 start, 1 A done,
+// 2 barrier 1 passed, 3 B done, 4 barrier 2 passed, 5 end.
+constexpr int OFF_CLOCK = OFF_Y + round16(M * KO * (int)sizeof(xt));
 
 constexpr unsigned long long BARW = 1024;  // barrier weight, >= gridDim.x
 constexpr unsigned long long NBAR = 2;     // barriers per launch
@@ -262,6 +266,8 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
   T* const y = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(scratch) + OFF_Y);
   const float* const in_norm_w = params + C * KW + 2 * HV + D;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  PhaseClock clk;
+  clk.mark(0);
 
   // The counter before this block's first arrival (grid_sync.cuh); the load
   // is issued here, its value first used at the first barrier.
@@ -285,6 +291,7 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
     gemv_rows_f32<HID, false>(SharedRows{xs}, w_in, s_in, b_in, proj, nullptr, P);
   }
 
+  clk.mark(1);
   // the first item's state rows: loaded while the grid meets
   float S[E];
   if ((int)blockIdx.x < M * HV) gdn_step_state_loads(state_in, blockIdx.x, S);
@@ -293,6 +300,7 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
   if (tid == 0) base = grid_launch_base<NBAR, BARW>(v0);
   grid_arrive<BARW>(ctr);
   grid_wait(ctr, base + BARW);
+  clk.mark(2);
 
   // ---- B: the GDN step of items (b, h) ----------------------------------------------------
   for (int bh = blockIdx.x; bh < M * HV; bh += gridDim.x) {
@@ -300,6 +308,8 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
     gdn_step<ScratchLoad>(proj, params, conv_state, S, y, conv_state_out, state_out, eps_qk, eps_norm, bh, sm.qsh,
                           sm.ksh, sm.vsh, sm.ysh, sm.gred, sm.gate);
   }
+
+  clk.mark(3);
 
   // ---- C: out = x + y @ W_out.T ----------------------------------------------------------
   if constexpr (SameType<T, bf16_t>::value) {
@@ -311,6 +321,7 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
       qg_load<CfgC>(A, sb, w_out, s_out, b_out, tile * 16, HID, wt * CfgC::BPW, lane >> 2, lane & 3);
     grid_arrive<BARW>(ctr);
     grid_wait(ctr, base + 2 * BARW);
+    clk.mark(4);
     gdn_u16 (*xs)[KO] = reinterpret_cast<gdn_u16 (*)[KO]>(sm.stage);
     for (int i = tid; i < M * KO / 8; i += NT)
       *reinterpret_cast<uint4*>(&xs[0][0] + 8 * i) = ldcg16(y + 8 * i);
@@ -319,8 +330,11 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
   } else {
     grid_arrive<BARW>(ctr);
     grid_wait(ctr, base + 2 * BARW);
+    clk.mark(4);
     gemv_rows_f32<KO, true>(ScratchRows{y}, w_out, s_out, b_out, out, x, HID);
   }
+  clk.mark(5);
+  clk.store(reinterpret_cast<long long*>(reinterpret_cast<unsigned char*>(scratch) + OFF_CLOCK), 6);
 }
 }  // namespace
 

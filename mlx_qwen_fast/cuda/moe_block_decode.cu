@@ -80,6 +80,7 @@
 // 512, one token; not measured): bench/results/moe-cuda-log.md.
 #include "grid_sync.cuh"
 #include "moe_route_common.cuh"
+#include "phase_clock.cuh"
 #include "qgemv_tile.cuh"
 
 #ifndef MBD_WT
@@ -130,6 +131,9 @@ __host__ __device__ constexpr int round16(int n) {
 constexpr int OFF_LOGITS = 0;
 constexpr int OFF_H = OFF_LOGITS + round16(N * E * 2);
 constexpr int OFF_SG = OFF_H + round16(HROWS * I * 2);
+// MQF_PHASE_CLOCK builds: PC_SLOTS int64 per block after sgate (phase_clock.cuh), marks 0 start, 1 A
+// done, 2 barrier 1 passed, 3 routed, 4 B done, 5 barrier 2 passed, 6 end.
+constexpr int OFF_CLOCK = OFF_SG + round16(N * 4);
 
 // Dynamic shared memory: phase B's gate+up teams (per team the gate+up CTA's
 // layout, 36864 + 4096 N bytes) or phase C's h rows and item outputs.
@@ -179,6 +183,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
   float* const sgate = reinterpret_cast<float*>(scr + OFF_SG);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, t = lane & 3;
+  PhaseClock clk;
+  clk.mark(0);
 
   // The counter before this block's first arrival (grid_sync.cuh); the load
   // is issued here, its value first used at the first barrier.
@@ -196,12 +202,14 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     qg_stage_norm<N, D, KWR, NT>(xn, ssq, x, norm_w, eps);
     qg_tiles<CfgR, KWR, TR, TILES_R, false>(A, sb, xn, wr, sr, br, logits, nullptr, E, red);
   }
+  clk.mark(1);
 
   // The launch's base: the counter rounded down to a multiple of NBAR * BARW.
   unsigned long long base = 0;
   if (tid == 0) base = grid_launch_base<NBAR, BARW>(v0);
   grid_arrive<BARW>(ctr);
   grid_wait(ctr, base + BARW);
+  clk.mark(2);
 
   // ---- B: routing (every block), gate + up + SwiGLU items, the shared gate -------------
   if (warp < N) {
@@ -215,6 +223,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     }
   }
   __syncthreads();
+  clk.mark(3);
   const int my_e = lane < NK ? rinds[lane] : -1;
   const float my_s = lane < NK ? rscores[lane] : 0.0f;
   // the slots whose expert no lower slot lists (moe_decode_gemv.cu's items)
@@ -303,6 +312,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     const bf16_t* Bm = e < 0 ? xbd : bd + (size_t)e * D * (I / 64);
     down_load<NU>(R, Wm, Sm, Bm, row0, g, t);
   };
+  clk.mark(4);
   // the first tile's first item: loaded while the grid meets
   DownRegs<NU> R;
   int e0 = SKIP;
@@ -312,6 +322,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
   }
   grid_arrive<BARW>(ctr);
   grid_wait(ctr, base + 2 * BARW);
+  clk.mark(5);
 
   gdn_u16 (*hs)[I] = reinterpret_cast<gdn_u16 (*)[I]>(dsm);
   float (*ired)[RB][N] = reinterpret_cast<float (*)[RB][N]>(dsm + DN_OFF_IRED);
@@ -343,4 +354,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     }
     __syncthreads();
   }
+  clk.mark(6);
+  clk.store(reinterpret_cast<long long*>(scr + OFF_CLOCK), 7);
 }

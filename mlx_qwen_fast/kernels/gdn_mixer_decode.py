@@ -38,7 +38,7 @@ import mlx.core as mx
 from . import _cuda_build as cb
 from .gated_delta_decode import D, KW, decode_params, packed_width, params_width
 
-__all__ = ["MAX_ROWS", "gdn_mixer_decode", "grid_blocks", "mixer_params", "mixer_params_width", "scratch_words",
+__all__ = ["MAX_ROWS", "PHASE_MARKS", "gdn_mixer_decode", "grid_blocks", "mixer_params", "mixer_params_width", "scratch_words",
            "supports"]
 
 #: Token rows per call at most (the GEMV tiles' B columns).
@@ -160,13 +160,23 @@ def supports(x, in_proj: Sequence, out_proj: Sequence, state=None, *, num_k_head
     return _problem(x, in_proj, None, None, state, out_proj, num_k_heads, num_v_heads, group_size, bits) is None
 
 
-def _kernel(x_dtype, Hv: int, Hk: int, K: int, B: int) -> cb.CudaKernel:
-    key = (x_dtype, Hv, Hk, K, B)
+def _kernel(x_dtype, Hv: int, Hk: int, K: int, B: int, phase_clock: bool = False) -> cb.CudaKernel:
+    key = (x_dtype, Hv, Hk, K, B, phase_clock)
     kern = _kernels.get(key)
     if kern is None:
-        kern = _kernels[key] = cb.CudaKernel("gdn_mixer_decode.cu", "mqf_gdn_mixer", dict(
-            GDN_X=cb.dtype_macro(x_dtype), GDN_HV=Hv, GDN_HK=Hk, GM_K=K, GM_M=B))
+        defines = dict(GDN_X=cb.dtype_macro(x_dtype), GDN_HV=Hv, GDN_HK=Hk, GM_K=K, GM_M=B)
+        if phase_clock:
+            defines["MQF_PHASE_CLOCK"] = 1
+        kern = _kernels[key] = cb.CudaKernel("gdn_mixer_decode.cu", "mqf_gdn_mixer", defines)
     return kern
+
+
+#: Phase marks of the diagnostic build (``phase_clock=True``), in order:
+#: cycles from the block's start to the end of the input projection (A),
+#: to the first grid barrier's end, to the end of the GDN step (B), to the
+#: second barrier's end, to the end of the out_proj (C).
+PHASE_MARKS = ("start", "A done", "barrier 1", "B done", "barrier 2", "end")
+_PC_SLOTS = 8  # phase_clock.cuh
 
 
 def _round16(n: int) -> int:
@@ -211,7 +221,8 @@ def gdn_mixer_decode(
     qk_eps: float = 1e-6,
     group_size: int = GROUP_SIZE,
     bits: int = BITS,
-) -> Tuple[mx.array, mx.array, mx.array]:
+    phase_clock: bool = False,
+):
     """``x + mixer(rms_norm(x))`` of a Gated DeltaNet decoder layer for one
     token per row, and the layer's new conv and recurrent states, in one
     launch.
@@ -234,10 +245,15 @@ def gdn_mixer_decode(
       input_norm_eps: the decoder layer's input RMSNorm eps.
       norm_eps: the gated RMSNorm's eps; qk_eps: the q/k L2-norm eps.
       group_size, bits: 64 and 4 (the only quantisation taken).
+      phase_clock: a diagnostic build (``cuda/phase_clock.cuh``) that also
+        returns each block's SM cycle counts at the :data:`PHASE_MARKS`
+        (bench/profile_kernels.py phases); same results otherwise.
 
     Returns:
       (out with x's shape and dtype, conv_state [B, 3, C] in x's dtype,
-      state [B, Hv, 128, 128] float32).
+      state [B, Hv, 128, 128] float32); with ``phase_clock`` a fourth,
+      int64 [blocks, 8]: cycles from mark 0 per block and mark (-1 past the
+      six marks).
 
     Raises:
       ValueError: an argument outside the above (named), an eps outside
@@ -263,11 +279,17 @@ def gdn_mixer_decode(
         conv_state = conv_state.astype(dt)
     if state is None:
         state = mx.zeros((B, Hv, D, D), dtype=mx.float32)
+    if not isinstance(phase_clock, bool):
+        raise ValueError(f"{fn}: phase_clock must be a bool, got {phase_clock!r}")
     blocks = grid_blocks(B, Hk, Hv, K, cb.sm_count())
-    kern = _kernel(dt, Hv, Hk, K, B)
-    out, new_conv, new_state, _ = kern(
+    kern = _kernel(dt, Hv, Hk, K, B, phase_clock)
+    words = scratch_words(B, Hk, Hv, dt)
+    clock_words = blocks * _PC_SLOTS * 2 if phase_clock else 0
+    out, new_conv, new_state, scratch = kern(
         [x, *in_proj, params, conv_state, state, *out_proj],
-        [tuple(x.shape), (B, KW - 1, C), (B, Hv, D, D), (scratch_words(B, Hk, Hv, dt),)],
+        [tuple(x.shape), (B, KW - 1, C), (B, Hv, D, D), (words + clock_words,)],
         [dt, dt, mx.float32, mx.uint32], (blocks * _THREADS, 1, 1), (_THREADS, 1, 1), eps,
     )
+    if phase_clock:
+        return out, new_conv, new_state, scratch[words:].view(mx.int64).reshape(blocks, _PC_SLOTS)
     return out, new_conv, new_state

@@ -169,14 +169,24 @@ def supports(x, norm_weight, router: Sequence, experts: Sequence, shared: Sequen
         return False
 
 
-def _kernel(n, k, E, D, I, sgb, rbits, rgs, norm_dtype) -> cb.CudaKernel:
-    key = (n, k, E, D, I, sgb, rbits, rgs, norm_dtype)
+def _kernel(n, k, E, D, I, sgb, rbits, rgs, norm_dtype, phase_clock=False) -> cb.CudaKernel:
+    key = (n, k, E, D, I, sgb, rbits, rgs, norm_dtype, phase_clock)
     kern = _kernels.get(key)
     if kern is None:
-        kern = _kernels[key] = cb.CudaKernel("moe_block_decode.cu", "mqf_moe_block", dict(
-            MBD_N=n, MBD_K=k, MBD_E=E, MBD_D=D, MBD_I=I, MBD_SGB=sgb, MBD_RBITS=rbits, MBD_RGS=rgs,
-            MBD_WT=cb.dtype_macro(norm_dtype)))
+        defines = dict(MBD_N=n, MBD_K=k, MBD_E=E, MBD_D=D, MBD_I=I, MBD_SGB=sgb, MBD_RBITS=rbits, MBD_RGS=rgs,
+                       MBD_WT=cb.dtype_macro(norm_dtype))
+        if phase_clock:
+            defines["MQF_PHASE_CLOCK"] = 1
+        kern = _kernels[key] = cb.CudaKernel("moe_block_decode.cu", "mqf_moe_block", defines)
     return kern
+
+
+#: Phase marks of the diagnostic build (``_moe_block_decode(..., phase_clock=True)``),
+#: in order: cycles from the block's start to the router's end (A), the
+#: first grid barrier's end, the routing's end, the gate+up items' end (B),
+#: the second barrier's end, the down phase's end (C).
+PHASE_MARKS = ("start", "A done", "barrier 1", "routed", "B done", "barrier 2", "end")
+_PC_SLOTS = 8  # phase_clock.cuh
 
 
 def moe_block_decode(
@@ -238,25 +248,31 @@ def moe_block_decode(
 
 
 def _moe_block_decode(x, norm_weight, router, experts, shared, expert_gate, top_k, eps, normalize,
-                      router_group_size, router_bits, return_scratch=False):
+                      router_group_size, router_bits, return_scratch=False, phase_clock=False):
     """:func:`moe_block_decode` on arguments already checked (the compiled
     decode step's entry point); ``return_scratch``: also the scratch output
-    (tests read the phases' intermediates from it)."""
+    (tests read the phases' intermediates from it); ``phase_clock``: the
+    diagnostic build (``cuda/phase_clock.cuh``), returning ``(out, clocks
+    int64 [blocks, 8])``: each block's SM cycles from mark 0 at the
+    :data:`PHASE_MARKS` (-1 past them), for bench/profile_kernels.py phases."""
     n, D = _rows(x), x.shape[-1]
     (wg, sg, bg), (wu, su, bu), (wd, sd, bd) = experts
     E, I = wg.shape[0], wg.shape[1]
     (xwg, xsg, xbg), (xwu, xsu, xbu), (xwd, xsd, xbd) = shared
     gw, gs, gb, sgb = expert_gate
-    kern = _kernel(n, top_k, E, D, I, int(sgb), router_bits, router_group_size, norm_weight.dtype)
+    kern = _kernel(n, top_k, E, D, I, int(sgb), router_bits, router_group_size, norm_weight.dtype, phase_clock)
     blocks = grid_blocks(n, top_k, E, D, I, router_bits, cb.sm_count())
+    words = scratch_words(n, top_k, E, I)
     out, scratch = kern(
         inputs=[x, norm_weight, *router, wg, sg, bg, wu, su, bu, wd, sd, bd, xwg, xsg, xbg, xwu, xsu, xbu,
                 xwd, xsd, xbd, gw, gs, gb],
-        output_shapes=[tuple(x.shape), (scratch_words(n, top_k, E, I),)],
+        output_shapes=[tuple(x.shape), (words + (blocks * _PC_SLOTS * 2 if phase_clock else 0),)],
         output_dtypes=[mx.bfloat16, mx.uint32],
         grid=(blocks * _THREADS, 1, 1),
         threadgroup=(_THREADS, 1, 1),
         shared_memory=smem_bytes(n, top_k, I),
         scalars=[int(normalize), eps],
     )
+    if phase_clock:
+        return out, scratch[words:].view(mx.int64).reshape(blocks, _PC_SLOTS)
     return (out, scratch) if return_scratch else out

@@ -383,3 +383,33 @@ def test_compiled_equals_eager(dtype):
         for e, c in ((oe, oc), (ce, cc), (se, sc)):
             assert mx.array_equal(e, c).item()
         x = _next_x(a, step)
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("poison")
+@pytest.mark.parametrize("dtype", [
+    pytest.param(mx.float32, marks=pytest.mark.cpu_check("gdn_mixer_decode.cu")),
+    pytest.param(mx.bfloat16, marks=pytest.mark.cpu_check("gdn_mixer_decode.cu")),
+])
+def test_phase_clock_build(dtype):
+    """The diagnostic build (phase_clock=True): the default build's results
+    bit for bit, and per block the six marks' cycle counts from mark 0,
+    non-decreasing (strictly on the CPU check, whose clock ticks once per
+    read), the unused slots -1."""
+    a = _arrays(SMALL, 2, dtype, 50)
+    params = _params(a)
+    want = _fused(a, params, a.conv_state, a.state)
+    *got, clocks = gm.gdn_mixer_decode(a.x, a.in_proj, params, a.conv_state, a.state, a.out_proj,
+                                       num_k_heads=a.hk, num_v_heads=a.hv, input_norm_eps=EPS, phase_clock=True)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype and mx.array_equal(g, w).item()
+    blocks = gm.grid_blocks(2, a.hk, a.hv, a.x.shape[-1], cb.sm_count())
+    assert clocks.shape == (blocks, 8) and clocks.dtype == mx.int64
+    c = np.array(clocks)
+    n = len(gm.PHASE_MARKS)
+    assert (c[:, 0] == 0).all() and (np.diff(c[:, :n], axis=1) >= 0).all() and (c[:, n:] == -1).all()
+    if not cb.cuda_available():
+        assert (np.diff(c[:, :n], axis=1) > 0).all()
+    with pytest.raises(ValueError, match="phase_clock must be a bool"):
+        gm.gdn_mixer_decode(a.x, a.in_proj, params, a.conv_state, a.state, a.out_proj, num_k_heads=a.hk,
+                            num_v_heads=a.hv, input_norm_eps=EPS, phase_clock=1)

@@ -279,3 +279,27 @@ def test_compiled_equals_eager():
         got, want = compiled(x, nw, *flat), _fused(x, w, 8, 8)[0]
         assert mx.array_equal(got, want).item()
         x = got
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("poison")
+@pytest.mark.parametrize("n,k", [pytest.param(2, 4, marks=pytest.mark.cpu_check("moe_block_decode.cu"))])
+def test_phase_clock_build(monkeypatch, n, k):
+    """The diagnostic build (phase_clock=True): the default build's output
+    bit for bit, and per block the seven marks' cycle counts from mark 0,
+    non-decreasing (strictly on the CPU check, whose clock ticks once per
+    read), the unused slot -1."""
+    monkeypatch.setattr(cb, "sm_count", lambda: 3)
+    w = _weights(32, 256, 128, 8, 8, 70)
+    x = _x(n, 256, 71)
+    router, experts, shared, eg, nw = w
+    want, _ = _fused(x, w, k, 8)
+    got, clocks = mb._moe_block_decode(x, nw, router, experts, shared, eg, k, EPS, True, 64, 8, phase_clock=True)
+    assert mx.array_equal(got, want).item()
+    blocks = mb.grid_blocks(n, k, 32, 256, 128, 8, cb.sm_count())
+    assert clocks.shape == (blocks, 8) and clocks.dtype == mx.int64
+    c = np.array(clocks)
+    m = len(mb.PHASE_MARKS)
+    assert (c[:, 0] == 0).all() and (np.diff(c[:, :m], axis=1) >= 0).all() and (c[:, m:] == -1).all()
+    if not cb.cuda_available():
+        assert (np.diff(c[:, :m], axis=1) > 0).all()
