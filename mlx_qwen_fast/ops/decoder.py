@@ -633,6 +633,22 @@ def call_donating(fn: Callable, h: mx.array, states: list, kv: list):
         raise
 
 
+def embed_ids(model, inputs: mx.array) -> mx.array:
+    """``model.embed_tokens(inputs)`` with the ids clamped into the table
+    (its rows, where the module's weight says how many), so that no id
+    reads outside it (MLX's gather does not check bounds): one elementwise
+    op more than the stock call (``mx.minimum`` for unsigned ids, which
+    mlx-lm's samplers give; ``mx.clip`` otherwise)."""
+    w = model.embed_tokens.get("weight") if isinstance(model.embed_tokens, nn.Module) else None
+    if isinstance(w, mx.array) and w.ndim == 2 and w.shape[0] > 0:
+        last = w.shape[0] - 1
+        if inputs.dtype in (mx.uint8, mx.uint16, mx.uint32, mx.uint64):
+            inputs = mx.minimum(inputs, last)
+        else:
+            inputs = mx.clip(inputs, 0, last)
+    return model.embed_tokens(inputs)
+
+
 def decode_model(model, inputs: mx.array, cache) -> Optional[mx.array]:
     """The decode step of mlx-lm's ``qwen3_5.Qwen3_5TextModel`` -- token
     embedding, every decoder layer, the final RMSNorm -- with all the layers
@@ -666,7 +682,7 @@ def decode_model(model, inputs: mx.array, cache) -> Optional[mx.array]:
             or inputs.shape[0] == 0 or len(cache) != len(layers) or getattr(model, "pipeline_size", 1) != 1
             or type(model.norm) is not nn.RMSNorm):
         return None
-    h = model.embed_tokens(inputs)
+    h = embed_ids(model, inputs)
     if not _takes(h):
         return None
     mp = model.__dict__.get(_PLAN_ATTR)

@@ -525,15 +525,6 @@ def _check_model(fn: str, model, inputs) -> None:
         fail(fn, f"inputs must be integer token ids [B, S], got {describe(inputs)}")
 
 
-def _embed(model, inputs: mx.array) -> mx.array:
-    """``model.embed_tokens(inputs)`` with the ids clamped into the table
-    (its rows where the module says how many): no id reads outside it."""
-    w = model.embed_tokens.get("weight") if isinstance(model.embed_tokens, nn.Module) else None
-    if isinstance(w, mx.array) and w.ndim == 2 and w.shape[0] > 0:
-        inputs = mx.clip(inputs, 0, w.shape[0] - 1)
-    return model.embed_tokens(inputs)
-
-
 def _verify(model, inputs: mx.array, cache, capture: tuple) -> Optional[tuple]:
     """The step of :func:`verify_model` capturing the layers ``capture``:
     ``(out, hidden)`` (``hidden`` None where ``capture`` is empty), or None."""
@@ -543,7 +534,7 @@ def _verify(model, inputs: mx.array, cache, capture: tuple) -> Optional[tuple]:
             or not isinstance(cache, (list, tuple)) or len(cache) != len(layers)
             or getattr(model, "pipeline_size", 1) != 1 or type(model.norm) is not nn.RMSNorm):
         return None
-    h = _embed(model, inputs)
+    h = decoder_ops.embed_ids(model, inputs)
     if not isinstance(h, mx.array) or h.ndim != 3:
         return None
     vp = model.__dict__.get(_PLAN_ATTR)

@@ -731,3 +731,26 @@ def test_model_plan_is_kept_and_replanned(monkeypatch):
     both(other, ref_other)
     assert len(entries) == 5 * n  # a replaced layer
     assert "_mqf_model_plan" not in dict(m) and copy.deepcopy(m).__dict__.get("_mqf_model_plan") is None
+
+
+@pytest.mark.parametrize("dtype", [mx.uint32, mx.int32])
+def test_embed_ids_clamp_into_the_table(dtype):
+    """decoder.embed_ids (the decode and verify steps' embedding): ids in
+    the table embed as the module does, bit for bit; ids past it (and
+    negative int32 ids) take the last (first) row instead of reading outside
+    the table; float and quantised tables alike."""
+    import mlx.nn as nn
+
+    class M:
+        pass
+
+    for emb in (nn.Embedding(50, 16), nn.QuantizedEmbedding(50, 64, group_size=32, bits=4)):
+        m = M()
+        m.embed_tokens = emb
+        ok = mx.array([[0, 7, 49]], dtype)
+        assert mx.array_equal(decoder.embed_ids(m, ok), emb(ok)).item()
+        bad = [[50, 10**6]] + ([[-1, -(10**6)]] if dtype == mx.int32 else [])
+        for row in bad:
+            ids = mx.array([row], dtype)
+            want = emb(mx.array([[0 if v < 0 else 49 for v in row]], dtype))
+            assert mx.array_equal(decoder.embed_ids(m, ids), want).item()
