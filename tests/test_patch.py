@@ -213,6 +213,12 @@ def test_registered_model_type_loads_patched(tiny_checkpoint):
     )
     assert mlx_qwen_fast.is_patched(model)
     assert model.patch_report.patched
+    # the head, quantised by mlx-lm after construction, is swapped too (the patch after load_weights)
+    assert type(model.language_model.lm_head) is FastHead
+    n_attn = sum(not l.is_linear for l in model.layers)
+    assert model.patch_report.swapped == {"linear_attn": len(model.layers) - n_attn, "mlp": len(model.layers),
+                                          "self_attn": n_attn, "decoder_layer": len(model.layers),
+                                          "layer_stack": 1, "lm_head": 1}
     stock, _ = mlx_lm.load(str(tiny_checkpoint))
     tokens = mx.array([[1, 2, 3, 4, 5]])
     assert _rel_l2(model(tokens).astype(mx.float32), stock(tokens).astype(mx.float32)) < BF16_EPS * 8
