@@ -139,7 +139,7 @@ class FastHead(nn.QuantizedLinear):
     token rows) is :func:`ops.linear.decode_linear` where that runs its
     kernel (the fused quantised GEMV on CUDA: at the 248,320 x 2,048 4-bit
     head, 175 us against MLX's ``quantized_matmul`` 408 us on an H100,
-    bench/results/2026-12-06-nvidia-h100-s45-calls.md); every other call
+    bench/results/INDEX.md, "Where the GPU time goes"); every other call
     (a prefill chunk, another backend, the switch off) is the module's own.
     Same rounding points as the module (one bf16 rounding of each output);
     the sums run in another order.

@@ -13,7 +13,7 @@ MLX 0.32) that write launches one thread per element of the *whole buffer*
 (each thread rewriting one element of the update, indices taken modulo its
 shape) plus a kernel that computes the offset: 20-40 us per write at a 4K
 buffer under ncu, 0.6 ms of a 4K decode token's ~4 ms of kernels, growing
-with the capacity (bench/results/2026-12-06-nvidia-h100-s45-calls.md).
+with the capacity (bench/results/INDEX.md, "Where the GPU time goes").
 It also does not check bounds; the indices here are clamped.
 """
 
