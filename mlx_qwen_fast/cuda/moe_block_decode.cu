@@ -19,29 +19,43 @@
 //
 // A persistent grid of G <= SM-count blocks of 512 threads (16 warps), all
 // resident at once, exchanging data through global scratch and two grid
-// barriers (grid_sync.cuh):
+// barriers (grid_sync.cuh). The gate+up work items (moe_decode_gemv.cu's
+// gate+up CTA each, x read from the staged xn, run by a team of 8 warps, two
+// teams per block) are the shared expert's I / 16 row tiles and the
+// shared-expert gate (the NSH = I / 16 + 1 shared items, independent of the
+// routing) and, per distinct selected expert, its I / 16 tiles (the routed
+// items).
 //   A  every block stages xn = rms_norm(x) in shared memory (sums of squares
-//      in quantized_gemv.cu's order for its 32 * KWR threads) and computes
-//      16-row tiles of the router's logits with teams of KWR warps, as
-//      quantized_gemv.cu's blocks (tiles over the grid's teams). logits ->
-//      scratch (bf16).
+//      in quantized_gemv.cu's order for its 32 * KWR threads). The first
+//      RBLK = ceil(E / 16 / TR) blocks compute the router's 16-row logit
+//      tiles with teams of KWR warps, as quantized_gemv.cu's blocks (tiles
+//      over those blocks' teams, in rounds where G < RBLK); logits ->
+//      scratch (bf16). Each later block runs shared items instead: item
+//      (blockIdx.x - RBLK) * 2 + team, one round, so min(NSH, 2 (G - RBLK))
+//      of them (all of them at Qwen3.6-35B-A3B's shapes: 8 router blocks,
+//      33 shared items). A block runs router tiles or shared items, never
+//      both (the router uses the static `red`, the items dynamic shared
+//      memory). Shared h rows, sgate -> scratch.
 //   --- barrier 1 ---
 //   B  every block routes the N tokens itself (warp n token n, route_row_ld
 //      on the logits read through L2: the routing kernel's code), keeping the
-//      ids and weights in shared memory; the work items -- 16-row tiles of
-//      the shared expert, then of each distinct selected expert (the slots
-//      whose expert no lower slot lists: one tile serves every token that
-//      picked it), then the shared-expert gate -- go to two teams of 8 warps
-//      per block (item blockIdx.x * 2 + team + r * 2G in round r), each item
-//      as moe_decode_gemv.cu's gate+up CTA computes it (x read from the
-//      staged xn). h rows, sgate -> scratch. The block's first down item's
-//      weights are loaded before the barrier.
+//      ids and weights in shared memory; the items left -- the shared items
+//      phase A had no slot for, then the routed items of each distinct
+//      selected expert (the slots whose expert no lower slot lists: one tile
+//      serves every token that picked it) -- go to the two teams per block
+//      (item blockIdx.x * 2 + team + r * 2G in round r). h rows (sgate) ->
+//      scratch. The block's first down item's weights are loaded before the
+//      barrier.
 //   --- barrier 2 ---
 //   C  h [N*k + N, I] staged from scratch (L2) in shared memory; down tiles
 //      rb = blockIdx.x + r * G of D / 16: warp w takes the item slots w, w +
 //      16, ... (a slot whose expert a lower slot lists is skipped) as
 //      moe_decode_gemv.cu's down CTA; the items' weighted outputs added in
 //      slot order, bf16-rounded, the residual x added, out stored.
+// Rounds of phase B at those shapes (G = 128 or 132, 256 or 264 team slots):
+// 32 N k routed items with N k distinct experts, so 1, 2, 3, 4 rounds at N =
+// 1..4 (each item's weights read once: a round is about one 32 KB weight
+// read per team).
 //
 // Numerics: bf16 activations only (as the kernels it fuses): the norm's two
 // roundings, the logits' (bf16), fp32 routing (softmax, top-k, weights), the
@@ -132,11 +146,18 @@ constexpr int OFF_LOGITS = 0;
 constexpr int OFF_H = OFF_LOGITS + round16(N * E * 2);
 constexpr int OFF_SG = OFF_H + round16(HROWS * I * 2);
 // MQF_PHASE_CLOCK builds: PC_SLOTS int64 per block after sgate (phase_clock.cuh), marks 0 start, 1 A
-// done, 2 barrier 1 passed, 3 routed, 4 B done, 5 barrier 2 passed, 6 end.
+// done (the block's router tiles or shared items), 2 barrier 1 passed, 3 routed, 4 B done (the items
+// left to B), 5 barrier 2 passed, 6 end.
 constexpr int OFF_CLOCK = OFF_SG + round16(N * 4);
 
-// Dynamic shared memory: phase B's gate+up teams (per team the gate+up CTA's
-// layout, 36864 + 4096 N bytes) or phase C's h rows and item outputs.
+// Gate+up items (phases A and B).
+constexpr int RBS = I / RB;                    // tiles per expert
+constexpr int NSH = RBS + 1;                   // shared items: RBS tiles, then the shared gate
+constexpr int RBLK = (TILES_R + TR - 1) / TR;  // blocks that hold a router tile
+
+// Dynamic shared memory: phases A and B's gate+up teams (per team the
+// gate+up CTA's layout, 36864 + 4096 N bytes) or phase C's h rows and item
+// outputs.
 constexpr int GU_OFF_SB = NW * 8 * 32 * 16;
 constexpr int GU_OFF_X = GU_OFF_SB + NW * 2 * 2 * RB * 4 * 2;
 constexpr int GU_BYTES = GU_OFF_X + NW * N * GU_KC * 2;  // = TGU * (36864 + 4096 N)
@@ -191,16 +212,78 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
   unsigned long long v0 = 0;
   if (tid == 0) v0 = ld_relaxed_u64(ctr);
 
-  // ---- A: xn = rms_norm(x); logits = xn @ W_router.T ----------------------------------
-  {
-    const int team = warp / KWR, wt = warp - team * KWR;
-    const int tile = (int)blockIdx.x * TR + team;
+  // ---- gate+up items (phases A and B) -----------------------------------------------
+  // One round of items: each team of GUW warps its item (act: the team has
+  // one; gate: the shared gate; shared: a shared-expert tile; else expert
+  // e's tile), rows [row0, row0 + 16). Every thread of the block calls it
+  // (its two __syncthreads).
+  const int team = warp / GUW, gwarp = warp - team * GUW, ttid = tid - team * GUW * 32;
+  uint4 (*wsm)[8][32] = reinterpret_cast<uint4 (*)[8][32]>(dsm) + team * GUW;
+  gdn_u16 (*sbs)[2][2][RB][4] = reinterpret_cast<gdn_u16 (*)[2][2][RB][4]>(dsm + GU_OFF_SB) + team * GUW;
+  gdn_u16 (*xs)[N][GU_KC] = reinterpret_cast<gdn_u16 (*)[N][GU_KC]>(dsm + GU_OFF_X) + team * GUW;
+  auto gu_item = [&](const bool act, const bool gate, const bool shared, const int e, const int row0) {
+    if (act && gate) {
+      sgate_dots<N, D, GUW * 32, MBD_SGB>(wsm, reinterpret_cast<const bf16_t*>(&xn[0][0]), gw, gs, gb, ttid, lane, gwarp);
+    } else if (act) {
+      const unsigned* W0 = shared ? xwg : wg + (size_t)e * I * (D / 8);
+      const unsigned* W1 = shared ? xwu : wu + (size_t)e * I * (D / 8);
+      const bf16_t* S0 = shared ? xsg : sg + (size_t)e * I * (D / 64);
+      const bf16_t* S1 = shared ? xsu : su + (size_t)e * I * (D / 64);
+      const bf16_t* B0 = shared ? xbg : bg + (size_t)e * I * (D / 64);
+      const bf16_t* B1 = shared ? xbu : bu + (size_t)e * I * (D / 64);
+      float acc[2][4];
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) acc[m][c] = 0.0f;
+      gu_dots<N, GUW, D>(acc, wsm, sbs, xs,
+                         [&](int n, int kb, int l) { return *reinterpret_cast<const uint4*>(&xn[n][kb + 8 * l]); },
+                         W0, W1, S0, S1, B0, B1, row0, gwarp, lane, g, t);
+      // c0, c1: row g, tokens 2t, 2t+1; c2, c3: row g + 8.
+#pragma unroll
+      for (int m = 0; m < 2; ++m)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int tok = 2 * t + (c & 1);
+          if (tok < N) gu_red<N>(wsm, gwarp)[m][g + 8 * (c >> 1)][tok] = acc[m][c];
+        }
+    }
+    __syncthreads();
+    if (act && gate) {
+      if (ttid < N) sgate[ttid] = sgate_final<N, GUW>(wsm, ttid);
+    } else if (act && ttid < RB * N) {
+      const int rr = ttid % RB, n = ttid / RB;
+      const bf16_t hv = gu_swiglu<N, GUW>(wsm, rr, n);
+      if (shared) {
+        h[(size_t)(NK + n) * I + row0 + rr] = hv;
+      } else {
+        // every pair of token n with this expert (the down items read the first)
+#pragma unroll
+        for (int jj = 0; jj < TOPK; ++jj)
+          if (rinds[n * TOPK + jj] == e) h[(size_t)(n * TOPK + jj) * I + row0 + rr] = hv;
+      }
+    }
+    __syncthreads();
+  };
+  // Shared items phase A runs (the first a_done; the rest open phase B's list).
+  const int a_slots = (int)gridDim.x > RBLK ? ((int)gridDim.x - RBLK) * TGU : 0;
+  const int a_done = a_slots < NSH ? a_slots : NSH;
+
+  // ---- A: xn = rms_norm(x); logits = xn @ W_router.T, or shared items -----------------
+  if ((int)blockIdx.x < RBLK) {
+    const int rteam = warp / KWR, wt = warp - rteam * KWR;
+    const int tile = (int)blockIdx.x * TR + rteam;
     QgA<CfgR> A;
     QgSB<CfgR> sb;
-    if (team < TR && tile < TILES_R)  // weight loads first, as quantized_gemv.cu
+    if (rteam < TR && tile < TILES_R)  // weight loads first, as quantized_gemv.cu
       qg_load<CfgR>(A, sb, wr, sr, br, tile * 16, E, wt * CfgR::BPW, lane >> 2, lane & 3);
     qg_stage_norm<N, D, KWR, NT>(xn, ssq, x, norm_w, eps);
     qg_tiles<CfgR, KWR, TR, TILES_R, false>(A, sb, xn, wr, sr, br, logits, nullptr, E, red);
+  } else {
+    qg_stage_norm<N, D, KWR, NT>(xn, ssq, x, norm_w, eps);  // ends with a __syncthreads: xn staged
+    // shared item q (none past NSH): the shared expert's tile q, or the shared gate (q == RBS)
+    const int q = ((int)blockIdx.x - RBLK) * TGU + team;
+    gu_item(q < NSH, q == RBS, true, -1, (q % RBS) * RB);
   }
   clk.mark(1);
 
@@ -211,7 +294,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
   grid_wait(ctr, base + BARW);
   clk.mark(2);
 
-  // ---- B: routing (every block), gate + up + SwiGLU items, the shared gate -------------
+  // ---- B: routing (every block), the shared items left, the routed items --------------
   if (warp < N) {
     int ri;
     float rs;
@@ -230,71 +313,21 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
   const unsigned same = __match_any_sync(0xffffffffu, my_e);
   const unsigned items = __ballot_sync(0xffffffffu, lane < NK && __ffs(same) - 1 == lane);
   {
-    constexpr int RBS = I / RB;  // tiles per expert
-    const int n_items = RBS * (__popc(items) + 1) + 1;
-    const int team = warp / GUW, gwarp = warp - team * GUW, ttid = tid - team * GUW * 32;
-    uint4 (*wsm)[8][32] = reinterpret_cast<uint4 (*)[8][32]>(dsm) + team * GUW;
-    gdn_u16 (*sbs)[2][2][RB][4] = reinterpret_cast<gdn_u16 (*)[2][2][RB][4]>(dsm + GU_OFF_SB) + team * GUW;
-    gdn_u16 (*xs)[N][GU_KC] = reinterpret_cast<gdn_u16 (*)[N][GU_KC]>(dsm + GU_OFF_X) + team * GUW;
+    const int left = NSH - a_done;  // shared items a_done.. first
+    const int n_items = left + RBS * __popc(items);
     const int stride = (int)gridDim.x * TGU;
     const int rounds = (n_items + stride - 1) / stride;
     for (int r = 0; r < rounds; ++r) {
       const int j = (int)blockIdx.x * TGU + team + r * stride;
-      const bool act = j < n_items;
-      const bool gate = j == n_items - 1;
-      const bool shared = j < RBS;
-      int e = -1, row0 = 0;
-      if (act && !gate) {
-        const int q = shared ? j : j - RBS;
-        row0 = (q % RBS) * RB;
-        if (!shared) {
-          unsigned m = items;
-          for (int s = q / RBS; s > 0; --s) m &= m - 1u;
-          e = rinds[__ffs(m) - 1];
-        }
+      const bool act = j < n_items, shared = j < left;
+      const int q = shared ? a_done + j : j - left;  // shared item q, or routed item q
+      int e = -1;
+      if (act && !shared) {
+        unsigned m = items;
+        for (int s = q / RBS; s > 0; --s) m &= m - 1u;
+        e = rinds[__ffs(m) - 1];
       }
-      if (act && gate) {
-        sgate_dots<N, D, GUW * 32, MBD_SGB>(wsm, reinterpret_cast<const bf16_t*>(&xn[0][0]), gw, gs, gb, ttid, lane, gwarp);
-      } else if (act) {
-        const unsigned* W0 = shared ? xwg : wg + (size_t)e * I * (D / 8);
-        const unsigned* W1 = shared ? xwu : wu + (size_t)e * I * (D / 8);
-        const bf16_t* S0 = shared ? xsg : sg + (size_t)e * I * (D / 64);
-        const bf16_t* S1 = shared ? xsu : su + (size_t)e * I * (D / 64);
-        const bf16_t* B0 = shared ? xbg : bg + (size_t)e * I * (D / 64);
-        const bf16_t* B1 = shared ? xbu : bu + (size_t)e * I * (D / 64);
-        float acc[2][4];
-#pragma unroll
-        for (int m = 0; m < 2; ++m)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) acc[m][c] = 0.0f;
-        gu_dots<N, GUW, D>(acc, wsm, sbs, xs,
-                           [&](int n, int kb, int l) { return *reinterpret_cast<const uint4*>(&xn[n][kb + 8 * l]); },
-                           W0, W1, S0, S1, B0, B1, row0, gwarp, lane, g, t);
-        // c0, c1: row g, tokens 2t, 2t+1; c2, c3: row g + 8.
-#pragma unroll
-        for (int m = 0; m < 2; ++m)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) {
-            const int tok = 2 * t + (c & 1);
-            if (tok < N) gu_red<N>(wsm, gwarp)[m][g + 8 * (c >> 1)][tok] = acc[m][c];
-          }
-      }
-      __syncthreads();
-      if (act && gate) {
-        if (ttid < N) sgate[ttid] = sgate_final<N, GUW>(wsm, ttid);
-      } else if (act && ttid < RB * N) {
-        const int rr = ttid % RB, n = ttid / RB;
-        const bf16_t hv = gu_swiglu<N, GUW>(wsm, rr, n);
-        if (shared) {
-          h[(size_t)(NK + n) * I + row0 + rr] = hv;
-        } else {
-          // every pair of token n with this expert (the down items read the first)
-#pragma unroll
-          for (int jj = 0; jj < TOPK; ++jj)
-            if (rinds[n * TOPK + jj] == e) h[(size_t)(n * TOPK + jj) * I + row0 + rr] = hv;
-        }
-      }
-      __syncthreads();
+      gu_item(act, shared && q == RBS, shared, e, (q % RBS) * RB);
     }
   }
 

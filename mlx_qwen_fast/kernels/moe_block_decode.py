@@ -20,11 +20,15 @@ The kernel is persistent: ``min(SM count, work)`` blocks of 512 threads
 whose arrival counter is a variable of the kernel's module (zero when it
 loads, never reset), so no output needs filling before a launch; the
 logits, the experts' SwiGLU rows and the shared gate pass between phases
-through a scratch output. Every block routes the tokens itself from the
-logits. One block fills an SM, so two launches of this kernel must not run
-at once (MLX orders them when one reads the other's outputs, as consecutive
-layers do); a grid that cannot be resident traps (a CUDA error) rather than
-hang. Source: ``mlx_qwen_fast/cuda/moe_block_decode.cu``.
+through a scratch output. The shared expert's gate+up work (independent of
+the routing) runs beside the router, on the blocks the router leaves idle;
+every block then routes the tokens itself from the logits, and the selected
+experts' gate+up work follows (at Qwen3.6-35B-A3B's shapes and one token: 256
+items, one round of 128 blocks' two teams). One block fills an SM, so two
+launches of this kernel must not run at once (MLX orders them when one reads
+the other's outputs, as consecutive layers do); a grid that cannot be
+resident traps (a CUDA error) rather than hang. Source:
+``mlx_qwen_fast/cuda/moe_block_decode.cu``.
 """
 
 from __future__ import annotations
@@ -73,14 +77,17 @@ def router_warps(D: int, bits: int) -> int:
 
 
 def grid_blocks(n: int, k: int, E: int, D: int, I: int, router_bits: int, sm_count: int) -> int:
-    """Blocks of the launch: the most that any phase can use (router tiles
-    per block's teams; gate+up items -- (distinct experts + shared) x I/16
-    tiles + the shared gate -- over two teams per block; down tiles D/16),
-    at most ``sm_count`` (every block resident) and the barrier weight."""
+    """Blocks of the launch: the most that any phase can use (phase A: the
+    blocks holding router tiles -- E/16 tiles over each block's teams --
+    then the shared expert's I/16 gate+up tiles and its gate over two teams
+    per block; phase B: the routed gate+up items, distinct experts x I/16
+    tiles, over two teams per block; phase C: down tiles D/16), at most
+    ``sm_count`` (every block resident) and the barrier weight."""
     tiles_r = -(-E // 16)
-    teams_r = 16 // router_warps(D, router_bits)
-    items = (I // 16) * (min(n * k, E) + 1) + 1
-    work = max(-(-tiles_r // teams_r), -(-items // 2), D // 16)
+    router_blocks = -(-tiles_r // (16 // router_warps(D, router_bits)))
+    shared_items = I // 16 + 1
+    routed_items = (I // 16) * min(n * k, E)
+    work = max(router_blocks + -(-shared_items // 2), -(-routed_items // 2), D // 16)
     return max(1, min(work, sm_count, _MAX_BLOCKS))
 
 
@@ -182,9 +189,11 @@ def _kernel(n, k, E, D, I, sgb, rbits, rgs, norm_dtype, phase_clock=False) -> cb
 
 
 #: Phase marks of the diagnostic build (``_moe_block_decode(..., phase_clock=True)``),
-#: in order: cycles from the block's start to the router's end (A), the
-#: first grid barrier's end, the routing's end, the gate+up items' end (B),
-#: the second barrier's end, the down phase's end (C).
+#: in order: cycles from the block's start to phase A's end (the block's
+#: router tiles, or its shared-expert gate+up item), the first grid
+#: barrier's end, the routing's end, phase B's end (the routed experts'
+#: gate+up items, and the shared items phase A had no block for), the
+#: second barrier's end, the down phase's end (C).
 PHASE_MARKS = ("start", "A done", "barrier 1", "routed", "B done", "barrier 2", "end")
 _PC_SLOTS = 8  # phase_clock.cuh
 

@@ -104,10 +104,14 @@ def _check_equal(n, k, E, D, I, gate_bits=8, rbits=8, seed=0, steps=2, normalize
 def test_grid_blocks_and_sizes():
     """One block per SM at most, no more than any phase can use; the
     scratch and shared-memory sizes of the source's layout."""
-    assert mb.grid_blocks(1, 8, 256, 2048, 512, 8, 132) == 132  # 145 gate+up item pairs, 128 down tiles
+    # 8 router blocks + 17 for the 33 shared items (phase A); 256 routed items over two teams, 128 down tiles
+    assert mb.grid_blocks(1, 8, 256, 2048, 512, 8, 132) == 128
+    assert mb.grid_blocks(1, 8, 256, 2048, 512, 4, 132) == 128  # 4 router blocks of 4 teams
+    assert mb.grid_blocks(2, 8, 256, 2048, 512, 8, 132) == 132  # 512 routed items
     assert mb.grid_blocks(4, 8, 256, 2048, 512, 8, 80) == 80
-    assert mb.grid_blocks(2, 4, 32, 256, 128, 8, 132) == 37  # ((4*2 + 1) * 8 + 1) / 2 items
-    assert mb.grid_blocks(1, 1, 32, 256, 128, 8, 132) == 16  # (2 * 8 + 1) / 2 = 9 item pairs < 16 down tiles
+    assert mb.grid_blocks(2, 4, 32, 256, 128, 8, 132) == 32  # 8 tiles x 8 distinct experts / 2 teams
+    assert mb.grid_blocks(1, 1, 32, 256, 128, 8, 132) == 16  # 1 + 9 / 2 blocks in A, 8 / 2 in B < 16 down tiles
+    assert mb.grid_blocks(1, 2, 64, 2048, 128, 8, 132) == 128  # D / 16 down tiles
     assert mb.grid_blocks(1, 8, 256, 2048, 512, 8, 3) == 3
     assert mb.scratch_words(1, 8, 256, 512) == (512 + 9 * 1024 + 16) // 4
     assert mb.smem_bytes(1, 8, 512) == 2 * (36864 + 4096)
@@ -209,15 +213,27 @@ def test_equals_three_kernels(n, k, E, D, I, gate_bits, rbits):
 
 @pytest.mark.cuda
 @pytest.mark.usefixtures("poison")
-@pytest.mark.parametrize("n,k", [pytest.param(2, 4, marks=CPU), pytest.param(4, 8, marks=CPU)])
-def test_few_blocks(monkeypatch, n, k):
-    """A grid of 3 blocks (as on a GPU of 3 SMs): each team several gate+up
-    items, each block several down tiles and router tiles, at 4 rows x top-8
+@pytest.mark.parametrize("n,k,E,D,sms", [
+    pytest.param(2, 4, 32, 256, 3, marks=CPU),
+    pytest.param(4, 8, 32, 256, 3, marks=CPU),
+    pytest.param(1, 4, 32, 256, 1, marks=CPU),
+    pytest.param(1, 2, 64, 2048, 3, marks=CPU),
+    pytest.param(2, 2, 64, 2048, 1, marks=CPU),
+])
+def test_few_blocks(monkeypatch, n, k, E, D, sms):
+    """Grids of 1 to 3 blocks (as on a GPU of that many SMs): each team
+    several gate+up items, each block several down tiles, at 4 rows x top-8
     (N*k = 32: every lane of the routing a slot, several items per warp in
-    the down phase); the same bits."""
-    monkeypatch.setattr(cb, "sm_count", lambda: 3)
-    assert mb.grid_blocks(n, k, 32, 256, 128, 8, cb.sm_count()) == 3
-    _check_equal(n, k, 32, 256, 128, seed=40 + n, steps=1)
+    the down phase); the shared expert's items where phase A has too few
+    blocks for them: 3 blocks at E = 32 (block 0 the router's tiles, blocks
+    1-2 four of the nine shared items, five left to phase B), one block (the
+    router, then every shared item in phase B), D = 2048 with E = 64 (the
+    router's two 8-warp teams per block as at the model's shapes: blocks 0-1
+    the router, block 2 two shared items; one block: the router's tiles in
+    two rounds); the same bits."""
+    monkeypatch.setattr(cb, "sm_count", lambda: sms)
+    assert mb.grid_blocks(n, k, E, D, 128, 8, cb.sm_count()) == sms
+    _check_equal(n, k, E, D, 128, seed=40 + n, steps=1)
 
 
 @pytest.mark.cuda
