@@ -21,13 +21,14 @@
 //      warps per tile as quantized_gemv.cu's blocks (tiles over the grid's
 //      teams, the next tile's weights loaded while the last one is summed);
 //      in fp32, one warp per row on the CUDA cores. proj -> scratch.
-//      The first GDN item's state rows are loaded before the barrier.
+//      The first GDN item's state rows are loaded while the grid meets.
 //   --- barrier 1 ---
 //   B  items (b, h), bh = blockIdx.x + k * G: the GDN step (conv, norms,
 //      gates, recurrence, gated RMSNorm) of gated_delta_decode.cu's block,
 //      proj read through L2 (ld.global.cg); y -> scratch, conv state and
 //      state to their outputs. The first out_proj tile's weights are loaded
-//      before the barrier.
+//      while the grid meets (after this block's arrival: the arrival's
+//      release would wait for loads in flight).
 //   --- barrier 2 ---
 //   C  out_proj tiles (teams of KWC warps, or a warp per row in fp32), y
 //      read through L2, the residual x added, out stored.
@@ -292,13 +293,14 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
   }
 
   clk.mark(1);
-  // the first item's state rows: loaded while the grid meets
-  float S[E];
-  if ((int)blockIdx.x < M * HV) gdn_step_state_loads(state_in, blockIdx.x, S);
   // The launch's base: the counter rounded down to a multiple of NBAR * BARW.
   unsigned long long base = 0;
   if (tid == 0) base = grid_launch_base<NBAR, BARW>(v0);
   grid_arrive<BARW>(ctr);
+  // the first item's state rows: loaded while the grid meets (after the arrival, whose release
+  // would otherwise wait for thread 0's loads in flight)
+  float S[E];
+  if ((int)blockIdx.x < M * HV) gdn_step_state_loads(state_in, blockIdx.x, S);
   grid_wait(ctr, base + BARW);
   clk.mark(2);
 
@@ -317,9 +319,9 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
     const int tile = (int)blockIdx.x * TC + team;
     QgA<CfgC> A;
     QgSB<CfgC> sb;
-    if (team < TC && tile < TILES_C)  // loaded while the grid meets
-      qg_load<CfgC>(A, sb, w_out, s_out, b_out, tile * 16, HID, wt * CfgC::BPW, lane >> 2, lane & 3);
     grid_arrive<BARW>(ctr);
+    if (team < TC && tile < TILES_C)  // loaded while the grid meets (after the arrival, as above)
+      qg_load<CfgC>(A, sb, w_out, s_out, b_out, tile * 16, HID, wt * CfgC::BPW, lane >> 2, lane & 3);
     grid_wait(ctr, base + 2 * BARW);
     clk.mark(4);
     gdn_u16 (*xs)[KO] = reinterpret_cast<gdn_u16 (*)[KO]>(sm.stage);

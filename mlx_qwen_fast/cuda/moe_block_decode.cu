@@ -44,8 +44,8 @@
 //      selected expert (the slots whose expert no lower slot lists: one tile
 //      serves every token that picked it) -- go to the two teams per block
 //      (item blockIdx.x * 2 + team + r * 2G in round r). h rows (sgate) ->
-//      scratch. The block's first down item's weights are loaded before the
-//      barrier.
+//      scratch. The block's first down item's weights are loaded while the
+//      grid meets (after the block's arrival).
 //   --- barrier 2 ---
 //   C  h [N*k + N, I] staged from scratch (L2) in shared memory; down tiles
 //      rb = blockIdx.x + r * G of D / 16: warp w takes the item slots w, w +
@@ -346,14 +346,15 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     down_load<NU>(R, Wm, Sm, Bm, row0, g, t);
   };
   clk.mark(4);
-  // the first tile's first item: loaded while the grid meets
+  // the first tile's first item: loaded while the grid meets (after this block's arrival, whose
+  // release would otherwise wait for thread 0's loads in flight)
   DownRegs<NU> R;
   int e0 = SKIP;
+  grid_arrive<BARW>(ctr);
   if ((int)blockIdx.x < TILES_D && warp < NK + 1) {
     e0 = item_expert(warp);
     load_item(R, e0, (int)blockIdx.x * RB);
   }
-  grid_arrive<BARW>(ctr);
   grid_wait(ctr, base + 2 * BARW);
   clk.mark(5);
 

@@ -118,17 +118,6 @@ def test_grid_blocks_and_sizes():
     assert mb.smem_bytes(4, 8, 512) == 2 * (36864 + 4 * 4096)
 
 
-@pytest.fixture
-def no_launch(monkeypatch):
-    """Any kernel launch fails loudly: a check that lets bad input through is seen."""
-    def launch(self, *args, **kwargs):
-        raise AssertionError(f"launched {self.base_name}")
-
-    monkeypatch.setattr(cb.CudaKernel, "__call__", launch)
-    monkeypatch.setattr(cb.CudaKernel, "image", property(lambda self: b""))
-    monkeypatch.setattr(cb, "sm_count", lambda: 132)
-
-
 def test_bad_input_names_the_argument(no_launch):
     """Every argument outside the contract: a ValueError naming it, before
     any launch; the valid call reaches the launch."""
