@@ -239,14 +239,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
       gu_dots<N, GUW, D>(acc, wsm, sbs, xs,
                          [&](int n, int kb, int l) { return *reinterpret_cast<const uint4*>(&xn[n][kb + 8 * l]); },
                          W0, W1, S0, S1, B0, B1, row0, gwarp, lane, g, t);
-      // c0, c1: row g, tokens 2t, 2t+1; c2, c3: row g + 8.
-#pragma unroll
-      for (int m = 0; m < 2; ++m)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const int tok = 2 * t + (c & 1);
-          if (tok < N) gu_red<N>(wsm, gwarp)[m][g + 8 * (c >> 1)][tok] = acc[m][c];
-        }
+      gu_red_store<N>(wsm, gwarp, acc, g, t);
     }
     __syncthreads();
     if (act && gate) {

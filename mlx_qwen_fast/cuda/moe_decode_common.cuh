@@ -173,6 +173,19 @@ __device__ __forceinline__ float (*gu_red(uint4 (*wsm)[8][32], int w))[GU_RB][N]
   return reinterpret_cast<float (*)[GU_RB][N]>(&wsm[w][0][0]);
 }
 
+// Warp w's gate+up accumulators acc[m] (c0, c1: row g, tokens 2t, 2t+1; c2,
+// c3: row g + 8) into its gu_red slice, the tokens < N.
+template <int N>
+__device__ __forceinline__ void gu_red_store(uint4 (*wsm)[8][32], int w, const float (&acc)[2][4], int g, int t) {
+#pragma unroll
+  for (int m = 0; m < 2; ++m)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int tok = 2 * t + (c & 1);
+      if (tok < N) gu_red<N>(wsm, w)[m][g + 8 * (c >> 1)][tok] = acc[m][c];
+    }
+}
+
 // The warp's chunks into acc[m] (m = 0 gate, 1 up; c0..c3 of the m16n8 C
 // fragment): weights, scales and biases through cp.async in four commit
 // groups, waited for in the order they are used. moe_decode_gemv.cu's

@@ -342,14 +342,7 @@ extern "C" __global__ void __launch_bounds__(NT, 3) KNAME(
   }
 
   // ---- reduce the warps' partial sums, SwiGLU, store -----------------------
-  // c0, c1: row g, tokens 2t, 2t+1; c2, c3: row g + 8.
-#pragma unroll
-  for (int m = 0; m < 2; ++m)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const int tok = 2 * t + (c & 1);
-      if (tok < N) gu_red<N>(wsm, warp)[m][g + 8 * (c >> 1)][tok] = acc[m][c];
-    }
+  gu_red_store<N>(wsm, warp, acc, g, t);
   __syncthreads();
   if (tid < RB * N) {
     const int r = tid % RB, n = tid / RB;
