@@ -151,13 +151,13 @@ def jsonable(value: Any) -> Any:
 
 
 def kernel_image() -> Optional[str]:
-    """How the package's CUDA kernels are launched here (``_cuda_build.fatbin_id``:
+    """How the package's CUDA kernels are launched here (``_cuda_fatbin.fatbin_id``:
     compressed fatbin or plain cubin); None off the CUDA backend."""
     if backend_name() != "cuda":
         return None
-    from mlx_qwen_fast.kernels import _cuda_build
+    from mlx_qwen_fast.kernels import _cuda_fatbin
 
-    return _cuda_build.fatbin_id()
+    return _cuda_fatbin.fatbin_id()
 
 
 def result_header(kind: str, args: Optional[argparse.Namespace] = None, **extra) -> Dict:

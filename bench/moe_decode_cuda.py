@@ -79,7 +79,7 @@ _BUILD_SNIPPET = r"""
 import json, time
 t0 = time.perf_counter()
 import mlx.core as mx
-from mlx_qwen_fast.kernels import _cuda_build as cb
+from mlx_qwen_fast.kernels import _cuda_toolchain
 from mlx_qwen_fast.kernels import moe_decode_gemv as md
 t1 = time.perf_counter()
 res, names = {}, {}
@@ -89,7 +89,8 @@ for n in (1, 2, 3, 4):
         t = time.perf_counter(); cub = k.cubin; res[f"{stage}_n{n}"] = time.perf_counter() - t
         names[f"{stage}_n{n}"] = k.name
         open(f"{OUTDIR}/{stage}_n{n}.cubin", "wb").write(cub)
-print("BUILDJSON" + json.dumps(dict(import_s=t1 - t0, build_s=res, names=names, compiler=cb.compiler_id())))
+print("BUILDJSON" + json.dumps(dict(import_s=t1 - t0, build_s=res, names=names,
+                                    compiler=_cuda_toolchain.compiler_id())))
 """
 
 

@@ -39,6 +39,7 @@ import mlx.core as mx  # noqa: E402
 
 from bench.device_script import build_eval_times  # noqa: E402
 from mlx_qwen_fast.kernels import _cuda_build as cb  # noqa: E402
+from mlx_qwen_fast.kernels import _cuda_fatbin, _cuda_toolchain  # noqa: E402
 
 
 def _source(ni: int, no: int, pad: int) -> str:
@@ -53,7 +54,7 @@ def _source(ni: int, no: int, pad: int) -> str:
 
 def _build(ni: int, no: int, pad: int):
     name = f"mqf_nodecost_{ni}_{no}_{pad}"
-    nv = cb._get_nvrtc()
+    nv = _cuda_toolchain.get_nvrtc()
     cubin = nv.compile(_source(ni, no, pad), name, {}, [f"--gpu-architecture={cb._arch_option()}",
                                                           f"-DKNAME={name}", "-std=c++17"])
     return name, cubin
@@ -69,7 +70,7 @@ def synthetic_rows(n: int):
         name, cubin = _build(ni, no, pad)
         shapes, dtypes = [(32,)] * no, [mx.float32] * no
         images = [("cubin", cubin)]
-        nf = cb._get_nvfatbin()
+        nf = _cuda_fatbin.get_nvfatbin()
         if pad and nf is not None:
             images.append(("fatbin", nf.compress(cubin, cb._arch_option())))
         for kind, image in images:
@@ -144,7 +145,7 @@ def gdn_rows(n: int):
         return comp(proj, params, cs, st)
 
     rows = []
-    print(f"gdn decode cubin: {len(cubin)} bytes, launched image ({cb.fatbin_id()}): {len(image)} bytes",
+    print(f"gdn decode cubin: {len(cubin)} bytes, launched image ({_cuda_fatbin.fatbin_id()}): {len(image)} bytes",
           flush=True)
     for form, f in (("bare launch, cubin", bare), ("bare launch, image", bare_image),
                     ("package wrapper, eager", wrapped), ("package wrapper, mx.compile", compiled)):

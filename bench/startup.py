@@ -37,6 +37,7 @@ from mlx_lm.models.cache import make_prompt_cache
 import mlx_qwen_fast
 from mlx_qwen_fast.checkpoint import build_model
 from mlx_qwen_fast.kernels import _cuda_build as cb
+from mlx_qwen_fast.kernels import _cuda_fatbin, _cuda_toolchain
 t1 = time.perf_counter()
 model, _ = build_model({preset!r}, seed={seed}, router_skew={skew})
 mx.eval(model.parameters())
@@ -70,7 +71,8 @@ print("BUILDJSON" + json.dumps(dict(
     first_decode_s=d1, second_decode_s=d2, patch=str(report),
     kernels_compiled=sum(1 for v in st.values() if v.get("source") == "compiled"),
     kernels_cached=sum(1 for v in st.values() if v.get("source") == "cache"),
-    build_s={{k: v.get("seconds") for k, v in st.items()}}, compiler=cb.compiler_id(), image=cb.fatbin_id(),
+    build_s={{k: v.get("seconds") for k, v in st.items()}}, compiler=_cuda_toolchain.compiler_id(),
+    image=_cuda_fatbin.fatbin_id(),
     image_bytes={{k: [v.get("cubin_bytes"), v.get("image_bytes"), v.get("fatbin_seconds")] for k, v in st.items()}})))
 """
 

@@ -84,6 +84,7 @@ from array_bytes import NP, from_bytes, to_bytes
 
 from mlx_qwen_fast import backend
 from mlx_qwen_fast.kernels import _cuda_build as cb
+from mlx_qwen_fast.kernels import _cuda_toolchain
 
 HERE = Path(__file__).resolve().parent
 SHIM = HERE / "cuda_shim.h"
@@ -420,7 +421,7 @@ def nvrtc_compile(kernel) -> bool:
     NVRTC rejects some source nvcc accepts (a function without an execution
     space is a host function, and JIT mode has none). Raises CudaCheckError
     with NVRTC's log."""
-    if cb._get_nvrtc() is None:
+    if _cuda_toolchain.get_nvrtc() is None:
         return False
     if kernel.name in _nvrtc_done:
         return True

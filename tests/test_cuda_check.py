@@ -135,8 +135,9 @@ def test_nvrtc_builds_what_the_check_launches(sim, tmp_path, monkeypatch):
     execution space, which nvcc takes and NVRTC's JIT mode calls a host
     function -- fails with NVRTC's message."""
     from mlx_qwen_fast.kernels import _cuda_build as cb
+    from mlx_qwen_fast.kernels import _cuda_toolchain
 
-    if cb._get_nvrtc() is None:
+    if _cuda_toolchain.get_nvrtc() is None:
         pytest.skip("no libnvrtc (the test extra's nvidia-cuda-nvrtc) installed")
     monkeypatch.setattr(cuda_check, "_nvrtc_done", set())
     y = _rms_norm(3)

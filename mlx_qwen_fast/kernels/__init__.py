@@ -4,8 +4,10 @@ Each module holds one kernel: a docstring saying what it fuses, a thin
 typed wrapper and, for the CUDA ones, ``supports()`` (whether a call can
 use it; never compiles). The CUDA sources live in
 ``mlx_qwen_fast/cuda/*.cu``; ``_cuda_build`` compiles them once per machine
-(NVRTC, disk cache of cubins) and launches them with
-``mx.fast.precompiled_cuda_kernel``. The Metal sources live in
+(NVRTC through ``_cuda_toolchain``, disk cache of cubins) and launches them
+with ``mx.fast.precompiled_cuda_kernel`` (a compressed fatbin where
+``_cuda_fatbin`` can make one). ``_checks`` holds the wrappers' argument
+checks. The Metal sources live in
 ``mlx_qwen_fast/metal/`` and run through ``mx.fast.metal_kernel``.
 
 Importing this package needs only MLX; nothing is compiled until a kernel is

@@ -31,6 +31,7 @@ from typing import Dict, Tuple
 
 import mlx.core as mx
 
+from . import _checks
 from . import _cuda_build as cb
 from ._cache_rows import write_rows
 
@@ -77,7 +78,7 @@ def supports(proj, keys, values, *, num_heads: int, num_kv_heads: int, head_dim:
     checks only (nothing is evaluated)."""
     if not cb.cuda_available() or head_dim != DH:
         return False
-    if not all(cb.is_array(a) for a in (proj, keys, values)):
+    if not all(_checks.is_array(a) for a in (proj, keys, values)):
         return False
     if num_kv_heads <= 0 or num_heads % num_kv_heads or num_heads // num_kv_heads > 16:
         return False
@@ -107,8 +108,8 @@ def check_step(fn: str, proj, keys, values, offset, q_norm_weight, k_norm_weight
     threadgroups take fewer query heads per KV head: ``max_group``).
     Returns ``(q_eps, k_eps)`` as floats; raises ValueError naming the
     argument, ``fn: `` first."""
-    cb.check_arrays(fn, _ARRAYS, proj, keys, values, offset, q_norm_weight, k_norm_weight)
-    eps = (cb.check_eps(fn, "q_eps", q_eps), cb.check_eps(fn, "k_eps", k_eps))
+    _checks.check_arrays(fn, _ARRAYS, proj, keys, values, offset, q_norm_weight, k_norm_weight)
+    eps = (_checks.check_eps(fn, "q_eps", q_eps), _checks.check_eps(fn, "k_eps", k_eps))
     if not (isinstance(hkv, int) and isinstance(hq, int) and hkv > 0 and hq % hkv == 0
             and hq // hkv <= max_group):
         raise ValueError(f"{fn}: num_heads ({hq!r}) must be a multiple of num_kv_heads ({hkv!r}), "

@@ -51,7 +51,7 @@ from typing import Dict, Tuple
 
 import mlx.core as mx
 
-from . import _cuda_build as cb
+from . import _checks
 from . import attention_decode as _cuda_contract
 from ._cache_rows import write_rows
 
@@ -124,7 +124,7 @@ def supports(proj, keys, values, *, num_heads: int, num_kv_heads: int, head_dim:
     float dtype. Shape checks only (nothing is evaluated)."""
     if not mx.metal.is_available() or head_dim != DH:
         return False
-    if not all(cb.is_array(a) for a in (proj, keys, values)):
+    if not all(_checks.is_array(a) for a in (proj, keys, values)):
         return False
     if not (isinstance(num_heads, int) and isinstance(num_kv_heads, int)) or num_kv_heads <= 0 or (
             num_heads % num_kv_heads or not 0 < num_heads // num_kv_heads <= MAX_GROUP):

@@ -20,6 +20,7 @@ from typing import Dict
 
 import mlx.core as mx
 
+from . import _checks
 from . import _cuda_build as cb
 
 __all__ = ["BLOCK_M", "attention_prefill", "smem_bytes", "supports"]
@@ -44,11 +45,11 @@ def _shape_problem(queries, keys, values, offset) -> "str | None":
     """None when the arrays fit the kernel's contract (see
     :func:`attention_prefill`), else what does not (naming the argument)."""
     if queries.ndim != 4 or queries.shape[3] != DH or queries.dtype not in _DTYPES:
-        return f"queries must be bf16 or f16 of shape [B, Hq, T, {DH}], got {cb.describe(queries)}"
+        return f"queries must be bf16 or f16 of shape [B, Hq, T, {DH}], got {_checks.describe(queries)}"
     B, hq, T = queries.shape[:3]
     for name, t in (("keys", keys), ("values", values)):
         if t.ndim != 4 or t.shape[0] != B or t.shape[3] != DH or t.dtype != queries.dtype:
-            return (f"{name} must be {queries.dtype} of shape [{B}, Hkv, L, {DH}], got {cb.describe(t)}")
+            return (f"{name} must be {queries.dtype} of shape [{B}, Hkv, L, {DH}], got {_checks.describe(t)}")
     if tuple(values.shape) != tuple(keys.shape):
         return f"values must have the shape of keys {tuple(keys.shape)}, got {tuple(values.shape)}"
     hkv, L = keys.shape[1], keys.shape[2]
@@ -65,7 +66,7 @@ def supports(queries, keys, values, *, offset=None) -> bool:
     L, 256] of the same dtype with Hq a multiple of Hkv, and ``offset``
     (default ``L - T``) an int with ``offset + T <= L``. Shape checks only
     (nothing is evaluated)."""
-    if not cb.cuda_available() or not all(cb.is_array(a) for a in (queries, keys, values)):
+    if not cb.cuda_available() or not all(_checks.is_array(a) for a in (queries, keys, values)):
         return False
     if offset is None and queries.ndim == 4 and keys.ndim == 4:
         offset = keys.shape[2] - queries.shape[2]
@@ -115,7 +116,7 @@ def attention_prefill(queries: mx.array, keys: mx.array, values: mx.array, *, sc
       RuntimeError: no CUDA compiler could build the kernel.
     """
     fn = "attention_prefill"
-    cb.check_arrays(fn, _ARRAYS, queries, keys, values)
+    _checks.check_arrays(fn, _ARRAYS, queries, keys, values)
     problem = _shape_problem(queries, keys, values, offset)
     if problem is not None:
         raise ValueError(f"{fn}: {problem}")

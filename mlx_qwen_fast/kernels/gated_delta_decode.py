@@ -19,6 +19,7 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
+from . import _checks
 from . import _cuda_build as cb
 
 __all__ = ["check_step", "decode_params", "gated_delta_decode", "packed_width", "params_width", "supports"]
@@ -53,7 +54,7 @@ def supports(
     """
     if not cb.cuda_available() or mask is not None:
         return False
-    if not (cb.is_array(qkv) and cb.is_array(state, optional=True)):
+    if not (_checks.is_array(qkv) and _checks.is_array(state, optional=True)):
         return False
     if head_k_dim != D or head_v_dim != D or num_k_heads <= 0 or num_v_heads % num_k_heads:
         return False
@@ -118,7 +119,7 @@ def decode_params(conv_weight: mx.array, A_log: mx.array, dt_bias: mx.array, nor
       ValueError: an argument that is not an mx.array, a non-float array or
         one of another shape (names it).
     """
-    cb.check_arrays("decode_params", _PARAM_ARRAYS, conv_weight, A_log, dt_bias, norm_weight)
+    _checks.check_arrays("decode_params", _PARAM_ARRAYS, conv_weight, A_log, dt_bias, norm_weight)
     for (name, _, _), t in zip(_PARAM_ARRAYS, (conv_weight, A_log, dt_bias, norm_weight)):
         if t.dtype not in _FLOAT:
             raise ValueError(f"{name} must be a float array, got {t.dtype}")
@@ -143,8 +144,8 @@ def check_step(fn: str, proj, params, conv_state, state, num_k_heads: int, num_v
     norm_eps))`` with None states replaced by zeros and the conv state cast
     to the activation dtype. Raises ValueError naming the argument.
     """
-    cb.check_arrays(fn, _STEP_ARRAYS, proj, params, conv_state, state)
-    eps = (cb.check_eps(fn, "qk_eps", qk_eps), cb.check_eps(fn, "norm_eps", norm_eps))
+    _checks.check_arrays(fn, _STEP_ARRAYS, proj, params, conv_state, state)
+    eps = (_checks.check_eps(fn, "qk_eps", qk_eps), _checks.check_eps(fn, "norm_eps", norm_eps))
     Hk, Hv = num_k_heads, num_v_heads
     if Hk <= 0 or Hv % Hk:
         raise ValueError(f"num_v_heads ({Hv}) must be a multiple of num_k_heads ({Hk})")

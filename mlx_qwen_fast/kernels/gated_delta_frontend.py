@@ -17,6 +17,7 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
+from . import _checks
 from . import _cuda_build as cb
 
 __all__ = ["gated_delta_frontend", "supports", "prepare", "defines"]
@@ -71,7 +72,7 @@ def supports(
     """
     if not cb.cuda_available() or mask is not None:
         return False
-    if not (cb.is_array(qkv) and cb.is_array(conv_weight) and cb.is_array(conv_state, optional=True)):
+    if not (_checks.is_array(qkv) and _checks.is_array(conv_weight) and _checks.is_array(conv_state, optional=True)):
         return False
     if head_k_dim != D or head_v_dim != D or num_k_heads <= 0:
         return False
@@ -128,7 +129,7 @@ def gated_delta_frontend(
       RuntimeError: no CUDA compiler could build the kernel.
     """
     Hk, Hv = num_k_heads, num_v_heads
-    eps = cb.check_eps("gated_delta_frontend", "eps", eps)
+    eps = _checks.check_eps("gated_delta_frontend", "eps", eps)
     B, T, C, a, b, conv_state = prepare(qkv, a, b, conv_weight, conv_state, A_log, dt_bias, Hk, Hv)
     f32 = mx.float32
     if B == 0 or T == 0:  # nothing to compute: a launch of an empty grid is an error
@@ -158,7 +159,7 @@ def prepare(qkv, a, b, conv_weight, conv_state, A_log, dt_bias, Hk: int, Hv: int
       ValueError: an argument that is not an mx.array, a shape or dtype
         outside the contract (names the argument).
     """
-    cb.check_arrays("gated_delta_frontend", _ARRAYS, qkv, a, b, conv_weight, conv_state, A_log, dt_bias)
+    _checks.check_arrays("gated_delta_frontend", _ARRAYS, qkv, a, b, conv_weight, conv_state, A_log, dt_bias)
     if Hk <= 0 or Hv % Hk:
         raise ValueError(f"num_v_heads ({Hv}) must be a multiple of num_k_heads ({Hk})")
     C = (2 * Hk + Hv) * D

@@ -20,6 +20,7 @@ from typing import Dict, Optional, Tuple
 
 import mlx.core as mx
 
+from . import _checks
 from . import _cuda_build as cb
 
 __all__ = ["gated_delta_scan", "supports", "DEFAULT_CONFIG", "ScanConfig"]
@@ -133,7 +134,7 @@ _ARRAYS = (("q", f"[B, T, Hk, {D}] (float)", False), ("k", f"[B, T, Hk, {D}] (fl
 
 def _problem(q, k, v, g, beta, state, mask) -> Optional[str]:
     """None when the arguments fit the kernel, else what does not (one line)."""
-    problem = cb.arrays_problem(_ARRAYS, q, k, v, g, beta, state, mask)
+    problem = _checks.arrays_problem(_ARRAYS, q, k, v, g, beta, state, mask)
     if problem is not None:
         return problem
     if q.ndim != 4 or q.shape[3] != D:

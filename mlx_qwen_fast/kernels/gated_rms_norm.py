@@ -13,6 +13,7 @@ from typing import Dict
 
 import mlx.core as mx
 
+from . import _checks
 from . import _cuda_build as cb
 
 __all__ = ["gated_rms_norm", "supports"]
@@ -25,7 +26,7 @@ _ARRAYS = (("y", f"[..., {D}] (float)", False), ("z", "like y", False), ("weight
 
 def supports(y: mx.array, z: mx.array, weight: mx.array) -> bool:
     """True for y, z of one float dtype and shape [..., 128] and weight [128]."""
-    if not cb.cuda_available() or cb.arrays_problem(_ARRAYS, y, z, weight) is not None:
+    if not cb.cuda_available() or _checks.arrays_problem(_ARRAYS, y, z, weight) is not None:
         return False
     return (
         y.shape == z.shape and y.ndim >= 1 and y.shape[-1] == D
@@ -50,8 +51,8 @@ def gated_rms_norm(y: mx.array, z: mx.array, weight: mx.array, eps: float) -> mx
       ValueError: an argument that is not an mx.array, mismatched
         shapes/dtypes (names the argument), an eps outside (0, 1).
     """
-    cb.check_arrays("gated_rms_norm", _ARRAYS, y, z, weight)
-    eps = cb.check_eps("gated_rms_norm", "eps", eps)
+    _checks.check_arrays("gated_rms_norm", _ARRAYS, y, z, weight)
+    eps = _checks.check_eps("gated_rms_norm", "eps", eps)
     if y.ndim < 1 or y.shape[-1] != D or y.dtype not in _FLOAT:
         raise ValueError(f"y must be a float array of shape [..., {D}], got {y.dtype} {tuple(y.shape)}")
     if z.shape != y.shape or z.dtype != y.dtype:

@@ -35,6 +35,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import mlx.core as mx
 
+from . import _checks
 from . import _cuda_build as cb
 from .gated_delta_decode import D, KW, decode_params, packed_width, params_width
 
@@ -86,7 +87,7 @@ def mixer_params(conv_weight: mx.array, A_log: mx.array, dt_bias: mx.array, norm
         of another shape (names it).
     """
     params = decode_params(conv_weight, A_log, dt_bias, norm_weight)
-    cb.check_arrays("mixer_params", _PARAM_ARRAYS, input_norm_weight)
+    _checks.check_arrays("mixer_params", _PARAM_ARRAYS, input_norm_weight)
     if input_norm_weight.dtype not in (mx.bfloat16, mx.float16, mx.float32) or input_norm_weight.ndim != 1 or \
             input_norm_weight.size == 0:
         raise ValueError(f"input_norm_weight must be a float array of shape [K], got {input_norm_weight.dtype} "
@@ -103,7 +104,7 @@ def _projections(in_proj, out_proj) -> Optional[str]:
     for name, p in (("in_proj", in_proj), ("out_proj", out_proj)):
         if not isinstance(p, (tuple, list)) or len(p) != 3:
             return (f"{name} must be (weight, scales, biases) of an affine {BITS}-bit group-{GROUP_SIZE} "
-                    f"quantised linear layer, got {cb.describe(p)}")
+                    f"quantised linear layer, got {_checks.describe(p)}")
     return None
 
 
@@ -155,7 +156,7 @@ def supports(x, in_proj: Sequence, out_proj: Sequence, state=None, *, num_k_head
     looked at."""
     if not cb.cuda_available() or mode != "affine" or _projections(in_proj, out_proj) is not None:
         return False
-    if not all(cb.is_array(a) for a in (x, *in_proj, *out_proj)) or not cb.is_array(state, optional=True):
+    if not all(_checks.is_array(a) for a in (x, *in_proj, *out_proj)) or not _checks.is_array(state, optional=True):
         return False
     return _problem(x, in_proj, None, None, state, out_proj, num_k_heads, num_v_heads, group_size, bits) is None
 
@@ -264,13 +265,13 @@ def gdn_mixer_decode(
     problem = _projections(in_proj, out_proj)
     if problem is not None:
         raise ValueError(f"{fn}: {problem}")
-    cb.check_arrays(fn, _ARRAYS, x, *in_proj, params, conv_state, state, *out_proj)
+    _checks.check_arrays(fn, _ARRAYS, x, *in_proj, params, conv_state, state, *out_proj)
     Hk, Hv = num_k_heads, num_v_heads
     problem = _problem(x, in_proj, params, conv_state, state, out_proj, Hk, Hv, group_size, bits)
     if problem is not None:
         raise ValueError(f"{fn}: {problem}")
-    eps = (cb.check_eps(fn, "input_norm_eps", input_norm_eps), cb.check_eps(fn, "qk_eps", qk_eps),
-           cb.check_eps(fn, "norm_eps", norm_eps))
+    eps = (_checks.check_eps(fn, "input_norm_eps", input_norm_eps), _checks.check_eps(fn, "qk_eps", qk_eps),
+           _checks.check_eps(fn, "norm_eps", norm_eps))
     B, K, dt = _rows(x), x.shape[-1], x.dtype
     C = (2 * Hk + Hv) * D
     if conv_state is None:

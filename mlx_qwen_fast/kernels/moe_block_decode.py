@@ -37,6 +37,7 @@ from typing import Dict, Optional, Sequence
 
 import mlx.core as mx
 
+from . import _checks
 from . import _cuda_build as cb
 from . import moe_decode_gemv as md
 
@@ -167,8 +168,8 @@ def supports(x, norm_weight, router: Sequence, experts: Sequence, shared: Sequen
     if not cb.cuda_available():
         return False
     try:
-        if not (cb.is_array(x) and cb.is_array(norm_weight) and len(router) == 3
-                and all(cb.is_array(a) for a in router)):
+        if not (_checks.is_array(x) and _checks.is_array(norm_weight) and len(router) == 3
+                and all(_checks.is_array(a) for a in router)):
             return False
         return _problem(x, norm_weight, router, experts, shared, expert_gate, top_k, router_group_size,
                         router_bits) is None
@@ -245,13 +246,13 @@ def moe_block_decode(
     """
     fn = "moe_block_decode"
     if not isinstance(router, (tuple, list)) or len(router) != 3:
-        raise ValueError(f"{fn}: router must be (weight, scales, biases), got {cb.describe(router)}")
-    cb.check_arrays(fn, _ARRAYS, x, norm_weight, *router)
+        raise ValueError(f"{fn}: router must be (weight, scales, biases), got {_checks.describe(router)}")
+    _checks.check_arrays(fn, _ARRAYS, x, norm_weight, *router)
     problem = _problem(x, norm_weight, router, experts, shared, expert_gate, top_k, router_group_size,
                        router_bits)
     if problem is not None:
         raise ValueError(f"{fn}: {problem}")
-    eps = cb.check_eps(fn, "norm_eps", norm_eps)
+    eps = _checks.check_eps(fn, "norm_eps", norm_eps)
     return _moe_block_decode(x, norm_weight, router, experts, shared, expert_gate, int(top_k), eps,
                              bool(normalize), router_group_size, router_bits)
 

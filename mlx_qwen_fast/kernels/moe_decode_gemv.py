@@ -64,7 +64,7 @@ from typing import Dict, Optional, Sequence, Tuple
 import mlx.core as mx
 
 from . import _cuda_build as cb
-from ._cuda_build import describe as _describe
+from ._checks import describe as _describe
 
 __all__ = [
     "moe_decode_arrays",

@@ -38,7 +38,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from . import moe_decode_gemv as _cuda_contract
-from ._cuda_build import describe as _describe
+from ._checks import describe as _describe
 
 __all__ = ["down_combine_metal", "simd_groups", "SOURCE_FILE", "MAX_TOKENS", "MAX_PAIRS", "MAX_SIMD_GROUPS"]
 

@@ -36,7 +36,7 @@ from typing import Optional, Sequence, Tuple
 import mlx.core as mx
 
 from . import moe_decode_gemv as _cuda_contract
-from ._cuda_build import describe as _describe
+from ._checks import describe as _describe
 
 __all__ = ["gate_up_swiglu_metal", "problem", "SOURCE_FILE", "MAX_TOKENS", "MAX_PAIRS"]
 

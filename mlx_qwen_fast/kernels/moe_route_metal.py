@@ -26,7 +26,7 @@ from typing import Tuple
 
 import mlx.core as mx
 
-from ._cuda_build import describe as _describe
+from ._checks import describe as _describe
 
 __all__ = ["route_metal", "SOURCE_FILE", "MAX_EXPERTS", "MAX_TOP_K"]
 

@@ -31,6 +31,7 @@ from typing import Dict, Optional, Tuple, Union
 
 import mlx.core as mx
 
+from . import _checks
 from . import _cuda_build as cb
 
 __all__ = ["quantized_gemv", "supports", "warps", "MAX_ROWS"]
@@ -94,8 +95,8 @@ def supports(x, w, scales, biases, *, group_size: int, bits: int, mode: str = "a
     docstring. Shape checks only (nothing is evaluated or compiled)."""
     if not cb.cuda_available() or mode != "affine":
         return False
-    if not all(cb.is_array(a) for a in (x, w, scales, biases)) or not all(
-            cb.is_array(a, optional=True) for a in (norm_weight, residual)):
+    if not all(_checks.is_array(a) for a in (x, w, scales, biases)) or not all(
+            _checks.is_array(a, optional=True) for a in (norm_weight, residual)):
         return False
     return _problem(x, w, scales, biases, norm_weight, residual, group_size, bits) is None
 
@@ -147,13 +148,13 @@ def quantized_gemv(
       RuntimeError: no CUDA compiler could build the kernel.
     """
     fn = "quantized_gemv"
-    cb.check_arrays(fn, _ARRAYS, x, w, scales, biases, norm_weight, residual)
+    _checks.check_arrays(fn, _ARRAYS, x, w, scales, biases, norm_weight, residual)
     problem = _problem(x, w, scales, biases, norm_weight, residual, group_size, bits)
     if problem is not None:
         raise ValueError(f"{fn}: {problem}")
     eps = 1e-6
     if norm_weight is not None:
-        eps = cb.check_eps(fn, "norm_eps", norm_eps)
+        eps = _checks.check_eps(fn, "norm_eps", norm_eps)
     elif normed_out:
         raise ValueError(f"{fn}: normed_out needs norm_weight (the normalised rows)")
     return _quantized_gemv(x, w, scales, biases, group_size, bits, norm_weight, eps, residual, normed_out)

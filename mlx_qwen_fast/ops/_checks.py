@@ -4,8 +4,8 @@ checks only: nothing here evaluates an array, so they hold inside
 
 Every check raises one ``ValueError`` whose message starts with the public
 function's name, then names the argument, what it must be and what was
-passed (the style of :func:`mlx_qwen_fast.kernels._cuda_build.check_arrays`,
-whose :func:`~mlx_qwen_fast.kernels._cuda_build.describe` names the value).
+passed (the style of :func:`mlx_qwen_fast.kernels._checks.check_arrays`,
+whose :func:`~mlx_qwen_fast.kernels._checks.describe` names the value).
 The op families' own checks live next to them
 (:mod:`mlx_qwen_fast.ops.gated_delta.checks`,
 :mod:`mlx_qwen_fast.ops.moe.checks`).
@@ -19,7 +19,7 @@ from typing import Optional
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..kernels._cuda_build import describe
+from ..kernels._checks import describe
 
 FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 

@@ -38,7 +38,7 @@ from .. import config
 from ..compiled import apply_linear
 from ..kernels import _cuda_build
 from ..kernels import quantized_gemv as _k_gemv
-from ..kernels._cuda_build import check_eps, describe
+from ..kernels._checks import check_eps, describe
 from ._checks import FLOATS, check_float_array, fail, is_int
 
 __all__ = ["IMPLEMENTATIONS", "decode_linear", "decode_linear_reference", "decode_linear_unchecked",

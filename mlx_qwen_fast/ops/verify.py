@@ -70,7 +70,7 @@ from mlx.utils import tree_flatten
 from .. import config
 from ..compiled import _links, gather
 from ..kernels._cache_rows import row_index, write_rows
-from ..kernels._cuda_build import describe
+from ..kernels._checks import describe
 from . import decoder as decoder_ops
 from . import gated_delta as gated_delta_ops
 from . import moe as moe_ops

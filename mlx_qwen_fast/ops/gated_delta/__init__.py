@@ -76,6 +76,7 @@ from mlx_lm.models import gated_delta as _stock
 from ... import backend as _backend
 from ...kernels import _cuda_build
 from ...kernels import gated_delta_scan as _k_scan
+from ...kernels._checks import check_arrays
 from .checks import _LAYER_ARRAYS, _UPDATE_ARRAYS, _check_gates, _check_inputs, _check_layer_call, _states
 from .chunk import DEFAULT_CHUNK_SIZE, gated_delta_chunked
 from .cuda import _cuda_decode, _cuda_prefill, _decode_plan
@@ -229,7 +230,7 @@ def gated_delta_update(
         rank 4) are mlx-lm's and checked there.
     """
     fn = "gated_delta_update"
-    _cuda_build.check_arrays(fn, _UPDATE_ARRAYS, q, k, v, a, b, A_log, dt_bias, state, mask)
+    check_arrays(fn, _UPDATE_ARRAYS, q, k, v, a, b, A_log, dt_bias, state, mask)
     if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))):
         raise ValueError(f"{fn}: lower_bound must be None or a number, got {lower_bound!r}")
     if a.ndim != 4:
@@ -382,7 +383,7 @@ def gated_delta_net_steps(layer, inputs: mx.array, cache) -> Tuple[mx.array, Lis
         raise ValueError(f"{fn}: cache must be the layer's ArraysCache without per-row lengths "
                          f"or left padding, got {cache!r}")
     if not isinstance(inputs, mx.array):
-        _cuda_build.check_arrays(fn, _LAYER_ARRAYS, inputs, None)
+        check_arrays(fn, _LAYER_ARRAYS, inputs, None)
     if inputs.ndim != 3 or inputs.shape[0] < 1 or inputs.shape[1] < 1:
         raise ValueError(f"{fn}: inputs must have shape [B, S, D] with B, S >= 1, got {tuple(inputs.shape)}")
     _check_layer_call(fn, layer, inputs, None, cache)

@@ -2,7 +2,7 @@
 
 * the shape / dtype checks of the recurrence's arguments
   (:func:`_check_inputs`; never evaluates an array) and the expected
-  descriptions ``_cuda_build.check_arrays`` reports;
+  descriptions ``kernels._checks.check_arrays`` reports;
 * the layer's and the cache's layout as every fast path reads them
   (:func:`_heads`, :func:`_states`, :func:`_store`, :data:`_PROJECTIONS`,
   :data:`_STEP_ARRAYS`);
@@ -21,8 +21,8 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache as _ArraysCache
 from mlx_lm.models.qwen3_5 import GatedDeltaNet as _GatedDeltaNet
 
-from ...kernels import _cuda_build
 from ...kernels import gated_delta_decode as _k_decode
+from ...kernels._checks import ArraySpec, check_arrays, describe
 from .._checks import FLOATS as _FLOATS
 from .._checks import is_int
 
@@ -37,7 +37,7 @@ def _shape(x) -> Tuple[int, ...]:
 
 
 #: What each array argument of this package's functions must be, for the
-#: messages of ``_cuda_build.check_arrays`` (state and mask may be None).
+#: messages of ``kernels._checks.check_arrays`` (state and mask may be None).
 _EXPECTED = {
     "q": "[B, T, Hk, Dk] (float)", "k": "[B, T, Hk, Dk] (float)", "v": "[B, T, Hv, Dv] (float)",
     "g": "[B, T, Hv] (float)", "beta": "[B, T, Hv] (float)", "a": "[B, T, Hv] (float)",
@@ -46,7 +46,7 @@ _EXPECTED = {
 }
 
 
-def _specs(*names: str) -> Tuple[_cuda_build.ArraySpec, ...]:
+def _specs(*names: str) -> Tuple[ArraySpec, ...]:
     return tuple((n, _EXPECTED[n], n in ("state", "mask")) for n in names)
 
 
@@ -66,7 +66,7 @@ def _check_inputs(q, k, v, g, beta, state, mask, fn: Optional[str] = None, gates
     """
     p = f"{fn}: " if fn else ""
     gn, bn = gates
-    _cuda_build.check_arrays(fn, _RECURRENCE_ARRAYS if gates == ("g", "beta") else _specs("q", "k", "v", gn, bn,
+    check_arrays(fn, _RECURRENCE_ARRAYS if gates == ("g", "beta") else _specs("q", "k", "v", gn, bn,
                                                                                           "state", "mask"),
                              q, k, v, g, beta, state, mask)
     if q.ndim != 4:
@@ -144,7 +144,7 @@ def _check_gates(fn: str, a, b, A_log, dt_bias) -> None:
     :func:`gated_delta_update`): float arrays, ``a`` of rank 3, ``b`` of
     its shape, ``A_log`` and ``dt_bias`` ``[Hv]``. The compiled gate
     expression is shapeless and would broadcast them."""
-    _cuda_build.check_arrays(fn, _GATE_ARRAYS, a, b, A_log, dt_bias)
+    check_arrays(fn, _GATE_ARRAYS, a, b, A_log, dt_bias)
     if a.ndim != 3:
         raise ValueError(f"{fn}: a must have shape [B, T, Hv], got {_shape(a)}")
     hv = a.shape[-1]
@@ -174,7 +174,7 @@ def _check_layer_call(fn: str, layer, inputs, mask, cache) -> None:
         raise ValueError(f"{fn}: layer must be an mlx-lm GatedDeltaNet (mlx_lm.models.qwen3_5), "
                          f"got {type(layer).__name__}")
     if not isinstance(inputs, mx.array) or not (mask is None or isinstance(mask, mx.array)):
-        _cuda_build.check_arrays(fn, _LAYER_ARRAYS, inputs, mask)
+        check_arrays(fn, _LAYER_ARRAYS, inputs, mask)
     if inputs.ndim != 3 or inputs.dtype not in _FLOATS or inputs.shape[2] != layer.hidden_size:
         raise ValueError(f"{fn}: inputs must have shape [B, S, D] with D = {layer.hidden_size} (the layer's hidden "
                          f"size), float, got {inputs.dtype} {_shape(inputs)}")
@@ -189,11 +189,11 @@ def _check_layer_call(fn: str, layer, inputs, mask, cache) -> None:
     want = (B, layer.conv_kernel_size - 1, layer.conv_dim)
     if conv is not None and (not isinstance(conv, mx.array) or conv.shape != want):
         raise ValueError(f"{fn}: cache[0] (the conv state) must be None or of shape [B, conv_kernel_size - 1, "
-                         f"conv_dim] = {want}, got {_cuda_build.describe(conv)}")
+                         f"conv_dim] = {want}, got {describe(conv)}")
     want = (B, layer.num_v_heads, layer.head_v_dim, layer.head_k_dim)
     if state is not None and (not isinstance(state, mx.array) or state.shape != want):
         raise ValueError(f"{fn}: cache[1] (the recurrent state) must be None or of shape [B, Hv, Dv, Dk] = {want}, "
-                         f"got {_cuda_build.describe(state)}")
+                         f"got {describe(state)}")
 
 
 def _as_bool(mask):

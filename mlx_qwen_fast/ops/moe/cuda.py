@@ -25,7 +25,7 @@ import mlx.core as mx
 
 from ... import config
 from ...compiled import StepPlans, apply_linear, concat_linears, linear_arrays, linear_paths
-from ...kernels._cuda_build import describe as _describe
+from ...kernels._checks import describe as _describe
 from ...kernels import moe_block_decode as _k_block
 from ...kernels import moe_decode_gemv as _decode_gemv
 from ...kernels import moe_grouped_gemm as _grouped_gemm

@@ -21,7 +21,7 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
-from ...kernels._cuda_build import describe as _describe
+from ...kernels._checks import describe as _describe
 from ...moe_types import ExpertGroups, max_tiles
 
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
