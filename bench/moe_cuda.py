@@ -6,7 +6,7 @@ Run on the GPU machine:
 
 The model's shape throughout: E = 256 experts, D = 2048, I = 512, top-k 8,
 4-bit group-64 experts with bf16 scales (the checkpoint's layout). The
-grouped GEMM builds are those of ``moe_grouped_gemm.VARIANTS``: "wgmma"
+grouped GEMM builds are those of ``moe_grouped_gemm_builds.VARIANTS``: "wgmma"
 (Hopper warpgroup MMA, the default on compute capability 9.0) and "mma"
 (``mma.sync``, the default elsewhere); "wgmma" is left out on other GPUs.
 
@@ -68,9 +68,9 @@ def _mx():
 
 def variants():
     """The grouped-GEMM builds that run on this GPU ("wgmma" needs compute capability 9.0)."""
-    from mlx_qwen_fast.kernels import moe_grouped_gemm as gg
+    from mlx_qwen_fast.kernels import moe_grouped_gemm_builds as ggb
 
-    return [v for v in gg.VARIANTS if v != "wgmma" or gg.wgmma_shapes_ok(D, I) and gg._is_sm90()]
+    return [v for v in ggb.VARIANTS if v != "wgmma" or ggb.wgmma_shapes_ok(D, I) and ggb.is_sm90()]
 
 
 def make_switch(seed=0, e=E, d=D, i=I):
@@ -233,6 +233,7 @@ def section_check(args):
     mx = _mx()
     from mlx_qwen_fast.kernels import _cuda_build as cb
     from mlx_qwen_fast.kernels import moe_grouped_gemm as gg
+    from mlx_qwen_fast.kernels import moe_grouped_gemm_builds as ggb
     from mlx_qwen_fast.kernels import moe_routing as mr
     from mlx_qwen_fast.ops import moe
 
@@ -243,7 +244,7 @@ def section_check(args):
     for t in (1, 7, 300, 2049):
         x, logits = make_inputs(t, seed=100 + t)
         refs = {}  # token-space references: the same for every tile and variant
-        for tile in gg.TILE_CHOICES:
+        for tile in ggb.TILE_CHOICES:
             r = mr.route_and_group(logits.astype(mx.float32), K, tile)
             ri, rs = moe.route(logits.astype(mx.float32), K)
             g = moe.group_by_expert(r.inds, E, check_range=False)
@@ -315,6 +316,7 @@ def section_time(args):
     from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
 
     from mlx_qwen_fast.kernels import moe_grouped_gemm as gg
+    from mlx_qwen_fast.kernels import moe_grouped_gemm_builds as ggb
     from mlx_qwen_fast.kernels import moe_routing as mr
     from mlx_qwen_fast.ops import moe
 
@@ -343,7 +345,7 @@ def section_time(args):
             "route+group_kernels": timeit(lambda: tuple(mr.route_and_group(logits, K, 64)[:2])),
             "experts_stock_SwitchGLU": timeit(stock_experts),
         }
-        for tile in gg.TILE_CHOICES:
+        for tile in ggb.TILE_CHOICES:
             r = mr.route_and_group(logits, K, tile)
             mx.eval(r.inds, r.scores, r.groups.order, r.block_map)
             for v in vs:
@@ -356,7 +358,7 @@ def section_time(args):
                 res[f"experts_kernels_{v}_tile{tile}(+combine)"] = timeit(
                     lambda: gg._moe_experts(x, r, sm.gate_proj, sm.up_proj, sm.down_proj, variant=v))
         for v in vs:  # routing + experts at the variant's own tile choice
-            tc = gg.choose_tile_rows(t * K, E, v)
+            tc = ggb.choose_tile_rows(t * K, E, v)
             res[f"route+experts_kernels_{v}_tile{tc}"] = timeit(
                 lambda: gg._moe_experts(x, mr.route_and_group(logits, K, tc), sm.gate_proj, sm.up_proj,
                                         sm.down_proj, variant=v))
@@ -371,7 +373,7 @@ def section_time(args):
             log(f"[time] T={t:5d} {name:45s} {s * 1e3:9.3f} ms  {rate:7.1f} TFLOP/s")
         # chained, steady state: as consecutive layers of a prefill run them
         for v in vs:
-            tc = gg.choose_tile_rows(t * K, E, v)
+            tc = ggb.choose_tile_rows(t * K, E, v)
             r = mr.route_and_group(logits, K, tc)
             mx.eval(r.inds, r.scores, r.groups.order, r.block_map)
             ex = chain_latency(experts_chain(sm, r, x, v), n=6)

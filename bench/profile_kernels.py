@@ -113,6 +113,7 @@ def kernels(args) -> None:
     from bench.moe_cuda import E, K, make_block, make_inputs, make_switch, variants
     from mlx_qwen_fast.kernels import gated_delta_decode as kd
     from mlx_qwen_fast.kernels import moe_grouped_gemm as gg
+    from mlx_qwen_fast.kernels import moe_grouped_gemm_builds as ggb
     from mlx_qwen_fast.kernels import moe_routing as mr
     from mlx_qwen_fast.kernels.gated_delta_frontend import gated_delta_frontend
     from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan
@@ -148,7 +149,7 @@ def kernels(args) -> None:
     sm = make_switch(2)
     x, logits = make_inputs(T, seed=T)
     for variant in variants():
-        tile = gg.choose_tile_rows(T * K, E, variant)
+        tile = ggb.choose_tile_rows(T * K, E, variant)
         twice(lambda: gg._moe_experts(x, mr.route_and_group(logits, K, tile), sm.gate_proj, sm.up_proj,
                                       sm.down_proj, variant=variant))
     mx.synchronize()

@@ -27,7 +27,9 @@ CUDA modules (each exposes the wrapper of the same name and ``supports``):
 - ``moe_routing``           softmax/top-k routing + expert grouping + block map
                             (MoE prefill)
 - ``moe_grouped_gemm``      fused-dequant grouped expert GEMM (gate+up SwiGLU,
-                            down + routing weight; MoE prefill)
+                            down + routing weight; MoE prefill); its builds
+                            ("wgmma", "mma"), tile rules and K order in
+                            ``moe_grouped_gemm_builds``
 - ``moe_decode_gemv``       fused decode MoE, N <= 4 tokens: gate+up SwiGLU and
                             down + combine + shared expert
 - ``moe_block_decode``      a MoE block's whole decode step, 1-4 rows: RMSNorm +

@@ -2,10 +2,10 @@
 SwiGLU and down + routing weight, builds "wgmma" and "mma", the shared
 expert in the routing's slot) vs fp32 references.
 
-Build configurations, shape checks, the K order of the "wgmma" build (and a
-numpy emulation of its fragment layout) and argument errors run on any
-backend; the kernels on CUDA, outputs poisoned with NaN before every launch,
-fresh random weights and activations.
+Shape checks and argument errors run on any backend; the kernels on CUDA,
+outputs poisoned with NaN before every launch, fresh random weights and
+activations. The builds (configurations, tile rules, the "wgmma" K order):
+``test_moe_grouped_gemm_builds.py``.
 
 References: :func:`dense_ref`, fp32 matmuls on the weights as the kernels
 dequantise them (``bf16(s * q + b)``, one rounding, both builds), rounding
@@ -30,6 +30,7 @@ from compare import GATHER_QMM_TOL, assert_close, finite, tolerance
 from moe_blocks import make_logits, qproj
 from references import unpack_affine_4bit
 from mlx_qwen_fast.kernels import moe_grouped_gemm as gg
+from mlx_qwen_fast.kernels import moe_grouped_gemm_builds as ggb
 from mlx_qwen_fast.kernels import moe_routing as mr
 from mlx_qwen_fast.ops import moe
 
@@ -44,162 +45,6 @@ def arr(p):
 # ---------------------------------------------------------------------------
 # host side (any backend)
 # ---------------------------------------------------------------------------
-
-
-def test_build_config_mma():
-    """The "mma" build: its warp grid covers the tile in m16n8 fragments,
-    every thread takes part in the tile loads, and the static shared memory
-    (two stages of A and W tiles with scales/biases) fits 48 KB."""
-    for stage, o in (("gate_up", 512), ("down", 2048), ("gate_up", 192), ("down", 320)):
-        for bm in gg.TILE_CHOICES:
-            c = gg.build_config("mma", stage, bm, o)
-            d = c["defines"]
-            assert d["MOE_BM"] == bm and o % c["bn"] == 0
-            assert c["source"] == "moe_grouped_gemm.cu" and c["smem"] == 0
-            wm, wn = d.get("MOE_WM", 2), d.get("MOE_WN", 2)
-            assert c["threads"] == 32 * wm * wn
-            assert (bm // wm) % 16 == 0 and (c["bn"] // wn) % 8 == 0
-            assert bm * 8 % c["threads"] == 0 and c["bn"] * 8 % c["threads"] == 0
-            nmat = 2 if stage == "gate_up" else 1
-            assert 2 * 72 * (bm + nmat * c["bn"]) + 4 * bm <= 48 * 1024  # static smem
-
-
-def test_build_config_wgmma():
-    """The "wgmma" build: 256 threads, 128 (gate+up) / 256 (down) features per
-    CTA, dynamic shared memory within the 227 KB an SM grants one block;
-    several feature tiles per down CTA only where h fits the cp.async ring
-    (K <= 128 x stages), the tile is at most 64 rows and D splits evenly."""
-    for stage, feat in (("gate_up", 128), ("down", 256)):
-        for bm in gg.TILE_CHOICES:
-            c = gg.build_config("wgmma", stage, bm, 2048)
-            assert c["threads"] == 256 and c["bn"] == feat and c["source"] == "moe_grouped_gemm_wgmma.cu"
-            assert c["defines"]["MOE_BM"] == bm and c["defines"]["MOE_STAGES"] == gg.WGMMA_STAGES
-            assert 0 < c["smem"] <= 227 * 1024
-            assert "MOE_FT" not in c["defines"]  # down_ft 1 by default
-    assert gg.build_config("wgmma", "down", 64, 2048, 512, down_ft=4)["bn"] == 1024
-    assert gg.build_config("wgmma", "down", 64, 2048, 512, down_ft=4)["defines"]["MOE_FT"] == 4
-    assert "MOE_FT" not in gg.build_config("wgmma", "down", 64, 2048, 1024, down_ft=4)["defines"]  # K > 128 * stages
-    assert "MOE_FT" not in gg.build_config("wgmma", "down", 64, 512, 512, down_ft=4)["defines"]  # 512 % 1024
-    assert "MOE_FT" not in gg.build_config("wgmma", "gate_up", 64, 512, 2048, down_ft=4)["defines"]
-    assert "MOE_FT" not in gg.build_config("wgmma", "down", 128, 2048, 512, down_ft=8)["defines"]  # tile 128: one
-    assert gg.down_feature_tiles(4096 * 8, 256) == 8 and gg.down_feature_tiles(512 * 8, 256) == 1
-    assert gg.wgmma_shapes_ok(2048, 512) and gg.wgmma_shapes_ok(256, 128)
-    for d, i in ((192, 128), (320, 64), (384, 128), (2048, 64), (2048, 192)):
-        assert not gg.wgmma_shapes_ok(d, i)
-
-
-def test_build_config_errors():
-    assert set(gg.VARIANTS) == {"wgmma", "mma"}
-    with pytest.raises(ValueError, match="variant"):
-        gg.build_config("nope", "gate_up", 64, 512)
-    for args, what in ((("gate_up", 64.0, 512), "bm"), (("both", 64, 512), "stage"), ((0, 64, 512), "stage"),
-                       (("gate_up", 64, 100), "out_cols"), (("down", 64, 0), "out_cols")):
-        with pytest.raises(ValueError, match=what):
-            gg.build_config("mma", *args)
-    with pytest.raises(ValueError, match="multiple of 128"):
-        gg.build_config("wgmma", "gate_up", 64, 192)
-    with pytest.raises(ValueError, match="multiple of 256"):
-        gg.build_config("wgmma", "down", 64, 384)
-
-
-def test_choose_tile_rows():
-    """32 rows while experts average fewer than 64 assignments, else 64, for
-    every build; one of TILE_CHOICES always; bad counts and variants named."""
-    for v in (None,) + gg.VARIANTS:
-        for nk in (0, 1, 512 * 8, 2048 * 8, 4096 * 8, 100000):
-            assert gg.choose_tile_rows(nk, 256, v) in gg.TILE_CHOICES
-        assert gg.choose_tile_rows(64 * 256 - 1, 256, v) == 32
-        assert gg.choose_tile_rows(64 * 256, 256, v) == 64
-        assert gg.choose_tile_rows(512 * 8, 256, v) == 32
-        assert gg.choose_tile_rows(4096 * 8, 256, v) == 64
-    assert gg.choose_tile_rows(1, 256) in gg.TILE_CHOICES
-    with pytest.raises(ValueError, match="variant"):
-        gg.choose_tile_rows(4096, 256, "nope")
-    for bad in ("100", None, 1.5, True):
-        with pytest.raises(ValueError, match="num_assignments"):
-            gg.choose_tile_rows(bad, 256)
-
-
-def test_default_variant_falls_back(monkeypatch):
-    """"wgmma" only where it runs: compute capability 9.0 and the shapes it
-    takes; elsewhere "mma" (never an error)."""
-    from mlx_qwen_fast.kernels import _cuda_build as cb
-
-    monkeypatch.setattr(cb, "gpu_arch", lambda: (9, 0))
-    assert gg.default_variant(2048, 512) == "wgmma"
-    assert gg.default_variant(192, 128) == "mma"
-    assert gg.default_variant(2048, 64) == "mma"
-    monkeypatch.setattr(cb, "gpu_arch", lambda: (8, 0))
-    assert gg.default_variant(2048, 512) == "mma"
-
-    def no_gpu():
-        raise RuntimeError("no CUDA driver")
-
-    monkeypatch.setattr(cb, "gpu_arch", no_gpu)
-    assert gg.default_variant(2048, 512) == "mma"
-
-
-@pytest.mark.parametrize("lead", [(), (3,), (2, 5)])
-def test_permute_k_permutes_within_chunks(lead):
-    """permute_k reorders the inputs within each chunk of 128 (a permutation,
-    the same for every chunk and row, not the identity), unpermute_k undoes
-    it; other widths are refused. (Which order: the kernel's fragment
-    layout, test_wgmma_fragment_mapping.)"""
-    K = 384
-    a = mx.arange(int(np.prod(lead, dtype=np.int64)) * K).reshape(*lead, K)
-    p = gg.permute_k(a)
-    assert p.shape == a.shape
-    rows = np.asarray(p).reshape(-1, K) % K
-    for c in range(K // 128):
-        chunk = rows[:, 128 * c:128 * (c + 1)]
-        assert np.array_equal(np.sort(chunk, axis=1), np.broadcast_to(np.arange(128 * c, 128 * (c + 1)), chunk.shape))
-        assert np.array_equal(chunk - 128 * c, np.broadcast_to(rows[:1, :128], chunk.shape))
-    assert mx.array_equal(gg.unpermute_k(p), a).item()
-    assert not mx.array_equal(p, a).item()
-    for bad in (mx.zeros((4, 64)), mx.zeros((200,)), mx.zeros(())):
-        with pytest.raises(ValueError, match="multiple of 128"):
-            gg.permute_k(bad)
-        with pytest.raises(ValueError, match="multiple of 128"):
-            gg.unpermute_k(bad)
-
-
-def test_wgmma_fragment_mapping():
-    """CPU emulation of one 128-input chunk of moe_grouped_gemm_wgmma.cu for
-    one warp's 16 weight rows: A registers dequantised as dq_pair does (nibble
-    pair (a, a+4) of word s//2 of the thread's four, a = 2(s%2) + hs; magic
-    128 subtracted exactly), placed by the wgmma m64nNk16 A-fragment layout;
-    B read as wgmma reads the K-major tile (row n, positions 16s..16s+15) of
-    the permute_k-ed activations. The sum over the 8 k16 steps must be
-    W . x over the natural inputs (small integers: exact)."""
-    rng = np.random.default_rng(1)
-    N = 8
-    q = rng.integers(0, 16, size=(16, 128)).astype(np.int64)  # 16 weight rows, nibble values
-    x = rng.integers(-8, 8, size=(N, 128)).astype(np.int64)
-    words = np.zeros((16, 16), dtype=np.int64)
-    for w in range(16):
-        for j in range(8):
-            words[:, w] |= q[:, 8 * w + j] << (4 * j)
-    xp = np.asarray(gg.permute_k(mx.array(x.astype(np.int32))))
-
-    def dq_pair(word, a):
-        m = ((int(word) >> (4 * a)) & 0x000F000F) | 0x43004300
-        return (m & 0xFFFF) - 0x4300, (m >> 16) - 0x4300
-
-    C = np.zeros((16, N), dtype=np.int64)
-    for s in range(8):
-        Am = np.full((16, 16), -999, dtype=np.int64)
-        for lane in range(32):
-            g, qq = lane >> 2, lane & 3
-            wl, wh = words[g, 4 * qq + s // 2], words[g + 8, 4 * qq + s // 2]
-            a = 2 * (s % 2)
-            regs = [dq_pair(wl, a), dq_pair(wh, a), dq_pair(wl, a + 1), dq_pair(wh, a + 1)]
-            # reg 0: (row g, slots 2q, 2q+1); 1: (g+8, 2q..); 2: (g, 2q+8..); 3: (g+8, 2q+8..)
-            for r, (row, col) in enumerate(((g, 2 * qq), (g + 8, 2 * qq), (g, 2 * qq + 8), (g + 8, 2 * qq + 8))):
-                Am[row, col:col + 2] = regs[r]
-        assert (Am != -999).all()
-        Bm = xp[:, 16 * s:16 * s + 16].T  # [k16, N]
-        C += Am @ Bm
-    np.testing.assert_array_equal(C, q @ x.T)
 
 
 def test_supports_arrays_shapes():
@@ -364,7 +209,7 @@ def test_grouped_gemm_vs_reference(D, I, E, n, variant, tile):
     x = mx.random.normal((n, D), key=mx.random.key(n + D)).astype(BF)
     logits = make_logits(n, E, "skewed", seed=n, dtype=mx.float32)
     r = mr.route_and_group(logits, k, tile)
-    if variant == "wgmma" and not gg.wgmma_shapes_ok(D, I):  # refused with a clear error, never run
+    if variant == "wgmma" and not ggb.wgmma_shapes_ok(D, I):  # refused with a clear error, never run
         with pytest.raises(ValueError, match="the wgmma build needs D % 256 == 0 and I % 128 == 0"):
             gg.gate_up_swiglu(x, r, arr(gate), arr(up), variant=variant)
         with pytest.raises(ValueError, match="the wgmma build needs"):
@@ -446,7 +291,7 @@ def test_wgmma_down_feature_tiles_vs_reference(down_ft, D, I, E, n, tile):
     h_ref, y_ref = dense_ref(x, r, gate, up, down, "once")
     for out_dtype in (mx.float32, BF):
         # the kernel reads h in permute_k order (what gate_up_swiglu writes for it)
-        y = gg._down(gg.permute_k(h_ref.astype(BF)), r, arr(down), out_dtype, "wgmma", down_ft=down_ft)
+        y = gg._down(ggb.permute_k(h_ref.astype(BF)), r, arr(down), out_dtype, "wgmma", down_ft=down_ft)
         assert y.dtype == out_dtype and finite(y)
         assert_close(y, y_ref, DOWN_TOL, f"y ({out_dtype})")
     got = gg.moe_experts(x, r, gate, up, down, out_dtype=mx.float32, variant="wgmma")
@@ -506,7 +351,7 @@ def test_moe_experts_with_shared_slot_vs_fp32(n, tile, D, I):
     assert gg.shared_slot_supported(se, D, I)
     x = (mx.random.normal((n, D), key=mx.random.key(3 * n)) * 1.5).astype(BF)
     logits, sl = block.gate(x), block.shared_expert_gate(x)
-    tile = tile or gg.choose_tile_rows(n * (k + 1), E + 1, "wgmma")
+    tile = tile or ggb.choose_tile_rows(n * (k + 1), E + 1, "wgmma")
     slot = mr.route_and_group(logits, k, tile, shared_logits=sl)
     got = gg.moe_experts(x, slot, sm.gate_proj, sm.up_proj, sm.down_proj, shared_expert=se, variant="wgmma",
                          out_dtype=mx.float32)

@@ -29,6 +29,7 @@ from ...kernels._checks import describe as _describe
 from ...kernels import moe_block_decode as _k_block
 from ...kernels import moe_decode_gemv as _decode_gemv
 from ...kernels import moe_grouped_gemm as _grouped_gemm
+from ...kernels import moe_grouped_gemm_builds as _gemm_builds
 from ...kernels import moe_routing as _routing
 from .. import linear as linear_ops
 from .checks import _DECODE_CHILDREN, _EXPERT_PATHS, _decode_rows, decode_arrays
@@ -108,10 +109,10 @@ def _cuda_prefill(block, x: mx.array) -> mx.array:
     if not _routing.supports(logits, block.top_k):
         return _stock(block, x)
     i_dim = sm.gate_proj["weight"].shape[1]
-    variant = _grouped_gemm.default_variant(d, i_dim)
+    variant = _gemm_builds.default_variant(d, i_dim)
     n, k, e = tokens.shape[0], block.top_k, block.num_experts
     if _shared_in_slot(block, n, d, i_dim, variant):
-        tile = _grouped_gemm.choose_tile_rows(n * (k + 1), e + 1, variant)
+        tile = _gemm_builds.choose_tile_rows(n * (k + 1), e + 1, variant)
         joint = router_with_shared_gate(block)
         if joint is not None:
             routing = _routing.route_and_group(apply_linear(tokens, *joint), k, tile,
@@ -125,7 +126,7 @@ def _cuda_prefill(block, x: mx.array) -> mx.array:
         y = _grouped_gemm._moe_experts(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj,
                                        shared_expert=block.shared_expert, variant=variant)
         return y.reshape(*lead, d)
-    tile = _grouped_gemm.choose_tile_rows(n * k, e, variant)
+    tile = _gemm_builds.choose_tile_rows(n * k, e, variant)
     routing = _routing.route_and_group(logits, k, tile, normalize=block.norm_topk_prob)
     y = _grouped_gemm._moe_experts(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj, variant=variant)
     return y.reshape(*lead, d) + _shared_expert(block, x)
