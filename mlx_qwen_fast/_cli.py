@@ -3,57 +3,34 @@
 The package's CLIs (``python -m mlx_qwen_fast.generate``, ``.server`` and
 ``python -m mlx_qwen_fast SUBCOMMAND``) take exactly mlx-lm's flags plus
 ``--stock`` and ``--dtype {bfloat16,float16,float32}`` (the dtype the loaded
-model computes in, :func:`cast_model`; default the checkpoint's). Before anything heavy is imported (mlx-lm, transformers) the
-arguments a user most often gets wrong are checked here, each failure one
-line naming the argument and what was expected, exit code 2 (argparse's
-usage-error code): the ``--model`` folder (exists, is a folder, parseable
-``config.json``, complete safetensors weights, a tokenizer) and the counts
-(``--max-tokens``, benchmark's ``-p/-g/-b/-n``), and an empty prompt (given,
-or read from stdin for ``--prompt -``). An
+model computes in, :func:`cast_model`; default the checkpoint's).
+:func:`run_mlx_lm_main` runs one: the arguments a user most often gets
+wrong are checked first, before anything heavy is imported
+(:mod:`mlx_qwen_fast._cli_checks`), each failure one line, exit code 2. An
 error raised while mlx-lm loads the checkpoint (weights that do not fit the
 config, a repo id that cannot be fetched) is printed as one line too, and so
-is each warning of the package (:func:`one_line_warnings`).
+is each warning of the package (:func:`one_line_warnings`, which the
+package's own CLIs use as well). :func:`subcommands` and
+:func:`check_subcommand` find mlx-lm's CLI modules without importing it.
 
 The package's own CLIs (``python -m mlx_qwen_fast.demo``, ``.checkpoint``)
-parse their flags with :class:`ArgumentParser`, which reports argparse's
-usage errors the same way (one line, exit code 2, no usage block), and
-type their values with :func:`whole_number` and :func:`finite_number`.
+parse their flags with :class:`mlx_qwen_fast._cli_parser.ArgumentParser`.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import difflib
 import importlib.util
-import io
-import json
-import math
 import os
-import re
-import struct
 import sys
 import traceback
 import warnings
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 from . import config
-
-#: argv flag spellings -> the name used in messages, per kind of check.
-_COUNT_FLAGS = {
-    "generate": {"--max-tokens": "--max-tokens", "-m": "--max-tokens"},
-    "chat": {"--max-tokens": "--max-tokens", "-m": "--max-tokens"},
-    "server": {"--max-tokens": "--max-tokens"},
-    "benchmark": {"--prompt-tokens": "--prompt-tokens", "-p": "--prompt-tokens",
-                  "--generation-tokens": "--generation-tokens", "-g": "--generation-tokens",
-                  "--batch-size": "--batch-size", "-b": "--batch-size",
-                  "--num-trials": "--num-trials", "-n": "--num-trials"},
-}
-_PROMPT_FLAGS = {"generate": ("--prompt", "-p"), "cache_prompt": ("--prompt",)}
-_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tiktoken.model", "vocab.json")
-
+from ._cli_checks import check_arguments, expand_model, flag_values
+from ._cli_parser import take_flag, usage_error
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -94,368 +71,11 @@ def one_line_warnings():
         yield
 
 
-def usage_error(message: str, prog: str = "mlx_qwen_fast") -> None:
-    """Print ``PROG: error: message`` to stderr and exit with code 2."""
-    print(f"{prog}: error: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """``argparse.ArgumentParser`` whose usage errors are one line.
-
-    Each error (an unknown flag, a value its ``type`` or ``choices``
-    reject, a missing required flag, or a message the CLI passes to
-    :meth:`error`) prints ``PROG: error: MESSAGE`` on stderr, with any
-    whitespace run (newlines included) as one space, and exits with code 2;
-    there is no usage block (``-h`` prints the whole help). Unknown flags
-    are reported before missing required ones, so a mistyped required flag
-    is named as unknown (with the closest known flag when there is one)
-    rather than as missing; a missing flag is named with what it takes
-    (``--preset {a,b}``, ``--out OUT``).
-    """
-
-    #: The required actions that the first pass of :meth:`parse_args` made
-    #: optional, until it restores them.
-    _unrequired: Sequence[argparse.Action] = ()
-
-    def error(self, message: str):
-        """Print ``message`` as one line (see the class) and exit with code 2."""
-        usage_error(" ".join(str(message).split()), prog=self.prog)
-
-    def parse_args(self, args=None, namespace=None):
-        """argparse's ``parse_args``, with the errors in the order the class
-        describes: a first pass with every flag optional collects the
-        arguments no flag takes, then the missing required flags are named,
-        then argparse's own pass parses."""
-        args = sys.argv[1:] if args is None else list(args)
-        required = [a for a in self._actions if a.required]
-        self._unrequired = required
-        for a in required:
-            a.required = False
-        try:
-            seen, extras = self.parse_known_args(args, argparse.Namespace())
-        finally:
-            self._restore_required()
-        if extras:
-            self.error(self._unrecognized(extras))
-        missing = [a for a in required if getattr(seen, a.dest, a.default) is a.default]
-        if missing:
-            self.error("the following arguments are required: " + ", ".join(map(self._expected, missing)))
-        return super().parse_args(args, namespace)
-
-    def format_help(self) -> str:
-        """argparse's help; when the first pass of :meth:`parse_args` meets
-        ``-h``, the required flags are shown as required all the same."""
-        self._restore_required()
-        return super().format_help()
-
-    def _restore_required(self) -> None:
-        for a in self._unrequired:
-            a.required = True
-        self._unrequired = ()
-
-    @staticmethod
-    def _expected(action: argparse.Action) -> str:
-        """A flag with what it takes: ``--preset {a,b}``, ``--out OUT``."""
-        flag = max(action.option_strings, key=len) if action.option_strings else action.dest
-        if action.nargs == 0:
-            return flag
-        if action.choices is not None:
-            return f"{flag} {{{','.join(map(str, action.choices))}}}"
-        return f"{flag} {action.metavar or action.dest.upper()}"
-
-    def _unrecognized(self, extras: Sequence[str]) -> str:
-        # compared without the leading "--", which every long flag shares
-        known = [s[2:] for a in self._actions for s in a.option_strings if s.startswith("--")]
-        for e in extras:
-            if e.startswith("--"):
-                close = difflib.get_close_matches(e[2:].split("=", 1)[0], known, n=1)
-                if close:
-                    return f"unrecognized arguments: {' '.join(extras)} (did you mean --{close[0]}?)"
-        return f"unrecognized arguments: {' '.join(extras)} ({self.prog} --help lists the flags)"
-
-
-def whole_number(minimum: int):
-    """An argparse ``type``: the value as an int, at least ``minimum``, else
-    ``argparse.ArgumentTypeError`` ("expected a whole number >= MINIMUM, got
-    VALUE"; argparse puts the flag's name in front)."""
-
-    def convert(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected a whole number >= {minimum}, got {value}")
-        return value
-
-    return convert
-
-
-def finite_number(minimum: float, *, inclusive: bool = True):
-    """An argparse ``type``: the value as a finite float, ``>= minimum``
-    (``> minimum`` when not ``inclusive``), else ``argparse.ArgumentTypeError``
-    ("expected a finite number >= MINIMUM, got VALUE")."""
-    expected = f"expected a finite number {'>=' if inclusive else '>'} {minimum:g}"
-
-    def convert(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
-        if not math.isfinite(value) or value < minimum or (value == minimum and not inclusive):
-            raise argparse.ArgumentTypeError(f"{expected}, got {text}")
-        return value
-
-    return convert
-
-
-def _flag_values(argv: Sequence[str], names: Sequence[str]) -> List[str]:
-    """Every value given to one of the flags ``names``, in each spelling
-    argparse takes: ``--flag v``, ``--flag=v``, an abbreviation of a long
-    flag (``--max-tok v``, argparse's ``allow_abbrev``), ``-m v``, ``-m5``,
-    ``-m=5``."""
-    longs = [n for n in names if n.startswith("--")]
-    shorts = [n for n in names if not n.startswith("--")]
-    out = []
-    for i, a in enumerate(argv):
-        nxt = argv[i + 1] if i + 1 < len(argv) else None
-        if a.startswith("--") and len(a) > 2:
-            flag, eq, value = a.partition("=")
-            hits = [n for n in longs if n == flag] or [n for n in longs if n.startswith(flag)]
-            if len(hits) == 1:
-                if eq:
-                    out.append(value)
-                elif nxt is not None:
-                    out.append(nxt)
-        elif a.startswith("-") and not a.startswith("--"):
-            for n in shorts:
-                if a == n:
-                    if nxt is not None:
-                        out.append(nxt)
-                elif a.startswith(n) and len(a) > len(n):
-                    out.append(a[len(n):].removeprefix("="))
-    return out
-
-
-def _check_counts(command: str, argv: Sequence[str]) -> None:
-    flags = _COUNT_FLAGS.get(command, {})
-    by_name: Dict[str, List[str]] = {}
-    for spelling, name in flags.items():
-        by_name.setdefault(name, []).append(spelling)
-    for name, spellings in by_name.items():
-        for v in _flag_values(argv, spellings):
-            try:
-                n = int(v)
-            except ValueError:
-                usage_error(f"{name} {v}: expected a whole number >= 1")
-            if n < 1:
-                usage_error(f"{name} {v}: expected a whole number >= 1")
-
-
-def _check_prompt(command: str, argv: Sequence[str]) -> None:
-    """An empty ``--prompt`` is a usage error; so is ``--prompt -`` (the
-    last value is the one argparse keeps) with nothing but blanks on stdin,
-    which is read here and then handed on to mlx-lm as ``sys.stdin``."""
-    values = _flag_values(argv, _PROMPT_FLAGS.get(command, ()))
-    for v in values:
-        if v != "-" and not v.strip():
-            usage_error("--prompt is empty: expected the text to continue (or - to read it from stdin)")
-    if values and values[-1] == "-":
-        text = sys.stdin.read() if sys.stdin is not None else ""
-        if not text.strip():
-            usage_error("--prompt -: stdin held no prompt (empty or only blanks): expected the text to continue")
-        sys.stdin = io.StringIO(text)  # mlx-lm reads it again
-
-
-def weights_problem(files) -> Optional[str]:
-    """None when ``files`` (a folder's safetensors weights) is not empty and
-    every file's header is whole (:func:`_safetensors_problem`), else what is
-    wrong (one line)."""
-    if not files:
-        return "no weights (model*.safetensors) in the folder"
-    for f in files:
-        problem = _safetensors_problem(f)
-        if problem:
-            return problem
-    return None
-
-
-def _safetensors_problem(path: Path) -> Optional[str]:
-    """None when ``path`` is a complete safetensors file (its header parses
-    and the file holds every byte the header's tensors span), else why not.
-    Reads the header only."""
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                return f"{path.name} is empty or truncated ({size} bytes)"
-            (n,) = struct.unpack("<Q", head)
-            if n > size - 8 or n > 100 << 20:
-                return f"{path.name} is not a safetensors file or is truncated (header of {n} bytes, file {size})"
-            header = json.loads(f.read(n))
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        return f"{path.name} is not a readable safetensors file ({exc})"
-    try:
-        end = max((int(t["data_offsets"][1]) for k, t in header.items()
-                   if k != "__metadata__" and isinstance(t, dict) and "data_offsets" in t), default=0)
-    except (AttributeError, TypeError, ValueError, IndexError, KeyError, OverflowError):
-        return f"{path.name} is not a safetensors file (its header does not describe tensors)"
-    if 8 + n + end > size:
-        return f"{path.name} is truncated: {size} bytes, its header needs {8 + n + end}"
-    return None
-
-
-def folder_config(path: Path, kind: str, holds: str):
-    """``(config.json's contents, None)`` where ``path`` is a folder with a
-    readable JSON ``config.json``, else ``(None, what is wrong)`` (one line;
-    ``kind`` names the folder, e.g. "checkpoint", ``holds`` what it should
-    hold)."""
-    if not path.exists():
-        return None, "no such folder"
-    if not path.is_dir():
-        return None, f"is a file; expected a {kind} folder ({holds})"
-    cfg = path / "config.json"
-    if not cfg.is_file():
-        return None, f"not a {kind} folder (no config.json in it)"
-    try:
-        return json.loads(cfg.read_text()), None
-    except (OSError, ValueError, UnicodeDecodeError) as exc:
-        return None, f"config.json is not valid JSON ({exc})"
-
-
-def check_checkpoint_folder(path: Path) -> Optional[str]:
-    """None when ``path`` looks like a loadable mlx-lm checkpoint folder, else
-    what is wrong (one line, without the flag name). Reads config.json, the
-    safetensors headers and the tokenizer's file names; loads nothing."""
-    data, problem = folder_config(path, "checkpoint", "config.json, *.safetensors, tokenizer")
-    if problem:
-        return problem
-    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
-        return "config.json has no \"model_type\" (not an mlx-lm / Hugging Face model config)"
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            if not all(isinstance(n, str) for n in names):
-                raise TypeError("weight_map values must be file names")
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            return f"model.safetensors.index.json is not a valid weight index ({exc})"
-        missing = [n for n in names if not (path / n).is_file()]
-        if missing:
-            return f"weight file {missing[0]} named by model.safetensors.index.json is missing"
-        files = [path / n for n in names]
-    else:
-        files = sorted(path.glob("model*.safetensors"))
-    problem = weights_problem(files)
-    if problem:
-        return problem
-    if not any((path / n).is_file() for n in _TOKENIZER_FILES):
-        return f"no tokenizer in the folder (expected one of {', '.join(_TOKENIZER_FILES)})"
-    tok = path / "tokenizer.json"
-    if tok.is_file():
-        try:
-            vocab = json.loads(tok.read_text()).get("model", {}).get("vocab")
-        except (OSError, ValueError, UnicodeDecodeError, AttributeError) as exc:
-            return f"tokenizer.json is not valid JSON ({exc})"
-        if vocab is not None and (not isinstance(vocab, (dict, list)) or len(vocab) == 0):
-            return "tokenizer.json has no usable vocabulary"
-    return None
-
-
-def _hub_cached(repo: str) -> Optional[bool]:
-    """True/False: the repo's config.json is / is not in the Hugging Face
-    cache; None when huggingface_hub cannot tell."""
-    try:
-        from huggingface_hub import try_to_load_from_cache
-    except ImportError:
-        return None
-    try:
-        return isinstance(try_to_load_from_cache(repo, "config.json"), str)
-    except Exception:  # an id huggingface_hub rejects: mlx-lm will say so
-        return None
-
-
-def _hub_offline() -> bool:
-    try:
-        from huggingface_hub import constants
-    except ImportError:
-        return False
-    return bool(getattr(constants, "HF_HUB_OFFLINE", False))
-
-
-def _check_model(argv: Sequence[str]) -> None:
-    for model in _flag_values(argv, ("--model",)):
-        if not model.strip():
-            usage_error("--model is empty: expected a checkpoint folder or a Hugging Face repo id")
-        path = Path(os.path.expanduser(model))
-        if path.exists() or model.startswith(("/", "./", "../", "~")):
-            problem = check_checkpoint_folder(path)
-            if problem:
-                usage_error(f"--model {model}: {problem}")
-            continue
-        if not _REPO_ID.fullmatch(model):
-            usage_error(f"--model {model}: no such folder (a Hugging Face repo id is written namespace/name)")
-        if _hub_cached(model) is False and _hub_offline():
-            usage_error(f"--model {model}: not a folder, and not in the Hugging Face cache (HF_HUB_OFFLINE is set)")
-
-
-def _expand_model(argv: List[str]) -> List[str]:
-    """``argv`` with a ``--model ~/...`` value written as the path it names
-    (a quoted ``~`` reaches the program unexpanded, and mlx-lm would take it
-    for a repo id)."""
-    out = list(argv)
-    for i, a in enumerate(out):
-        if a == "--model" and i + 1 < len(out) and out[i + 1].startswith("~"):
-            out[i + 1] = os.path.expanduser(out[i + 1])
-        elif a.startswith("--model=~"):
-            out[i] = "--model=" + os.path.expanduser(a.split("=", 1)[1])
-    return out
-
-
-def check_arguments(command: str, argv: Sequence[str]) -> None:
-    """Exit with one line and code 2 for the usage errors this module checks
-    (see the module docstring) in ``argv`` of mlx-lm's ``command`` (e.g.
-    "generate", "benchmark", "server"). Imports nothing heavy; for
-    ``--prompt -`` reads stdin (and puts what it read back as ``sys.stdin``)."""
-    if "-h" in argv or "--help" in argv:
-        return
-    _check_model(argv)
-    _check_counts(command, argv)
-    _check_prompt(command, argv)
-
-
 #: ``--dtype`` values: the activation dtype the loaded model computes in.
 DTYPES = ("bfloat16", "float16", "float32")
 DTYPE_HELP = ("--dtype {bfloat16,float16,float32}: the dtype the model computes in (default: the checkpoint's); "
               "on a CPU float32 is several times faster than bfloat16 and makes patched and --stock tokens "
               "comparable.")
-
-
-def take_flag(argv: Sequence[str], flag: str, expected: str):
-    """``argv`` without ``flag VALUE`` / ``flag=VALUE``, and VALUE (None
-    when the flag is absent): for the package's own flags, taken out before
-    mlx-lm parses the rest. The flag without a value (``expected`` says
-    what it takes) or given twice: usage error (one line, exit code 2)."""
-    out, found = [], []
-    i = 0
-    while i < len(argv):
-        a = argv[i]
-        if a == flag:
-            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
-                usage_error(f"{flag}: expected {expected} after it")
-            found.append(argv[i + 1])
-            i += 2
-            continue
-        if a.startswith(flag + "="):
-            found.append(a.split("=", 1)[1])
-        else:
-            out.append(a)
-        i += 1
-    if len(found) > 1:
-        usage_error(f"{flag} given {len(found)} times: expected one")
-    return out, (found[0] if found else None)
 
 
 def take_dtype(argv: Sequence[str]):
@@ -569,7 +189,7 @@ def _first_use_notice(argv: Sequence[str]) -> Optional[Path]:
     spends minutes in MLX's run-time compiles. Returns the folder when it
     printed the line (the caller marks it warm once the run completes), else
     None."""
-    models = _flag_values(argv, ("--model",))
+    models = flag_values(argv, ("--model",))
     if not models:
         return None
     path = Path(os.path.expanduser(models[0]))
@@ -619,7 +239,7 @@ def run_mlx_lm_main(module: str, argv=None, *, before_main=None) -> None:
     argv = [a for a in argv if a != "--stock"]
     command = module.rsplit(".", 1)[-1]
     argv, dtype = take_dtype(argv)
-    argv = _expand_model(argv)
+    argv = expand_model(argv)
     check_arguments(command, argv)
     if "-h" in argv or "--help" in argv:
         print("mlx_qwen_fast: mlx-lm's own flags follow; add --stock to run stock mlx-lm "
@@ -650,7 +270,7 @@ def run_mlx_lm_main(module: str, argv=None, *, before_main=None) -> None:
     except (ValueError, OSError, KeyError, RuntimeError, TypeError) as exc:  # TypeError: config fields
         if not _loading_error(exc):
             raise
-        model = (_flag_values(argv, ("--model",)) or ["not given, mlx-lm's default model"])[0]
+        model = (flag_values(argv, ("--model",)) or ["not given, mlx-lm's default model"])[0]
         text = " ".join(str(exc).split()) or type(exc).__name__  # the whole message, on one line
         text = text if len(text) <= 300 else text[:297] + "..."
         usage_error(f"--model {model}: mlx-lm could not load it: {type(exc).__name__}: {text}")

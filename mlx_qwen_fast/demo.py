@@ -16,7 +16,7 @@ of the *same* stock model agree on only ~80% of the tiny model's tokens), so
 only fp32 makes token identity a check of the code rather than of rounding.
 
 The arguments are checked before mlx-lm is imported: each usage error is one
-line, exit code 2 (:class:`mlx_qwen_fast._cli.ArgumentParser`).
+line, exit code 2 (:class:`mlx_qwen_fast._cli_parser.ArgumentParser`).
 """
 
 import sys
@@ -25,7 +25,9 @@ from pathlib import Path
 import mlx.core as mx
 
 from . import config
-from ._cli import ArgumentParser, check_checkpoint_folder, one_line_warnings, whole_number
+from ._cli import one_line_warnings
+from ._cli_checks import check_checkpoint_folder
+from ._cli_parser import ArgumentParser, whole_number
 from .checkpoint import DEMO_LM_HEAD_SCALE, SHARD_GLOB, write_checkpoint
 
 # mlx-lm and .patching (which imports it) are imported where they are used,

@@ -155,7 +155,8 @@ def main(argv=None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="local checkpoint folder")
     args = p.parse_args(argv)
-    from ._cli import check_checkpoint_folder, usage_error
+    from ._cli_checks import check_checkpoint_folder
+    from ._cli_parser import usage_error
 
     problem = check_checkpoint_folder(Path(os.path.expanduser(args.model)))
     if problem:

@@ -1,7 +1,7 @@
 """Run one of the package's modules as ``python -m MODULE ARGS`` in a fresh
 interpreter and report, with its exit code and output, which modules it had
 imported when it exited (to check that argument errors come before mlx-lm
-is imported)."""
+is imported); or run the interpreter with any arguments (:func:`run_python`)."""
 
 import json
 import os
@@ -46,11 +46,23 @@ class CliRun(NamedTuple):
         return sorted(m for m in self.modules if m.split(".")[0] in HEAVY)
 
 
+def _environment(extra=None) -> dict:
+    """This process's environment with ``extra`` and the repository first on ``PYTHONPATH``."""
+    return dict(os.environ, **(extra or {}), PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def run_python(*args: str, timeout: float = 120, env=None, stdin=None) -> subprocess.CompletedProcess:
+    """``python args...`` in a subprocess (the repository first on
+    ``PYTHONPATH``; ``env``: extra environment variables; ``stdin``: text
+    fed to it), its output captured as text."""
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=_environment(env),
+                          timeout=timeout, input=stdin)
+
+
 def run_module(module: str, *args: str, env=None, timeout: float = 120) -> CliRun:
     """``python -m module args...`` in a subprocess (the repository first on
     ``PYTHONPATH``; ``env``: extra environment variables)."""
-    env = dict(os.environ, **(env or {}),
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = _environment(env)
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "modules.json"
         r = subprocess.run([sys.executable, "-c", _WRAPPER, str(report), module, *args],

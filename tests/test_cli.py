@@ -1,25 +1,17 @@
-"""The CLIs' argument checks (mlx_qwen_fast/_cli.py): one line, exit code 2,
-before anything heavy is imported; --version; a model type without a fast
-path says so."""
+"""The CLIs as they run mlx-lm (mlx_qwen_fast/_cli.py): usage errors one
+line, exit code 2, before anything heavy is imported; --version, --stock,
+--dtype; a model type without a fast path says so. The checks themselves:
+test_cli_checks.py; the parser: test_cli_parser.py."""
 
 import json
 import os
 import shutil
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from mlx_qwen_fast import _cli
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def _run(*args, timeout=120, env=None, stdin=None):
-    env = dict(os.environ, **(env or {}), PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    return subprocess.run([sys.executable, *args], capture_output=True, text=True, env=env, timeout=timeout,
-                          input=stdin)
+from cli_run import run_python
+from mlx_qwen_fast import _cli, _cli_checks
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +55,7 @@ def broken(tmp_path_factory, tiny_checkpoint):
     ("file", "is a file"),
 ])
 def test_broken_checkpoint_is_one_line_exit_2(broken, case, expect):
-    r = _run("-m", "mlx_qwen_fast.generate", "--model", str(broken[case]), "--prompt", "hi", "-m", "2")
+    r = run_python("-m", "mlx_qwen_fast.generate", "--model", str(broken[case]), "--prompt", "hi", "-m", "2")
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and f"--model {broken[case]}" in lines[0] and expect in lines[0], r.stderr
@@ -74,7 +66,7 @@ def test_broken_checkpoint_is_one_line_exit_2(broken, case, expect):
 def test_a_config_that_does_not_fit_is_one_line(broken, case, expect):
     """Weights of other shapes than config.json's, or a field of the wrong
     type: mlx-lm's error, on one line, exit 2."""
-    r = _run("-m", "mlx_qwen_fast.generate", "--model", str(broken[case]), "--prompt", "hi", "-m", "2")
+    r = run_python("-m", "mlx_qwen_fast.generate", "--model", str(broken[case]), "--prompt", "hi", "-m", "2")
     assert r.returncode == 2, r.stderr
     last = r.stderr.strip().splitlines()[-1]
     assert "could not load it" in last and expect in last
@@ -89,7 +81,7 @@ def test_a_config_that_does_not_fit_is_one_line(broken, case, expect):
     (["-m", "mlx_qwen_fast"], "a subcommand is needed"),
 ])
 def test_usage_errors_without_a_checkpoint(argv, expect):
-    r = _run(*argv)
+    r = run_python(*argv)
     assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr
 
 
@@ -102,13 +94,13 @@ def test_usage_errors_without_a_checkpoint(argv, expect):
     (["-m", "mlx_qwen_fast", "benchmark", "-b", "0"], "--batch-size 0"),
 ])
 def test_bad_counts_and_prompts(tiny_checkpoint, argv, expect):
-    r = _run(*argv, "--model", str(tiny_checkpoint))
+    r = run_python(*argv, "--model", str(tiny_checkpoint))
     assert r.returncode == 2 and expect in r.stderr, r.stderr
 
 
 @pytest.mark.parametrize("stdin", ["", " \n\t\n"])
 def test_an_empty_prompt_from_stdin_is_a_usage_error(tiny_checkpoint, stdin):
-    r = _run("-m", "mlx_qwen_fast.generate", "--model", str(tiny_checkpoint), "--prompt", "-", "-m", "2",
+    r = run_python("-m", "mlx_qwen_fast.generate", "--model", str(tiny_checkpoint), "--prompt", "-", "-m", "2",
              stdin=stdin)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
@@ -116,45 +108,20 @@ def test_an_empty_prompt_from_stdin_is_a_usage_error(tiny_checkpoint, stdin):
     assert r.stdout == ""
 
 
-def test_a_prompt_from_stdin_reaches_mlx_lm(monkeypatch, capsys):
-    """The prompt the check read from stdin is there again for mlx-lm's
-    ``sys.stdin.read()``; only the value argparse keeps (the last) counts."""
-    import io
-
-    for argv in (["--prompt", "-"], ["-p", "x", "-p", "-"], ["--prompt=-"]):
-        monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
-        _cli.check_arguments("generate", argv)
-        assert sys.stdin.read() == "hello\n"
-    monkeypatch.setattr("sys.stdin", io.StringIO(""))
-    _cli.check_arguments("generate", ["--prompt", "-", "--prompt", "hi"])  # "hi" wins: stdin is not read
-    with pytest.raises(SystemExit) as e:
-        _cli.check_arguments("cache_prompt", ["--prompt", "-"])
-    assert e.value.code == 2 and "--prompt -" in capsys.readouterr().err
-
-
-def test_checks_run_before_mlx_lm_is_imported(monkeypatch, tmp_path):
-    """A usage error exits before mlx-lm (and transformers) are imported."""
-    code = ("import sys; from mlx_qwen_fast import _cli\n"
-            "try:\n    _cli.check_arguments('generate', ['--model', sys.argv[1]])\n"
-            "except SystemExit as e:\n    print(e.code, 'mlx_lm' in sys.modules, 'transformers' in sys.modules)\n")
-    r = _run("-c", code, str(tmp_path / "missing"))
-    assert r.stdout.split() == ["2", "False", "False"], r.stdout + r.stderr
-
-
 def test_version_names_ours_mlx_and_mlx_lm():
     import mlx.core as mx
     import mlx_qwen_fast
 
-    r = _run("-m", "mlx_qwen_fast", "--version")
+    r = run_python("-m", "mlx_qwen_fast", "--version")
     assert r.returncode == 0
     out = r.stdout.strip()
     assert out.startswith(f"mlx_qwen_fast {mlx_qwen_fast.__version__}") and f"mlx {mx.__version__}" in out
     assert "mlx-lm " in out
-    assert _run("-m", "mlx_qwen_fast.generate", "--version").stdout.strip() == out
+    assert run_python("-m", "mlx_qwen_fast.generate", "--version").stdout.strip() == out
 
 
 def test_generate_runs_and_reports_the_patch(tiny_checkpoint):
-    r = _run("-m", "mlx_qwen_fast.generate", "--model", str(tiny_checkpoint), "--prompt", "hello", "-m", "3")
+    r = run_python("-m", "mlx_qwen_fast.generate", "--model", str(tiny_checkpoint), "--prompt", "hello", "-m", "3")
     assert r.returncode == 0, r.stderr
     assert "mlx_qwen_fast: patched" in r.stderr and "Generation: 3 tokens" in r.stdout
 
@@ -163,7 +130,7 @@ def test_a_package_warning_is_one_clean_line(tiny_checkpoint):
     """A switch value the package does not understand, through a CLI: one
     line in the CLI's format, not Python's warning (file:line, category,
     source line)."""
-    r = _run("-m", "mlx_qwen_fast.generate", "--model", str(tiny_checkpoint), "--prompt", "hi", "-m", "2",
+    r = run_python("-m", "mlx_qwen_fast.generate", "--model", str(tiny_checkpoint), "--prompt", "hi", "-m", "2",
              env={"MLX_QWEN_FAST": "banana"})
     assert r.returncode == 0, r.stderr
     said = [line for line in r.stderr.splitlines() if "banana" in line]
@@ -213,23 +180,9 @@ def test_model_type_without_fast_path_says_so(tmp_path):
         dict(model_type="llama", hidden_size=64, num_hidden_layers=1, intermediate_size=128,
              num_attention_heads=2, rms_norm_eps=1e-5, vocab_size=512, num_key_value_heads=2)))
     make_tokenizer(tmp_path)
-    r = _run("-m", "mlx_qwen_fast.generate", "--model", str(tmp_path), "--prompt", "hi", "-m", "2")
+    r = run_python("-m", "mlx_qwen_fast.generate", "--model", str(tmp_path), "--prompt", "hi", "-m", "2")
     assert r.returncode == 0, r.stderr
     assert "model_type 'llama' has no fast path" in r.stderr and "running stock" in r.stderr
-
-
-def test_safetensors_check_reads_headers(tmp_path):
-    import mlx.core as mx
-
-    p = tmp_path / "model.safetensors"
-    mx.save_safetensors(str(p), {"w": mx.ones((64, 64))})
-    assert _cli._safetensors_problem(p) is None
-    p.write_bytes(p.read_bytes()[:-1])
-    assert "truncated" in _cli._safetensors_problem(p)
-    p.write_bytes(b"\x00" * 4)
-    assert "truncated" in _cli._safetensors_problem(p)
-    p.write_bytes(b"\xff" * 64)
-    assert _cli._safetensors_problem(p) is not None
 
 
 # ---------------------------------------------------------------------------
@@ -273,7 +226,7 @@ def test_cli_says_when_it_runs_stock(fake_main, env, capsys):
 def test_cli_model_flag_forms(fake_main, monkeypatch, tmp_path, capsys, tiny_checkpoint):
     """--model=PATH is checked like --model PATH; a checkpoint folder and a
     repo id pass; -m is mlx-lm's --max-tokens, not a model."""
-    monkeypatch.setattr(_cli, "_hub_offline", lambda: False)  # a repo id is left to mlx-lm to fetch
+    monkeypatch.setattr(_cli_checks, "_hub_offline", lambda: False)  # a repo id is left to mlx-lm to fetch
     for argv, what in (([f"--model={tmp_path}/nope", "--stock"], "no such folder"),
                        (["--model", str(tmp_path), "--stock"], "no config.json")):
         with pytest.raises(SystemExit) as exc:
@@ -315,44 +268,22 @@ def test_stock_cli_undoes_the_graph_limit(fake_main, process_environment):
     (["-m", "mlx_qwen_fast", "benchmark", "--prompt-tok=0"], "--prompt-tokens 0"),
 ])
 def test_counts_in_every_spelling_argparse_takes(tiny_checkpoint, argv, expect):
-    r = _run(*argv, "--model", str(tiny_checkpoint))
+    r = run_python(*argv, "--model", str(tiny_checkpoint))
     assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_an_mlx_lm_module_without_main_is_not_a_subcommand():
-    r = _run("-m", "mlx_qwen_fast", "utils")
+    r = run_python("-m", "mlx_qwen_fast", "utils")
     assert r.returncode == 2 and "unknown subcommand 'utils'" in r.stderr
-
-
-@pytest.mark.parametrize("header", [b"[1, 2]", b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": ["a", "b"]}}',
-                                    b'{"w": {"data_offsets": [0]}}', b'{"w": {"data_offsets": null}}'])
-def test_malformed_safetensors_headers_are_one_line(tmp_path, header):
-    import struct
-
-    p = tmp_path / "model.safetensors"
-    p.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
-    problem = _cli._safetensors_problem(p)
-    assert problem and "not a" in problem
 
 
 def test_a_quoted_tilde_model_path_is_expanded(tiny_checkpoint, tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     shutil.copytree(tiny_checkpoint, home / "ck")
-    env = dict(os.environ, HOME=str(home), PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-m", "mlx_qwen_fast.generate", "--model", "~/ck", "--prompt", "hi",
-                        "-m", "2"], capture_output=True, text=True, env=env, timeout=120)
+    r = run_python("-m", "mlx_qwen_fast.generate", "--model", "~/ck", "--prompt", "hi", "-m", "2",
+                   env={"HOME": str(home)})
     assert r.returncode == 0, r.stderr
-
-
-def test_the_parsers_error_is_one_line(capsys):
-    """The package CLIs' parser prints a message of several lines (an
-    exception's text) as one line, exit code 2."""
-    parser = _cli.ArgumentParser(prog="prog")
-    with pytest.raises(SystemExit) as e:
-        parser.error("could not load:\n  first\n\tsecond ")
-    assert e.value.code == 2
-    assert capsys.readouterr().err == "prog: error: could not load: first second\n"
 
 
 @pytest.fixture(scope="module")
@@ -372,13 +303,13 @@ def test_generate_with_a_draft_model(demo_checkpoint, draft_checkpoint):
     `--stock` mlx-lm refuses the hybrid model's caches."""
     args = ("-m", "mlx_qwen_fast.generate", "--model", str(demo_checkpoint), "--prompt", "Tell me about rivers.",
             "-m", "12", "--verbose", "False")
-    plain = _run(*args, timeout=300)
+    plain = run_python(*args, timeout=300)
     assert plain.returncode == 0, plain.stderr
-    spec = _run(*args, "--draft-model", str(draft_checkpoint), "--num-draft-tokens", "3", timeout=300)
+    spec = run_python(*args, "--draft-model", str(draft_checkpoint), "--num-draft-tokens", "3", timeout=300)
     assert spec.returncode == 0, spec.stderr
     assert spec.stderr.count("mlx_qwen_fast: patched") == 2, spec.stderr  # target and draft
     assert spec.stdout.strip() and spec.stdout == plain.stdout
-    stock = _run(*args, "--draft-model", str(draft_checkpoint), "--stock", timeout=300)
+    stock = run_python(*args, "--draft-model", str(draft_checkpoint), "--stock", timeout=300)
     assert stock.returncode != 0 and "requires a trimmable prompt cache" in stock.stderr, stock.stderr
 
 
@@ -389,14 +320,14 @@ def test_dtype_float32_makes_patched_and_stock_tokens_agree(demo_checkpoint):
     flag twice is one line, exit code 2."""
     args = ("-m", "mlx_qwen_fast.generate", "--model", str(demo_checkpoint), "--prompt", "Tell me about rivers.",
             "-m", "16", "--verbose", "False")
-    fast = _run(*args, "--dtype", "float32", timeout=300)
-    stock = _run(*args, "--dtype=float32", "--stock", timeout=300)
+    fast = run_python(*args, "--dtype", "float32", timeout=300)
+    stock = run_python(*args, "--dtype=float32", "--stock", timeout=300)
     assert fast.returncode == 0 and stock.returncode == 0, fast.stderr + stock.stderr
     assert "mlx_qwen_fast: patched" in fast.stderr
     assert fast.stdout.strip() and fast.stdout == stock.stdout
     for bad, expect in ((("--dtype", "float8"), "--dtype: expected one of bfloat16, float16, float32, got 'float8'"),
                         (("--dtype", "float32", "--dtype", "float16"), "--dtype given 2 times: expected one")):
-        r = _run("-m", "mlx_qwen_fast.generate", "--model", str(demo_checkpoint), "--prompt", "hi", *bad)
+        r = run_python("-m", "mlx_qwen_fast.generate", "--model", str(demo_checkpoint), "--prompt", "hi", *bad)
         assert r.returncode == 2 and r.stderr.strip().splitlines() == [f"mlx_qwen_fast: error: {expect}"], r.stderr
 
 

@@ -5,7 +5,8 @@
 from pathlib import Path
 from typing import Dict, List, Mapping, Optional
 
-from .._cli import ArgumentParser, finite_number, one_line_warnings, whole_number
+from .._cli import one_line_warnings
+from .._cli_parser import ArgumentParser, finite_number, whole_number
 from .presets import PRESETS, _check_args
 from .quantization import (
     AFFINE_BITS,

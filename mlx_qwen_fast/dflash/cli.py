@@ -23,7 +23,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
-from .._cli import folder_config, take_flag, usage_error, weights_problem
+from .._cli_checks import folder_config, weights_problem
+from .._cli_parser import take_flag, usage_error
 
 FLAG = "--dflash-drafter"
 HELP = (f"{FLAG} DIR: speculative decoding with a DFlash block drafter (a folder in z-lab's layout: config.json "
