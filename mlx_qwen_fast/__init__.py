@@ -10,8 +10,9 @@ Usage::
 Importing the package is light (MLX's core, no mlx-lm): it sets MLX's
 process-wide variables (:func:`mlx_qwen_fast.config.apply_process_settings`)
 and registers the model type ``qwen3_5_moe_fast`` with mlx-lm's loader; the
-public functions below load :mod:`mlx_qwen_fast.patching` (and so mlx-lm) on
-first use, so the CLIs can check their arguments first.
+public functions below load :mod:`mlx_qwen_fast.patching` and
+:mod:`mlx_qwen_fast.patch_report` (and so mlx-lm) on first use, so the CLIs
+can check their arguments first.
 """
 
 from . import backend as _backend
@@ -36,12 +37,16 @@ __all__ = [
 ]
 
 
-def __getattr__(name):
-    # PEP 562: the public API from .patching, imported on first access
-    if name in __all__:
-        from . import patching
+#: The public names :mod:`.patch_report` holds; the others are :mod:`.patching`'s.
+_HOMES = {"PatchReport": "patch_report", "op_implementations": "patch_report"}
 
-        value = getattr(patching, name)
+
+def __getattr__(name):
+    # PEP 562: the public API from .patching and .patch_report, imported on first access
+    if name in __all__:
+        import importlib
+
+        value = getattr(importlib.import_module(f".{_HOMES.get(name, 'patching')}", __name__), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'mlx_qwen_fast' has no attribute {name!r}")

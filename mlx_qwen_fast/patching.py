@@ -16,14 +16,14 @@ patch time, from every fast module's own weights, which of its kernels may
 run for it (``decide_kernels`` in :mod:`mlx_qwen_fast.ops.moe` and
 :mod:`~mlx_qwen_fast.ops.gated_delta`): an op whose kernels do not read the
 weights' quantisation stays stock where they would run, with one warning per
-op and reason, and the :class:`PatchReport` says so.
+op and reason, and the :class:`~mlx_qwen_fast.patch_report.PatchReport` says
+so (:mod:`mlx_qwen_fast.patch_report`: the report and its table of ops).
 """
 
 import functools
 import inspect
 import sys
 import warnings
-from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import mlx.nn as nn
@@ -32,10 +32,7 @@ import mlx_lm.utils
 from . import backend, config, generation, speculative
 from .compiled import StepPlans
 from .layers import FAST_CLASSES, HEAD_CLASSES, LAYER_CLASSES, MODEL_CLASSES, rebind
-from .ops import attention as attention_ops
-from .ops import decoder as decoder_ops
-from .ops import gated_delta as gated_delta_ops
-from .ops import moe as moe_ops
+from .patch_report import FAMILIES, PatchReport, apply_declines, declined_text, op_table, warn_declined
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5", "qwen3_5_moe_fast")
 # mlx-lm's sharded_load, which shards or pipelines the model load_model gave it
@@ -43,100 +40,15 @@ SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5", "qwen3_5_moe_fast")
 # wrapper patches, and so declines, the model once it is sharded)
 _SHARDED_LOAD = inspect.unwrap(mlx_lm.utils.sharded_load)
 _SLOTS = ("linear_attn", "mlp", "self_attn")  # the modules with a fast class
-_PREFILL_TOKENS = 2048  # mlx-lm's default prefill_step_size, for the report
-_FAMILIES = (("gated_delta", gated_delta_ops), ("moe", moe_ops))  # report name, dispatcher
-_PHASES = (("prefill", _PREFILL_TOKENS), ("decode", 1))
-
-
-@dataclass
-class PatchReport:
-    """What :func:`patch` did.
-
-    Attributes:
-        patched: True if the fast modules are in place.
-        reason: why the model was left stock (None when patched).
-        model_type: the model's ``model_type``.
-        backend: "cpu", "cuda" or "metal" (the default device's backend).
-        swapped: number of modules swapped per slot (``linear_attn``,
-            ``mlp``, ``self_attn``), and of decoder layers and layer
-            stacks swapped in place (``decoder_layer``, ``layer_stack``).
-        ops: implementation each op uses on this backend, e.g.
-            ``{"gated_delta.prefill": "chunked", "moe.decode": "stock"}``
-            ("stock" also where the backend's kernel declined the weights'
-            quantisation in every layer: see ``declined``).
-        declined: ops whose kernel implementation on this backend declined
-            this model's weights, with why and in how many layers, e.g.
-            ``{"moe.prefill": "moe experts: 3-bit weights
-            (switch_mlp.gate_proj) in 40 of 40 layers"}``; those layers run
-            the op stock. Empty where nothing was declined, and on backends
-            without kernels.
-        graph_limit: on CUDA, MLX's variables that the import sets where
-            the user has not, as they stand and who set them
-            (:func:`mlx_qwen_fast.config.process_settings_report`); empty
-            elsewhere.
-    """
-
-    patched: bool
-    reason: Optional[str] = None
-    model_type: str = ""
-    backend: str = ""
-    swapped: Dict[str, int] = field(default_factory=dict)
-    ops: Dict[str, str] = field(default_factory=dict)
-    graph_limit: str = ""
-    declined: Dict[str, str] = field(default_factory=dict)
-
-    def __str__(self):
-        if not self.patched:
-            return f"mlx_qwen_fast: left stock ({self.reason})"
-        swapped = ", ".join(f"{n} {k}" for k, n in self.swapped.items()) or "nothing new"
-        ops = ", ".join(f"{k}={v}" for k, v in self.ops.items())
-        declined = "".join(f"; {k} kernel declined: {v}" for k, v in self.declined.items())
-        tail = f"; {self.graph_limit}" if self.graph_limit else ""
-        return f"mlx_qwen_fast: patched {swapped} on {self.backend}; ops: {ops}{declined}{tail}"
-
-
-def op_implementations(backend_name: Optional[str] = None) -> Dict[str, str]:
-    """Implementation of each op family for prefill and decode on a backend.
-
-    The prefill rows are the op families' dispatchers' choice for a
-    prefill chunk (``implementation_for``); the decode rows are the decode
-    planner's (:func:`mlx_qwen_fast.ops.decoder.decode_routes`).
-
-    Args:
-        backend_name: ``"cpu" | "cuda" | "metal"`` (the implementations that
-            would run there on this machine: a GPU backend without its device
-            falls back as the ops do), or None for the current backend.
-
-    Returns:
-        ``{"<family>.prefill" | "<family>.decode": implementation name}``.
-
-    Raises:
-        ValueError: an unknown backend name (the empty string included).
-    """
-    return _op_table(backend.resolve(backend_name), None)
-
-
-def _op_table(b: str, model: Optional[nn.Module]) -> Dict[str, str]:
-    """:func:`op_implementations` on backend ``b``; with ``model``, its
-    decode rows narrowed to the model's weights (see
-    :func:`mlx_qwen_fast.ops.decoder.decode_routes`)."""
-    decode = decoder_ops.decode_routes(b, model).table()
-    table = {}
-    for name, module in _FAMILIES:
-        table[f"{name}.prefill"] = module.implementation_for(_PREFILL_TOKENS, b)
-        table[f"{name}.decode"] = decode[f"{name}.decode"]
-    table["attention.prefill"] = attention_ops.implementation_for(_PREFILL_TOKENS, b)
-    table.update(decode)  # the attention, projections, head and whole-step rows, in the planner's order
-    return table
 
 
 def _decide_kernels(model: nn.Module) -> List[Tuple[str, Dict[str, str]]]:
     """Each fast module's op family decides which kernels may run for it
     (``decide_kernels``, kept on the module for the dispatcher): ``[(family
     name, {implementation: reason})]``, one entry per fast module of the
-    families in ``_FAMILIES`` (the attention kernels read no weights: they
+    families in ``FAMILIES`` (the attention kernels read no weights: they
     decline none)."""
-    names = {id(module): name for name, module in _FAMILIES}
+    names = {id(module): name for name, module in FAMILIES}
     fast = tuple(FAST_CLASSES.values())
     out = []
     for layer in model.layers:
@@ -145,49 +57,6 @@ def _decide_kernels(model: nn.Module) -> List[Tuple[str, Dict[str, str]]]:
             if isinstance(module, fast) and id(module.ops) in names:
                 out.append((names[id(module.ops)], module.ops.decide_kernels(module)))
     return out
-
-
-#: Report names decided under another implementation's name: the one-launch MoE
-#: block reads the expert weights as the MoE decode kernels do, and is declined with them.
-_DECIDED_AS = {"cuda-block": "cuda-decode"}
-
-
-def _apply_declines(table: Dict[str, str], decisions) -> Dict[str, List[Tuple[str, int, int]]]:
-    """Mark the ops of ``table`` whose implementation modules declined:
-    "stock" where every module of the family declined it. Returns ``{op:
-    [(reason, layers declining for it, layers of the family)]}``."""
-    declined = {}
-    for name, _ in _FAMILIES:
-        per_family = [d for n, d in decisions if n == name]
-        for phase, _ in _PHASES:
-            key = f"{name}.{phase}"
-            counts: Dict[str, int] = {}
-            impl = _DECIDED_AS.get(table[key], table[key])
-            for d in per_family:
-                if impl in d:
-                    counts[d[impl]] = counts.get(d[impl], 0) + 1
-            if counts:
-                declined[key] = [(r, n, len(per_family)) for r, n in counts.items()]
-                if sum(counts.values()) == len(per_family):
-                    table[key] = "stock"
-    return declined
-
-
-def _warn_declined(declined: Dict[str, List[Tuple[str, int, int]]]) -> None:
-    """One warning per op and reason (the layers that share a reason are
-    counted in it, not warned about one by one)."""
-    formats = {name: getattr(module, "KERNEL_QUANTIZATION", None) for name, module in _FAMILIES}
-    for op, reasons in declined.items():
-        fmt = formats[op.split(".", 1)[0]]
-        implement = f"; the kernels implement {fmt}" if fmt else ""
-        for reason, n, total in reasons:
-            warnings.warn(f"mlx_qwen_fast: {op} runs stock in {n} of {total} layers: {reason}{implement}",
-                          stacklevel=3)
-
-
-def _declined_text(declined: Dict[str, List[Tuple[str, int, int]]]) -> Dict[str, str]:
-    return {op: "; ".join(f"{r} in {n} of {t} layers" for r, n, t in reasons)
-            for op, reasons in declined.items()}
 
 
 def _model_type(model: nn.Module) -> str:
@@ -398,11 +267,11 @@ def _patch(model: nn.Module, warn: bool, stacklevel: int) -> PatchReport:
     speculative.install()  # mlx-lm's speculative decoding: the patched caches roll back
     generation.install()  # mlx-lm's generate_step: the KV buffers sized for the whole generation
     previous = getattr(model, "patch_report", None)
-    ops = _op_table(backend.current(), model)
-    declined = _apply_declines(ops, _decide_kernels(model))
+    ops = op_table(backend.current(), model)
+    declined = apply_declines(ops, _decide_kernels(model))
     if warn:
-        _warn_declined(declined)
-    declined = _declined_text(declined)
+        warn_declined(declined)
+    declined = declined_text(declined)
     report = PatchReport(
         True,
         None,
@@ -420,7 +289,7 @@ def _patch(model: nn.Module, warn: bool, stacklevel: int) -> PatchReport:
     return report
 
 
-def _set_report(model: nn.Module, report: "PatchReport") -> None:
+def _set_report(model: nn.Module, report: PatchReport) -> None:
     """Keep ``report`` as ``model.patch_report`` (a plain attribute, not a parameter)."""
     object.__setattr__(model, "patch_report", report)
 

@@ -25,7 +25,7 @@ Everything is put back on the way out, also when the body raises, so
 nothing leaks into the next test. :class:`MetalRun` counts the kernels'
 calls per phase of the model (prefill: a call of more than one token per
 row; decode: one), and :func:`kernel_problems` holds them against the
-:class:`~mlx_qwen_fast.patching.PatchReport`.
+:class:`~mlx_qwen_fast.patch_report.PatchReport`.
 
 :func:`build` makes the model the Metal kernels take: the tiny preset's
 structure with 128-wide Gated DeltaNet heads (the GDN decode kernel's

@@ -6,7 +6,7 @@ greedy generation with mlx-lm's ``generate_step``, fp32, the same tokens
 and logits within the fp32 bound (``compare.FP32_TOL``).
 
 The kernels are not listed here. The test holds the run against the
-:class:`~mlx_qwen_fast.patching.PatchReport` both ways
+:class:`~mlx_qwen_fast.patch_report.PatchReport` both ways
 (``metal_model.kernel_problems``): every op the report gives a Metal
 implementation ran a kernel of its family in its phase (prefill / decode),
 and every kernel that ran is one the report names. A Metal kernel added to

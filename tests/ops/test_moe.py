@@ -1083,7 +1083,7 @@ def test_metal_dispatch(env, monkeypatch):
     """On Metal "metal-decode" for 1..4 tokens when MLX_QWEN_FAST_METAL=1
     (stock otherwise, and without a Metal device); the patch report names
     it; forced where MLX has no Metal device, the stock block runs."""
-    from mlx_qwen_fast import patching
+    from mlx_qwen_fast import patch_report
 
     monkeypatch.setattr(mx.metal, "is_available", lambda: True)  # the table for a machine with Metal
     env.unset(config.METAL_KERNELS.name)
@@ -1092,7 +1092,7 @@ def test_metal_dispatch(env, monkeypatch):
     for n in (0, 1, 2, 3, 4, 5, moe.PREFILL_MIN_TOKENS, 4096):
         assert moe.implementation_for(n, "metal") == ("metal-decode" if 1 <= n <= 4 else "stock"), n
         assert moe.implementation_for(n, "cpu") == "stock"
-    ops = patching.op_implementations("metal")
+    ops = patch_report.op_implementations("metal")
     assert ops["moe.decode"] == "metal-decode" and ops["moe.prefill"] == "stock"
     monkeypatch.setattr(mx.metal, "is_available", lambda: False)
     assert moe.implementation_for(1, "metal") == "stock"
