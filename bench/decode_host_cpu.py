@@ -3,7 +3,7 @@
 ``python -m bench.decode_host_cpu [--layers 40] [--tokens 50]``
 
 On the CPU the Gated DeltaNet and MoE parts have no compiled decode step, so
-:func:`mlx_qwen_fast.ops.decoder.decode_model` would decline; here they are
+:func:`mlx_qwen_fast.ops.model_plan.decode_model` would decline; here they are
 replaced by stand-ins with the real steps' argument counts (the GDN step's
 10 arrays, the MoE step's 21, each a few cheap ops), so that every layer of
 a tiny-preset model with ``--layers`` layers takes the whole-stack step. Per
@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     from mlx_lm.models.cache import make_prompt_cache
 
     from mlx_qwen_fast import checkpoint, patched_copy
-    from mlx_qwen_fast.ops import decoder
+    from mlx_qwen_fast.ops import decoder, model_plan
 
     _stand_ins(decoder)
     config = checkpoint.preset_config("tiny")
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     cache = make_prompt_cache(fast)
     mx.eval(fast(mx.array([[1, 2, 3]]), cache=cache))
     inside = [0.0]
-    real_step = decoder._model_step
+    real_step = model_plan._model_step
 
     def timed_step(*a):
         fn = real_step(*a)
@@ -93,13 +93,13 @@ def main(argv=None) -> int:
 
         return call
 
-    decoder._model_step = timed_step
+    model_plan._model_step = timed_step
     tok = mx.array([[4]])
     total, compiled = [], []
     for i in range(10 + args.tokens):
         inside[0] = 0.0
         t = time.perf_counter()
-        out = decoder.decode_model(text, tok, cache)
+        out = model_plan.decode_model(text, tok, cache)
         dt = time.perf_counter() - t
         if out is None:
             print("decode_model declined: the stand-ins do not fit this tree", file=sys.stderr)

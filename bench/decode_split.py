@@ -19,7 +19,7 @@ prompt cache filled as if ``--context`` tokens had been prefilled
   engine runs at about 1 / (build + encode);
 - ``--boundary``: per-token times (synchronous) for the tokens around the
   point where the KV buffers grow (every 256 positions for stock, whose
-  ``KVCache.step`` it is; every ``ops.decoder.KV_GROWTH`` for the patched
+  ``KVCache.step`` it is; every ``ops.kv_buffers.KV_GROWTH`` for the patched
   step): a compiled whole-stack step traces again for each new buffer
   capacity, and this shows what that token costs;
 - ``--profile N``: cProfile of N builds (top entries by own time);

@@ -12,7 +12,7 @@ bench/results/INDEX.md).
 
 :func:`install` makes ``mlx_lm.generate.generate_step`` (looked up there at
 each call by ``stream_generate``) a wrapper that hands that number to
-:func:`mlx_qwen_fast.ops.decoder.reserve_kv` for a patched model before
+:func:`mlx_qwen_fast.ops.kv_buffers.reserve_kv` for a patched model before
 mlx-lm's generator starts: the first decode token sizes the buffers for the
 whole generation, and no later token traces again. Tokens, logits and the
 cache's contents are what mlx-lm's generator gives (``KVCache`` reads and
@@ -45,7 +45,7 @@ def _wrap(stock):
     from mlx_lm.models.cache import make_prompt_cache
 
     from . import patching
-    from .ops import decoder
+    from .ops import kv_buffers
 
     @functools.wraps(stock)
     def generate_step(prompt, model, *args, **kwargs):
@@ -55,7 +55,7 @@ def _wrap(stock):
             cache = kwargs.get("prompt_cache")
             if cache is None:  # what the stock function makes itself
                 cache = kwargs["prompt_cache"] = make_prompt_cache(model, max_kv_size=kwargs.get("max_kv_size"))
-            decoder.reserve_kv(cache, _positions(prompt, cache, max_tokens, kwargs.get("input_embeddings")))
+            kv_buffers.reserve_kv(cache, _positions(prompt, cache, max_tokens, kwargs.get("input_embeddings")))
         yield from stock(prompt, model, *args, **kwargs)
 
     generate_step._mqf_stock = stock

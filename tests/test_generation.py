@@ -1,4 +1,4 @@
-"""``mlx_qwen_fast.generation`` and ``ops.decoder.reserve_kv``: mlx-lm's
+"""``mlx_qwen_fast.generation`` and ``ops.kv_buffers.reserve_kv``: mlx-lm's
 generator on a patched model sizes the KV buffers once, so the compiled
 decode step's inputs keep their shape for the whole generation.
 
@@ -18,7 +18,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, make_prompt_cache
 
 from mlx_qwen_fast import generation
 from mlx_qwen_fast.checkpoint import DEMO_LM_HEAD_SCALE, build_model
-from mlx_qwen_fast.ops import decoder
+from mlx_qwen_fast.ops import kv_buffers
 from mlx_qwen_fast.patching import patched_copy
 
 PROMPT = [1, 5, 9, 33, 100, 7, 8, 200, 300, 11]
@@ -70,7 +70,7 @@ def test_generation_keeps_one_capacity(tiny, max_tokens):
     got = _tokens(fast, PROMPT, max_tokens, cache, lambda: shapes.append({c.keys.shape for c in _kv(cache)}))
     want = _tokens(stock, PROMPT, max_tokens, make_prompt_cache(stock))
     assert got == want and len(got) == max_tokens
-    growth, need = max(decoder.KV_GROWTH, KVCache.step), len(PROMPT) + max_tokens
+    growth, need = max(kv_buffers.KV_GROWTH, KVCache.step), len(PROMPT) + max_tokens
     # the prefill (all but the prompt's last token) leaves stock's 256 positions; more only where needed
     cap = KVCache.step if need <= KVCache.step else -(-need // growth) * growth
     assert all(s == shapes[0] for s in shapes) and len(shapes[0]) == 1
@@ -83,7 +83,7 @@ def test_reused_cache_grows_before_its_prefill(tiny, monkeypatch):
     multi-turn use) is sized for the second one before it starts; the
     continuation's tokens are stock's. (KV_GROWTH at stock's 256 keeps the
     prompts short.)"""
-    monkeypatch.setattr(decoder, "KV_GROWTH", KVCache.step)
+    monkeypatch.setattr(kv_buffers, "KV_GROWTH", KVCache.step)
     stock, fast = tiny
     c_fast, c_stock = make_prompt_cache(fast), make_prompt_cache(stock)
     assert _tokens(fast, PROMPT, 8, c_fast) == _tokens(stock, PROMPT, 8, c_stock)
@@ -92,7 +92,7 @@ def test_reused_cache_grows_before_its_prefill(tiny, monkeypatch):
     seen = []
     got = _tokens(fast, more, 4, c_fast, lambda: seen.append({c.keys.shape[2] for c in _kv(c_fast)}))
     assert got == _tokens(stock, more, 4, c_stock)
-    growth = max(decoder.KV_GROWTH, KVCache.step)
+    growth = max(kv_buffers.KV_GROWTH, KVCache.step)
     total = len(PROMPT) + 8 + len(more) + 4
     assert first != seen[0] and seen == [{-(-total // growth) * growth}] * 4
 
@@ -102,7 +102,7 @@ def test_stock_model_passes_through(tiny):
     cache = make_prompt_cache(stock)
     _tokens(stock, PROMPT, 3, cache)
     for c in _kv(cache):
-        assert decoder._RESERVE_ATTR not in c.__dict__ and c.keys.shape[2] == KVCache.step
+        assert kv_buffers._RESERVE_ATTR not in c.__dict__ and c.keys.shape[2] == KVCache.step
 
 
 def test_endless_generation_passes_through(tiny):
@@ -111,7 +111,7 @@ def test_endless_generation_passes_through(tiny):
     gen = _gen_module().generate_step(mx.array(PROMPT), fast, max_tokens=-1, prompt_cache=cache)
     next(gen)
     gen.close()
-    assert all(decoder._RESERVE_ATTR not in c.__dict__ for c in _kv(cache))
+    assert all(kv_buffers._RESERVE_ATTR not in c.__dict__ for c in _kv(cache))
 
 
 def test_mlx_lm_generate_text_is_stock(tiny, tmp_path):
@@ -144,7 +144,7 @@ def test_reserve_kv_grows_filled_buffers(cap, offset, positions, want):
     offset kept, dtype kept; one with room enough is left alone."""
     c, k = _filled(1, cap, offset, dtype=mx.bfloat16)
     other = ArraysCache(2)
-    assert decoder.reserve_kv([c, other, None], positions) == 1
+    assert kv_buffers.reserve_kv([c, other, None], positions) == 1
     assert c.keys.shape == c.values.shape == (1, 2, want, 8) and c.keys.dtype == mx.bfloat16
     assert mx.array_equal(c.keys[..., :offset, :], k[..., :offset, :].astype(mx.bfloat16)).item()
     assert mx.array_equal(c.values[..., :offset, :], (2 * k)[..., :offset, :].astype(mx.bfloat16)).item()
@@ -153,18 +153,18 @@ def test_reserve_kv_grows_filled_buffers(cap, offset, positions, want):
 
 def test_reserve_kv_on_an_empty_cache_waits_for_the_decode_step():
     c = KVCache()
-    assert decoder.reserve_kv([c], 1000) == 1 and c.keys is None
+    assert kv_buffers.reserve_kv([c], 1000) == 1 and c.keys is None
     k = mx.zeros((1, 2, 256, 8))
     c.keys, c.values, c.offset = k, k, 20  # as a prefill leaves it
-    assert decoder._room(c, mx.float32, 1, 2, 8) and c.keys.shape[2] == decoder.KV_GROWTH
+    assert kv_buffers.make_room(c, mx.float32, 1, 2, 8) and c.keys.shape[2] == kv_buffers.KV_GROWTH
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, "8", None, True])
 def test_reserve_kv_rejects_bad_positions(bad):
     with pytest.raises(ValueError, match="positions"):
-        decoder.reserve_kv([KVCache()], bad)
+        kv_buffers.reserve_kv([KVCache()], bad)
 
 
 def test_reserve_kv_rejects_a_non_list():
     with pytest.raises(ValueError, match="prompt_cache"):
-        decoder.reserve_kv(KVCache(), 10)
+        kv_buffers.reserve_kv(KVCache(), 10)

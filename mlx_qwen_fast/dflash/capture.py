@@ -12,7 +12,7 @@ model with :data:`mlx_qwen_fast.config.VERIFY_MODEL_STEP` on runs the
 whole stack as one compiled call that returns the same layer outputs
 (:func:`mlx_qwen_fast.ops.verify.verify_model_hidden`) where that step
 takes the model and cache; the layer-stack's one-token step
-(:func:`mlx_qwen_fast.ops.decoder.decode_model`) is not used, as every
+(:func:`mlx_qwen_fast.ops.model_plan.decode_model`) is not used, as every
 DFlash call but a last one-token step is several tokens.
 
 "The output of layer i" is the residual stream after decoder layer ``i``

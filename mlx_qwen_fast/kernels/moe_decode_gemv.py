@@ -48,7 +48,7 @@ the router's GEMV and these two kernels, the first routing, as one
 :data:`ROUTE_MAX_EXPERTS` the routing kernel between them,
 :func:`moe_decode_arrays`): its module call (:func:`~mlx_qwen_fast.ops.moe.sparse_moe`)
 and the decoder layer's step (:func:`~mlx_qwen_fast.ops.moe.decode_step_parts`,
-traced by :mod:`mlx_qwen_fast.ops.decoder`), where the one-launch block
+traced by :mod:`mlx_qwen_fast.ops.layer_plans`), where the one-launch block
 (:mod:`mlx_qwen_fast.kernels.moe_block_decode`, the default there) is off or
 does not take the router. The down kernel keeps one mma chain per 128-input
 block, adds them in block order, and sums the items' weighted outputs in

@@ -341,7 +341,7 @@ def gated_attention(attn, x: mx.array, mask: Optional[Any] = None, cache: Option
     with :func:`prefill_attention` over the cache's whole buffers at the
     chunk's offset; the gate and ``o_proj`` follow as in stock. Every other
     call -- one token per row (the decoder layer's compiled step,
-    :func:`mlx_qwen_fast.ops.decoder.decode_layer`, runs those through
+    :func:`mlx_qwen_fast.ops.layer_plans.decode_layer`, runs those through
     :func:`decode_step_parts`; where it declines, the stock module), a mask
     array, quantised, rotating or batched caches, the CPU and Metal -- is
     mlx-lm's own ``__call__``.
@@ -419,7 +419,7 @@ _PROJ = ("q_proj", "k_proj", "v_proj")
 def decode_step_parts(attn) -> Optional[DecodeStepParts]:
     """The arrays and static settings of a gated-attention module's decode
     step (:func:`decode_step`), for a caller that traces it inside its own
-    compiled function (:func:`mlx_qwen_fast.ops.decoder.decode_layer`); None
+    compiled function (:func:`mlx_qwen_fast.ops.layer_plans.decode_layer`); None
     where the step does not apply: a projection that is not a plain or
     quantised linear layer (LoRA), q/k/v of unlike quantisation, a RoPE
     other than ``nn.RoPE``, a sharded module. Evaluates the concatenated

@@ -18,7 +18,7 @@ reference model against ~5 ms for the whole one-token step,
 bench/results/INDEX.md, the ``bench.verify_pass`` rows). Here the
 Python runs once per input signature (B, S, the KV buffers' capacity, the
 dtypes) and each later call replays the traced graph from C++, as
-:func:`mlx_qwen_fast.ops.decoder.decode_model` does for S = 1.
+:func:`mlx_qwen_fast.ops.model_plan.decode_model` does for S = 1.
 
 Per layer, inside the trace (the layers' parameters are constants of the
 trace, captured, not inputs: the plan holds only while every one of them is
@@ -38,7 +38,7 @@ the same object, :class:`_VerifyPlan`):
   input, so one trace serves every offset --, the S new K/V rows written
   into the cache's buffers at the offset (``kernels._cache_rows``; the
   buffers donated; room made before the call, in
-  :data:`~mlx_qwen_fast.ops.decoder.KV_GROWTH` steps as the decode step
+  :data:`~mlx_qwen_fast.ops.kv_buffers.KV_GROWTH` steps as the decode step
   makes it), the attention of the S queries over the whole buffer with
   query t masked to positions ``<= offset + t`` (MLX's
   ``scaled_dot_product_attention`` with a boolean mask: the flash prefill
@@ -71,7 +71,7 @@ from .. import config
 from ..compiled import _links, gather
 from ..kernels._cache_rows import row_index, write_rows
 from ..kernels._checks import describe
-from . import decoder as decoder_ops
+from . import kv_buffers, model_plan
 from . import gated_delta as gated_delta_ops
 from . import moe as moe_ops
 from ._checks import check_attention_module, fail, is_int
@@ -230,7 +230,7 @@ def _layer_fits(layer) -> bool:
     return layer.is_linear or (isinstance(layer.self_attn, Qwen3NextAttention) and type(layer.self_attn.rope) is nn.RoPE)
 
 
-class _VerifyPlan:
+class _VerifyPlan(model_plan.KeptPlan):
     """The whole stack's S-token step planned for one model, prompt cache and
     input signature. It holds (:meth:`holds`) while the model's layers and
     the cache's entries are the same objects (the entries through weak
@@ -244,12 +244,6 @@ class _VerifyPlan:
     __slots__ = ("sig", "layers", "cache_refs", "cache_types", "kinds", "kv_shapes", "parents", "names",
                  "children", "fn", "kept", "capture")
 
-    def __deepcopy__(self, memo):
-        return None  # a copied model plans again (this holds the original's objects)
-
-    def __reduce__(self):
-        return (type(None), ())
-
     def holds(self, model, h: mx.array, cache, capture: tuple) -> bool:
         if capture != self.capture or _sig(h) != self.sig or len(cache) != len(self.cache_refs) or len(model.layers) != len(self.layers):
             return False
@@ -257,10 +251,7 @@ class _VerifyPlan:
                 and all(map(operator.is_, map(_call_ref, self.cache_refs), cache))
                 and all(map(operator.is_, map(type, cache), self.cache_types))):
             return False
-        try:
-            if not all(map(operator.is_, map(dict.__getitem__, self.parents, self.names), self.children)):
-                return False
-        except (KeyError, TypeError):
+        if not self.links_hold():
             return False
         S = h.shape[1]
         kv = iter(self.kv_shapes)
@@ -306,7 +297,7 @@ def _fast_gdn():
 def _plan(model, h: mx.array, cache, kept: Optional[dict], capture: tuple) -> Optional[_VerifyPlan]:
     """A :class:`_VerifyPlan`, or None where a layer or cache does not fit
     (nothing changed then). May grow KV buffers after every check passed
-    (:func:`mlx_qwen_fast.ops.decoder._room`, as ``KVCache.update_and_fetch``
+    (:func:`mlx_qwen_fast.ops.kv_buffers.make_room`, as ``KVCache.update_and_fetch``
     grows them before writing): invisible to the caller."""
     types = _cache_types()
     B, S = h.shape[0], h.shape[1]
@@ -332,7 +323,7 @@ def _plan(model, h: mx.array, cache, kept: Optional[dict], capture: tuple) -> Op
         moes.append(moe)
         paths.append(p)
     for layer, c, kind in zip(model.layers, cache, kinds):
-        if kind == "attention" and not decoder_ops._room(c, h.dtype, B, layer.self_attn.num_key_value_heads,
+        if kind == "attention" and not kv_buffers.make_room(c, h.dtype, B, layer.self_attn.num_key_value_heads,
                                                          layer.self_attn.head_dim, S):
             return None
     parents, names, children = [model, model.norm], ["norm", "weight"], [model.norm, model.norm.weight]
@@ -534,7 +525,7 @@ def _verify(model, inputs: mx.array, cache, capture: tuple) -> Optional[tuple]:
             or not isinstance(cache, (list, tuple)) or len(cache) != len(layers)
             or getattr(model, "pipeline_size", 1) != 1 or type(model.norm) is not nn.RMSNorm):
         return None
-    h = decoder_ops.embed_ids(model, inputs)
+    h = model_plan.embed_ids(model, inputs)
     if not isinstance(h, mx.array) or h.ndim != 3:
         return None
     vp = model.__dict__.get(_PLAN_ATTR)
@@ -557,7 +548,7 @@ def _verify(model, inputs: mx.array, cache, capture: tuple) -> Optional[tuple]:
             kv.append(c)
         else:
             states += (c[0], c[1])
-    out, *new = decoder_ops.call_donating(vp.fn, h, states, kv)
+    out, *new = model_plan.call_donating(vp.fn, h, states, kv)
     del states
     hidden = new.pop(0) if capture else None
     from ..speculative import Segment, record_steps  # here: speculative imports this package's modules

@@ -1,5 +1,7 @@
-"""ops.decoder: a decoder layer's one-token step as one compiled call, against
-the stock layer (mlx-lm's ``DecoderLayer.__call__``) on fresh random models.
+"""ops.decoder (the decode planner), ops.layer_plans and ops.model_plan (the
+layer and whole-stack steps it reaches), ops.kv_buffers (their KV room): a
+decoder layer's one-token step as one compiled call, against the stock
+layer (mlx-lm's ``DecoderLayer.__call__``) on fresh random models.
 
 CPU: the gated-attention layers take the compiled step (its MoE block as a
 module call); the Gated DeltaNet layers have no kernel there and stay stock.
@@ -20,7 +22,7 @@ from compare import BF16_EPS, FP32_TOL, GATHER_QMM_TOL, assert_close, finite, re
 from mlx_qwen_fast import config, patched_copy
 from mlx_qwen_fast.checkpoint import build_model
 from mlx_qwen_fast.ops import attention as attention_ops
-from mlx_qwen_fast.ops import decoder
+from mlx_qwen_fast.ops import decoder, kv_buffers, layer_plans, model_plan
 
 from cuda_helpers import HAS_CUDA
 
@@ -38,7 +40,7 @@ def _arrays(cache):
 
 def _valid(cache):
     """The cache with each KVCache's buffers cut to its offset (the decode
-    step grows them in larger steps than stock: ops.decoder.KV_GROWTH)."""
+    step grows them in larger steps than stock: ops.kv_buffers.KV_GROWTH)."""
     out = []
     for c in cache:
         if isinstance(c, KVCache) and c.keys is not None:
@@ -115,7 +117,7 @@ def test_attention_layer_step_matches_stock(monkeypatch, prompt_len, steps, batc
     assert all(c1.offset == c2.offset == prompt_len + steps for c1, c2 in kv)
     for c1, c2 in kv:  # grown as stock grows it where stock's buffer had room, else to KV_GROWTH multiples
         cap = c1.keys.shape[2]
-        grown = -(-c2.offset // decoder.KV_GROWTH) * decoder.KV_GROWTH
+        grown = -(-c2.offset // kv_buffers.KV_GROWTH) * kv_buffers.KV_GROWTH
         assert c2.keys.shape[2] in (cap, grown) and c2.keys.shape[:2] == c1.keys.shape[:2]
 
 
@@ -131,7 +133,7 @@ def test_layer_step_outputs_and_stock_layer_agree_bf16():
         c2.update_and_fetch(mx.array(kv), mx.array(kv * 0.5))
         x = mx.random.normal((1, 1, 256), key=mx.random.key(ctx + 1)).astype(mx.bfloat16)
         ref = stock.layers[i](x, None, c1)
-        got = decoder.decode_layer(fast.layers[i], x, c2)
+        got = layer_plans.decode_layer(fast.layers[i], x, c2)
         assert got is not None
         mx.eval(ref, got)
         assert_close(got, ref, GATHER_QMM_TOL, f"context {ctx}")
@@ -263,7 +265,7 @@ def test_a_cache_of_another_dtype_grows_as_stock_grows_it():
     i, c1, c2, x = _attention_inputs(stock, fast, 256, mx.bfloat16)
     ref, got = stock.layers[i](x, None, c1), fast.layers[i](x, None, c2)
     mx.eval(ref, got)
-    assert c2.keys.dtype == c1.keys.dtype == mx.float32 and c2.keys.shape[2] == decoder.KV_GROWTH
+    assert c2.keys.dtype == c1.keys.dtype == mx.float32 and c2.keys.shape[2] == kv_buffers.KV_GROWTH
     assert_close(got, ref, FP32_TOL, "after growth")
     assert_close(c2.keys[..., :c2.offset, :], c1.keys[..., :c1.offset, :], FP32_TOL, "keys")
 
@@ -279,14 +281,14 @@ def test_room_grows_to_multiples_of_kv_growth(prev, cap, step, want):
     c.step = step
     k = mx.random.normal((1, 2, cap, 8), key=mx.random.key(prev))
     c.keys, c.values, c.offset = k, 2 * k, prev
-    assert decoder._room(c, mx.float32, 1, 2, 8)
+    assert kv_buffers.make_room(c, mx.float32, 1, 2, 8)
     assert c.keys.shape == c.values.shape == (1, 2, want, 8) and c.offset == prev
     assert mx.array_equal(c.keys[..., :prev, :], k[..., :prev, :]).item()
     assert mx.array_equal(c.values[..., :prev, :], 2 * k[..., :prev, :]).item()
     if want != cap:
         assert not mx.any(c.keys[..., prev:, :]).item()
     assert c.keys_and_values()[0].shape[2] == prev  # what mlx-lm's attention reads: up to the offset
-    assert not decoder._room(c, mx.float32, 2, 2, 8)  # another batch: nothing changes
+    assert not kv_buffers.make_room(c, mx.float32, 2, 2, 8)  # another batch: nothing changes
 
 
 def test_unpatch_restores_the_stock_layer_class():
@@ -356,11 +358,11 @@ def test_bad_input_declines():
     _, fast = _models(seed=2)
     layer = next(l for l in fast.layers if not l.is_linear)
     c = KVCache()
-    assert decoder.decode_layer(layer, [[1.0]], c) is None
-    assert decoder.decode_layer(layer, mx.zeros((1, 256)), c) is None
-    assert decoder.decode_layer(layer, mx.zeros((1, 2, 256)), c) is None
-    assert decoder.decode_layer(layer, mx.zeros((0, 1, 256)), c) is None
-    assert decoder.decode_layer(layer, mx.zeros((1, 1, 256)), c) is None  # empty cache: stock's first write
+    assert layer_plans.decode_layer(layer, [[1.0]], c) is None
+    assert layer_plans.decode_layer(layer, mx.zeros((1, 256)), c) is None
+    assert layer_plans.decode_layer(layer, mx.zeros((1, 2, 256)), c) is None
+    assert layer_plans.decode_layer(layer, mx.zeros((0, 1, 256)), c) is None
+    assert layer_plans.decode_layer(layer, mx.zeros((1, 1, 256)), c) is None  # empty cache: stock's first write
 
 
 def test_metal_attention_layer_step_takes_the_metal_kernels(monkeypatch, env, kernel_heads, tmp_path):
@@ -389,10 +391,10 @@ def test_metal_attention_layer_step_takes_the_metal_kernels(monkeypatch, env, ke
         steps = {}
         for on in ("0", "1"):
             env.set(config.METAL_KERNELS.name, on)
-            key, arrays, plan = decoder._layer_entry(layer, x, cache)
-            assert decoder._room(cache, x.dtype, 1, plan[5], plan[6])
-            steps[on] = (key, plan[1], plan[-1], (x, cache.keys, cache.values, mx.array(ctx, mx.int32),
-                                                  *arrays[:plan[3]], *plan[2]))
+            key, arrays, plan = layer_plans.layer_entry(layer, x, cache)
+            assert kv_buffers.make_room(cache, x.dtype, 1, plan.kv_heads, plan.head_dim)
+            steps[on] = (key, plan.fn, plan.raw, (x, cache.keys, cache.values, mx.array(ctx, mx.int32),
+                                                  *arrays[:plan.n_in], *plan.extra))
         assert steps["0"][0] != steps["1"][0] and steps["0"][1] is not steps["1"][1]  # a plan and trace each
         _, _, raw_off, args = steps["0"]
         env.set(config.METAL_KERNELS.name, "0")  # the switch is read while the step runs (or traces)
@@ -654,13 +656,13 @@ def test_model_step_bad_input_declines(monkeypatch):
     cache = _prefilled(fast, mx.array([[1, 2]]))
     before = [c.offset for c in cache if isinstance(c, KVCache)]
     m = fast.model
-    assert decoder.decode_model(m, mx.array([1]), cache) is None
-    assert decoder.decode_model(m, mx.array([[1, 2]]), cache) is None
-    assert decoder.decode_model(m, mx.zeros((0, 1), mx.int32), cache) is None
-    assert decoder.decode_model(m, mx.array([[1]]), cache[:-1]) is None
-    assert decoder.decode_model(m, [[1]], cache) is None
+    assert model_plan.decode_model(m, mx.array([1]), cache) is None
+    assert model_plan.decode_model(m, mx.array([[1, 2]]), cache) is None
+    assert model_plan.decode_model(m, mx.zeros((0, 1), mx.int32), cache) is None
+    assert model_plan.decode_model(m, mx.array([[1]]), cache[:-1]) is None
+    assert model_plan.decode_model(m, [[1]], cache) is None
     assert [c.offset for c in cache if isinstance(c, KVCache)] == before
-    assert decoder.decode_model(m, mx.array([[1]]), cache) is not None
+    assert model_plan.decode_model(m, mx.array([[1]]), cache) is not None
 
 
 def test_model_plan_is_kept_and_replanned(monkeypatch):
@@ -672,14 +674,14 @@ def test_model_plan_is_kept_and_replanned(monkeypatch):
     _, fast = _models(seed=47)
     m = fast.model
     entries, inside = [], []
-    real = decoder._layer_entry
+    real = model_plan.layer_entry
 
     def spy(layer, x, cache):
         if inside:  # the layer plans of the model step (not of the reference's layer steps)
             entries.append(layer)
         return real(layer, x, cache)
 
-    monkeypatch.setattr(decoder, "_layer_entry", spy)
+    monkeypatch.setattr(model_plan, "layer_entry", spy)
     n = len(m.layers)
     cap = KVCache.step
     cache = _prefilled(fast, mx.random.randint(1, 100, (1, cap - 2), key=mx.random.key(3)))
@@ -688,7 +690,7 @@ def test_model_plan_is_kept_and_replanned(monkeypatch):
 
     def both(c_fast, c_ref):
         inside.append(1)
-        a = decoder.decode_model(m, tok, c_fast)
+        a = model_plan.decode_model(m, tok, c_fast)
         inside.clear()
         assert a is not None
         b = m.norm(tok_layers(c_ref))
@@ -735,7 +737,7 @@ def test_model_plan_is_kept_and_replanned(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [mx.uint32, mx.int32])
 def test_embed_ids_clamp_into_the_table(dtype):
-    """decoder.embed_ids (the decode and verify steps' embedding): ids in
+    """model_plan.embed_ids (the decode and verify steps' embedding): ids in
     the table embed as the module does, bit for bit; ids past it (and
     negative int32 ids) take the last (first) row instead of reading outside
     the table; float and quantised tables alike."""
@@ -748,9 +750,9 @@ def test_embed_ids_clamp_into_the_table(dtype):
         m = M()
         m.embed_tokens = emb
         ok = mx.array([[0, 7, 49]], dtype)
-        assert mx.array_equal(decoder.embed_ids(m, ok), emb(ok)).item()
+        assert mx.array_equal(model_plan.embed_ids(m, ok), emb(ok)).item()
         bad = [[50, 10**6]] + ([[-1, -(10**6)]] if dtype == mx.int32 else [])
         for row in bad:
             ids = mx.array([row], dtype)
             want = emb(mx.array([[0 if v < 0 else 49 for v in row]], dtype))
-            assert mx.array_equal(decoder.embed_ids(m, ids), want).item()
+            assert mx.array_equal(model_plan.embed_ids(m, ids), want).item()

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import ArraysCache, KVCache, QuantizedKVCache, Rotating
 from compare import FP32_TOL, assert_close, finite, tolerance
 from mlx_qwen_fast import config, speculative
 from mlx_qwen_fast.checkpoint import DEMO_LM_HEAD_SCALE, build_model
-from mlx_qwen_fast.ops import decoder, verify
+from mlx_qwen_fast.ops import kv_buffers, verify
 from mlx_qwen_fast.patching import patched_copy
 
 
@@ -133,7 +133,7 @@ def test_step_matches_modules_and_stock(monkeypatch, env, fp32_models, long_cach
         _assert_caches_close(c_step, c_mod, f"call {i}: step vs modules")
         _assert_caches_close(c_step, c_stock, f"call {i}: step vs stock")
     # the capacity each call ran at: the stock buffer's 256 while the call fits, then one grown by the step
-    want = {KVCache.step if PROMPT_LEN + (i + 1) * S <= KVCache.step else decoder.KV_GROWTH for i in range(3)}
+    want = {KVCache.step if PROMPT_LEN + (i + 1) * S <= KVCache.step else kv_buffers.KV_GROWTH for i in range(3)}
     assert capacities == want
     assert counts.plans == len(capacities)  # kept between calls; a grown buffer plans again
     assert verify.trace_count() - traces0 == len(capacities)
@@ -146,7 +146,7 @@ def test_one_trace_serves_every_offset(monkeypatch, env, fp32_models):
     _, fast = fp32_models
     fast = copy.deepcopy(fast)
     cache = _prefilled(fast, mx.array([[3, 1, 4, 1, 5]]))
-    decoder.reserve_kv(cache, 200)
+    kv_buffers.reserve_kv(cache, 200)
     counts = _Counts(monkeypatch)
     env.set(config.VERIFY_MODEL_STEP.name, "1")
     t0 = verify.trace_count()
@@ -157,7 +157,7 @@ def test_one_trace_serves_every_offset(monkeypatch, env, fp32_models):
     assert counts.plans == 2 and verify.trace_count() - t0 == 2
     env.set(config.VERIFY_MODEL_STEP.name, "0")
     cache2 = _prefilled(fast, mx.array([[3, 1, 4], [1, 5, 9]]))
-    decoder.reserve_kv(cache2, 200)
+    kv_buffers.reserve_kv(cache2, 200)
     env.set(config.VERIFY_MODEL_STEP.name, "1")
     mx.eval(fast(mx.array([[7, 8, 9], [1, 2, 3]]), cache=cache2))
     assert counts.steps == 7 and counts.plans == 3 and verify.trace_count() - t0 == 3

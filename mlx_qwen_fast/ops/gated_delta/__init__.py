@@ -396,7 +396,7 @@ def decode_step_parts(layer, inputs: mx.array, cache, input_norm_eps: Optional[f
                       input_norm_weight: Optional[mx.array] = None):
     """The compiled decode step of ``layer`` for one token per row, for a
     caller that traces it inside its own compiled function
-    (:func:`mlx_qwen_fast.ops.decoder.decode_layer`); None where
+    (:func:`mlx_qwen_fast.ops.layer_plans.decode_layer`); None where
     :func:`gated_delta_net` would not run it (no CUDA kernel for the call,
     no cache state yet, a LoRA-wrapped projection).
 

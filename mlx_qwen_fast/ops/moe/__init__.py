@@ -149,7 +149,7 @@ def decide_kernels(block) -> Dict[str, str]:
 def decode_step_parts(block, x: mx.array, norm_eps: Optional[float] = None):
     """The compiled decode step of ``block``, for a caller that traces it
     inside its own compiled function
-    (:func:`mlx_qwen_fast.ops.decoder.decode_layer`); None where
+    (:func:`mlx_qwen_fast.ops.layer_plans.decode_layer`); None where
     :func:`sparse_moe` would not run it (not "cuda-decode" for this many
     tokens, declined for the block's quantisation, modules the kernels do
     not take).
