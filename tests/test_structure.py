@@ -4,7 +4,9 @@
   environment (``os.environ``, ``os.getenv``, ``os.putenv``, ``os.unsetenv``,
   also imported by name);
 * ``mlx_qwen_fast/kernels/`` imports nothing from ``mlx_qwen_fast.ops``
-  (kernels are leaves below the op families that dispatch to them).
+  (kernels are leaves below the op families that dispatch to them);
+* no module of the package is longer than :data:`MAX_LINES` lines (a
+  longer one holds more than one concept: split it by concept).
 """
 
 import ast
@@ -15,6 +17,7 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "mlx_qwen_fast"
 MODULES = sorted(PACKAGE.rglob("*.py"))
 ENV_NAMES = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
+MAX_LINES = 600
 
 
 def _module_name(path: Path) -> str:
@@ -101,3 +104,10 @@ def test_kernels_import_nothing_from_ops(path):
     bad = [(n, m) for n, m in imported_modules(_tree(path), name, path.name == "__init__.py")
            if m == "mlx_qwen_fast.ops" or m.startswith("mlx_qwen_fast.ops.")]
     assert not bad, f"{name} imports from mlx_qwen_fast.ops: " + ", ".join(f"line {n}: {m}" for n, m in bad)
+
+
+@pytest.mark.parametrize("path", MODULES, ids=_module_name)
+def test_modules_stay_short(path):
+    n = len(path.read_text().splitlines())
+    assert n <= MAX_LINES, (f"{path.relative_to(PACKAGE.parent)} has {n} lines (at most {MAX_LINES}): "
+                            "split it by concept, as ops/decoder.py, ops/layer_plans.py and ops/model_plan.py are")

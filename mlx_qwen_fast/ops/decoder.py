@@ -11,7 +11,7 @@ step's kernels are chosen by its op family when the step is planned
 (``decode_step_parts`` of each family) and baked into the compiled step
 that the layer's plan holds (:mod:`mlx_qwen_fast.ops.layer_plans`).
 :func:`decode_routes` names the routes and kernels for the patch report
-(:func:`mlx_qwen_fast.patching.op_implementations`) from the same switches
+(:func:`mlx_qwen_fast.patch_report.op_implementations`) from the same switches
 and the families' dispatchers. The KV buffers the compiled steps write
 are :mod:`mlx_qwen_fast.ops.kv_buffers`'.
 """
