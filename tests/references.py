@@ -8,7 +8,9 @@ behaviour from the package, where they served only the tests):
   ``mlx_qwen_fast.kernels.moe_decode_gemv.dequant_f32`` and ``reference``):
   the decode kernels' fp32 reference;
 * :func:`decode_gemv_reference`: the decode GEMV's (``quantized_gemv``)
-  float64 reference with the kernel's bf16 rounding points.
+  float64 reference with the kernel's bf16 rounding points;
+* :func:`moe_prefill_reference`: the Metal grouped GEMMs' fp32 reference
+  (``kernels/moe_grouped_gemm_metal.py``), any activation dtype.
 
 Their own tests: tests/test_references.py.
 """
@@ -19,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 __all__ = ["bf16_round", "bf16_round_f64", "decode_gemv_reference", "dequant_f32", "moe_decode_reference",
-           "unpack_affine_4bit"]
+           "moe_prefill_reference", "round_to", "unpack_affine_4bit"]
 
 
 def _np32(a) -> np.ndarray:
@@ -197,3 +199,56 @@ def decode_gemv_reference(x, w, scales, biases, bits, gs, norm_weight=None, eps=
     if residual is not None:
         y = _round64(_np(residual).astype(np.float64) + y)
     return y, xf
+
+
+# ---------------------------------------------------------------------------
+# the Metal grouped GEMMs (kernels/moe_grouped_gemm_metal.py)
+# ---------------------------------------------------------------------------
+
+
+def round_to(dtype):
+    """float32 -> float32 rounding to ``dtype`` (bfloat16, float16; float32:
+    none), as a function of numpy arrays."""
+    if dtype == mx.bfloat16:
+        return bf16_round
+    if dtype == mx.float16:
+        return lambda v: np.asarray(v, np.float32).astype(np.float16).astype(np.float32)
+    if dtype == mx.float32:
+        return lambda v: np.asarray(v, np.float32)
+    raise ValueError(f"round_to: dtype must be float32, float16 or bfloat16, got {dtype!r}")
+
+
+def moe_prefill_reference(x, inds, scores, experts, dtype):
+    """fp32 host reference of the Metal grouped GEMMs (numpy), expert by expert.
+
+    Weights ``s * q + b`` in fp32 (:func:`dequant_f32`), rounding to the
+    activations' ``dtype`` (:func:`round_to`) where mlx-lm's ``SwitchGLU``
+    rounds: the gate and up outputs, ``silu(g) * u``, each expert's down
+    output; the routing weights and the sums in fp32.
+
+    Args:
+        x: ``[N, D]``; inds, scores: ``[N, k]``; experts: ``(gate, up,
+            down)`` as the kernels take them.
+
+    Returns:
+        ``(h [N*k, I], y [N*k, D], out [N, D])`` float32 in assignment order:
+        ``h`` the SwiGLU rows, ``y = scores * rounded down output``, ``out``
+        its sum over each token's k (not rounded).
+    """
+    rnd = round_to(dtype)
+    xf = _np(x).astype(np.float32)
+    ii = _np(inds).astype(np.int64).reshape(-1)
+    sc = _np(scores).astype(np.float32).reshape(-1)
+    k = _np(inds).shape[1]
+    (wg, sg, bg), (wu, su, bu), (wd, sd, bd) = experts
+    nk, I, D = ii.shape[0], wg.shape[1], xf.shape[1]
+    h = np.zeros((nk, I), np.float32)
+    y = np.zeros((nk, D), np.float32)
+    for e in np.unique(ii):
+        rows = np.nonzero(ii == e)[0]
+        xe = xf[rows // k]
+        g = rnd(xe @ dequant_f32(wg[int(e)], sg[int(e)], bg[int(e)]).T)
+        u = rnd(xe @ dequant_f32(wu[int(e)], su[int(e)], bu[int(e)]).T)
+        h[rows] = rnd(_silu(g) * u)
+        y[rows] = sc[rows, None] * rnd(h[rows] @ dequant_f32(wd[int(e)], sd[int(e)], bd[int(e)]).T)
+    return h, y, y.reshape(-1, k, D).sum(axis=1)

@@ -99,12 +99,13 @@ Q3 = Tuple[mx.array, mx.array, mx.array]  # (weight uint32, scales bf16, biases 
 # ---------------------------------------------------------------------------
 
 
-def _q_ok(q, lead: Tuple[int, ...], O: int, K: int) -> bool:
-    """4-bit group-64 arrays of ``lead + (O, K)`` with bf16 scales/biases."""
+def _q_ok(q, lead: Tuple[int, ...], O: int, K: int, scale_dtypes: Tuple = (mx.bfloat16,)) -> bool:
+    """4-bit group-64 arrays of ``lead + (O, K)`` with scales/biases of one
+    of ``scale_dtypes`` (default bf16, these kernels')."""
     try:
         w, s, b = q
         return (
-            w.dtype == mx.uint32 and s.dtype == mx.bfloat16 and b.dtype == mx.bfloat16
+            w.dtype == mx.uint32 and s.dtype in scale_dtypes and b.dtype in scale_dtypes
             and tuple(w.shape) == (*lead, O, K // 8)
             and tuple(s.shape) == (*lead, O, K // 64) and tuple(b.shape) == tuple(s.shape)
         )

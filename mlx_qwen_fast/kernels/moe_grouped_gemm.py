@@ -162,9 +162,11 @@ def _dims(get) -> Tuple[Optional[int], Optional[int]]:
         return None, None
 
 
-def _check_routing(fn: str, routing: Routing, nk: int):
-    if routing.tile_rows not in TILE_CHOICES:
-        raise ValueError(f"{fn}: routing.tile_rows must be one of {TILE_CHOICES}, got {routing.tile_rows}")
+def _check_routing(fn: str, routing: Routing, nk: int, tiles: Tuple[int, ...] = TILE_CHOICES):
+    """The routing's array shapes and dtypes for ``nk`` assignments, its
+    ``tile_rows`` one of ``tiles`` (the kernels' tile sizes)."""
+    if routing.tile_rows not in tiles:
+        raise ValueError(f"{fn}: routing.tile_rows must be one of {tiles}, got {routing.tile_rows}")
     g = routing.groups
     if g.order.shape != (nk,) or g.order.dtype != mx.int32:
         raise ValueError(f"{fn}: routing.groups.order must be int32 [{nk}], got {g.order.dtype} {tuple(g.order.shape)}")
