@@ -172,7 +172,9 @@ def test_patch_report_declines_kernels_for_other_quantisations(cuda_machine, kwa
         assert f"{op} kernel declined: {report.declined[op]}" in str(report)
         (msg,) = [m for m in messages if m.startswith(f"mlx_qwen_fast: {op} runs stock")]
         assert reason in msg and "the kernels implement affine 4-bit group 64" in msg
-    metal = {"metal-decode"} if "moe.decode" in declined else set()  # it reads what "cuda-decode" reads
+    # the Metal kernels read what the CUDA ones read (the Metal prefill: with any float scales)
+    metal = {"metal-decode"} if "moe.decode" in declined else set()
+    metal |= {"metal-prefill"} if "moe.prefill" in declined else set()
     for layer in model.layers:  # the decision the dispatcher reads
         assert set(layer.mlp._mqf_declined) == {_KERNELS[op] for op in declined} | metal
 
@@ -212,4 +214,4 @@ def test_no_kernel_to_decline_off_cuda(monkeypatch, name):
     assert report.backend == name and report.declined == {}
     assert report.ops["moe.prefill"] == report.ops["moe.decode"] == "stock"
     assert "declined" not in str(report)
-    assert set(model.layers[0].mlp._mqf_declined) == {"cuda-prefill", "cuda-decode", "metal-decode"}
+    assert set(model.layers[0].mlp._mqf_declined) == {"cuda-prefill", "cuda-decode", "metal-decode", "metal-prefill"}

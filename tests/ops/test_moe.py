@@ -25,7 +25,7 @@ import pytest
 from mlx_lm.models.qwen3_next import Qwen3NextSparseMoeBlock
 
 import moe_blocks
-from compare import GATHER_QMM_TOL, assert_close, finite, npa, tolerance
+from compare import FP32_TOL, GATHER_QMM_TOL, assert_close, finite, npa, tolerance
 from moe_blocks import make_block
 from references import moe_decode_reference
 from mlx_qwen_fast import config
@@ -369,7 +369,8 @@ def test_dispatch_stock_except_cuda(env, monkeypatch):
     env.unset(config.MOE_DECODE_KERNEL.name)
     env.unset(config.METAL_KERNELS.name)  # Metal's kernels are opt-in: off by default
     monkeypatch.setattr(cb, "cuda_available", lambda: True)  # the table for a machine with a CUDA device
-    assert set(moe.IMPLEMENTATIONS) == {"stock", "reference", "cuda-prefill", "cuda-decode", "metal-decode"}
+    assert set(moe.IMPLEMENTATIONS) == {"stock", "reference", "cuda-prefill", "cuda-decode", "metal-decode",
+                                        "metal-prefill"}
     for b in ("cpu", "cuda", "metal"):
         for n in (1, 4, 5, 7, 2048, 65536):
             want = "stock"
@@ -641,8 +642,8 @@ def test_kernel_problems_name_the_quantisation(quant, prefill, decode):
     decode = prefill if decode == "same" else decode
     block = make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=0, quant=quant)
     problems = moe.kernel_problems(block)
-    want = {name: r for name, r in (("cuda-prefill", prefill), ("cuda-decode", decode), ("metal-decode", decode))
-            if r}
+    want = {name: r for name, r in (("cuda-prefill", prefill), ("cuda-decode", decode), ("metal-decode", decode),
+                                    ("metal-prefill", prefill)) if r}
     assert set(problems) == set(want), problems
     for name, reason in want.items():
         assert reason in problems[name], problems[name]
@@ -653,19 +654,26 @@ def test_kernel_problems_name_the_quantisation(quant, prefill, decode):
     assert prefill_ok == ("cuda-prefill" not in problems)
     assert (moe.decode_plan(block, mx.zeros((1, 256), mx.bfloat16)) is None) == ("cuda-decode" in problems)
     assert (moe.metal_decode_plan(block, mx.zeros((1, 256), mx.bfloat16)) is None) == ("metal-decode" in problems)
+    assert (moe.metal_prefill_plan(block, mx.zeros((8, 256), mx.bfloat16)) is None) == ("metal-prefill" in problems)
 
 
 def test_kernel_problems_scales_dtype_and_layers():
     """fp32 or fp16 scales (a model cast with set_dtype), a bias term, a
     wrapped layer: named; a module that is no quantised linear layer at all
-    is named by its class."""
+    is named by its class. The Metal prefill reads float32 and float16
+    scales too (and the plan takes those blocks)."""
     f32 = make_block(D=256, H=128, E=32, k=8, dtype=mx.float32, seed=0)
     assert moe.kernel_problems(f32)["cuda-prefill"] == "moe experts: float32 scales (switch_mlp.gate_proj)"
     f16 = make_block(D=256, H=128, E=32, k=8, dtype=mx.float16, seed=0)
     assert "float16 scales" in moe.kernel_problems(f16)["cuda-decode"]
+    for b in (f32, f16):
+        assert "metal-prefill" not in moe.kernel_problems(b)
+        assert moe.metal_prefill_plan(b, mx.zeros((8, 256), mx.float32)) is not None
     block = make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=0)
     block.switch_mlp.up_proj.bias = mx.zeros((32, 128), mx.bfloat16)
     assert moe.kernel_problems(block)["cuda-prefill"] == "moe experts: a bias term (switch_mlp.up_proj)"
+    assert moe.kernel_problems(block)["metal-prefill"] == "moe experts: a bias term (switch_mlp.up_proj)"
+    assert moe.metal_prefill_plan(block, mx.zeros((8, 256), mx.bfloat16)) is None
     block = make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=0)
     block.shared_expert.down_proj = nn.Sequential(block.shared_expert.down_proj)
     reason = "moe shared expert: a Sequential layer (shared_expert.down_proj)"
@@ -701,7 +709,7 @@ def test_declined_block_runs_stock_where_the_kernels_would(cuda_machine, env):
     env.unset(config.MOE_DECODE_KERNEL.name)
     block = make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=1,
                        quant={"switch_mlp": {"bits": 3, "group_size": 64}})
-    assert set(moe.decide_kernels(block)) == {"cuda-prefill", "cuda-decode", "metal-decode"}
+    assert set(moe.decide_kernels(block)) == {"cuda-prefill", "cuda-decode", "metal-decode", "metal-prefill"}
     for n in (1, moe.DECODE_MAX_TOKENS, moe.PREFILL_MIN_TOKENS):
         assert moe.implementation_for(n) != "stock"
         x = mx.random.normal((1, n, 256), key=mx.random.key(n)).astype(mx.bfloat16)
@@ -1080,25 +1088,28 @@ METAL_MODULES = ("mlx_qwen_fast.kernels.moe_route_metal", "mlx_qwen_fast.kernels
 
 
 def test_metal_dispatch(env, monkeypatch):
-    """On Metal "metal-decode" for 1..4 tokens when MLX_QWEN_FAST_METAL=1
-    (stock otherwise, and without a Metal device); the patch report names
-    it; forced where MLX has no Metal device, the stock block runs."""
+    """On Metal "metal-decode" for 1..4 tokens and "metal-prefill" for more
+    when MLX_QWEN_FAST_METAL=1 (stock otherwise, and without a Metal
+    device); the patch report names them; forced where MLX has no Metal
+    device, the stock block runs."""
     from mlx_qwen_fast import patch_report
 
     monkeypatch.setattr(mx.metal, "is_available", lambda: True)  # the table for a machine with Metal
     env.unset(config.METAL_KERNELS.name)
-    assert [moe.implementation_for(n, "metal") for n in (1, 4)] == ["stock"] * 2  # opt-in
+    assert [moe.implementation_for(n, "metal") for n in (1, 4, 5, 2048)] == ["stock"] * 4  # opt-in
     env.set(config.METAL_KERNELS.name, "1")
     for n in (0, 1, 2, 3, 4, 5, moe.PREFILL_MIN_TOKENS, 4096):
-        assert moe.implementation_for(n, "metal") == ("metal-decode" if 1 <= n <= 4 else "stock"), n
+        want = "stock" if n == 0 else "metal-decode" if n <= 4 else "metal-prefill"
+        assert moe.implementation_for(n, "metal") == want, n
         assert moe.implementation_for(n, "cpu") == "stock"
     ops = patch_report.op_implementations("metal")
-    assert ops["moe.decode"] == "metal-decode" and ops["moe.prefill"] == "stock"
+    assert ops["moe.decode"] == "metal-decode" and ops["moe.prefill"] == "metal-prefill"
     monkeypatch.setattr(mx.metal, "is_available", lambda: False)
-    assert moe.implementation_for(1, "metal") == "stock"
+    assert moe.implementation_for(1, "metal") == moe.implementation_for(5, "metal") == "stock"
     block = make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=3)
-    x = mx.random.normal((1, 1, 256), key=mx.random.key(2)).astype(mx.bfloat16)
-    assert mx.array_equal(moe.sparse_moe(block, x, implementation="metal-decode"), moe._stock(block, x)).item()
+    for n, name in ((1, "metal-decode"), (6, "metal-prefill")):
+        x = mx.random.normal((1, n, 256), key=mx.random.key(2)).astype(mx.bfloat16)
+        assert mx.array_equal(moe.sparse_moe(block, x, implementation=name), moe._stock(block, x)).item()
 
 
 def test_metal_decode_plan_shapes():
@@ -1186,10 +1197,75 @@ def test_metal_decode_declines_to_stock(metal):
     block = make_block(D=256, H=128, E=32, k=8, dtype=mx.bfloat16, seed=5)
     x32 = x.astype(mx.float32)
     assert mx.array_equal(moe._metal_decode(block, x32), moe._stock(block, x32)).item()
-    x5 = mx.random.normal((1, 5, 256), key=mx.random.key(7)).astype(mx.bfloat16)
-    assert moe.implementation_for(5) == "stock"
-    assert mx.array_equal(moe.sparse_moe(block, x5), moe._stock(block, x5)).item()
     assert [m._kernel().calls for m in metal] == [0, 0, 0]
+
+
+# ---------------------------------------------------------------------------
+# Metal prefill: the block on simulated Metal
+# ---------------------------------------------------------------------------
+
+METAL_PREFILL_MODULES = ("mlx_qwen_fast.kernels.moe_route_metal", "mlx_qwen_fast.kernels.moe_group_metal",
+                         "mlx_qwen_fast.kernels.moe_grouped_gemm_metal")
+
+
+@pytest.fixture
+def metal_prefill(monkeypatch, env):
+    """As the ``metal`` fixture, for the prefill's kernel modules. Yields
+    ``calls()``: the launches of (routing, count, scatter, gate+up, down)."""
+    import metal_check as mc
+
+    from mlx_qwen_fast import backend
+
+    if mc.CXX is None:
+        pytest.skip("no C++ compiler (g++) to build the Metal sources")
+    env.set(config.METAL_KERNELS.name, "1")
+    with mc.simulated_modules(*METAL_PREFILL_MODULES) as (rm, gm, gg):
+        monkeypatch.setattr(backend, "current", lambda: backend.METAL)
+        yield lambda: [rm._kernel().calls, gm._kernel("count").calls, gm._kernel("scatter").calls,
+                       gg._kernel("gate_up").calls, gg._kernel("down").calls]
+
+
+@pytest.mark.parametrize("dtype, n", [(mx.float32, 7), (mx.bfloat16, 20)])
+def test_metal_prefill_block_vs_reference(metal_prefill, dtype, n):
+    """The block through the default dispatch on (simulated) Metal, more than
+    4 tokens: one launch of each of the five kernels, the output finite;
+    fp32 (fp32 scales: the Metal prefill reads them) within FP32_TOL of the
+    reference block (the same fp32 selection where no two probabilities tie
+    at the top-k boundary: asserted), bf16 within GATHER_QMM_TOL of it (the
+    reference's bf16 gather_qmm)."""
+    block = make_block(D=128, H=64, E=32, k=4, dtype=dtype, seed=60 + n)
+    assert "metal-prefill" not in moe.decide_kernels(block)
+    x = (mx.random.normal((1, n, 128), key=mx.random.key(70 + n)) * 1.5).astype(dtype)
+    assert moe.implementation_for(n) == "metal-prefill"
+    got = moe.sparse_moe(block, x)
+    assert metal_prefill() == [1] * 5
+    assert got.shape == x.shape and got.dtype == dtype and finite(got)
+    lg = -np.sort(-npa(block.gate(x.reshape(n, 128)).astype(mx.float32)), axis=-1)
+    assert np.all(lg[:, 3] > lg[:, 4]), "a tie at the top-k boundary: pick another seed"
+    ref = moe.sparse_moe_block(block, x)
+    assert_close(got, ref, FP32_TOL if dtype == mx.float32 else GATHER_QMM_TOL, "vs the reference block")
+
+
+def test_metal_prefill_declines_to_stock(metal_prefill):
+    """The stock block's own result, no Metal kernel launched: experts
+    3-bit (declined at decide time), a router of 16 experts (the routing
+    kernel takes multiples of 32), unquantised experts, a sharded block
+    (the plan's own checks)."""
+    x = mx.random.normal((1, 6, 128), key=mx.random.key(8)).astype(mx.bfloat16)
+    odd = make_block(D=128, H=64, E=32, k=4, dtype=mx.bfloat16, seed=5,
+                     quant={"switch_mlp": {"bits": 3, "group_size": 64}})
+    assert "metal-prefill" in moe.decide_kernels(odd)
+    assert mx.array_equal(moe.sparse_moe(odd, x), moe._stock(odd, x)).item()
+    dense = make_block(D=128, H=64, E=32, k=4, dtype=mx.float32, seed=5, quant={"switch_mlp": False})
+    for block, xb in ((make_block(D=128, H=64, E=16, k=4, dtype=mx.bfloat16, seed=5), x),
+                      (dense, x.astype(mx.float32))):  # (MLX's CPU gather_mm: fp32 only)
+        assert moe.metal_prefill_plan(block, xb) is None
+        assert mx.array_equal(moe._metal_prefill(block, xb), moe._stock(block, xb)).item()
+    sharded = make_block(D=128, H=64, E=32, k=4, dtype=mx.bfloat16, seed=5)
+    assert moe.metal_prefill_plan(sharded, x) is not None
+    sharded.sharding_group = object()
+    assert moe.metal_prefill_plan(sharded, x) is None
+    assert metal_prefill() == [0] * 5
 
 
 _BLOCK_SOURCES = ("moe_block_decode.cu", "quantized_gemv.cu", "moe_decode_gemv.cu")

@@ -41,9 +41,11 @@ keeps the routing kernel's launch between them,
 :mod:`~mlx_qwen_fast.kernels.moe_decode_gemv`) and, on Metal with
 :data:`mlx_qwen_fast.config.METAL_KERNELS` on, "metal-decode" (the router,
 then three Metal kernels of the CUDA decode kernels' contract: routing,
-gate+up SwiGLU, down + combine; :func:`_metal_decode`). Each falls back to
-stock for a block its kernels do not take (sharded, other quantisation,
-other dtypes).
+gate+up SwiGLU, down + combine; :func:`_metal_decode`) and "metal-prefill"
+(the router, then the Metal routing, grouping and grouped-GEMM kernels of
+the CUDA prefill kernels' contract, the shared expert on MLX's ops;
+:func:`_metal_prefill`). Each falls back to stock for a block its kernels
+do not take (sharded, other quantisation, other dtypes).
 
 Layout (that of :mod:`mlx_qwen_fast.ops.gated_delta`)
 -----------------------------------------------------
@@ -58,8 +60,8 @@ Layout (that of :mod:`mlx_qwen_fast.ops.gated_delta`)
 * :mod:`.cuda` -- the block on the CUDA kernels (prefill; the compiled
   decode step, :func:`moe_decode`, :func:`router_with_shared_gate`,
   :func:`block_takes_weights`);
-* :mod:`.metal` -- the block's decode on the Metal kernels
-  (:func:`metal_decode_plan`);
+* :mod:`.metal` -- the block's decode and prefill on the Metal kernels
+  (:func:`metal_decode_plan`, :func:`metal_prefill_plan`);
 * this package -- the dispatch: :func:`sparse_moe`,
   :func:`implementation_for`, :func:`decide_kernels`,
   :func:`decode_step_parts`.
@@ -86,7 +88,7 @@ from ...kernels import moe_decode_gemv as _decode_gemv
 from ...moe_types import ExpertGroups, max_tiles  # noqa: F401 (part of this package's API)
 from .checks import KERNEL_QUANTIZATION, _DECLINED, kernel_problems, quantization_problem
 from .cuda import _cuda_decode, _cuda_prefill, _decode_step_plan
-from .metal import _metal_decode
+from .metal import _metal_decode, _metal_prefill
 from .naive import _check_block_input, _stock, sparse_moe_block
 from .naive import block_map, combine, expert_swiglu, group_by_expert, route, shared_expert
 
@@ -94,7 +96,7 @@ from .naive import block_map, combine, expert_swiglu, group_by_expert, route, sh
 from .checks import decode_arrays  # noqa: F401
 from .cuda import block_takes_weights, decode_plan, moe_decode, router_with_shared_gate  # noqa: F401
 from .cuda import _compiled_decode_step  # noqa: F401
-from .metal import metal_decode_plan  # noqa: F401
+from .metal import metal_decode_plan, metal_prefill_plan  # noqa: F401
 
 __all__ = [
     "ExpertGroups",
@@ -184,6 +186,7 @@ IMPLEMENTATIONS: Dict[str, Callable[..., mx.array]] = {
     "cuda-prefill": _cuda_prefill,
     "cuda-decode": _cuda_decode,
     "metal-decode": _metal_decode,
+    "metal-prefill": _metal_prefill,
 }
 
 #: Fewest tokens per call that take the prefill kernels on CUDA; fewer
@@ -205,10 +208,11 @@ def implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:
     :data:`mlx_qwen_fast.config.MOE_PREFILL_KERNEL` is off; "cuda-decode"
     for 1 to :data:`DECODE_MAX_TOKENS` tokens unless
     :data:`~mlx_qwen_fast.config.MOE_DECODE_KERNEL` is off; "stock"
-    otherwise. On Metal (where MLX has a Metal device): "metal-decode" for
-    1 to :data:`DECODE_MAX_TOKENS` tokens when
-    :data:`~mlx_qwen_fast.config.METAL_KERNELS` is on; "stock" otherwise,
-    and on the CPU.
+    otherwise. On Metal (where MLX has a Metal device), when
+    :data:`~mlx_qwen_fast.config.METAL_KERNELS` is on: "metal-decode" for 1
+    to :data:`DECODE_MAX_TOKENS` tokens, "metal-prefill" for more (no
+    crossover: the Metal kernels have never been timed); "stock" with the
+    switch off, and on the CPU.
 
     Args:
         num_tokens: tokens in the call (product of ``x``'s leading axes).
@@ -220,8 +224,8 @@ def implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:
     """
     name = _backend.resolve(backend)
     if name == _backend.METAL:
-        if 0 < num_tokens <= DECODE_MAX_TOKENS and config.METAL_KERNELS.get() and mx.metal.is_available():
-            return "metal-decode"
+        if num_tokens > 0 and config.METAL_KERNELS.get() and mx.metal.is_available():
+            return "metal-decode" if num_tokens <= DECODE_MAX_TOKENS else "metal-prefill"
         return "stock"
     if name != _backend.CUDA or not _cuda_build.cuda_available():
         return "stock"

@@ -45,20 +45,22 @@ def _dtype_name(dtype) -> str:
     return str(dtype).rsplit(".", 1)[-1]
 
 
-def quantization_problem(m, bits: Tuple[int, ...] = (4,)) -> Optional[str]:
+def quantization_problem(m, bits: Tuple[int, ...] = (4,), scales: Tuple = (mx.bfloat16,)) -> Optional[str]:
     """Why the CUDA MoE kernels cannot read the (switch) linear layer ``m``,
     or None when they can.
 
     Read from the module's own attributes and array dtypes (nothing is
     evaluated): it must be an ``nn.QuantizedLinear`` or mlx-lm
     ``QuantizedSwitchLinear`` with ``mode`` "affine", ``bits`` in ``bits``,
-    ``group_size`` 64, ``scales`` and ``biases`` bfloat16 and no ``bias``
-    term.
+    ``group_size`` 64, ``scales`` and ``biases`` of a dtype in ``scales``
+    (bfloat16) and no ``bias`` term.
 
     Args:
         m: any module (or object).
         bits: the bit widths accepted (4 for expert weights; the decode
             kernels also read an 8-bit shared-expert gate).
+        scales: the scale and bias dtypes accepted (the Metal prefill
+            kernels read float32, float16 and bfloat16).
 
     Returns:
         None, or the first difference in a few words: "3-bit weights",
@@ -85,24 +87,28 @@ def quantization_problem(m, bits: Tuple[int, ...] = (4,)) -> Optional[str]:
     if "bias" in m:
         return "a bias term"
     for leaf in ("scales", "biases"):
-        if m[leaf].dtype != mx.bfloat16:
+        if m[leaf].dtype not in scales:
             return f"{_dtype_name(m[leaf].dtype)} {leaf}"
     return None
 
 
-def _first_problem(part: str, block, child: str, names: Tuple[str, ...]) -> Optional[str]:
+def _first_problem(part: str, block, child: str, names: Tuple[str, ...],
+                   scales: Tuple = (mx.bfloat16,)) -> Optional[str]:
     """``"<part>: <problem> (<child>.<name>)"`` for the first module
     ``block.<child>.<name>`` (``name`` in ``names``) that the kernels cannot
-    read as 4-bit (:func:`quantization_problem`), or None."""
+    read as 4-bit with scales of ``scales`` (:func:`quantization_problem`),
+    or None."""
     parent = getattr(block, child, None)
     for n in names:
-        p = quantization_problem(getattr(parent, n, None))
+        p = quantization_problem(getattr(parent, n, None), scales=scales)
         if p is not None:
             return f"{part}: {p} ({child}.{n})"
     return None
 
 
 _PROJS = ("gate_proj", "up_proj", "down_proj")
+#: The scale and bias dtypes the Metal prefill kernels read.
+_METAL_PREFILL_SCALES = (mx.float32, mx.float16, mx.bfloat16)
 
 
 def kernel_problems(block) -> Dict[str, str]:
@@ -121,6 +127,10 @@ def kernel_problems(block) -> Dict[str, str]:
       ``mx.quantized_matmul`` at its own settings).
     * "metal-decode" reads what "cuda-decode" reads but the router, which
       it calls as the module it is (any layer).
+    * "metal-prefill" reads the routed experts only, 4-bit affine group 64
+      with no bias term as :data:`KERNEL_QUANTIZATION` but with float32,
+      float16 or bfloat16 scales and biases (the router and the shared
+      expert run as the modules they are).
 
     Pure: reads module attributes and dtypes only, on every backend. Shapes
     and activation dtypes are still checked per call, where the kernels
@@ -137,7 +147,11 @@ def kernel_problems(block) -> Dict[str, str]:
     """
     experts = _first_problem("moe experts", block, "switch_mlp", _PROJS)
     if experts is not None:
-        return {"cuda-prefill": experts, "cuda-decode": experts, "metal-decode": experts}
+        problems = dict.fromkeys(("cuda-prefill", "cuda-decode", "metal-decode"), experts)
+        metal = _first_problem("moe experts", block, "switch_mlp", _PROJS, _METAL_PREFILL_SCALES)
+        if metal is not None:  # the Metal prefill also reads float32 and float16 scales
+            problems["metal-prefill"] = metal
+        return problems
     decode = _first_problem("moe shared expert", block, "shared_expert", _PROJS)
     if decode is None:
         sg = getattr(block, "shared_expert_gate", None)
