@@ -14,8 +14,10 @@ the package (``mlx_qwen_fast/kernels/*metal*.py``, reported by the patch)
 is picked up with no change to this file: it must run here, give stock's
 tokens and logits, and be reported -- its shapes permitting
 (``metal_model.model_config``: GDN heads of 128, attention head_dim 256).
-Today that is the Gated DeltaNet decode step (the package's kernel) and the
-prompt's GDN recurrence (mlx-lm's own Metal kernel, "mlx-lm-metal").
+Today that is the Gated DeltaNet decode step (the package's kernel), the
+prompt's GDN recurrence (mlx-lm's own Metal kernel, "mlx-lm-metal") and the
+prompt's sparse MoE blocks ("metal-prefill": routing, grouping and the
+grouped 4-bit GEMMs; the model's fp32 scales are a format they read).
 """
 
 from __future__ import annotations
@@ -33,10 +35,14 @@ from mlx_qwen_fast import backend, config, patched_copy
 from mlx_qwen_fast.checkpoint import DEMO_LM_HEAD_SCALE
 from mlx_qwen_fast.kernels import gated_delta_decode_metal as gdm
 from mlx_qwen_fast.ops import gated_delta as gated_delta_ops
+from mlx_qwen_fast.ops import moe as moe_ops
 
 pytestmark = pytest.mark.skipif(mc.CXX is None, reason="no C++ compiler (g++) to build the Metal sources")
 
 PROMPT = 12  # tokens of the prompt: 11 in the prefill call, the last one as the first decode call
+#: The Metal kernels of a sparse MoE block's prefill ("metal-prefill").
+MOE_PREFILL_KERNELS = ("mqf_moe_route", "mqf_moe_group_count", "mqf_moe_group_scatter", "mqf_moe_gemm_gate_up",
+                       "mqf_moe_gemm_down")
 NEW_TOKENS = 16
 
 
@@ -79,7 +85,8 @@ def test_patched_model_through_metal_kernels_matches_stock(env, stock):
     """Prompt of 12 tokens, 16 generated: stock's tokens, logits within
     FP32_TOL at every step; the report on "metal" names the Metal
     implementations and agrees with the kernels that ran, each of which ran;
-    the GDN decode kernel once per GDN layer and decode call."""
+    the GDN decode kernel once per GDN layer and decode call, each MoE
+    prefill kernel once per layer in the prefill call."""
     report, run, tokens, logits = _patched_run(env, stock)
     assert len(tokens) == NEW_TOKENS
     _check_against_stock(stock, tokens, logits)
@@ -87,6 +94,7 @@ def test_patched_model_through_metal_kernels_matches_stock(env, stock):
     ops = mm.metal_ops(report)
     # today's Metal implementations, at least (the others join through the report)
     assert ops.get("gated_delta.decode") == "metal-kernel" and ops.get("gated_delta.prefill") == "mlx-lm-metal"
+    assert ops.get("moe.prefill") == "metal-prefill"
     assert mm.kernel_problems(report, run) == []
     ran = {k for phase in mm.PHASES for k in run.ran(phase)}
     assert ran and all(k.calls > 0 for k in ran)
@@ -95,13 +103,25 @@ def test_patched_model_through_metal_kernels_matches_stock(env, stock):
     assert run.model_calls == {"prefill": 1, "decode": NEW_TOKENS + 1}  # generate_step computes one ahead
     decode = [k for k in run.ran("decode") if k.origin == gdm.__name__]
     assert len(decode) == 1 and run.ran("decode")[decode[0]] == n_gdn * run.model_calls["decode"]
+    moe_prefill = {k.name: n for k, n in run.ran("prefill").items() if k.origin.startswith("mlx_qwen_fast.kernels.moe")}
+    assert moe_prefill == {name: len(model.layers) for name in MOE_PREFILL_KERNELS}
+
+
+def _stock_moe_prefill():
+    """The "metal-prefill" MoE block replaced by mlx-lm's (stock's numbers;
+    the report still names it). Returns the undo."""
+    real = moe_ops.IMPLEMENTATIONS["metal-prefill"]
+    moe_ops.IMPLEMENTATIONS["metal-prefill"] = moe_ops._stock
+    return lambda: moe_ops.IMPLEMENTATIONS.__setitem__("metal-prefill", real)
 
 
 def test_a_broken_or_skipped_metal_kernel_fails(env, stock):
     """The test can fail: the GDN decode kernel's output off by 1%
     (through the same SimKernel) fails the logits; the Metal decode
     declined (the layer's reference runs, its recurrence on mlx-lm's
-    kernel: stock's numbers) fails the report's accounting."""
+    kernel: stock's numbers) fails the report's accounting. (The prompt's
+    MoE blocks run mlx-lm's block here: the point is the GDN kernel, and
+    the MoE prefill kernels cost most of a run in the checker.)"""
     def wrong_output(run):
         real = gdm.gated_delta_decode_metal
 
@@ -110,7 +130,8 @@ def test_a_broken_or_skipped_metal_kernel_fails(env, stock):
             return out * 1.01, conv_state, state
 
         gdm.gated_delta_decode_metal = broken
-        return lambda: setattr(gdm, "gated_delta_decode_metal", real)
+        undo = _stock_moe_prefill()
+        return lambda: (setattr(gdm, "gated_delta_decode_metal", real), undo())
 
     report, run, tokens, logits = _patched_run(env, stock, new_tokens=2, inside=wrong_output)
     with pytest.raises(AssertionError, match="logits of generated token 0"):
@@ -119,7 +140,8 @@ def test_a_broken_or_skipped_metal_kernel_fails(env, stock):
     def skipped(run):
         real = gated_delta_ops._metal_decode
         gated_delta_ops._metal_decode = lambda *a, **k: None
-        return lambda: setattr(gated_delta_ops, "_metal_decode", real)
+        undo = _stock_moe_prefill()
+        return lambda: (setattr(gated_delta_ops, "_metal_decode", real), undo())
 
     report, run, tokens, logits = _patched_run(env, stock, new_tokens=2, inside=skipped)
     _check_against_stock(stock, tokens, logits)  # the numbers alone do not show it
