@@ -66,13 +66,20 @@ _INPUTS = {"count": ["inds"], "scatter": ["inds", "part"]}
 
 
 def _kernel(stage: str):
-    k = _KERNELS.get(stage)
+    return _stage_kernel(_KERNELS, "mqf_moe_group", stage, _INPUTS, _OUTPUTS, SOURCE_FILES)
+
+
+def _stage_kernel(cache: dict, prefix: str, stage: str, inputs: dict, outputs: dict, sources: dict):
+    """The ``mx.fast.metal_kernel`` of one stage of a multi-kernel op,
+    named ``<prefix>_<stage>``, built on first use and kept in ``cache``
+    (the calling module's, so that reloading that module rebuilds it)."""
+    k = cache.get(stage)
     if k is None:
-        k = _KERNELS[stage] = mx.fast.metal_kernel(
-            name=f"mqf_moe_group_{stage}",
-            input_names=_INPUTS[stage],
-            output_names=_OUTPUTS[stage],
-            source=SOURCE_FILES[stage].read_text(),
+        k = cache[stage] = mx.fast.metal_kernel(
+            name=f"{prefix}_{stage}",
+            input_names=inputs[stage],
+            output_names=outputs[stage],
+            source=sources[stage].read_text(),
         )
     return k
 

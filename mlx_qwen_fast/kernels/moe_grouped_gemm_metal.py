@@ -56,6 +56,7 @@ from ..moe_types import Routing
 from ._cuda_build import describe as _describe
 from . import moe_decode_gemv as _decode_contract
 from . import moe_grouped_gemm as _cuda_contract
+from .moe_group_metal import _stage_kernel
 
 __all__ = ["gate_up_swiglu_metal", "down_weighted_metal", "moe_experts_metal", "problem", "choose_tile_rows",
            "SOURCE_FILES", "TILE_CHOICES", "BN", "THREADS"]
@@ -77,15 +78,7 @@ _OUTPUTS = {"gate_up": ["h"], "down": ["y"]}
 
 
 def _kernel(stage: str):
-    k = _KERNELS.get(stage)
-    if k is None:
-        k = _KERNELS[stage] = mx.fast.metal_kernel(
-            name=f"mqf_moe_gemm_{stage}",
-            input_names=_INPUTS[stage],
-            output_names=_OUTPUTS[stage],
-            source=SOURCE_FILES[stage].read_text(),
-        )
-    return k
+    return _stage_kernel(_KERNELS, "mqf_moe_gemm", stage, _INPUTS, _OUTPUTS, SOURCE_FILES)
 
 
 def choose_tile_rows(num_assignments: int, num_experts: int) -> int:
