@@ -40,7 +40,7 @@ from typing import Dict, Tuple
 import mlx.core as mx
 
 from ..moe_types import ExpertGroups, Routing, max_tiles
-from ._cuda_build import describe as _describe
+from ._checks import describe as _describe
 from . import moe_route_metal as _route_metal
 
 __all__ = ["group_metal", "route_and_group_metal", "chunks", "SOURCE_FILES", "MAX_EXPERTS", "MAX_CHUNKS",

@@ -53,7 +53,7 @@ from typing import Dict, Optional, Sequence
 import mlx.core as mx
 
 from ..moe_types import Routing
-from ._cuda_build import describe as _describe
+from ._checks import describe as _describe
 from . import moe_decode_gemv as _decode_contract
 from . import moe_grouped_gemm as _cuda_contract
 from .moe_group_metal import _stage_kernel
