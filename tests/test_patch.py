@@ -317,6 +317,7 @@ def test_uninstall_leaves_a_wrapper_put_around_installs(tiny_checkpoint):
         assert mlx_qwen_fast.install() and mlx_lm.utils.load_model is theirs
         assert mlx_qwen_fast.is_patched(mlx_lm.load(str(tiny_checkpoint))[0])
     finally:
+        mlx_qwen_fast.uninstall()  # puts mlx-lm's sharded_load back (load_model keeps theirs until the next line)
         mlx_lm.utils.load_model = original
 
 
