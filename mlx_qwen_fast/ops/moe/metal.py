@@ -29,7 +29,7 @@ from ...kernels import moe_gate_up_metal as _gate_up_metal
 from ...kernels import moe_group_metal as _group_metal
 from ...kernels import moe_grouped_gemm_metal as _gemm_metal
 from ...kernels import moe_route_metal as _route_metal
-from .checks import _DECODE_CHILDREN, _EXPERT_PATHS, _decode_rows, decode_arrays
+from .checks import _DECODE_CHILDREN, _EXPERT_PATHS, _METAL_PREFILL_SCALES, _decode_rows, decode_arrays, quantization_problem
 from .naive import _shared_expert, _stock
 
 
@@ -120,9 +120,7 @@ def metal_prefill_plan(block, x) -> Optional[tuple]:
             return None
         sm = block.switch_mlp
         projs = (sm.gate_proj, sm.up_proj, sm.down_proj)
-        if any(getattr(p, "bits", None) != 4 or getattr(p, "group_size", None) != 64
-               or (getattr(p, "mode", None) or "affine") != "affine" or "bias" in p or "biases" not in p
-               for p in projs):
+        if any(quantization_problem(p, scales=_METAL_PREFILL_SCALES) is not None for p in projs):
             return None
         experts = tuple((p["weight"], p["scales"], p["biases"]) for p in projs)
         tok = mx.zeros((1, x.shape[-1]), x.dtype)  # shape and dtype only, never evaluated
