@@ -384,7 +384,8 @@ def pack(qkv, z, a, b):
 def section_decode(args):
     mx = _mx()
     from mlx_qwen_fast.kernels import _cuda_build as cb
-    from mlx_qwen_fast.kernels.gated_delta_decode import decode_params, gated_delta_decode
+    from mlx_qwen_fast.kernels.gated_delta_contract import decode_params
+    from mlx_qwen_fast.kernels.gated_delta_decode import gated_delta_decode
     from mlx_qwen_fast.kernels.gated_delta_frontend import gated_delta_frontend
     from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan
     from mlx_qwen_fast.kernels.gated_rms_norm import gated_rms_norm

@@ -109,9 +109,10 @@ def gdn_rows(n: int):
     ``decode_params``): bare launches of the cubin and of the launched
     image, the package's wrapper eager and ``mx.compile``d."""
     from bench.gdn_cuda import HK, HV, D, fe_params
+    from mlx_qwen_fast.kernels import gated_delta_contract as kc
     from mlx_qwen_fast.kernels import gated_delta_decode as kd
 
-    C, P = (2 * HK + HV) * D, kd.packed_width(HK, HV)
+    C, P = (2 * HK + HV) * D, kc.packed_width(HK, HV)
     ks = mx.random.split(mx.random.key(5), 5)
     w, A_log, dt_bias = fe_params(ks[0], mx.bfloat16)
     proj = mx.random.normal((1, 1, P), key=ks[1]).astype(mx.bfloat16)
@@ -119,7 +120,7 @@ def gdn_rows(n: int):
     cs0 = mx.random.normal((1, 3, C), key=ks[3]).astype(mx.bfloat16)
     s0 = 0.1 * mx.random.normal((1, HV, D, D), key=ks[4])
     mx.eval(w, A_log, dt_bias, proj, nw, cs0, s0)
-    params = kd.decode_params(w, A_log, dt_bias, nw)
+    params = kc.decode_params(w, A_log, dt_bias, nw)
     mx.eval(params)
     kern = kd._kernel(proj.dtype, HV, HK)
     cubin, image = kern.cubin, kern.image

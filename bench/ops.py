@@ -216,6 +216,7 @@ def _prefill_step_implementations(backend: str) -> Dict[str, Callable]:
 def _step_implementations(backend: str) -> Dict[str, Callable]:
     impls = {"stock": _stock_decode_step}
     if backend == "cuda":
+        from mlx_qwen_fast.kernels import gated_delta_contract as k_contract
         from mlx_qwen_fast.kernels import gated_delta_decode as k_decode
 
         packed_inputs: Dict[tuple, tuple] = {}
@@ -229,7 +230,7 @@ def _step_implementations(backend: str) -> Dict[str, Callable]:
             if key not in packed_inputs:
                 B = qkv.shape[0]
                 proj = mx.concatenate([t.reshape(B, 1, -1) for t in (qkv, z, a, b)], axis=-1)
-                params = k_decode.decode_params(m.conv1d.weight, m.A_log, m.dt_bias, m.norm.weight)
+                params = k_contract.decode_params(m.conv1d.weight, m.A_log, m.dt_bias, m.norm.weight)
                 mx.eval(proj, params)
                 packed_inputs.clear()
                 packed_inputs[key] = (proj, params, (m, qkv, z, a, b))  # held: ids stay unique

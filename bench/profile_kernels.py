@@ -111,6 +111,7 @@ def kernels(args) -> None:
 
     from bench.gdn_cuda import HK, HV, D, fe_params, gates, qkv_inputs
     from bench.moe_cuda import E, K, make_block, make_inputs, make_switch, variants
+    from mlx_qwen_fast.kernels import gated_delta_contract as kc
     from mlx_qwen_fast.kernels import gated_delta_decode as kd
     from mlx_qwen_fast.kernels import moe_grouped_gemm as gg
     from mlx_qwen_fast.kernels import moe_grouped_gemm_builds as ggb
@@ -137,8 +138,8 @@ def kernels(args) -> None:
     twice(lambda: gated_delta_frontend(qkv, ab, ab, w, None, A_log, dt_bias, num_k_heads=HK, num_v_heads=HV))
     twice(lambda: gated_delta_scan(q, k, v, g, beta, s0))
     twice(lambda: gated_rms_norm(v, v, nw, 1e-6))
-    params = kd.decode_params(w, A_log, dt_bias, nw)
-    proj = mx.random.normal((1, 1, kd.packed_width(HK, HV)), key=k1).astype(mx.bfloat16)
+    params = kc.decode_params(w, A_log, dt_bias, nw)
+    proj = mx.random.normal((1, 1, kc.packed_width(HK, HV)), key=k1).astype(mx.bfloat16)
     st, cs = s0, None
     for _ in range(3):  # the decode kernel, a few dependent steps
         _, cs, st = kd.gated_delta_decode(proj, params, cs, st, num_k_heads=HK, num_v_heads=HV)

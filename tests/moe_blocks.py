@@ -150,6 +150,19 @@ def make_routing(n, k, E, seed, special=True):
     return inds, scores
 
 
+def grouped_routing(n=6, k=2, e=32, tile=32, seed=0):
+    """A valid Routing of ``n`` tokens to ``k`` distinct random experts of
+    ``e`` each (``tile`` rows per work item), built by the reference ops
+    (the grouped kernels' contract)."""
+    from mlx_qwen_fast.moe_types import Routing
+    from mlx_qwen_fast.ops import moe
+
+    rng = np.random.default_rng(seed)
+    inds = mx.array(np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32))
+    g = moe.group_by_expert(inds, e)
+    return Routing(inds, mx.ones((n, k), mx.float32), g, moe.block_map(g, tile), tile)
+
+
 def x_tokens(n, D, seed):
     """[n, D] bf16 activations."""
     return (mx.random.normal((n, D), key=mx.random.key(seed)) * 1.5).astype(mx.bfloat16)

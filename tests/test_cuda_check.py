@@ -366,7 +366,8 @@ def _rms_norm(rows, dtype=mx.bfloat16):
 
 def _gdn_decode():
     from gdn_helpers import D
-    from mlx_qwen_fast.kernels.gated_delta_decode import decode_params, gated_delta_decode
+    from mlx_qwen_fast.kernels.gated_delta_contract import decode_params
+    from mlx_qwen_fast.kernels.gated_delta_decode import gated_delta_decode
 
     Hk, Hv, B, dtype = 1, 2, 1, mx.float32
     C = (2 * Hk + Hv) * D
@@ -467,10 +468,11 @@ def test_planted_wrong_mma_fragment_index(sim):
 
 def _attention_decode(cap, off):
     from mlx_qwen_fast.kernels import attention_decode as ad
+    from mlx_qwen_fast.kernels.attention_contract import proj_width
 
     B, hq, hkv, DH = 1, 16, 2, 256
     ks = mx.random.split(mx.random.key(cap), 5)
-    proj = mx.random.normal((B, 1, ad.proj_width(hq, hkv)), key=ks[0])
+    proj = mx.random.normal((B, 1, proj_width(hq, hkv)), key=ks[0])
     keys = mx.random.normal((B, hkv, cap, DH), key=ks[1])
     values = mx.random.normal((B, hkv, cap, DH), key=ks[2])
     qw, kw = 1.0 + 0.3 * mx.random.normal((DH,), key=ks[3]), 1.0 + 0.3 * mx.random.normal((DH,), key=ks[4])

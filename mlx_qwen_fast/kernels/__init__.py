@@ -48,6 +48,17 @@ step), ``attention_decode_metal`` (gated attention decode, head_dim 256),
 ``moe_route_metal``, ``moe_gate_up_metal`` and ``moe_down_metal`` (the decode
 MoE block's three launches).
 
+Contract modules (backend-neutral: the argument checks and constants that a
+CUDA kernel and its Metal port share; both wrappers import them from here):
+
+- ``moe_contract``          the 4-bit group-64 predicate, the decode weights,
+                            the shared-expert gate's bits, the expert-id and
+                            grouped-routing checks
+- ``attention_contract``    gated attention decode: head_dim, the projection's
+                            width, one step's checks
+- ``gated_delta_contract``  the GDN decode step: head dim and conv width, the
+                            packed projection and constants, one step's checks
+
 Import them by module path, e.g.
 ``from mlx_qwen_fast.kernels.gated_delta_scan import gated_delta_scan, supports``
 (the package does not re-export the functions: a function named like its

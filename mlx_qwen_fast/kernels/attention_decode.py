@@ -34,25 +34,18 @@ import mlx.core as mx
 from . import _checks
 from . import _cuda_build as cb
 from ._cache_rows import write_rows
+from .attention_contract import DH, FLOAT_DTYPES, check_step, proj_width
 
-__all__ = ["attention_decode", "check_step", "proj_width", "splits", "supports"]
+__all__ = ["attention_decode", "splits", "supports", "MAX_GROUP"]
 
-DH = 256
-_FLOAT = (mx.bfloat16, mx.float16, mx.float32)
+#: Query heads per KV head at most: a block of the partial-attention kernel
+#: takes all of a KV head's query heads, one warp each (512 threads at most).
+MAX_GROUP = 16
 _kernels: Dict[tuple, cb.CudaKernel] = {}
 #: Positions per split at least; blocks per call at most (about two per SM on an H200).
 MIN_SPLIT = 64
 MAX_BLOCKS = 256
-_ARRAYS = (("proj", "[B, 1, P] (float)", False), ("keys", f"[B, Hkv, capacity, {DH}]", False),
-           ("values", f"[B, Hkv, capacity, {DH}]", False), ("offset", "int32 scalar", False),
-           ("q_norm_weight", f"[{DH}] (float)", False), ("k_norm_weight", f"[{DH}] (float)", False))
 _NAMES = {0: "mqf_attn_dec_key", 1: "mqf_attn_dec_part", 2: "mqf_attn_dec_combine"}
-
-
-def proj_width(num_heads: int, num_kv_heads: int) -> int:
-    """Last-axis size of the concatenated projection: query and gate
-    (``2 * Hq * 256``), then keys and values (``Hkv * 256`` each)."""
-    return 2 * num_heads * DH + 2 * num_kv_heads * DH
 
 
 def splits(capacity: int, batch: int, num_kv_heads: int) -> Tuple[int, int]:
@@ -80,12 +73,12 @@ def supports(proj, keys, values, *, num_heads: int, num_kv_heads: int, head_dim:
         return False
     if not all(_checks.is_array(a) for a in (proj, keys, values)):
         return False
-    if num_kv_heads <= 0 or num_heads % num_kv_heads or num_heads // num_kv_heads > 16:
+    if num_kv_heads <= 0 or num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP:
         return False
     if proj.ndim != 3 or proj.shape[1] != 1 or proj.shape[-1] != proj_width(num_heads, num_kv_heads):
         return False
     B = proj.shape[0]
-    if proj.dtype not in _FLOAT or keys.dtype != proj.dtype or values.dtype != proj.dtype:
+    if proj.dtype not in FLOAT_DTYPES or keys.dtype != proj.dtype or values.dtype != proj.dtype:
         return False
     return keys.ndim == 4 and tuple(keys.shape) == tuple(values.shape) and B > 0 and (
         tuple(keys.shape[:2]) == (B, num_kv_heads) and keys.shape[2] >= 1 and keys.shape[3] == DH)
@@ -99,47 +92,6 @@ def _kernel(kind: int, x, w, hq: int, hkv: int, rope_dims: int, traditional: boo
             ATT_KIND=kind, ATT_X=cb.dtype_macro(x), ATT_W=cb.dtype_macro(w), ATT_HQ=hq, ATT_HKV=hkv,
             ATT_ROPE_DIMS=rope_dims, ATT_ROPE_TRAD=int(bool(traditional))))
     return kern
-
-
-def check_step(fn: str, proj, keys, values, offset, q_norm_weight, k_norm_weight, hq, hkv, scale, q_eps,
-               k_eps, rope_dims, rope_base, rope_scale, *, max_group: int = 16) -> Tuple[float, float]:
-    """The argument checks of :func:`attention_decode` (shared by the Metal
-    kernels of the same contract, ``attention_decode_metal``, whose
-    threadgroups take fewer query heads per KV head: ``max_group``).
-    Returns ``(q_eps, k_eps)`` as floats; raises ValueError naming the
-    argument, ``fn: `` first."""
-    _checks.check_arrays(fn, _ARRAYS, proj, keys, values, offset, q_norm_weight, k_norm_weight)
-    eps = (_checks.check_eps(fn, "q_eps", q_eps), _checks.check_eps(fn, "k_eps", k_eps))
-    if not (isinstance(hkv, int) and isinstance(hq, int) and hkv > 0 and hq % hkv == 0
-            and hq // hkv <= max_group):
-        raise ValueError(f"{fn}: num_heads ({hq!r}) must be a multiple of num_kv_heads ({hkv!r}), "
-                         f"at most {max_group} query heads per KV head")
-    P = proj_width(hq, hkv)
-    if proj.ndim != 3 or proj.shape[1] != 1 or proj.shape[2] != P or proj.dtype not in _FLOAT:
-        raise ValueError(f"{fn}: proj must be a float array of shape [B, 1, {P}], got "
-                         f"{proj.dtype} {tuple(proj.shape)}")
-    B = proj.shape[0]
-    for name, t in (("keys", keys), ("values", values)):
-        if t.ndim != 4 or tuple(t.shape[:2]) != (B, hkv) or t.shape[3] != DH or t.shape[2] < 1 or (
-                t.dtype != proj.dtype):
-            raise ValueError(f"{fn}: {name} must be {proj.dtype} of shape [{B}, {hkv}, capacity >= 1, {DH}], "
-                             f"got {t.dtype} {tuple(t.shape)}")
-    if values.shape != keys.shape:
-        raise ValueError(f"{fn}: values must have the shape of keys {tuple(keys.shape)}, got {tuple(values.shape)}")
-    if offset.ndim != 0 or offset.dtype != mx.int32:
-        raise ValueError(f"{fn}: offset must be a 0-d int32 array, got {offset.dtype} {tuple(offset.shape)}")
-    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
-        if w.shape != (DH,) or w.dtype not in _FLOAT:
-            raise ValueError(f"{fn}: {name} must be a float array of shape [{DH}], got {w.dtype} {tuple(w.shape)}")
-    if q_norm_weight.dtype != k_norm_weight.dtype:
-        raise ValueError(f"{fn}: q_norm_weight and k_norm_weight must share a dtype, got "
-                         f"{q_norm_weight.dtype} and {k_norm_weight.dtype}")
-    if not (isinstance(rope_dims, int) and 0 < rope_dims <= DH and rope_dims % 2 == 0):
-        raise ValueError(f"{fn}: rope_dims must be an even int in [2, {DH}], got {rope_dims!r}")
-    for name, v in (("scale", scale), ("rope_base", rope_base), ("rope_scale", rope_scale)):
-        if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-            raise ValueError(f"{fn}: {name} must be a finite number > 0, got {v!r}")
-    return eps
 
 
 def attention_decode(
@@ -166,10 +118,10 @@ def attention_decode(
     :func:`mlx_qwen_fast.ops.attention.decode_attention_reference`).
 
     Args:
-      proj: [B, 1, :func:`proj_width`] bf16/f16/f32: per row, for each query
-        head its query (256) then its gate (256), then the keys and the
-        values of the KV heads (256 each), as the concatenated q|k|v
-        projection gives them.
+      proj: [B, 1, :func:`~.attention_contract.proj_width`] bf16/f16/f32:
+        per row, for each query head its query (256) then its gate (256),
+        then the keys and the values of the KV heads (256 each), as the
+        concatenated q|k|v projection gives them.
       keys, values: [B, Hkv, capacity, 256] in proj's dtype: the cache
         buffers; positions ``[0, offset)`` hold the earlier tokens.
       offset: 0-d int32, this token's position, in ``[0, capacity)`` (the
@@ -177,7 +129,7 @@ def attention_decode(
         nothing outside the buffers is read or written (the cache row
         written is the offset clamped into the buffer).
       q_norm_weight, k_norm_weight: [256], one float dtype.
-      num_heads, num_kv_heads: Hq, Hkv (Hq / Hkv <= 16).
+      num_heads, num_kv_heads: Hq, Hkv (Hq / Hkv <= :data:`MAX_GROUP`).
       scale: the softmax scale (``head_dim ** -0.5`` in the model).
       q_eps, k_eps: the RMSNorms' eps.
       rope_dims, rope_traditional, rope_base, rope_scale: ``nn.RoPE``'s
@@ -196,7 +148,7 @@ def attention_decode(
     """
     hq, hkv = num_heads, num_kv_heads
     eps_q, eps_k = check_step("attention_decode", proj, keys, values, offset, q_norm_weight, k_norm_weight, hq,
-                              hkv, scale, q_eps, k_eps, rope_dims, rope_base, rope_scale)
+                              hkv, scale, q_eps, k_eps, rope_dims, rope_base, rope_scale, max_group=MAX_GROUP)
     B, x, w, cap = proj.shape[0], proj.dtype, q_norm_weight.dtype, keys.shape[2]
     if B == 0:  # no rows: a launch of an empty grid is an error
         return mx.zeros((0, 1, hq * DH), x), keys, values

@@ -1,8 +1,9 @@
 """Gated attention decode on Metal for head_dim 256: two or three kernels per layer.
 
 The contract of :func:`mlx_qwen_fast.kernels.attention_decode.attention_decode`
-(the CUDA kernels; same arguments, checks and outputs, at most
-:data:`MAX_GROUP` query heads per KV head): for one query token per row, the
+(the CUDA kernels; same arguments, checks
+(:func:`~mlx_qwen_fast.kernels.attention_contract.check_step`) and outputs,
+at most :data:`MAX_GROUP` query heads per KV head): for one query token per row, the
 q/k RMSNorms, RoPE at the cache offset (a 0-d int32 array), the KV cache
 write, attention over the cache and the sigmoid output gate, between the
 concatenated q|k|v projection and ``o_proj``:
@@ -52,14 +53,12 @@ from typing import Dict, Tuple
 import mlx.core as mx
 
 from . import _checks
-from . import attention_decode as _cuda_contract
 from ._cache_rows import write_rows
+from .attention_contract import DH, FLOAT_DTYPES, check_step, proj_width
 
 __all__ = ["attention_decode_metal", "blocks", "supports", "BLOCK", "MAX_GROUP", "SINGLE_PASS_MAX", "SOURCE_DIR"]
 
 SOURCE_DIR = Path(__file__).resolve().parents[1] / "metal"
-DH = _cuda_contract.DH
-_FLOAT = (mx.bfloat16, mx.float16, mx.float32)
 
 #: Query heads per KV head at most: one SIMD group each, so a threadgroup
 #: has at most 256 threads, and its threadgroup memory stays at 16.5 KB of
@@ -129,10 +128,10 @@ def supports(proj, keys, values, *, num_heads: int, num_kv_heads: int, head_dim:
     if not (isinstance(num_heads, int) and isinstance(num_kv_heads, int)) or num_kv_heads <= 0 or (
             num_heads % num_kv_heads or not 0 < num_heads // num_kv_heads <= MAX_GROUP):
         return False
-    if proj.ndim != 3 or proj.shape[1] != 1 or proj.shape[-1] != _cuda_contract.proj_width(num_heads, num_kv_heads):
+    if proj.ndim != 3 or proj.shape[1] != 1 or proj.shape[-1] != proj_width(num_heads, num_kv_heads):
         return False
     B = proj.shape[0]
-    if proj.dtype not in _FLOAT or keys.dtype != proj.dtype or values.dtype != proj.dtype:
+    if proj.dtype not in FLOAT_DTYPES or keys.dtype != proj.dtype or values.dtype != proj.dtype:
         return False
     return keys.ndim == 4 and tuple(keys.shape) == tuple(values.shape) and B > 0 and (
         tuple(keys.shape[:2]) == (B, num_kv_heads) and keys.shape[2] >= 1 and keys.shape[3] == DH)
@@ -187,7 +186,7 @@ def attention_decode_metal(
       RuntimeError: MLX has no Metal back-end here (raised by MLX).
     """
     hq, hkv = num_heads, num_kv_heads
-    eps_q, eps_k = _cuda_contract.check_step(
+    eps_q, eps_k = check_step(
         "attention_decode_metal", proj, keys, values, offset, q_norm_weight, k_norm_weight, hq, hkv, scale,
         q_eps, k_eps, rope_dims, rope_base, rope_scale, max_group=MAX_GROUP)
     B, x, w, cap = proj.shape[0], proj.dtype, q_norm_weight.dtype, keys.shape[2]

@@ -7,7 +7,10 @@ delta rule state update and readout, and the gated RMSNorm with z -- one
 graph node instead of ~40. The four input projections' outputs come as one
 array (the layer runs them as one concatenated quantised matmul:
 ``compiled.concat_linears``) and the layer's constants as another
-(:func:`decode_params`, built once per layer), so the node has four inputs.
+(:func:`~mlx_qwen_fast.kernels.gated_delta_contract.decode_params`, built
+once per layer), so the node has four inputs. The argument checks and
+the constants' layout, which the Metal kernel shares:
+:mod:`~mlx_qwen_fast.kernels.gated_delta_contract`.
 Each block owns one (batch, value head) and issues its 64 KB of state loads
 before the front-end arithmetic so the two overlap.
 Source: ``mlx_qwen_fast/cuda/gated_delta_decode.cu``.
@@ -21,17 +24,11 @@ import mlx.core as mx
 
 from . import _checks
 from . import _cuda_build as cb
+from .gated_delta_contract import D, FLOAT_DTYPES, KW, check_step
 
-__all__ = ["check_step", "decode_params", "gated_delta_decode", "packed_width", "params_width", "supports"]
+__all__ = ["gated_delta_decode", "supports"]
 
-D = 128
-KW = 4
-_FLOAT = (mx.bfloat16, mx.float16, mx.float32)
 _kernels: Dict[tuple, cb.CudaKernel] = {}
-_PARAM_ARRAYS = (("conv_weight", f"[C, {KW}, 1] (float)", False), ("A_log", "[Hv] (float)", False),
-                 ("dt_bias", "[Hv] (float)", False), ("norm_weight", f"[{D}] (float)", False))
-_STEP_ARRAYS = (("proj", "[B, 1, P] (float)", False), ("params", "[params_width] float32", False),
-                ("conv_state", f"[B, {KW - 1}, C]", True), ("state", f"[B, Hv, {D}, {D}] float32", True))
 
 
 def supports(
@@ -61,22 +58,12 @@ def supports(
     if not (qkv.ndim == 2 or (qkv.ndim == 3 and qkv.shape[1] == 1)):
         return False
     C = (2 * num_k_heads + num_v_heads) * D
-    if qkv.dtype not in _FLOAT or qkv.shape[-1] != C:
+    if qkv.dtype not in FLOAT_DTYPES or qkv.shape[-1] != C:
         return False
     B = qkv.shape[0]
     if state is not None and (state.shape != (B, num_v_heads, D, D) or state.dtype != mx.float32):
         return False
     return True
-
-
-def _check_states(conv_state, state, B, C, Hv):
-    """Raise ValueError for a conv state or state (None allowed) outside the contract."""
-    if conv_state is not None and conv_state.shape != (B, KW - 1, C):
-        raise ValueError(f"conv_state must have shape [{B}, {KW - 1}, {C}], got {tuple(conv_state.shape)}")
-    if state is not None and (state.shape != (B, Hv, D, D) or state.dtype != mx.float32):
-        raise ValueError(
-            f"state must be float32 of shape [{B}, {Hv}, {D}, {D}], got {state.dtype} {tuple(state.shape)}"
-        )
 
 
 def _kernel(x, Hv: int, Hk: int) -> cb.CudaKernel:
@@ -87,87 +74,6 @@ def _kernel(x, Hv: int, Hk: int) -> cb.CudaKernel:
             "gated_delta_decode.cu", "mqf_gdn_decode", dict(GDN_X=cb.dtype_macro(x), GDN_HV=Hv, GDN_HK=Hk),
         )
     return kern
-
-
-def packed_width(num_k_heads: int, num_v_heads: int) -> int:
-    """Last-axis size of :func:`gated_delta_decode`'s ``proj``:
-    (2 Hk + Hv) * 128 + Hv * 128 + 2 Hv (qkv | z | a | b)."""
-    return (2 * num_k_heads + num_v_heads) * D + num_v_heads * D + 2 * num_v_heads
-
-
-def params_width(num_k_heads: int, num_v_heads: int) -> int:
-    """Size of :func:`decode_params`' array: C*4 + 2*Hv + 128, C = (2 Hk + Hv) * 128."""
-    return (2 * num_k_heads + num_v_heads) * D * KW + 2 * num_v_heads + D
-
-
-def decode_params(conv_weight: mx.array, A_log: mx.array, dt_bias: mx.array, norm_weight: mx.array) -> mx.array:
-    """A layer's decode-step constants as one float32 array, for
-    :func:`gated_delta_decode`: ``[conv_weight (C*4) | A_log (Hv) |
-    dt_bias (Hv) | norm_weight (128)]``. Every float type converts to float32
-    exactly, so the kernel's results do not change; build it once per layer
-    (one graph input instead of four: MLX's host cost per node grows with its
-    inputs, bench/node_cost.py measures it).
-
-    Args:
-      conv_weight: [C, 4, 1] (or [C, 4]), C a multiple of 128; A_log,
-        dt_bias: [Hv]; norm_weight: [128]; any float dtype.
-
-    Returns:
-      float32 [C*4 + 2*Hv + 128].
-
-    Raises:
-      ValueError: an argument that is not an mx.array, a non-float array or
-        one of another shape (names it).
-    """
-    _checks.check_arrays("decode_params", _PARAM_ARRAYS, conv_weight, A_log, dt_bias, norm_weight)
-    for (name, _, _), t in zip(_PARAM_ARRAYS, (conv_weight, A_log, dt_bias, norm_weight)):
-        if t.dtype not in _FLOAT:
-            raise ValueError(f"{name} must be a float array, got {t.dtype}")
-    C = conv_weight.shape[0] if conv_weight.ndim else 0
-    if conv_weight.shape not in ((C, KW, 1), (C, KW)) or C == 0 or C % D:
-        raise ValueError(f"conv_weight must have shape [C, {KW}, 1] or [C, {KW}] with C a multiple of {D}, "
-                         f"got {tuple(conv_weight.shape)}")
-    if A_log.ndim != 1 or dt_bias.shape != A_log.shape:
-        raise ValueError(f"A_log and dt_bias must both have shape [Hv], got {tuple(A_log.shape)} "
-                         f"and {tuple(dt_bias.shape)}")
-    if norm_weight.shape != (D,):
-        raise ValueError(f"norm_weight must have shape [{D}], got {tuple(norm_weight.shape)}")
-    return mx.concatenate([t.reshape(-1).astype(mx.float32) for t in (conv_weight, A_log, dt_bias, norm_weight)])
-
-
-def check_step(fn: str, proj, params, conv_state, state, num_k_heads: int, num_v_heads: int,
-               norm_eps: float, qk_eps: float):
-    """The argument checks of :func:`gated_delta_decode` (shared by the
-    Metal kernel of the same contract, ``gated_delta_decode_metal``).
-
-    Returns ``(B, activation dtype, C, conv_state, state, (qk_eps,
-    norm_eps))`` with None states replaced by zeros and the conv state cast
-    to the activation dtype. Raises ValueError naming the argument.
-    """
-    _checks.check_arrays(fn, _STEP_ARRAYS, proj, params, conv_state, state)
-    eps = (_checks.check_eps(fn, "qk_eps", qk_eps), _checks.check_eps(fn, "norm_eps", norm_eps))
-    Hk, Hv = num_k_heads, num_v_heads
-    if Hk <= 0 or Hv % Hk:
-        raise ValueError(f"num_v_heads ({Hv}) must be a multiple of num_k_heads ({Hk})")
-    C, P = (2 * Hk + Hv) * D, packed_width(Hk, Hv)
-    if not (proj.ndim == 2 or (proj.ndim == 3 and proj.shape[1] == 1)) or proj.dtype not in _FLOAT or (
-        proj.shape[-1] != P
-    ):
-        raise ValueError(f"proj must be a float array of shape [B, 1, {P}], got {proj.dtype} {tuple(proj.shape)}")
-    if params.dtype != mx.float32 or params.shape != (params_width(Hk, Hv),):
-        raise ValueError(f"params must be float32 of shape [{params_width(Hk, Hv)}] (decode_params), "
-                         f"got {params.dtype} {tuple(params.shape)}")
-    B, x = proj.shape[0], proj.dtype
-    _check_states(conv_state, state, B, C, Hv)
-    if conv_state is None:
-        conv_state = mx.zeros((B, KW - 1, C), dtype=x)
-    elif conv_state.dtype not in _FLOAT:
-        raise ValueError(f"conv_state must be a float array, got {conv_state.dtype}")
-    elif conv_state.dtype != x:  # the kernel reads it in the activation dtype
-        conv_state = conv_state.astype(x)
-    if state is None:
-        state = mx.zeros((B, Hv, D, D), dtype=mx.float32)
-    return B, x, C, conv_state, state, eps
 
 
 def gated_delta_decode(
@@ -184,15 +90,17 @@ def gated_delta_decode(
     """One decode step of a Gated DeltaNet layer, up to ``out_proj``.
 
     qkv, z, a and b are read from one array at their offsets (no slice
-    enters the graph), the layer's constants from :func:`decode_params`.
+    enters the graph), the layer's constants from
+    :func:`~.gated_delta_contract.decode_params`.
     All arithmetic in fp32; the conv state is read in the activation dtype.
 
     Args:
       proj: [B, 1, P] (or [B, P]) in bfloat16/float16/float32, P =
-        :func:`packed_width` = C + Hv*128 + 2*Hv, each row = concat(qkv, z,
-        a, b) as ``in_proj_qkv``, ``in_proj_z``, ``in_proj_a``,
-        ``in_proj_b`` give them; C = (2 Hk + Hv) * 128.
-      params: float32 [:func:`params_width`], from :func:`decode_params`.
+        :func:`~.gated_delta_contract.packed_width` = C + Hv*128 + 2*Hv,
+        each row = concat(qkv, z, a, b) as ``in_proj_qkv``, ``in_proj_z``,
+        ``in_proj_a``, ``in_proj_b`` give them; C = (2 Hk + Hv) * 128.
+      params: float32 [:func:`~.gated_delta_contract.params_width`], from
+        :func:`~.gated_delta_contract.decode_params`.
       conv_state: [B, 3, C] previous conv inputs (cast to proj's dtype), or None for zeros.
       state: [B, Hv, 128, 128] float32, or None for zeros.
       num_k_heads, num_v_heads: Hk, Hv.

@@ -23,13 +23,11 @@ from typing import Optional, Tuple
 
 import mlx.core as mx
 
-from . import gated_delta_decode as _cuda_contract
+from .gated_delta_contract import D, KW, check_step
 
 __all__ = ["gated_delta_decode_metal", "SOURCE_FILE"]
 
 SOURCE_FILE = Path(__file__).resolve().parents[1] / "metal" / "gated_delta_decode.metal"
-D = _cuda_contract.D
-KW = _cuda_contract.KW
 _KERNEL = None  # built on first use: only a call needs Metal
 
 
@@ -69,7 +67,7 @@ def gated_delta_decode_metal(
       ValueError: as the CUDA kernel's checks (the argument named).
       RuntimeError: MLX has no Metal back-end here (raised by MLX).
     """
-    B, x, C, conv_state, state, eps = _cuda_contract.check_step(
+    B, x, C, conv_state, state, eps = check_step(
         "gated_delta_decode_metal", proj, params, conv_state, state, num_k_heads, num_v_heads, norm_eps, qk_eps)
     Hk, Hv = num_k_heads, num_v_heads
     if B == 0:

@@ -31,13 +31,13 @@ traps (a CUDA error) rather than hang. Source: ``mlx_qwen_fast/cuda/gdn_mixer_de
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from typing import Dict, Optional, Sequence
 
 import mlx.core as mx
 
 from . import _checks
 from . import _cuda_build as cb
-from .gated_delta_decode import D, KW, decode_params, packed_width, params_width
+from .gated_delta_contract import D, KW, decode_params, packed_width, params_width
 
 __all__ = ["MAX_ROWS", "PHASE_MARKS", "gdn_mixer_decode", "grid_blocks", "mixer_params", "mixer_params_width", "scratch_words",
            "supports"]
@@ -64,14 +64,14 @@ _PARAM_ARRAYS = (("input_norm_weight", "[K] (float)", False),)
 
 def mixer_params_width(num_k_heads: int, num_v_heads: int, hidden: int) -> int:
     """Size of :func:`mixer_params`' array: ``params_width`` of
-    ``gated_delta_decode`` (C*4 + 2*Hv + 128) plus ``hidden``."""
+    ``gated_delta_contract`` (C*4 + 2*Hv + 128) plus ``hidden``."""
     return params_width(num_k_heads, num_v_heads) + hidden
 
 
 def mixer_params(conv_weight: mx.array, A_log: mx.array, dt_bias: mx.array, norm_weight: mx.array,
                  input_norm_weight: mx.array) -> mx.array:
     """A layer's constants for :func:`gdn_mixer_decode` as one float32 array:
-    ``gated_delta_decode.decode_params(conv_weight, A_log, dt_bias,
+    ``gated_delta_contract.decode_params(conv_weight, A_log, dt_bias,
     norm_weight)`` followed by the decoder layer's input RMSNorm weight.
     Every float type converts to float32 exactly (build it once per layer).
 

@@ -148,7 +148,7 @@ def _problem(x, norm_weight, router, experts, shared, expert_gate, top_k, group_
                 f"in [32, {md.ROUTE_MAX_EXPERTS}], 1 <= top_k <= min(32, E)")
     if n * top_k > 32:
         return f"rows * top_k must be at most 32, got {n} rows, top_k {top_k}"
-    problem = md._weights_problem(n, D, int(top_k), experts, shared, expert_gate, False)
+    problem = md.weights_problem(n, D, int(top_k), experts, shared, expert_gate, down_smem=False)
     if problem is not None:
         return problem
     problem = _router_problem(x, norm_weight, router, group_size, bits, E)

@@ -34,7 +34,9 @@ Weights: MLX affine quantisation, 4 bits, group 64, bf16 scales and biases
 (the routed experts ``[E, O, K/8]``, the shared expert ``[O, K/8]``); the
 shared-expert gate (``D -> 1``) 4- or 8-bit group 64, or plain bf16.
 Dequantised as ``bf16(s * q + b)``, one rounding (MLX's CUDA
-``mx.dequantize``). The tests' fp32 host reference takes the weights as
+``mx.dequantize``). The checks the Metal port shares (the weight format,
+the shared-expert gate, the ids, :data:`MAX_TOKENS`):
+:mod:`~mlx_qwen_fast.kernels.moe_contract`. The tests' fp32 host reference takes the weights as
 ``s * q + b`` in fp32 and rounds to bf16 where mlx-lm rounds.
 
 Numerics against the stock block (bf16): the routing weights and the combine
@@ -65,6 +67,8 @@ import mlx.core as mx
 
 from . import _cuda_build as cb
 from ._checks import describe as _describe
+from .moe_contract import DECODE_MAX_TOKENS as MAX_TOKENS
+from .moe_contract import check_expert_ids, decode_weights_problem, is_4bit_group64
 
 __all__ = [
     "moe_decode_arrays",
@@ -73,13 +77,13 @@ __all__ = [
     "route_gate_up_swiglu",
     "down_combine",
     "supports_arrays",
+    "weights_problem",
     "route_fits",
     "down_warps",
     "MAX_TOKENS",
     "ROUTE_MAX_EXPERTS",
 ]
 
-MAX_TOKENS = 4
 #: Most experts the gate+up kernel routes itself (:func:`route_fits`): every
 #: routed CTA repeats the routing (E/32 logits per lane, k rounds of two warp
 #: reductions) before its first weight load, a cost that grows with E; wider
@@ -97,35 +101,6 @@ Q3 = Tuple[mx.array, mx.array, mx.array]  # (weight uint32, scales bf16, biases 
 # ---------------------------------------------------------------------------
 # shape checks (pure, CPU-callable)
 # ---------------------------------------------------------------------------
-
-
-def _q_ok(q, lead: Tuple[int, ...], O: int, K: int, scale_dtypes: Tuple = (mx.bfloat16,)) -> bool:
-    """4-bit group-64 arrays of ``lead + (O, K)`` with scales/biases of one
-    of ``scale_dtypes`` (default bf16, these kernels')."""
-    try:
-        w, s, b = q
-        return (
-            w.dtype == mx.uint32 and s.dtype in scale_dtypes and b.dtype in scale_dtypes
-            and tuple(w.shape) == (*lead, O, K // 8)
-            and tuple(s.shape) == (*lead, O, K // 64) and tuple(b.shape) == tuple(s.shape)
-        )
-    except (TypeError, ValueError, AttributeError):
-        return False
-
-
-def _gate_bits(expert_gate, D: int) -> int:
-    """Bits of the shared-expert gate arrays (4, 8, 16 = bf16), 0 if unusable."""
-    try:
-        w, s, b, bits = expert_gate
-        if bits == 16:
-            return 16 if (w.dtype == mx.bfloat16 and tuple(w.shape) == (1, D)) else 0
-        if bits in (4, 8) and w.dtype == mx.uint32 and tuple(w.shape) == (1, D * bits // 32):
-            ok = (s.dtype == mx.bfloat16 and b.dtype == mx.bfloat16
-                  and tuple(s.shape) == (1, D // 64) and tuple(b.shape) == (1, D // 64))
-            return bits if ok else 0
-    except (TypeError, ValueError, AttributeError):
-        pass
-    return 0
 
 
 def down_warps(n: int, k: int, I: int) -> int:
@@ -195,7 +170,7 @@ def _shape_problem(x, inds, scores, experts, shared, expert_gate, down_smem: boo
         not isinstance(scores, mx.array) or tuple(scores.shape) != (n, k) or scores.dtype != mx.float32
     ):
         return f"scores must be float32 [{n}, {k}], got {_describe(scores)}"
-    return _weights_problem(n, D, k, experts, shared, expert_gate, down_smem)
+    return weights_problem(n, D, k, experts, shared, expert_gate, down_smem)
 
 
 def _route_problem(x, logits, top_k, experts, shared, expert_gate, down_smem: bool = True) -> Optional[str]:
@@ -215,7 +190,7 @@ def _route_problem(x, logits, top_k, experts, shared, expert_gate, down_smem: bo
         return f"top_k must be an int in [1, min(32, E={E})], got top_k={top_k!r}"
     if n * top_k > 32:
         return f"N*k must be in [1, 32], got N={n}, k={top_k}"
-    problem = _weights_problem(n, D, int(top_k), experts, shared, expert_gate, down_smem)
+    problem = weights_problem(n, D, int(top_k), experts, shared, expert_gate, down_smem)
     if problem is not None:
         return problem
     if experts[0][0].shape[0] != E:
@@ -223,31 +198,28 @@ def _route_problem(x, logits, top_k, experts, shared, expert_gate, down_smem: bo
     return None
 
 
-def _weights_problem(n: int, D: int, k: int, experts, shared, expert_gate, down_smem: bool) -> Optional[str]:
-    """The weights' part of :func:`_shape_problem` (``n`` tokens of width
-    ``D``, top-``k``)."""
+def weights_problem(n: int, D: int, k: int, experts, shared, expert_gate, down_smem: bool = True) -> Optional[str]:
+    """None when these kernels take a MoE block's weights for ``n`` tokens
+    of width ``D``, top-``k``, else what is wrong (one line, the argument
+    named): D a multiple of 256, the expert width I a multiple of 128, the
+    arrays of :func:`~mlx_qwen_fast.kernels.moe_contract.decode_weights_problem`
+    and, with ``down_smem``, ``(N*k + N) * I`` within the down kernel's
+    shared memory (:func:`smem_bytes`). Pure: reads shapes and dtypes only
+    (the weights' part of :func:`supports_arrays`; the one-launch block
+    :mod:`~mlx_qwen_fast.kernels.moe_block_decode` checks its weights with
+    it, ``down_smem=False``)."""
     if D % 256:
         return f"D must be a multiple of 256, got D={D}"
     try:
-        gate, up, down = experts
-        E, I = gate[0].shape[0], gate[0].shape[1]
+        gate, _, _ = experts
+        I = gate[0].shape[1]
     except (TypeError, ValueError, AttributeError, IndexError):
         return "experts must be (gate, up, down), each (weight, scales, biases)"
     if I % 128:
         return f"expert intermediate size I must be a multiple of 128, got I={I}"
-    if not (_q_ok(gate, (E,), I, D) and _q_ok(up, (E,), I, D)):
-        return f"experts gate/up must be 4-bit group-64 (uint32 [E, {I}, {D // 8}], bf16 [E, {I}, {D // 64}] x2)"
-    if not _q_ok(down, (E,), D, I):
-        return f"experts down must be 4-bit group-64 (uint32 [E, {D}, {I // 8}], bf16 [E, {D}, {I // 64}] x2)"
-    try:
-        sg, su, sd = shared
-    except (TypeError, ValueError):
-        return "shared must be (gate, up, down), each (weight, scales, biases)"
-    if not (_q_ok(sg, (), I, D) and _q_ok(su, (), I, D) and _q_ok(sd, (), D, I)):
-        return (f"shared expert must be 4-bit group-64 with the experts' sizes "
-                f"(gate/up uint32 [{I}, {D // 8}], down uint32 [{D}, {I // 8}], bf16 scales/biases)")
-    if not _gate_bits(expert_gate, D):
-        return f"expert_gate must be (weight, scales, biases, bits): bits 4/8 group 64 uint32 [1, D*bits/32], or bits 16 with bf16 weight [1, {D}]"
+    problem = decode_weights_problem(experts, shared, expert_gate, D)
+    if problem is not None:
+        return problem
     if down_smem and smem_bytes(n, k, I) > SMEM_LIMIT:
         return f"(N*k + N) * I too large for the down kernel's shared memory (N={n}, k={k}, I={I})"
     return None
@@ -297,16 +269,6 @@ def _check(fn: str, problem: Optional[str]):
         raise ValueError(f"{fn}: {problem}")
 
 
-def _check_ids(fn: str, inds: mx.array, num_experts: int) -> None:
-    """Every id in ``[0, num_experts)``: the kernels index the experts'
-    weights by it. One host synchronisation; the compiled decode step, whose
-    ids come from the routing kernel, skips it (:func:`_moe_decode_arrays`)."""
-    if inds.size:
-        lo, hi = mx.min(inds).item(), mx.max(inds).item()
-        if lo < 0 or hi >= num_experts:
-            raise ValueError(f"{fn}: inds must lie in [0, E={num_experts}), got values in [{lo}, {hi}]")
-
-
 def gate_up_swiglu(
     x: mx.array, inds: mx.array, experts: Sequence, shared: Sequence, expert_gate: Sequence
 ) -> Tuple[mx.array, mx.array]:
@@ -334,7 +296,7 @@ def gate_up_swiglu(
         ValueError: a shape/dtype the kernel does not take (named).
     """
     _check("gate_up_swiglu", _shape_problem(x, inds, None, experts, shared, expert_gate))
-    _check_ids("gate_up_swiglu", inds, experts[0][0].shape[0])
+    check_expert_ids("gate_up_swiglu", inds, experts[0][0].shape[0])
     return _launch_gate_up(x, inds, experts, shared, expert_gate)
 
 
@@ -458,14 +420,14 @@ def down_combine(
         E, D = down[0].shape[0], down[0].shape[1]
     except (TypeError, IndexError, AttributeError):
         raise ValueError("down_combine: down must be (weight, scales, biases)") from None
-    if D % 256 or not _q_ok(down, (E,), D, I):
+    if D % 256 or not is_4bit_group64(down, (E,), D, I):
         raise ValueError(f"down_combine: down must be 4-bit group-64 uint32 [E, D, {I // 8}] with D % 256 == 0, "
                          f"bf16 scales/biases [E, D, {I // 64}], got {[(a.dtype, tuple(a.shape)) for a in down]}")
-    if not _q_ok(shared_down, (), D, I):
+    if not is_4bit_group64(shared_down, (), D, I):
         raise ValueError(f"down_combine: shared_down must be uint32 [{D}, {I // 8}] + bf16 [{D}, {I // 64}] x2")
     if smem_bytes(n, k, I) > SMEM_LIMIT:
         raise ValueError(f"down_combine: (N*k + N) * I too large (N={n}, k={k}, I={I})")
-    _check_ids("down_combine", inds, E)
+    check_expert_ids("down_combine", inds, E)
     return _launch_down(h, inds, scores, sgate, down, shared_down)
 
 
@@ -505,7 +467,7 @@ def moe_decode_arrays(
         ValueError: a shape/dtype the kernels do not take, or an id out of range (named).
     """
     _check("moe_decode_arrays", _shape_problem(x, inds, scores, experts, shared, expert_gate))
-    _check_ids("moe_decode_arrays", inds, experts[0][0].shape[0])
+    check_expert_ids("moe_decode_arrays", inds, experts[0][0].shape[0])
     return _moe_decode_arrays(x, inds, scores, experts, shared, expert_gate)
 
 

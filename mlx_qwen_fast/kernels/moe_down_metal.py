@@ -37,13 +37,13 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from . import moe_decode_gemv as _cuda_contract
 from ._checks import describe as _describe
+from .moe_contract import DECODE_MAX_TOKENS, check_expert_ids, is_4bit_group64
 
 __all__ = ["down_combine_metal", "simd_groups", "SOURCE_FILE", "MAX_TOKENS", "MAX_PAIRS", "MAX_SIMD_GROUPS"]
 
 SOURCE_FILE = Path(__file__).resolve().parents[1] / "metal" / "moe_down.metal"
-MAX_TOKENS = _cuda_contract.MAX_TOKENS
+MAX_TOKENS = DECODE_MAX_TOKENS
 MAX_PAIRS = 32  # N*k: the kernel's threadgroup array holds N*k + 1 slots
 MAX_SIMD_GROUPS = 16
 ROWS = 4  # output rows per threadgroup
@@ -115,13 +115,13 @@ def down_combine_metal(
     except (TypeError, IndexError, AttributeError):
         raise ValueError(f"{fn}: down must be (weight, scales, biases) of shapes [E, D, I/8], [E, D, I/64] x2") \
             from None
-    if D == 0 or D % 64 or not _cuda_contract._q_ok(down, (E,), D, I):
+    if D == 0 or D % 64 or not is_4bit_group64(down, (E,), D, I):
         raise ValueError(f"{fn}: down must be 4-bit group-64 uint32 [E, D, {I // 8}] with D a positive multiple "
                          f"of 64, bf16 scales/biases [E, D, {I // 64}], got "
                          f"{[_describe(a) for a in down]}")
-    if not _cuda_contract._q_ok(shared_down, (), D, I):
+    if not is_4bit_group64(shared_down, (), D, I):
         raise ValueError(f"{fn}: shared_down must be uint32 [{D}, {I // 8}] + bf16 [{D}, {I // 64}] x2")
-    _cuda_contract._check_ids(fn, inds, E)
+    check_expert_ids(fn, inds, E)
     return _launch(h, inds, scores, sgate, down, shared_down)
 
 

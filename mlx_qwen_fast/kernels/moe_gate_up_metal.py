@@ -35,13 +35,13 @@ from typing import Optional, Sequence, Tuple
 
 import mlx.core as mx
 
-from . import moe_decode_gemv as _cuda_contract
 from ._checks import describe as _describe
+from .moe_contract import DECODE_MAX_TOKENS, check_expert_ids, decode_weights_problem
 
 __all__ = ["gate_up_swiglu_metal", "problem", "SOURCE_FILE", "MAX_TOKENS", "MAX_PAIRS"]
 
 SOURCE_FILE = Path(__file__).resolve().parents[1] / "metal" / "moe_gate_up.metal"
-MAX_TOKENS = _cuda_contract.MAX_TOKENS  # tokens per call (a float4 of partial sums per row)
+MAX_TOKENS = DECODE_MAX_TOKENS  # tokens per call (a float4 of partial sums per row)
 MAX_PAIRS = 32  # N*k: the down kernel's threadgroup array holds N*k + 1 slots
 ROWS = 8  # gate/up rows per threadgroup
 THREADS = 64
@@ -66,7 +66,6 @@ def problem(x, inds, experts, shared, expert_gate) -> Optional[str]:
     """None when the arrays fit the Metal decode kernels (this one and
     :mod:`~mlx_qwen_fast.kernels.moe_down_metal`), else what is wrong (one
     line, the argument named). Pure: reads shapes and dtypes only."""
-    q_ok, gate_bits = _cuda_contract._q_ok, _cuda_contract._gate_bits
     if not isinstance(x, mx.array) or x.ndim != 2 or x.dtype not in _X:
         return f"x must be float32/bfloat16 [N, D], got {_describe(x)}"
     n, D = x.shape
@@ -81,28 +80,13 @@ def problem(x, inds, experts, shared, expert_gate) -> Optional[str]:
     if not 1 <= k or n * k > MAX_PAIRS:
         return f"inds [N, k]: N*k must be in [1, {MAX_PAIRS}], got N={n}, k={k}"
     try:
-        gate, up, down = experts
-        E, I = gate[0].shape[0], gate[0].shape[1]
+        gate, _, _ = experts
+        I = gate[0].shape[1]
     except (TypeError, ValueError, AttributeError, IndexError):
         return "experts must be (gate, up, down), each (weight, scales, biases)"
     if I == 0 or I % 64:
         return f"experts: the expert width I must be a positive multiple of 64, got I={I}"
-    if not (q_ok(gate, (E,), I, D) and q_ok(up, (E,), I, D)):
-        return (f"experts gate/up must be 4-bit group-64 (uint32 [E, {I}, {D // 8}], "
-                f"bf16 [E, {I}, {D // 64}] x2)")
-    if not q_ok(down, (E,), D, I):
-        return f"experts down must be 4-bit group-64 (uint32 [E, {D}, {I // 8}], bf16 [E, {D}, {I // 64}] x2)"
-    try:
-        sg, su, sd = shared
-    except (TypeError, ValueError):
-        return "shared must be (gate, up, down), each (weight, scales, biases)"
-    if not (q_ok(sg, (), I, D) and q_ok(su, (), I, D) and q_ok(sd, (), D, I)):
-        return (f"shared expert must be 4-bit group-64 with the experts' sizes "
-                f"(gate/up uint32 [{I}, {D // 8}], down uint32 [{D}, {I // 8}], bf16 scales/biases)")
-    if not gate_bits(expert_gate, D):
-        return ("expert_gate must be (weight, scales, biases, bits): bits 4/8 group 64 uint32 "
-                f"[1, D*bits/32], or bits 16 with bf16 weight [1, {D}]")
-    return None
+    return decode_weights_problem(experts, shared, expert_gate, D)
 
 
 def gate_up_swiglu_metal(
@@ -136,7 +120,7 @@ def gate_up_swiglu_metal(
     p = problem(x, inds, experts, shared, expert_gate)
     if p is not None:
         raise ValueError(f"gate_up_swiglu_metal: {p}")
-    _cuda_contract._check_ids("gate_up_swiglu_metal", inds, experts[0][0].shape[0])
+    check_expert_ids("gate_up_swiglu_metal", inds, experts[0][0].shape[0])
     return _launch(x, inds, experts, shared, expert_gate)
 
 

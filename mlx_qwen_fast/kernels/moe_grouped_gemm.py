@@ -19,7 +19,9 @@ Weights: MLX affine quantisation, 4 bits, group 64: ``weight [E, O, K/8]``
 uint32 (eight nibbles, lowest nibble = lowest input index), ``scales`` and
 ``biases [E, O, K/64]`` bf16; dequantised as ``bf16(scale * q + bias)`` (one
 rounding, as MLX's CUDA ``mx.dequantize``). No bf16 copy of a weight is ever
-written to global memory.
+written to global memory. The checks the Metal port shares (the weight
+format, the routing's arrays and values):
+:mod:`~mlx_qwen_fast.kernels.moe_contract`.
 
 Two builds, "wgmma" (Hopper warpgroup MMA, compute capability 9.0) and
 "mma" (``mma.sync``, other GPUs), one source file each: their choice, tile
@@ -42,6 +44,7 @@ import mlx.core as mx
 
 from . import _cuda_build as cb
 from ..moe_types import Routing
+from .moe_contract import check_routing_arrays, check_routing_values, is_4bit_group64
 from .moe_grouped_gemm_builds import (BK, BN, TILE_CHOICES, WG_KC, check_variant, down_feature_tiles,
                                       get_kernel, is_sm90, launch_kw, permute_k, unpermute_k,
                                       wgmma_shapes_ok)
@@ -54,7 +57,6 @@ __all__ = [
     "supports",
     "supports_arrays",
     "shared_slot_supported",
-    "check_routing_values",
 ]
 
 
@@ -63,21 +65,18 @@ def _q_arrays(proj) -> Tuple[mx.array, mx.array, mx.array]:
 
 
 def _q_ok(w, s, b, E=None, O=None, K=None, one: bool = False) -> bool:
-    """4-bit group-64 arrays ``[E, O, K/8]`` / ``[E, O, K/64]`` (``one``: one
-    expert's ``[O, K/8]`` / ``[O, K/64]``, as a ``QuantizedLinear`` holds
-    them) of the given sizes."""
-    try:
-        if w.ndim != (2 if one else 3) or w.dtype != mx.uint32 or s.dtype != mx.bfloat16 or b.dtype != mx.bfloat16:
-            return False
-        e, o, kw = (1, *w.shape) if one else w.shape
-        if s.shape != tuple(w.shape[:-1]) + (kw * 8 // 64,) or b.shape != s.shape:
-            return False
-        return (
-            (E is None or e == E) and (O is None or o == O) and (K is None or kw * 8 == K)
-            and o % BN == 0 and (kw * 8) % BK == 0
-        )
-    except AttributeError:
+    """:func:`~.moe_contract.is_4bit_group64` of ``(w, s, b)`` at the sizes
+    ``w`` holds, ``[E, O, K/8]`` (``one``: one expert's ``[O, K/8]``, as a
+    ``QuantizedLinear`` holds them), those sizes the given ones where given,
+    O and K multiples of the kernels' tiles (:data:`BN`, :data:`BK`)."""
+    if getattr(w, "ndim", None) != (2 if one else 3):
         return False
+    e, o, kw = (1, *w.shape) if one else w.shape
+    return (
+        is_4bit_group64((w, s, b), () if one else (e,), o, kw * 8)
+        and (E is None or e == E) and (O is None or o == O) and (K is None or kw * 8 == K)
+        and o % BN == 0 and (kw * 8) % BK == 0
+    )
 
 
 def supports_arrays(x: mx.array, gate: Sequence, up: Sequence, down: Sequence) -> bool:
@@ -162,53 +161,6 @@ def _dims(get) -> Tuple[Optional[int], Optional[int]]:
         return None, None
 
 
-def _check_routing(fn: str, routing: Routing, nk: int, tiles: Tuple[int, ...] = TILE_CHOICES):
-    """The routing's array shapes and dtypes for ``nk`` assignments, its
-    ``tile_rows`` one of ``tiles`` (the kernels' tile sizes)."""
-    if routing.tile_rows not in tiles:
-        raise ValueError(f"{fn}: routing.tile_rows must be one of {tiles}, got {routing.tile_rows}")
-    g = routing.groups
-    if g.order.shape != (nk,) or g.order.dtype != mx.int32:
-        raise ValueError(f"{fn}: routing.groups.order must be int32 [{nk}], got {g.order.dtype} {tuple(g.order.shape)}")
-    e = g.counts.shape[0]
-    mt = -(-nk // routing.tile_rows) + e
-    if routing.block_map.shape != (mt, 2) or routing.block_map.dtype != mx.int32:
-        raise ValueError(
-            f"{fn}: routing.block_map must be int32 [{mt}, 2] (ceil(N*k/tile_rows) + E), "
-            f"got {routing.block_map.dtype} {tuple(routing.block_map.shape)}"
-        )
-    if g.offsets.shape != (e + 1,) or g.offsets.dtype != mx.int32:
-        raise ValueError(f"{fn}: routing.groups.offsets must be int32 [{e + 1}], got {tuple(g.offsets.shape)}")
-
-
-def check_routing_values(fn: str, routing: Routing, nk: int) -> None:
-    """Raise ValueError unless the routing's index arrays are a grouping the
-    kernels can follow without leaving their arrays: ``offsets`` runs from 0
-    to ``nk`` without decreasing, every ``order`` entry is in ``[0, nk)``,
-    and every used block-map item ``(e, t)`` names an expert of the routing
-    and a tile that starts inside that expert's rows (unused items are
-    ``(-1, -1)``). One host synchronisation; the routing kernels' own output
-    always passes, so the package's hot path does not call this."""
-    g = routing.groups
-    e = g.counts.shape[0]
-    ex, tile = routing.block_map[:, 0], routing.block_map[:, 1]
-    used = ex >= 0
-    offs = g.offsets
-    ok = (offs[0] == 0) & (offs[-1] == nk) & mx.all(offs[1:] >= offs[:-1])
-    ok = ok & mx.all(mx.where(used, (ex < e) & (tile >= 0), (ex == -1) & (tile == -1)))
-    first = mx.clip(ex, 0, e - 1)
-    # in int64: the kernels compute the tile's first row in int32, so a tile
-    # index whose product overflows must be refused, not wrapped
-    start = offs[first].astype(mx.int64) + tile.astype(mx.int64) * routing.tile_rows
-    ok = ok & mx.all(mx.where(used, (start >= offs[first]) & (start < offs[first + 1]), True))
-    if nk:
-        ok = ok & (mx.min(g.order) >= 0) & (mx.max(g.order) < nk)
-    if not ok.item():
-        raise ValueError(f"{fn}: routing is not a grouping of {nk} assignments over {e} experts "
-                         "(offsets, block_map or order out of range); build it with "
-                         "moe_routing.route_and_group")
-
-
 def _check_experts(fn: str, routing: Routing, e: int, shared, variant: str) -> None:
     """The routing's expert count against the weights' ``e`` (with the shared
     slot: :func:`~.moe_routing.shared_group_experts` ``(e)`` and
@@ -251,7 +203,7 @@ def gate_up_swiglu(
     Raises:
         ValueError: bad shape/dtype of an argument (named in the message);
             a routing whose index arrays would send the kernel outside its
-            arrays (:func:`check_routing_values`, one host synchronisation;
+            arrays (:func:`~.moe_contract.check_routing_values`, one host synchronisation;
             :func:`_gate_up_swiglu` is the unchecked entry point for
             routings the routing kernels made).
     """
@@ -290,7 +242,7 @@ def _gate_up(x: mx.array, routing: Routing, gate: Sequence, up: Sequence, varian
         )
     k = routing.groups.top_k
     nk = n * k
-    _check_routing("gate_up_swiglu", routing, nk)
+    check_routing_arrays("gate_up_swiglu", routing, nk, TILE_CHOICES)
     if check:
         check_routing_values("gate_up_swiglu", routing, nk)
     _check_experts("gate_up_swiglu", routing, e, shared, variant)
@@ -340,7 +292,7 @@ def down_weighted(
     Raises:
         ValueError: bad shape/dtype of an argument (named in the message);
             a routing whose index arrays would send the kernel outside its
-            arrays (:func:`check_routing_values`, one host synchronisation;
+            arrays (:func:`~.moe_contract.check_routing_values`, one host synchronisation;
             :func:`_down_weighted` is the unchecked entry point).
     """
     return _down_weighted(h, routing, down, out_dtype=out_dtype, variant=variant, check=True)
@@ -371,7 +323,7 @@ def _down(h: mx.array, routing: Routing, down: Sequence, out_dtype: mx.Dtype, va
         )
     if out_dtype not in (mx.float32, mx.bfloat16):
         raise ValueError(f"down_weighted: out_dtype must be float32 or bfloat16, got {out_dtype}")
-    _check_routing("down_weighted", routing, nk)
+    check_routing_arrays("down_weighted", routing, nk, TILE_CHOICES)
     if check:
         check_routing_values("down_weighted", routing, nk)
     scores = routing.scores.reshape(-1)
@@ -414,7 +366,7 @@ def moe_experts(
     combined in fp32 and returned in ``out_dtype`` (default ``x.dtype``).
     ``variant``: one of :data:`~.moe_grouped_gemm_builds.VARIANTS` for both
     kernels (None: :func:`~.moe_grouped_gemm_builds.default_variant`). The
-    routing's index arrays are validated first (:func:`check_routing_values`;
+    routing's index arrays are validated first (:func:`~.moe_contract.check_routing_values`;
     one host synchronisation): :func:`_moe_experts` is the unchecked entry
     point the package's MoE block uses, its routing coming from the routing
     kernels.

@@ -54,8 +54,7 @@ import mlx.core as mx
 
 from ..moe_types import Routing
 from ._checks import describe as _describe
-from . import moe_decode_gemv as _decode_contract
-from . import moe_grouped_gemm as _cuda_contract
+from .moe_contract import check_routing_arrays, check_routing_values, is_4bit_group64
 from .moe_group_metal import _stage_kernel
 
 __all__ = ["gate_up_swiglu_metal", "down_weighted_metal", "moe_experts_metal", "problem", "choose_tile_rows",
@@ -101,7 +100,7 @@ def choose_tile_rows(num_assignments: int, num_experts: int) -> int:
 
 def _q(q, lead, O, K) -> bool:
     """4-bit group-64 arrays of ``lead + (O, K)``, float scales/biases."""
-    return _decode_contract._q_ok(q, lead, O, K, scale_dtypes=_FLOATS)
+    return is_4bit_group64(q, lead, O, K, scale_dtypes=_FLOATS)
 
 
 def problem(x, experts) -> Optional[str]:
@@ -153,12 +152,12 @@ def _check_routing(fn: str, routing, nk: int, num_experts: int, check: bool) -> 
     if not isinstance(routing, Routing):
         raise ValueError(f"{fn}: routing must be a Routing (moe_group_metal.route_and_group_metal), "
                          f"got {type(routing).__name__}")
-    _cuda_contract._check_routing(fn, routing, nk, TILE_CHOICES)
+    check_routing_arrays(fn, routing, nk, TILE_CHOICES)
     if routing.groups.counts.shape[0] != num_experts or routing.shared_id is not None:
         raise ValueError(f"{fn}: routing has {routing.groups.counts.shape[0]} experts (shared_id "
                          f"{routing.shared_id}), the weights {num_experts} (no shared slot)")
     if check:
-        _cuda_contract.check_routing_values(fn, routing, nk)
+        check_routing_values(fn, routing, nk)
 
 
 def gate_up_swiglu_metal(x: mx.array, routing: Routing, gate: Sequence, up: Sequence) -> mx.array:

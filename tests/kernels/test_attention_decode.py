@@ -26,8 +26,7 @@ import pytest
 
 from compare import assert_close, finite, npa, tolerance
 from mlx_qwen_fast.kernels import attention_decode as ad
-
-DH = ad.DH
+from mlx_qwen_fast.kernels.attention_contract import DH, proj_width
 
 
 def _round(a: np.ndarray, dtype) -> np.ndarray:
@@ -84,7 +83,7 @@ def reference(proj, keys, values, off, qw, kw, *, hq, hkv, scale, eps, rope_dims
 
 def _inputs(B, hq, hkv, cap, dtype, wdtype, seed):
     ks = mx.random.split(mx.random.key(seed), 5)
-    proj = (2.0 * mx.random.normal((B, 1, ad.proj_width(hq, hkv)), key=ks[0])).astype(dtype)
+    proj = (2.0 * mx.random.normal((B, 1, proj_width(hq, hkv)), key=ks[0])).astype(dtype)
     keys = mx.random.normal((B, hkv, cap, DH), key=ks[1]).astype(dtype)
     values = mx.random.normal((B, hkv, cap, DH), key=ks[2]).astype(dtype)
     qw = (1.0 + 0.3 * mx.random.normal((DH,), key=ks[3])).astype(wdtype)

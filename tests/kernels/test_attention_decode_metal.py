@@ -23,18 +23,17 @@ import pytest
 
 import metal_check as mc
 from compare import assert_close, finite, npa, rel_err, tolerance
-from mlx_qwen_fast.kernels import attention_decode as ad
 from mlx_qwen_fast.kernels import attention_decode_metal as adm
+from mlx_qwen_fast.kernels.attention_contract import DH, proj_width
 from mlx_qwen_fast.ops.attention import decode_attention_reference
 
-DH = adm.DH
 MODULE = adm.__name__
 needs_cxx = pytest.mark.skipif(mc.CXX is None, reason="no C++ compiler (g++) to build the Metal sources")
 
 
 def _inputs(B, hq, hkv, cap, dtype, seed):
     ks = mx.random.split(mx.random.key(seed), 5)
-    proj = (2.0 * mx.random.normal((B, 1, ad.proj_width(hq, hkv)), key=ks[0])).astype(dtype)
+    proj = (2.0 * mx.random.normal((B, 1, proj_width(hq, hkv)), key=ks[0])).astype(dtype)
     keys = mx.random.normal((B, hkv, cap, DH), key=ks[1]).astype(dtype)
     values = mx.random.normal((B, hkv, cap, DH), key=ks[2]).astype(dtype)
     qw = (1.0 + 0.3 * mx.random.normal((DH,), key=ks[3])).astype(dtype)

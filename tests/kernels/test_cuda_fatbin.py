@@ -129,11 +129,11 @@ def test_nvfatbin_errors_are_named(fresh_nvfatbin):
 
 
 def _decode_kernel_inputs(seed):
-    from mlx_qwen_fast.kernels import gated_delta_decode as kd
+    from mlx_qwen_fast.kernels import gated_delta_contract as kc
 
     ks = mx.random.split(mx.random.key(seed), 6)
-    proj = mx.random.normal((1, 1, kd.packed_width(HK, HV)), key=ks[0]).astype(mx.bfloat16)
-    params = kd.decode_params(
+    proj = mx.random.normal((1, 1, kc.packed_width(HK, HV)), key=ks[0]).astype(mx.bfloat16)
+    params = kc.decode_params(
         0.3 * mx.random.normal((C, 4, 1), key=ks[1]), mx.random.uniform(-2, 1, (HV,), key=ks[2]),
         mx.random.uniform(-1, 1, (HV,), key=ks[3]), 1.0 + 0.1 * mx.random.normal((D,), key=ks[4]))
     cs = mx.random.normal((1, 3, C), key=ks[5]).astype(mx.bfloat16)

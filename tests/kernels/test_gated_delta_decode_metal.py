@@ -13,7 +13,7 @@ import pytest
 import metal_check as mc
 from compare import assert_close
 from gdn_helpers import C, D, HK, HV, assert_decode_step, decode_reference, decode_step_inputs, fe_params
-from mlx_qwen_fast.kernels.gated_delta_decode import decode_params
+from mlx_qwen_fast.kernels.gated_delta_contract import decode_params
 
 pytestmark = pytest.mark.skipif(mc.CXX is None, reason="no C++ compiler (g++) to build the Metal sources")
 

@@ -38,6 +38,7 @@ import pytest
 from compare import assert_close, finite, tolerance
 from gdn_helpers import NOT_ARRAYS, MixerArrays, mixer_arrays, mixer_reference
 from mlx_qwen_fast.kernels import _cuda_build as cb
+from mlx_qwen_fast.kernels import gated_delta_contract as gdc
 from mlx_qwen_fast.kernels import gated_delta_decode as gdd
 from mlx_qwen_fast.kernels import gdn_mixer_decode as gm
 from mlx_qwen_fast.kernels import quantized_gemv as qg
@@ -69,7 +70,7 @@ def _three_kernels(a: MixerArrays, conv_state, state, x=None):
     x = a.x if x is None else x
     proj = qg.quantized_gemv(x, *a.in_proj, group_size=64, bits=4, norm_weight=a.input_norm_weight,
                              norm_eps=EPS)
-    params = gdd.decode_params(a.conv_weight, a.A_log, a.dt_bias, a.norm_weight)
+    params = gdc.decode_params(a.conv_weight, a.A_log, a.dt_bias, a.norm_weight)
     y, conv_state, state = gdd.gated_delta_decode(proj, params, conv_state, state, num_k_heads=a.hk,
                                                   num_v_heads=a.hv)
     return qg.quantized_gemv(y, *a.out_proj, group_size=64, bits=4, residual=x), conv_state, state
@@ -102,7 +103,7 @@ def test_mixer_params_layout(dtype):
     128)."""
     a = _arrays(SMALL, 1, dtype, 1)
     p = _params(a)
-    dp = gdd.decode_params(a.conv_weight, a.A_log, a.dt_bias, a.norm_weight)
+    dp = gdc.decode_params(a.conv_weight, a.A_log, a.dt_bias, a.norm_weight)
     assert p.dtype == mx.float32 and p.shape == (gm.mixer_params_width(2, 4, 256),)
     assert mx.array_equal(p[:dp.size], dp).item()
     assert mx.array_equal(p[dp.size:], a.input_norm_weight.astype(mx.float32)).item()

@@ -6,13 +6,13 @@ that are not arrays; and an empty batch returns empty results without a
 launch (an empty grid is a CUDA launch error)."""
 
 import mlx.core as mx
-import numpy as np
 import pytest
 
 import moe_blocks
 from gdn_helpers import NOT_ARRAYS
 from mlx_qwen_fast.kernels import _checks
 from mlx_qwen_fast.kernels import _cuda_build as cb
+from mlx_qwen_fast.kernels import gated_delta_contract as gdc
 from mlx_qwen_fast.kernels import gated_delta_decode as gdd
 from mlx_qwen_fast.kernels import gated_delta_frontend as gdf
 from mlx_qwen_fast.kernels import gated_delta_scan as gds
@@ -20,7 +20,7 @@ from mlx_qwen_fast.kernels import gated_rms_norm as grn
 from mlx_qwen_fast.kernels import moe_decode_gemv as md
 from mlx_qwen_fast.kernels import moe_grouped_gemm as gg
 from mlx_qwen_fast.kernels import moe_routing as mr
-from mlx_qwen_fast.moe_types import ExpertGroups, Routing
+from mlx_qwen_fast.moe_types import ExpertGroups
 from mlx_qwen_fast.ops import moe
 
 
@@ -37,50 +37,12 @@ def test_route_and_group_checks_tile_rows_before_routing(no_launch, tile_rows):
         mr.route_and_group(mx.zeros((4, 32)), 8, tile_rows)
 
 
-def _routing(n=6, k=2, e=32, tile=32, seed=0):
-    """A valid routing built by the reference ops (the kernels' contract)."""
-    rng = np.random.default_rng(seed)
-    inds = mx.array(np.stack([rng.choice(e, k, replace=False) for _ in range(n)]).astype(np.int32))
-    g = moe.group_by_expert(inds, e)
-    return Routing(inds, mx.ones((n, k), mx.float32), g, moe.block_map(g, tile), tile)
-
-
-def test_check_routing_values_passes_a_valid_routing():
-    r = _routing()
-    gg.check_routing_values("t", r, 12)
-
-
-@pytest.mark.parametrize("damage", ["order_high", "order_negative", "offsets", "expert", "tile_overflow",
-                                    "tile_past_the_end", "unused_half"])
-def test_check_routing_values_rejects_a_damaged_routing(damage):
-    r = _routing()
-    g, bm = r.groups, np.array(r.block_map)
-    if damage == "order_high":
-        g = g._replace(order=mx.full(g.order.shape, 10**6, mx.int32))
-    elif damage == "order_negative":
-        g = g._replace(order=g.order - 1)
-    elif damage == "offsets":
-        g = g._replace(offsets=g.offsets * 2)
-    elif damage == "expert":
-        bm[0, 0] = 40
-    elif damage == "tile_overflow":  # offsets[e] + t * tile wraps in int32
-        bm[0, 1] = 3 * 2**25
-    elif damage == "tile_past_the_end":
-        bm[0, 1] = 5
-    else:
-        bm[-1, 0] = -1
-        bm[-1, 1] = 0
-    bad = r._replace(groups=g, block_map=mx.array(bm))
-    with pytest.raises(ValueError, match="not a grouping"):
-        gg.check_routing_values("t", bad, 12)
-
-
 def test_grouped_gemm_public_entry_points_check_the_routing(no_launch):
     d, i, e = 128, 64, 32
     x = moe_blocks.x_tokens(6, d, 1)
     gate, up, down = (moe_blocks.quant((e, i, d), 2), moe_blocks.quant((e, i, d), 3),
                       moe_blocks.quant((e, d, i), 4))
-    r = _routing()
+    r = moe_blocks.grouped_routing()
     bad = r._replace(groups=r.groups._replace(order=mx.full((12,), 10**6, mx.int32)))
     with pytest.raises(ValueError, match="gate_up_swiglu: routing is not a grouping"):
         gg.gate_up_swiglu(x, bad, gate, up, variant="mma")
@@ -138,9 +100,9 @@ def _gdn_calls(B=1, T=3):
         "gated_delta_frontend": (gdf.gated_delta_frontend, frontend, _HEADS),
         "prepare": (gdf.prepare, dict(frontend), dict(Hk=_HK, Hv=_HV)),
         "gated_delta_decode": (gdd.gated_delta_decode, dict(
-            proj=z(B, 1, gdd.packed_width(_HK, _HV)), params=z(gdd.params_width(_HK, _HV)),
+            proj=z(B, 1, gdc.packed_width(_HK, _HV)), params=z(gdc.params_width(_HK, _HV)),
             conv_state=z(B, 3, _C), state=z(B, _HV, _D, _D)), _HEADS),
-        "decode_params": (gdd.decode_params, dict(conv_weight=z(_C, 4, 1), A_log=z(_HV), dt_bias=z(_HV),
+        "decode_params": (gdc.decode_params, dict(conv_weight=z(_C, 4, 1), A_log=z(_HV), dt_bias=z(_HV),
                                                   norm_weight=z(_D)), {}),
         "gated_rms_norm": (grn.gated_rms_norm, dict(y=z(B, T, _HV, _D), z=z(B, T, _HV, _D), weight=z(_D)),
                            dict(eps=1e-6)),

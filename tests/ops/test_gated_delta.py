@@ -35,6 +35,7 @@ from mlx_lm.models import gated_delta as stock
 from mlx_qwen_fast import layers
 from mlx_qwen_fast.compiled import StepPlans, gather
 from mlx_qwen_fast.kernels import _cuda_build as cb
+from mlx_qwen_fast.kernels import gated_delta_contract as k_contract
 from mlx_qwen_fast.kernels import gated_delta_decode as k_decode
 from mlx_qwen_fast.ops import gated_delta as gd
 
@@ -833,7 +834,7 @@ def _eager_decode(layer, x, conv, st, cache):
 
     lins = [linear_arrays(getattr(layer, n)) for n in gd._PROJECTIONS]
     proj = linear_ops.decode_linear(x, *concat_linears(lins[:4]))
-    params = k_decode.decode_params(layer.conv1d.weight, layer.A_log, layer.dt_bias, layer.norm.weight)
+    params = k_contract.decode_params(layer.conv1d.weight, layer.A_log, layer.dt_bias, layer.norm.weight)
     out, conv, st = k_decode.gated_delta_decode(proj, params, conv, st, num_k_heads=layer.num_k_heads,
                                                 num_v_heads=layer.num_v_heads, norm_eps=layer.norm.eps)
     gd._store(cache, conv, st, 1)

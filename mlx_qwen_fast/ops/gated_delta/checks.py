@@ -9,8 +9,9 @@
 * the decode kernel between the projections called as modules
   (:func:`_decode_modules`): the CUDA kernel
   (:mod:`mlx_qwen_fast.kernels.gated_delta_decode`) and its Metal port
-  (:mod:`mlx_qwen_fast.kernels.gated_delta_decode_metal`) share one contract,
-  so the CUDA and Metal paths call it with their own kernel.
+  (:mod:`mlx_qwen_fast.kernels.gated_delta_decode_metal`) share one contract
+  (:mod:`mlx_qwen_fast.kernels.gated_delta_contract`), so the CUDA and Metal
+  paths call it with their own kernel.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache as _ArraysCache
 from mlx_lm.models.qwen3_5 import GatedDeltaNet as _GatedDeltaNet
 
-from ...kernels import gated_delta_decode as _k_decode
+from ...kernels import gated_delta_contract as _k_contract
 from ...kernels._checks import ArraySpec, check_arrays, describe
 from .._checks import FLOATS as _FLOATS
 from .._checks import is_int
@@ -228,9 +229,9 @@ _STEP_ARRAYS = (("conv1d", "weight"), ("A_log",), ("dt_bias",), ("norm", "weight
 
 def _decode_params(layer):
     """The layer's constants packed as the decode kernels read them
-    (:func:`mlx_qwen_fast.kernels.gated_delta_decode.decode_params`; not
+    (:func:`mlx_qwen_fast.kernels.gated_delta_contract.decode_params`; not
     evaluated)."""
-    return _k_decode.decode_params(layer.conv1d.weight, layer.A_log, layer.dt_bias, layer.norm.weight)
+    return _k_contract.decode_params(layer.conv1d.weight, layer.A_log, layer.dt_bias, layer.norm.weight)
 
 
 def _decode_modules(layer, inputs, kernel, params, conv_state, state, cache):

@@ -14,7 +14,7 @@ import mlx.core as mx
 from ... import backend as _backend
 from ... import config
 from ...compiled import StepPlans
-from ...kernels import gated_delta_decode as _k_decode
+from ...kernels import gated_delta_contract as _k_contract
 from ...kernels import gated_delta_decode_metal as _k_decode_metal
 from .checks import _STEP_ARRAYS, _decode_modules, _decode_params, _states
 
@@ -38,7 +38,7 @@ def _metal_decode(layer, inputs, cache):
     modules; its constants packed once per layer (:class:`StepPlans`). None
     where the kernel's shapes do not hold (head dims other than 128, Hv not a
     multiple of Hk)."""
-    if layer.head_k_dim != _k_decode.D or layer.head_v_dim != _k_decode.D or \
+    if layer.head_k_dim != _k_contract.D or layer.head_v_dim != _k_contract.D or \
             layer.num_v_heads % layer.num_k_heads:
         return None
     _, params = StepPlans.of(layer).get(("metal-params",), layer, lambda: (_STEP_ARRAYS, _metal_params(layer)))

@@ -84,7 +84,7 @@ import mlx.nn as nn
 from ... import backend as _backend
 from ... import config
 from ...kernels import _cuda_build
-from ...kernels import moe_decode_gemv as _decode_gemv
+from ...kernels import moe_contract as _moe_contract
 from ...moe_types import ExpertGroups, max_tiles  # noqa: F401 (part of this package's API)
 from .checks import KERNEL_QUANTIZATION, _DECLINED, kernel_problems, quantization_problem
 from .cuda import _cuda_decode, _cuda_prefill, _decode_step_plan
@@ -195,9 +195,8 @@ IMPLEMENTATIONS: Dict[str, Callable[..., mx.array]] = {
 PREFILL_MIN_TOKENS = 128
 
 #: Most tokens per call that take the decode kernels on CUDA and on Metal
-#: (the kernels' limit, :data:`mlx_qwen_fast.kernels.moe_decode_gemv.MAX_TOKENS`,
-#: :data:`mlx_qwen_fast.kernels.moe_gate_up_metal.MAX_TOKENS`).
-DECODE_MAX_TOKENS = _decode_gemv.MAX_TOKENS
+#: (the kernels' limit, :data:`mlx_qwen_fast.kernels.moe_contract.DECODE_MAX_TOKENS`).
+DECODE_MAX_TOKENS = _moe_contract.DECODE_MAX_TOKENS
 
 
 def implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:

@@ -22,7 +22,7 @@ from typing import Dict, Optional, Tuple
 import mlx.core as mx
 
 from ...compiled import linear_arrays
-from ...kernels import moe_decode_gemv as _decode_gemv
+from ...kernels.moe_contract import DECODE_MAX_TOKENS
 from .._checks import is_int
 
 
@@ -204,13 +204,13 @@ def decode_arrays(block):
 def _decode_rows(block, x) -> Optional[int]:
     """The token rows of ``x`` where both decode kernels' plans may apply --
     an unsharded block, ``x`` bf16 ``[..., D]`` with 1 to
-    ``MAX_TOKENS`` rows -- else None."""
+    ``DECODE_MAX_TOKENS`` rows -- else None."""
     if getattr(block, "sharding_group", None) is not None:
         return None
     if not isinstance(x, mx.array) or x.ndim < 1 or x.dtype != mx.bfloat16:
         return None
     n = math.prod(x.shape[:-1])
-    return n if 1 <= n <= _decode_gemv.MAX_TOKENS else None
+    return n if 1 <= n <= DECODE_MAX_TOKENS else None
 
 
 _DECODE_CHILDREN = ("gate", "shared_expert_gate", "switch_mlp", "shared_expert")
