@@ -147,7 +147,7 @@ def experts_chain(sm, r, x, variant):
         def f():
             y = x
             for _ in range(m):
-                y = gg._moe_experts(y, r, sm.gate_proj, sm.up_proj, sm.down_proj, variant=variant)
+                y = gg.moe_experts_unchecked(y, r, sm.gate_proj, sm.up_proj, sm.down_proj, variant=variant)
             return y
         return f
     return make
@@ -356,11 +356,11 @@ def section_time(args):
                 res[f"down_kernel_{v}_tile{tile}_f32"] = timeit(
                     lambda: gg._down_weighted(h, r, _arr(sm.down_proj), variant=v))
                 res[f"experts_kernels_{v}_tile{tile}(+combine)"] = timeit(
-                    lambda: gg._moe_experts(x, r, sm.gate_proj, sm.up_proj, sm.down_proj, variant=v))
+                    lambda: gg.moe_experts_unchecked(x, r, sm.gate_proj, sm.up_proj, sm.down_proj, variant=v))
         for v in vs:  # routing + experts at the variant's own tile choice
             tc = ggb.choose_tile_rows(t * K, E, v)
             res[f"route+experts_kernels_{v}_tile{tc}"] = timeit(
-                lambda: gg._moe_experts(x, mr.route_and_group(logits, K, tc), sm.gate_proj, sm.up_proj,
+                lambda: gg.moe_experts_unchecked(x, mr.route_and_group(logits, K, tc), sm.gate_proj, sm.up_proj,
                                         sm.down_proj, variant=v))
         xb = x[None]
         res["block_stock"] = timeit(lambda: Qwen3NextSparseMoeBlock.__call__(block, xb))

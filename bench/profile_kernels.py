@@ -151,7 +151,7 @@ def kernels(args) -> None:
     x, logits = make_inputs(T, seed=T)
     for variant in variants():
         tile = ggb.choose_tile_rows(T * K, E, variant)
-        twice(lambda: gg._moe_experts(x, mr.route_and_group(logits, K, tile), sm.gate_proj, sm.up_proj,
+        twice(lambda: gg.moe_experts_unchecked(x, mr.route_and_group(logits, K, tile), sm.gate_proj, sm.up_proj,
                                       sm.down_proj, variant=variant))
     mx.synchronize()
     print("kernels: launched", flush=True)

@@ -41,7 +41,7 @@ from . import _checks
 from . import _cuda_build as cb
 from . import moe_decode_gemv as md
 
-__all__ = ["MAX_ROWS", "grid_blocks", "moe_block_decode", "scratch_words", "smem_bytes", "supports"]
+__all__ = ["MAX_ROWS", "grid_blocks", "moe_block_decode", "moe_block_decode_unchecked", "scratch_words", "smem_bytes", "supports"]
 
 #: Token rows per call at most.
 MAX_ROWS = md.MAX_TOKENS
@@ -189,7 +189,7 @@ def _kernel(n, k, E, D, I, sgb, rbits, rgs, norm_dtype, phase_clock=False) -> cb
     return kern
 
 
-#: Phase marks of the diagnostic build (``_moe_block_decode(..., phase_clock=True)``),
+#: Phase marks of the diagnostic build (``moe_block_decode_unchecked(..., phase_clock=True)``),
 #: in order: cycles from the block's start to phase A's end (the block's
 #: router tiles, or its shared-expert gate+up item), the first grid
 #: barrier's end, the routing's end, phase B's end (the routed experts'
@@ -237,7 +237,7 @@ def moe_block_decode(
 
     Returns:
       x's shape, bfloat16: ``quantized_gemv`` (norm, router) then
-      ``moe_decode_gemv._moe_decode_logits`` with x as the residual, bit for
+      ``moe_decode_gemv.moe_decode_logits_unchecked`` with x as the residual, bit for
       bit.
 
     Raises:
@@ -253,11 +253,11 @@ def moe_block_decode(
     if problem is not None:
         raise ValueError(f"{fn}: {problem}")
     eps = _checks.check_eps(fn, "norm_eps", norm_eps)
-    return _moe_block_decode(x, norm_weight, router, experts, shared, expert_gate, int(top_k), eps,
+    return moe_block_decode_unchecked(x, norm_weight, router, experts, shared, expert_gate, int(top_k), eps,
                              bool(normalize), router_group_size, router_bits)
 
 
-def _moe_block_decode(x, norm_weight, router, experts, shared, expert_gate, top_k, eps, normalize,
+def moe_block_decode_unchecked(x, norm_weight, router, experts, shared, expert_gate, top_k, eps, normalize,
                       router_group_size, router_bits, return_scratch=False, phase_clock=False):
     """:func:`moe_block_decode` on arguments already checked (the compiled
     decode step's entry point); ``return_scratch``: also the scratch output

@@ -71,6 +71,8 @@ from .moe_contract import DECODE_MAX_TOKENS as MAX_TOKENS
 from .moe_contract import check_expert_ids, decode_weights_problem, is_4bit_group64
 
 __all__ = [
+    "moe_decode_arrays_unchecked",
+    "moe_decode_logits_unchecked",
     "moe_decode_arrays",
     "moe_decode_logits",
     "gate_up_swiglu",
@@ -459,7 +461,7 @@ def moe_decode_arrays(
     + sigmoid(shared_gate(x[n])) * shared_expert(x[n])``: two launches
     (:func:`gate_up_swiglu`, :func:`down_combine`). Arguments as those,
     shapes and ids checked (one host synchronisation);
-    :func:`_moe_decode_arrays` is the unchecked entry point of the compiled
+    :func:`moe_decode_arrays_unchecked` is the unchecked entry point of the compiled
     decode step, whose shapes were checked by :func:`supports_arrays` and
     whose ids come from the routing kernel.
 
@@ -468,10 +470,10 @@ def moe_decode_arrays(
     """
     _check("moe_decode_arrays", _shape_problem(x, inds, scores, experts, shared, expert_gate))
     check_expert_ids("moe_decode_arrays", inds, experts[0][0].shape[0])
-    return _moe_decode_arrays(x, inds, scores, experts, shared, expert_gate)
+    return moe_decode_arrays_unchecked(x, inds, scores, experts, shared, expert_gate)
 
 
-def _moe_decode_arrays(x, inds, scores, experts, shared, expert_gate, residual=None):
+def moe_decode_arrays_unchecked(x, inds, scores, experts, shared, expert_gate, residual=None):
     """:func:`moe_decode_arrays` without the checks. ``x`` may be ``[..., D]``
     with ``inds [..., k]`` (read as ``[N, D]``, ``[N, k]``); y is shaped
     ``inds.shape[:-1] + (D,)``. ``residual`` (bf16, y's shape: the decoder
@@ -491,7 +493,7 @@ def moe_decode_logits(
     :func:`mlx_qwen_fast.kernels.moe_routing.route` followed by
     :func:`moe_decode_arrays` (three launches), bit for bit. Arguments as
     :func:`route_gate_up_swiglu`; no host synchronisation (the ids come
-    from the kernel). :func:`_moe_decode_logits` is the unchecked entry
+    from the kernel). :func:`moe_decode_logits_unchecked` is the unchecked entry
     point of the compiled decode step.
 
     Raises:
@@ -499,12 +501,12 @@ def moe_decode_logits(
             range, or logits whose E is not the experts' (named).
     """
     _check("moe_decode_logits", _route_problem(x, logits, top_k, experts, shared, expert_gate))
-    return _moe_decode_logits(x, logits, int(top_k), normalize, experts, shared, expert_gate)
+    return moe_decode_logits_unchecked(x, logits, int(top_k), normalize, experts, shared, expert_gate)
 
 
-def _moe_decode_logits(x, logits, top_k, normalize, experts, shared, expert_gate, residual=None):
+def moe_decode_logits_unchecked(x, logits, top_k, normalize, experts, shared, expert_gate, residual=None):
     """:func:`moe_decode_logits` without the checks. ``x`` may be ``[..., D]``
     with ``logits [..., E]`` (read as ``[N, D]``, ``[N, E]``); y is shaped
-    ``logits.shape[:-1] + (D,)``. ``residual`` as :func:`_moe_decode_arrays`."""
+    ``logits.shape[:-1] + (D,)``. ``residual`` as :func:`moe_decode_arrays_unchecked`."""
     h, sgate, inds, scores = _launch_route_gate_up(x, logits, top_k, normalize, experts, shared, expert_gate)
     return _launch_down(h, inds, scores, sgate, experts[2], shared[2], residual)

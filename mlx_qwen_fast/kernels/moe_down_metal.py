@@ -40,7 +40,7 @@ import mlx.core as mx
 from ._checks import describe as _describe
 from .moe_contract import DECODE_MAX_TOKENS, check_expert_ids, is_4bit_group64
 
-__all__ = ["down_combine_metal", "simd_groups", "SOURCE_FILE", "MAX_TOKENS", "MAX_PAIRS", "MAX_SIMD_GROUPS"]
+__all__ = ["down_combine_metal", "down_combine_metal_unchecked", "simd_groups", "SOURCE_FILE", "MAX_TOKENS", "MAX_PAIRS", "MAX_SIMD_GROUPS"]
 
 SOURCE_FILE = Path(__file__).resolve().parents[1] / "metal" / "moe_down.metal"
 MAX_TOKENS = DECODE_MAX_TOKENS
@@ -122,10 +122,10 @@ def down_combine_metal(
     if not is_4bit_group64(shared_down, (), D, I):
         raise ValueError(f"{fn}: shared_down must be uint32 [{D}, {I // 8}] + bf16 [{D}, {I // 64}] x2")
     check_expert_ids(fn, inds, E)
-    return _launch(h, inds, scores, sgate, down, shared_down)
+    return down_combine_metal_unchecked(h, inds, scores, sgate, down, shared_down)
 
 
-def _launch(h, inds, scores, sgate, down, shared_down):
+def down_combine_metal_unchecked(h, inds, scores, sgate, down, shared_down):
     """:func:`down_combine_metal` on arguments already checked."""
     if inds.dtype != mx.int32:
         inds = inds.astype(mx.int32)  # ids < E <= 2**31: the same values

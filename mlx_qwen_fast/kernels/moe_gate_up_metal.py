@@ -38,7 +38,7 @@ import mlx.core as mx
 from ._checks import describe as _describe
 from .moe_contract import DECODE_MAX_TOKENS, check_expert_ids, decode_weights_problem
 
-__all__ = ["gate_up_swiglu_metal", "problem", "SOURCE_FILE", "MAX_TOKENS", "MAX_PAIRS"]
+__all__ = ["gate_up_swiglu_metal", "gate_up_swiglu_metal_unchecked", "problem", "SOURCE_FILE", "MAX_TOKENS", "MAX_PAIRS"]
 
 SOURCE_FILE = Path(__file__).resolve().parents[1] / "metal" / "moe_gate_up.metal"
 MAX_TOKENS = DECODE_MAX_TOKENS  # tokens per call (a float4 of partial sums per row)
@@ -121,10 +121,10 @@ def gate_up_swiglu_metal(
     if p is not None:
         raise ValueError(f"gate_up_swiglu_metal: {p}")
     check_expert_ids("gate_up_swiglu_metal", inds, experts[0][0].shape[0])
-    return _launch(x, inds, experts, shared, expert_gate)
+    return gate_up_swiglu_metal_unchecked(x, inds, experts, shared, expert_gate)
 
 
-def _launch(x, inds, experts, shared, expert_gate):
+def gate_up_swiglu_metal_unchecked(x, inds, experts, shared, expert_gate):
     """:func:`gate_up_swiglu_metal` on arguments already checked."""
     if inds.dtype != mx.int32:
         inds = inds.astype(mx.int32)  # ids < E <= 2**31: the same values

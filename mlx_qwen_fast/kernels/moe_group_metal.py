@@ -43,7 +43,7 @@ from ..moe_types import ExpertGroups, Routing, max_tiles
 from ._checks import describe as _describe
 from . import moe_route_metal as _route_metal
 
-__all__ = ["group_metal", "route_and_group_metal", "chunks", "SOURCE_FILES", "MAX_EXPERTS", "MAX_CHUNKS",
+__all__ = ["group_metal", "stage_kernel", "route_and_group_metal", "chunks", "SOURCE_FILES", "MAX_EXPERTS", "MAX_CHUNKS",
            "MIN_CHUNK", "MAX_ASSIGNMENTS", "MAX_TILE_ROWS"]
 
 _METAL = Path(__file__).resolve().parents[1] / "metal"
@@ -66,10 +66,10 @@ _INPUTS = {"count": ["inds"], "scatter": ["inds", "part"]}
 
 
 def _kernel(stage: str):
-    return _stage_kernel(_KERNELS, "mqf_moe_group", stage, _INPUTS, _OUTPUTS, SOURCE_FILES)
+    return stage_kernel(_KERNELS, "mqf_moe_group", stage, _INPUTS, _OUTPUTS, SOURCE_FILES)
 
 
-def _stage_kernel(cache: dict, prefix: str, stage: str, inputs: dict, outputs: dict, sources: dict):
+def stage_kernel(cache: dict, prefix: str, stage: str, inputs: dict, outputs: dict, sources: dict):
     """The ``mx.fast.metal_kernel`` of one stage of a multi-kernel op,
     named ``<prefix>_<stage>``, built on first use and kept in ``cache``
     (the calling module's, so that reloading that module rebuilds it)."""

@@ -51,6 +51,7 @@ from .moe_grouped_gemm_builds import (BK, BN, TILE_CHOICES, WG_KC, check_variant
 from .moe_routing import shared_group_experts
 
 __all__ = [
+    "moe_experts_unchecked",
     "gate_up_swiglu",
     "down_weighted",
     "moe_experts",
@@ -367,7 +368,7 @@ def moe_experts(
     ``variant``: one of :data:`~.moe_grouped_gemm_builds.VARIANTS` for both
     kernels (None: :func:`~.moe_grouped_gemm_builds.default_variant`). The
     routing's index arrays are validated first (:func:`~.moe_contract.check_routing_values`;
-    one host synchronisation): :func:`_moe_experts` is the unchecked entry
+    one host synchronisation): :func:`moe_experts_unchecked` is the unchecked entry
     point the package's MoE block uses, its routing coming from the routing
     kernels.
 
@@ -384,11 +385,11 @@ def moe_experts(
             shared slot without ``shared_expert`` or the reverse, a shared
             expert of other sizes, a variant other than "wgmma" with it.
     """
-    return _moe_experts(x, routing, gate_proj, up_proj, down_proj, shared_expert=shared_expert,
+    return moe_experts_unchecked(x, routing, gate_proj, up_proj, down_proj, shared_expert=shared_expert,
                         out_dtype=out_dtype, variant=variant, check=True)
 
 
-def _moe_experts(x: mx.array, routing: Routing, gate_proj, up_proj, down_proj, *, shared_expert=None,
+def moe_experts_unchecked(x: mx.array, routing: Routing, gate_proj, up_proj, down_proj, *, shared_expert=None,
                  out_dtype: Optional[mx.Dtype] = None, variant: Optional[str] = None,
                  check: bool = False) -> mx.array:
     """:func:`moe_experts`, the routing's values checked only with ``check``."""

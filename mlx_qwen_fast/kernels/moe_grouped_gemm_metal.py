@@ -55,9 +55,9 @@ import mlx.core as mx
 from ..moe_types import Routing
 from ._checks import describe as _describe
 from .moe_contract import check_routing_arrays, check_routing_values, is_4bit_group64
-from .moe_group_metal import _stage_kernel
+from .moe_group_metal import stage_kernel
 
-__all__ = ["gate_up_swiglu_metal", "down_weighted_metal", "moe_experts_metal", "problem", "choose_tile_rows",
+__all__ = ["gate_up_swiglu_metal", "down_weighted_metal", "moe_experts_metal", "moe_experts_metal_unchecked", "problem", "choose_tile_rows",
            "SOURCE_FILES", "TILE_CHOICES", "BN", "THREADS"]
 
 _METAL = Path(__file__).resolve().parents[1] / "metal"
@@ -77,7 +77,7 @@ _OUTPUTS = {"gate_up": ["h"], "down": ["y"]}
 
 
 def _kernel(stage: str):
-    return _stage_kernel(_KERNELS, "mqf_moe_gemm", stage, _INPUTS, _OUTPUTS, SOURCE_FILES)
+    return stage_kernel(_KERNELS, "mqf_moe_gemm", stage, _INPUTS, _OUTPUTS, SOURCE_FILES)
 
 
 def choose_tile_rows(num_assignments: int, num_experts: int) -> int:
@@ -294,10 +294,10 @@ def moe_experts_metal(x: mx.array, routing: Routing, experts: Sequence,
     p = problem(x, experts)
     if p is not None:
         raise ValueError(f"moe_experts_metal: {p}")
-    return _moe_experts(x, routing, experts, out_dtype, check=True)
+    return moe_experts_metal_unchecked(x, routing, experts, out_dtype, check=True)
 
 
-def _moe_experts(x, routing, experts, out_dtype=None, check: bool = False) -> mx.array:
+def moe_experts_metal_unchecked(x, routing, experts, out_dtype=None, check: bool = False) -> mx.array:
     """:func:`moe_experts_metal` on arguments whose shapes the caller checked
     (:func:`problem`); the routing's values checked only with ``check``."""
     gate, up, down = experts

@@ -34,7 +34,7 @@ import mlx.core as mx
 from . import _checks
 from . import _cuda_build as cb
 
-__all__ = ["quantized_gemv", "supports", "warps", "MAX_ROWS"]
+__all__ = ["quantized_gemv", "quantized_gemv_unchecked", "supports", "warps", "MAX_ROWS"]
 
 #: Token rows per call at most (the B columns of one m16n8 tile that the
 #: staged rows' 32 KB of shared memory hold at K = 4096).
@@ -157,10 +157,10 @@ def quantized_gemv(
         eps = _checks.check_eps(fn, "norm_eps", norm_eps)
     elif normed_out:
         raise ValueError(f"{fn}: normed_out needs norm_weight (the normalised rows)")
-    return _quantized_gemv(x, w, scales, biases, group_size, bits, norm_weight, eps, residual, normed_out)
+    return quantized_gemv_unchecked(x, w, scales, biases, group_size, bits, norm_weight, eps, residual, normed_out)
 
 
-def _quantized_gemv(x, w, scales, biases, group_size, bits, norm_weight, eps, residual, normed_out):
+def quantized_gemv_unchecked(x, w, scales, biases, group_size, bits, norm_weight, eps, residual, normed_out):
     """:func:`quantized_gemv` on checked arguments (the compiled decode steps
     call it with shapes their plans checked)."""
     K, M, N = x.shape[-1], _rows(x), w.shape[0]

@@ -201,7 +201,7 @@ def decode_linear_unchecked(x: mx.array, arrays: Sequence[mx.array], static: tup
     if implementation == "reference":
         return _reference(x, arrays, static, None, None, False)
     group_size, bits = _kernel_args(static)
-    return _k_gemv._quantized_gemv(x, arrays[0], arrays[1], arrays[2], group_size, bits, None, 1e-6, None, False)
+    return _k_gemv.quantized_gemv_unchecked(x, arrays[0], arrays[1], arrays[2], group_size, bits, None, 1e-6, None, False)
 
 
 def implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:

@@ -6,7 +6,7 @@ The argument checks and the launch's sizes run on any backend. The kernel,
 on CUDA (and the small shapes on the CPU through the CUDA check, with every
 block resident and both thread schedules), against the three kernels it
 fuses (``quantized_gemv`` with the norm and ``normed_out``, then
-``moe_decode_gemv._moe_decode_logits`` with the residual), run on the same
+``moe_decode_gemv.moe_decode_logits_unchecked`` with the residual), run on the same
 inputs: the output equals theirs bit for bit (bf16 only: the same device
 code in the same arithmetic order), and so do the phases' intermediates in
 the scratch output (logits, the SwiGLU rows of the selected pairs, the
@@ -53,7 +53,7 @@ def _x(n, D, seed):
 
 def _fused(x, w, k, rbits, normalize=True):
     router, experts, shared, eg, nw = w
-    return mb._moe_block_decode(x, nw, router, experts, shared, eg, k, EPS, normalize, 64, rbits,
+    return mb.moe_block_decode_unchecked(x, nw, router, experts, shared, eg, k, EPS, normalize, 64, rbits,
                                 return_scratch=True)
 
 
@@ -275,7 +275,7 @@ def test_compiled_equals_eager():
     x = _x(2, 2048, 71)
 
     def step(x, nw, *a):
-        return mb._moe_block_decode(x, nw, a[:3], (a[3:6], a[6:9], a[9:12]), (a[12:15], a[15:18], a[18:21]),
+        return mb.moe_block_decode_unchecked(x, nw, a[:3], (a[3:6], a[6:9], a[9:12]), (a[12:15], a[15:18], a[18:21]),
                                     (a[21], a[22], a[23], eg[3]), 8, EPS, True, 64, 8)
 
     flat = [*router, *[t for e in experts for t in e], *[t for e in shared for t in e], *eg[:3]]
@@ -299,7 +299,7 @@ def test_phase_clock_build(monkeypatch, n, k):
     x = _x(n, 256, 71)
     router, experts, shared, eg, nw = w
     want, _ = _fused(x, w, k, 8)
-    got, clocks = mb._moe_block_decode(x, nw, router, experts, shared, eg, k, EPS, True, 64, 8, phase_clock=True)
+    got, clocks = mb.moe_block_decode_unchecked(x, nw, router, experts, shared, eg, k, EPS, True, 64, 8, phase_clock=True)
     assert mx.array_equal(got, want).item()
     blocks = mb.grid_blocks(n, k, 32, 256, 128, 8, cb.sm_count())
     assert clocks.shape == (blocks, 8) and clocks.dtype == mx.int64

@@ -218,7 +218,7 @@ def test_route_gate_up_launch(monkeypatch):
     # the whole step on [N, 1, D] rows with the residual: one routing build, then the down kernel on its outputs
     calls.clear()
     res = mx.zeros((n, 1, D), mx.bfloat16)
-    y = md._moe_decode_logits(x[:, None], logits.astype(mx.bfloat16)[:, None], k, True, experts, shared, eg, res)
+    y = md.moe_decode_logits_unchecked(x[:, None], logits.astype(mx.bfloat16)[:, None], k, True, experts, shared, eg, res)
     gu, dn = calls
     assert gu["kern"].defs["MDG_LT"] == "bf16_t" and gu["scalars"] == [1]
     assert gu["shapes"][2:] == [(n, 1, k), (n, 1, k)]
@@ -370,11 +370,11 @@ def test_down_with_the_residual(n):
     one more rounding), for [n, D] and the decoder's [n, 1, D] rows."""
     x, inds, scores, experts, shared, eg, y = check_kernels(n, seed=40 + n)
     res = (4.0 * mx.random.normal(y.shape, key=mx.random.key(n))).astype(mx.bfloat16)
-    got = md._moe_decode_arrays(x, inds, scores, experts, shared, eg, res)
+    got = md.moe_decode_arrays_unchecked(x, inds, scores, experts, shared, eg, res)
     want = (res.astype(mx.float32) + y.astype(mx.float32)).astype(mx.bfloat16)
     mx.eval(got, want)
     assert finite(got) and mx.array_equal(got, want).item()
-    got3 = md._moe_decode_arrays(x[:, None], inds[:, None], scores[:, None], experts, shared, eg, res[:, None])
+    got3 = md.moe_decode_arrays_unchecked(x[:, None], inds[:, None], scores[:, None], experts, shared, eg, res[:, None])
     assert got3.shape == (n, 1, y.shape[-1]) and mx.array_equal(got3[:, 0], want).item()
 
 
@@ -522,8 +522,8 @@ def test_route_in_gate_up_with_the_residual(n, E):
     x, logits, ri, rs, y = check_routed(n, 8, E, "skewed", seed=77 + n)
     experts, shared, eg = route_arrays(E)
     res = (4.0 * mx.random.normal((n, 1, y.shape[-1]), key=mx.random.key(n))).astype(mx.bfloat16)
-    got = md._moe_decode_logits(x[:, None], logits[:, None], 8, True, experts, shared, eg, res)
-    want = md._moe_decode_arrays(x[:, None], ri[:, None], rs[:, None], experts, shared, eg, res)
+    got = md.moe_decode_logits_unchecked(x[:, None], logits[:, None], 8, True, experts, shared, eg, res)
+    want = md.moe_decode_arrays_unchecked(x[:, None], ri[:, None], rs[:, None], experts, shared, eg, res)
     mx.eval(got, want)
     assert got.shape == (n, 1, y.shape[-1]) and finite(got) and mx.array_equal(got, want).item()
     assert mx.array_equal(got[:, 0], (res[:, 0].astype(mx.float32) + y.astype(mx.float32)).astype(mx.bfloat16)).item()

@@ -775,10 +775,10 @@ def fake_decode_kernels(cpu_device, monkeypatch, env):
     which has none, off)."""
     env.set(config.MOE_BLOCK_KERNEL.name, "0")
     monkeypatch.setattr(md, "moe_decode_arrays", fake_moe_decode_arrays)
-    monkeypatch.setattr(md, "_moe_decode_arrays", lambda *a: fake_moe_decode_arrays(*a, checked=True))
+    monkeypatch.setattr(md, "moe_decode_arrays_unchecked", lambda *a: fake_moe_decode_arrays(*a, checked=True))
     monkeypatch.setattr(md, "moe_decode_logits", lambda x, logits, top_k, experts, shared, expert_gate, normalize=True:
                         fake_moe_decode_logits(x, logits, top_k, normalize, experts, shared, expert_gate))
-    monkeypatch.setattr(md, "_moe_decode_logits", lambda *a: fake_moe_decode_logits(*a, checked=True))
+    monkeypatch.setattr(md, "moe_decode_logits_unchecked", lambda *a: fake_moe_decode_logits(*a, checked=True))
     monkeypatch.setattr(mr, "route", fake_route)
     monkeypatch.setattr(moe.cuda, "_decode_steps", {})  # traces of the fakes stay out of the real cache
     monkeypatch.setattr(moe._cuda_build, "cuda_available", lambda: True)  # the fakes stand in for the GPU
@@ -843,7 +843,7 @@ def test_decode_step_with_the_norm_and_residual(fake_decode_kernels, monkeypatch
 def test_decode_step_routes_in_the_gate_up_kernel_up_to_512_experts(fake_decode_kernels, E):
     """The compiled step (traced with stand-in kernels that record their
     calls) and its eager form give the router's logits to the gate+up
-    kernel that routes (``_moe_decode_logits``: three launches) for E up to
+    kernel that routes (``moe_decode_logits_unchecked``: three launches) for E up to
     ROUTE_MAX_EXPERTS = 512, and keep the routing kernel's launch before
     the kernels that take its ids above (shape-only: any backend)."""
     block = moe_blocks.make_block(D=256, H=128, E=E, k=8, dtype=mx.bfloat16, seed=E)
@@ -905,7 +905,7 @@ def test_block_shared_expert_in_slot_or_dense(monkeypatch):
     block = moe_blocks.make_block(D=256, H=128, E=64, k=8, dtype=mx.bfloat16, seed=3)
     x = mx.random.normal((1, n, 256), key=mx.random.key(5)).astype(mx.bfloat16)
     calls = []
-    real_experts, real_route = gg._moe_experts, mr.route_and_group  # what the block calls (unchecked entry)
+    real_experts, real_route = gg.moe_experts_unchecked, mr.route_and_group  # what the block calls (unchecked entry)
 
     def counted_experts(*a, **k):
         calls.append(("slot" if k.get("shared_expert") is not None else "routed", a[0].shape[0]))
@@ -916,7 +916,7 @@ def test_block_shared_expert_in_slot_or_dense(monkeypatch):
                       else "plain", a[0].shape[0]))
         return real_route(*a, **k)
 
-    monkeypatch.setattr(gg, "_moe_experts", counted_experts)
+    monkeypatch.setattr(gg, "moe_experts_unchecked", counted_experts)
     monkeypatch.setattr(mr, "route_and_group", counted_route)
 
     def run(tokens):
@@ -1295,8 +1295,8 @@ def test_block_switch_runs_the_one_launch_block(env, monkeypatch, n):
     nw = (1.0 + 0.1 * mx.random.normal((256,), key=ks[0])).astype(mx.bfloat16)
     h0 = (2.0 * mx.random.normal((n, 1, 256), key=ks[1])).astype(mx.bfloat16)
     launched = []
-    real = k_block._moe_block_decode
-    monkeypatch.setattr(k_block, "_moe_block_decode", lambda *a, **k: launched.append(1) or real(*a, **k))
+    real = k_block.moe_block_decode_unchecked
+    monkeypatch.setattr(k_block, "moe_block_decode_unchecked", lambda *a, **k: launched.append(1) or real(*a, **k))
     monkeypatch.setattr(moe.cuda, "_decode_steps", {})
     runs = {}
     for one, gemv in (("1", "1"), ("0", "1"), ("1", "0")):

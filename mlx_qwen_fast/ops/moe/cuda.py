@@ -123,12 +123,12 @@ def _cuda_prefill(block, x: mx.array) -> mx.array:
                 shared_logits = shared_logits.astype(logits.dtype)
             routing = _routing.route_and_group(logits, k, tile, normalize=block.norm_topk_prob,
                                                shared_logits=shared_logits)
-        y = _grouped_gemm._moe_experts(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj,
+        y = _grouped_gemm.moe_experts_unchecked(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj,
                                        shared_expert=block.shared_expert, variant=variant)
         return y.reshape(*lead, d)
     tile = _gemm_builds.choose_tile_rows(n * k, e, variant)
     routing = _routing.route_and_group(logits, k, tile, normalize=block.norm_topk_prob)
-    y = _grouped_gemm._moe_experts(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj, variant=variant)
+    y = _grouped_gemm.moe_experts_unchecked(tokens, routing, sm.gate_proj, sm.up_proj, sm.down_proj, variant=variant)
     return y.reshape(*lead, d) + _shared_expert(block, x)
 
 
@@ -288,7 +288,7 @@ def _compiled_decode_step(top_k: int, normalize: bool, router_static: tuple, n_r
 
         def step(h, norm_weight, *arrays):
             a = arrays[n_router:]
-            return _k_block._moe_block_decode(h, norm_weight, arrays[:n_router], (a[0:3], a[3:6], a[6:9]),
+            return _k_block.moe_block_decode_unchecked(h, norm_weight, arrays[:n_router], (a[0:3], a[3:6], a[6:9]),
                                               (a[9:12], a[12:15], a[15:18]), (a[18], a[19], a[20], shared_gate_bits),
                                               top_k, key[5], bool(normalize), group_size, bits)
 
@@ -308,10 +308,10 @@ def _compiled_decode_step(top_k: int, normalize: bool, router_static: tuple, n_r
             # fused: the residual added by the down kernel (h + bf16(block(norm(h))), stock's roundings)
             residual = None if norm is None else x
             if route_in_kernel:
-                return _decode_gemv._moe_decode_logits(xin, logits, top_k, normalize, experts, shared, expert_gate,
+                return _decode_gemv.moe_decode_logits_unchecked(xin, logits, top_k, normalize, experts, shared, expert_gate,
                                                        residual)
             inds, scores = _routing.route(logits, top_k, normalize=normalize)
-            return _decode_gemv._moe_decode_arrays(xin, inds, scores, experts, shared, expert_gate, residual)
+            return _decode_gemv.moe_decode_arrays_unchecked(xin, inds, scores, experts, shared, expert_gate, residual)
 
         if fused:
             def step(h, norm_weight, *arrays):

@@ -97,8 +97,8 @@ def _metal_decode(block, x: mx.array) -> mx.array:
     inds, scores = _route_metal.route_metal(block.gate(tokens), block.top_k, normalize=block.norm_topk_prob)
     a = arrays
     experts, shared = (a[0:3], a[3:6], a[6:9]), (a[9:12], a[12:15], a[15:18])
-    h, sgate = _gate_up_metal._launch(tokens, inds, experts, shared, (a[18], a[19], a[20], bits))
-    y = _down_metal._launch(h, inds, scores, sgate, experts[2], shared[2])
+    h, sgate = _gate_up_metal.gate_up_swiglu_metal_unchecked(tokens, inds, experts, shared, (a[18], a[19], a[20], bits))
+    y = _down_metal.down_combine_metal_unchecked(h, inds, scores, sgate, experts[2], shared[2])
     return y.reshape(*lead, d)
 
 
@@ -150,5 +150,5 @@ def _metal_prefill(block, x: mx.array) -> mx.array:
     n, k = tokens.shape[0], block.top_k
     tile = _gemm_metal.choose_tile_rows(n * k, block.num_experts)
     routing = _group_metal.route_and_group_metal(block.gate(tokens), k, tile, normalize=block.norm_topk_prob)
-    y = _gemm_metal._moe_experts(tokens, routing, experts)
+    y = _gemm_metal.moe_experts_metal_unchecked(tokens, routing, experts)
     return y.reshape(*lead, d) + _shared_expert(block, x)
