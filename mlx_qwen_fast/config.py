@@ -202,8 +202,9 @@ MOE_BLOCK_KERNEL = Switch(
 METAL_KERNELS = Switch(
     "MLX_QWEN_FAST_METAL", "bool", False, "`1`",
     "on Apple silicon, the package's Metal kernels run (decode: the Gated DeltaNet step, the MoE block, "
-    "the head_dim-256 attention; prefill: the MoE block's routing and grouped expert GEMMs); checked only by "
-    "running MLX's generated source on a CPU, never timed on a Mac")
+    "the head_dim-256 attention, the residual add fused with the post-attention RMSNorm; prefill: the MoE "
+    "block's routing and grouped expert GEMMs); checked only by running MLX's generated source on a CPU, never "
+    "timed on a Mac")
 KERNEL_CACHE = Switch(
     "MLX_QWEN_FAST_CACHE", "path", None, "a folder",
     "where compiled CUDA kernels are cached (default `$XDG_CACHE_HOME/mlx_qwen_fast` "

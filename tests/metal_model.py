@@ -39,7 +39,7 @@ import contextlib
 import importlib
 import os
 import pkgutil
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -54,8 +54,9 @@ PRESET = "metal-e2e"
 MLX_LM_KERNEL_MODULES = ("mlx_lm.models.gated_delta",)
 
 #: Report family -> the name prefixes of the kernel modules that serve it
-#: (a family not listed: its own name, e.g. "moe" -> ``moe_*``).
-FAMILY_MODULES = {"linear": ("linear", "quantized_gemv")}
+#: (a family not listed: its own name, e.g. "moe" -> ``moe_*``). "linear":
+#: the decode projections with their norms and residuals (``ops.linear``).
+FAMILY_MODULES = {"linear": ("linear", "quantized_gemv", "add_rms_norm")}
 
 
 def model_config() -> dict:

@@ -15,6 +15,8 @@ is picked up with no change to this file: it must run here, give stock's
 tokens and logits, and be reported -- its shapes permitting
 (``metal_model.model_config``: GDN heads of 128, attention head_dim 256).
 Today that is the Gated DeltaNet decode step (the package's kernel), the
+attention layer's decode step (its decode-attention kernels, and the
+residual add fused with the post-attention RMSNorm: "linear.decode"), the
 prompt's GDN recurrence (mlx-lm's own Metal kernel, "mlx-lm-metal") and the
 prompt's sparse MoE blocks ("metal-prefill": routing, grouping and the
 grouped 4-bit GEMMs; the model's fp32 scales are a format they read).
@@ -33,8 +35,10 @@ import metal_model as mm
 from compare import FP32_TOL, assert_close
 from mlx_qwen_fast import backend, config, patched_copy
 from mlx_qwen_fast.checkpoint import DEMO_LM_HEAD_SCALE
+from mlx_qwen_fast.kernels import add_rms_norm_metal as arn
 from mlx_qwen_fast.kernels import gated_delta_decode_metal as gdm
 from mlx_qwen_fast.ops import gated_delta as gated_delta_ops
+from mlx_qwen_fast.ops import linear as linear_ops
 from mlx_qwen_fast.ops import moe as moe_ops
 
 pytestmark = pytest.mark.skipif(mc.CXX is None, reason="no C++ compiler (g++) to build the Metal sources")
@@ -85,8 +89,10 @@ def test_patched_model_through_metal_kernels_matches_stock(env, stock):
     """Prompt of 12 tokens, 16 generated: stock's tokens, logits within
     FP32_TOL at every step; the report on "metal" names the Metal
     implementations and agrees with the kernels that ran, each of which ran;
-    the GDN decode kernel once per GDN layer and decode call, each MoE
-    prefill kernel once per layer in the prefill call."""
+    the GDN decode kernel once per GDN layer and decode call, the residual
+    add + RMSNorm kernel once per attention layer and decode call (inside
+    its layer step), each MoE prefill kernel once per layer in the prefill
+    call."""
     report, run, tokens, logits = _patched_run(env, stock)
     assert len(tokens) == NEW_TOKENS
     _check_against_stock(stock, tokens, logits)
@@ -94,7 +100,7 @@ def test_patched_model_through_metal_kernels_matches_stock(env, stock):
     ops = mm.metal_ops(report)
     # today's Metal implementations, at least (the others join through the report)
     assert ops.get("gated_delta.decode") == "metal-kernel" and ops.get("gated_delta.prefill") == "mlx-lm-metal"
-    assert ops.get("moe.prefill") == "metal-prefill"
+    assert ops.get("moe.prefill") == "metal-prefill" and ops.get("linear.decode") == "compiled-layer+metal-kernel"
     assert mm.kernel_problems(report, run) == []
     ran = {k for phase in mm.PHASES for k in run.ran(phase)}
     assert ran and all(k.calls > 0 for k in ran)
@@ -103,6 +109,9 @@ def test_patched_model_through_metal_kernels_matches_stock(env, stock):
     assert run.model_calls == {"prefill": 1, "decode": NEW_TOKENS + 1}  # generate_step computes one ahead
     decode = [k for k in run.ran("decode") if k.origin == gdm.__name__]
     assert len(decode) == 1 and run.ran("decode")[decode[0]] == n_gdn * run.model_calls["decode"]
+    add_norm = [k for k in run.ran("decode") if k.origin == arn.__name__]
+    n_attn = len(model.layers) - n_gdn
+    assert len(add_norm) == 1 and run.ran("decode")[add_norm[0]] == n_attn * run.model_calls["decode"]
     moe_prefill = {k.name: n for k, n in run.ran("prefill").items() if k.origin.startswith("mlx_qwen_fast.kernels.moe")}
     assert moe_prefill == {name: len(model.layers) for name in MOE_PREFILL_KERNELS}
 
@@ -119,7 +128,8 @@ def test_a_broken_or_skipped_metal_kernel_fails(env, stock):
     """The test can fail: the GDN decode kernel's output off by 1%
     (through the same SimKernel) fails the logits; the Metal decode
     declined (the layer's reference runs, its recurrence on mlx-lm's
-    kernel: stock's numbers) fails the report's accounting. (The prompt's
+    kernel: stock's numbers), and the residual add + RMSNorm kernel
+    declined (the stock ops), fail the report's accounting. (The prompt's
     MoE blocks run mlx-lm's block here: the point is the GDN kernel, and
     the MoE prefill kernels cost most of a run in the checker.)"""
     def wrong_output(run):
@@ -138,16 +148,19 @@ def test_a_broken_or_skipped_metal_kernel_fails(env, stock):
         _check_against_stock(stock, tokens, logits)
 
     def skipped(run):
-        real = gated_delta_ops._metal_decode
+        real, real_add_norm = gated_delta_ops._metal_decode, linear_ops.add_rms_norm_implementation
         gated_delta_ops._metal_decode = lambda *a, **k: None
+        linear_ops.add_rms_norm_implementation = lambda *a, **k: "reference"
         undo = _stock_moe_prefill()
-        return lambda: (setattr(gated_delta_ops, "_metal_decode", real), undo())
+        return lambda: (setattr(gated_delta_ops, "_metal_decode", real),
+                        setattr(linear_ops, "add_rms_norm_implementation", real_add_norm), undo())
 
     report, run, tokens, logits = _patched_run(env, stock, new_tokens=2, inside=skipped)
     _check_against_stock(stock, tokens, logits)  # the numbers alone do not show it
     problems = mm.kernel_problems(report, run)
     assert any(p.startswith("gated_delta.decode = 'metal-kernel' in the report, but no") for p in problems)
     assert any("mlx_lm.models.gated_delta) ran" in p and "in decode" in p for p in problems)
+    assert any(p.startswith("linear.decode = 'compiled-layer+metal-kernel' in the report, but no") for p in problems)
 
 
 def test_metal_backend_leaves_nothing_behind(env):

@@ -46,7 +46,11 @@ Metal modules (opt-in, ``MLX_QWEN_FAST_METAL=1``; checked by running MLX's
 generated source on a CPU): ``gated_delta_decode_metal`` (the GDN decode
 step), ``attention_decode_metal`` (gated attention decode, head_dim 256),
 ``moe_route_metal``, ``moe_gate_up_metal`` and ``moe_down_metal`` (the decode
-MoE block's three launches).
+MoE block's three launches), ``add_rms_norm_metal`` (a residual add fused
+with the next RMSNorm: the attention layer's decode step), and for the MoE
+prefill ``moe_group_metal`` (the grouping: histogram, scans, block map,
+scatter) and ``moe_grouped_gemm_metal`` (the grouped 4-bit GEMMs on
+``simdgroup_matrix``).
 
 Contract modules (backend-neutral: the argument checks and constants that a
 CUDA kernel and its Metal port share; both wrappers import them from here):

@@ -448,7 +448,7 @@ def decode_step_parts(attn) -> Optional[DecodeStepParts]:
 
 def decode_step(static: DecodeStatic, x: mx.array, norm: Tuple[mx.array, float], keys: mx.array,
                 values: mx.array, offset: mx.array, q_norm_weight: mx.array, k_norm_weight: mx.array,
-                flat: Tuple[mx.array, ...]) -> Tuple[mx.array, mx.array, mx.array]:
+                flat: Tuple[mx.array, ...], residual: bool = True) -> Tuple[mx.array, mx.array, mx.array]:
     """The gated attention of one token per row with its residual (traced:
     the offset is data; nothing is checked).
 
@@ -460,11 +460,15 @@ def decode_step(static: DecodeStatic, x: mx.array, norm: Tuple[mx.array, float],
         offset: 0-d int32, this token's position, in ``[0, capacity)``.
         q_norm_weight, k_norm_weight: ``[Dh]``.
         flat: ``o_proj``'s arrays, then the concatenated q|k|v arrays.
+        residual: add ``x`` to the result (False: ``o_proj``'s output
+            alone, for a caller that adds it with the next RMSNorm:
+            :func:`mlx_qwen_fast.ops.linear.add_rms_norm`).
 
     Returns:
         ``(x + o_proj(attention(rms_norm(x, *norm))) [B, 1, D], keys,
-        values)`` with the new K/V row written at ``offset``. The norm is
-        fused into the q|k|v GEMV and the residual into ``o_proj``'s
+        values)`` (without ``x +`` where ``residual`` is False) with the new
+        K/V row written at ``offset``. The norm is fused into the q|k|v GEMV
+        and the residual into ``o_proj``'s
         (:func:`mlx_qwen_fast.ops.linear.decode_linear`); the part between
         the projections is :func:`decode_attention_unchecked`.
     """
@@ -474,4 +478,4 @@ def decode_step(static: DecodeStatic, x: mx.array, norm: Tuple[mx.array, float],
         proj, keys, values, offset, q_norm_weight, k_norm_weight, num_heads=static.num_heads,
         num_kv_heads=static.num_kv_heads, scale=static.scale, q_eps=static.q_eps, k_eps=static.k_eps,
         rope_dims=dims, rope_traditional=traditional, rope_base=base, rope_scale=rscale)
-    return linear_ops.decode_linear(out, flat[:n_o], o_s, residual=x), keys, values
+    return linear_ops.decode_linear(out, flat[:n_o], o_s, residual=x if residual else None), keys, values

@@ -111,7 +111,9 @@ class DecodeRoutes(NamedTuple):
     #: the gated attention's: "compiled-layer" (the layer step with MLX's
     #: ops), "compiled-layer+cuda-kernel" / "compiled-layer+metal-kernel", or "stock"
     attention: str
-    #: the layer step's projections: "compiled-layer+cuda-kernel" (the fused GEMV) or "stock"
+    #: the layer step's projections with their norms and residuals: "compiled-layer+cuda-kernel"
+    #: (the fused GEMV), "compiled-layer+metal-kernel" (the residual add with the post-attention
+    #: RMSNorm as one kernel) or "stock"
     linear: str
     #: the language-model head's decode rows: "cuda-kernel" or "stock"
     lm_head: str
@@ -153,7 +155,8 @@ def decode_routes(backend: Optional[str] = None, model=None) -> DecodeRoutes:
     """
     b = _backend.resolve(backend)
     layer_on = _layer_step_on()
-    gemv = layer_on and linear_ops.implementation_for(1, b) == "cuda-kernel"  # inside the layer step
+    lin = linear_ops.implementation_for(1, b)
+    gemv = layer_on and lin == "cuda-kernel"  # inside the layer step
     gdn = gated_delta_ops.implementation_for(1, b)
     if b == _backend.METAL and config.METAL_KERNELS.get():  # the layer's decode, not the recurrence alone
         gdn = "metal-kernel"
@@ -175,5 +178,5 @@ def decode_routes(backend: Optional[str] = None, model=None) -> DecodeRoutes:
         "compiled-layer" if layer_on else "stock")
     return DecodeRoutes(
         model=route, gated_delta=gdn, moe=moe, attention=attention,
-        linear="compiled-layer+cuda-kernel" if gemv else "stock",
-        lm_head="cuda-kernel" if linear_ops.implementation_for(1, b) == "cuda-kernel" else "stock")
+        linear=f"compiled-layer+{lin}" if layer_on and lin != "reference" else "stock",
+        lm_head="cuda-kernel" if lin == "cuda-kernel" else "stock")

@@ -40,7 +40,11 @@ Per layer kind:
   the buffer up to the offset; the sigmoid output gate: on CUDA at head_dim
   256 its kernels, on Metal with :data:`mlx_qwen_fast.config.METAL_KERNELS`
   on its Metal kernels, else MLX's ops with the positions past the offset
-  masked), ``o_proj``, the residual, then the MoE step as above. The trace
+  masked), ``o_proj``, the residual, then the MoE step as above; where the
+  MoE block has no decode step (CPU, Metal) the step ends at the residual,
+  and on Metal with :data:`mlx_qwen_fast.config.METAL_KERNELS` on it hands
+  the post-attention RMSNorm's rows on too, the residual add and that norm
+  as one kernel (:func:`mlx_qwen_fast.ops.linear.add_rms_norm`). The trace
   depends on the buffer's capacity, which grows to multiples of
   :data:`mlx_qwen_fast.ops.kv_buffers.KV_GROWTH` positions (mlx-lm grows by
   256), not on the offset.
@@ -63,6 +67,7 @@ from ..compiled import StepPlans
 from . import attention as attention_ops
 from . import gated_delta as gated_delta_ops
 from . import kv_buffers
+from . import linear as linear_ops
 from . import moe as moe_ops
 
 __all__ = ["AttentionStepPlan", "LayerEntry", "LinearStepPlan", "decode_layer", "decode_layer_reference",
@@ -126,7 +131,7 @@ class AttentionStepPlan(NamedTuple):
     input signature (kept by :class:`StepPlans` with the arrays it reads)."""
 
     kind: str  # "attention"
-    #: ``fn(x, keys, values, offset, *arrays[:n_in], *extra) -> (out, keys, values)``, compiled
+    #: ``fn(x, keys, values, offset, *arrays[:n_in], *extra) -> (out, keys, values[, normed])``, compiled
     fn: Callable
     #: the concatenated q|k|v arrays
     extra: Tuple[mx.array, ...]
@@ -134,6 +139,10 @@ class AttentionStepPlan(NamedTuple):
     n_in: int
     #: whether the step includes the MoE block (else the caller runs the layer's ``mlp``)
     has_moe: bool
+    #: whether ``fn`` also returns ``post_attention_layernorm(out)`` (the residual add
+    #: fused with that norm: :func:`mlx_qwen_fast.ops.linear.add_rms_norm`), for the
+    #: caller's ``mlp``; only without the MoE block
+    normed: bool
     #: the KV cache's heads and head size the step writes
     kv_heads: int
     head_dim: int
@@ -186,9 +195,12 @@ def _attention_plan(layer, x, cache):
     eps = _norm_eps(layer)
     n_m, n_o = len(m_paths), a_static.o_proj[0]
     n_read = 2 + n_o  # q/k norm weights and o_proj's arrays; the q/k/v sources only decide the plan
+    # without the MoE step, the post-attention norm joins the residual add where that runs as a kernel
+    normed = m_fn is None and linear_ops.add_rms_norm_implementation(
+        x, x, layer.post_attention_layernorm.weight) != "reference"
     # the attention kernels' switches are read while tracing: a trace per value
     key = ("attention", a_static, m_fn, eps, n_m, len(a_extra), config.ATTENTION_DECODE_KERNEL.get(),
-           config.METAL_KERNELS.get(), config.DECODE_GEMV_KERNEL.get())
+           config.METAL_KERNELS.get(), config.DECODE_GEMV_KERNEL.get(), normed)
     fn = _steps.get(key)
     if fn is None:
 
@@ -199,7 +211,10 @@ def _attention_plan(layer, x, cache):
             m = flat[2 + n_read:2 + n_read + n_m]
             qkv = flat[2 + n_read + n_m:]
             h, keys, values = attention_ops.decode_step(a_static, x, (n1, eps[0]), keys, values, offset, qn_w,
-                                                        kn_w, tuple(o) + tuple(qkv))
+                                                        kn_w, tuple(o) + tuple(qkv), residual=not normed)
+            if normed:
+                h, rows = _add_norm(x, h, n2, eps[1])
+                return h, keys, values, rows
             if m_fn is None:
                 return h, keys, values
             return m_fn(h, n2, *m), keys, values
@@ -208,7 +223,18 @@ def _attention_plan(layer, x, cache):
     a_paths = _prefixed("self_attn", a_paths)
     paths = _NORMS + a_paths[:n_read] + m_paths + a_paths[n_read:]
     return paths, AttentionStepPlan("attention", fn[0], a_extra, 2 + n_read + n_m, m_fn is not None,
-                                    a_static.num_kv_heads, a_static.head_dim, fn[1])
+                                    normed, a_static.num_kv_heads, a_static.head_dim, fn[1])
+
+
+def _add_norm(x, y, weight, eps):
+    """``(x + y, rms_norm(x + y, weight, eps))`` inside a traced step:
+    :func:`mlx_qwen_fast.ops.linear.add_rms_norm` where ``y`` (``o_proj``'s
+    output) has x's dtype, else the stock ops (MLX's add promotes, as the
+    stock layer's does)."""
+    if y.dtype == x.dtype:
+        return linear_ops.add_rms_norm(x, y, weight, eps)
+    h = x + y
+    return h, mx.fast.rms_norm(h, weight, eps)
 
 
 def _norm_eps(layer) -> tuple:
@@ -286,11 +312,11 @@ def decode_layer(layer, x: mx.array, cache) -> Optional[mx.array]:
     keys, values = cache.keys, cache.values
     cache.keys = cache.values = None  # the step's inputs alone hold the buffers: they are donated
     try:
-        out, keys, values = plan.fn(x, keys, values, mx.array(cache.offset, mx.int32), *arrays[:plan.n_in],
-                                    *plan.extra)
+        out, keys, values, *normed = plan.fn(x, keys, values, mx.array(cache.offset, mx.int32),
+                                             *arrays[:plan.n_in], *plan.extra)
     finally:
         cache.keys, cache.values = keys, values
     cache.offset += 1
     if not plan.has_moe:
-        out = out + layer.mlp(layer.post_attention_layernorm(out))
+        out = out + layer.mlp(normed[0] if plan.normed else layer.post_attention_layernorm(out))
     return out

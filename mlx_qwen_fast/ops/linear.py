@@ -25,6 +25,15 @@ the norm, the 4- or 8-bit GEMV and the add) where it applies -- CUDA, bf16,
 elsewhere. Both give the stock rounding points; the kernel's sums run in
 another order (tensor cores, fp32), so results agree to bf16 rounding, not
 bit for bit.
+
+Between two projections a decoder layer adds a block's output to the
+residual stream and normalises the sum for the next block (``h = x +
+attn(...)``, then ``post_attention_layernorm(h)``): :func:`add_rms_norm`
+returns both, ``(x + y, mx.fast.rms_norm(x + y, weight, eps))``;
+:func:`add_rms_norm_reference` is those two stock ops, and the dispatcher
+runs :func:`mlx_qwen_fast.kernels.add_rms_norm_metal.add_rms_norm_metal`
+(one launch, the same rounding points) on Metal with
+:data:`mlx_qwen_fast.config.METAL_KERNELS` on, the reference elsewhere.
 """
 
 from __future__ import annotations
@@ -37,11 +46,13 @@ from .. import backend as _backend
 from .. import config
 from ..compiled import apply_linear
 from ..kernels import _cuda_build
+from ..kernels import add_rms_norm_metal as _k_add_norm_metal
 from ..kernels import quantized_gemv as _k_gemv
 from ..kernels._checks import check_eps, describe
 from ._checks import FLOATS, check_float_array, fail, is_int
 
-__all__ = ["IMPLEMENTATIONS", "decode_linear", "decode_linear_reference", "decode_linear_unchecked",
+__all__ = ["ADD_NORM_IMPLEMENTATIONS", "IMPLEMENTATIONS", "add_rms_norm", "add_rms_norm_implementation",
+           "add_rms_norm_reference", "decode_linear", "decode_linear_reference", "decode_linear_unchecked",
            "decode_implementation", "implementation_for"]
 
 #: What :func:`decode_linear` can run: the fused kernel or the reference ops.
@@ -205,13 +216,98 @@ def decode_linear_unchecked(x: mx.array, arrays: Sequence[mx.array], static: tup
 
 
 def implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:
-    """What a 4-bit bf16 model's projections get inside the decode layer
-    step on ``backend``: "cuda-kernel" for 1 to
+    """What a 4-bit bf16 model's projections, with their norms and
+    residuals, get inside the decode layer step on ``backend``:
+    "cuda-kernel" (the fused GEMV) for 1 to
     :data:`mlx_qwen_fast.kernels.quantized_gemv.MAX_ROWS` token rows on CUDA
-    with the switch on, else "reference" (the stock ops). Raises ValueError
-    for an unknown backend."""
+    with :data:`mlx_qwen_fast.config.DECODE_GEMV_KERNEL` on; "metal-kernel"
+    (the projections on MLX's ops, the residual add before the
+    post-attention RMSNorm as one kernel with it: :func:`add_rms_norm`) for
+    1 or more rows on Metal, where MLX has a Metal device, with
+    :data:`~mlx_qwen_fast.config.METAL_KERNELS` on; else "reference" (the
+    stock ops). Raises ValueError for an unknown backend."""
     name = _backend.resolve(backend)
     if (name == _backend.CUDA and 1 <= num_tokens <= _k_gemv.MAX_ROWS and _cuda_build.cuda_available()
             and config.DECODE_GEMV_KERNEL.get()):
         return "cuda-kernel"
+    if name == _backend.METAL and num_tokens >= 1 and mx.metal.is_available() and config.METAL_KERNELS.get():
+        return "metal-kernel"
     return "reference"
+
+
+# ---------------------------------------------------------------------------
+# the residual add with the next RMSNorm
+# ---------------------------------------------------------------------------
+
+#: What :func:`add_rms_norm` can run: the Metal kernel or the reference ops.
+ADD_NORM_IMPLEMENTATIONS = ("metal-kernel", "reference")
+
+
+def _check_add_norm(fn: str, x, y, weight, eps) -> None:
+    """The arguments of :func:`add_rms_norm` / :func:`add_rms_norm_reference`
+    (shapes, dtypes and Python values only: traced inside the decode steps)."""
+    check_float_array(fn, "x", x, "[..., D]", min_ndim=1)
+    if not isinstance(y, mx.array) or y.shape != x.shape or y.dtype != x.dtype:
+        fail(fn, f"y must be an mx.array of x's shape and dtype ({describe(x)}), got {describe(y)}")
+    if not isinstance(weight, mx.array) or weight.dtype not in FLOATS or weight.shape != (x.shape[-1],):
+        fail(fn, f"weight must be a float32/float16/bfloat16 mx.array of shape [{x.shape[-1]}] (x's last axis), "
+                 f"got {describe(weight)}")
+    check_eps(fn, "eps", eps)
+
+
+def add_rms_norm_reference(x: mx.array, y: mx.array, weight: mx.array, eps: float) -> Tuple[mx.array, mx.array]:
+    """``h = x + y`` and ``mx.fast.rms_norm(h, weight, eps)``: the two stock
+    ops the decoder layer runs (mlx-lm's ``DecoderLayer``: the residual add,
+    then ``post_attention_layernorm``). Arguments, returns and errors as
+    :func:`add_rms_norm`."""
+    _check_add_norm("add_rms_norm_reference", x, y, weight, eps)
+    return _stock_add_norm(x, y, weight, eps)
+
+
+def _stock_add_norm(x, y, weight, eps):
+    """:func:`add_rms_norm_reference` of checked arguments."""
+    h = x + y
+    return h, mx.fast.rms_norm(h, weight, eps)
+
+
+def add_rms_norm_implementation(x, y, weight, *, backend: Optional[str] = None) -> str:
+    """The name in :data:`ADD_NORM_IMPLEMENTATIONS` that :func:`add_rms_norm`
+    runs for these arguments on ``backend`` (default
+    :func:`mlx_qwen_fast.backend.current`): "metal-kernel" on Metal with
+    :data:`mlx_qwen_fast.config.METAL_KERNELS` on where the kernel takes
+    the arrays (:func:`mlx_qwen_fast.kernels.add_rms_norm_metal.supports`:
+    MLX's Metal backend, D up to its ``MAX_D``), else "reference". Shape
+    checks only (nothing is evaluated); arguments outside the contract get
+    "reference" (whose checks name them)."""
+    if _backend.resolve(backend) != _backend.METAL or not config.METAL_KERNELS.get():
+        return "reference"
+    return "metal-kernel" if _k_add_norm_metal.supports(x, y, weight) else "reference"
+
+
+def add_rms_norm(x: mx.array, y: mx.array, weight: mx.array, eps: float) -> Tuple[mx.array, mx.array]:
+    """A residual add and the RMSNorm after it, by
+    :func:`add_rms_norm_implementation`'s choice: the Metal kernel or
+    :func:`add_rms_norm_reference`.
+
+    Args:
+        x: ``[..., D]`` float32 / float16 / bfloat16 (the residual stream,
+            ``[B, 1, D]`` in a decode step).
+        y: x's shape and dtype (the block output added to it).
+        weight: ``[D]`` float, the RMSNorm's weight.
+        eps: the RMSNorm's epsilon, a float in (0, 1).
+
+    Returns:
+        ``(h, normed)``: ``h = x + y`` in x's dtype, rounded as MLX's add;
+        ``normed`` = ``mx.fast.rms_norm(h, weight, eps)`` (fp32 sum of
+        squares; MLX's promotion of x's and the weight's dtypes). The kernel
+        rounds where those ops round; its fp32 sum runs in another order,
+        so ``normed`` agrees to its dtype's rounding, ``h`` bit for bit.
+
+    Raises:
+        ValueError: an argument outside the above, named (shape checks
+            only: traced inside the decode steps).
+    """
+    _check_add_norm("add_rms_norm", x, y, weight, eps)
+    if add_rms_norm_implementation(x, y, weight) == "reference":
+        return _stock_add_norm(x, y, weight, eps)
+    return _k_add_norm_metal.add_rms_norm_metal(x, y, weight, eps)

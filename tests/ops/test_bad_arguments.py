@@ -175,6 +175,11 @@ def dl(fn="decode_linear", x=None, arrays=None, static=None, **kw):
     return getattr(linear, fn)(mx.zeros((1, 1, 128)) if x is None else x, a if arrays is None else arrays,
                                s if static is None else static, **kw)
 
+def arn(fn="add_rms_norm", x=None, y=None, weight=None, eps=1e-6):
+    x = mx.zeros((2, 1, 64)) if x is None else x
+    return getattr(linear, fn)(x, mx.zeros((2, 1, 64)) if y is None else y,
+                               mx.ones((64,)) if weight is None else weight, eps)
+
 # --- verify ----------------------------------------------------------------
 
 def vattn(attn=None, x=None, keys=None, values=None, offset=None):
@@ -331,6 +336,15 @@ CASES = {
     "linear.decode_linear_reference: residual's rows": lambda: dl("decode_linear_reference", residual=mx.zeros((2, 1, 32))),
     "linear.decode_linear_reference: normed_out without norm": lambda: dl("decode_linear_reference", normed_out=True),
     "linear.decode_linear_reference: static unknown": lambda: dl("decode_linear_reference", static=("foo",)),
+    "linear.add_rms_norm: x int32": lambda: arn(x=mx.zeros((2, 1, 64), mx.int32)),
+    "linear.add_rms_norm: x 0-d": lambda: arn(x=mx.array(1.0)),
+    "linear.add_rms_norm: y's shape": lambda: arn(y=mx.zeros((2, 1, 32))),
+    "linear.add_rms_norm: y's dtype": lambda: arn(y=mx.zeros((2, 1, 64), mx.bfloat16)),
+    "linear.add_rms_norm: weight's size": lambda: arn(weight=mx.ones((32,))),
+    "linear.add_rms_norm: weight a list": lambda: arn(weight=[1.0] * 64),
+    "linear.add_rms_norm: eps 0": lambda: arn(eps=0.0),
+    "linear.add_rms_norm_reference: y's shape": lambda: arn("add_rms_norm_reference", y=mx.zeros((1, 1, 64))),
+    "linear.add_rms_norm_reference: eps a str": lambda: arn("add_rms_norm_reference", eps="1e-6"),
     # verify
     "verify.verify_attention: hidden size": lambda: vattn(x=mx.zeros((1, 2, 100))),
     "verify.verify_attention: x rank 2": lambda: vattn(x=mx.zeros((2, 256))),
@@ -498,6 +512,15 @@ _CASES = {
     "linear.decode_linear_reference: residual's rows": ("raise", "residual must be None or an mx.array of shape"),
     "linear.decode_linear_reference: normed_out without norm": ("raise", "normed_out needs norm"),
     "linear.decode_linear_reference: static unknown": ("raise", "static must be linear_arrays' settings"),
+    "linear.add_rms_norm: x int32": ("raise", "x must be a float32/float16/bfloat16 mx.array [..., D]"),
+    "linear.add_rms_norm: x 0-d": ("raise", "x must be a float32/float16/bfloat16 mx.array [..., D]"),
+    "linear.add_rms_norm: y's shape": ("raise", "y must be an mx.array of x's shape and dtype"),
+    "linear.add_rms_norm: y's dtype": ("raise", "y must be an mx.array of x's shape and dtype"),
+    "linear.add_rms_norm: weight's size": ("raise", "weight must be a float32/float16/bfloat16 mx.array of shape [64]"),
+    "linear.add_rms_norm: weight a list": ("raise", "weight must be a float32/float16/bfloat16 mx.array of shape [64]"),
+    "linear.add_rms_norm: eps 0": ("raise", "eps must be a finite float in (0, 1)"),
+    "linear.add_rms_norm_reference: y's shape": ("raise", "y must be an mx.array of x's shape and dtype"),
+    "linear.add_rms_norm_reference: eps a str": ("raise", "eps must be a finite float in (0, 1)"),
     "verify.verify_attention: hidden size": ("raise", "x must have shape [B, S, 256]"),
     "verify.verify_attention: x rank 2": ("raise", "x must be a float32/float16/bfloat16 mx.array [B, S, 256]"),
     "verify.verify_attention: keys' heads": ("raise", "keys must be mlx.core.float32 of shape [1, 2, capacity >= 2, 64]"),
@@ -559,7 +582,9 @@ _EXEMPT = {
         "kernel_problems": "query: the reasons the kernels decline any object (read with getattr)",
     },
     "linear": {
+        "ADD_NORM_IMPLEMENTATIONS": "constant",
         "IMPLEMENTATIONS": "constant",
+        "add_rms_norm_implementation": "query: names the implementation add_rms_norm would run (which checks)",
         "decode_implementation": "query: names the implementation decode_linear would run (which checks)",
         "decode_linear_unchecked": "unchecked by contract: the hot entry for arguments a checked call had (FastHead)",
         "implementation_for": "query: the implementation for a token count and backend",

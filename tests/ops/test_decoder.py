@@ -366,20 +366,25 @@ def test_bad_input_declines():
 
 
 def test_metal_attention_layer_step_takes_the_metal_kernels(monkeypatch, env, kernel_heads, tmp_path):
-    """Metal (the backend seen as Metal), fp32, the model's attention heads
-    (16 / 2 of 256): with ``MLX_QWEN_FAST_METAL=1`` the attention layer's
-    step is planned and traced anew and calls the Metal kernels. Its
-    compiled form traces them (exported: nothing here runs Metal); run
-    uncompiled through the checker (``tests/metal_check.py`` runs a kernel
-    outside ``mx.compile`` only) it equals the step with the switch off
-    (MLX's ops), one-pass and split-K capacities."""
+    """Metal (the backend seen as Metal, MLX's Metal device as available),
+    fp32, the model's attention heads (16 / 2 of 256): with
+    ``MLX_QWEN_FAST_METAL=1`` the attention layer's step is planned and
+    traced anew and calls the Metal kernels: decode attention, and the
+    residual add fused with the post-attention RMSNorm, whose rows the step
+    hands on (``plan.normed``). Its compiled form traces them (exported:
+    nothing here runs Metal); run uncompiled through the checker
+    (``tests/metal_check.py`` runs a kernel outside ``mx.compile`` only) it
+    equals the step with the switch off (MLX's ops; the norm then the
+    caller's), one-pass and split-K capacities."""
     import metal_check as mc
     from mlx_qwen_fast import backend
+    from mlx_qwen_fast.kernels import add_rms_norm_metal as arn
     from mlx_qwen_fast.kernels import attention_decode_metal as adm
 
     if mc.CXX is None:
         pytest.skip("no C++ compiler (g++) to build the Metal sources")
     monkeypatch.setattr(backend, "current", lambda: backend.METAL)
+    monkeypatch.setattr(mx.metal, "is_available", lambda: True)  # the kernels' supports() ask it
     _, fast = _models(seed=9, preset=kernel_heads)
     i = next(j for j, l in enumerate(fast.layers) if not l.is_linear)
     layer = fast.layers[i]
@@ -388,34 +393,37 @@ def test_metal_attention_layer_step_takes_the_metal_kernels(monkeypatch, env, ke
         pre = mx.random.normal((1, 2, ctx, 256), key=mx.random.key(ctx))
         cache.update_and_fetch(pre, pre * 0.5)
         x = mx.random.normal((1, 1, 256), key=mx.random.key(ctx + 1))
-        steps = {}
+        steps, normed = {}, {}
         for on in ("0", "1"):
             env.set(config.METAL_KERNELS.name, on)
             key, arrays, plan = layer_plans.layer_entry(layer, x, cache)
+            normed[on] = plan.normed
             assert kv_buffers.make_room(cache, x.dtype, 1, plan.kv_heads, plan.head_dim)
             steps[on] = (key, plan.fn, plan.raw, (x, cache.keys, cache.values, mx.array(ctx, mx.int32),
                                                   *arrays[:plan.n_in], *plan.extra))
         assert steps["0"][0] != steps["1"][0] and steps["0"][1] is not steps["1"][1]  # a plan and trace each
+        assert normed == {"0": False, "1": True}
         _, _, raw_off, args = steps["0"]
         env.set(config.METAL_KERNELS.name, "0")  # the switch is read while the step runs (or traces)
         ref = raw_off(*args)
         mx.eval(ref)
         env.set(config.METAL_KERNELS.name, "1")
         _, compiled, raw_on, args = steps["1"]
-        traced, real = [], adm.attention_decode_metal
+        traced, real, real_add_norm = [], adm.attention_decode_metal, arn.add_rms_norm_metal
         with monkeypatch.context() as m:
-            m.setattr(mx.metal, "is_available", lambda: True)
-            m.setattr(adm, "attention_decode_metal", lambda *a, **k: traced.append(1) or real(*a, **k))
+            m.setattr(adm, "attention_decode_metal", lambda *a, **k: traced.append("attention") or real(*a, **k))
+            m.setattr(arn, "add_rms_norm_metal", lambda *a, **k: traced.append("add_norm") or real_add_norm(*a, **k))
             mx.export_function(str(tmp_path / f"step{ctx}.mlxfn"), compiled, *args)  # traced, not run
-        assert traced == [1]
-        with mc.simulated_modules(adm.__name__) as (sim,):
+        assert traced == ["attention", "add_norm"]
+        with mc.simulated_modules(adm.__name__, arn.__name__) as (sim, sim_arn):
             got = raw_on(*args)
             mx.eval(got)
-            assert sim._KERNELS[kind].calls == 1
-        assert finite(got[0])
+            assert sim._KERNELS[kind].calls == 1 and sim_arn._kernel().calls == 1
+        assert len(got) == 4 and finite(got[0], got[3])
         assert_close(got[0], ref[0], FP32_TOL, f"layer output at context {ctx + 1}")
         assert_close(got[1], ref[1], FP32_TOL, "keys")
         assert_close(got[2], ref[2], 0.0, "values")
+        assert_close(got[3], layer.post_attention_layernorm(ref[0]), FP32_TOL, "post-attention RMSNorm rows")
 
 
 @pytest.mark.cuda

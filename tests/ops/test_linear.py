@@ -85,3 +85,72 @@ def test_cuda_kernel_within_bf16_of_stock(env, bits):
     off = linear_ops.decode_linear(x, arrays, static, norm=(nw, 1e-6), residual=res)
     assert_close(off, ref, 0.0, "switch off: the stock ops")
     assert np.isfinite(np.asarray(out.astype(mx.float32))).all()
+
+
+# ---------------------------------------------------------------------------
+# the residual add with the next RMSNorm
+
+
+def _add_norm_inputs(shape, dtype, seed):
+    ks = mx.random.split(mx.random.key(seed), 3)
+    x = (2.0 * mx.random.normal(shape, key=ks[0])).astype(dtype)
+    y = mx.random.normal(shape, key=ks[1]).astype(dtype)
+    w = (1.0 + 0.3 * mx.random.normal((shape[-1],), key=ks[2])).astype(dtype)
+    return x, y, w
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_add_rms_norm_reference_is_the_stock_ops(env, dtype):
+    """The reference, and the dispatcher off Metal or with the Metal switch
+    off (its default), are the decoder layer's two ops (the add,
+    ``mx.fast.rms_norm``), bit for bit."""
+    env.unset(config.METAL_KERNELS.name)
+    x, y, w = _add_norm_inputs((3, 1, 256), dtype, 1)
+    h, normed = linear_ops.add_rms_norm_reference(x, y, w, 1e-6)
+    assert_close(h, x + y, 0.0, "h")
+    assert_close(normed, mx.fast.rms_norm(x + y, w, 1e-6), 0.0, "normed")
+    for b in ("cpu", "cuda", "metal"):
+        assert linear_ops.add_rms_norm_implementation(x, y, w, backend=b) == "reference"
+    got = linear_ops.add_rms_norm(x, y, w, 1e-6)
+    assert_close(got[0], h, 0.0, "dispatched h")
+    assert_close(got[1], normed, 0.0, "dispatched normed")
+
+
+def test_add_rms_norm_on_metal_takes_the_kernel(env, monkeypatch):
+    """Metal, simulated (``tests/metal_check.py``: MLX's generated source run
+    on the CPU, Metal seen as available): the kernel only with
+    ``MLX_QWEN_FAST_METAL`` on and on the Metal backend, for rows it takes
+    (D up to its MAX_D); the dispatcher's call runs it once and agrees with
+    the reference (h bit for bit, fp32 normed rows within FP32_TOL); the
+    report's decode projections name it."""
+    import metal_check as mc
+    from mlx_qwen_fast import backend, op_implementations
+    from mlx_qwen_fast.kernels import add_rms_norm_metal as arn
+
+    if mc.CXX is None:
+        pytest.skip("no C++ compiler (g++) to build the Metal sources")
+    x, y, w = _add_norm_inputs((2, 1, 2048), mx.float32, 2)
+    big = mx.zeros((1, arn.MAX_D + 1))
+    with mc.simulated_modules(arn.__name__) as (m,):
+        assert linear_ops.add_rms_norm_implementation(x, y, w, backend="metal") == "reference"
+        assert linear_ops.implementation_for(1, "metal") == "reference"
+        env.set(config.METAL_KERNELS.name, "1")
+        assert linear_ops.add_rms_norm_implementation(x, y, w, backend="metal") == "metal-kernel"
+        assert linear_ops.implementation_for(1, "metal") == "metal-kernel"
+        assert op_implementations("metal")["linear.decode"] == "compiled-layer+metal-kernel"
+        assert linear_ops.add_rms_norm_implementation(x, y, w, backend="cpu") == "reference"
+        assert linear_ops.add_rms_norm_implementation(big, big, mx.ones((arn.MAX_D + 1,)),
+                                                      backend="metal") == "reference"
+        monkeypatch.setattr(backend, "current", lambda: backend.METAL)
+        h, normed = linear_ops.add_rms_norm(x, y, w, 1e-6)
+        mx.eval(h, normed)
+        assert m._kernel().calls == 1
+        ref_h, ref_n = linear_ops.add_rms_norm_reference(x, y, w, 1e-6)
+        assert_close(h, ref_h, 0.0, "h")
+        assert_close(normed, ref_n, FP32_TOL, "normed")
+        env.set(config.METAL_KERNELS.name, "0")
+        mx.eval(linear_ops.add_rms_norm(x, y, w, 1e-6))
+        assert m._kernel().calls == 1
+    monkeypatch.setattr(mx.metal, "is_available", lambda: False)
+    env.set(config.METAL_KERNELS.name, "1")
+    assert linear_ops.implementation_for(1, "metal") == "reference"  # no Metal device: what would run here
