@@ -24,7 +24,7 @@ MLX generates for it through the Metal checker (:mod:`metal_check`). Inside:
 Everything is put back on the way out, also when the body raises, so
 nothing leaks into the next test. :class:`MetalRun` counts the kernels'
 calls per phase of the model (prefill: a call of more than one token per
-row; decode: one), and :func:`kernel_problems` holds them against the
+row; decode: one) or inside any block (:meth:`MetalRun.launches`), and :func:`kernel_problems` holds them against the
 :class:`~mlx_qwen_fast.patch_report.PatchReport`.
 
 :func:`build` makes the model the Metal kernels take: the tiny preset's
@@ -57,6 +57,11 @@ MLX_LM_KERNEL_MODULES = ("mlx_lm.models.gated_delta",)
 #: (a family not listed: its own name, e.g. "moe" -> ``moe_*``). "linear":
 #: the decode projections with their norms and residuals (``ops.linear``).
 FAMILY_MODULES = {"linear": ("linear", "quantized_gemv", "add_rms_norm")}
+
+#: The Metal kernels of a sparse MoE block's prefill ("metal-prefill"), one
+#: launch each per block and call.
+MOE_PREFILL_KERNELS = ("mqf_moe_route", "mqf_moe_group_count", "mqf_moe_group_scatter", "mqf_moe_gemm_gate_up",
+                       "mqf_moe_gemm_down")
 
 
 def model_config() -> dict:
@@ -133,16 +138,30 @@ class MetalRun:
         def call(inputs, *args, **kwargs):
             phase = "prefill" if inputs.shape[1] > 1 else "decode"
             run.model_calls[phase] += 1
-            before = {k: k.calls for k in run.kernels}
+            launched: Dict[metal_check.SimKernel, int] = {}
             try:
-                return model(inputs, *args, **kwargs)
+                with run.launches() as launched:
+                    return model(inputs, *args, **kwargs)
             finally:
-                for k in run.kernels:  # kernels built during the call count from 0
-                    n = k.calls - before.get(k, 0)
-                    if n:
-                        run.calls[phase][k] = run.calls[phase].get(k, 0) + n
+                for k, n in launched.items():
+                    run.calls[phase][k] = run.calls[phase].get(k, 0) + n
 
         return call
+
+    @contextlib.contextmanager
+    def launches(self):
+        """Yields a dict that holds, once the block is left (also by an
+        exception), {kernel: calls made inside the block} of the kernels
+        called there (those built inside count from 0)."""
+        before = {k: k.calls for k in self.kernels}
+        launched: Dict[metal_check.SimKernel, int] = {}
+        try:
+            yield launched
+        finally:
+            for k in self.kernels:
+                n = k.calls - before.get(k, 0)
+                if n:
+                    launched[k] = n
 
     def ran(self, phase: str) -> Dict[metal_check.SimKernel, int]:
         """{kernel: calls} of the kernels that ran in ``phase``."""

@@ -20,6 +20,12 @@ residual add fused with the post-attention RMSNorm: "linear.decode"), the
 prompt's GDN recurrence (mlx-lm's own Metal kernel, "mlx-lm-metal") and the
 prompt's sparse MoE blocks ("metal-prefill": routing, grouping and the
 grouped 4-bit GEMMs; the model's fp32 scales are a format they read).
+
+The same model in bf16 over a 257-token prompt
+(:func:`test_bf16_model_through_every_metal_decode_kernel`) adds the MoE
+decode kernels ("metal-decode", bf16 only) and the split-K attention
+(a context past one 256-position block), held to the bf16 bound of
+tests/test_patch.py against the fp32 reference.
 """
 
 from __future__ import annotations
@@ -44,9 +50,6 @@ from mlx_qwen_fast.ops import moe as moe_ops
 pytestmark = pytest.mark.skipif(mc.CXX is None, reason="no C++ compiler (g++) to build the Metal sources")
 
 PROMPT = 12  # tokens of the prompt: 11 in the prefill call, the last one as the first decode call
-#: The Metal kernels of a sparse MoE block's prefill ("metal-prefill").
-MOE_PREFILL_KERNELS = ("mqf_moe_route", "mqf_moe_group_count", "mqf_moe_group_scatter", "mqf_moe_gemm_gate_up",
-                       "mqf_moe_gemm_down")
 NEW_TOKENS = 16
 
 
@@ -113,7 +116,7 @@ def test_patched_model_through_metal_kernels_matches_stock(env, stock):
     n_attn = len(model.layers) - n_gdn
     assert len(add_norm) == 1 and run.ran("decode")[add_norm[0]] == n_attn * run.model_calls["decode"]
     moe_prefill = {k.name: n for k, n in run.ran("prefill").items() if k.origin.startswith("mlx_qwen_fast.kernels.moe")}
-    assert moe_prefill == {name: len(model.layers) for name in MOE_PREFILL_KERNELS}
+    assert moe_prefill == {name: len(model.layers) for name in mm.MOE_PREFILL_KERNELS}
 
 
 def _stock_moe_prefill():
@@ -205,3 +208,133 @@ def test_the_model_is_the_kernel_heads_fixtures(kernel_heads):
 
     assert mm.model_config() == checkpoint.preset_config(kernel_heads)
     assert mm.PRESET not in checkpoint.PRESETS  # registered only while mm.build builds
+
+
+# --- bf16: the MoE decode kernels and the split-K attention -----------------
+
+#: Prompt of the bf16 run: its first :data:`BF16_CHUNKS` ``[0]`` tokens in one
+#: prefill call, the next ``[1]`` in a second, the last as the first decode
+#: call, at position 256: one past mlx-lm's first KV buffer (256 positions,
+#: ``KVCache.step``), so that step grows the buffer past
+#: ``attention_decode_metal.SINGLE_PASS_MAX`` and every decode call takes
+#: the split-K attention (its first block full, the second partly filled).
+BF16_CHUNKS = (248, 8)
+BF16_PROMPT = sum(BF16_CHUNKS) + 1
+BF16_STEPS = 6  # decode calls
+#: The Metal kernels of a sparse MoE block's decode ("metal-decode", bf16 only).
+MOE_DECODE_KERNELS = ("mqf_moe_route", "mqf_moe_gate_up", "mqf_moe_down")
+
+
+@contextlib.contextmanager
+def _moe_prefill_on_stock():
+    """Within: :func:`_stock_moe_prefill`."""
+    undo = _stock_moe_prefill()
+    try:
+        yield
+    finally:
+        undo()
+
+
+def _bf16_decode(model, prompt, *, tokens=None, cache_model=None, first_chunk=contextlib.nullcontext):
+    """The prompt in the :data:`BF16_CHUNKS` prefill calls (the first inside
+    ``first_chunk()``), then :data:`BF16_STEPS` one-token calls on a fresh
+    prompt cache of ``cache_model`` (default ``model``): the last prompt
+    token, then ``tokens[i]`` (default: greedy, each call's argmax).
+    Returns (tokens, the fp32 logits ``[V]`` of each call)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(cache_model if cache_model is not None else model)
+    first, second = BF16_CHUNKS
+    with first_chunk():
+        model(prompt[None, :first], cache=cache)
+        mx.eval([c.state for c in cache])
+    model(prompt[None, first:first + second], cache=cache)
+    mx.eval([c.state for c in cache])
+    chosen, logits, x = [], [], int(prompt[-1])
+    for i in range(BF16_STEPS):
+        row = model(mx.array([[x]]), cache=cache)[0, -1].astype(mx.float32)
+        mx.eval(row)
+        logits.append(row)
+        chosen.append(int(mx.argmax(row)) if tokens is None else tokens[i])
+        x = chosen[-1]
+    return chosen, logits
+
+
+def test_bf16_model_through_every_metal_decode_kernel(env):
+    """bf16, a prompt of 257 tokens: every Metal kernel the report claims
+    ran, and each decode call's logits are within the bf16 rounding bound.
+
+    The fp32 test above leaves the MoE decode kernels (bf16 activations
+    only) on stock and its 28 positions in one attention pass; here, on the
+    same model in bf16, each decode call runs the routing, gate+up SwiGLU
+    and down + combine kernels in every layer, and the split-K attention
+    (split and combine kernels, never the single pass): the first decode
+    call, at position 256, grows the KV buffers past one 256-position
+    block. Checked:
+
+    * accounting: the report on "metal" gives the MoE decode
+      "metal-decode", and ``metal_model.kernel_problems`` finds it and the
+      kernels that ran in agreement both ways (every Metal op's family ran
+      a kernel in its phase, and nothing else ran); each MoE decode kernel
+      ran once per layer and decode call, the attention's split and combine
+      kernels once per attention layer and decode call, the MoE prefill
+      kernels in the second prefill call;
+    * numbers, teacher-forced on stock's greedy tokens (one bf16 flip at a
+      near-tie would otherwise make the runs incomparable after it): at
+      each decode call the patched logits' relative L2 error against the
+      fp32 reference (``model.set_dtype(mx.float32)`` on the same 4-bit
+      weights: bench/numerics.py's reference) is at most twice stock's own
+      plus four times bf16's unit roundoff -- tests/test_patch.py's bound,
+      the README's. The patched argmax is stock's token wherever stock's
+      top-2 margin exceeds twice the largest logit difference that bound
+      allows (``(3 e_stock + 4 u) ||ref||_2``). On this random-weight model
+      stock's own bf16 error is 5-11% (near-tie expert choices flip), so
+      that band is wider than every margin and the clause checks no call
+      here; token identity on the Metal path is checked in fp32 (above,
+      and tests/test_metal_speculative.py).
+
+    The first 248 prompt positions run the MoE blocks on mlx-lm's ops
+    (``_stock_moe_prefill``, in both runs' first call alike): the grouped
+    GEMM kernels cost ~0.25 s per token and layer in the checker; the
+    second prefill call (8 tokens) runs them."""
+    from mlx_qwen_fast.patching import clone_modules
+
+    from compare import BF16_EPS, rel_err
+
+    model, _ = mm.build(seed=4, lm_head_scale=DEMO_LM_HEAD_SCALE, dtype=mx.bfloat16)
+    prompt = mx.array(np.random.default_rng(3).integers(1, 1000, size=BF16_PROMPT), dtype=mx.int32)
+    tokens, stock_logits = _bf16_decode(model, prompt, first_chunk=_moe_prefill_on_stock)
+    ref = clone_modules(model)
+    ref.set_dtype(mx.float32)
+    _, ref_logits = _bf16_decode(ref, prompt, tokens=tokens, first_chunk=_moe_prefill_on_stock)
+    del ref
+    with mm.metal_backend(env) as run:
+        fast, report = patched_copy(model, warn=False)
+        _, logits = _bf16_decode(run.model(fast), prompt, tokens=tokens, cache_model=fast,
+                                 first_chunk=_moe_prefill_on_stock)
+
+    ops = mm.metal_ops(report)
+    assert ops.get("moe.decode") == "metal-decode" and ops.get("moe.prefill") == "metal-prefill"
+    assert ops.get("attention.decode") == "compiled-layer+metal-kernel"
+    assert mm.kernel_problems(report, run) == []
+    assert run.model_calls == {"prefill": 2, "decode": BF16_STEPS}
+    n_layers = len(model.layers)
+    n_attn = sum(not layer.is_linear for layer in model.layers)
+    decode = {k.name: n for k, n in run.ran("decode").items()}
+    for name in MOE_DECODE_KERNELS:
+        assert decode.get(name) == n_layers * BF16_STEPS, (name, decode)
+    assert decode.get("mqf_attention_decode_split") == decode.get("mqf_attention_decode_combine") \
+        == n_attn * BF16_STEPS and "mqf_attention_decode_single" not in decode, decode
+    prefill = {k.name: n for k, n in run.ran("prefill").items() if k.origin.startswith("mlx_qwen_fast.kernels.moe")}
+    assert prefill == {name: n_layers for name in mm.MOE_PREFILL_KERNELS}
+
+    for i, (got, want, ref32) in enumerate(zip(logits, stock_logits, ref_logits)):
+        e_stock, e_fast = rel_err(want, ref32), rel_err(got, ref32)
+        bound = 2 * e_stock + 4 * BF16_EPS
+        assert e_fast <= bound, f"decode call {i}: bf16 error vs fp32: patched {e_fast:.3e} > {bound:.3e} " \
+                                f"(stock {e_stock:.3e})"
+        top2 = mx.topk(want, 2)
+        margin = float(top2.max() - top2.min())
+        band = (3 * e_stock + 4 * BF16_EPS) * float(mx.linalg.norm(ref32))
+        if margin > 2 * band:
+            assert int(mx.argmax(got)) == tokens[i], f"decode call {i}: margin {margin:.3f} > 2 x {band:.3f}"
