@@ -285,13 +285,11 @@ def test_bf16_model_through_every_metal_decode_kernel(env):
       fp32 reference (``model.set_dtype(mx.float32)`` on the same 4-bit
       weights: bench/numerics.py's reference) is at most twice stock's own
       plus four times bf16's unit roundoff -- tests/test_patch.py's bound,
-      the README's. The patched argmax is stock's token wherever stock's
-      top-2 margin exceeds twice the largest logit difference that bound
-      allows (``(3 e_stock + 4 u) ||ref||_2``). On this random-weight model
-      stock's own bf16 error is 5-11% (near-tie expert choices flip), so
-      that band is wider than every margin and the clause checks no call
-      here; token identity on the Metal path is checked in fp32 (above,
-      and tests/test_metal_speculative.py).
+      the README's. Tokens are not compared here: on this random-weight
+      model stock's own bf16 error is 5-11% (near-tie expert choices flip),
+      which allows logit differences wider than every top-2 margin; token
+      identity on the Metal path is checked in fp32 (above, and
+      tests/test_metal_speculative.py).
 
     The first 248 prompt positions run the MoE blocks on mlx-lm's ops
     (``_stock_moe_prefill``, in both runs' first call alike): the grouped
@@ -333,8 +331,3 @@ def test_bf16_model_through_every_metal_decode_kernel(env):
         bound = 2 * e_stock + 4 * BF16_EPS
         assert e_fast <= bound, f"decode call {i}: bf16 error vs fp32: patched {e_fast:.3e} > {bound:.3e} " \
                                 f"(stock {e_stock:.3e})"
-        top2 = mx.topk(want, 2)
-        margin = float(top2.max() - top2.min())
-        band = (3 * e_stock + 4 * BF16_EPS) * float(mx.linalg.norm(ref32))
-        if margin > 2 * band:
-            assert int(mx.argmax(got)) == tokens[i], f"decode call {i}: margin {margin:.3f} > 2 x {band:.3f}"
