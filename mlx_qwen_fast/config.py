@@ -189,6 +189,11 @@ DECODE_GEMV_KERNEL = Switch(
     "MLX_QWEN_FAST_GEMV_KERNEL", "bool", True, "`0`",
     "the decode layer step keeps MLX's RMSNorm, quantized matmul and residual add around each projection "
     "on CUDA instead of the fused quantised-GEMV kernel")
+PREFILL_GEMM_KERNEL = Switch(
+    "MLX_QWEN_FAST_PREFILL_GEMM", "bool", False, "`1`",
+    "on CUDA, the 4-bit projections of a prefill chunk (Gated DeltaNet in_proj_qkv, in_proj_z and out_proj; "
+    "attention q/k/v/o) run on the package's fused-dequantisation GEMM instead of MLX's quantized matmul "
+    "(off until timed on a GPU: bench/results/prefill-gemm-log.md)")
 GDN_MIXER_KERNEL = Switch(
     "MLX_QWEN_FAST_GDN_MIXER", "bool", True, "`0`",
     "on CUDA, a Gated DeltaNet layer's decode step runs its input RMSNorm and projection, the recurrence, "
@@ -226,7 +231,7 @@ POISON = Switch(
 #: Every switch, in the README's order.
 SWITCHES: Tuple[Switch, ...] = (
     FAST_PATH, MOE_PREFILL_KERNEL, MOE_DECODE_KERNEL, DECODE_LAYER_STEP, DECODE_MODEL_STEP, VERIFY_MODEL_STEP,
-    ATTENTION_DECODE_KERNEL, ATTENTION_PREFILL_KERNEL, DECODE_GEMV_KERNEL, GDN_MIXER_KERNEL, MOE_BLOCK_KERNEL,
+    ATTENTION_DECODE_KERNEL, ATTENTION_PREFILL_KERNEL, DECODE_GEMV_KERNEL, PREFILL_GEMM_KERNEL, GDN_MIXER_KERNEL, MOE_BLOCK_KERNEL,
     METAL_KERNELS, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
 )
 

@@ -21,6 +21,7 @@ from . import backend
 from .ops import attention as attention_ops
 from .ops import decoder as decoder_ops
 from .ops import gated_delta as gated_delta_ops
+from .ops import linear as linear_ops
 from .ops import moe as moe_ops
 
 __all__ = ["FAMILIES", "PatchReport", "apply_declines", "declined_text", "op_implementations", "op_table",
@@ -111,6 +112,7 @@ def op_table(b: str, model: Optional[nn.Module]) -> Dict[str, str]:
         table[f"{name}.prefill"] = module.implementation_for(_PREFILL_TOKENS, b)
         table[f"{name}.decode"] = decode[f"{name}.decode"]
     table["attention.prefill"] = attention_ops.implementation_for(_PREFILL_TOKENS, b)
+    table["linear.prefill"] = linear_ops.prefill_implementation_for(_PREFILL_TOKENS, b)
     table.update(decode)  # the attention, projections, head and whole-step rows, in the planner's order
     return table
 

@@ -19,13 +19,16 @@ def test_op_implementations_per_backend():
 
     cur = op_implementations()
     assert set(cur) == {f"{f}.{p}" for f in ("gated_delta", "attention", "moe") for p in ("prefill", "decode")} | {
-        "linear.decode", "lm_head.decode", "model.decode"}
+        "linear.prefill", "linear.decode", "lm_head.decode", "model.decode"}
+    # the prefill GEMM only where CUDA runs it and its switch is on
+    assert cur["linear.prefill"] == ("cuda-kernel" if cb.cuda_available() and config.PREFILL_GEMM_KERNEL.get()
+                                     else "stock")
     # the flash-attention kernel where CUDA runs it, else mlx-lm's module
     assert cur["attention.prefill"] == ("cuda-kernel" if cb.cuda_available() else "stock")
     assert cur["attention.decode"] == "compiled-layer"  # ops.decoder, on every backend
     cpu = op_implementations("cpu")
     assert cpu["moe.prefill"] == cpu["moe.decode"] == "stock"
-    assert cpu["attention.prefill"] == "stock"
+    assert cpu["attention.prefill"] == cpu["linear.prefill"] == "stock"
     assert cpu["linear.decode"] == cpu["lm_head.decode"] == "stock"  # the fused GEMV is CUDA's
     assert cpu["model.decode"] == "compiled-layer"  # the whole stack needs the GDN and MoE decode kernels
     assert cpu["gated_delta.prefill"] == "chunked"

@@ -339,7 +339,8 @@ def gated_attention(attn, x: mx.array, mask: Optional[Any] = None, cache: Option
     computes q, k and v as the stock module does (projections, q/k RMSNorm,
     RoPE at the cache offset, ``cache.update_and_fetch``) and its attention
     with :func:`prefill_attention` over the cache's whole buffers at the
-    chunk's offset; the gate and ``o_proj`` follow as in stock. Every other
+    chunk's offset; the gate and ``o_proj`` follow as in stock (the four
+    projections through :func:`mlx_qwen_fast.ops.linear.prefill_linear`). Every other
     call -- one token per row (the decoder layer's compiled step,
     :func:`mlx_qwen_fast.ops.layer_plans.decode_layer`, runs those through
     :func:`decode_step_parts`; where it declines, the stock module), a mask
@@ -366,9 +367,9 @@ def gated_attention(attn, x: mx.array, mask: Optional[Any] = None, cache: Option
             and (cache is None or type(cache) is KVCache)
             and implementation_for(T) == "cuda-kernel"):
         return Qwen3NextAttention.__call__(attn, x, mask, cache)
-    queries, gate = mx.split(attn.q_proj(x).reshape(B, T, attn.num_attention_heads, -1), 2, axis=-1)
+    queries, gate = mx.split(linear_ops.prefill_linear(attn.q_proj, x).reshape(B, T, attn.num_attention_heads, -1), 2, axis=-1)
     gate = gate.reshape(B, T, -1)
-    keys, values = attn.k_proj(x), attn.v_proj(x)
+    keys, values = linear_ops.prefill_linear(attn.k_proj, x), linear_ops.prefill_linear(attn.v_proj, x)
     queries = attn.q_norm(queries).transpose(0, 2, 1, 3)
     keys = attn.k_norm(keys.reshape(B, T, attn.num_key_value_heads, -1)).transpose(0, 2, 1, 3)
     values = values.reshape(B, T, attn.num_key_value_heads, -1).transpose(0, 2, 1, 3)
@@ -380,7 +381,7 @@ def gated_attention(attn, x: mx.array, mask: Optional[Any] = None, cache: Option
         keys, values = cache.keys, cache.values  # positions [0, offset + T) hold the context
     output = prefill_attention(queries, keys, values, scale=attn.scale, offset=offset)
     output = output.transpose(0, 2, 1, 3).reshape(B, T, -1)
-    return attn.o_proj(output * mx.sigmoid(gate))
+    return linear_ops.prefill_linear(attn.o_proj, output * mx.sigmoid(gate))
 
 
 class DecodeStatic(NamedTuple):

@@ -26,6 +26,15 @@ elsewhere. Both give the stock rounding points; the kernel's sums run in
 another order (tensor cores, fp32), so results agree to bf16 rounding, not
 bit for bit.
 
+At prefill, a projection of many token rows (:func:`prefill_linear`: the
+module's own call, ``layer(x)``, is the reference,
+:func:`prefill_linear_reference`) runs on
+:func:`mlx_qwen_fast.kernels.quantized_gemm.quantized_gemm` where it
+applies -- CUDA, bf16, at least :data:`PREFILL_GEMM_MIN_ROWS` rows, a 4-bit
+group-64 affine ``QuantizedLinear`` without a bias term,
+:data:`mlx_qwen_fast.config.PREFILL_GEMM_KERNEL` on: the same rounding
+points, fp32 sums in another order.
+
 Between two projections a decoder layer adds a block's output to the
 residual stream and normalises the sum for the next block (``h = x +
 attn(...)``, then ``post_attention_layernorm(h)``): :func:`add_rms_norm`
@@ -44,16 +53,18 @@ import mlx.core as mx
 
 from .. import backend as _backend
 from .. import config
-from ..compiled import apply_linear
+from ..compiled import apply_linear, linear_arrays
 from ..kernels import _cuda_build
 from ..kernels import add_rms_norm_metal as _k_add_norm_metal
+from ..kernels import quantized_gemm as _k_gemm
 from ..kernels import quantized_gemv as _k_gemv
 from ..kernels._checks import check_eps, describe
 from ._checks import FLOATS, check_float_array, fail, is_int
 
 __all__ = ["ADD_NORM_IMPLEMENTATIONS", "IMPLEMENTATIONS", "add_rms_norm", "add_rms_norm_implementation",
            "add_rms_norm_reference", "decode_linear", "decode_linear_reference", "decode_linear_unchecked",
-           "decode_implementation", "implementation_for"]
+           "decode_implementation", "implementation_for", "PREFILL_GEMM_MIN_ROWS", "prefill_implementation",
+           "prefill_implementation_for", "prefill_linear", "prefill_linear_reference"]
 
 #: What :func:`decode_linear` can run: the fused kernel or the reference ops.
 IMPLEMENTATIONS = ("cuda-kernel", "reference")
@@ -233,6 +244,96 @@ def implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:
     if name == _backend.METAL and num_tokens >= 1 and mx.metal.is_available() and config.METAL_KERNELS.get():
         return "metal-kernel"
     return "reference"
+
+
+# ---------------------------------------------------------------------------
+# prefill: a projection of many rows
+# ---------------------------------------------------------------------------
+
+#: Fewest token rows a prefill projection runs on the GEMM kernel with (below,
+#: MLX's quantized matmul); the crossover: bench/results/prefill-gemm-log.md.
+PREFILL_GEMM_MIN_ROWS = 128
+
+
+def _check_prefill(fn: str, layer, x) -> Optional[tuple]:
+    """``linear_arrays(layer)`` after checking the arguments (``x`` a float
+    ``[..., K]`` of the layer's input size); None for another callable
+    module (its own call is the contract)."""
+    lin = linear_arrays(layer)
+    if lin is None:
+        if not callable(layer):
+            fail(fn, f"layer must be a module (nn.Linear, nn.QuantizedLinear or another callable), got {describe(layer)}")
+        return None
+    k = _check_static(fn, *lin)[0]
+    check_float_array(fn, "x", x, f"[..., {k}]", min_ndim=1)
+    if x.shape[-1] != k:
+        fail(fn, f"x must be [..., {k}] (the layer's input size), got {describe(x)}")
+    return lin
+
+
+def prefill_linear_reference(layer, x: mx.array) -> mx.array:
+    """``layer(x)``: the module's own call (``mx.quantized_matmul`` for an
+    ``nn.QuantizedLinear``). Arguments, returns and errors as
+    :func:`prefill_linear`."""
+    _check_prefill("prefill_linear_reference", layer, x)
+    return layer(x)
+
+
+def prefill_implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:
+    """What a 4-bit group-64 model's prefill projections of ``num_tokens``
+    rows get on ``backend`` (the patch report's ``linear.prefill`` row):
+    "cuda-kernel" on CUDA with :data:`mlx_qwen_fast.config.PREFILL_GEMM_KERNEL`
+    on and at least :data:`PREFILL_GEMM_MIN_ROWS` rows, else "stock" (the
+    modules' own calls). Raises ValueError for an unknown backend."""
+    if (_backend.resolve(backend) == _backend.CUDA and num_tokens >= PREFILL_GEMM_MIN_ROWS
+            and _cuda_build.cuda_available() and config.PREFILL_GEMM_KERNEL.get()):
+        return "cuda-kernel"
+    return "stock"
+
+
+def prefill_implementation(layer, x, *, backend: Optional[str] = None) -> str:
+    """The name in :data:`IMPLEMENTATIONS` that :func:`prefill_linear` runs
+    for these arguments on ``backend``: "cuda-kernel" on CUDA with
+    :data:`mlx_qwen_fast.config.PREFILL_GEMM_KERNEL` on, at least
+    :data:`PREFILL_GEMM_MIN_ROWS` rows, a layer the kernel takes (an
+    ``nn.QuantizedLinear``, 4-bit group-64 affine with biases, no bias term)
+    and :func:`mlx_qwen_fast.kernels.quantized_gemm.supports`; else
+    "reference". Shapes only: nothing is evaluated."""
+    if not isinstance(x, mx.array) or x.ndim < 1:
+        return "reference"
+    if prefill_implementation_for(x.size // max(x.shape[-1], 1), backend) != "cuda-kernel":
+        return "reference"
+    lin = linear_arrays(layer)
+    if lin is None or _kernel_args(lin[1]) != (64, 4):
+        return "reference"
+    w, scales, biases = lin[0][:3]
+    return "cuda-kernel" if _k_gemm.supports(x, w, scales, biases) else "reference"
+
+
+def prefill_linear(layer, x: mx.array) -> mx.array:
+    """``layer(x)`` for a prefill chunk, by :func:`prefill_implementation`'s
+    choice: the fused-dequantisation GEMM or the module's own call.
+
+    Args:
+        layer: mlx-lm's projection: an ``nn.QuantizedLinear`` or
+            ``nn.Linear``; any other callable module (an adapter wrapping
+            one) runs its own call.
+        x: ``[..., K]`` float rows, K the linear layer's input size.
+
+    Returns:
+        ``[..., N]`` as ``layer(x)``; from the kernel bf16 within bf16
+        rounding of it (one rounding of each dequantised weight and of the
+        result; fp32 sums in another order).
+
+    Raises:
+        ValueError: ``layer`` not callable, ``x`` not a float ``[..., K]``
+            of a linear layer's input size (named).
+    """
+    lin = _check_prefill("prefill_linear", layer, x)
+    if lin is None or prefill_implementation(layer, x) == "reference":
+        return layer(x)
+    w, scales, biases = lin[0][:3]
+    return _k_gemm.quantized_gemm_unchecked(x, w, scales, biases, _k_gemm.variant_for(w.shape[0], x.shape[-1]))
 
 
 # ---------------------------------------------------------------------------

@@ -170,6 +170,10 @@ def lin(K=128, N=32, quant=True):
         l = nn.QuantizedLinear.from_linear(l, group_size=64, bits=4)
     return linear_arrays(l)
 
+def qlayer(K=128, N=32):
+    mx.random.seed(2)
+    return nn.QuantizedLinear.from_linear(nn.Linear(K, N, bias=False), group_size=64, bits=4)
+
 def dl(fn="decode_linear", x=None, arrays=None, static=None, **kw):
     a, s = lin()
     return getattr(linear, fn)(mx.zeros((1, 1, 128)) if x is None else x, a if arrays is None else arrays,
@@ -337,6 +341,10 @@ CASES = {
     "linear.decode_linear_reference: normed_out without norm": lambda: dl("decode_linear_reference", normed_out=True),
     "linear.decode_linear_reference: static unknown": lambda: dl("decode_linear_reference", static=("foo",)),
     "linear.add_rms_norm: x int32": lambda: arn(x=mx.zeros((2, 1, 64), mx.int32)),
+    "linear.prefill_linear: x's K": lambda: linear.prefill_linear(qlayer(), mx.zeros((1, 4, 100))),
+    "linear.prefill_linear: x int32": lambda: linear.prefill_linear(qlayer(), mx.zeros((1, 4, 128), mx.int32)),
+    "linear.prefill_linear: layer not callable": lambda: linear.prefill_linear("q_proj", mx.zeros((1, 4, 128))),
+    "linear.prefill_linear_reference: x's K": lambda: linear.prefill_linear_reference(qlayer(), mx.zeros((4, 64))),
     "linear.add_rms_norm: x 0-d": lambda: arn(x=mx.array(1.0)),
     "linear.add_rms_norm: y's shape": lambda: arn(y=mx.zeros((2, 1, 32))),
     "linear.add_rms_norm: y's dtype": lambda: arn(y=mx.zeros((2, 1, 64), mx.bfloat16)),
@@ -513,6 +521,10 @@ _CASES = {
     "linear.decode_linear_reference: normed_out without norm": ("raise", "normed_out needs norm"),
     "linear.decode_linear_reference: static unknown": ("raise", "static must be linear_arrays' settings"),
     "linear.add_rms_norm: x int32": ("raise", "x must be a float32/float16/bfloat16 mx.array [..., D]"),
+    "linear.prefill_linear: x's K": ("raise", "x must be [..., 128] (the layer's input size)"),
+    "linear.prefill_linear: x int32": ("raise", "x must be a float32/float16/bfloat16 mx.array"),
+    "linear.prefill_linear: layer not callable": ("raise", "layer must be a module"),
+    "linear.prefill_linear_reference: x's K": ("raise", "prefill_linear_reference: x must be [..., 128]"),
     "linear.add_rms_norm: x 0-d": ("raise", "x must be a float32/float16/bfloat16 mx.array [..., D]"),
     "linear.add_rms_norm: y's shape": ("raise", "y must be an mx.array of x's shape and dtype"),
     "linear.add_rms_norm: y's dtype": ("raise", "y must be an mx.array of x's shape and dtype"),
@@ -588,6 +600,9 @@ _EXEMPT = {
         "decode_implementation": "query: names the implementation decode_linear would run (which checks)",
         "decode_linear_unchecked": "unchecked by contract: the hot entry for arguments a checked call had (FastHead)",
         "implementation_for": "query: the implementation for a token count and backend",
+        "PREFILL_GEMM_MIN_ROWS": "constant",
+        "prefill_implementation": "query: names the implementation prefill_linear would run (which checks)",
+        "prefill_implementation_for": "query: the implementation for a token count and backend",
     },
     "verify": {
         "MIN_TOKENS": "constant",

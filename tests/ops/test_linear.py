@@ -8,7 +8,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from compare import FP32_TOL, assert_close, tolerance
+from compare import FP32_TOL, assert_close, rel_err, tolerance
 from cuda_helpers import HAS_CUDA
 from mlx_qwen_fast import config
 from mlx_qwen_fast.compiled import linear_arrays
@@ -154,3 +154,77 @@ def test_add_rms_norm_on_metal_takes_the_kernel(env, monkeypatch):
     monkeypatch.setattr(mx.metal, "is_available", lambda: False)
     env.set(config.METAL_KERNELS.name, "1")
     assert linear_ops.implementation_for(1, "metal") == "reference"  # no Metal device: what would run here
+
+
+# ---------------------------------------------------------------------------
+# prefill: a projection of many rows
+
+
+def test_prefill_reference_is_the_module_call_and_errors_name_arguments():
+    q, _ = _layer(256, 64, 4, 64, mx.float32, 3)
+    x = mx.random.normal((2, 5, 256), key=mx.random.key(4))
+    assert_close(linear_ops.prefill_linear_reference(q, x), q(x), 0.0, "reference")
+    assert_close(linear_ops.prefill_linear(q, x), q(x), 0.0, "off CUDA: the module's call")
+    with pytest.raises(ValueError, match=r"prefill_linear: x must be \[\.\.\., 256\]"):
+        linear_ops.prefill_linear(q, mx.zeros((3, 128)))
+    with pytest.raises(ValueError, match="prefill_linear: x must be a float32"):
+        linear_ops.prefill_linear(q, mx.zeros((3, 256), mx.int32))
+    with pytest.raises(ValueError, match="prefill_linear_reference: layer must be a module"):
+        linear_ops.prefill_linear_reference(3, x)
+    # another callable module (an adapter around a projection) runs its own call
+    wrapped = nn.Sequential(q)
+    assert_close(linear_ops.prefill_linear(wrapped, x), q(x), 0.0, "a wrapper's own call")
+
+
+def test_prefill_dispatch(env):
+    """The kernel only on CUDA, with the switch on, from PREFILL_GEMM_MIN_ROWS
+    rows, for bf16 rows and 4-bit group-64 affine layers without a bias."""
+    import cuda_check
+
+    q, _ = _layer(256, 256, 4, 64, mx.bfloat16, 5)
+    rows = linear_ops.PREFILL_GEMM_MIN_ROWS
+    x = mx.zeros((1, rows, 256), mx.bfloat16)
+    assert linear_ops.prefill_implementation(q, x, backend="cpu") == "reference"
+    with cuda_check.simulated():
+        env.set(config.PREFILL_GEMM_KERNEL.name, "0")
+        assert linear_ops.prefill_implementation(q, x) == "reference"
+        assert linear_ops.prefill_implementation_for(rows, "cuda") == "stock"
+        env.set(config.PREFILL_GEMM_KERNEL.name, "1")
+        assert linear_ops.prefill_implementation_for(rows, "cuda") == "cuda-kernel"
+        assert linear_ops.prefill_implementation_for(rows - 1, "cuda") == "stock"
+        assert linear_ops.prefill_implementation(q, x) == "cuda-kernel"
+        assert linear_ops.prefill_implementation(q, x[:, 1:]) == "reference"  # too few rows
+        assert linear_ops.prefill_implementation(q, x.astype(mx.float32)) == "reference"
+        for bits, gs in ((8, 64), (4, 32)):
+            other, _ = _layer(256, 256, bits, gs, mx.bfloat16, 6)
+            assert linear_ops.prefill_implementation(other, x) == "reference"
+        biased = nn.QuantizedLinear(256, 256, bias=True, group_size=64, bits=4)
+        assert linear_ops.prefill_implementation(biased, x) == "reference"
+        assert linear_ops.prefill_implementation(nn.Linear(256, 256), x) == "reference"
+
+
+@pytest.mark.cuda
+@pytest.mark.cpu_check("moe_grouped_gemm_wgmma.cu")
+@pytest.mark.usefixtures("poison")
+def test_prefill_kernel_within_bf16_of_the_module(env):
+    """With the switch on, a chunk's projection runs the GEMM kernel and
+    agrees with the module's own call (MLX's quantized matmul) to bf16
+    rounding; off, it is that call."""
+    q, _ = _layer(384, 512, 4, 64, mx.bfloat16, 7)
+    x = mx.random.normal((1, 130, 384), key=mx.random.key(8)).astype(mx.bfloat16)
+    env.set(config.PREFILL_GEMM_KERNEL.name, "1")
+    assert linear_ops.prefill_implementation(q, x) == "cuda-kernel"
+    out = linear_ops.prefill_linear(q, x)
+    assert out.shape == (1, 130, 512) and out.dtype == mx.bfloat16
+    assert np.isfinite(np.asarray(out.astype(mx.float32))).all()
+    # fp32 product on the weights as the kernel dequantises them (bf16(s * q + b), one rounding)
+    w = mx.dequantize(q.weight, q.scales.astype(mx.float32), q.biases.astype(mx.float32), group_size=64, bits=4)
+    exact = x.astype(mx.float32) @ w.astype(mx.bfloat16).astype(mx.float32).T
+    # the result's rounding and a flipped one (fp32 sums in another order)
+    assert_close(out, exact, tolerance(mx.bfloat16, 2), "kernel vs fp32")
+    ref = q(x)
+    # the module (MLX's quantized matmul) to its own accuracy: on the CPU it
+    # rounds the dequantised weights twice and is further from fp32 than bf16
+    assert_close(out, ref, rel_err(ref, exact) + tolerance(mx.bfloat16, 2), "kernel vs the module")
+    env.set(config.PREFILL_GEMM_KERNEL.name, "0")
+    assert_close(linear_ops.prefill_linear(q, x), ref, 0.0, "switch off: the module's call")

@@ -1,8 +1,10 @@
 """The Gated DeltaNet layer on the CUDA kernels.
 
 * prefill (:func:`_cuda_prefill`): the front-end kernel (conv1d, SiLU,
-  L2 norm, gates), the scan and the gated RMSNorm between mlx-lm's
-  projections;
+  L2 norm, gates), the scan and the gated RMSNorm between the projections
+  (``in_proj_qkv``, ``in_proj_z`` and ``out_proj`` through
+  :func:`mlx_qwen_fast.ops.linear.prefill_linear`; ``in_proj_a``/``_b``
+  mlx-lm's);
 * decode (:func:`_cuda_decode`): one ``mx.compile``d step per layer
   (:func:`_decode_step`: the four input projections as one matmul, the
   decode kernel, ``out_proj``; or the one-launch mixer,
@@ -40,14 +42,14 @@ def _cuda_prefill(layer, inputs, cache):
     """Front end + scan + gated-norm kernels between mlx-lm's projections;
     None (before touching the cache) where a kernel does not take the call."""
     B, S, _ = inputs.shape
-    qkv = layer.in_proj_qkv(inputs)
+    qkv = linear_ops.prefill_linear(layer.in_proj_qkv, inputs)
     conv_state, state = _states(cache)
     if conv_state is None:
         conv_state = mx.zeros((B, layer.conv_kernel_size - 1, layer.conv_dim), qkv.dtype)
     if not _k_frontend.supports(qkv, conv_state, layer.conv1d.weight, **_heads(layer),
                                 head_k_dim=layer.head_k_dim, head_v_dim=layer.head_v_dim):
         return None
-    z = layer.in_proj_z(inputs).reshape(B, S, layer.num_v_heads, layer.head_v_dim)
+    z = linear_ops.prefill_linear(layer.in_proj_z, inputs).reshape(B, S, layer.num_v_heads, layer.head_v_dim)
     a, b = layer.in_proj_a(inputs), layer.in_proj_b(inputs)
     q, k, v, g, beta, conv_state = _k_frontend.gated_delta_frontend(
         qkv, a, b, layer.conv1d.weight, conv_state, layer.A_log, layer.dt_bias, **_heads(layer),
@@ -60,7 +62,7 @@ def _cuda_prefill(layer, inputs, cache):
         out = _k_norm.gated_rms_norm(y, z, layer.norm.weight, layer.norm.eps)
     else:
         out = layer.norm(y, z)
-    return layer.out_proj(out.reshape(B, S, -1))
+    return linear_ops.prefill_linear(layer.out_proj, out.reshape(B, S, -1))
 
 
 # --------------------------------------------------------------------------
