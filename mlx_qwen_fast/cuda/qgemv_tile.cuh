@@ -239,14 +239,26 @@ __device__ __forceinline__ void qg_stage_norm(gdn_u16 (*xs)[K], float (*ssq)[M],
   __syncthreads();
 }
 
+// First tile of team `team` (of T per block) in a GEMV over the grid's
+// teams; round r adds r * gridDim.x * T. Block-major (SPREAD false): tiles
+// blockIdx.x * T + team, a block's teams on consecutive tiles. Team-major
+// (SPREAD true): team * gridDim.x + blockIdx.x, so the tiles of a last,
+// partial round fall one per block before any block gets a second one
+// (every block's SM loads weights, not the first blocks' alone). Each tile's
+// arithmetic is the same in both orders: bit-identical results.
+template <int T, bool SPREAD>
+__device__ __forceinline__ int qg_tile0(int team) {
+  return SPREAD ? team * (int)gridDim.x + (int)blockIdx.x : (int)blockIdx.x * T + team;
+}
+
 // One GEMV over the grid's teams (team = warp / KW of every block, T teams
-// per block; tile blockIdx.x * T + team + r * gridDim.x * T in round r):
+// per block; tile qg_tile0<T, SPREAD>(team) + r * gridDim.x * T in round r):
 // each tile exactly as quantized_gemv.cu's block computes it. A / sb hold
 // round 0's weights on entry (qg_load by the caller); the next round's are
 // loaded after each mma chain. red [warps][32][4]: the warps' partial sums.
 // Every thread of the block calls it (the rounds' __syncthreads). Ends with
 // a __syncthreads.
-template <class Cfg, int KW, int T, int TILES, bool RES>
+template <class Cfg, int KW, int T, int TILES, bool RES, bool SPREAD = false>
 __device__ __forceinline__ void qg_tiles(QgA<Cfg>& A, QgSB<Cfg>& sb, const gdn_u16 (*xs)[Cfg::K], const unsigned* w,
                                          const bf16_t* scales, const bf16_t* biases, bf16_t* out,
                                          const bf16_t* residual, int n_rows, float (*red)[32][4]) {
@@ -256,7 +268,7 @@ __device__ __forceinline__ void qg_tiles(QgA<Cfg>& A, QgSB<Cfg>& sb, const gdn_u
   const int u0 = wt * Cfg::BPW;
   const int stride = (int)gridDim.x * T;
   const int rounds = (TILES + stride - 1) / stride;
-  int tile = (int)blockIdx.x * T + team;
+  int tile = qg_tile0<T, SPREAD>(team);
   bool act = team < T && tile < TILES;
   for (int r = 0; r < rounds; ++r) {
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};

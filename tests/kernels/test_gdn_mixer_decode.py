@@ -60,9 +60,9 @@ def _params(a: MixerArrays):
     return gm.mixer_params(a.conv_weight, a.A_log, a.dt_bias, a.norm_weight, a.input_norm_weight)
 
 
-def _fused(a: MixerArrays, params, conv_state, state, x=None):
+def _fused(a: MixerArrays, params, conv_state, state, x=None, tile_order=None):
     return gm.gdn_mixer_decode(a.x if x is None else x, a.in_proj, params, conv_state, state, a.out_proj,
-                               num_k_heads=a.hk, num_v_heads=a.hv, input_norm_eps=EPS)
+                               num_k_heads=a.hk, num_v_heads=a.hv, input_norm_eps=EPS, tile_order=tile_order)
 
 
 def _three_kernels(a: MixerArrays, conv_state, state, x=None):
@@ -311,6 +311,26 @@ def test_few_blocks(monkeypatch, dtype):
         assert all(mx.array_equal(g, w).item() for g, w in zip(got, want))
     else:
         _check_against_reference(a, got, a.conv_state, a.state, a.x)
+
+
+@pytest.mark.cuda
+@pytest.mark.cpu_check("gdn_mixer_decode.cu")
+@pytest.mark.usefixtures("poison")
+@pytest.mark.parametrize("sms", [3, 5])
+def test_tile_orders_give_the_same_bits(monkeypatch, sms):
+    """bf16, grids of 3 and 5 blocks (several GEMV rounds, the last one
+    partial): every tile order writes the same bits, and those of the
+    three kernels; an unknown order is refused by name."""
+    monkeypatch.setattr(cb, "sm_count", lambda: sms)
+    a = _arrays(SMALL, 2, mx.bfloat16, 40 + sms)
+    params = _params(a)
+    outs = {o: _fused(a, params, a.conv_state, a.state, tile_order=o) for o in gm.TILE_ORDERS}
+    ref = outs[gm.TILE_ORDERS[0]]
+    assert finite(*ref)
+    for order, got in outs.items():
+        assert all(mx.array_equal(g, w).item() for g, w in zip(got, ref)), order
+    with pytest.raises(ValueError, match="tile_order must be one of"):
+        _fused(a, params, a.conv_state, a.state, tile_order="row")
 
 
 @pytest.mark.cuda
