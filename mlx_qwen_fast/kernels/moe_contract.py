@@ -31,9 +31,11 @@ from typing import Optional, Sequence, Tuple
 import mlx.core as mx
 
 from ..moe_types import Routing
+from ._checks import describe
 
 __all__ = [
     "DECODE_MAX_TOKENS",
+    "check_down_weights",
     "check_expert_ids",
     "check_routing_arrays",
     "check_routing_values",
@@ -124,6 +126,24 @@ def decode_weights_problem(experts: Sequence, shared: Sequence, expert_gate: Seq
         return ("expert_gate must be (weight, scales, biases, bits): bits 4/8 group 64 uint32 "
                 f"[1, D*bits/32], or bits 16 with bf16 weight [1, {D}]")
     return None
+
+
+def check_down_weights(fn: str, down, I: int, scale_dtypes: Tuple = (mx.bfloat16,)) -> Tuple[int, int]:
+    """``(E, D)`` of the experts' down projection ``down = (weight uint32
+    [E, D, I/8], scales, biases [E, D, I/64])``, 4-bit group-64 with scales
+    and biases in ``scale_dtypes`` (:func:`is_4bit_group64`) and D a
+    positive multiple of 64; else ValueError (``fn: `` first, naming
+    ``down``). Shapes and dtypes only."""
+    try:
+        E, D = down[0].shape[0], down[0].shape[1]
+    except (TypeError, IndexError, AttributeError, KeyError):
+        raise ValueError(f"{fn}: down must be (weight, scales, biases) of shapes [E, D, I/8], [E, D, I/64] x2") \
+            from None
+    if D == 0 or D % 64 or not is_4bit_group64(down, (E,), D, I, scale_dtypes):
+        kinds = "bf16" if tuple(scale_dtypes) == (mx.bfloat16,) else "float"
+        raise ValueError(f"{fn}: down must be 4-bit group-64 uint32 [E, D, {I // 8}] with D a positive multiple "
+                         f"of 64, {kinds} scales/biases [E, D, {I // 64}], got {[describe(a) for a in down]}")
+    return E, D
 
 
 def check_expert_ids(fn: str, inds: mx.array, num_experts: int) -> None:

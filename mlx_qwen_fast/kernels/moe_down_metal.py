@@ -38,7 +38,7 @@ from typing import Sequence
 import mlx.core as mx
 
 from ._checks import describe as _describe
-from .moe_contract import DECODE_MAX_TOKENS, check_expert_ids, is_4bit_group64
+from .moe_contract import DECODE_MAX_TOKENS, check_down_weights, check_expert_ids, is_4bit_group64
 
 __all__ = ["down_combine_metal", "down_combine_metal_unchecked", "simd_groups", "SOURCE_FILE", "MAX_TOKENS", "MAX_PAIRS", "MAX_SIMD_GROUPS"]
 
@@ -110,15 +110,7 @@ def down_combine_metal(
         raise ValueError(f"{fn}: scores must be float32 [{n}, {k}], got {_describe(scores)}")
     if not isinstance(sgate, mx.array) or tuple(sgate.shape) != (n,) or sgate.dtype != mx.float32:
         raise ValueError(f"{fn}: sgate must be float32 [{n}], got {_describe(sgate)}")
-    try:
-        E, D = down[0].shape[0], down[0].shape[1]
-    except (TypeError, IndexError, AttributeError):
-        raise ValueError(f"{fn}: down must be (weight, scales, biases) of shapes [E, D, I/8], [E, D, I/64] x2") \
-            from None
-    if D == 0 or D % 64 or not is_4bit_group64(down, (E,), D, I):
-        raise ValueError(f"{fn}: down must be 4-bit group-64 uint32 [E, D, {I // 8}] with D a positive multiple "
-                         f"of 64, bf16 scales/biases [E, D, {I // 64}], got "
-                         f"{[_describe(a) for a in down]}")
+    E, D = check_down_weights(fn, down, I)
     if not is_4bit_group64(shared_down, (), D, I):
         raise ValueError(f"{fn}: shared_down must be uint32 [{D}, {I // 8}] + bf16 [{D}, {I // 64}] x2")
     check_expert_ids(fn, inds, E)

@@ -54,7 +54,7 @@ import mlx.core as mx
 
 from ..moe_types import Routing
 from ._checks import describe as _describe
-from .moe_contract import check_routing_arrays, check_routing_values, is_4bit_group64
+from .moe_contract import check_down_weights, check_routing_arrays, check_routing_values, is_4bit_group64
 from .moe_group_metal import stage_kernel
 
 __all__ = ["gate_up_swiglu_metal", "down_weighted_metal", "moe_experts_metal", "moe_experts_metal_unchecked", "problem", "choose_tile_rows",
@@ -240,15 +240,7 @@ def _down(h, routing, down, check: bool = False) -> mx.array:
         raise ValueError(f"{fn}: h must be float32/float16/bfloat16 [N*k, I] with I a positive multiple of 64, "
                          f"got {_describe(h)}")
     nk, i_dim = h.shape
-    try:
-        e, d = down[0].shape[0], down[0].shape[1]
-    except (TypeError, AttributeError, IndexError):
-        raise ValueError(f"{fn}: down must be (weight, scales, biases) of shapes [E, D, I/8], [E, D, I/64] x2") \
-            from None
-    if d == 0 or d % 64 or not _q(down, (e,), d, i_dim):
-        raise ValueError(f"{fn}: down must be 4-bit group-64 uint32 [E, D, {i_dim // 8}] with D a positive "
-                         f"multiple of 64, float scales/biases [E, D, {i_dim // 64}], got "
-                         f"{[_describe(a) for a in down]}")
+    e, d = check_down_weights(fn, down, i_dim, _FLOATS)
     _check_routing(fn, routing, nk, e, check)
     scores = routing.scores.reshape(-1)
     if scores.shape != (nk,) or scores.dtype != mx.float32:

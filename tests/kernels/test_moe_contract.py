@@ -155,3 +155,20 @@ def test_check_routing_values_rejects_a_damaged_routing(damage):
     bad = r._replace(groups=g, block_map=mx.array(bm))
     with pytest.raises(ValueError, match="^t: routing is not a grouping of 12 assignments over 32 experts"):
         mc.check_routing_values("t", bad, 12)
+
+
+@pytest.mark.parametrize("E, D, I", [(3, 64, 128), (5, 192, 64)])
+def test_check_down_weights_gives_the_sizes(E, D, I):
+    down = _quantized((E, D, I), seed=E + D + I)
+    assert mc.check_down_weights("f", down, I) == (E, D)
+    f32 = tuple(a.astype(mx.float32) if a.dtype != mx.uint32 else a for a in down)
+    assert mc.check_down_weights("f", f32, I, (mx.float32, mx.bfloat16)) == (E, D)
+    with pytest.raises(ValueError, match=r"f: down must be 4-bit group-64 uint32 \[E, D, .*bf16 scales"):
+        mc.check_down_weights("f", f32, I)  # float32 scales where bf16 is the contract
+    with pytest.raises(ValueError, match="f: down must be 4-bit group-64"):
+        mc.check_down_weights("f", down, 2 * I)  # another I
+    with pytest.raises(ValueError, match=r"f: down must be \(weight, scales, biases\)"):
+        mc.check_down_weights("f", None, I)
+    odd = _quantized((E, 32, I), seed=1)  # D not a multiple of 64
+    with pytest.raises(ValueError, match="D a positive multiple of 64"):
+        mc.check_down_weights("f", odd, I)
