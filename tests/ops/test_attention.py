@@ -387,14 +387,23 @@ def _prefill_logits(model, tokens, step):
 
 @pytest.mark.cuda
 @pytest.mark.usefixtures("poison")
-@pytest.mark.parametrize("batch", [1, 2])
-def test_cuda_patched_prefill_matches_stock(monkeypatch, kernel_heads, batch):
+@pytest.mark.parametrize("gemm,batch", [
+    ("0", 1), ("0", 2), pytest.param("1", 1, marks=pytest.mark.cpu_check("moe_grouped_gemm_wgmma.cu")), ("1", 2)])
+def test_cuda_patched_prefill_matches_stock(monkeypatch, env, kernel_heads, batch, gemm):
     """bf16, a random model with the model's attention heads: a 300-token
     prompt prefilled in chunks of 128 (offsets 0, 128, 256; the cache
     grows past 256) by the patched model, its attention layers through the
     kernel, against the fp32 model within the bf16 bound of stock's own
-    error (tests/test_patch.py's), over the logits of every position."""
-    assert HAS_CUDA
+    error (tests/test_patch.py's), over the logits of every position; with
+    the prefill GEMM off and on (``MLX_QWEN_FAST_PREFILL_GEMM``: the
+    projections of the 128-token chunks, attention's and the Gated
+    DeltaNet layers', through the fused-dequantisation GEMM). Batch 1 with
+    the GEMM on also runs on the CPU through the CUDA check (every kernel
+    of the patched prefill executed there)."""
+    from mlx_qwen_fast.kernels import _cuda_build
+
+    assert _cuda_build.cuda_available()  # a GPU, or the CUDA check's simulated one
+    env.set(config.PREFILL_GEMM_KERNEL.name, gemm)
     calls = []
     real = attention._k_prefill.attention_prefill
     monkeypatch.setattr(attention._k_prefill, "attention_prefill",
@@ -409,7 +418,16 @@ def test_cuda_patched_prefill_matches_stock(monkeypatch, kernel_heads, batch):
     tokens = mx.random.randint(1, vocab, (batch, 300), key=mx.random.key(batch))
     exact = _prefill_logits(stock32, tokens, 128)
     err_stock = rel_err(_prefill_logits(stock, tokens, 128), exact)
+    from mlx_qwen_fast.ops import linear as linear_ops
+
+    gemms = []
+    real_gemm = linear_ops._k_gemm.quantized_gemm_unchecked
+    monkeypatch.setattr(linear_ops._k_gemm, "quantized_gemm_unchecked",
+                        lambda *a, **k: gemms.append(a[0].shape) or real_gemm(*a, **k))
     got = _prefill_logits(fast, tokens, 128)
     n_attn = sum(not l.is_linear for l in fast.layers)
     assert sorted(calls) == sorted([0, 128, 256] * n_attn) and finite(got)
+    # the two 128-token chunks' projections: 4 per attention layer, 3 per Gated DeltaNet layer
+    n_gdn = len(fast.layers) - n_attn
+    assert len(gemms) == (2 * (4 * n_attn + 3 * n_gdn) if gemm == "1" else 0), gemms
     _bf16_bound(rel_err(got, exact), err_stock, f"batch {batch}")
