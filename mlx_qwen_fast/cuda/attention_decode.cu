@@ -142,6 +142,12 @@ __device__ __forceinline__ void norm_rope(float* v, const wt* w, float eps, int 
 }
 } // namespace
 
+// The parameters of the two partial-attention builds (ATT_KIND 1 and 3: one contract).
+#define ATT_PART_PARAMS                                                                                   \
+  const xt* __restrict__ proj, const xt* __restrict__ keys, const xt* __restrict__ values,                \
+      const int* __restrict__ offset, const wt* __restrict__ w_q, float* __restrict__ part, int cap, int ns, \
+      int split_len, float eps_q, float scale_log2, float log2_base, float rope_scale
+
 #if ATT_KIND == 0
 
 extern "C" __global__ void __launch_bounds__(32) KNAME(
@@ -205,20 +211,7 @@ __device__ __forceinline__ void transpose_sum(float* d, int lane) {
   transpose_level<N / 2>(d, lane);
 }
 
-extern "C" __global__ void __launch_bounds__(G * 32) KNAME(
-    const xt* __restrict__ proj,
-    const xt* __restrict__ keys,
-    const xt* __restrict__ values,
-    const int* __restrict__ offset,
-    const wt* __restrict__ w_q,
-    float* __restrict__ part,
-    int cap,
-    int ns,
-    int split_len,
-    float eps_q,
-    float scale_log2,
-    float log2_base,
-    float rope_scale) {
+extern "C" __global__ void __launch_bounds__(G * 32) KNAME(ATT_PART_PARAMS) {
   // dynamic shared memory: 2 stages x (K tile, V tile) [TILE][DH] xt, then G rows of DH floats
   extern __shared__ __align__(16) unsigned char smem[];
   float* qsh = reinterpret_cast<float*>(smem + 2 * STAGE_BYTES);
@@ -395,15 +388,7 @@ extern "C" __global__ void __launch_bounds__(DH) KNAME(
 
 #elif ATT_KIND == 3
 
-template <typename A, typename B>
-struct SameXT {
-  static constexpr bool value = false;
-};
-template <typename A>
-struct SameXT<A, A> {
-  static constexpr bool value = true;
-};
-static_assert(SameXT<xt, bf16_t>::value && G == 8, "ATT_KIND 3: bf16 and 8 query heads per KV head");
+static_assert(SameType<xt, bf16_t>::value && G == 8, "ATT_KIND 3: bf16 and 8 query heads per KV head");
 constexpr int MT = 64;         // positions per tile
 constexpr int LD = DH + 8;     // padded row of K, V and Q in shared memory (elements)
 constexpr int LDP = MT + 8;    // padded row of P (elements)
@@ -417,20 +402,7 @@ constexpr int A_OFF = P_OFF + G * LDP * 2;             // alpha [G] f32
 constexpr int SMEM3 = A_OFF + G * 4;
 static_assert(LD * 2 % 16 == 0 && LDP * 2 % 16 == 0, "16-byte aligned rows (cp.async, ldmatrix)");
 
-extern "C" __global__ void __launch_bounds__(G * 32) KNAME(
-    const xt* __restrict__ proj,
-    const xt* __restrict__ keys,
-    const xt* __restrict__ values,
-    const int* __restrict__ offset,
-    const wt* __restrict__ w_q,
-    float* __restrict__ part,
-    int cap,
-    int ns,
-    int split_len,
-    float eps_q,
-    float scale_log2,
-    float log2_base,
-    float rope_scale) {
+extern "C" __global__ void __launch_bounds__(G * 32) KNAME(ATT_PART_PARAMS) {
   extern __shared__ __align__(16) unsigned char smem[];
   if (dynamic_smem_size() < (unsigned)SMEM3) __trap();  // launched with too little shared memory
   gdn_u16* qs = reinterpret_cast<gdn_u16*>(smem + Q_OFF);

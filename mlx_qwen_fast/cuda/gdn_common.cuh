@@ -69,6 +69,16 @@ __device__ __forceinline__ T from_f(float v) {
   return Cvt<T>::from(v);
 }
 
+// SameType<A, B>::value: whether A and B are one type (no <type_traits> under NVRTC).
+template <typename A, typename B>
+struct SameType {
+  static constexpr bool value = false;
+};
+template <typename A>
+struct SameType<A, A> {
+  static constexpr bool value = true;
+};
+
 // ---- 16-byte vector loads/stores: 8 elements of a 2-byte type, 4 floats -----
 
 template <typename T>

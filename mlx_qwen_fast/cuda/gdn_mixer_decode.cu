@@ -86,14 +86,6 @@
 #include "qgemv_tile.cuh"
 
 namespace {
-template <typename A, typename B>
-struct SameType {
-  static constexpr bool value = false;
-};
-template <typename A>
-struct SameType<A, A> {
-  static constexpr bool value = true;
-};
 
 constexpr bool BF = SameType<xt, bf16_t>::value;
 static_assert(BF || SameType<xt, float>::value, "GDN_X: bf16_t or float");
