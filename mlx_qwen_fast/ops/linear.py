@@ -301,9 +301,14 @@ def prefill_implementation(layer, x, *, backend: Optional[str] = None) -> str:
     "reference". Shapes only: nothing is evaluated."""
     if not isinstance(x, mx.array) or x.ndim < 1:
         return "reference"
+    return _prefill_choice(linear_arrays(layer), x, backend)
+
+
+def _prefill_choice(lin, x, backend=None) -> str:
+    """:func:`prefill_implementation` of ``lin = linear_arrays(layer)`` (None:
+    not a linear module) and an mx.array ``x`` of rank >= 1."""
     if prefill_implementation_for(x.size // max(x.shape[-1], 1), backend) != "cuda-kernel":
         return "reference"
-    lin = linear_arrays(layer)
     if lin is None or _kernel_args(lin[1]) != (64, 4):
         return "reference"
     w, scales, biases = lin[0][:3]
@@ -330,7 +335,7 @@ def prefill_linear(layer, x: mx.array) -> mx.array:
             of a linear layer's input size (named).
     """
     lin = _check_prefill("prefill_linear", layer, x)
-    if lin is None or prefill_implementation(layer, x) == "reference":
+    if lin is None or _prefill_choice(lin, x) == "reference":
         return layer(x)
     w, scales, biases = lin[0][:3]
     return _k_gemm.quantized_gemm_unchecked(x, w, scales, biases, _k_gemm.variant_for(w.shape[0], x.shape[-1]))
