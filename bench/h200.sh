@@ -12,7 +12,6 @@
 #   bash bench/h200.sh firstuse   # bench.first_use: the CLI's first and second run on a fresh machine (~6 min)
 #   bash bench/h200.sh decode     # nodes per decode token, then a decode switch on/off through the CLI (~6-9 min)
 #   bash bench/h200.sh split      # bench.decode_split with a decode switch off/on, alternating processes (~2-4 min)
-#   bash bench/h200.sh pending    # the timings that decide the default-off kernel paths, with their tests (~6-9 min)
 #
 # Run from the repository root on the device with .mlxcuda carried (and .nvfatbin for
 # compressed-fatbin launches); every result goes to $OUT (at most 8 files, named
@@ -159,23 +158,5 @@ split)  # bench.decode_split at 4K on the in-memory random checkpoint (nodes per
       --pipelined 100 >> "$OUT/split-ab.log" 2>&1; echo "rc=$?" >> "$OUT/split-ab.log"
   done; done
   grep -E "^== |^# ops|^nodes|^split|^rc=" "$OUT/split-ab.log" ;;
-pending)  # the timings that decide the default-off paths, in one call (~6-9 min on a fresh machine): their
-          # CUDA tests, bench.prefill_gemm (the dense prefill GEMM vs MLX's quantized matmul per projection),
-          # bench.phase_clock --mixer-orders (the GDN mixer's tile orders), bench.attention_partials (the
-          # decode-attention partials, scalar vs mma), then what is left of the call: the patched model's
-          # prefill with MLX_QWEN_FAST_PREFILL_GEMM off/on in one process. Predictions:
-          # bench/results/prefill-gemm-log.md and gdn-cuda-log.md. Files: pending-tests.txt, prefill-gemm.json,
-          # prefill-gemm.txt, phase.json, partials.json, prefill-gemm-model.json, pending.log
-  timeout 130 python3 -m pytest -q -x -m cuda tests/kernels/test_quantized_gemm.py tests/ops/test_linear.py \
-    tests/kernels/test_attention_decode.py > "$OUT/pending-tests.txt" 2>&1; echo "rc=$?" >> "$OUT/pending-tests.txt"
-  tail -3 "$OUT/pending-tests.txt"
-  timeout 170 python3 -m bench.prefill_gemm --out "$OUT" --tokens 512,4096 --n 6 > "$OUT/prefill-gemm.txt" 2>&1
-  echo "rc=$?" >> "$OUT/prefill-gemm.txt"; cut -c1-240 "$OUT/prefill-gemm.txt"
-  timeout 90 python3 -m bench.phase_clock --launches 20 --mixer-orders spread,block,spread,block \
-    --out "$OUT/phase.json" > "$OUT/pending.log" 2>&1; echo "rc=$?" >> "$OUT/pending.log"
-  timeout 80 python3 -m bench.attention_partials --n 20 --out "$OUT/partials.json" >> "$OUT/pending.log" 2>&1
-  echo "rc=$?" >> "$OUT/pending.log"; grep -E "mixer:.*(A done|end)|context|rc=" "$OUT/pending.log"
-  R=$((560 - SECONDS)); [ "$R" -gt 60 ] && { timeout "$R" python3 -m bench.prefill_gemm --skip-table --model-ab 3 \
-    --out "$OUT" >> "$OUT/pending.log" 2>&1; echo "rc=$?" >> "$OUT/pending.log"; tail -6 "$OUT/pending.log"; } ;;
-*) echo "usage: bash bench/h200.sh {tests|ab|ops|profile|dprofile|phases|userview|firstuse|decode|split|pending}"; exit 2 ;;
+*) echo "usage: bash bench/h200.sh {tests|ab|ops|profile|dprofile|phases|userview|firstuse|decode|split}"; exit 2 ;;
 esac

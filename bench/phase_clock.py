@@ -1,7 +1,7 @@
 """Where a persistent decode kernel's time goes: SM cycles per phase.
 
 ``python -m bench.phase_clock [--launches 30] [--copies 6] [--rows 1]
-[--sm-mhz 1980] [--mixer-orders spread,block,...] [--out FILE]`` (CUDA only)
+[--sm-mhz 1980] [--out FILE]`` (CUDA only)
 
 Runs the diagnostic builds (``phase_clock=True``, ``cuda/phase_clock.cuh``)
 of the one-launch GDN mixer (``kernels.gdn_mixer_decode``) and MoE block
@@ -14,9 +14,7 @@ maximum over blocks, median over launches) and the increment from the
 previous mark, in us at ``--sm-mhz`` (nvidia-smi's SM clock: the cycles
 are the SM's). The increments say which phase (or grid barrier wait) owns
 the kernel's time; a barrier's increment is the wait for the slowest
-block's previous phase plus the exchange itself. ``--mixer-orders`` times
-the mixer once per listed tile order (``kernels.gdn_mixer_decode.TILE_ORDERS``)
-in turn, rows named ``mixer:ORDER#i``: an A/B of the orders in one process.
+block's previous phase plus the exchange itself.
 """
 
 from __future__ import annotations
@@ -62,18 +60,15 @@ def run(args) -> list:
     mixers = [mixer_arrays(100 + i, B, 2048, 16, 32, mx.bfloat16) for i in range(args.copies)]
     params = [gm.mixer_params(a.conv_weight, a.A_log, a.dt_bias, a.norm_weight, a.input_norm_weight) for a in mixers]
     mx.eval(mixers, params)
-    orders = args.mixer_orders.split(",") if args.mixer_orders else [gm.TILE_ORDER]
-    for n, order in enumerate(orders):
-        clocks = []
-        for i in range(args.launches + 3):
-            a, p = mixers[i % args.copies], params[i % args.copies]
-            *_, clk = gm.gdn_mixer_decode(a.x, a.in_proj, p, a.conv_state, a.state, a.out_proj, num_k_heads=16,
-                                          num_v_heads=32, input_norm_eps=eps, phase_clock=True, tile_order=order)
-            mx.eval(clk)
-            if i >= 3:
-                clocks.append(clk)
-        name = "gdn_mixer" if not args.mixer_orders else f"mixer:{order}#{n}"
-        rows += _table(name, gm.PHASE_MARKS, clocks, args.sm_mhz)
+    clocks = []
+    for i in range(args.launches + 3):
+        a, p = mixers[i % args.copies], params[i % args.copies]
+        *_, clk = gm.gdn_mixer_decode(a.x, a.in_proj, p, a.conv_state, a.state, a.out_proj, num_k_heads=16,
+                                      num_v_heads=32, input_norm_eps=eps, phase_clock=True)
+        mx.eval(clk)
+        if i >= 3:
+            clocks.append(clk)
+    rows += _table("gdn_mixer", gm.PHASE_MARKS, clocks, args.sm_mhz)
     del mixers, params
 
     blocks = []
@@ -101,9 +96,6 @@ def main(argv=None) -> int:
     p.add_argument("--copies", type=int, default=6, help="weight copies cycled over (6: > the L2 of an H100/H200)")
     p.add_argument("--rows", type=int, default=1, help="token rows per launch (1-4)")
     p.add_argument("--sm-mhz", type=float, default=1980.0, help="the SM clock the cycles are converted at")
-    p.add_argument("--mixer-orders", default=None, metavar="ORDERS",
-                   help="the mixer's tile orders to time in turn, comma-separated (e.g. spread,block,spread,block; "
-                        "default: kernels.gdn_mixer_decode.TILE_ORDER alone)")
     p.add_argument("--out", default=None, help="write the rows as JSON")
     args = p.parse_args(argv)
     from mlx_qwen_fast.kernels import _cuda_build as cb

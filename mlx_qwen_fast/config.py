@@ -190,10 +190,10 @@ DECODE_GEMV_KERNEL = Switch(
     "the decode layer step keeps MLX's RMSNorm, quantized matmul and residual add around each projection "
     "on CUDA instead of the fused quantised-GEMV kernel")
 PREFILL_GEMM_KERNEL = Switch(
-    "MLX_QWEN_FAST_PREFILL_GEMM", "bool", False, "`1`",
+    "MLX_QWEN_FAST_PREFILL_GEMM", "bool", True, "`0`",
     "on CUDA, the 4-bit projections of a prefill chunk (Gated DeltaNet in_proj_qkv, in_proj_z and out_proj; "
-    "attention q/k/v/o) run on the package's fused-dequantisation GEMM instead of MLX's quantized matmul "
-    "(off until timed on a GPU: bench/results/prefill-gemm-log.md)")
+    "attention q and o) run on MLX's quantized matmul instead of the package's fused-dequantisation GEMM "
+    "(timings: bench/results/prefill-gemm-log.md)")
 GDN_MIXER_KERNEL = Switch(
     "MLX_QWEN_FAST_GDN_MIXER", "bool", True, "`0`",
     "on CUDA, a Gated DeltaNet layer's decode step runs its input RMSNorm and projection, the recurrence, "

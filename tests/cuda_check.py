@@ -17,7 +17,10 @@ What it does, for one launch of a :class:`mlx_qwen_fast.kernels._cuda_build.Cuda
    input arrays (evaluated on the CPU). The kernel's parameter list is
    checked against the launch (arrays, then int32/fp32 scalars, MLX's
    convention), the block against ``__launch_bounds__``.
-3. **Run** as a separate process (``cuda_run.h``): one fiber per GPU thread,
+3. **Run** as a separate process (``cuda_run.h``): one fiber per GPU thread
+   (a 256 KB stack each, under a guard page for the first 8,192 threads of a
+   launch, above a checked canary for the rest: a guard page per thread of a
+   whole resident grid would pass the machine's limit on memory mappings),
    barriers and warp collectives with CUDA's rules checked, guard pages after
    every array (global and shared), outputs poisoned (0xFF bytes: NaN in
    every float format), twice, under two thread schedules (ascending thread
@@ -35,7 +38,8 @@ compiled by NVRTC for the simulated target, as a GPU machine builds it at
 first use (:func:`nvrtc_compile`): NVRTC rejects some source nvcc accepts.
 
 It fails (:class:`CudaCheckError`, with the kernel, block and thread named) on:
-an access outside an array (which one, at which byte), a write before a
+an access outside an array (which one, at which byte), a thread's stack
+overflow, a write before a
 shared array's start, a ``__syncthreads`` that not every thread of the block
 reaches or that threads reach at different call sites, a warp collective
 whose mask is wrong (leaves the caller out, names missing lanes, is not

@@ -153,14 +153,46 @@ inline void start_fiber(Fiber* f, char* stack) {
 #endif
 }
 
+// Stacks past the first GUARDED_STACKS (launches of many blocks x threads, e.g. a grid-barrier
+// kernel's whole resident grid) come in chunks of one mapping each, their lowest page filled with
+// CANARY bytes instead of made inaccessible: a guard page per stack would take two of the machine's
+// vm.max_map_count memory mappings per thread. The canary's top bytes, where an overflow lands
+// first, are checked whenever the thread yields (check_stack_canary).
+inline constexpr size_t GUARDED_STACKS = 8192;
+inline constexpr size_t STACK_CHUNK = 256;
+inline constexpr size_t CANARY_CHECKED = 256;
+inline constexpr unsigned char STACK_CANARY = 0xA7;
+
 inline char* stack_for(size_t i) {
   while (stacks.size() <= i) {
-    char* s = (char*)mmap(nullptr, STACK_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (s == MAP_FAILED) fail("cannot map a thread's stack");
-    mprotect(s, page_size, PROT_NONE);  // overflow guard
-    stacks.push_back(s);
+    if (stacks.size() < GUARDED_STACKS) {
+      char* s = (char*)mmap(nullptr, STACK_BYTES, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (s == MAP_FAILED) fail("cannot map a thread's stack");
+      protect_or_fail(s, page_size, PROT_NONE, "a thread's stack guard");  // overflow guard
+      stacks.push_back(s);
+      continue;
+    }
+    char* c = (char*)mmap(nullptr, STACK_BYTES * STACK_CHUNK, PROT_READ | PROT_WRITE,
+                          MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (c == MAP_FAILED) fail("cannot map threads' stacks");
+    for (size_t k = 0; k < STACK_CHUNK; k++) {
+      char* s = c + k * STACK_BYTES;
+      std::memset(s + page_size - CANARY_CHECKED, STACK_CANARY, CANARY_CHECKED);
+      stacks.push_back(s);
+    }
   }
   return stacks[i];
+}
+
+// A thread whose stack has no guard page: fail where it wrote into its stack's lowest page.
+inline void check_stack_canary(const Fiber* f) {
+  if (!f->stack_canary) return;
+  const unsigned char* c = reinterpret_cast<const unsigned char*>(f->stack + page_size - CANARY_CHECKED);
+  for (size_t k = 0; k < CANARY_CHECKED; k++)
+    if (c[k] != STACK_CANARY) {
+      cur = const_cast<Fiber*>(f);  // named in the failure
+      fail("stack overflow of a thread (" + std::to_string(STACK_BYTES) + " bytes)");
+    }
 }
 
 // ---- deadlock report ------------------------------------------------------------------------------
@@ -254,6 +286,7 @@ inline void run_fibers(const std::vector<Fiber*>& fs) {
     const std::source_location before = pick->spin_site;
     pick->state = READY;
     switch_to(pick);
+    check_stack_canary(pick);
     // Progress is anything but a spinner polling again at the same place.
     if (!(was_spinning && pick->state == SPINNING && same_site(before, pick->spin_site))) epoch++;
     if (pick->state == SPINNING) pick->seen_epoch = epoch;
@@ -272,6 +305,7 @@ inline Block* make_block(uint3 idx, size_t first_stack) {
     f->linear = unsigned(t), f->lane = unsigned(t % 32), f->warp = unsigned(t / 32);
     f->blk = b;
     start_fiber(f, stack_for(first_stack + t));
+    f->stack_canary = first_stack + t >= GUARDED_STACKS;
     b->fibers.push_back(f);
   }
   return b;
@@ -361,8 +395,9 @@ int main(int argc, char** argv) {
     size_t body_bytes = std::max<size_t>((nbytes + page_size - 1) / page_size * page_size, page_size);
     size_t mapped = body_bytes + 2 * page_size;
     char* base = (char*)mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    mprotect(base, page_size, PROT_NONE);
-    mprotect(base + page_size + body_bytes, page_size, PROT_NONE);
+    if (base == MAP_FAILED) fail("cannot map array '" + name + "'");
+    protect_or_fail(base, page_size, PROT_NONE, "an array's guard page");
+    protect_or_fail(base + page_size + body_bytes, page_size, PROT_NONE, "an array's guard page");
     char* data = base + page_size + body_bytes - nbytes;
     size_t idx = buffers.size();
     std::ifstream in(dir + "/" + std::to_string(idx) + ".bin", std::ios::binary);

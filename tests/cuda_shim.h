@@ -47,6 +47,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cerrno>
 #include <cstring>
 #include <fstream>
 #include <memory>
@@ -138,6 +139,7 @@ struct Fiber {
   void* sp = nullptr;  // saved stack pointer (x86-64 switch) or
   ucontext_t uctx;     // context (elsewhere)
   char* stack = nullptr;
+  bool stack_canary = false;  // its stack has a canary page, not a guard page (cuda_run.h's stack_for)
   uint3 tid{};
   unsigned linear = 0, lane = 0, warp = 0;
   Block* blk = nullptr;
@@ -200,6 +202,16 @@ inline void describe_thread(char* out, size_t n, const Fiber* f) {
 // ---- shared memory ---------------------------------------------------------------------------
 inline size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
+// mprotect, or fail naming what could not be mapped: past vm.max_map_count mappings (about two per
+// simulated thread's stack, two per array) the kernel would otherwise fault on a page left inaccessible
+// and be reported as an out-of-bounds access it never made.
+inline void protect_or_fail(void* p, size_t n, int prot, const char* what) {
+  if (mprotect(p, n, prot) != 0)
+    fail(std::string("the CUDA check could not map ") + what + " (" + std::strerror(errno) +
+         "): the launch needs more memory mappings than this machine allows (vm.max_map_count); "
+         "a simulator limit, not a kernel error: run fewer blocks x threads");
+}
+
 inline void arena_map(Block* b) {
   b->arena = (char*)mmap(nullptr, ARENA_RESERVE, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (b->arena == MAP_FAILED) fail("cannot reserve the shared-memory arena");
@@ -211,7 +223,7 @@ inline char* arena_alloc(Block* b, const char* name, size_t bytes, size_t align)
   size_t body = round_up(std::max<size_t>(round_up(bytes, align), 1), size_t(page_size));
   if (b->arena_used + body + page_size > ARENA_RESERVE) fail("shared-memory arena exhausted");
   char* page = b->arena + b->arena_used;
-  mprotect(page, body, PROT_READ | PROT_WRITE);
+  protect_or_fail(page, body, PROT_READ | PROT_WRITE, "a block's shared memory");
   b->arena_used += body + page_size;  // the page after stays PROT_NONE
   char* data = page + body - round_up(bytes, align);
   std::memset(page, int(CANARY), size_t(data - page));

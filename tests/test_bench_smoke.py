@@ -48,9 +48,8 @@ SMALL_CEILINGS = ["--copy-mib", "4", "--matmul-n", "64"]
 #: modules run as ``python -m bench.<name>``, and the CUDA-only device scripts.
 MODULES = ("ab", "numerics", "ops", "ceilings", "plots", "first_use", "startup", "verify_pass", "dflash")
 DEVICE_SCRIPTS = ("gdn_cuda.py", "moe_cuda.py", "moe_decode_cuda.py", "profile_kernels.py", "node_cost.py",
-                  "prefill_gemm.py", "attention_partials.py")
-H200_STAGES = {"tests", "ab", "ops", "profile", "dprofile", "phases", "userview", "firstuse", "decode", "split",
-               "pending"}
+                  "prefill_gemm.py")
+H200_STAGES = {"tests", "ab", "ops", "profile", "dprofile", "phases", "userview", "firstuse", "decode", "split"}
 
 
 def check_keys(record, schema, where):

@@ -369,7 +369,7 @@ def _gdn_decode():
     from mlx_qwen_fast.kernels.gated_delta_contract import decode_params
     from mlx_qwen_fast.kernels.gated_delta_decode import gated_delta_decode
 
-    Hk, Hv, B, dtype = 1, 2, 1, mx.float32
+    Hk, Hv, B = 1, 2, 1
     C = (2 * Hk + Hv) * D
     ks = mx.random.split(mx.random.key(3), 6)
     w = mx.random.normal((C, 4, 1), key=ks[0]) * 0.5
@@ -466,18 +466,18 @@ def test_planted_wrong_mma_fragment_index(sim):
     assert err(bad) > 0.1
 
 
-def _attention_decode(cap, off, dtype=mx.float32, partials=None):
+def _attention_decode(cap, off):
     from mlx_qwen_fast.kernels import attention_decode as ad
     from mlx_qwen_fast.kernels.attention_contract import proj_width
 
     B, hq, hkv, DH = 1, 16, 2, 256
     ks = mx.random.split(mx.random.key(cap), 5)
-    proj = mx.random.normal((B, 1, proj_width(hq, hkv)), key=ks[0]).astype(dtype)
-    keys = mx.random.normal((B, hkv, cap, DH), key=ks[1]).astype(dtype)
-    values = mx.random.normal((B, hkv, cap, DH), key=ks[2]).astype(dtype)
+    proj = mx.random.normal((B, 1, proj_width(hq, hkv)), key=ks[0])
+    keys = mx.random.normal((B, hkv, cap, DH), key=ks[1])
+    values = mx.random.normal((B, hkv, cap, DH), key=ks[2])
     qw, kw = 1.0 + 0.3 * mx.random.normal((DH,), key=ks[3]), 1.0 + 0.3 * mx.random.normal((DH,), key=ks[4])
     return ad.attention_decode(proj, keys, values, mx.array(off, mx.int32), qw, kw, num_heads=hq, num_kv_heads=hkv,
-                               scale=DH ** -0.5, q_eps=1e-6, k_eps=1e-6, rope_dims=64, partials=partials)
+                               scale=DH ** -0.5, q_eps=1e-6, k_eps=1e-6, rope_dims=64)
 
 
 def test_planted_off_by_one_tile_edge(sim):
@@ -486,7 +486,7 @@ def test_planted_off_by_one_tile_edge(sim):
     capacity - 1) the last head's key rows are read one past the end."""
     assert not mx.isnan(_attention_decode(64, 63)[0]).any().item()
     with cuda_check.planted("attention_decode.cu", "const int hi = min(min(lo + split_len, off + 1), cap);",
-                            "const int hi = min(lo + split_len + 1, off + 2);", index=0):
+                            "const int hi = min(lo + split_len + 1, off + 2);"):
         with pytest.raises(CudaCheckError, match=r"out-of-bounds access of array 'in[12]'"):
             _attention_decode(64, 63)
 
@@ -496,24 +496,9 @@ def test_planted_missing_cp_async_wait(sim):
     cp.async group is waited for: caught (the copies land only at a wait)."""
     out = _attention_decode(200, 150)[0]
     assert not mx.isnan(out).any().item()
-    with cuda_check.planted("attention_decode.cu", "      cp_async_wait<1>();", "      (void)0;", index=0):
+    with cuda_check.planted("attention_decode.cu", "      cp_async_wait<1>();", "      (void)0;"):
         with pytest.raises(CudaCheckError):
             _attention_decode(200, 150)
-
-
-def test_planted_bugs_of_the_mma_partials(sim):
-    """attention_decode.cu's tensor-core partial kernel (bf16, its second
-    copies of the two lines above) with its split's end past the buffer,
-    and reading a K/V tile before its cp.async group is waited for: both
-    caught."""
-    assert not mx.isnan(_attention_decode(200, 150, mx.bfloat16, "mma")[0]).any().item()
-    with cuda_check.planted("attention_decode.cu", "const int hi = min(min(lo + split_len, off + 1), cap);",
-                            "const int hi = min(lo + split_len + 1, off + 2);", index=1):
-        with pytest.raises(CudaCheckError, match=r"mqf_attn_dec_part_mma\w*\): out-of-bounds access of array 'in1'"):
-            _attention_decode(64, 63, mx.bfloat16, "mma")  # in1: the keys
-    with cuda_check.planted("attention_decode.cu", "      cp_async_wait<1>();", "      (void)0;", index=1):
-        with pytest.raises(CudaCheckError):
-            _attention_decode(200, 150, mx.bfloat16, "mma")
 
 
 def test_planted_missing_grid_barrier():
@@ -522,6 +507,25 @@ def test_planted_missing_grid_barrier():
     with pytest.raises(CudaCheckError, match="depends on the order"):
         _exchange(5, NO_GRID_BARRIER=1)
     _exchange(5)  # the same build without the plant passes
+
+
+def _stacks(blocks, **defines):
+    x = mx.arange(blocks * 64, dtype=mx.float32)
+    (y,) = cuda_check.launch("stack_overflow.cu", "mqf_test_stack", defines, [x], [(blocks * 64,)],
+                             [mx.float32], (blocks * 64, 1, 1), (64, 1, 1))
+    return x, y
+
+
+def test_stack_overflow_of_a_thread_is_caught():
+    """A launch of more threads at once than the check gives guard pages
+    (a whole resident grid of 10,240 threads; stacks past the first 8,192
+    carry a canary instead): it runs, and a thread that overflows its stack
+    fails it, with a guard page and with a canary."""
+    x, y = _stacks(160)
+    assert mx.array_equal(y, 2 * x).item()
+    for thread in (5, 9000):  # a guarded stack, a canary one
+        with pytest.raises(CudaCheckError, match=r"stack overflow of a thread"):
+            _stacks(160, OVERFLOW_THREAD=thread)
 
 
 def test_planted_grid_barrier_that_never_completes():

@@ -41,21 +41,9 @@
 //   rope_scale. Positions >= cap are never read, whatever off holds.
 // ATT_KIND 2, combine and gate: grid B*HQ blocks of DH threads. Inputs part,
 //   proj. Output out [B, 1, HQ*DH]. Scalar ns.
-// ATT_KIND 3, partial attention on the tensor cores (bf16, G = 8): ATT_KIND
-//   1's contract (grid, inputs, part, scalars), 8 warps per block. Tiles of
-//   MT = 64 positions, K and V rows in two cp.async stages (rows padded to
-//   DH + 8 elements: conflict-free ldmatrix). Scores S^T [MT, G] = K . Q^T by
-//   mma.m16n8k16 (positions as M, the block's G query heads as N, dims as
-//   K: warp w takes the 16 positions 16 (w % 4) over dims 128 (w / 4) .. +128,
-//   the two halves summed through shared memory), the online softmax per
-//   head (warp h: head h, fp32), the probabilities rounded to bf16 (the
-//   tensor cores' B operand; the sum l adds the rounded values, so numerator
-//   and denominator agree), then O^T [DH, G] += V^T . P^T (warp w: dims 32w
-//   .. 32w + 32; V^T fragments by ldmatrix.trans). Dynamic shared memory:
-//   part_mma_smem_bytes() of the wrapper.
 //
-// Build macros: KNAME, ATT_KIND (0..3), ATT_X (activation/cache type), ATT_W
-// (norm weight type), ATT_HQ, ATT_HKV, ATT_ROPE_DIMS, ATT_ROPE_TRAD.
+// Build macros: KNAME, ATT_KIND, ATT_X (activation/cache type), ATT_W (norm
+// weight type), ATT_HQ, ATT_HKV, ATT_ROPE_DIMS, ATT_ROPE_TRAD.
 #include "gdn_common.cuh"
 
 typedef ATT_X xt;
@@ -142,12 +130,6 @@ __device__ __forceinline__ void norm_rope(float* v, const wt* w, float eps, int 
 }
 } // namespace
 
-// The parameters of the two partial-attention builds (ATT_KIND 1 and 3: one contract).
-#define ATT_PART_PARAMS                                                                                   \
-  const xt* __restrict__ proj, const xt* __restrict__ keys, const xt* __restrict__ values,                \
-      const int* __restrict__ offset, const wt* __restrict__ w_q, float* __restrict__ part, int cap, int ns, \
-      int split_len, float eps_q, float scale_log2, float log2_base, float rope_scale
-
 #if ATT_KIND == 0
 
 extern "C" __global__ void __launch_bounds__(32) KNAME(
@@ -211,7 +193,20 @@ __device__ __forceinline__ void transpose_sum(float* d, int lane) {
   transpose_level<N / 2>(d, lane);
 }
 
-extern "C" __global__ void __launch_bounds__(G * 32) KNAME(ATT_PART_PARAMS) {
+extern "C" __global__ void __launch_bounds__(G * 32) KNAME(
+    const xt* __restrict__ proj,
+    const xt* __restrict__ keys,
+    const xt* __restrict__ values,
+    const int* __restrict__ offset,
+    const wt* __restrict__ w_q,
+    float* __restrict__ part,
+    int cap,
+    int ns,
+    int split_len,
+    float eps_q,
+    float scale_log2,
+    float log2_base,
+    float rope_scale) {
   // dynamic shared memory: 2 stages x (K tile, V tile) [TILE][DH] xt, then G rows of DH floats
   extern __shared__ __align__(16) unsigned char smem[];
   float* qsh = reinterpret_cast<float*>(smem + 2 * STAGE_BYTES);
@@ -384,180 +379,6 @@ extern "C" __global__ void __launch_bounds__(DH) KNAME(
   const float o = from_f_round<xt>(acc / tot[1]);
   const float g = to_f(proj[(size_t)b * P + h * 2 * DH + DH + t]);
   out[(size_t)bh * DH + t] = from_f<xt>(o * sigmoid_f(g));
-}
-
-#elif ATT_KIND == 3
-
-static_assert(SameType<xt, bf16_t>::value && G == 8, "ATT_KIND 3: bf16 and 8 query heads per KV head");
-constexpr int MT = 64;         // positions per tile
-constexpr int LD = DH + 8;     // padded row of K, V and Q in shared memory (elements)
-constexpr int LDP = MT + 8;    // padded row of P (elements)
-constexpr int KV_TILE = MT * LD * 2;                   // bytes of one K (or V) tile
-constexpr int STAGE3 = 2 * KV_TILE;                    // K tile + V tile
-constexpr int Q_OFF = 2 * STAGE3;                      // Q [G][LD] bf16
-constexpr int S_OFF = Q_OFF + G * LD * 2;              // S halves [2][MT][G] f32; before the first tile
-constexpr int S_BYTES = 2 * MT * G * 4 > G * DH * 4 ? 2 * MT * G * 4 : G * DH * 4;  // norm_rope's rows
-constexpr int P_OFF = S_OFF + S_BYTES;                 // P [G][LDP] bf16
-constexpr int A_OFF = P_OFF + G * LDP * 2;             // alpha [G] f32
-constexpr int SMEM3 = A_OFF + G * 4;
-static_assert(LD * 2 % 16 == 0 && LDP * 2 % 16 == 0, "16-byte aligned rows (cp.async, ldmatrix)");
-
-extern "C" __global__ void __launch_bounds__(G * 32) KNAME(ATT_PART_PARAMS) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  if (dynamic_smem_size() < (unsigned)SMEM3) __trap();  // launched with too little shared memory
-  gdn_u16* qs = reinterpret_cast<gdn_u16*>(smem + Q_OFF);
-  float* sh_s = reinterpret_cast<float*>(smem + S_OFF);
-  gdn_u16* ps = reinterpret_cast<gdn_u16*>(smem + P_OFF);
-  float* alpha_s = reinterpret_cast<float*>(smem + A_OFF);
-  const int tid = threadIdx.x;
-  const int warp = tid >> 5, lane = tid & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const int s = blockIdx.x % ns;
-  const int bj = blockIdx.x / ns;  // b * HKV + j
-  const int b = bj / HKV, j = bj % HKV;
-  const int off = *offset;
-  const int lo = s * split_len;
-  const int hi = min(min(lo + split_len, off + 1), cap);
-  const int tiles = hi > lo ? (hi - lo + MT - 1) / MT : 0;
-  const size_t row0 = (size_t)bj * cap;
-  constexpr int CHUNKS = MT * DH / VEC;  // 16-byte chunks per tile and tensor
-  // Tile t into stage st; rows past the split's end zero-filled (no read).
-  auto copy_tile = [&](int tt, int st) {
-    unsigned char* kt = smem + st * STAGE3;
-    const int t0 = lo + tt * MT;
-    const int n = min(MT, hi - t0);
-    for (int c = tid; c < CHUNKS; c += G * 32) {
-      const int r = c / (DH / VEC), col = (c % (DH / VEC)) * VEC;
-      const size_t gi = (row0 + t0 + (r < n ? r : 0)) * DH + col;
-      const unsigned bytes = r < n ? 16u : 0u;
-      const unsigned so = (unsigned)((r * LD + col) * 2);
-      cp_async16_zfill(smem_addr(kt + so), keys + gi, bytes);
-      cp_async16_zfill(smem_addr(kt + KV_TILE + so), values + gi, bytes);
-    }
-    cp_async_commit();
-  };
-  if (tiles > 0) copy_tile(0, 0);  // in flight during the query's norm and rope
-
-  {  // warp w: query head j*G + w, normalised and rotated, bf16 into Q's row w
-    float q[EL];
-    float* qf = sh_s + warp * DH;  // norm_rope's row (the S area: first written after the first tile's barrier)
-    load_lane(proj + (size_t)b * P + (j * G + warp) * 2 * DH + lane * EL, q);
-    norm_rope(q, w_q, eps_q, off, log2_base, rope_scale, qf);
-#pragma unroll
-    for (int e = 0; e < EL; ++e) qs[warp * LD + lane * EL + e] = from_f<bf16_t>(q[e]).x;
-  }
-
-  float m = neg_inf(), l = 0.0f;  // warp h: head h's running max and sum (log2 units)
-  float o[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
-  const int mt_s = warp & 3, kh = warp >> 2;  // S: positions 16 mt_s, dims 128 kh
-  for (int tt = 0; tt < tiles; ++tt) {
-    const int st = tt & 1;
-    if (tt + 1 < tiles) {
-      copy_tile(tt + 1, st ^ 1);  // stage of tile tt - 1: freed by the barrier ending tt - 1
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
-    __syncthreads();  // tile tt landed for everyone; Q written (first tile)
-    const unsigned kbase = smem_addr(smem + st * STAGE3);
-    const unsigned vbase = kbase + KV_TILE;
-    const int n = min(MT, hi - (lo + tt * MT));
-    // ---- S^T half: positions 16 mt_s .. +16, dims 128 kh .. +128 ----
-    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    {
-      const int i = lane >> 3, r = lane & 7;
-      const unsigned a_addr = kbase + (unsigned)(((16 * mt_s + r + 8 * (i & 1)) * LD + 128 * kh + 8 * (i >> 1)) * 2);
-      const unsigned b_addr = smem_addr(qs) + (unsigned)((r * LD + 128 * kh + 8 * i) * 2);
-#pragma unroll
-      for (int ks = 0; ks < 8; ks += 2) {
-        unsigned a0[4], a1[4], bq[4];
-        ldmatrix_x4(b_addr + ks * 32, bq);  // B of k16 steps ks (bq 0, 1) and ks + 1 (bq 2, 3)
-        ldmatrix_x4(a_addr + ks * 32, a0);
-        ldmatrix_x4(a_addr + ks * 32 + 32, a1);
-        mma_bf16_m16n8k16(c, a0, bq[0], bq[1]);
-        mma_bf16_m16n8k16(c, a1, bq[2], bq[3]);
-      }
-    }
-    {  // c: (position g, heads 2t, 2t + 1), (position g + 8, ...) of this half
-      float* sp = sh_s + kh * MT * G;
-      const int p0 = 16 * mt_s + g;
-      sp[p0 * G + 2 * t] = c[0];
-      sp[p0 * G + 2 * t + 1] = c[1];
-      sp[(p0 + 8) * G + 2 * t] = c[2];
-      sp[(p0 + 8) * G + 2 * t + 1] = c[3];
-    }
-    __syncthreads();
-    // ---- online softmax: warp h, positions lane and lane + 32 ----
-    {
-      const int h = warp;
-      float sc[2], pr[2];
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int pos = lane + 32 * u;
-        sc[u] = pos < n ? (sh_s[pos * G + h] + sh_s[MT * G + pos * G + h]) * scale_log2 : neg_inf();
-      }
-      const float m_new = fmaxf(m, warp_max(fmaxf(sc[0], sc[1])));
-      const float alpha = exp2f(m - m_new);  // 0 for the first tile (m = -inf)
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int pos = lane + 32 * u;
-        const bf16_t pb = from_f<bf16_t>(pos < n ? exp2f(sc[u] - m_new) : 0.0f);
-        ps[h * LDP + pos] = pb.x;
-        pr[u] = to_f(pb);
-      }
-      l = l * alpha + warp_sum(pr[0] + pr[1]);
-      m = m_new;
-      if (lane == 0) alpha_s[h] = alpha;
-    }
-    __syncthreads();
-    // ---- O^T += V^T . P^T: dims 32 warp .. +32, heads 2t, 2t + 1 ----
-    {
-      const float a_lo = alpha_s[2 * t], a_hi = alpha_s[2 * t + 1];
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt) {
-        o[mt][0] *= a_lo;
-        o[mt][1] *= a_hi;
-        o[mt][2] *= a_lo;
-        o[mt][3] *= a_hi;
-      }
-      const int i = lane >> 3, r = lane & 7;
-      const unsigned p_addr = smem_addr(ps) + (unsigned)((r * LDP + 8 * i) * 2);
-#pragma unroll
-      for (int ks = 0; ks < MT / 16; ks += 2) {
-        unsigned bp[4];
-        ldmatrix_x4(p_addr + ks * 32, bp);  // B of k16 steps ks (bp 0, 1) and ks + 1 (bp 2, 3)
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt) {
-#pragma unroll
-          for (int kk = 0; kk < 2; ++kk) {
-            const int pos = 16 * (ks + kk) + r + 8 * (i >> 1);
-            const int dim = 32 * warp + 16 * mt + 8 * (i & 1);
-            unsigned av[4];
-            ldmatrix_x4_trans(vbase + (unsigned)((pos * LD + dim) * 2), av);
-            mma_bf16_m16n8k16(o[mt], av, bp[2 * kk], bp[2 * kk + 1]);
-          }
-        }
-      }
-    }
-    __syncthreads();  // the stage, S and P are reused by the next tile
-  }
-  // ---- the partial accumulators and (max, sum) of the block's heads ----
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
-    const int dim = 32 * warp + 16 * mt + g;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int h = j * G + 2 * t + (e & 1);
-      const size_t row = ((size_t)b * HQ + h) * ns + s;
-      part[row * DH + dim + 8 * (e >> 1)] = o[mt][e];
-    }
-  }
-  if (lane == 0) {  // (max, sum) after all B*HQ*NS accumulators (= gridDim.x * G rows)
-    const size_t row = ((size_t)b * HQ + j * G + warp) * ns + s;
-    float* ml = part + (size_t)gridDim.x * G * DH + row * 2;
-    ml[0] = m;
-    ml[1] = l;
-  }
 }
 
 #endif

@@ -19,7 +19,8 @@
 //   A  every CTA stages rms_norm(x) in shared memory and computes 16-row
 //      tiles of proj ([qkv | z | a | b], P rows): in bf16, teams of KWA
 //      warps per tile as quantized_gemv.cu's blocks (tiles over the grid's
-//      teams, the next tile's weights loaded while the last one is summed);
+//      teams team-major, team * G + block: see "Tile order" below; the next
+//      tile's weights loaded while the last one is summed);
 //      in fp32, one warp per row on the CUDA cores. proj -> scratch.
 //      The first GDN item's state rows are loaded while the grid meets.
 //   --- barrier 1 ---
@@ -62,9 +63,17 @@
 // (remainder mod 2 * BARW at least BARW when a block first reads it) traps.
 //
 // Build macros: KNAME, GDN_X (bf16_t or float), GDN_HV, GDN_HK, GM_K
-// (hidden size, a multiple of 64), GM_M (1..4 rows), GM_SPREAD (0: the
-// GEMV tiles of phases A and C block-major, 1: team-major; qgemv_tile.cuh's
-// qg_tile0; the same results).
+// (hidden size, a multiple of 64), GM_M (1..4 rows).
+//
+// Tile order: the bf16 GEMV tiles of phases A and C go team-major over the
+// grid (qgemv_tile.cuh's qg_tile0 / qg_tiles with SPREAD true: team t of
+// block b starts at tile t * G + b), so the tiles of a last, partial round
+// fall one per block before any block gets a second one: no block runs two
+// of the round's tiles while another idles, and every block's SM loads
+// weights, not the first blocks' alone. (H100, bench.phase_clock: 19.3-20.7 us
+// per launch against 22.8 us for block-major tiles, blockIdx.x * T + team,
+// which gave the same bits and was dropped.) A tile's arithmetic does not
+// depend on which team runs it.
 //
 // Prediction for the GPU (Qwen3.6-35B-A3B: K = 2048, HK = 16, HV = 32, P =
 // 12352, bf16, one token; not measured). Bytes per step: in_proj 12352 x
@@ -89,9 +98,6 @@ namespace {
 
 constexpr bool BF = SameType<xt, bf16_t>::value;
 static_assert(BF || SameType<xt, float>::value, "GDN_X: bf16_t or float");
-#ifndef GM_SPREAD
-#define GM_SPREAD 0
-#endif
 constexpr int HID = GM_K;        // hidden size: in_proj's K, out_proj's N
 constexpr int M = GM_M;          // token rows
 constexpr int KO = HV * D;       // out_proj's K
@@ -276,13 +282,13 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
   if constexpr (SameType<T, bf16_t>::value) {
     gdn_u16 (*xs)[HID] = reinterpret_cast<gdn_u16 (*)[HID]>(sm.stage);
     const int team = warp / KWA, wt = warp - team * KWA;
-    const int tile = qg_tile0<TA, GM_SPREAD>(team);
+    const int tile = qg_tile0<TA, true>(team);
     QgA<CfgA> A;
     QgSB<CfgA> sb;
     if (team < TA && tile < TILES_A)  // weight loads first, as quantized_gemv.cu
       qg_load<CfgA>(A, sb, w_in, s_in, b_in, tile * 16, P, wt * CfgA::BPW, lane >> 2, lane & 3);
     qg_stage_norm<M, HID, KWA, NT>(xs, sm.ssq, x, in_norm_w, eps_in);
-    qg_tiles<CfgA, KWA, TA, TILES_A, false, GM_SPREAD>(A, sb, xs, w_in, s_in, b_in, proj, nullptr, P, sm.red);
+    qg_tiles<CfgA, KWA, TA, TILES_A, false, true>(A, sb, xs, w_in, s_in, b_in, proj, nullptr, P, sm.red);
   } else {
     float* xs = reinterpret_cast<float*>(sm.stage);
     stage_norm_f32(xs, sm.ssq, x, in_norm_w, eps_in);
@@ -313,7 +319,7 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
   // ---- C: out = x + y @ W_out.T ----------------------------------------------------------
   if constexpr (SameType<T, bf16_t>::value) {
     const int team = warp / KWC, wt = warp - team * KWC;
-    const int tile = qg_tile0<TC, GM_SPREAD>(team);
+    const int tile = qg_tile0<TC, true>(team);
     QgA<CfgC> A;
     QgSB<CfgC> sb;
     grid_arrive<BARW>(ctr);
@@ -325,7 +331,7 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
     for (int i = tid; i < M * KO / 8; i += NT)
       *reinterpret_cast<uint4*>(&xs[0][0] + 8 * i) = ldcg16(y + 8 * i);
     __syncthreads();
-    qg_tiles<CfgC, KWC, TC, TILES_C, true, GM_SPREAD>(A, sb, xs, w_out, s_out, b_out, out, x, HID, sm.red);
+    qg_tiles<CfgC, KWC, TC, TILES_C, true, true>(A, sb, xs, w_out, s_out, b_out, out, x, HID, sm.red);
   } else {
     grid_arrive<BARW>(ctr);
     grid_wait(ctr, base + 2 * BARW);

@@ -27,7 +27,7 @@ blocks per call (:func:`splits`), independent of the context length.
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, Tuple
 
 import mlx.core as mx
 
@@ -36,8 +36,7 @@ from . import _cuda_build as cb
 from ._cache_rows import write_rows
 from .attention_contract import DH, FLOAT_DTYPES, check_step, proj_width
 
-__all__ = ["attention_decode", "splits", "supports", "MAX_GROUP", "MMA_GROUP", "PARTIALS", "PARTIAL_BUILD",
-           "part_mma_smem_bytes"]
+__all__ = ["attention_decode", "splits", "supports", "MAX_GROUP"]
 
 #: Query heads per KV head at most: a block of the partial-attention kernel
 #: takes all of a KV head's query heads, one warp each (512 threads at most).
@@ -46,18 +45,7 @@ _kernels: Dict[tuple, cb.CudaKernel] = {}
 #: Positions per split at least; blocks per call at most (about two per SM on an H200).
 MIN_SPLIT = 64
 MAX_BLOCKS = 256
-_NAMES = {0: "mqf_attn_dec_key", 1: "mqf_attn_dec_part", 2: "mqf_attn_dec_combine", 3: "mqf_attn_dec_part_mma"}
-#: The builds of the partial-attention step: "scalar" (ATT_KIND 1: a warp per
-#: query head, fp32 dot products on the CUDA cores; every dtype and group)
-#: and "mma" (ATT_KIND 3: the block's 8 query heads as the N of
-#: mma.m16n8k16, bf16 only, the probabilities rounded to bf16).
-PARTIALS = ("scalar", "mma")
-#: The build :func:`attention_decode` runs unless told (where "mma" takes
-#: the call); the timings: bench/results/gdn-cuda-log.md, "Decode attention
-#: partials on the tensor cores".
-PARTIAL_BUILD = "scalar"
-#: Query heads per KV head of the "mma" build (the N of its mma tiles).
-MMA_GROUP = 8
+_NAMES = {0: "mqf_attn_dec_key", 1: "mqf_attn_dec_part", 2: "mqf_attn_dec_combine"}
 
 
 def splits(capacity: int, batch: int, num_kv_heads: int) -> Tuple[int, int]:
@@ -73,16 +61,6 @@ def part_smem_bytes(group: int) -> int:
     stages of a K and a V tile (16 KB each, whatever the dtype) and one
     256-float row per query head of the block (``group`` = Hq / Hkv)."""
     return 2 * 2 * 16384 + group * DH * 4
-
-
-def part_mma_smem_bytes() -> int:
-    """Dynamic shared memory of the "mma" partial-attention build, bytes
-    (``cuda/attention_decode.cu`` ATT_KIND 3): two stages of a K and a V tile
-    of 64 positions (rows padded to 264 elements), the block's 8 queries, the
-    scores' two halves (or the queries' fp32 rows), the probabilities and
-    the 8 rescale factors."""
-    ld, mt, g = DH + 8, 64, MMA_GROUP
-    return 2 * 2 * mt * ld * 2 + g * ld * 2 + max(2 * mt * g * 4, g * DH * 4) + g * (mt + 8) * 2 + g * 4
 
 
 def supports(proj, keys, values, *, num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -133,7 +111,6 @@ def attention_decode(
     rope_traditional: bool = False,
     rope_base: float = 10000.0,
     rope_scale: float = 1.0,
-    partials: Optional[str] = None,
 ) -> Tuple[mx.array, mx.array, mx.array]:
     """One decode step of gated attention (``Qwen3NextAttention``) after the
     q|k|v projection: q/k RMSNorm, RoPE, the cache write, attention over the
@@ -157,8 +134,6 @@ def attention_decode(
       q_eps, k_eps: the RMSNorms' eps.
       rope_dims, rope_traditional, rope_base, rope_scale: ``nn.RoPE``'s
         ``dims``, ``traditional``, ``base`` and ``scale``.
-      partials: one of :data:`PARTIALS` (None: :data:`PARTIAL_BUILD`);
-        "mma" runs where it applies (bf16, Hq / Hkv = 8), "scalar" elsewhere.
 
     Returns:
       ``(out, keys, values)``: out [B, 1, Hq*256] in proj's dtype
@@ -184,17 +159,13 @@ def attention_decode(
     v_new = proj[:, :, 2 * hq * DH + hkv * DH:].reshape(B, 1, hkv, DH).transpose(0, 2, 1, 3)
     index = at.reshape(1, 1, 1, 1)  # the kernel's offset, clamped into the buffer
     keys, values = write_rows(keys, k_new, index), write_rows(values, v_new, index)
-    build = PARTIAL_BUILD if partials is None else partials
-    if build not in PARTIALS:
-        raise ValueError(f"attention_decode: partials must be one of {PARTIALS} or None, got {partials!r}")
     ns, split_len = splits(cap, B, hkv)
     g = hq // hkv
-    mma = build == "mma" and x == mx.bfloat16 and g == MMA_GROUP
-    (part,) = _kernel(3 if mma else 1, *args)(
+    (part,) = _kernel(1, *args)(
         [proj, keys, values, offset, q_norm_weight], [(B * hq * ns * (DH + 2),)], [mx.float32],
         (B * hkv * ns * g * 32, 1, 1), (g * 32, 1, 1),
         (cap, ns, split_len, eps_q, float(scale) * math.log2(math.e), log2_base, float(rope_scale)),
-        shared_memory=part_mma_smem_bytes() if mma else part_smem_bytes(g))
+        shared_memory=part_smem_bytes(g))
     (out,) = _kernel(2, *args)([part, proj], [(B, 1, hq * DH)], [x], (B * hq * DH, 1, 1), (DH, 1, 1), (ns,),
                                shared_memory=4 * ns)
     return out, keys, values

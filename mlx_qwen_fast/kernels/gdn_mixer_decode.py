@@ -23,6 +23,9 @@ The kernel is persistent: ``min(SM count, work)`` blocks of 512 threads
 whose arrival counter is a variable of the kernel's module (zero when it
 loads, never reset), so no output needs filling before a launch; the
 projection and GDN outputs pass between phases through a scratch output.
+The projections' 16-row tiles go team-major over the grid (tile
+``team * blocks + block``), so the tiles of a last, partial round fall one
+per block before any block gets a second one.
 One block fills an SM, so two launches of this kernel must not run at once
 (MLX orders them when one reads the other's outputs, as consecutive layers
 do, and runs a stream's kernels in order); a grid that cannot be resident
@@ -39,7 +42,7 @@ from . import _checks
 from . import _cuda_build as cb
 from .gated_delta_contract import D, KW, decode_params, packed_width, params_width
 
-__all__ = ["MAX_ROWS", "PHASE_MARKS", "TILE_ORDER", "TILE_ORDERS", "gdn_mixer_decode", "grid_blocks", "mixer_params", "mixer_params_width", "scratch_words",
+__all__ = ["MAX_ROWS", "PHASE_MARKS", "gdn_mixer_decode", "grid_blocks", "mixer_params", "mixer_params_width", "scratch_words",
            "supports"]
 
 #: Token rows per call at most (the GEMV tiles' B columns).
@@ -50,14 +53,6 @@ BITS = 4
 _STAGE_BYTES = 32768
 #: Blocks of 512 threads; the barrier weight of the source (BARW) bounds the grid.
 _THREADS = 512
-#: The orders of the input and output projections' 16-row tiles over the
-#: grid's teams (``cuda/qgemv_tile.cuh``, ``qg_tile0``): "block" (a block's
-#: teams on consecutive tiles) or "spread" (team-major: a last, partial
-#: round's tiles one per block). Bit-identical results.
-TILE_ORDERS = ("block", "spread")
-#: The order :func:`gdn_mixer_decode` uses unless told
-#: (``bench.phase_clock --mixer-orders`` times both).
-TILE_ORDER = "block"
 _MAX_BLOCKS = 1024
 _FLOAT = (mx.bfloat16, mx.float32)
 _kernels: Dict[tuple, cb.CudaKernel] = {}
@@ -169,16 +164,13 @@ def supports(x, in_proj: Sequence, out_proj: Sequence, state=None, *, num_k_head
     return _problem(x, in_proj, None, None, state, out_proj, num_k_heads, num_v_heads, group_size, bits) is None
 
 
-def _kernel(x_dtype, Hv: int, Hk: int, K: int, B: int, phase_clock: bool = False,
-            tile_order: str = TILE_ORDER) -> cb.CudaKernel:
-    key = (x_dtype, Hv, Hk, K, B, phase_clock, tile_order)
+def _kernel(x_dtype, Hv: int, Hk: int, K: int, B: int, phase_clock: bool = False) -> cb.CudaKernel:
+    key = (x_dtype, Hv, Hk, K, B, phase_clock)
     kern = _kernels.get(key)
     if kern is None:
         defines = dict(GDN_X=cb.dtype_macro(x_dtype), GDN_HV=Hv, GDN_HK=Hk, GM_K=K, GM_M=B)
         if phase_clock:
             defines["MQF_PHASE_CLOCK"] = 1
-        if tile_order == "spread":
-            defines["GM_SPREAD"] = 1
         kern = _kernels[key] = cb.CudaKernel("gdn_mixer_decode.cu", "mqf_gdn_mixer", defines)
     return kern
 
@@ -234,7 +226,6 @@ def gdn_mixer_decode(
     group_size: int = GROUP_SIZE,
     bits: int = BITS,
     phase_clock: bool = False,
-    tile_order: Optional[str] = None,
 ):
     """``x + mixer(rms_norm(x))`` of a Gated DeltaNet decoder layer for one
     token per row, and the layer's new conv and recurrent states, in one
@@ -261,8 +252,6 @@ def gdn_mixer_decode(
       phase_clock: a diagnostic build (``cuda/phase_clock.cuh``) that also
         returns each block's SM cycle counts at the :data:`PHASE_MARKS`
         (bench/profile_kernels.py phases); same results otherwise.
-      tile_order: one of :data:`TILE_ORDERS` (None: :data:`TILE_ORDER`);
-        the same results in each.
 
     Returns:
       (out with x's shape and dtype, conv_state [B, 3, C] in x's dtype,
@@ -296,11 +285,8 @@ def gdn_mixer_decode(
         state = mx.zeros((B, Hv, D, D), dtype=mx.float32)
     if not isinstance(phase_clock, bool):
         raise ValueError(f"{fn}: phase_clock must be a bool, got {phase_clock!r}")
-    order = TILE_ORDER if tile_order is None else tile_order
-    if order not in TILE_ORDERS:
-        raise ValueError(f"{fn}: tile_order must be one of {TILE_ORDERS} or None, got {tile_order!r}")
     blocks = grid_blocks(B, Hk, Hv, K, cb.sm_count())
-    kern = _kernel(dt, Hv, Hk, K, B, phase_clock, order)
+    kern = _kernel(dt, Hv, Hk, K, B, phase_clock)
     words = scratch_words(B, Hk, Hv, dt)
     clock_words = blocks * _PC_SLOTS * 2 if phase_clock else 0
     out, new_conv, new_state, scratch = kern(

@@ -30,7 +30,8 @@ At prefill, a projection of many token rows (:func:`prefill_linear`: the
 module's own call, ``layer(x)``, is the reference,
 :func:`prefill_linear_reference`) runs on
 :func:`mlx_qwen_fast.kernels.quantized_gemm.quantized_gemm` where it
-applies -- CUDA, bf16, at least :data:`PREFILL_GEMM_MIN_ROWS` rows, a 4-bit
+applies -- CUDA, bf16, at least :data:`PREFILL_GEMM_MIN_ROWS` rows and
+:data:`PREFILL_GEMM_MIN_FEATURES` outputs, a 4-bit
 group-64 affine ``QuantizedLinear`` without a bias term,
 :data:`mlx_qwen_fast.config.PREFILL_GEMM_KERNEL` on: the same rounding
 points, fp32 sums in another order.
@@ -63,7 +64,8 @@ from ._checks import FLOATS, check_float_array, fail, is_int
 
 __all__ = ["ADD_NORM_IMPLEMENTATIONS", "IMPLEMENTATIONS", "add_rms_norm", "add_rms_norm_implementation",
            "add_rms_norm_reference", "decode_linear", "decode_linear_reference", "decode_linear_unchecked",
-           "decode_implementation", "implementation_for", "PREFILL_GEMM_MIN_ROWS", "prefill_implementation",
+           "decode_implementation", "implementation_for", "PREFILL_GEMM_MIN_FEATURES", "PREFILL_GEMM_MIN_ROWS",
+           "prefill_implementation",
            "prefill_implementation_for", "prefill_linear", "prefill_linear_reference"]
 
 #: What :func:`decode_linear` can run: the fused kernel or the reference ops.
@@ -251,8 +253,11 @@ def implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:
 # ---------------------------------------------------------------------------
 
 #: Fewest token rows a prefill projection runs on the GEMM kernel with (below,
-#: MLX's quantized matmul); the crossover: bench/results/prefill-gemm-log.md.
-PREFILL_GEMM_MIN_ROWS = 128
+#: MLX's quantized matmul), and fewest output features: the crossovers timed per
+#: projection at 512-4096 rows (H100: at 512 rows and for the 512-wide k/v
+#: projections MLX's matmul is faster), bench/results/prefill-gemm-log.md.
+PREFILL_GEMM_MIN_ROWS = 1024
+PREFILL_GEMM_MIN_FEATURES = 2048
 
 
 def _check_prefill(fn: str, layer, x) -> Optional[tuple]:
@@ -296,7 +301,8 @@ def prefill_implementation(layer, x, *, backend: Optional[str] = None) -> str:
     for these arguments on ``backend``: "cuda-kernel" on CUDA with
     :data:`mlx_qwen_fast.config.PREFILL_GEMM_KERNEL` on, at least
     :data:`PREFILL_GEMM_MIN_ROWS` rows, a layer the kernel takes (an
-    ``nn.QuantizedLinear``, 4-bit group-64 affine with biases, no bias term)
+    ``nn.QuantizedLinear``, 4-bit group-64 affine with biases, no bias term,
+    at least :data:`PREFILL_GEMM_MIN_FEATURES` outputs)
     and :func:`mlx_qwen_fast.kernels.quantized_gemm.supports`; else
     "reference". Shapes only: nothing is evaluated."""
     if not isinstance(x, mx.array) or x.ndim < 1:
@@ -312,6 +318,8 @@ def _prefill_choice(lin, x, backend=None) -> str:
     if lin is None or _kernel_args(lin[1]) != (64, 4):
         return "reference"
     w, scales, biases = lin[0][:3]
+    if w.ndim != 2 or w.shape[0] < PREFILL_GEMM_MIN_FEATURES:
+        return "reference"
     return "cuda-kernel" if _k_gemm.supports(x, w, scales, biases) else "reference"
 
 

@@ -24,7 +24,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-import cuda_check
 from compare import assert_close, finite, npa, tolerance
 from mlx_qwen_fast.kernels import attention_decode as ad
 from mlx_qwen_fast.kernels.attention_contract import DH, proj_width
@@ -187,47 +186,6 @@ def test_kernels_match_reference(B, hq, hkv, cap, off, dtype, wdtype, dims, trad
     others = np.arange(cap) != off
     assert_close(npa(k2)[:, :, others], npa(old_k)[:, :, others], 0.0, "other key rows")
     assert_close(npa(v2)[:, :, others], npa(old_v)[:, :, others], 0.0, "other value rows")
-
-
-MMA_CASES = [
-    # B, cap, off, rope dims, traditional
-    (1, 1, 0, 64, False),        # one position: one tile, one row
-    (3, 65, 64, 64, False),      # a tile and one row
-    (2, 300, 257, 64, True),     # splits not a multiple of the tile, most of the last split past the query
-    (1, 130, 31, 32, False),     # most of the buffer unwritten: splits with no position
-    pytest.param(1, 4096, 4095, 64, False, id="4K"),
-    pytest.param(2, 4352, 4100, 64, False, id="4K-growth"),
-]
-
-
-@pytest.mark.cuda
-@pytest.mark.cpu_check("attention_decode.cu")
-@pytest.mark.usefixtures("poison")
-@pytest.mark.parametrize("B,cap,off,dims,trad", MMA_CASES)
-def test_mma_partials_match_reference(B, cap, off, dims, trad):
-    """The tensor-core partials (bf16, 8 query heads per KV head) against the
-    reference within the bound of test_kernels_match_reference (their one
-    extra rounding, the probabilities to bf16, is well inside it), and
-    close to the scalar build's output; where "mma" does not apply (fp32)
-    it runs the scalar build."""
-    if cuda_check.active() and cap > 300:
-        pytest.skip("the CPU check runs the small caches")
-    proj, keys, values, qw, kw = _inputs(B, 16, 2, cap, mx.bfloat16, mx.bfloat16, seed=7 * cap + off + B)
-    settings = dict(num_heads=16, num_kv_heads=2, scale=DH ** -0.5, q_eps=1e-6, k_eps=1e-6, rope_dims=dims,
-                    rope_traditional=trad, rope_base=1e7)
-    old_k, old_v = npa(keys).copy(), npa(values).copy()
-    offset = mx.array(off, mx.int32)
-    out, k2, v2 = ad.attention_decode(proj, keys, values, offset, qw, kw, partials="mma", **settings)
-    mx.eval(out, k2, v2)
-    assert finite(out)
-    ref, rk, _ = reference(proj, old_k, old_v, off, qw, kw, hq=16, hkv=2, scale=DH ** -0.5, eps=1e-6,
-                           rope_dims=dims, traditional=trad, base=1e7, rscale=1.0)
-    assert_close(out, ref, tolerance(mx.bfloat16, 5), "out (mma)")
-    assert_close(k2[:, :, off], rk[:, :, off], tolerance(mx.bfloat16, 3), "new key row")
-    scalar, _, _ = ad.attention_decode(proj, keys, values, offset, qw, kw, partials="scalar", **settings)
-    assert_close(out, scalar, tolerance(mx.bfloat16, 3), "mma vs scalar")
-    with pytest.raises(ValueError, match="partials must be one of"):
-        ad.attention_decode(proj, keys, values, offset, qw, kw, partials="tensor", **settings)
 
 
 @pytest.mark.cuda

@@ -195,8 +195,8 @@ def test_equals_three_kernels(n, k, E, D, I, gate_bits, rbits):
     bit over two chained steps: 1 to 4 rows, 4- and 8-bit routers, the three
     shared-gate widths, tokens sharing experts (E = 32: one tile serving
     several pairs); GPU only: N*k = 32 on a full grid (on the CPU:
-    test_few_blocks; 132 blocks of 512 threads exceed the simulator's
-    fibers) and Qwen3.6-35B-A3B's block."""
+    test_few_blocks; the check runs a full grid of 512-thread blocks too,
+    in minutes) and Qwen3.6-35B-A3B's block."""
     _check_equal(n, k, E, D, I, gate_bits, rbits, seed=10 * n + k)
 
 

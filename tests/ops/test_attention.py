@@ -404,6 +404,11 @@ def test_cuda_patched_prefill_matches_stock(monkeypatch, env, kernel_heads, batc
 
     assert _cuda_build.cuda_available()  # a GPU, or the CUDA check's simulated one
     env.set(config.PREFILL_GEMM_KERNEL.name, gemm)
+    from mlx_qwen_fast.ops import linear as linear_ops
+
+    # every projection of the 128-token chunks on the GEMM: the dispatch's size thresholds (speed only) lowered
+    monkeypatch.setattr(linear_ops, "PREFILL_GEMM_MIN_ROWS", 128)
+    monkeypatch.setattr(linear_ops, "PREFILL_GEMM_MIN_FEATURES", 0)
     calls = []
     real = attention._k_prefill.attention_prefill
     monkeypatch.setattr(attention._k_prefill, "attention_prefill",
@@ -418,8 +423,6 @@ def test_cuda_patched_prefill_matches_stock(monkeypatch, env, kernel_heads, batc
     tokens = mx.random.randint(1, vocab, (batch, 300), key=mx.random.key(batch))
     exact = _prefill_logits(stock32, tokens, 128)
     err_stock = rel_err(_prefill_logits(stock, tokens, 128), exact)
-    from mlx_qwen_fast.ops import linear as linear_ops
-
     gemms = []
     real_gemm = linear_ops._k_gemm.quantized_gemm_unchecked
     monkeypatch.setattr(linear_ops._k_gemm, "quantized_gemm_unchecked",

@@ -600,6 +600,7 @@ _EXEMPT = {
         "decode_implementation": "query: names the implementation decode_linear would run (which checks)",
         "decode_linear_unchecked": "unchecked by contract: the hot entry for arguments a checked call had (FastHead)",
         "implementation_for": "query: the implementation for a token count and backend",
+        "PREFILL_GEMM_MIN_FEATURES": "constant",
         "PREFILL_GEMM_MIN_ROWS": "constant",
         "prefill_implementation": "query: names the implementation prefill_linear would run (which checks)",
         "prefill_implementation_for": "query: the implementation for a token count and backend",

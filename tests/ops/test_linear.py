@@ -178,10 +178,12 @@ def test_prefill_reference_is_the_module_call_and_errors_name_arguments():
 
 def test_prefill_dispatch(env):
     """The kernel only on CUDA, with the switch on, from PREFILL_GEMM_MIN_ROWS
-    rows, for bf16 rows and 4-bit group-64 affine layers without a bias."""
+    rows and PREFILL_GEMM_MIN_FEATURES outputs, for bf16 rows and 4-bit
+    group-64 affine layers without a bias."""
     import cuda_check
 
-    q, _ = _layer(256, 256, 4, 64, mx.bfloat16, 5)
+    feats = linear_ops.PREFILL_GEMM_MIN_FEATURES
+    q, _ = _layer(256, feats, 4, 64, mx.bfloat16, 5)
     rows = linear_ops.PREFILL_GEMM_MIN_ROWS
     x = mx.zeros((1, rows, 256), mx.bfloat16)
     assert linear_ops.prefill_implementation(q, x, backend="cpu") == "reference"
@@ -194,11 +196,13 @@ def test_prefill_dispatch(env):
         assert linear_ops.prefill_implementation_for(rows - 1, "cuda") == "stock"
         assert linear_ops.prefill_implementation(q, x) == "cuda-kernel"
         assert linear_ops.prefill_implementation(q, x[:, 1:]) == "reference"  # too few rows
+        narrow, _ = _layer(256, feats - 256, 4, 64, mx.bfloat16, 6)
+        assert linear_ops.prefill_implementation(narrow, x) == "reference"  # too few outputs
         assert linear_ops.prefill_implementation(q, x.astype(mx.float32)) == "reference"
         for bits, gs in ((8, 64), (4, 32)):
-            other, _ = _layer(256, 256, bits, gs, mx.bfloat16, 6)
+            other, _ = _layer(256, feats, bits, gs, mx.bfloat16, 6)
             assert linear_ops.prefill_implementation(other, x) == "reference"
-        biased = nn.QuantizedLinear(256, 256, bias=True, group_size=64, bits=4)
+        biased = nn.QuantizedLinear(256, feats, bias=True, group_size=64, bits=4)
         assert linear_ops.prefill_implementation(biased, x) == "reference"
         assert linear_ops.prefill_implementation(nn.Linear(256, 256), x) == "reference"
 
@@ -206,10 +210,13 @@ def test_prefill_dispatch(env):
 @pytest.mark.cuda
 @pytest.mark.cpu_check("moe_grouped_gemm_wgmma.cu")
 @pytest.mark.usefixtures("poison")
-def test_prefill_kernel_within_bf16_of_the_module(env):
+def test_prefill_kernel_within_bf16_of_the_module(env, monkeypatch):
     """With the switch on, a chunk's projection runs the GEMM kernel and
     agrees with the module's own call (MLX's quantized matmul) to bf16
-    rounding; off, it is that call."""
+    rounding; off, it is that call. (A small chunk: the dispatch's size
+    thresholds lowered, which only decide speed.)"""
+    monkeypatch.setattr(linear_ops, "PREFILL_GEMM_MIN_ROWS", 128)
+    monkeypatch.setattr(linear_ops, "PREFILL_GEMM_MIN_FEATURES", 512)
     q, _ = _layer(384, 512, 4, 64, mx.bfloat16, 7)
     x = mx.random.normal((1, 130, 384), key=mx.random.key(8)).astype(mx.bfloat16)
     env.set(config.PREFILL_GEMM_KERNEL.name, "1")

@@ -439,8 +439,8 @@ _GDN_PREFILL = ("gated_delta_frontend.cu", "gated_delta_scan.cu", "gated_rms_nor
 @pytest.mark.cuda
 @pytest.mark.usefixtures("poison")
 @pytest.mark.parametrize("S,B,block", [
-    # the CPU check runs the three-launch MoE step (its one-launch block's cooperative grid
-    # does not map at these shapes in the checker); the GPU runs both
+    # the CPU check runs the three-launch MoE step (the one-launch block's full grid of 512-thread
+    # blocks takes minutes there); the GPU runs both
     pytest.param(2, 1, "0", marks=pytest.mark.cpu_check(*_GDN_PREFILL, "moe_decode_gemv.cu", "quantized_gemv.cu")),
     (2, 1, "1"),
     (4, 1, "1"),
@@ -469,7 +469,9 @@ def test_cuda_step_matches_modules_bf16(monkeypatch, env, kernel_heads, S, B, bl
     assert finite(a)
     tol = tolerance(mx.bfloat16, roundings=2 * len(m.layers) + 1)
     assert_close(a, b, tol, "step vs modules")
+    # the states (fp32 Gated DeltaNet states included) are made from the layers' bf16 activations,
+    # which the two paths round independently at the same points as the logits: the bf16 bound
     for x, y in zip(c_step, c_mod):
         for u, v in zip(_valid(x), _valid(y)):
             assert u.shape == v.shape and u.dtype == v.dtype
-            assert_close(u, v, tolerance(u.dtype, roundings=2 * len(m.layers) + 1), "cache state")
+            assert_close(u, v, tol, "cache state")
