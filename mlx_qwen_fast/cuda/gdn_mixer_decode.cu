@@ -44,7 +44,8 @@
 // Inputs: x [M, K] (xt), w_in uint32 [P, K / 8], s_in, b_in [P, K / 64]
 // (xt), params fp32 [C*4 + 2*HV + D + K] = [conv_w | A_log | dt_bias | norm_w
 // (D) | w_in_norm (K)], conv_state [M, 3, C] (xt), state [M, HV, D, D] fp32,
-// w_out uint32 [K, HV*D / 8], s_out, b_out [K, HV*D / 64] (xt). Outputs: out
+// w_out uint32 [K, HV*D / 8], s_out, b_out [K, HV*D / 64] (xt), after (any
+// array, never read: see the launch contract). Outputs: out
 // [M, K] (xt), conv_state_out [M, 3, C], state_out [M, HV, D, D], scratch
 // uint32 [scratch_words]: proj [M, P] (xt, from byte 0), y [M, HV*D] (xt,
 // 16-byte aligned); no output needs a start value. Scalars: float eps_in,
@@ -53,9 +54,14 @@
 // Launch contract: G blocks of 512 threads, G <= the number of SMs and
 // G <= BARW, every block resident at once. One block fits an SM (not two:
 // 512 threads x ~120 registers), so no other launch of this kernel may run
-// beside it (two such grids could each hold part of the SMs and wait for
-// the other forever; MLX orders two launches when one reads what the other
-// writes, as consecutive layers do), while other kernels only delay it. A
+// beside it, nor another such grid (two could each hold part of the SMs and
+// wait for the other forever), while other kernels only delay it. MLX orders
+// two launches only when one reads what the other writes (its CUDA graphs
+// have edges from a buffer's writer to its readers): consecutive layers are
+// ordered so; two decode calls whose inputs do not depend on each other
+// (teacher-forced tokens evaluated together) are not, and the decode step
+// passes the previous call's output as `after` to its first such launch
+// (ops/_launch_order.py). A
 // grid that is not resident traps after ~2^23 polls rather than hang. The
 // barrier counter is a __device__ variable of the kernel's module (zero when
 // the module loads, never reset: grid_sync.cuh's contract), so a launch
@@ -354,6 +360,7 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
     const unsigned* __restrict__ w_out,
     const xt* __restrict__ s_out,
     const xt* __restrict__ b_out,
+    const void* __restrict__ after,  // never read (the launch contract)
     xt* __restrict__ out,
     xt* __restrict__ conv_state_out,
     float* __restrict__ state_out,

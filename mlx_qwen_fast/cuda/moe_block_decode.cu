@@ -67,7 +67,8 @@
 // [E, I, D / 8], s, b bf16 [E, I, D / 64]), down ([E, D, I / 8], [E, D, I /
 // 64]); shared expert gate, up ([I, D / 8], [I, D / 64]), down ([D, I / 8],
 // [D, I / 64]); shared-expert gate gw, gs, gb (MBD_SGB 4, 8: uint32 [1, D *
-// bits / 32] + bf16 [1, D / 64]; 16: bf16 weight [1, D], gs / gb unused).
+// bits / 32] + bf16 [1, D / 64]; 16: bf16 weight [1, D], gs / gb unused);
+// after: any array, never read (see the launch contract).
 // Outputs: out [N, D] bf16; scratch uint32: logits [N, E] bf16 (from byte
 // 0), h [N*k + N, I] bf16, sgate [N] fp32 (each 16-byte aligned:
 // moe_block_decode.py's scratch_words); no output needs a start value.
@@ -77,8 +78,13 @@
 // Launch contract: G blocks of 512 threads, G <= the number of SMs and G <=
 // BARW, every block resident at once (one block per SM: 512 threads x up to
 // 128 registers and ~100 KB of shared memory), so no other launch of this
-// kernel may run beside it (MLX orders two launches when one reads what the
-// other writes, as consecutive layers do); a grid that is not resident
+// kernel may run beside it, and no other such grid either: MLX orders two
+// launches only when one reads what the other writes (its CUDA graphs have
+// edges from a buffer's writer to its readers). Consecutive layers are
+// ordered so; two decode calls whose inputs do not depend on each other
+// (teacher-forced tokens evaluated together) are not, and the decode step
+// passes the previous call's output as `after` to its first such launch
+// (ops/_launch_order.py). A grid that is not resident
 // traps after ~2^23 polls rather than hang. The barrier counter is a
 // __device__ variable of the kernel's module (zero when the module loads,
 // never reset: grid_sync.cuh's contract); a value that cannot be a launch's
@@ -185,6 +191,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     const unsigned* __restrict__ xwu, const bf16_t* __restrict__ xsu, const bf16_t* __restrict__ xbu,
     const unsigned* __restrict__ xwd, const bf16_t* __restrict__ xsd, const bf16_t* __restrict__ xbd,
     const void* __restrict__ gw, const bf16_t* __restrict__ gs, const bf16_t* __restrict__ gb,
+    const void* __restrict__ after,  // never read (the launch contract)
     bf16_t* __restrict__ out,
     unsigned* __restrict__ scratch,
     int normalize,

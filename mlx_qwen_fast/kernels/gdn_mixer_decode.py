@@ -226,6 +226,7 @@ def gdn_mixer_decode(
     group_size: int = GROUP_SIZE,
     bits: int = BITS,
     phase_clock: bool = False,
+    after: Optional[mx.array] = None,
 ):
     """``x + mixer(rms_norm(x))`` of a Gated DeltaNet decoder layer for one
     token per row, and the layer's new conv and recurrent states, in one
@@ -252,6 +253,11 @@ def gdn_mixer_decode(
       phase_clock: a diagnostic build (``cuda/phase_clock.cuh``) that also
         returns each block's SM cycle counts at the :data:`PHASE_MARKS`
         (bench/profile_kernels.py phases); same results otherwise.
+      after: any array, never read: the launch runs after whatever wrote it
+        (MLX orders a launch after the writers of its inputs). Two launches of
+        this kernel must not run at once (its grid barrier; the source's
+        launch contract): pass an output of the launch that must come first
+        where nothing else orders the two. None: no such input.
 
     Returns:
       (out with x's shape and dtype, conv_state [B, 3, C] in x's dtype,
@@ -285,12 +291,14 @@ def gdn_mixer_decode(
         state = mx.zeros((B, Hv, D, D), dtype=mx.float32)
     if not isinstance(phase_clock, bool):
         raise ValueError(f"{fn}: phase_clock must be a bool, got {phase_clock!r}")
+    if after is not None and not _checks.is_array(after):
+        raise ValueError(f"{fn}: after must be an mx.array or None, got {_checks.describe(after)}")
     blocks = grid_blocks(B, Hk, Hv, K, cb.sm_count())
     kern = _kernel(dt, Hv, Hk, K, B, phase_clock)
     words = scratch_words(B, Hk, Hv, dt)
     clock_words = blocks * _PC_SLOTS * 2 if phase_clock else 0
     out, new_conv, new_state, scratch = kern(
-        [x, *in_proj, params, conv_state, state, *out_proj],
+        [x, *in_proj, params, conv_state, state, *out_proj, x if after is None else after],
         [tuple(x.shape), (B, KW - 1, C), (B, Hv, D, D), (words + clock_words,)],
         [dt, dt, mx.float32, mx.uint32], (blocks * _THREADS, 1, 1), (_THREADS, 1, 1), eps,
     )

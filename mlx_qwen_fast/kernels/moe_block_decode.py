@@ -212,6 +212,7 @@ def moe_block_decode(
     normalize: bool = True,
     router_group_size: int = 64,
     router_bits: int = 8,
+    after: Optional[mx.array] = None,
 ) -> mx.array:
     """``x + block(rms_norm(x))`` of a quantised Qwen3-Next MoE block for one
     token per row, in one launch.
@@ -234,6 +235,11 @@ def moe_block_decode(
       normalize: divide the k probabilities by their sum (``norm_topk_prob``).
       router_group_size, router_bits: the router's quantisation (32/64/128,
         4/8).
+      after: any array, never read: the launch runs after whatever wrote it
+        (MLX orders a launch after the writers of its inputs). Two launches of
+        this kernel must not run at once (its grid barrier; the source's
+        launch contract): pass an output of the launch that must come first
+        where nothing else orders the two. None: no such input.
 
     Returns:
       x's shape, bfloat16: ``quantized_gemv`` (norm, router) then
@@ -253,18 +259,21 @@ def moe_block_decode(
     if problem is not None:
         raise ValueError(f"{fn}: {problem}")
     eps = _checks.check_eps(fn, "norm_eps", norm_eps)
+    if after is not None and not _checks.is_array(after):
+        raise ValueError(f"{fn}: after must be an mx.array or None, got {_checks.describe(after)}")
     return moe_block_decode_unchecked(x, norm_weight, router, experts, shared, expert_gate, int(top_k), eps,
-                             bool(normalize), router_group_size, router_bits)
+                             bool(normalize), router_group_size, router_bits, after=after)
 
 
 def moe_block_decode_unchecked(x, norm_weight, router, experts, shared, expert_gate, top_k, eps, normalize,
-                      router_group_size, router_bits, return_scratch=False, phase_clock=False):
+                      router_group_size, router_bits, return_scratch=False, phase_clock=False, after=None):
     """:func:`moe_block_decode` on arguments already checked (the compiled
     decode step's entry point); ``return_scratch``: also the scratch output
     (tests read the phases' intermediates from it); ``phase_clock``: the
     diagnostic build (``cuda/phase_clock.cuh``), returning ``(out, clocks
     int64 [blocks, 8])``: each block's SM cycles from mark 0 at the
-    :data:`PHASE_MARKS` (-1 past them), for bench/profile_kernels.py phases."""
+    :data:`PHASE_MARKS` (-1 past them), for bench/profile_kernels.py phases;
+    ``after``: as :func:`moe_block_decode`'s (None: x)."""
     n, D = _rows(x), x.shape[-1]
     (wg, sg, bg), (wu, su, bu), (wd, sd, bd) = experts
     E, I = wg.shape[0], wg.shape[1]
@@ -275,7 +284,7 @@ def moe_block_decode_unchecked(x, norm_weight, router, experts, shared, expert_g
     words = scratch_words(n, top_k, E, I)
     out, scratch = kern(
         inputs=[x, norm_weight, *router, wg, sg, bg, wu, su, bu, wd, sd, bd, xwg, xsg, xbg, xwu, xsu, xbu,
-                xwd, xsd, xbd, gw, gs, gb],
+                xwd, xsd, xbd, gw, gs, gb, x if after is None else after],
         output_shapes=[tuple(x.shape), (words + (blocks * _PC_SLOTS * 2 if phase_clock else 0),)],
         output_dtypes=[mx.bfloat16, mx.uint32],
         grid=(blocks * _THREADS, 1, 1),

@@ -18,7 +18,7 @@ import mlx.nn as nn
 
 from .. import config
 from ..compiled import StepPlans
-from . import kv_buffers
+from . import _launch_order, kv_buffers
 from .layer_plans import layer_entry, takes
 
 __all__ = ["KeptPlan", "call_donating", "decode_model", "embed_ids"]
@@ -29,8 +29,10 @@ _MODEL_STEPS_KEPT = 4
 
 
 def _model_step(layout: tuple, norm_eps: float, arrays: tuple) -> Callable:
-    """The compiled decode step of a whole layer stack: ``fn(h, *states) ->
-    (rms_norm(layers(h)), *new states)``; ``layout`` = per layer (kind, raw
+    """The compiled decode step of a whole layer stack: ``fn(h, prev, *states)
+    -> (rms_norm(layers(h)), *new states)``; ``prev`` the previous call's
+    output (or ``h``), the first grid-barrier launch's ``after`` input
+    (:mod:`mlx_qwen_fast.ops._launch_order`); ``layout`` = per layer (kind, raw
     layer step, number of its arrays), ``states`` = per layer its states
     (GDN: conv state, recurrent state; attention: keys, values, offset),
     ``arrays`` = per layer its arrays, then the final norm's weight.
@@ -42,14 +44,15 @@ def _model_step(layout: tuple, norm_eps: float, arrays: tuple) -> Callable:
     object (:meth:`_ModelPlan.holds`); another array makes another plan and
     another step. One trace per input signature (the KV buffers' capacity
     among it)."""
-    def step(h, *states_in):
+    def step(h, prev, *states_in):
         s, a, states = 0, 0, []
-        for kind, raw, n_args in layout:
-            k = 2 if kind == "linear" else 3
-            h, *new = raw(h, *states_in[s:s + k], *arrays[a:a + n_args])
-            states.extend(new)
-            s += k
-            a += n_args
+        with _launch_order.first_launch_after(prev):  # the previous call's output: see _launch_order
+            for kind, raw, n_args in layout:
+                k = 2 if kind == "linear" else 3
+                h, *new = raw(h, *states_in[s:s + k], *arrays[a:a + n_args])
+                states.extend(new)
+                s += k
+                a += n_args
         return (mx.fast.rms_norm(h, arrays[a], norm_eps), *states)
 
     return mx.compile(step)
@@ -121,7 +124,7 @@ class _ModelPlan(KeptPlan):
     """
 
     __slots__ = ("sig", "layers", "cache_refs", "linear", "kv_shapes", "state_dtypes", "parents", "names",
-                 "children", "arrays", "fn", "kept")
+                 "children", "arrays", "fn", "kept", "prev")
 
     def holds(self, model, h: mx.array, cache) -> bool:
         if _model_sig(h) != self.sig:
@@ -197,6 +200,7 @@ def _plan_model(model, h: mx.array, cache, kept: Optional[Dict[tuple, Callable]]
     mp.arrays = tuple(arrays)
     mp.kept = {} if kept is None else kept
     mp.fn = _kept_model_step(mp.kept, tuple(layout), float(model.norm.eps), mp.arrays)
+    mp.prev = None
     return mp
 
 
@@ -215,6 +219,15 @@ def call_donating(fn: Callable, h: mx.array, states: list, kv: list):
         for c, (k, v) in zip(kv, saved):
             c.keys, c.values = k, v
         raise
+
+
+def order_input(prev: Optional[mx.array], h: mx.array) -> mx.array:
+    """The ``prev`` input of a whole-stack step: the previous call's output
+    where it has ``h``'s shape and dtype (one trace for every call), else
+    ``h`` (no earlier call to order after)."""
+    if prev is not None and prev.shape == h.shape and prev.dtype == h.dtype:
+        return prev
+    return h
 
 
 def embed_ids(model, inputs: mx.array) -> mx.array:
@@ -286,7 +299,8 @@ def decode_model(model, inputs: mx.array, cache) -> Optional[mx.array]:
                 offset = (c.offset, mx.array(c.offset, mx.int32))
             states += (c.keys, c.values, offset[1])
             kv.append(c)
-    out, *new = call_donating(mp.fn, h, states, kv)
+    out, *new = call_donating(mp.fn, h, [order_input(mp.prev, h)] + states, kv)
+    mp.prev = out
     del states
     i = 0
     for c, lin in zip(cache, mp.linear):

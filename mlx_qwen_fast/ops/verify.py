@@ -71,7 +71,7 @@ from .. import config
 from ..compiled import _links, gather
 from ..kernels._cache_rows import row_index, write_rows
 from ..kernels._checks import describe
-from . import kv_buffers, model_plan
+from . import _launch_order, kv_buffers, model_plan
 from . import gated_delta as gated_delta_ops
 from . import moe as moe_ops
 from ._checks import check_attention_module, fail, is_int
@@ -242,7 +242,7 @@ class _VerifyPlan(model_plan.KeptPlan):
     lengths or left padding (inside a rollback: ``max_steps >= S``)."""
 
     __slots__ = ("sig", "layers", "cache_refs", "cache_types", "kinds", "kv_shapes", "parents", "names",
-                 "children", "fn", "kept", "capture")
+                 "children", "fn", "kept", "capture", "prev")
 
     def holds(self, model, h: mx.array, cache, capture: tuple) -> bool:
         if capture != self.capture or _sig(h) != self.sig or len(cache) != len(self.cache_refs) or len(model.layers) != len(self.layers):
@@ -347,6 +347,7 @@ def _plan(model, h: mx.array, cache, kept: Optional[dict], capture: tuple) -> Op
     vp.kept = {} if kept is None else kept
     vp.capture = capture
     vp.fn = _kept_step(vp.kept, model, vp.kinds, tuple(moes), tuple(arrays), capture)
+    vp.prev = None
     return vp
 
 
@@ -370,8 +371,9 @@ def _kept_step(kept: Dict[tuple, Callable], model, kinds: tuple, moes: tuple, ar
 
 
 def _stack_step(model, kinds: tuple, moes: tuple, arrays: tuple, capture: tuple) -> Callable:
-    """``mx.compile``d ``fn(h, *states) -> (rms_norm(layers(h)), [hidden,]
-    *new states)``: ``hidden`` (only where ``capture`` names layers) the
+    """``mx.compile``d ``fn(h, prev, *states) -> (rms_norm(layers(h)), [hidden,]
+    *new states)``: ``prev`` the previous call's output (or ``h``), the first
+    grid-barrier launch's ``after`` input (:mod:`mlx_qwen_fast.ops._launch_order`); ``hidden`` (only where ``capture`` names layers) the
     outputs of the layers ``capture`` concatenated on the last axis in that
     order; ``states`` per layer (GDN: conv state, recurrent state;
     attention: keys, values, offset); new states per layer (GDN: conv,
@@ -384,35 +386,36 @@ def _stack_step(model, kinds: tuple, moes: tuple, arrays: tuple, capture: tuple)
     norm = model.norm
     where = {i: n for n, i in enumerate(capture)}
 
-    def step(h, *states_in):
+    def step(h, prev, *states_in):
         _traces[0] += 1
         s, out = 0, []
         kept = [None] * len(capture)
-        for i, (layer, kind, moe) in enumerate(zip(layers, kinds, moes)):
-            x = layer.input_layernorm(h)
-            if kind == "attention":
-                r, keys, values = verify_attention(layer.self_attn, x, *states_in[s:s + 3])
-                out += (keys, values)
-                s += 3
-            else:
-                tmp = ArraysCache(2)
-                tmp[0], tmp[1] = states_in[s], states_in[s + 1]
-                if kind == "linear-exact":  # the recurrence token by token: every token's states
-                    r, after = gated_delta_ops.gated_delta_net_steps(layer.linear_attn, x, tmp)
-                    out += [c for c, _ in after] + [st for _, st in after]
+        with _launch_order.first_launch_after(prev):  # the previous call's output: see _launch_order
+            for i, (layer, kind, moe) in enumerate(zip(layers, kinds, moes)):
+                x = layer.input_layernorm(h)
+                if kind == "attention":
+                    r, keys, values = verify_attention(layer.self_attn, x, *states_in[s:s + 3])
+                    out += (keys, values)
+                    s += 3
                 else:
-                    r = layer.linear_attn(x, None, tmp)
-                    out += (tmp[0], tmp[1])
-                    if kind == "linear-replay":  # the layer's input: a trim inside this call replays it
-                        out.append(x)
-                s += 2
-            h = h + r
-            if moe[0] == "parts":
-                h = moe[1](h, layer.post_attention_layernorm.weight, *moe[2])
-            else:
-                h = h + layer.mlp(layer.post_attention_layernorm(h))
-            if i in where:
-                kept[where[i]] = h
+                    tmp = ArraysCache(2)
+                    tmp[0], tmp[1] = states_in[s], states_in[s + 1]
+                    if kind == "linear-exact":  # the recurrence token by token: every token's states
+                        r, after = gated_delta_ops.gated_delta_net_steps(layer.linear_attn, x, tmp)
+                        out += [c for c, _ in after] + [st for _, st in after]
+                    else:
+                        r = layer.linear_attn(x, None, tmp)
+                        out += (tmp[0], tmp[1])
+                        if kind == "linear-replay":  # the layer's input: a trim inside this call replays it
+                            out.append(x)
+                    s += 2
+                h = h + r
+                if moe[0] == "parts":
+                    h = moe[1](h, layer.post_attention_layernorm.weight, *moe[2])
+                else:
+                    h = h + layer.mlp(layer.post_attention_layernorm(h))
+                if i in where:
+                    kept[where[i]] = h
         if capture:
             return (norm(h), mx.concatenate(kept, axis=-1), *out)
         return (norm(h), *out)
@@ -548,7 +551,8 @@ def _verify(model, inputs: mx.array, cache, capture: tuple) -> Optional[tuple]:
             kv.append(c)
         else:
             states += (c[0], c[1])
-    out, *new = model_plan.call_donating(vp.fn, h, states, kv)
+    out, *new = model_plan.call_donating(vp.fn, h, [model_plan.order_input(vp.prev, h)] + states, kv)
+    vp.prev = out
     del states
     hidden = new.pop(0) if capture else None
     from ..speculative import Segment, record_steps  # here: speculative imports this package's modules

@@ -154,6 +154,7 @@ def _bad_calls(a: MixerArrays, params):
         (call(qk_eps=float("nan")), "qk_eps"),
         (call(bits=8), "bits"),
         (call(group_size=32), "group_size"),
+        (call(after=[1.0]), "after"),
     ]
 
 
@@ -329,6 +330,21 @@ def test_partial_last_round_matches_reference(monkeypatch, sms):
     tiles_a, tiles_c = -(-gdc.packed_width(a.hk, a.hv) // 16), 256 // 16
     assert tiles_a > teams and tiles_a % teams and tiles_c % teams  # rounds, the last partial
     _check_against_reference(a, _fused(a, _params(a), a.conv_state, a.state), a.conv_state, a.state, a.x)
+
+
+@pytest.mark.cuda
+@pytest.mark.cpu_check("gdn_mixer_decode.cu")
+def test_after_input_is_not_read():
+    """``after`` only orders the launch (MLX's graph edge from its writer):
+    an array of another shape and dtype there leaves every output's bits as
+    they are."""
+    a = _arrays(SMALL, 1, mx.bfloat16, 41)
+    params = _params(a)
+    want = _fused(a, params, a.conv_state, a.state)
+    got = gm.gdn_mixer_decode(a.x, a.in_proj, params, a.conv_state, a.state, a.out_proj, num_k_heads=a.hk,
+                              num_v_heads=a.hv, input_norm_eps=EPS, after=mx.arange(7))
+    assert finite(*got)
+    assert all(g.shape == w.shape and mx.array_equal(g, w).item() for g, w in zip(got, want))
 
 
 @pytest.mark.cuda

@@ -151,6 +151,7 @@ def test_bad_input_names_the_argument(no_launch):
         (dict(expert_gate=(eg[0], eg[1], eg[2], 3)), "expert_gate"),
         (dict(norm_eps=0.0), "norm_eps"),
         (dict(norm_eps=float("nan")), "norm_eps"),
+        (dict(after=[1.0]), "after"),
     ]:
         with pytest.raises(ValueError, match=name):
             call(**over)
@@ -239,6 +240,21 @@ def test_unnormalised_and_tied_logits(normalize):
     out, _ = _fused(x, w, 4, 8, normalize)
     want, *_ = _three(x, w, 4, 8, normalize)
     assert mx.array_equal(out, want).item()
+
+
+@pytest.mark.cuda
+@pytest.mark.cpu_check("moe_block_decode.cu")
+def test_after_input_is_not_read(monkeypatch):
+    """``after`` only orders the launch (MLX's graph edge from its writer):
+    an array of another shape and dtype there leaves the output's bits as
+    they are (a 3-block grid, as test_few_blocks)."""
+    monkeypatch.setattr(cb, "sm_count", lambda: 3)
+    w = _weights(32, 256, 128, 8, 8, 5)
+    x = _x(2, 256, 6)
+    router, experts, shared, eg, nw = w
+    want = mb.moe_block_decode(x, nw, router, experts, shared, eg, top_k=4, norm_eps=EPS)
+    got = mb.moe_block_decode(x, nw, router, experts, shared, eg, top_k=4, norm_eps=EPS, after=mx.arange(7))
+    assert finite(got) and mx.array_equal(got, want).item()
 
 
 @pytest.mark.cuda

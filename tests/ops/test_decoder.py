@@ -764,3 +764,68 @@ def test_embed_ids_clamp_into_the_table(dtype):
             ids = mx.array([row], dtype)
             want = emb(mx.array([[0 if v < 0 else 49 for v in row]], dtype))
             assert mx.array_equal(model_plan.embed_ids(m, ids), want).item()
+
+
+def test_model_step_orders_its_first_grid_launch_after_the_previous_call(monkeypatch, env):
+    """The whole-stack step offers the previous call's output to the first
+    grid-barrier launch of its trace (ops._launch_order): stand-in GDN and
+    MoE parts take the offer as the kernels' steps do; eagerly (compilation
+    off, so the arrays are the objects passed), at every decode call exactly
+    one part takes something -- the first layer's -- and it is the call's
+    own input first, then the previous call's output; the layer steps alone
+    (``MLX_QWEN_FAST_DECODE_MODEL=0``) are offered nothing."""
+    from mlx_qwen_fast.ops import _launch_order
+
+    made = _stand_in_parts(monkeypatch)
+    from mlx_qwen_fast.ops import decoder as dec
+
+    gdn_parts, moe_parts = dec.gated_delta_ops.decode_step_parts, dec.moe_ops.decode_step_parts
+    taken = []
+
+    def gdn_taking(*a, **k):
+        paths, fn, used, extra = gdn_parts(*a, **k)
+        return paths, (lambda *x: taken.append(_launch_order.take()) or fn(*x)), used, extra
+
+    def moe_taking(*a, **k):
+        paths, fn = moe_parts(*a, **k)
+        return paths, (lambda *x: taken.append(_launch_order.take()) or fn(*x))
+
+    monkeypatch.setattr(dec.gated_delta_ops, "decode_step_parts", gdn_taking)
+    monkeypatch.setattr(dec.moe_ops, "decode_step_parts", moe_taking)
+    outs = []
+    real_model = decoder.decode_model
+
+    def spy_model(m, inputs, cache):
+        out = real_model(m, inputs, cache)
+        outs.append(out)
+        return out
+
+    monkeypatch.setattr(decoder, "decode_model", spy_model)
+    _, fast = _models(seed=11)
+    n_layers = len(fast.layers)
+    n_parts = n_layers + sum(l.is_linear for l in fast.layers)  # every layer's MoE part, the GDN layers' mixer part
+    cache = _prefilled(fast, mx.array([[1, 2, 3]]))
+    tok = mx.array([[5]])
+    prev = None
+    mx.disable_compile()
+    try:
+        for i in range(3):
+            taken.clear()
+            outs.clear()
+            mx.eval(fast(tok, cache=cache))
+            assert len(outs) == 1 and outs[0] is not None
+            assert len(taken) == n_parts and taken[0] is not None
+            assert all(t is None for t in taken[1:]), "only the first launch of a call is ordered"
+            # the previous call's output (the compiled call's wrappers are other Python objects of it):
+            # its values, which no other array of this call has
+            want = model_plan.embed_ids(fast.language_model.model, tok) if prev is None else prev
+            assert taken[0].shape == want.shape and mx.array_equal(taken[0], want).item(), f"call {i}"
+            prev = outs[0]
+            tok = tok + 1
+        assert made  # the stand-ins planned the steps
+        env.set(config.DECODE_MODEL_STEP.name, "0")
+        taken.clear()
+        mx.eval(fast(tok, cache=cache))
+        assert len(taken) == n_parts and all(t is None for t in taken)
+    finally:
+        mx.enable_compile()

@@ -29,6 +29,7 @@ from ...kernels import gated_delta_frontend as _k_frontend
 from ...kernels import gated_delta_scan as _k_scan
 from ...kernels import gated_rms_norm as _k_norm
 from ...kernels import gdn_mixer_decode as _k_mixer
+from .. import _launch_order
 from .. import linear as linear_ops
 from .checks import _PROJECTIONS, _STEP_ARRAYS, _decode_modules, _decode_params, _heads, _states, _store
 
@@ -228,7 +229,7 @@ def _mixer_step(num_k_heads: int, num_v_heads: int, norm_eps: float, n_out: int,
         def step(x, conv_state, state, norm_weight, *flat):
             return _k_mixer.gdn_mixer_decode(
                 x, flat[n_out + 1:], flat[n_out], conv_state, state, flat[:n_out], num_k_heads=key[1],
-                num_v_heads=key[2], input_norm_eps=key[5], norm_eps=key[3])
+                num_v_heads=key[2], input_norm_eps=key[5], norm_eps=key[3], after=_launch_order.take())
 
         fn = _decode_steps[key] = mx.compile(step)
     return fn

@@ -31,6 +31,7 @@ from ...kernels import moe_decode_gemv as _decode_gemv
 from ...kernels import moe_grouped_gemm as _grouped_gemm
 from ...kernels import moe_grouped_gemm_builds as _gemm_builds
 from ...kernels import moe_routing as _routing
+from .. import _launch_order
 from .. import linear as linear_ops
 from .checks import _DECODE_CHILDREN, _EXPERT_PATHS, _decode_rows, decode_arrays
 from .naive import _check_block_input, _shared_expert, _stock
@@ -290,7 +291,8 @@ def _compiled_decode_step(top_k: int, normalize: bool, router_static: tuple, n_r
             a = arrays[n_router:]
             return _k_block.moe_block_decode_unchecked(h, norm_weight, arrays[:n_router], (a[0:3], a[3:6], a[6:9]),
                                               (a[9:12], a[12:15], a[15:18]), (a[18], a[19], a[20], shared_gate_bits),
-                                              top_k, key[5], bool(normalize), group_size, bits)
+                                              top_k, key[5], bool(normalize), group_size, bits,
+                                              after=_launch_order.take())
 
         fn = _decode_steps[key] = mx.compile(step)
     if fn is None:
