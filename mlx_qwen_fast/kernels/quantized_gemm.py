@@ -43,8 +43,10 @@ from .moe_grouped_gemm_builds import (BK, BN, TILE_CHOICES, WGMMA_FEATURES, WG_K
 
 __all__ = ["quantized_gemm", "quantized_gemm_unchecked", "supports", "choose_tile_rows", "variant_for"]
 
-#: CTAs per SM the tile rule's grid must reach (:func:`choose_tile_rows`).
-_CTAS_PER_SM = 1
+#: Share of the SMs the tile rule's grid must give a CTA (:func:`choose_tile_rows`):
+#: a 128-row grid of 128 CTAs on 132 SMs beat the 64-row one of 256 by 13-18%
+#: (H100, 2048-row chunks, O = 2048: bench/results/prefill-gemm-log.md).
+_MIN_FILL = 0.75
 
 
 def variant_for(O: int, K: int) -> str:
@@ -56,13 +58,13 @@ def variant_for(O: int, K: int) -> str:
 
 def choose_tile_rows(M: int, O: int, variant: str, sm_count: int) -> int:
     """Rows per work item (one of :data:`TILE_CHOICES`): the largest whose
-    grid (row tiles x feature tiles) still gives every SM a CTA, else the
-    smallest. Larger tiles read each weight tile fewer times; smaller ones
+    grid (row tiles x feature tiles) still gives three SMs in four a CTA,
+    else the smallest. Larger tiles read each weight tile fewer times; smaller ones
     fill a GPU that large tiles would leave idle (few rows or a narrow
     ``O``). The timings per tile: ``python -m bench.prefill_gemm``."""
     cols = O // (WGMMA_FEATURES["down"] if variant == "wgmma" else BN)
     for bm in sorted(TILE_CHOICES, reverse=True):
-        if -(-M // bm) * cols >= _CTAS_PER_SM * sm_count:
+        if -(-M // bm) * cols >= _MIN_FILL * sm_count:
             return bm
     return min(TILE_CHOICES)
 

@@ -71,11 +71,13 @@ def test_argument_errors_name_the_argument():
 
 
 def test_tile_rule_fills_the_gpu():
-    """The largest tile whose grid gives each SM a CTA; smaller ones for few
-    rows or narrow outputs; always one of the builds' tiles."""
+    """The largest tile whose grid gives three SMs in four a CTA; smaller
+    ones for few rows or narrow outputs; always one of the builds' tiles."""
     assert qg.choose_tile_rows(4096, 2048, "wgmma", 132) == 128  # 32 x 8 CTAs
-    assert qg.choose_tile_rows(4096, 512, "wgmma", 132) == 32    # 128 x 2
-    assert qg.choose_tile_rows(4096, 1024, "wgmma", 132) == 64   # 64 x 4 (128 x 4 too few)
+    assert qg.choose_tile_rows(4096, 512, "wgmma", 132) == 64    # 64 x 2 (32 x 2 too few)
+    assert qg.choose_tile_rows(4096, 1024, "wgmma", 132) == 128  # 32 x 4 = 128 of 132 SMs
+    assert qg.choose_tile_rows(1024, 2048, "wgmma", 132) == 64   # 16 x 8 (8 x 8 too few)
+    assert qg.choose_tile_rows(2048, 256, "wgmma", 132) == 32    # 64 x 1: too few for 64 rows
     assert qg.choose_tile_rows(100, 256, "wgmma", 132) == 32     # too few rows for any
     assert qg.choose_tile_rows(4096, 512, "mma", 132) == 128     # 32 x 8 (64 features per CTA)
     assert qg.choose_tile_rows(4096, 64, "mma", 132) == 32       # 128 x 1: fewest anyway
