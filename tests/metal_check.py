@@ -22,8 +22,17 @@ What it does, for one ``mx.fast.metal_kernel`` call:
    ends where an inaccessible page starts, outputs start poisoned (NaN)
    unless ``init_value``.
 
+4. **Address spaces** (where libclang is installed: the test extra's
+   ``libclang``): the same source, its utils header replaced by
+   ``metal_clcpp.h`` (declarations of the MSL subset), is parsed by clang as
+   C++ for OpenCL, where ``device``, ``constant``, ``threadgroup`` and
+   ``thread`` are address spaces (:func:`address_space_problems`): a
+   pointer or reference of one given where another is expected is an error,
+   as in Apple's compiler; the C++ build above erases the qualifiers.
+
 It fails (:class:`MetalCheckError`, the program's message) on: an access
-past the end of a buffer (named), a barrier that some threads of a group
+past the end of a buffer (named), an address-space mismatch (clang's
+message and line), a barrier that some threads of a group
 return without reaching, lanes of a SIMD group waiting at different
 synchronisation points, outputs that differ between the two schedules (a
 read of memory another thread writes with no barrier between), an MSL
@@ -31,7 +40,9 @@ construct the shim lacks (a compile error).
 Unwritten outputs stay NaN for the caller's comparison to catch.
 
 What this proves: for the shapes run, the kernel's numbers under a C++
-reading of MSL, and the absence of the bounds and barrier errors above.
+reading of MSL, the absence of the bounds and barrier errors above, and that
+every pointer and reference keeps its address space (for the template
+arguments instantiated).
 What it cannot: that Apple's compiler accepts the source, anything about
 speed, Apple's memory model (threads of one group never run concurrently
 here, so a missing barrier shows only where one of the two schedules
@@ -215,6 +226,85 @@ def _build(text: str) -> Path:
     return exe
 
 
+CLCPP_PRELUDE = HERE / "metal_clcpp.h"
+_TG_LOCAL = re.compile(r"\bthreadgroup\s+([A-Za-z_][\w:<>, ]*?)\s+([A-Za-z_]\w*)\s*((?:\[[^\]]+\])+)\s*;")
+_VEC_CTOR = re.compile(r"\b((?:u?(?:char|short|int|long)|float|half|bool)[234]|(?:metal::)?vec<[^<>()]*>)\(")
+_INSTANTIATION_ATTRS = re.compile(r"^template \[\[host_name\([^)]*\)\]\] \[\[kernel\]\] ", re.M)
+_as_checked: Dict[str, List[str]] = {}
+
+
+def _vector_ctors(src: str) -> str:
+    """Metal's vector constructors as clang's vector types take them: of
+    several arguments, ``float4(a, b, c, d)``, as list initialisation
+    ``float4{a, b, c, d}``; of one (a splat, or a conversion between element
+    types, which clang does not make implicitly), as ``mqf_vcast<float4>(x)``
+    (metal_clcpp.h)."""
+    out, i = [], 0
+    for m in _VEC_CTOR.finditer(src):
+        if m.start() < i:
+            continue
+        j, depth = m.end(), 1
+        while depth:
+            depth += {"(": 1, ")": -1}.get(src[j], 0)
+            j += 1
+        args = _vector_ctors(src[m.end():j - 1])
+        depth, comma = 0, False
+        for ch in args:
+            depth += {"(": 1, ")": -1, "[": 1, "]": -1, "{": 1, "}": -1}.get(ch, 0)
+            comma |= ch == "," and depth == 0
+        out.append(src[i:m.start()] + (m.group(1) + "{" + args + "}" if comma else f"mqf_vcast<{m.group(1)}>({args})"))
+        i = j
+    out.append(src[i:])
+    return "".join(out)
+
+
+def clcpp_source(source: str) -> str:
+    """A generated Metal source as clang's C++ for OpenCL reads it: after
+    ``metal_clcpp.h``; function-scope threadgroup arrays as pointers into
+    threadgroup memory (OpenCL keeps ``__local`` variables to kernels, and
+    Metal's ``[[kernel]]`` is an ignored attribute here); the explicit
+    instantiation without its attributes; vector constructors as list
+    initialisation. Address-space qualifiers stay as written."""
+    def tg_array(m):
+        t, n, dims = m.group(1), m.group(2), m.group(3)
+        inner = dims[dims.index("]") + 1:]
+        return f"threadgroup {t} (*{n}){inner} = (threadgroup {t} (*){inner})mqf_tg();"
+
+    src = _TG_LOCAL.sub(tg_array, source)
+    src = _INSTANTIATION_ATTRS.sub("template ", src).replace("[[kernel]]", "")
+    return f'#include "{CLCPP_PRELUDE.name}"\nthreadgroup void* mqf_tg();\n' + _vector_ctors(src)
+
+
+def address_space_problems(source: str) -> Optional[List[str]]:
+    """clang's errors (``line: message | source line``) for a generated Metal
+    source read as C++ for OpenCL (:func:`clcpp_source`), where the four
+    address spaces are distinct: an empty list when it parses cleanly;
+    None where libclang is not installed. Parsing only (``-fsyntax-only``),
+    each source once per process."""
+    if source in _as_checked:
+        return _as_checked[source]
+    try:
+        import clang.cindex as ci
+    except ImportError:
+        return None
+    text = clcpp_source(source)
+    tu = ci.Index.create().parse(
+        "kernel.clcpp", unsaved_files=[("kernel.clcpp", text)],
+        args=["-x", "clcpp", "-cl-std=clc++1.0", "-cl-ext=+cl_khr_fp16", "-cl-no-stdinc", "-fsyntax-only",
+              f"-I{HERE}", "-Wno-unknown-attributes", "-ferror-limit=8"])
+    lines = text.splitlines()
+    problems = []
+    for d in tu.diagnostics:
+        if d.severity < ci.Diagnostic.Error:
+            continue
+        loc = d.location
+        here = loc.file is not None and loc.file.name == "kernel.clcpp" and 0 < loc.line <= len(lines)
+        where = lines[loc.line - 1].strip() if here else f"{loc.file}:{loc.line}"
+        problems.append(f"{loc.line}: {d.spelling} | {where}")
+    _as_checked[source] = problems
+    return problems
+
+
 class SimKernel:
     """An ``mx.fast.metal_kernel`` whose calls run on the CPU through the checker."""
 
@@ -239,6 +329,10 @@ class SimKernel:
         source = generated_source(self.real, call, arrays)
         text, params = _program(source)
         exe = _build(text)
+        problems = address_space_problems(source)
+        if problems:  # (metal_clcpp.h declares what metal_shim.h defines: a gap there shows here too)
+            raise MetalCheckError(f"{self.name}: address spaces (the source read as C++ for OpenCL):\n"
+                                  + "\n".join(problems))
         return self._run(exe, params, arrays, call, init_value)
 
     def _run(self, exe, params, arrays, call, init_value):

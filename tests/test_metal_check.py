@@ -8,7 +8,9 @@ buffer's end, a barrier some threads return before, lanes of a SIMD group
 at different synchronisation points (simd_* and simdgroup_matrix
 operations), a missing barrier where the schedule shows it, unwritten
 outputs, a simdgroup_load or simdgroup_store past the end of its buffer or
-threadgroup array, a simdgroup_matrix operation without all 32 lanes.
+threadgroup array, a simdgroup_matrix operation without all 32 lanes, an
+address-space mismatch (threadgroup memory where device or constant memory
+is read, a device value for a constant reference).
 """
 
 import mlx.core as mx
@@ -200,6 +202,45 @@ def test_shim_gap_is_a_clear_error():
     k = _kernel("out[0] = metal::unknown_function(x[0]);")
     with pytest.raises(mc.MetalCheckError, match="does not compile against metal_shim.h"):
         _run(k, mx.ones((4,)), (1, 1, 1), (1, 1, 1))
+
+
+# ---- address spaces ----------------------------------------------------------
+
+_SUM_HEADER = """
+inline float sum8({space} const float* p) {{
+  float s = 0.0f;
+  for (int i = 0; i < 8; ++i) s += p[i];
+  return s;
+}}
+inline float scaled(const constant float& c, float v) {{ return c * v; }}
+"""
+_SUM_BODY = """
+    uint i = thread_position_in_threadgroup.x;
+    threadgroup float t[8];
+    t[i] = x[i];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (i == 0) out[0] = sum8(t) + {extra};
+"""
+
+
+@pytest.mark.skipif(mc.address_space_problems("") is None, reason="no libclang (the test extra's) to parse with")
+@pytest.mark.parametrize("space,extra,message", [
+    ("threadgroup", "0.0f", None),  # the right space: runs
+    ("device", "0.0f", r"no matching function for call to 'sum8'"),  # threadgroup memory where device is read
+    ("constant", "0.0f", r"no matching function for call to 'sum8'"),
+    ("threadgroup", "scaled(x[1], 1.0f)", r"no matching function for call to 'scaled'"),  # device for constant
+])
+def test_planted_address_space_mismatch_is_caught(space, extra, message):
+    """A pointer (or reference) of one address space given where another is
+    expected: the C++ build erases the qualifiers and would run it; the
+    source read as C++ for OpenCL names the call."""
+    k = _kernel(_SUM_BODY.format(extra=extra), header=_SUM_HEADER.format(space=space))
+    x = mx.arange(8).astype(mx.float32)
+    if message is None:
+        assert _run(k, x, (8, 1, 1), (8, 1, 1), n=1).item() == 28.0
+        return
+    with pytest.raises(mc.MetalCheckError, match=r"address spaces(.|\n)*" + message):
+        _run(k, x, (8, 1, 1), (8, 1, 1), n=1)
 
 
 # ---- simdgroup_matrix -------------------------------------------------------
