@@ -21,7 +21,7 @@ from ..compiled import StepPlans
 from . import _launch_order, kv_buffers
 from .layer_plans import layer_entry, takes
 
-__all__ = ["KeptPlan", "call_donating", "decode_model", "embed_ids"]
+__all__ = ["KeptPlan", "call_donating", "decode_model", "embed_ids", "order_input"]
 
 
 #: Compiled whole-stack steps a model keeps (the newest), each holding its arrays.

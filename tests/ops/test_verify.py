@@ -475,3 +475,44 @@ def test_cuda_step_matches_modules_bf16(monkeypatch, env, kernel_heads, S, B, bl
         for u, v in zip(_valid(x), _valid(y)):
             assert u.shape == v.shape and u.dtype == v.dtype
             assert_close(u, v, tol, "cache state")
+
+
+def test_step_orders_its_first_grid_launch_after_the_previous_call(monkeypatch, fp32_models):
+    """The verify step offers the previous call's output to the first
+    grid-barrier launch of its trace (ops._launch_order), as the decode step
+    does: a stand-in MoE part (as the one-launch block's step takes the
+    offer) records what it was offered; eagerly (compilation off), at every
+    call exactly the first layer's part takes something -- the call's own
+    hidden input first, then the previous call's output (S unchanged)."""
+    from mlx_qwen_fast.ops import _launch_order, model_plan
+
+    taken = []
+
+    def stand_in(layer, x):
+        def fn(h, n2):
+            taken.append(_launch_order.take())
+            return h + layer.mlp(layer.post_attention_layernorm(h))
+
+        return "parts", fn, ()
+
+    monkeypatch.setattr(verify, "_moe_step", stand_in)
+    _, fast = fp32_models
+    fast = copy.deepcopy(fast)
+    m = fast.language_model.model
+    cache = _prefilled(fast, mx.array([[3, 1, 4, 1, 5, 9, 2, 6]]))
+    prev = None
+    mx.disable_compile()
+    try:
+        for i in range(3):
+            tokens = mx.array([[10 + i, 20 + i]])
+            taken.clear()
+            out = verify.verify_model(m, tokens, cache)
+            assert out is not None
+            mx.eval(out)
+            assert len(taken) == len(m.layers) and taken[0] is not None, "the first part takes the offer"
+            assert all(t is None for t in taken[1:])
+            want = model_plan.embed_ids(m, tokens) if prev is None else prev
+            assert taken[0].shape == want.shape and mx.array_equal(taken[0], want).item(), f"call {i}"
+            prev = out
+    finally:
+        mx.enable_compile()
