@@ -227,7 +227,6 @@ def _build(text: str) -> Path:
 
 
 CLCPP_PRELUDE = HERE / "metal_clcpp.h"
-_TG_LOCAL = re.compile(r"\bthreadgroup\s+([A-Za-z_][\w:<>, ]*?)\s+([A-Za-z_]\w*)\s*((?:\[[^\]]+\])+)\s*;")
 _VEC_CTOR = re.compile(r"\b((?:u?(?:char|short|int|long)|float|half|bool)[234]|(?:metal::)?vec<[^<>()]*>)\(")
 _INSTANTIATION_ATTRS = re.compile(r"^template \[\[host_name\([^)]*\)\]\] \[\[kernel\]\] ", re.M)
 _as_checked: Dict[str, List[str]] = {}
@@ -270,7 +269,7 @@ def clcpp_source(source: str) -> str:
         inner = dims[dims.index("]") + 1:]
         return f"threadgroup {t} (*{n}){inner} = (threadgroup {t} (*){inner})mqf_tg();"
 
-    src = _TG_LOCAL.sub(tg_array, source)
+    src = _TG_ARRAY.sub(tg_array, source)
     src = _INSTANTIATION_ATTRS.sub("template ", src).replace("[[kernel]]", "")
     return f'#include "{CLCPP_PRELUDE.name}"\nthreadgroup void* mqf_tg();\n' + _vector_ctors(src)
 

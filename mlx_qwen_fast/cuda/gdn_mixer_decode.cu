@@ -76,10 +76,8 @@
 // block b starts at tile t * G + b), so the tiles of a last, partial round
 // fall one per block before any block gets a second one: no block runs two
 // of the round's tiles while another idles, and every block's SM loads
-// weights, not the first blocks' alone. (H100, bench.phase_clock: 19.3-20.7 us
-// per launch against 22.8 us for block-major tiles, blockIdx.x * T + team,
-// which gave the same bits and was dropped.) A tile's arithmetic does not
-// depend on which team runs it.
+// weights, not the first blocks' alone (timings: bench/results/gdn-cuda-log.md).
+// A tile's arithmetic does not depend on which team runs it.
 //
 // Prediction for the GPU (Qwen3.6-35B-A3B: K = 2048, HK = 16, HV = 32, P =
 // 12352, bf16, one token; not measured). Bytes per step: in_proj 12352 x

@@ -44,8 +44,8 @@ from .moe_grouped_gemm_builds import (BK, BN, TILE_CHOICES, WGMMA_FEATURES, WG_K
 __all__ = ["quantized_gemm", "quantized_gemm_unchecked", "supports", "choose_tile_rows", "variant_for"]
 
 #: Share of the SMs the tile rule's grid must give a CTA (:func:`choose_tile_rows`):
-#: a 128-row grid of 128 CTAs on 132 SMs beat the 64-row one of 256 by 13-18%
-#: (H100, 2048-row chunks, O = 2048: bench/results/prefill-gemm-log.md).
+#: a grid one CTA short of every SM with larger tiles beats one of twice the CTAs
+#: with smaller tiles (the per-tile timings: bench/results/prefill-gemm-log.md).
 _MIN_FILL = 0.75
 
 

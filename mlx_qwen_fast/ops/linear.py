@@ -253,9 +253,8 @@ def implementation_for(num_tokens: int, backend: Optional[str] = None) -> str:
 # ---------------------------------------------------------------------------
 
 #: Fewest token rows a prefill projection runs on the GEMM kernel with (below,
-#: MLX's quantized matmul), and fewest output features: the crossovers timed per
-#: projection at 512-4096 rows (H100: at 512 rows and for the 512-wide k/v
-#: projections MLX's matmul is faster), bench/results/prefill-gemm-log.md.
+#: MLX's quantized matmul), and fewest output features: below either, MLX's matmul
+#: is the faster (the crossovers per projection: bench/results/prefill-gemm-log.md).
 PREFILL_GEMM_MIN_ROWS = 1024
 PREFILL_GEMM_MIN_FEATURES = 2048
 
