@@ -98,7 +98,10 @@ def test_every_ptx_helper_has_a_cpu_body():
     ("moe_routing.cu", dict(MOE_STAGE=1, MOE_E=256, MOE_K=8, MOE_LT="bf16_t")),
     ("moe_decode_gemv.cu", dict(MDG_KIND=0, MDG_N=4, MDG_K=8, MDG_D=2048, MDG_I=512, MDG_SGB=8, MDG_ROUTE=1,
                                 MDG_E=512, MDG_LT="bf16_t")),
+    ("moe_block_decode.cu", dict(MBD_N=4, MBD_K=8, MBD_E=256, MBD_D=2048, MBD_I=512, MBD_SGB=8, MBD_RBITS=8,
+                                 MBD_RGS=64, MBD_WT="bf16_t")),
     ("tests/grid_exchange.cu", {}),
+    ("tests/grid_slots.cu", {}),
 ])
 def test_nvcc_compiles_the_gpu_branch(tmp_path, source, defines):
     """The same sources (the asm branch of ptx.cuh) compile for sm_90a."""
@@ -509,6 +512,51 @@ def test_planted_missing_grid_barrier():
     _exchange(5)  # the same build without the plant passes
 
 
+def _slot_of(tag):
+    """The slot of grid_sync.cuh's table that a launch's tag takes (its Fibonacci hash)."""
+    return ((tag * 0x9E3779B97F4A7C15) % 2**64 >> 58) % 64
+
+
+def _slots(tags, G=4, **defines):
+    L = len(tags)
+    x = mx.random.normal((L * G * 64,), key=mx.random.key(L * G + sum(tags)))
+    outs = cuda_check.launch("grid_slots.cu", "mqf_test_slots", {"MQF_G": G, **defines},
+                             [x, mx.array(tags, dtype=mx.uint64)], [(L * G,)] * 3, [mx.float32] * 3,
+                             (L * G * 64, 1, 1), (64, 1, 1))
+    return x.reshape(L, G, 64), outs
+
+
+@pytest.mark.parametrize("tags", [(1, 2), (1, 56), (3, 1, 56, 90), (5,)])
+def test_grid_barrier_slots_keep_launches_apart(tags):
+    """Launches of one grid-barrier kernel running at once (grid_slots.cu:
+    several launches' CTAs in one resident grid), each on the slot its tag
+    takes: distinct slots, one slot (the later waits until the earlier frees
+    it), both; every launch's CTAs see their own launch's sums only."""
+    assert _slot_of(1) == _slot_of(56) == _slot_of(90) != _slot_of(3)  # the cases' premise
+    x, (partial, total, nxt) = _slots(tags)
+    sums = np.array(x.sum(axis=-1))
+    assert np.allclose(np.array(partial), sums.reshape(-1), rtol=1e-5, atol=1e-5)
+    want = np.repeat(sums.sum(axis=1), x.shape[1])
+    assert np.allclose(np.array(total), want, rtol=1e-5, atol=1e-4)
+    assert np.array_equal(np.array(nxt), np.array(total))
+
+
+def test_planted_launches_at_once_on_one_counter():
+    """grid_slots.cu with every launch on one counter (NO_SLOTS: no slot
+    claimed): two launches at once break its barrier."""
+    with pytest.raises(CudaCheckError):
+        _slots((1, 2), NO_SLOTS=1)
+    _slots((1, 2))  # the same launch with slots passes
+
+
+def test_planted_slot_never_freed():
+    """A launch that keeps its slot: the next launch of that slot waits forever."""
+    with cuda_check.planted("grid_slots.cu", "grid_free(slot_of(tag), cta);", ""):
+        with pytest.raises(CudaCheckError, match=r"spin-waits at grid_sync.cuh:\d+ and no thread can make progress"):
+            _slots((1, 56))
+        _slots((1, 2))  # distinct slots: no launch waits
+
+
 def _stacks(blocks, **defines):
     x = mx.arange(blocks * 64, dtype=mx.float32)
     (y,) = cuda_check.launch("stack_overflow.cu", "mqf_test_stack", defines, [x], [(blocks * 64,)],
@@ -642,8 +690,8 @@ def _mixer(shape):
 
 
 @pytest.mark.parametrize("what,shape,source,old,new,index", [
-    ("grid barrier 1 (proj written)", (256, 2, 4), "gdn_mixer_decode.cu", "grid_wait(ctr, base + BARW);", ";", None),
-    ("grid barrier 2 (y written)", (256, 2, 4), "gdn_mixer_decode.cu", "grid_wait(ctr, base + 2 * BARW);", ";", 0),
+    ("grid barrier 1 (proj written)", (256, 2, 4), "gdn_mixer_decode.cu", "grid_wait(ctr(), base + BARW);", ";", None),
+    ("grid barrier 2 (y written)", (256, 2, 4), "gdn_mixer_decode.cu", "grid_wait(ctr(), base + 2 * BARW);", ";", 0),
     ("y staged for out_proj", (256, 2, 4), "gdn_mixer_decode.cu", "ldcg16(y + 8 * i);\n    __syncthreads();",
      "ldcg16(y + 8 * i);", None),
     ("a tile round's partial sums read before the next round writes them (qg_tiles)", (1024, 2, 8),
@@ -669,13 +717,13 @@ def test_planted_missing_barriers_in_the_mixer(what, shape, source, old, new, in
 
 
 def test_mixer_traps_on_a_counter_it_cannot_use():
-    """The one-launch mixer whose module-level barrier counter starts at a
-    value no launch can leave (1500: remainder mod 2 * BARW at least BARW)
-    traps rather than pass a barrier early."""
+    """The one-launch mixer whose barrier counter (its slot's) reads as a
+    value no launch can leave (1500 more: remainder mod 2 * BARW at least
+    BARW) traps rather than pass a barrier early."""
     ok = _mixer((256, 2, 4))
     assert all(not mx.isnan(o).any().item() for o in ok)
-    with cuda_check.planted("gdn_mixer_decode.cu", "__device__ unsigned long long mixer_ctr;",
-                            "__device__ unsigned long long mixer_ctr = 1500;"):
+    with cuda_check.planted("gdn_mixer_decode.cu", "v0 = ld_relaxed_u64(&s->ctr);",
+                            "v0 = ld_relaxed_u64(&s->ctr) + 1500;"):
         with pytest.raises(CudaCheckError, match=r"gdn_mixer_decode.cu .*__trap\(\) at grid_sync.cuh"):
             _mixer((256, 2, 4))
 
@@ -698,8 +746,8 @@ def _moe_block():
 
 
 @pytest.mark.parametrize("what,old,new,index", [
-    ("grid barrier 1 (logits written)", "grid_wait(ctr, base + BARW);", ";", None),
-    ("grid barrier 2 (h and the shared gate written)", "grid_wait(ctr, base + 2 * BARW);", ";", None),
+    ("grid barrier 1 (logits written)", "grid_wait(ctr(), base + BARW);", ";", None),
+    ("grid barrier 2 (h and the shared gate written)", "grid_wait(ctr(), base + 2 * BARW);", ";", None),
     ("h staged for the down tiles", "ldcg16(h + 8 * i);\n  __syncthreads();", "ldcg16(h + 8 * i);", None),
 ])
 def test_planted_missing_barriers_in_the_moe_block(what, old, new, index):

@@ -52,21 +52,21 @@
 // eps_qk, eps_norm. Weights: affine 4-bit, group 64 (mx.quantize).
 //
 // Launch contract: G blocks of 512 threads, G <= the number of SMs and
-// G <= BARW, every block resident at once. One block fits an SM (not two:
-// 512 threads x ~120 registers), so no other launch of this kernel may run
-// beside it, nor another such grid (two could each hold part of the SMs and
-// wait for the other forever), while other kernels only delay it. MLX orders
-// two launches only when one reads what the other writes (its CUDA graphs
-// have edges from a buffer's writer to its readers): consecutive layers are
-// ordered so; two decode calls whose inputs do not depend on each other
-// (teacher-forced tokens evaluated together) are not, and the decode step
-// passes the previous call's output as `after` to its first such launch
-// (ops/_launch_order.py). A
-// grid that is not resident traps after ~2^23 polls rather than hang. The
-// barrier counter is a __device__ variable of the kernel's module (zero when
-// the module loads, never reset: grid_sync.cuh's contract), so a launch
-// needs no output filled first; a value that cannot be a launch's start
-// (remainder mod 2 * BARW at least BARW when a block first reads it) traps.
+// G <= BARW, every block resident at once (one block fits an SM, not two:
+// 512 threads x ~100 registers); other kernels only delay it. MLX orders two
+// launches only when one reads what the other writes (its CUDA graphs have
+// edges from a buffer's writer to its readers), so launches of graphs that
+// do not depend on each other (teacher-forced tokens evaluated together) may
+// run at once: each launch takes a barrier slot of its own from the module's
+// table (grid_sync.cuh: claimed by its grid id, freed after the last
+// barrier), and the decode step also passes the previous call's output as
+// `after` to its first such launch (ops/_launch_order.py), so that its calls
+// run in order. A grid that is not resident traps after ~2^23 polls rather
+// than hang. The slots are __device__ variables of the kernel's module (zero
+// when the module loads, counters never reset: grid_sync.cuh's contract),
+// so a launch needs no output filled first; a counter value that cannot be
+// a launch's start (remainder mod 2 * BARW at least BARW when a block first
+// reads it) traps.
 //
 // Build macros: KNAME, GDN_X (bf16_t or float), GDN_HV, GDN_HK, GM_K
 // (hidden size, a multiple of 64), GM_M (1..4 rows).
@@ -139,9 +139,9 @@ constexpr int OFF_CLOCK = OFF_Y + round16(M * KO * (int)sizeof(xt));
 
 constexpr unsigned long long BARW = 1024;  // barrier weight, >= gridDim.x
 constexpr unsigned long long NBAR = 2;     // barriers per launch
-// The grid barriers' arrival counter: one per module (one per build
-// configuration), launches of a module one at a time (see the top).
-__device__ unsigned long long mixer_ctr;
+// The grid barriers' slots: one table per module (one per build configuration), a slot per
+// running launch (grid_sync.cuh).
+__device__ GridSlot mixer_slots[GRID_SLOTS];
 
 // proj read by the GDN step: through L2 (other blocks wrote it in this launch).
 struct ScratchLoad {
@@ -269,7 +269,6 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
                                       T* __restrict__ conv_state_out, float* __restrict__ state_out,
                                       unsigned* __restrict__ scratch, float eps_in, float eps_qk, float eps_norm,
                                       const Smem& sm) {
-  unsigned long long* const ctr = &mixer_ctr;
   T* const proj = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(scratch) + OFF_PROJ);
   T* const y = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(scratch) + OFF_Y);
   const float* const in_norm_w = params + C * KW + 2 * HV + D;
@@ -277,10 +276,16 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
   PhaseClock clk;
   clk.mark(0);
 
-  // The counter before this block's first arrival (grid_sync.cuh); the load
-  // is issued here, its value first used at the first barrier.
+  // The launch's slot and its counter before this block's first arrival (grid_sync.cuh; thread 0
+  // only); claimed and loaded here, first used at the first barrier.
   unsigned long long v0 = 0;
-  if (tid == 0) v0 = ld_relaxed_u64(ctr);
+  if (tid == 0) {
+    GridSlot* s = grid_claim(mixer_slots, grid_tag());
+    v0 = ld_relaxed_u64(&s->ctr);
+  }
+  // The slot's counter at each use (thread 0's), from the grid id: not held in registers across
+  // the phases (a held pointer costs the mixer ~25 registers and spills).
+  const auto ctr = [] { return &grid_slot(mixer_slots)->ctr; };
 
   // ---- A: proj = rms_norm(x) @ W_in.T ---------------------------------------------------
   if constexpr (SameType<T, bf16_t>::value) {
@@ -303,12 +308,12 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
   // The launch's base: the counter rounded down to a multiple of NBAR * BARW.
   unsigned long long base = 0;
   if (tid == 0) base = grid_launch_base<NBAR, BARW>(v0);
-  grid_arrive<BARW>(ctr);
+  grid_arrive<BARW>(ctr());
   // the first item's state rows: loaded while the grid meets (after the arrival, whose release
   // would otherwise wait for thread 0's loads in flight)
   float S[E];
   if ((int)blockIdx.x < M * HV) gdn_step_state_loads(state_in, blockIdx.x, S);
-  grid_wait(ctr, base + BARW);
+  grid_wait(ctr(), base + BARW);
   clk.mark(2);
 
   // ---- B: the GDN step of items (b, h) ----------------------------------------------------
@@ -326,10 +331,11 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
     const int tile = qg_tile0<TC, true>(team);
     QgA<CfgC> A;
     QgSB<CfgC> sb;
-    grid_arrive<BARW>(ctr);
+    grid_arrive<BARW>(ctr());
     if (team < TC && tile < TILES_C)  // loaded while the grid meets (after the arrival, as above)
       qg_load<CfgC>(A, sb, w_out, s_out, b_out, tile * 16, HID, wt * CfgC::BPW, lane >> 2, lane & 3);
-    grid_wait(ctr, base + 2 * BARW);
+    grid_wait(ctr(), base + 2 * BARW);
+    grid_free(grid_slot(mixer_slots));
     clk.mark(4);
     gdn_u16 (*xs)[KO] = reinterpret_cast<gdn_u16 (*)[KO]>(sm.stage);
     for (int i = tid; i < M * KO / 8; i += NT)
@@ -337,8 +343,9 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
     __syncthreads();
     qg_tiles<CfgC, KWC, TC, TILES_C, true, true>(A, sb, xs, w_out, s_out, b_out, out, x, HID, sm.red);
   } else {
-    grid_arrive<BARW>(ctr);
-    grid_wait(ctr, base + 2 * BARW);
+    grid_arrive<BARW>(ctr());
+    grid_wait(ctr(), base + 2 * BARW);
+    grid_free(grid_slot(mixer_slots));
     clk.mark(4);
     gemv_rows_f32<KO, true>(ScratchRows{y}, w_out, s_out, b_out, out, x, HID);
   }

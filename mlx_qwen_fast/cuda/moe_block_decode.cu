@@ -77,17 +77,18 @@
 //
 // Launch contract: G blocks of 512 threads, G <= the number of SMs and G <=
 // BARW, every block resident at once (one block per SM: 512 threads x up to
-// 128 registers and ~100 KB of shared memory), so no other launch of this
-// kernel may run beside it, and no other such grid either: MLX orders two
-// launches only when one reads what the other writes (its CUDA graphs have
-// edges from a buffer's writer to its readers). Consecutive layers are
-// ordered so; two decode calls whose inputs do not depend on each other
-// (teacher-forced tokens evaluated together) are not, and the decode step
-// passes the previous call's output as `after` to its first such launch
-// (ops/_launch_order.py). A grid that is not resident
-// traps after ~2^23 polls rather than hang. The barrier counter is a
-// __device__ variable of the kernel's module (zero when the module loads,
-// never reset: grid_sync.cuh's contract); a value that cannot be a launch's
+// 128 registers and ~100 KB of shared memory). MLX orders two launches only
+// when one reads what the other writes (its CUDA graphs have edges from a
+// buffer's writer to its readers), so launches of graphs that do not depend
+// on each other (teacher-forced tokens evaluated together) may run at once:
+// each launch takes a barrier slot of its own from the module's table
+// (grid_sync.cuh: claimed by its grid id, freed after the last barrier), and
+// the decode step also passes the previous call's output as `after` to its
+// first such launch (ops/_launch_order.py), so that its calls run in order.
+// A grid that is not resident traps after ~2^23 polls rather than hang. The
+// slots are __device__ variables of the kernel's module (zero when the
+// module loads, counters never reset: grid_sync.cuh's contract), so no
+// output needs a start value; a counter value that cannot be a launch's
 // start traps.
 //
 // Build macros: KNAME, MBD_N (1..4), MBD_K (top-k, N*k <= 32), MBD_E
@@ -173,9 +174,9 @@ constexpr int DSM = GU_BYTES > DN_BYTES ? GU_BYTES : DN_BYTES;  // moe_block_dec
 
 constexpr unsigned long long BARW = 1024;  // barrier weight, >= gridDim.x
 constexpr unsigned long long NBAR = 2;     // barriers per launch
-// The grid barriers' arrival counter: one per module (one per build
-// configuration), launches of a module one at a time (see the top).
-__device__ unsigned long long moe_block_ctr;
+// The grid barriers' slots: one table per module (one per build configuration), a slot per
+// running launch (grid_sync.cuh).
+__device__ GridSlot moe_block_slots[GRID_SLOTS];
 
 constexpr int SKIP = -2;  // a down slot whose expert a lower slot lists
 }  // namespace
@@ -204,7 +205,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
   __shared__ float rscores[NK];
   if (dynamic_smem_size() < DSM) __trap();
 
-  unsigned long long* const ctr = &moe_block_ctr;
   unsigned char* const scr = reinterpret_cast<unsigned char*>(scratch);
   bf16_t* const logits = reinterpret_cast<bf16_t*>(scr + OFF_LOGITS);
   bf16_t* const h = reinterpret_cast<bf16_t*>(scr + OFF_H);
@@ -214,10 +214,16 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
   PhaseClock clk;
   clk.mark(0);
 
-  // The counter before this block's first arrival (grid_sync.cuh); the load
-  // is issued here, its value first used at the first barrier.
+  // The launch's slot and its counter before this block's first arrival (grid_sync.cuh; thread 0
+  // only); claimed and loaded here, first used at the first barrier.
   unsigned long long v0 = 0;
-  if (tid == 0) v0 = ld_relaxed_u64(ctr);
+  if (tid == 0) {
+    GridSlot* s = grid_claim(moe_block_slots, grid_tag());
+    v0 = ld_relaxed_u64(&s->ctr);
+  }
+  // The slot's counter at each use (thread 0's), from the grid id: not held in registers across
+  // the phases (a held pointer costs the mixer ~25 registers and spills).
+  const auto ctr = [] { return &grid_slot(moe_block_slots)->ctr; };
 
   // ---- gate+up items (phases A and B) -----------------------------------------------
   // One round of items: each team of GUW warps its item (act: the team has
@@ -290,8 +296,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
   // The launch's base: the counter rounded down to a multiple of NBAR * BARW.
   unsigned long long base = 0;
   if (tid == 0) base = grid_launch_base<NBAR, BARW>(v0);
-  grid_arrive<BARW>(ctr);
-  grid_wait(ctr, base + BARW);
+  grid_arrive<BARW>(ctr());
+  grid_wait(ctr(), base + BARW);
   clk.mark(2);
 
   // ---- B: routing (every block), the shared items left, the routed items --------------
@@ -350,12 +356,13 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
   // release would otherwise wait for thread 0's loads in flight)
   DownRegs<NU> R;
   int e0 = SKIP;
-  grid_arrive<BARW>(ctr);
+  grid_arrive<BARW>(ctr());
   if ((int)blockIdx.x < TILES_D && warp < NK + 1) {
     e0 = item_expert(warp);
     load_item(R, e0, (int)blockIdx.x * RB);
   }
-  grid_wait(ctr, base + 2 * BARW);
+  grid_wait(ctr(), base + 2 * BARW);
+  grid_free(grid_slot(moe_block_slots));
   clk.mark(5);
 
   gdn_u16 (*hs)[I] = reinterpret_cast<gdn_u16 (*)[I]>(dsm);

@@ -601,6 +601,39 @@ __device__ __forceinline__ void red_release_add_u64(unsigned long long* p, unsig
   *p += v;
 #endif
 }
+// atom.acquire.gpu.global.cas.b64: if *p == cmp then *p = v; returns the old value, ordering
+// this thread's later accesses after the writes that the value it read releases.
+__device__ __forceinline__ unsigned long long atom_cas_acquire_u64(unsigned long long* p, unsigned long long cmp,
+                                                                   unsigned long long v) {
+#ifndef MQF_CPU_CHECK
+  unsigned long long o;
+  asm volatile("atom.acquire.gpu.global.cas.b64 %0, [%1], %2, %3;\n" : "=l"(o) : "l"(p), "l"(cmp), "l"(v) : "memory");
+  return o;
+#else
+  const unsigned long long o = *p;
+  if (o == cmp) *p = v;
+  return o;
+#endif
+}
+// st.release.gpu.global.u64: *p = v, ordered after this thread's earlier accesses.
+__device__ __forceinline__ void st_release_u64(unsigned long long* p, unsigned long long v) {
+#ifndef MQF_CPU_CHECK
+  asm volatile("st.release.gpu.global.u64 [%0], %1;\n" ::"l"(p), "l"(v) : "memory");
+#else
+  *p = v;
+#endif
+}
+// The launch's tag: %gridid + 1 (PTX ISA: the grid's temporal identifier, distinct for every
+// launch of the context), so never 0. CUDA check: 1 (it runs one launch per process).
+__device__ __forceinline__ unsigned long long grid_tag() {
+#ifndef MQF_CPU_CHECK
+  unsigned long long v;
+  asm volatile("mov.u64 %0, %%gridid;\n" : "=l"(v));
+  return v + 1;
+#else
+  return 1;
+#endif
+}
 // ld.global.cg.f32: through L2 only (data other CTAs wrote in this launch).
 __device__ __forceinline__ float ldcg_f(const float* p) {
 #ifndef MQF_CPU_CHECK

@@ -20,16 +20,17 @@ fp32 (fp32 scales and biases, dot products on the CUDA cores).
 
 The kernel is persistent: ``min(SM count, work)`` blocks of 512 threads
 (:func:`grid_blocks`), all resident at once, meeting at two grid barriers
-whose arrival counter is a variable of the kernel's module (zero when it
-loads, never reset), so no output needs filling before a launch; the
+on a slot of the kernel's module (``grid_sync.cuh``: each running launch
+claims one by its grid id; zero when the module loads, never reset), so no
+output needs filling before a launch; the
 projection and GDN outputs pass between phases through a scratch output.
 The projections' 16-row tiles go team-major over the grid (tile
 ``team * blocks + block``), so the tiles of a last, partial round fall one
 per block before any block gets a second one.
-One block fills an SM, so two launches of this kernel must not run at once
-(MLX orders them when one reads the other's outputs, as consecutive layers
-do, and runs a stream's kernels in order); a grid that cannot be resident
-traps (a CUDA error) rather than hang. Source: ``mlx_qwen_fast/cuda/gdn_mixer_decode.cu``.
+One block fills an SM. Launches that MLX runs at once (graphs that do not
+depend on each other, evaluated together) keep apart on their own barrier
+slots; a grid that cannot be resident traps (a CUDA error) rather than
+hang. Source: ``mlx_qwen_fast/cuda/gdn_mixer_decode.cu``.
 """
 
 from __future__ import annotations
@@ -254,10 +255,11 @@ def gdn_mixer_decode(
         returns each block's SM cycle counts at the :data:`PHASE_MARKS`
         (bench/profile_kernels.py phases); same results otherwise.
       after: any array, never read: the launch runs after whatever wrote it
-        (MLX orders a launch after the writers of its inputs). Two launches of
-        this kernel must not run at once (its grid barrier; the source's
-        launch contract): pass an output of the launch that must come first
-        where nothing else orders the two. None: no such input.
+        (MLX orders a launch after the writers of its inputs). Launches of
+        this kernel that nothing orders may run at once, each on a barrier
+        slot of its own (the source's launch contract); pass an output of
+        the launch that should come first to keep two in order. None: no
+        such input.
 
     Returns:
       (out with x's shape and dtype, conv_state [B, 3, C] in x's dtype,

@@ -17,16 +17,17 @@ launches' bit for bit (bf16 activations only, as those kernels take).
 
 The kernel is persistent: ``min(SM count, work)`` blocks of 512 threads
 (:func:`grid_blocks`), all resident at once, meeting at two grid barriers
-whose arrival counter is a variable of the kernel's module (zero when it
-loads, never reset), so no output needs filling before a launch; the
+on a slot of the kernel's module (``grid_sync.cuh``: each running launch
+claims one by its grid id; zero when the module loads, never reset), so no
+output needs filling before a launch; the
 logits, the experts' SwiGLU rows and the shared gate pass between phases
 through a scratch output. The shared expert's gate+up work (independent of
 the routing) runs beside the router, on the blocks the router leaves idle;
 every block then routes the tokens itself from the logits, and the selected
 experts' gate+up work follows (at Qwen3.6-35B-A3B's shapes and one token: 256
-items, one round of 128 blocks' two teams). One block fills an SM, so two
-launches of this kernel must not run at once (MLX orders them when one reads
-the other's outputs, as consecutive layers do); a grid that cannot be
+items, one round of 128 blocks' two teams). One block fills an SM. Launches
+that MLX runs at once (graphs that do not depend on each other, evaluated
+together) keep apart on their own barrier slots; a grid that cannot be
 resident traps (a CUDA error) rather than hang. Source:
 ``mlx_qwen_fast/cuda/moe_block_decode.cu``.
 """
@@ -236,10 +237,11 @@ def moe_block_decode(
       router_group_size, router_bits: the router's quantisation (32/64/128,
         4/8).
       after: any array, never read: the launch runs after whatever wrote it
-        (MLX orders a launch after the writers of its inputs). Two launches of
-        this kernel must not run at once (its grid barrier; the source's
-        launch contract): pass an output of the launch that must come first
-        where nothing else orders the two. None: no such input.
+        (MLX orders a launch after the writers of its inputs). Launches of
+        this kernel that nothing orders may run at once, each on a barrier
+        slot of its own (the source's launch contract); pass an output of
+        the launch that should come first to keep two in order. None: no
+        such input.
 
     Returns:
       x's shape, bfloat16: ``quantized_gemv`` (norm, router) then

@@ -1,16 +1,17 @@
 """Order a decode call's grid-barrier launches after the previous call's.
 
 The one-launch decode kernels (``kernels.gdn_mixer_decode``,
-``kernels.moe_block_decode``) need their whole grid resident and share one
-barrier counter per build, so no two of them may run at once (the launch
-contract in their sources). MLX runs a launch after the launches that wrote
-its inputs and no others (its CUDA graphs have an edge only from a buffer's
-writer to its readers). Within one decode call every layer reads the one
-before it; across calls only the caches link layer L to layer L, so the
-early layers of call t + 1 may run beside the late layers of call t when
-the two calls do not depend on each other otherwise -- teacher-forced
-tokens evaluated together (mlx-lm's own loops sample each token from the
-previous call's logits, which orders everything).
+``kernels.moe_block_decode``) need their whole grid resident. MLX runs a
+launch after the launches that wrote its inputs and no others (its CUDA
+graphs have an edge only from a buffer's writer to its readers). Within one
+decode call every layer reads the one before it; across calls only the
+caches link layer L to layer L, so the early layers of call t + 1 may run
+beside the late layers of call t when the two calls do not depend on each
+other otherwise -- teacher-forced tokens evaluated together (mlx-lm's own
+loops sample each token from the previous call's logits, which orders
+everything). Launches at once keep apart on their own barrier slots (the
+kernels' launch contract); ordering the calls keeps two grids of every SM
+from having to share the GPU at all.
 
 The whole-stack steps (``ops.model_plan.decode_model``,
 ``ops.verify.verify_model``) therefore take the previous call's output as

@@ -378,6 +378,30 @@ def test_launches_in_a_row_need_no_filled_output(monkeypatch, dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("shape,launches", [(SMALL, 6), (FULL, 4)])
+def test_launches_at_once(shape, launches):
+    """Launches that do not depend on each other, evaluated in one
+    ``mx.eval`` (MLX may run them at the same time; each takes a barrier slot
+    of its own, grid_sync.cuh), over rounds: each launch's outputs equal its
+    launch evaluated alone, bit for bit. (GPU only: the CUDA check runs
+    launches one at a time; test_cuda_check.py's grid_slots tests run the
+    slots' protocol with launches at once.)"""
+    a = _arrays(shape, 2, mx.bfloat16, 42)
+    params = _params(a)
+    xs = [_next_x(a, i) for i in range(launches)]
+    want = []
+    for x in xs:
+        got = _fused(a, params, a.conv_state, a.state, x=x)
+        mx.eval(got)
+        want.append(got)
+    for r in range(8):
+        outs = [_fused(a, params, a.conv_state, a.state, x=x) for x in xs]
+        mx.eval(outs)
+        for i, (got, w) in enumerate(zip(outs, want)):
+            assert all(mx.array_equal(g, v).item() for g, v in zip(got, w)), f"round {r}, launch {i}"
+
+
+@pytest.mark.cuda
 @pytest.mark.usefixtures("poison")
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
 @pytest.mark.parametrize("B", [1, 4])

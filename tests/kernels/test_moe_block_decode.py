@@ -284,6 +284,29 @@ def test_launches_in_a_row_need_no_filled_output(monkeypatch):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("n,E,D,I,launches", [(2, 32, 256, 128, 6), (1, 256, 2048, 512, 4), (4, 256, 2048, 512, 4)])
+def test_launches_at_once(n, E, D, I, launches):
+    """Launches that do not depend on each other, evaluated in one
+    ``mx.eval`` (MLX may run them at the same time; each takes a barrier slot
+    of its own, grid_sync.cuh), over rounds: each launch's output equals its
+    launch evaluated alone, bit for bit. (GPU only: the CUDA check runs
+    launches one at a time; test_cuda_check.py's grid_slots tests run the
+    slots' protocol with launches at once.)"""
+    w = _weights(E, D, I, 8, 8, 80)
+    xs = [_x(n, D, 81 + i) for i in range(launches)]
+    want = []
+    for x in xs:
+        out, _ = _fused(x, w, 8, 8)
+        mx.eval(out)
+        want.append(out)
+    for r in range(8):
+        outs = [_fused(x, w, 8, 8)[0] for x in xs]
+        mx.eval(outs)
+        for i, (got, v) in enumerate(zip(outs, want)):
+            assert mx.array_equal(got, v).item(), f"round {r}, launch {i}"
+
+
+@pytest.mark.cuda
 @pytest.mark.usefixtures("poison")
 def test_compiled_equals_eager():
     """Inside mx.compile (as the decode step runs it) the eager launch's bits."""
