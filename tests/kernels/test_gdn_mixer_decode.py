@@ -378,14 +378,18 @@ def test_launches_in_a_row_need_no_filled_output(monkeypatch, dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("shape,launches", [(SMALL, 6), (FULL, 4)])
-def test_launches_at_once(shape, launches):
+@pytest.mark.parametrize("shape,launches,sms", [(SMALL, 12, 3), (SMALL, 6, None), (FULL, 4, None)])
+def test_launches_at_once(monkeypatch, shape, launches, sms):
     """Launches that do not depend on each other, evaluated in one
     ``mx.eval`` (MLX may run them at the same time; each takes a barrier slot
     of its own, grid_sync.cuh), over rounds: each launch's outputs equal its
-    launch evaluated alone, bit for bit. (GPU only: the CUDA check runs
-    launches one at a time; test_cuda_check.py's grid_slots tests run the
-    slots' protocol with launches at once.)"""
+    launch evaluated alone, bit for bit. Grids of 3 blocks (``sms``) fit
+    beside each other on the GPU, so launches at once overlap there; grids
+    of every SM run one after another as the GPU dispatches them. (GPU only:
+    the CUDA check runs launches one at a time; test_cuda_check.py's
+    grid_slots tests run the slots' protocol with launches at once.)"""
+    if sms is not None:
+        monkeypatch.setattr(cb, "sm_count", lambda: sms)
     a = _arrays(shape, 2, mx.bfloat16, 42)
     params = _params(a)
     xs = [_next_x(a, i) for i in range(launches)]

@@ -284,14 +284,19 @@ def test_launches_in_a_row_need_no_filled_output(monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("n,E,D,I,launches", [(2, 32, 256, 128, 6), (1, 256, 2048, 512, 4), (4, 256, 2048, 512, 4)])
-def test_launches_at_once(n, E, D, I, launches):
+@pytest.mark.parametrize("n,E,D,I,launches,sms", [(2, 32, 256, 128, 12, 3), (2, 32, 256, 128, 6, None),
+                                                  (1, 256, 2048, 512, 4, None), (4, 256, 2048, 512, 4, None)])
+def test_launches_at_once(monkeypatch, n, E, D, I, launches, sms):
     """Launches that do not depend on each other, evaluated in one
     ``mx.eval`` (MLX may run them at the same time; each takes a barrier slot
     of its own, grid_sync.cuh), over rounds: each launch's output equals its
-    launch evaluated alone, bit for bit. (GPU only: the CUDA check runs
-    launches one at a time; test_cuda_check.py's grid_slots tests run the
-    slots' protocol with launches at once.)"""
+    launch evaluated alone, bit for bit. Grids of 3 blocks (``sms``) fit
+    beside each other on the GPU, so launches at once overlap there; grids
+    of every SM run one after another as the GPU dispatches them. (GPU only:
+    the CUDA check runs launches one at a time; test_cuda_check.py's
+    grid_slots tests run the slots' protocol with launches at once.)"""
+    if sms is not None:
+        monkeypatch.setattr(cb, "sm_count", lambda: sms)
     w = _weights(E, D, I, 8, 8, 80)
     xs = [_x(n, D, 81 + i) for i in range(launches)]
     want = []
