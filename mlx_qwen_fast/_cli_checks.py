@@ -6,7 +6,8 @@ naming the argument and what was expected, exit code 2
 (:func:`~mlx_qwen_fast._cli_parser.usage_error`): the ``--model`` folder
 (exists, is a folder, parseable ``config.json``, complete safetensors
 weights, a tokenizer; a repo id that is not in an offline Hugging Face
-cache) and the counts (``--max-tokens``, benchmark's ``-p/-g/-b/-n``), and
+cache) and the counts (``--max-tokens``, ``--num-draft-tokens``,
+``--prefill-step-size``, benchmark's ``-p/-g/-b/-n``), and
 an empty prompt (given, or read from stdin for ``--prompt -``).
 :func:`check_arguments` runs them all; the folder checks
 (:func:`check_checkpoint_folder`, :func:`folder_config`,
@@ -31,13 +32,16 @@ __all__ = ["check_arguments", "check_checkpoint_folder", "expand_model", "flag_v
 
 #: argv flag spellings -> the name used in messages, per kind of check.
 _COUNT_FLAGS = {
-    "generate": {"--max-tokens": "--max-tokens", "-m": "--max-tokens"},
-    "chat": {"--max-tokens": "--max-tokens", "-m": "--max-tokens"},
-    "server": {"--max-tokens": "--max-tokens"},
+    "generate": {"--max-tokens": "--max-tokens", "-m": "--max-tokens", "--num-draft-tokens": "--num-draft-tokens",
+                 "--prefill-step-size": "--prefill-step-size"},
+    "chat": {"--max-tokens": "--max-tokens", "-m": "--max-tokens", "--prefill-step-size": "--prefill-step-size"},
+    "server": {"--max-tokens": "--max-tokens", "--num-draft-tokens": "--num-draft-tokens",
+               "--prefill-step-size": "--prefill-step-size"},
     "benchmark": {"--prompt-tokens": "--prompt-tokens", "-p": "--prompt-tokens",
                   "--generation-tokens": "--generation-tokens", "-g": "--generation-tokens",
                   "--batch-size": "--batch-size", "-b": "--batch-size",
-                  "--num-trials": "--num-trials", "-n": "--num-trials"},
+                  "--num-trials": "--num-trials", "-n": "--num-trials",
+                  "--prefill-step-size": "--prefill-step-size"},
 }
 _PROMPT_FLAGS = {"generate": ("--prompt", "-p"), "cache_prompt": ("--prompt",)}
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")

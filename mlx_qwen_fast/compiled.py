@@ -104,6 +104,9 @@ def apply_linear(x: mx.array, arrays: Sequence[mx.array], static: Tuple) -> mx.a
             return mx.addmm(arrays[1], x, arrays[0].T)
         return x @ arrays[0].T
     _, group_size, bits, mode, has_biases, has_bias = static
+    if 0 in x.shape[:-1]:  # no rows: MLX's quantized_matmul divides by zero on them (SIGFPE)
+        dtypes = (x, arrays[1], arrays[-1]) if has_bias else (x, arrays[1])
+        return mx.zeros(x.shape[:-1] + (arrays[0].shape[0],), mx.result_type(*dtypes))
     biases = arrays[2] if has_biases else None
     y = mx.quantized_matmul(x, arrays[0], scales=arrays[1], biases=biases, transpose=True,
                             group_size=group_size, bits=bits, mode=mode)

@@ -92,6 +92,9 @@ def test_usage_errors_without_a_checkpoint(argv, expect):
     (["-m", "mlx_qwen_fast", "benchmark", "-p", "0"], "--prompt-tokens 0"),
     (["-m", "mlx_qwen_fast", "benchmark", "-g", "x"], "--generation-tokens x"),
     (["-m", "mlx_qwen_fast", "benchmark", "-b", "0"], "--batch-size 0"),
+    (["-m", "mlx_qwen_fast.generate", "--num-draft-tokens", "-2"], "--num-draft-tokens -2"),
+    (["-m", "mlx_qwen_fast.generate", "--prefill-step-size", "0"], "--prefill-step-size 0"),
+    (["-m", "mlx_qwen_fast", "benchmark", "--prefill-step-size=-5"], "--prefill-step-size -5"),
 ])
 def test_bad_counts_and_prompts(tiny_checkpoint, argv, expect):
     r = run_python(*argv, "--model", str(tiny_checkpoint))

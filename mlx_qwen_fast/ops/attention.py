@@ -90,9 +90,10 @@ from .. import backend as _backend
 from .. import config
 from ..compiled import concat_linears, linear_arrays, linear_paths
 from . import linear as linear_ops
-from ._checks import check_attention_module
+from ._checks import check_attention_module, check_int, is_int
 from ..kernels import _cuda_build
 from ..kernels._cache_rows import row_index, write_rows
+from ..kernels._checks import check_eps
 from ..kernels import attention_decode as _k_decode
 from ..kernels import attention_decode_metal as _k_decode_metal
 from ..kernels import attention_prefill as _k_prefill
@@ -205,13 +206,25 @@ def _check_decode(proj, keys, values, offset, q_norm_weight, k_norm_weight, sett
     for name in ("num_heads", "num_kv_heads", "scale", "q_eps", "k_eps", "rope_dims"):
         if name not in settings:
             raise ValueError(f"{fn}: the setting {name} is required")
+    unknown = sorted(set(settings) - _DECODE_SETTINGS)
+    if unknown:
+        raise ValueError(f"{fn}: unknown setting(s) {unknown}; the settings are {sorted(_DECODE_SETTINGS)}")
     hq, hkv = settings["num_heads"], settings["num_kv_heads"]
-    if not (isinstance(hq, int) and isinstance(hkv, int) and hkv > 0 and hq > 0 and hq % hkv == 0):
-        raise ValueError(f"{fn}: num_heads ({hq!r}) must be a positive multiple of num_kv_heads ({hkv!r})")
-    if keys.ndim != 4 or keys.shape[2] < 1 or keys.shape[1] != hkv or keys.dtype not in _FLOATS:
-        raise ValueError(f"{fn}: keys must be a float array of shape [B, {hkv}, capacity >= 1, head_dim], "
+    if not (is_int(hq) and is_int(hkv) and hkv > 0 and hq > 0 and hq % hkv == 0):
+        raise ValueError(f"{fn}: num_heads ({hq!r}) must be a positive multiple of num_kv_heads ({hkv!r}), "
+                         "both ints")
+    if keys.ndim != 4 or keys.shape[0] < 1 or keys.shape[2] < 1 or keys.shape[1] != hkv or keys.dtype not in _FLOATS:
+        raise ValueError(f"{fn}: keys must be a float array of shape [B >= 1, {hkv}, capacity >= 1, head_dim], "
                          f"got {keys.dtype} {tuple(keys.shape)}")
     B, dh = keys.shape[0], keys.shape[3]
+    scale = settings["scale"]
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"{fn}: scale must be a finite number > 0, got {scale!r}")
+    check_eps(fn, "q_eps", settings["q_eps"])
+    check_eps(fn, "k_eps", settings["k_eps"])
+    check_int(fn, "rope_dims", settings["rope_dims"], 2, dh)
+    if settings["rope_dims"] % 2:
+        raise ValueError(f"{fn}: rope_dims must be even (RoPE rotates pairs), got {settings['rope_dims']!r}")
     width = 2 * (hq + hkv) * dh
     if proj.shape != (B, 1, width) or proj.dtype != keys.dtype:
         raise ValueError(f"{fn}: proj must be {keys.dtype} of shape [{B}, 1, {width}] (2 * (num_heads + "
@@ -231,6 +244,9 @@ def _check_decode(proj, keys, values, offset, q_norm_weight, k_norm_weight, sett
 
 
 _FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+#: The keyword settings of :func:`decode_attention_reference` (the decode contract's).
+_DECODE_SETTINGS = frozenset({"num_heads", "num_kv_heads", "scale", "q_eps", "k_eps", "rope_dims",
+                              "rope_traditional", "rope_base", "rope_scale"})
 
 
 def decode_attention_unchecked(proj, keys, values, offset, q_norm_weight, k_norm_weight, **settings):

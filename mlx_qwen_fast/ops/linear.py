@@ -279,7 +279,9 @@ def prefill_linear_reference(layer, x: mx.array) -> mx.array:
     """``layer(x)``: the module's own call (``mx.quantized_matmul`` for an
     ``nn.QuantizedLinear``). Arguments, returns and errors as
     :func:`prefill_linear`."""
-    _check_prefill("prefill_linear_reference", layer, x)
+    lin = _check_prefill("prefill_linear_reference", layer, x)
+    if lin is not None and 0 in x.shape[:-1]:  # no rows: the module's quantised matmul cannot take them
+        return apply_linear(x, *lin)
     return layer(x)
 
 
@@ -342,6 +344,8 @@ def prefill_linear(layer, x: mx.array) -> mx.array:
             of a linear layer's input size (named).
     """
     lin = _check_prefill("prefill_linear", layer, x)
+    if lin is not None and 0 in x.shape[:-1]:  # no rows: the module's quantised matmul cannot take them
+        return apply_linear(x, *lin)
     if lin is None or _prefill_choice(lin, x) == "reference":
         return layer(x)
     w, scales, biases = lin[0][:3]

@@ -497,14 +497,15 @@ def verify_model_hidden(model, inputs: mx.array, cache, layer_ids: Sequence[int]
 
     Raises:
         ValueError: as :func:`verify_model`; ``layer_ids`` not a sequence
-            of 1 or more ints (bools are not) naming layers the model has.
+            of 1 or more distinct ints (bools are not) naming layers the
+            model has.
     """
     fn = "verify_model_hidden"
     _check_model(fn, model, inputs)
     n = len(model.layers)
     if (not isinstance(layer_ids, Sequence) or isinstance(layer_ids, str) or not layer_ids
-            or not all(is_int(i) and 0 <= i < n for i in layer_ids)):
-        fail(fn, f"layer_ids must be 1 or more layer indices (ints) in [0, {n}), got {layer_ids!r}")
+            or not all(is_int(i) and 0 <= i < n for i in layer_ids) or len(set(layer_ids)) != len(layer_ids)):
+        fail(fn, f"layer_ids must be 1 or more distinct layer indices (ints) in [0, {n}), got {layer_ids!r}")
     return _verify(model, inputs, cache, tuple(int(i) for i in layer_ids))
 
 

@@ -176,6 +176,29 @@ def test_prefill_reference_is_the_module_call_and_errors_name_arguments():
     assert_close(linear_ops.prefill_linear(wrapped, x), q(x), 0.0, "a wrapper's own call")
 
 
+@pytest.mark.parametrize("shape", [(0, 256), (1, 0, 256), (0, 1, 256)])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_no_rows(shape, dtype):
+    """Inputs without rows (MLX's quantised matmul takes none: it divides by
+    zero): every entry returns an empty ``[..., N]`` of the dtype of the
+    layer's call on one row, and a row count the module's call gives (the
+    dense layer's own call)."""
+    q, (arrays, static) = _layer(256, 48, 4, 64, dtype, 3)
+    x = mx.zeros(shape, dtype)
+    want = (*shape[:-1], 48)
+    one = q(mx.zeros((1, 256), dtype))
+    for name, got in (("prefill_linear", linear_ops.prefill_linear(q, x)),
+                      ("prefill_linear_reference", linear_ops.prefill_linear_reference(q, x)),
+                      ("decode_linear", linear_ops.decode_linear(x, arrays, static)),
+                      ("decode_linear_reference", linear_ops.decode_linear_reference(x, arrays, static))):
+        mx.eval(got)
+        assert got.shape == want and got.dtype == one.dtype, (name, got.shape, got.dtype)
+    dense = nn.Linear(256, 48)
+    dense.set_dtype(dtype)
+    got = linear_ops.prefill_linear(dense, x)
+    assert got.shape == dense(x).shape == want
+
+
 def test_prefill_dispatch(env):
     """The kernel only on CUDA, with the switch on, from PREFILL_GEMM_MIN_ROWS
     rows and PREFILL_GEMM_MIN_FEATURES outputs, for bf16 rows and 4-bit

@@ -1315,3 +1315,15 @@ def test_block_switch_runs_the_one_launch_block(env, monkeypatch, n):
     for i, (y, y_ref) in enumerate(zip(runs["1", "1"], runs["0", "1"])):
         assert y.shape == y_ref.shape == h0.shape and y.dtype == y_ref.dtype
         assert finite(y) and mx.array_equal(y, y_ref).item(), f"seed {seed}: step {i}"
+
+
+@pytest.mark.parametrize("shape", [(0, 64), (1, 0, 64)])
+def test_shared_expert_and_block_without_rows(shape):
+    """No rows (MLX's quantised matmul takes none: it divides by zero): the
+    shared expert, the dispatcher and the reference block return an empty
+    array of x's shape."""
+    block = make_block(D=64, H=64, E=16)
+    x = mx.zeros(shape, mx.float32)
+    for got in (moe.shared_expert(block, x), moe.sparse_moe(block, x), moe.sparse_moe_block(block, x)):
+        mx.eval(got)
+        assert got.shape == x.shape and got.dtype == x.dtype

@@ -426,6 +426,8 @@ def shared_expert(block, x: mx.array) -> mx.array:
 
 def _shared_expert(block, x: mx.array) -> mx.array:
     """:func:`shared_expert` of checked arguments (the dispatch's paths)."""
+    if x.size == 0:  # no rows: MLX's quantised matmul cannot take them (as sparse_moe)
+        return mx.zeros(x.shape, x.dtype)
     return mx.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
 
 
@@ -486,6 +488,8 @@ def sparse_moe_block(block, x: mx.array) -> mx.array:
             axis is not the hidden size.
     """
     _check_block_input("sparse_moe_block", block, x)
+    if x.size == 0:  # no tokens: nothing to route (MLX's quantised matmul does not take 0 rows)
+        return mx.zeros(x.shape, x.dtype)
     group = getattr(block, "sharding_group", None)
     if group is not None:
         from mlx.nn.layers.distributed import sum_gradients
