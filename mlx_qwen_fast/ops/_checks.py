@@ -73,8 +73,8 @@ def linear_input_size(module) -> Optional[int]:
 
 def check_attention_module(fn: str, attn, x=None, rows: str = "T") -> None:
     """``attn`` an mlx-lm ``Qwen3NextAttention`` and, where given, ``x`` a
-    float ``[B, <rows>, D]`` of its projections' input size; else
-    ValueError naming the argument."""
+    float ``[B, <rows>, D]`` of its projections' input size, B and <rows>
+    at least 1; else ValueError naming the argument."""
     from mlx_lm.models.qwen3_next import Qwen3NextAttention
 
     if not isinstance(attn, Qwen3NextAttention):
@@ -85,3 +85,5 @@ def check_attention_module(fn: str, attn, x=None, rows: str = "T") -> None:
     check_float_array(fn, "x", x, f"[B, {rows}, {d or 'D'}]", ndim=3)
     if d is not None and x.shape[2] != d:
         fail(fn, f"x must have shape [B, {rows}, {d}] (the projections' input size), got {describe(x)}")
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        fail(fn, f"x must hold at least one row and one token ([B >= 1, {rows} >= 1, {x.shape[2]}]), got {describe(x)}")
