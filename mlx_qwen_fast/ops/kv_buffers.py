@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import mlx.core as mx
 
+from ._checks import check_int
+
 __all__ = ["KV_GROWTH", "KV_RESERVE_MAX", "kv_cache_type", "make_room", "reserve_kv"]
 
 
@@ -128,7 +130,10 @@ def make_room(cache, x_dtype, B: int, hkv: int, dh: int, n: int = 1) -> bool:
     (mlx-lm 0.32.2) does, in larger steps (:func:`_grow`): new rows of the
     new rows' dtype, ``x_dtype``, so that a cache of another dtype is
     promoted as stock promotes it. False (nothing changed) where the
-    buffers do not match the step's batch, heads or head size."""
+    buffers do not match the step's batch, heads or head size. Raises
+    ValueError where ``n`` is not an int >= 0."""
+    if type(n) is not int or n < 0:
+        check_int("make_room", "n", n, 0)
     keys = cache.keys
     if keys is None or keys.ndim != 4 or tuple(keys.shape[:2]) != (B, hkv) or keys.shape[3] != dh:
         return False

@@ -249,6 +249,8 @@ CASES = {
     "attention.prefill_attention: offset float": lambda: prefill(1.0),
     "attention.prefill_attention: keys batch": lambda: attention.prefill_attention(mx.zeros((2, 4, 4, 64)), mx.zeros((1, 2, 8, 64)), mx.zeros((1, 2, 8, 64)), scale=0.1, offset=0),
     # gated_delta
+    "gated_delta.implementation_for: T a str": lambda: gd.implementation_for("x"),
+    "gated_delta.implementation_for: T -1": lambda: gd.implementation_for(-1),
     "gated_delta.gated_delta_recurrent: q rank 3": lambda: gd.gated_delta_recurrent(**gdn(q=mx.zeros((1, 3, 16)))),
     "gated_delta.gated_delta_recurrent: v's T": lambda: gd.gated_delta_recurrent(**gdn(v=mx.zeros((1, 2, 4, 8)))),
     "gated_delta.gated_delta_recurrent: state shape": lambda: gd.gated_delta_recurrent(**gdn(state=mx.zeros((1, 4, 8, 9)))),
@@ -442,6 +444,8 @@ _CASES = {
         "raise", "offset must be an int with 0 <= offset and offset + 4 (queries) <= 8"),
     "attention.prefill_attention: offset float": ("raise", "offset must be an int"),
     "attention.prefill_attention: keys batch": ("raise", "keys must be"),
+    "gated_delta.implementation_for: T a str": ("raise", "T must be an int >= 0, got 'x'"),
+    "gated_delta.implementation_for: T -1": ("raise", "T must be an int >= 0, got -1"),
     "gated_delta.gated_delta_recurrent: q rank 3": ("raise", "q must have shape [B, T, Hk, Dk] (rank 4)"),
     "gated_delta.gated_delta_recurrent: v's T": ("raise", "v must have shape [B, T, Hv, Dv] with B=1, T=3 as q"),
     "gated_delta.gated_delta_recurrent: state shape": ("raise", "state must have shape [B, Hv, Dv, Dk] = (1, 4, 8, 8)"),
@@ -604,7 +608,6 @@ _EXEMPT = {
         "RECURRENT_MAX_T": "constant",
         "CHUNK_SIZE": "constant",
         "DEFAULT_CHUNK_SIZE": "constant",
-        "implementation_for": "query: the implementation for a step count and backend",
         "decide_kernels": "query: {} for every layer (the GDN kernels decline no quantisation)",
     },
     "moe": {

@@ -829,3 +829,19 @@ def test_model_step_orders_its_first_grid_launch_after_the_previous_call(monkeyp
         assert len(taken) == n_parts and all(t is None for t in taken)
     finally:
         mx.enable_compile()
+
+
+@pytest.mark.parametrize("n", [-5, 1.5, True, "2"])
+def test_make_room_names_a_bad_count(n):
+    """kv_buffers.make_room: ``n`` (positions to make room for) an int >= 0,
+    else one ValueError naming it; the cache untouched."""
+    from mlx_lm.models.cache import KVCache
+
+    c = KVCache()
+    c.update_and_fetch(mx.zeros((1, 2, 3, 8)), mx.zeros((1, 2, 3, 8)))
+    keys = c.keys
+    with pytest.raises(ValueError, match=r"make_room: n must be an int >= 0, got"):
+        kv_buffers.make_room(c, mx.float32, 1, 2, 8, n)
+    assert c.keys is keys
+    assert kv_buffers.make_room(c, mx.float32, 1, 2, 8, 0) and kv_buffers.make_room(c, mx.float32, 1, 2, 8, 5)
+    assert c.keys.shape[2] >= 8

@@ -77,6 +77,7 @@ from ... import backend as _backend
 from ...kernels import _cuda_build
 from ...kernels import gated_delta_scan as _k_scan
 from ...kernels._checks import check_arrays
+from .._checks import check_int
 from .checks import _LAYER_ARRAYS, _UPDATE_ARRAYS, _check_gates, _check_inputs, _check_layer_call, _states
 from .chunk import DEFAULT_CHUNK_SIZE, gated_delta_chunked
 from .cuda import _cuda_decode, _cuda_prefill, _decode_plan
@@ -178,8 +179,10 @@ def implementation_for(T: int, backend: Optional[str] = None) -> str:
     "chunked" (chunk size ``CHUNK_SIZE[backend]``).
 
     Raises:
-      ValueError: for an unknown backend name.
+      ValueError: for an unknown backend name, or ``T`` not an int >= 0.
     """
+    if type(T) is not int or T < 0:
+        check_int("implementation_for", "T", T, 0)
     backend = _backend.resolve(backend)
     if backend == _backend.METAL:
         return "mlx-lm-metal"
