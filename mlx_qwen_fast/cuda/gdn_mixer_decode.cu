@@ -283,8 +283,8 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
     GridSlot* s = grid_claim(mixer_slots, grid_tag());
     v0 = ld_relaxed_u64(&s->ctr);
   }
-  // The slot's counter at each use (thread 0's), from the grid id: not held in registers across
-  // the phases (a held pointer costs the mixer ~25 registers and spills).
+  // The slot's counter at each use (thread 0's), from the grid id: not a pointer held in
+  // registers across the phases (phase A holds its weight tiles in registers).
   const auto ctr = [] { return &grid_slot(mixer_slots)->ctr; };
 
   // ---- A: proj = rms_norm(x) @ W_in.T ---------------------------------------------------

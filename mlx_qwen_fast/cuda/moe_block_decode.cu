@@ -221,8 +221,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     GridSlot* s = grid_claim(moe_block_slots, grid_tag());
     v0 = ld_relaxed_u64(&s->ctr);
   }
-  // The slot's counter at each use (thread 0's), from the grid id: not held in registers across
-  // the phases (a held pointer costs the mixer ~25 registers and spills).
+  // The slot's counter at each use (thread 0's), from the grid id: not a pointer held in
+  // registers across the phases (the phases hold weight tiles in registers).
   const auto ctr = [] { return &grid_slot(moe_block_slots)->ctr; };
 
   // ---- gate+up items (phases A and B) -----------------------------------------------

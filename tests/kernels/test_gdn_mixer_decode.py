@@ -37,6 +37,7 @@ import pytest
 
 from compare import assert_close, finite, tolerance
 from gdn_helpers import NOT_ARRAYS, MixerArrays, mixer_arrays, mixer_reference
+from launches_at_once import check_launches_at_once
 from mlx_qwen_fast.kernels import _cuda_build as cb
 from mlx_qwen_fast.kernels import gated_delta_contract as gdc
 from mlx_qwen_fast.kernels import gated_delta_decode as gdd
@@ -380,29 +381,14 @@ def test_launches_in_a_row_need_no_filled_output(monkeypatch, dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("shape,launches,sms", [(SMALL, 12, 3), (SMALL, 6, None), (FULL, 4, None)])
 def test_launches_at_once(monkeypatch, shape, launches, sms):
-    """Launches that do not depend on each other, evaluated in one
-    ``mx.eval`` (MLX may run them at the same time; each takes a barrier slot
-    of its own, grid_sync.cuh), over rounds: each launch's outputs equal its
-    launch evaluated alone, bit for bit. Grids of 3 blocks (``sms``) fit
-    beside each other on the GPU, so launches at once overlap there; grids
-    of every SM run one after another as the GPU dispatches them. (GPU only:
-    the CUDA check runs launches one at a time; test_cuda_check.py's
-    grid_slots tests run the slots' protocol with launches at once.)"""
+    """Independent launches of the mixer in one ``mx.eval``, each equal to
+    its launch alone (:func:`launches_at_once.check_launches_at_once`)."""
     if sms is not None:
         monkeypatch.setattr(cb, "sm_count", lambda: sms)
     a = _arrays(shape, 2, mx.bfloat16, 42)
     params = _params(a)
     xs = [_next_x(a, i) for i in range(launches)]
-    want = []
-    for x in xs:
-        got = _fused(a, params, a.conv_state, a.state, x=x)
-        mx.eval(got)
-        want.append(got)
-    for r in range(8):
-        outs = [_fused(a, params, a.conv_state, a.state, x=x) for x in xs]
-        mx.eval(outs)
-        for i, (got, w) in enumerate(zip(outs, want)):
-            assert all(mx.array_equal(g, v).item() for g, v in zip(got, w)), f"round {r}, launch {i}"
+    check_launches_at_once([lambda x=x: tuple(_fused(a, params, a.conv_state, a.state, x=x)) for x in xs])
 
 
 @pytest.mark.cuda

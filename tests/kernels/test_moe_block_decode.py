@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from compare import finite
+from launches_at_once import check_launches_at_once
 from moe_blocks import make_arrays, quant
 from mlx_qwen_fast.kernels import _cuda_build as cb
 from mlx_qwen_fast.kernels import moe_block_decode as mb
@@ -287,28 +288,12 @@ def test_launches_in_a_row_need_no_filled_output(monkeypatch):
 @pytest.mark.parametrize("n,E,D,I,launches,sms", [(2, 32, 256, 128, 12, 3), (2, 32, 256, 128, 6, None),
                                                   (1, 256, 2048, 512, 4, None), (4, 256, 2048, 512, 4, None)])
 def test_launches_at_once(monkeypatch, n, E, D, I, launches, sms):
-    """Launches that do not depend on each other, evaluated in one
-    ``mx.eval`` (MLX may run them at the same time; each takes a barrier slot
-    of its own, grid_sync.cuh), over rounds: each launch's output equals its
-    launch evaluated alone, bit for bit. Grids of 3 blocks (``sms``) fit
-    beside each other on the GPU, so launches at once overlap there; grids
-    of every SM run one after another as the GPU dispatches them. (GPU only:
-    the CUDA check runs launches one at a time; test_cuda_check.py's
-    grid_slots tests run the slots' protocol with launches at once.)"""
+    """Independent launches of the MoE block in one ``mx.eval``, each equal
+    to its launch alone (:func:`launches_at_once.check_launches_at_once`)."""
     if sms is not None:
         monkeypatch.setattr(cb, "sm_count", lambda: sms)
     w = _weights(E, D, I, 8, 8, 80)
-    xs = [_x(n, D, 81 + i) for i in range(launches)]
-    want = []
-    for x in xs:
-        out, _ = _fused(x, w, 8, 8)
-        mx.eval(out)
-        want.append(out)
-    for r in range(8):
-        outs = [_fused(x, w, 8, 8)[0] for x in xs]
-        mx.eval(outs)
-        for i, (got, v) in enumerate(zip(outs, want)):
-            assert mx.array_equal(got, v).item(), f"round {r}, launch {i}"
+    check_launches_at_once([lambda x=x: (_fused(x, w, 8, 8)[0],) for x in (_x(n, D, 81 + i) for i in range(launches))])
 
 
 @pytest.mark.cuda
