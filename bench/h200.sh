@@ -9,7 +9,8 @@
 #   bash bench/h200.sh dprofile   # ncu: GPU time per kernel of patched decode tokens at 4K (~3-5 min)
 #   bash bench/h200.sh phases     # SM cycles per phase of the one-launch GDN mixer and MoE block (~2 min)
 #   bash bench/h200.sh userview   # bench.user_view: mlx-lm's own benchmark command, stock vs patched (~5-9 min)
-#   bash bench/h200.sh firstuse   # bench.first_use: the CLI's first and second run on a fresh machine (~6 min)
+#   bash bench/h200.sh firstuse   # bench.first_use: the CLI's first and second run on a fresh machine (~6 min;
+#                                 # FU_WARMUP=1 then lists what the warm-up's prompt lengths compile, +4 min)
 #   bash bench/h200.sh decode     # nodes per decode token, then a decode switch on/off through the CLI (~6-9 min)
 #   bash bench/h200.sh split      # bench.decode_split with a decode switch off/on, alternating processes (~2-4 min)
 #
@@ -124,8 +125,20 @@ firstuse)  # bench.first_use: `python -m mlx_qwen_fast.generate` twice in fresh 
     timeout 240 python3 -m mlx_qwen_fast.checkpoint --preset qwen3.6-35b-a3b --out "$CK" --overwrite \
       > "$OUT/first_use.log" 2>&1 || { tail -5 "$OUT/first_use.log"; exit 1; }
   fi
-  timeout 330 python3 -m bench.first_use --model "$CK" --runs 2 --timeout 250 --out "$OUT/first_use.json" \
-    >> "$OUT/first_use.log" 2>&1; echo "rc=$?" >> "$OUT/first_use.log"; grep -E "^run |^rc=" "$OUT/first_use.log" ;;
+  FUR=""; [ "${FU_WARMUP:-0}" = 1 ] && rm -rf /tmp/fu && FUR="--cache-root /tmp/fu"
+  timeout 330 python3 -m bench.first_use --model "$CK" --runs 2 --timeout 250 $FUR --out "$OUT/first_use.json" \
+    >> "$OUT/first_use.log" 2>&1; echo "rc=$?" >> "$OUT/first_use.log"; grep -E "^run |^rc=" "$OUT/first_use.log"
+  [ "${FU_WARMUP:-0}" = 1 ] || exit 0
+  # FU_WARMUP=1: then `python -m mlx_qwen_fast warmup` (the cut-down model on prompts of 1 to 2,100
+  # tokens) on the compile caches the two runs filled (bench.first_use --cache-root /tmp/fu), so that
+  # the listing also names every MLX module that other prompt lengths compile, with the second each
+  # appeared. Files: warmup.log (its start and end in epoch seconds), warmup-cache.txt (ls of both)
+  export MLX_PTX_CACHE_DIR=/tmp/fu/mlx-ptx MLX_QWEN_FAST_CACHE=/tmp/fu/kernels
+  date +%s.%N > "$OUT/warmup.log"
+  timeout "${FU_WARMUP_S:-240}" python3 -m mlx_qwen_fast warmup --model "$CK" >> "$OUT/warmup.log" 2>&1
+  echo "rc=$? end $(date +%s.%N)" >> "$OUT/warmup.log"; tail -3 "$OUT/warmup.log"
+  ls -l --time-style=+%s.%N "$MLX_PTX_CACHE_DIR" "$MLX_QWEN_FAST_CACHE" > "$OUT/warmup-cache.txt" 2>&1
+  grep -c "\.ptx$" "$OUT/warmup-cache.txt" ;;
 decode)  # graph nodes per decode token at 4K (bench.nodes: stock and patched), then mlx-lm's benchmark
         # through our CLI on the checkpoint in $CK (written first unless complete), with the switch
         # ${DECODE_AB:-MLX_QWEN_FAST_DECODE_LAYER} =1 and =0 alternating, ${DECODE_PAIRS:-3} processes each

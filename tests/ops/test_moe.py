@@ -469,6 +469,10 @@ def test_validation_errors():
         moe.expert_swiglu(mx.zeros((4, 128)), g, sm.gate_proj, sm.up_proj, sm.down_proj)
     with pytest.raises(ValueError, match=r"scores must have shape \(4, 2\)"):
         moe.combine(mx.zeros((4, 2, 64)), mx.zeros((4, 3)))
+    for bad in (mx.int32, mx.uint8, mx.bool_, "float32"):
+        with pytest.raises(ValueError, match=r"combine: dtype must be None or a float mlx dtype"):
+            moe.combine(mx.zeros((4, 2, 64)), mx.zeros((4, 2)), dtype=bad)
+    assert moe.combine(mx.ones((4, 2, 64)), mx.ones((4, 2)), dtype=mx.float16).dtype == mx.float16
 
 
 def test_dispatch_by_backend_and_env(env, monkeypatch):

@@ -67,6 +67,8 @@ compiled decode steps ``cuda._decode_steps``, the chunked form's
 
 from __future__ import annotations
 
+import math
+
 from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.core as mx
@@ -229,13 +231,18 @@ def gated_delta_update(
         argument that is not an mx.array; as :func:`compute_gates` for
         ``a``, ``b``, ``A_log`` and ``dt_bias``, ``a`` and ``b`` not of the
         ``[B, T, Hv]`` of q and v; as :func:`gated_delta_recurrent` for the
-        rest; ``lower_bound`` not None or a number. Vector gates (``a`` of
+        rest; ``lower_bound`` not None or a finite number; ``use_kernel``
+        or ``allow_neg_eigval`` not a bool. Vector gates (``a`` of
         rank 4) are mlx-lm's and checked there.
     """
     fn = "gated_delta_update"
     check_arrays(fn, _UPDATE_ARRAYS, q, k, v, a, b, A_log, dt_bias, state, mask)
-    if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))):
-        raise ValueError(f"{fn}: lower_bound must be None or a number, got {lower_bound!r}")
+    if lower_bound is not None and (isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float))
+                                    or not math.isfinite(lower_bound)):
+        raise ValueError(f"{fn}: lower_bound must be None or a finite number, got {lower_bound!r}")
+    for name, flag in (("use_kernel", use_kernel), ("allow_neg_eigval", allow_neg_eigval)):
+        if not isinstance(flag, bool):
+            raise ValueError(f"{fn}: {name} must be a bool, got {flag!r}")
     if a.ndim != 4:
         _check_gates(fn, a, b, A_log, dt_bias)
         _check_inputs(q, k, v, a, b, state, mask, fn, gates=("a", "b"))

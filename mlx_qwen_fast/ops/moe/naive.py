@@ -386,7 +386,8 @@ def combine(
     Args:
         expert_out: ``[..., k, D]`` float (from :func:`expert_swiglu`).
         scores: ``[..., k]`` float (from :func:`route`, float32).
-        dtype: output dtype, default ``expert_out.dtype``.
+        dtype: output dtype (float32, float16 or bfloat16), default
+            ``expert_out.dtype``.
 
     Returns:
         ``[..., D]``.
@@ -394,15 +395,16 @@ def combine(
     Raises:
         ValueError: ``expert_out`` not a float array of rank >= 2,
             ``scores`` not a float array of shape ``expert_out.shape[:-1]``,
-            ``dtype`` not None or an mlx dtype.
+            ``dtype`` not None or a float mlx dtype.
     """
     if not isinstance(expert_out, mx.array) or expert_out.ndim < 2 or expert_out.dtype not in _FLOATS:
         raise ValueError(f"combine: expert_out must be a float mx.array of shape [..., k, D], got {_describe(expert_out)}")
     if not isinstance(scores, mx.array) or scores.dtype not in _FLOATS:
         raise ValueError(f"combine: scores must be a float mx.array of shape {tuple(expert_out.shape[:-1])}, "
                          f"got {_describe(scores)}")
-    if dtype is not None and not isinstance(dtype, mx.Dtype):
-        raise ValueError(f"combine: dtype must be None or an mlx dtype (mx.float32, ...), got {dtype!r}")
+    if dtype is not None and dtype not in _FLOATS:
+        raise ValueError(f"combine: dtype must be None or a float mlx dtype (mx.float32, mx.float16, "
+                         f"mx.bfloat16), got {dtype!r}")
     if tuple(scores.shape) != tuple(expert_out.shape[:-1]):
         raise ValueError(
             f"combine: scores must have shape {tuple(expert_out.shape[:-1])} "
