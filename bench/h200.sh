@@ -11,6 +11,7 @@
 #   bash bench/h200.sh userview   # bench.user_view: mlx-lm's own benchmark command, stock vs patched (~5-9 min)
 #   bash bench/h200.sh firstuse   # bench.first_use: the CLI's first and second run on a fresh machine (~6 min;
 #                                 # FU_WARMUP=1 then lists what the warm-up's prompt lengths compile, +4 min)
+#   bash bench/h200.sh ahead      # bench.first_use with MLX's compiles in worker processes, then without (~7 min)
 #   bash bench/h200.sh decode     # nodes per decode token, then a decode switch on/off through the CLI (~6-9 min)
 #   bash bench/h200.sh split      # bench.decode_split with a decode switch off/on, alternating processes (~2-4 min)
 #
@@ -139,6 +140,20 @@ firstuse)  # bench.first_use: `python -m mlx_qwen_fast.generate` twice in fresh 
   echo "rc=$? end $(date +%s.%N)" >> "$OUT/warmup.log"; tail -3 "$OUT/warmup.log"
   ls -l --time-style=+%s.%N "$MLX_PTX_CACHE_DIR" "$MLX_QWEN_FAST_CACHE" > "$OUT/warmup-cache.txt" 2>&1
   grep -c "\.ptx$" "$OUT/warmup-cache.txt" ;;
+ahead)  # the first use with MLX's compiles in worker processes (MLX_QWEN_FAST_COMPILE_AHEAD=1) and without
+        # (=0), each one process on empty compile caches (bench.first_use --runs 1), on the checkpoint in $CK
+        # (written first unless complete). Files: ahead-on.json, ahead-off.json, ahead.log
+  CK="${CK:-/tmp/ck}"
+  if [ ! -f "$CK/config.json" ] || [ ! -f "$CK/generation_config.json" ]; then
+    timeout 240 python3 -m mlx_qwen_fast.checkpoint --preset qwen3.6-35b-a3b --out "$CK" --overwrite \
+      > "$OUT/ahead.log" 2>&1 || { tail -5 "$OUT/ahead.log"; exit 1; }
+  fi
+  for V in ${AHEAD_ORDER:-1 0}; do
+    L=$([ "$V" = 1 ] && echo on || echo off)
+    MLX_QWEN_FAST_COMPILE_AHEAD=$V timeout 260 python3 -m bench.first_use --model "$CK" --runs 1 --timeout 240 \
+      --out "$OUT/ahead-$L.json" >> "$OUT/ahead.log" 2>&1; echo "rc=$? ($L)" >> "$OUT/ahead.log"
+  done
+  grep -E "^run |^rc=" "$OUT/ahead.log" ;;
 decode)  # graph nodes per decode token at 4K (bench.nodes: stock and patched), then mlx-lm's benchmark
         # through our CLI on the checkpoint in $CK (written first unless complete), with the switch
         # ${DECODE_AB:-MLX_QWEN_FAST_DECODE_LAYER} =1 and =0 alternating, ${DECODE_PAIRS:-3} processes each
@@ -171,5 +186,5 @@ split)  # bench.decode_split at 4K on the in-memory random checkpoint (nodes per
       --pipelined 100 >> "$OUT/split-ab.log" 2>&1; echo "rc=$?" >> "$OUT/split-ab.log"
   done; done
   grep -E "^== |^# ops|^nodes|^split|^rc=" "$OUT/split-ab.log" ;;
-*) echo "usage: bash bench/h200.sh {tests|ab|ops|profile|dprofile|phases|userview|firstuse|decode|split}"; exit 2 ;;
+*) echo "usage: bash bench/h200.sh {tests|ab|ops|profile|dprofile|phases|userview|firstuse|ahead|decode|split}"; exit 2 ;;
 esac

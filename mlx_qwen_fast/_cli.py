@@ -20,6 +20,7 @@ parse their flags with :class:`mlx_qwen_fast._cli_parser.ArgumentParser`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import sys
@@ -183,28 +184,49 @@ def check_subcommand(argv) -> None:
         usage_error(f"unknown subcommand {sub!r}\n{usage}")
 
 
-def _first_use_notice(argv: Sequence[str]) -> Optional[Path]:
-    """One line when the ``--model`` folder's kernels were not warmed up into
-    MLX's compile cache on this machine (CUDA only): its first run then
-    spends minutes in MLX's run-time compiles. Returns the folder when it
-    printed the line (the caller marks it warm once the run completes), else
-    None."""
+def _first_use_notice(argv: Sequence[str], dtype: Optional[str] = None):
+    """When the ``--model`` folder's kernels were not warmed up into MLX's
+    compile cache on this machine (CUDA only), start compiling MLX's modules
+    of a first use in worker processes (:func:`mlx_qwen_fast.mlx_compiles.start`,
+    with :data:`mlx_qwen_fast.config.MLX_COMPILES_AHEAD` on) and say so in one
+    line. Returns ``(folder, workers)``: the folder when it printed the line
+    (the caller marks it warm once the run completes) and the started
+    :class:`~mlx_qwen_fast.mlx_compiles.Ahead` (to wait for after loading),
+    each None where not."""
     models = flag_values(argv, ("--model",))
     if not models:
-        return None
+        return None, None
     path = Path(os.path.expanduser(models[0]))
     from . import backend
 
     if not path.is_dir() or backend.current() != backend.CUDA:
-        return None
+        return None, None
     from .warmup import is_warm
 
     if is_warm(path):
-        return None
-    print(f"mlx_qwen_fast: MLX may compile CUDA kernels for this model for a few minutes before its first "
+        return None, None
+    ahead = None
+    if config.MLX_COMPILES_AHEAD.get():
+        from .mlx_compiles import start
+
+        ahead = start(path, dtype)
+    if ahead is not None:
+        print(f"mlx_qwen_fast: first use of this model on this machine: MLX's CUDA kernels compile in "
+              f"{len(ahead.jobs)} processes while it loads (once per machine)", file=sys.stderr)
+    else:
+        print(f"mlx_qwen_fast: MLX may compile CUDA kernels for this model for a few minutes before its first "
               f"token (once per machine; `python -m mlx_qwen_fast warmup --model {models[0]}` does it ahead "
               f"of time)", file=sys.stderr)
-    return path
+    return path, ahead
+
+
+def _wait_ahead(ahead) -> None:
+    """Wait for the MLX compiles :func:`_first_use_notice` started (called
+    once the checkpoint is loaded) and say how long they took."""
+    r = ahead.wait()
+    failed = f"; not done: {', '.join(r['failed'])}" if r["failed"] else ""
+    print(f"mlx_qwen_fast: {len(r['published'])} MLX kernel modules compiled ahead, {r['seconds']} s since the "
+          f"start{failed}", file=sys.stderr)
 
 
 def _loading_error(exc: BaseException) -> bool:
@@ -253,8 +275,8 @@ def run_mlx_lm_main(module: str, argv=None, *, before_main=None) -> None:
     if not stock:
         from .patching import install
 
-        cold = _first_use_notice(argv)
-        install(verbose=True)
+        cold, ahead = _first_use_notice(argv, dtype)
+        install(verbose=True, after_load=None if ahead is None else functools.partial(_wait_ahead, ahead))
     mod = importlib.import_module(module)
     if module == "mlx_lm.server" and not stock:
         from .server import install as install_server  # GET /v1/models lists the loaded model

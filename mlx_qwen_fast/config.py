@@ -46,6 +46,7 @@ __all__ = [
     "GDN_MIXER_KERNEL",
     "MOE_BLOCK_KERNEL",
     "METAL_KERNELS",
+    "MLX_COMPILES_AHEAD",
     "KERNEL_CACHE",
     "NVRTC",
     "NVFATBIN",
@@ -210,6 +211,11 @@ METAL_KERNELS = Switch(
     "the head_dim-256 attention, the residual add fused with the post-attention RMSNorm; prefill: the MoE "
     "block's routing and grouped expert GEMMs); checked only by running MLX's generated source on a CPU, never "
     "timed on a Mac")
+MLX_COMPILES_AHEAD = Switch(
+    "MLX_QWEN_FAST_COMPILE_AHEAD", "bool", True, "`0`",
+    "on a model's first use on a CUDA machine, the CLIs do not compile MLX's quantised-matmul and gather "
+    "kernels in worker processes while the checkpoint loads (MLX then compiles each when first needed, "
+    "one after another: minutes before the first token)")
 KERNEL_CACHE = Switch(
     "MLX_QWEN_FAST_CACHE", "path", None, "a folder",
     "where compiled CUDA kernels are cached (default `$XDG_CACHE_HOME/mlx_qwen_fast` "
@@ -232,7 +238,7 @@ POISON = Switch(
 SWITCHES: Tuple[Switch, ...] = (
     FAST_PATH, MOE_PREFILL_KERNEL, MOE_DECODE_KERNEL, DECODE_LAYER_STEP, DECODE_MODEL_STEP, VERIFY_MODEL_STEP,
     ATTENTION_DECODE_KERNEL, ATTENTION_PREFILL_KERNEL, DECODE_GEMV_KERNEL, PREFILL_GEMM_KERNEL, GDN_MIXER_KERNEL, MOE_BLOCK_KERNEL,
-    METAL_KERNELS, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
+    METAL_KERNELS, MLX_COMPILES_AHEAD, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
 )
 
 

@@ -24,7 +24,7 @@ import functools
 import inspect
 import sys
 import warnings
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import mlx.nn as nn
 import mlx_lm.utils
@@ -390,7 +390,7 @@ def _installed(fn) -> Optional[object]:
     return ours if getattr(ours, "_mlx_qwen_fast", None) is ours else None
 
 
-def install(*, verbose: bool = False) -> bool:
+def install(*, verbose: bool = False, after_load: Optional[Callable[[], object]] = None) -> bool:
     """Make every ``mlx_lm.load`` return a patched model.
 
     Wraps ``mlx_lm.utils.load_model`` (which ``mlx_lm.load``, ``sharded_load``
@@ -408,7 +408,10 @@ def install(*, verbose: bool = False) -> bool:
     ``verbose``: print each load's :class:`PatchReport` to stderr (a model
     left stock is then said by that line, without :func:`patch`'s warning),
     one line for a model type without a fast path, and, when the environment
-    switches the fast path off, one line saying so.
+    switches the fast path off, one line saying so. ``after_load``: called
+    once, after the next load has read its model and before it is patched
+    (the CLIs wait there for the MLX compiles they started,
+    :mod:`mlx_qwen_fast.mlx_compiles`).
     Returns False (and installs nothing) when ``MLX_QWEN_FAST=0``.
     """
     if not enabled():
@@ -421,12 +424,16 @@ def install(*, verbose: bool = False) -> bool:
     if ours is not None:
         ours._active = True
         ours._verbose = ours._verbose or verbose
+        if after_load is not None:
+            ours._after_load.append(after_load)
         _put_sharded_load(ours._sharded_load)
         return True
 
     @functools.wraps(current)
     def load_model(*args, **kwargs):
         model, model_config = current(*args, **kwargs)
+        while load_model._after_load:
+            load_model._after_load.pop(0)()
         if not load_model._active or not enabled():
             return model, model_config
         if sys._getframe(1).f_code is _SHARDED_LOAD.__code__:
@@ -459,6 +466,7 @@ def install(*, verbose: bool = False) -> bool:
     load_model._wrapped = current
     load_model._active = True
     load_model._verbose = verbose
+    load_model._after_load = [] if after_load is None else [after_load]
     load_model._sharded_load = sharded_load
     mlx_lm.utils.load_model = load_model
     _put_sharded_load(sharded_load)

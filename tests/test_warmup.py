@@ -48,6 +48,7 @@ def test_off_cuda_there_is_nothing_to_do_and_no_notice(tiny_checkpoint, capsys):
 @pytest.mark.cuda
 def test_warmup_writes_the_marker_and_silences_the_notice(env, tmp_path, tiny_checkpoint, capsys):
     env.set("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
+    env.set("MLX_QWEN_FAST_COMPILE_AHEAD", "0")  # the notice without workers (tests/test_mlx_compiles.py has them)
     _cli._first_use_notice(["--model", str(tiny_checkpoint)])
     assert "warmup" in capsys.readouterr().err
     assert warmup.warmup(tiny_checkpoint)["ran"]
@@ -66,8 +67,9 @@ def test_a_completed_cli_run_marks_the_model_warm(env, tmp_path, tiny_checkpoint
     from mlx_qwen_fast import patching
 
     env.set("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
+    env.set("MLX_QWEN_FAST_COMPILE_AHEAD", "0")  # the notice without workers (tests/test_mlx_compiles.py has them)
     monkeypatch.setattr(backend, "current", lambda: backend.CUDA)
-    monkeypatch.setattr(patching, "install", lambda verbose=False: None)
+    monkeypatch.setattr(patching, "install", lambda verbose=False, after_load=None: None)
     fake = types.ModuleType("mlx_lm.fake_cmd")
     calls = []
 

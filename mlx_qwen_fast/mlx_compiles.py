@@ -1,0 +1,286 @@
+"""MLX's run-time compiles of a model's first use, ahead of time and in parallel.
+
+On CUDA, MLX compiles some of its kernels with NVRTC the first time a
+process needs them, one after another, in the thread that evaluates the
+graph, and keeps each in its compile cache (``MLX_PTX_CACHE_DIR``, one
+``<module>.ptx`` with its ``.txt`` kernel list per module): its quantised
+matmuls (a module per tile class of rows, bit width, group size and mode:
+16-28 s each), its gathers and scatters (a module per dtype pair: 2-5 s
+each). A first ``generate`` of the reference model on a fresh machine
+waited for them in turn: minutes before its first token
+(bench/results/package-figures.md, "First use").
+
+:func:`start` compiles those modules in worker processes at once, while the
+calling process imports mlx-lm and loads the checkpoint: each worker runs
+one :class:`Job` -- a few MLX ops at shapes that make MLX build the modules
+a first use needs (:func:`jobs_for`, from the checkpoint's ``config.json``:
+its quantisation classes and dtype) -- into a compile cache of its own, and
+:meth:`Ahead.wait` publishes each finished worker's files into the shared
+cache (the kernel list before the PTX, each by an atomic rename: MLX reads
+and writes that folder without locks, and a file it finds must be whole).
+A worker that fails or runs out of time only means that the caller compiles
+that module itself, as it would have. The job list follows MLX 0.32's
+dispatch (``mlx/backend/cuda/quantized/quantized.cpp``: rows below 8 take
+the precompiled GEMV; else ``qmm_sm80`` for 4/8-bit weights whose outputs
+are a multiple of 128 and ``qmm_naive`` otherwise, the tile's rows the next
+power of two of the rows in [16, 64]; gathers keyed by value and index
+dtype); the fused elementwise kernels of ``mx.compile`` and this package's
+own kernels (0.1-0.5 s each) are not among them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+__all__ = ["Ahead", "Job", "jobs_for", "quantization_classes", "run_job", "start", "worker_count"]
+
+#: Rows of the quantised matmuls the jobs run: one per tile class of MLX's
+#: ``qmm_sm80`` / ``qmm_naive`` (16, 32, 64).
+QMM_ROWS = (16, 32, 64)
+#: Seconds a worker may take before it is stopped (the slowest module
+#: measured took 28 s alone).
+WORKER_TIMEOUT_S = 180.0
+#: Host memory a worker may take while NVRTC compiles a quantised matmul
+#: (bytes), for :func:`worker_count`.
+WORKER_HOST_BYTES = 3 << 30
+
+
+@dataclass(frozen=True)
+class Job:
+    """One worker's work: ``ops`` run in order (each a dict for
+    :func:`run_op`), named for the messages."""
+
+    name: str
+    ops: Tuple[dict, ...]
+
+
+def quantization_classes(config: dict) -> List[Tuple[int, int, str]]:
+    """The distinct ``(bits, group_size, mode)`` of a checkpoint's
+    ``config.json`` ``quantization`` entry (the global one and every
+    per-layer dict, as ``mlx_lm.convert`` writes them), sorted; empty for an
+    unquantised checkpoint."""
+    q = config.get("quantization") or config.get("quantization_config")
+    if not isinstance(q, dict):
+        return []
+    found = set()
+    for entry in [q] + [v for v in q.values() if isinstance(v, dict)]:
+        bits, gs = entry.get("bits", q.get("bits")), entry.get("group_size", q.get("group_size"))
+        mode = entry.get("mode", q.get("mode", "affine"))
+        if type(bits) is int and type(gs) is int and isinstance(mode, str):
+            found.add((bits, gs, mode))
+    return sorted(found)
+
+
+def _dtype_of(config: dict) -> str:
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    name = text.get("dtype") or text.get("torch_dtype") or config.get("torch_dtype") or "bfloat16"
+    return name if name in ("bfloat16", "float16", "float32") else "bfloat16"
+
+
+def jobs_for(config: dict, dtype: Optional[str] = None) -> List[Job]:
+    """The jobs a first use of a checkpoint with ``config`` (its parsed
+    ``config.json``) needs compiled, in activations of ``dtype`` (default
+    the checkpoint's; "bfloat16", "float16" or "float32").
+
+    Per affine quantisation class and tile class of rows
+    (:data:`QMM_ROWS`): a quantised matmul whose outputs are a multiple of
+    128 and, for 4 and 8 bits, one whose outputs are not (MLX's two kernels);
+    a sorted ``gather_qmm`` of the experts' class (the MoE block below the
+    prefill kernels); the embedding's gathers by int32 and uint32 ids, the
+    router's ``take_along_axis`` and the KV rows' ``put_along_axis``. Other
+    quantisation modes (mxfp4, nvfp4) take MLX's other kernels and get no
+    job."""
+    dtype = dtype or _dtype_of(config)
+    jobs: List[Job] = []
+    classes = [c for c in quantization_classes(config) if c[2] == "affine"]
+    for bits, gs, mode in classes:
+        k = 4 * max(64, gs)
+        for rows in QMM_ROWS:
+            base = dict(op="quantized_matmul", rows=rows, k=k, bits=bits, group_size=gs, mode=mode, dtype=dtype)
+            jobs.append(Job(f"quantized matmul {bits}-bit g{gs}, {rows} rows", (dict(base, n=128),)))
+            if bits in (4, 8):
+                jobs.append(Job(f"quantized matmul {bits}-bit g{gs}, {rows} rows, 64 outputs", (dict(base, n=64),)))
+    q = config.get("quantization") or {}
+    if classes and isinstance(q, dict) and (q.get("bits"), q.get("group_size")) in [(b, g) for b, g, _ in classes]:
+        bits, gs = q["bits"], q["group_size"]
+        jobs.append(Job(f"gather_qmm {bits}-bit g{gs}", tuple(
+            dict(op="gather_qmm", tokens=t, top_k=8, experts=16, n=128, k=4 * max(64, gs), bits=bits,
+                 group_size=gs, mode="affine", dtype=dtype) for t in (27, 100))))
+    for ids in ("int32", "uint32"):
+        jobs.append(Job(f"gathers by {ids} ids", (
+            dict(op="take", dtype=dtype, index_dtype=ids), dict(op="take", dtype="uint32", index_dtype=ids),
+            dict(op="take_along_axis", dtype=dtype, index_dtype=ids),
+            dict(op="put_along_axis", dtype=dtype, index_dtype=ids))))
+    return jobs
+
+
+def run_op(op: dict) -> None:
+    """Evaluate one op of a :class:`Job` on zeros of its shapes (the
+    compile is the point; the values are not read).
+
+    Raises:
+        ValueError: an unknown ``op["op"]``.
+    """
+    import mlx.core as mx
+
+    kind, dt = op["op"], getattr(mx, op.get("dtype", "bfloat16"))
+    if kind in ("quantized_matmul", "gather_qmm"):
+        experts = op.get("experts", 0)
+        shape = (experts, op["n"], op["k"]) if experts else (op["n"], op["k"])
+        w, s, b = mx.quantize(mx.zeros(shape, dt), group_size=op["group_size"], bits=op["bits"], mode=op["mode"])
+        if kind == "quantized_matmul":
+            x = mx.zeros((op["rows"], op["k"]), dt)
+            out = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=op["group_size"], bits=op["bits"],
+                                      mode=op["mode"])
+        else:  # mlx-lm's SwitchGLU with sorted assignments (sort_indices: tokens * top_k >= 64)
+            n_assign = op["tokens"] * op["top_k"]
+            idx = mx.sort(mx.arange(n_assign, dtype=mx.uint32) % experts)
+            x = mx.zeros((n_assign, 1, op["k"]), dt)
+            out = mx.gather_qmm(x, w, s, b, rhs_indices=idx, transpose=True, group_size=op["group_size"],
+                                bits=op["bits"], mode=op["mode"], sorted_indices=True)
+    elif kind == "take":
+        out = mx.take(mx.zeros((64, 8), getattr(mx, op["dtype"])), mx.zeros((4,), getattr(mx, op["index_dtype"])),
+                      axis=0)
+    elif kind == "take_along_axis":
+        out = mx.take_along_axis(mx.zeros((4, 64), dt), mx.zeros((4, 8), getattr(mx, op["index_dtype"])), axis=-1)
+    elif kind == "put_along_axis":
+        out = mx.put_along_axis(mx.zeros((1, 2, 64, 8), dt), mx.zeros((1, 1, 1, 1), getattr(mx, op["index_dtype"])),
+                                mx.ones((1, 2, 1, 8), dt), axis=2)
+    else:
+        raise ValueError(f"run_op: unknown op {kind!r}")
+    mx.eval(out)
+
+
+def run_job(job: Job) -> None:
+    """Run every op of ``job`` in this process (the worker's body)."""
+    for op in job.ops:
+        run_op(op)
+
+
+def worker_count(n_jobs: int) -> int:
+    """Workers to run ``n_jobs`` with: one per job, at most one fewer than
+    the CPUs and as many as the host memory holds at
+    :data:`WORKER_HOST_BYTES` each (at least 1)."""
+    cpus = os.cpu_count() or 2
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        ram = 16 << 30
+    return max(1, min(n_jobs, cpus - 1, ram // WORKER_HOST_BYTES))
+
+
+def _publish(private: Path, cache: Path) -> List[str]:
+    """Move a finished worker's modules into ``cache``: for each
+    ``<module>.ptx``, the ``.cu`` and ``.txt`` first, the ``.ptx`` last,
+    each by an atomic rename; a module ``cache`` already holds is left
+    alone. Returns the modules published."""
+    done = []
+    for ptx in sorted(private.glob("*.ptx")):
+        if (cache / ptx.name).exists():
+            continue
+        for ext in (".cu", ".txt", ".ptx"):
+            src = ptx.with_suffix(ext)
+            if src.exists():
+                tmp = cache / f".{src.name}.{os.getpid()}.part"
+                shutil.copyfile(src, tmp)
+                os.replace(tmp, cache / src.name)
+        done.append(ptx.stem)
+    return done
+
+
+class Ahead:
+    """Workers compiling a first use's MLX modules (made by :func:`start`)."""
+
+    def __init__(self, jobs: Sequence[Job], cache: Path, *, timeout_s: float = WORKER_TIMEOUT_S,
+                 command: Optional[Sequence[str]] = None):
+        self.jobs, self.cache, self.timeout_s = list(jobs), Path(cache), timeout_s
+        self._command = list(command) if command is not None else [sys.executable, "-m", __name__, "--job"]
+        self._root = Path(tempfile.mkdtemp(prefix=".mqf-ahead-", dir=self.cache))
+        self._lock = threading.Lock()
+        self.published: List[str] = []
+        self.failed: List[str] = []
+        self.t0 = time.perf_counter()
+        self._pool = ThreadPoolExecutor(max_workers=worker_count(len(self.jobs)), thread_name_prefix="mqf-ahead")
+        self._futures = [self._pool.submit(self._run, i, job) for i, job in enumerate(self.jobs)]
+
+    def _run(self, i: int, job: Job) -> None:
+        private = self._root / str(i)
+        private.mkdir()
+        env = dict(os.environ, MLX_PTX_CACHE_DIR=str(private))
+        spec = json.dumps({"name": job.name, "ops": list(job.ops)})
+        why = None
+        try:
+            r = subprocess.run(self._command + [spec], env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, timeout=self.timeout_s)
+            if r.returncode != 0:
+                lines = r.stderr.decode(errors="replace").strip().splitlines()
+                why = f"exit code {r.returncode}" + (f": {lines[-1][:200]}" if lines else "")
+        except subprocess.TimeoutExpired:
+            why = f"stopped after {self.timeout_s:g} s"
+        except OSError as e:
+            why = f"not started: {e}"
+        done = _publish(private, self.cache)  # what compiled, also from a failed or stopped worker
+        with self._lock:
+            self.published += done
+            if why is not None:
+                self.failed.append(f"{job.name} ({why})")
+        shutil.rmtree(private, ignore_errors=True)
+
+    def wait(self) -> Dict:
+        """Wait for every worker (each stops at ``timeout_s``), publish what
+        they compiled, remove their folders. Returns ``{"seconds",
+        "published", "failed"}``: seconds since the start, the modules
+        published, each failed job's name with the reason."""
+        for f in self._futures:
+            f.result()
+        self._pool.shutdown()
+        shutil.rmtree(self._root, ignore_errors=True)
+        return {"seconds": round(time.perf_counter() - self.t0, 1), "published": sorted(self.published),
+                "failed": list(self.failed)}
+
+
+def start(model_path, dtype: Optional[str] = None) -> Optional[Ahead]:
+    """Start the workers for a first use of ``model_path`` (a checkpoint
+    folder), or return None where there is nothing to do: not on CUDA, no
+    known compile cache folder (``MLX_PTX_CACHE_DIR`` unset), the model
+    already warmed up into it (:func:`mlx_qwen_fast.warmup.is_warm`), no
+    readable ``config.json``, or no job for its quantisation."""
+    from . import backend, config
+    from .warmup import is_warm
+
+    cache = config.mlx_ptx_cache_dir()
+    if backend.current() != backend.CUDA or not cache or is_warm(model_path):
+        return None
+    try:
+        cfg = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    jobs = jobs_for(cfg, dtype) if isinstance(cfg, dict) else []
+    if not jobs:
+        return None
+    Path(cache).mkdir(parents=True, exist_ok=True)
+    return Ahead(jobs, Path(cache))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog=f"python -m {__name__}", description="a worker of mlx_qwen_fast.mlx_compiles")
+    p.add_argument("--job", required=True, help="a Job as JSON ({'name', 'ops'})")
+    args = p.parse_args(argv)
+    spec = json.loads(args.job)
+    run_job(Job(spec["name"], tuple(spec["ops"])))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
