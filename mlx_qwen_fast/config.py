@@ -58,6 +58,7 @@ __all__ = [
     "kernel_cache_dir",
     "cuda_toolkit_lib_dirs",
     "mlx_ptx_cache_dir",
+    "child_environment",
     "apply_process_settings",
     "restore_process_settings",
     "process_settings_report",
@@ -273,6 +274,12 @@ def mlx_ptx_cache_dir() -> Optional[str]:
     """``MLX_PTX_CACHE_DIR`` as the environment holds it now (None: unset,
     MLX's own default)."""
     return os.environ.get(MLX_PTX_CACHE.name) or None
+
+
+def child_environment(**overrides: str) -> Dict[str, str]:
+    """A copy of this process's environment with ``overrides``, for the
+    package's worker processes (:mod:`mlx_qwen_fast.mlx_compiles`)."""
+    return dict(os.environ, **overrides)
 
 
 def cuda_toolkit_lib_dirs() -> List[str]:

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from . import config
+
 __all__ = ["Ahead", "Job", "jobs_for", "quantization_classes", "run_job", "start", "worker_count"]
 
 #: Rows of the quantised matmuls the jobs run: one per tile class of MLX's
@@ -218,7 +220,7 @@ class Ahead:
     def _run(self, i: int, job: Job) -> None:
         private = self._root / str(i)
         private.mkdir()
-        env = dict(os.environ, MLX_PTX_CACHE_DIR=str(private))
+        env = config.child_environment(**{config.MLX_PTX_CACHE.name: str(private)})
         spec = json.dumps({"name": job.name, "ops": list(job.ops)})
         why = None
         try:
@@ -257,7 +259,7 @@ def start(model_path, dtype: Optional[str] = None) -> Optional[Ahead]:
     known compile cache folder (``MLX_PTX_CACHE_DIR`` unset), the model
     already warmed up into it (:func:`mlx_qwen_fast.warmup.is_warm`), no
     readable ``config.json``, or no job for its quantisation."""
-    from . import backend, config
+    from . import backend
     from .warmup import is_warm
 
     cache = config.mlx_ptx_cache_dir()
