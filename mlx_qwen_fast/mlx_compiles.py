@@ -114,12 +114,14 @@ def jobs_for(config: dict, dtype: Optional[str] = None) -> List[Job]:
             jobs.append(Job(f"quantized matmul {bits}-bit g{gs}, {rows} rows", (dict(base, n=128),)))
             if bits in (4, 8):
                 jobs.append(Job(f"quantized matmul {bits}-bit g{gs}, {rows} rows, 64 outputs", (dict(base, n=64),)))
-    q = config.get("quantization") or {}
-    if classes and isinstance(q, dict) and (q.get("bits"), q.get("group_size")) in [(b, g) for b, g, _ in classes]:
-        bits, gs = q["bits"], q["group_size"]
-        jobs.append(Job(f"gather_qmm {bits}-bit g{gs}", tuple(
-            dict(op="gather_qmm", tokens=t, top_k=8, experts=16, n=128, k=4 * max(64, gs), bits=bits,
-                 group_size=gs, mode="affine", dtype=dtype) for t in (27, 100))))
+    q = config.get("quantization") or config.get("quantization_config")
+    experts = (q.get("bits"), q.get("group_size"), q.get("mode", "affine")) if isinstance(q, dict) else None
+    if experts in classes:  # the experts take the global class (mlx_lm.convert's per-layer entries are the gates)
+        bits, gs, _ = experts
+        for t in (27, 100):
+            jobs.append(Job(f"gather_qmm {bits}-bit g{gs}, {t} tokens", (
+                dict(op="gather_qmm", tokens=t, top_k=8, experts=16, n=128, k=4 * max(64, gs), bits=bits,
+                     group_size=gs, mode="affine", dtype=dtype),)))
     for ids in ("int32", "uint32"):
         jobs.append(Job(f"gathers by {ids} ids", (
             dict(op="take", dtype=dtype, index_dtype=ids), dict(op="take", dtype="uint32", index_dtype=ids),

@@ -40,8 +40,8 @@ def test_jobs_per_tile_class_and_kernel():
         (b, r, n) for b in (4, 8) for r in mc.QMM_ROWS for n in (64, 128))
     assert all(len(j.ops) == 1 for j in jobs if j.ops[0]["op"] == "quantized_matmul")  # one module a worker
     assert all(o["k"] % 64 == 0 and o["dtype"] == "bfloat16" for o in qmm)
-    gq = [j for j in jobs if j.ops[0]["op"] == "gather_qmm"]
-    assert len(gq) == 1 and all(o["bits"] == 4 for o in gq[0].ops)  # the experts' class (the global one)
+    gq = [j.ops for j in jobs if j.ops[0]["op"] == "gather_qmm"]
+    assert [len(o) for o in gq] == [1, 1] and all(o[0]["bits"] == 4 for o in gq)  # the experts': the global class
     assert sorted(o["index_dtype"] for j in jobs for o in j.ops if o["op"] == "take" and o["dtype"] != "uint32") \
         == ["int32", "uint32"]
     assert {o["dtype"] for j in mc.jobs_for(_config(_Q4_ROUTER8), "float16") for o in j.ops
