@@ -52,8 +52,10 @@ __all__ = ["Ahead", "Job", "jobs_for", "quantization_classes", "run_job", "start
 #: ``qmm_sm80`` / ``qmm_naive`` (16, 32, 64).
 QMM_ROWS = (16, 32, 64)
 #: Seconds a worker may take before it is stopped (the slowest module
-#: measured took 28 s alone).
-WORKER_TIMEOUT_S = 180.0
+#: measured took 28 s alone; bench/results/package-figures.md, "First use"):
+#: the most a first use waits after loading for modules it would otherwise
+#: compile itself, one after another.
+WORKER_TIMEOUT_S = 120.0
 #: Host memory a worker may take while NVRTC compiles a quantised matmul
 #: (bytes), for :func:`worker_count`.
 WORKER_HOST_BYTES = 3 << 30

@@ -152,6 +152,7 @@ def test_the_cli_starts_the_workers_and_waits_after_loading(env, tmp_path, tiny_
     from mlx_qwen_fast import patching
 
     env.set("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
+    env.set("MLX_QWEN_FAST_COMPILE_AHEAD", "1")
     monkeypatch.setattr(backend, "current", lambda: backend.CUDA)
     started = []
 
