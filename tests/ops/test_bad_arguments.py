@@ -512,7 +512,7 @@ _CASES = {
     "moe.combine: scores shape": ("raise", "scores must have shape (3, 2)"),
     "moe.combine: expert_out a list": ("raise", "expert_out must be a float mx.array of shape [..., k, D], got list"),
     "moe.combine: expert_out rank 1": ("raise", "expert_out must be a float mx.array of shape [..., k, D]"),
-    "moe.combine: dtype a str": ("raise", "dtype must be None or an mlx dtype"),
+    "moe.combine: dtype a str": ("raise", "dtype must be None or a float mlx dtype"),
     "moe.combine: scores int32": ("raise", "scores must be a float mx.array"),
     "moe.shared_expert: hidden size": ("raise", "x must be a float32/float16/bfloat16 mx.array of shape [..., 256]"),
     "moe.shared_expert: block a Linear": ("raise", "block must be a Qwen3NextSparseMoeBlock"),
