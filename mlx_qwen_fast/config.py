@@ -213,10 +213,11 @@ METAL_KERNELS = Switch(
     "block's routing and grouped expert GEMMs); checked only by running MLX's generated source on a CPU, never "
     "timed on a Mac")
 MLX_COMPILES_AHEAD = Switch(
-    "MLX_QWEN_FAST_COMPILE_AHEAD", "bool", False, "`1`",
-    "on a model's first use on a CUDA machine, the CLIs compile MLX's quantised-matmul and gather kernels in "
-    "worker processes while the checkpoint loads, instead of MLX compiling each when first needed, one after "
-    "another (off until timed on a GPU: bench/results/2026-12-07-nvidia-s52-calls.md)")
+    "MLX_QWEN_FAST_COMPILE_AHEAD", "bool", True, "`0`",
+    "on a model's first use on a CUDA machine, the CLIs and `warmup` leave MLX to compile its quantised-matmul "
+    "and gather kernels when first needed, one after another, instead of in worker processes while the "
+    "checkpoint loads (a first `generate` on a fresh H100: first token at 151.7 s instead of 56.4 s, "
+    "bench/results/package-figures.md, \"First use\")")
 KERNEL_CACHE = Switch(
     "MLX_QWEN_FAST_CACHE", "path", None, "a folder",
     "where compiled CUDA kernels are cached (default `$XDG_CACHE_HOME/mlx_qwen_fast` "

@@ -7,7 +7,10 @@ gathers, fused elementwise kernels) and keeps them in its compile cache
 ``/tmp``: :data:`mlx_qwen_fast.config.MLX_PTX_CACHE`). Some of those take
 half a minute each, so a first ``generate`` on a fresh machine waits minutes
 for its first token (bench/results/package-figures.md, "First use").
-:func:`warmup` runs those kernels once, ahead of time: it loads the
+:func:`warmup` runs those kernels once, ahead of time: it first compiles
+MLX's quantised-matmul and gather modules in worker processes
+(:mod:`mlx_qwen_fast.mlx_compiles`, with
+:data:`mlx_qwen_fast.config.MLX_COMPILES_AHEAD` on), then loads the
 checkpoint lazily, keeps its first Gated DeltaNet and first attention layer
 (with the embedding, norms and lm_head), patches it, and runs mlx-lm's
 ``generate_step`` on prompts of :data:`PROMPT_TOKENS` tokens plus a few
@@ -144,6 +147,12 @@ def warmup(model_path, *, lengths: Sequence[int] = PROMPT_TOKENS) -> Dict:
     if backend.current() != backend.CUDA:
         return {"seconds": 0.0, "ran": False}
     t0 = time.perf_counter()
+    if config.MLX_COMPILES_AHEAD.get():  # MLX's slow modules in parallel first (mlx_compiles)
+        from .mlx_compiles import start
+
+        ahead = start(model_path)
+        if ahead is not None:
+            ahead.wait()
     _run_model(model_path, lengths)
     mark_warm(model_path, f"warmup, prompt lengths {list(lengths)}")
     return {"seconds": time.perf_counter() - t0, "ran": True}

@@ -49,7 +49,7 @@ SMALL_CEILINGS = ["--copy-mib", "4", "--matmul-n", "64"]
 MODULES = ("ab", "numerics", "ops", "ceilings", "plots", "first_use", "startup", "verify_pass", "dflash")
 DEVICE_SCRIPTS = ("gdn_cuda.py", "moe_cuda.py", "moe_decode_cuda.py", "profile_kernels.py", "node_cost.py",
                   "prefill_gemm.py")
-H200_STAGES = {"tests", "ab", "ops", "profile", "dprofile", "phases", "userview", "firstuse", "decode", "split"}
+H200_STAGES = {"tests", "ab", "ops", "profile", "dprofile", "phases", "userview", "firstuse", "ahead", "decode", "split"}
 
 
 def check_keys(record, schema, where):

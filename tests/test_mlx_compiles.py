@@ -170,8 +170,9 @@ def test_the_cli_starts_the_workers_and_waits_after_loading(env, tmp_path, tiny_
     fake = types.ModuleType("mlx_lm.fake_cmd2")
     fake.main = lambda: None
     monkeypatch.setitem(sys.modules, "mlx_lm.fake_cmd2", fake)
-    _cli.run_mlx_lm_main("mlx_lm.fake_cmd2", ["--model", str(tiny_checkpoint), "--dtype", "float16"])
-    assert started == [(tiny_checkpoint, "float16")]
+    # (no --dtype here: the CLI's --dtype wraps mlx_lm's loader for the rest of the process)
+    _cli.run_mlx_lm_main("mlx_lm.fake_cmd2", ["--model", str(tiny_checkpoint)])
+    assert started == [(tiny_checkpoint, None)]
     assert "compile in 3 processes while it loads" in capsys.readouterr().err
     hooks[-1]()
     assert "2 MLX kernel modules compiled ahead, 1.5 s since the start; not done: x" in capsys.readouterr().err
@@ -182,6 +183,11 @@ def test_the_cli_starts_the_workers_and_waits_after_loading(env, tmp_path, tiny_
     env.set("MLX_QWEN_FAST_COMPILE_AHEAD", "0")
     _cli.run_mlx_lm_main("mlx_lm.fake_cmd2", ["--model", str(tiny_checkpoint)])
     assert len(started) == 1 and hooks[-1] is None and "warmup" in capsys.readouterr().err
+    # the activation dtype a --dtype names reaches the jobs (the run above marked the model warm again)
+    warmup.marker_path(tiny_checkpoint).unlink()
+    env.set("MLX_QWEN_FAST_COMPILE_AHEAD", "1")
+    assert _cli._first_use_notice(["--model", str(tiny_checkpoint)], "float16")[1] is not None
+    assert started[-1] == (tiny_checkpoint, "float16")
 
 
 def test_install_calls_after_load_once_after_the_next_load(tiny_checkpoint):
