@@ -51,6 +51,7 @@ def test_warmup_writes_the_marker_and_silences_the_notice(env, tmp_path, tiny_ch
     env.set("MLX_QWEN_FAST_COMPILE_AHEAD", "0")  # the notice without workers (tests/test_mlx_compiles.py has them)
     _cli._first_use_notice(["--model", str(tiny_checkpoint)])
     assert "warmup" in capsys.readouterr().err
+    env.set("MLX_QWEN_FAST_COMPILE_AHEAD", "1")  # the warm-up as it runs by default: the workers first
     assert warmup.warmup(tiny_checkpoint)["ran"]
     assert warmup.marker_path(tiny_checkpoint).is_file() and warmup.is_warm(tiny_checkpoint)
     _cli._first_use_notice(["--model", str(tiny_checkpoint)])
