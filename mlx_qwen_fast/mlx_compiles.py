@@ -31,6 +31,7 @@ own kernels (0.1-0.5 s each) are not among them.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import shutil
@@ -39,7 +40,6 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -200,14 +200,23 @@ def _publish(private: Path, cache: Path) -> List[str]:
             src = ptx.with_suffix(ext)
             if src.exists():
                 tmp = cache / f".{src.name}.{os.getpid()}.part"
-                shutil.copyfile(src, tmp)
-                os.replace(tmp, cache / src.name)
+                try:
+                    shutil.copyfile(src, tmp)
+                    os.replace(tmp, cache / src.name)
+                finally:
+                    tmp.unlink(missing_ok=True)
         done.append(ptx.stem)
     return done
 
 
 class Ahead:
-    """Workers compiling a first use's MLX modules (made by :func:`start`)."""
+    """Workers compiling a first use's MLX modules (made by :func:`start`).
+
+    At most :func:`worker_count` run at once, started and watched by a
+    daemon thread; each finished worker's modules are published at once.
+    The workers are stopped and their folders removed by :meth:`close`,
+    which also runs when the process exits (a load error, Ctrl-C), so no
+    worker outlives the run."""
 
     def __init__(self, jobs: Sequence[Job], cache: Path, *, timeout_s: float = WORKER_TIMEOUT_S,
                  command: Optional[Sequence[str]] = None):
@@ -215,46 +224,90 @@ class Ahead:
         self._command = list(command) if command is not None else [sys.executable, "-m", __name__, "--job"]
         self._root = Path(tempfile.mkdtemp(prefix=".mqf-ahead-", dir=self.cache))
         self._lock = threading.Lock()
+        self._running: Dict[int, Tuple[subprocess.Popen, float]] = {}
+        self._closed = False
+        self._done = threading.Event()
         self.published: List[str] = []
         self.failed: List[str] = []
         self.t0 = time.perf_counter()
-        self._pool = ThreadPoolExecutor(max_workers=worker_count(len(self.jobs)), thread_name_prefix="mqf-ahead")
-        self._futures = [self._pool.submit(self._run, i, job) for i, job in enumerate(self.jobs)]
+        atexit.register(self.close)
+        threading.Thread(target=self._schedule, name="mqf-ahead", daemon=True).start()
 
-    def _run(self, i: int, job: Job) -> None:
+    def _launch(self, i: int, job: Job) -> Optional[subprocess.Popen]:
         private = self._root / str(i)
         private.mkdir()
         env = config.child_environment(**{config.MLX_PTX_CACHE.name: str(private)})
         spec = json.dumps({"name": job.name, "ops": list(job.ops)})
-        why = None
         try:
-            r = subprocess.run(self._command + [spec], env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, timeout=self.timeout_s)
-            if r.returncode != 0:
-                lines = r.stderr.decode(errors="replace").strip().splitlines()
-                why = f"exit code {r.returncode}" + (f": {lines[-1][:200]}" if lines else "")
-        except subprocess.TimeoutExpired:
-            why = f"stopped after {self.timeout_s:g} s"
+            with open(private / "stderr.txt", "wb") as err:  # a file: a pipe nobody reads could fill
+                return subprocess.Popen(self._command + [spec], env=env, stdout=subprocess.DEVNULL, stderr=err)
         except OSError as e:
-            why = f"not started: {e}"
-        done = _publish(private, self.cache)  # what compiled, also from a failed or stopped worker
+            self._finish(i, f"not started: {e}")
+            return None
+
+    def _finish(self, i: int, why: Optional[str]) -> None:
+        private = self._root / str(i)
+        try:
+            done = _publish(private, self.cache)  # also a failed or stopped worker's modules
+        except OSError:  # the folder removed by close() meanwhile
+            done = []
         with self._lock:
             self.published += done
             if why is not None:
-                self.failed.append(f"{job.name} ({why})")
+                self.failed.append(f"{self.jobs[i].name} ({why})")
         shutil.rmtree(private, ignore_errors=True)
 
+    def _schedule(self) -> None:
+        queue, slots = list(range(len(self.jobs))), worker_count(len(self.jobs))
+        while (queue or self._running) and not self._closed:
+            while queue and len(self._running) < slots and not self._closed:
+                i = queue.pop(0)
+                proc = self._launch(i, self.jobs[i])
+                if proc is not None:
+                    with self._lock:
+                        self._running[i] = (proc, time.perf_counter())
+            for i, (proc, t_start) in list(self._running.items()):
+                rc, why = proc.poll(), None
+                if rc is None:
+                    if time.perf_counter() - t_start < self.timeout_s:
+                        continue
+                    proc.kill()
+                    proc.wait()
+                    why = f"stopped after {self.timeout_s:g} s"
+                elif rc != 0:
+                    try:
+                        lines = (self._root / str(i) / "stderr.txt").read_text(errors="replace").strip().splitlines()
+                    except OSError:
+                        lines = []
+                    why = f"exit code {rc}" + (f": {lines[-1][:200]}" if lines else "")
+                with self._lock:
+                    del self._running[i]
+                if not self._closed:
+                    self._finish(i, why)
+            time.sleep(0.05)
+        self._done.set()
+
     def wait(self) -> Dict:
-        """Wait for every worker (each stops at ``timeout_s``), publish what
-        they compiled, remove their folders. Returns ``{"seconds",
-        "published", "failed"}``: seconds since the start, the modules
-        published, each failed job's name with the reason."""
-        for f in self._futures:
-            f.result()
-        self._pool.shutdown()
-        shutil.rmtree(self._root, ignore_errors=True)
+        """Wait for every worker (each stops at ``timeout_s``), remove their
+        folders. Returns ``{"seconds", "published", "failed"}``: seconds
+        since the start, the modules published, each failed job's name with
+        the reason."""
+        self._done.wait()
+        self.close()
         return {"seconds": round(time.perf_counter() - self.t0, 1), "published": sorted(self.published),
                 "failed": list(self.failed)}
+
+    def close(self) -> None:
+        """Stop the workers still running (their modules unpublished) and
+        remove the workers' folders. Idempotent."""
+        with self._lock:
+            self._closed = True
+            running = [p for p, _ in self._running.values()]
+        for proc in running:
+            if proc.poll() is None:
+                proc.kill()
+        shutil.rmtree(self._root, ignore_errors=True)
+        atexit.unregister(self.close)
 
 
 def start(model_path, dtype: Optional[str] = None) -> Optional[Ahead]:

@@ -120,6 +120,28 @@ def test_workers_publish_whole_modules(tmp_path):
         ["kept.ptx"] + [f"qmm_{m}{ext}" for m in "ab" for ext in (".cu", ".ptx", ".txt")])  # no folder, no part
 
 
+def test_close_stops_the_workers_and_leaves_nothing(tmp_path):
+    """What runs when the process exits early (a load error, Ctrl-C): running workers are killed, queued
+    ones never start, and neither their folders nor their modules are left in the cache."""
+    import time
+
+    cache = tmp_path / "ptx"
+    cache.mkdir()
+    jobs = [_job("slow", {"op": "write", "module": "qmm_slow"}, {"op": "sleep", "s": 60})] * 3
+    ahead = mc.Ahead(jobs, cache, command=[sys.executable, "-c", _FAKE])
+    deadline = time.time() + 30
+    while not ahead._running and time.time() < deadline:
+        time.sleep(0.05)
+    procs = [p for p, _ in ahead._running.values()]
+    assert procs
+    t0 = time.time()
+    ahead.close()
+    assert all(p.wait(timeout=10) is not None for p in procs) and time.time() - t0 < 10
+    time.sleep(0.3)  # the scheduler thread sees the close
+    assert list(cache.iterdir()) == []
+    ahead.close()  # idempotent
+
+
 def test_start_off_cuda_or_warm_does_nothing(env, tmp_path, tiny_checkpoint, monkeypatch):
     env.set("MLX_PTX_CACHE_DIR", str(tmp_path / "ptx"))
     monkeypatch.setattr(backend, "current", lambda: backend.CPU)
