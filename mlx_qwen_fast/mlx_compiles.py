@@ -49,8 +49,9 @@ from . import config
 __all__ = ["Ahead", "Job", "jobs_for", "quantization_classes", "run_job", "start", "worker_count"]
 
 #: Rows of the quantised matmuls the jobs run: one per tile class of MLX's
-#: ``qmm_sm80`` / ``qmm_naive`` (16, 32, 64).
-QMM_ROWS = (16, 32, 64)
+#: ``qmm_sm80`` / ``qmm_naive`` (64: prompts of 33 tokens or more below the
+#: package's prefill GEMM, and the projections it leaves to MLX; 32; 16).
+QMM_ROWS = (64, 32, 16)
 #: Seconds a worker may take before it is stopped (the slowest module
 #: measured took 28 s alone; bench/results/package-figures.md, "First use"):
 #: the most a first use waits after loading for modules it would otherwise
@@ -98,37 +99,31 @@ def jobs_for(config: dict, dtype: Optional[str] = None) -> List[Job]:
     ``config.json``) needs compiled, in activations of ``dtype`` (default
     the checkpoint's; "bfloat16", "float16" or "float32").
 
-    Per affine quantisation class and tile class of rows
-    (:data:`QMM_ROWS`): a quantised matmul whose outputs are a multiple of
-    128 and, for 4 and 8 bits, one whose outputs are not (MLX's two kernels);
-    a sorted ``gather_qmm`` of the experts' class (the MoE block below the
-    prefill kernels); the embedding's gathers by int32 and uint32 ids, the
-    router's ``take_along_axis`` and the KV rows' ``put_along_axis``. Other
-    quantisation modes (mxfp4, nvfp4) take MLX's other kernels and get no
-    job."""
+    First the gathers and scatters by int32 and by uint32 ids (the
+    embedding's ``take``, the router's ``take_along_axis``, the KV rows'
+    ``put_along_axis``: every first use needs them); then, per affine
+    quantisation class and tile class of rows (:data:`QMM_ROWS`, the class
+    of most prompts first), a quantised matmul whose outputs are a multiple
+    of 128 and, for 4 and 8 bits, one whose outputs are not (MLX's two
+    kernels). The experts' stock ``gather_qmm`` (one row per assignment)
+    builds the 16-row class's module, so it needs no job of its own
+    (bench/results/package-figures.md, "First use"). Other quantisation
+    modes (mxfp4, nvfp4) take MLX's other kernels and get no job."""
     dtype = dtype or _dtype_of(config)
     jobs: List[Job] = []
-    classes = [c for c in quantization_classes(config) if c[2] == "affine"]
-    for bits, gs, mode in classes:
-        k = 4 * max(64, gs)
-        for rows in QMM_ROWS:
-            base = dict(op="quantized_matmul", rows=rows, k=k, bits=bits, group_size=gs, mode=mode, dtype=dtype)
-            jobs.append(Job(f"quantized matmul {bits}-bit g{gs}, {rows} rows", (dict(base, n=128),)))
-            if bits in (4, 8):
-                jobs.append(Job(f"quantized matmul {bits}-bit g{gs}, {rows} rows, 64 outputs", (dict(base, n=64),)))
-    q = config.get("quantization") or config.get("quantization_config")
-    experts = (q.get("bits"), q.get("group_size"), q.get("mode", "affine")) if isinstance(q, dict) else None
-    if experts in classes:  # the experts take the global class (mlx_lm.convert's per-layer entries are the gates)
-        bits, gs, _ = experts
-        for t in (27, 100):
-            jobs.append(Job(f"gather_qmm {bits}-bit g{gs}, {t} tokens", (
-                dict(op="gather_qmm", tokens=t, top_k=8, experts=16, n=128, k=4 * max(64, gs), bits=bits,
-                     group_size=gs, mode="affine", dtype=dtype),)))
     for ids in ("int32", "uint32"):
         jobs.append(Job(f"gathers by {ids} ids", (
             dict(op="take", dtype=dtype, index_dtype=ids), dict(op="take", dtype="uint32", index_dtype=ids),
             dict(op="take_along_axis", dtype=dtype, index_dtype=ids),
             dict(op="put_along_axis", dtype=dtype, index_dtype=ids))))
+    classes = [c for c in quantization_classes(config) if c[2] == "affine"]
+    for rows in QMM_ROWS:
+        for bits, gs, mode in classes:
+            base = dict(op="quantized_matmul", rows=rows, k=4 * max(64, gs), bits=bits, group_size=gs, mode=mode,
+                        dtype=dtype)
+            jobs.append(Job(f"quantized matmul {bits}-bit g{gs}, {rows} rows", (dict(base, n=128),)))
+            if bits in (4, 8):
+                jobs.append(Job(f"quantized matmul {bits}-bit g{gs}, {rows} rows, 64 outputs", (dict(base, n=64),)))
     return jobs
 
 
@@ -142,20 +137,11 @@ def run_op(op: dict) -> None:
     import mlx.core as mx
 
     kind, dt = op["op"], getattr(mx, op.get("dtype", "bfloat16"))
-    if kind in ("quantized_matmul", "gather_qmm"):
-        experts = op.get("experts", 0)
-        shape = (experts, op["n"], op["k"]) if experts else (op["n"], op["k"])
-        w, s, b = mx.quantize(mx.zeros(shape, dt), group_size=op["group_size"], bits=op["bits"], mode=op["mode"])
-        if kind == "quantized_matmul":
-            x = mx.zeros((op["rows"], op["k"]), dt)
-            out = mx.quantized_matmul(x, w, s, b, transpose=True, group_size=op["group_size"], bits=op["bits"],
-                                      mode=op["mode"])
-        else:  # mlx-lm's SwitchGLU with sorted assignments (sort_indices: tokens * top_k >= 64)
-            n_assign = op["tokens"] * op["top_k"]
-            idx = mx.sort(mx.arange(n_assign, dtype=mx.uint32) % experts)
-            x = mx.zeros((n_assign, 1, op["k"]), dt)
-            out = mx.gather_qmm(x, w, s, b, rhs_indices=idx, transpose=True, group_size=op["group_size"],
-                                bits=op["bits"], mode=op["mode"], sorted_indices=True)
+    if kind == "quantized_matmul":
+        w, s, b = mx.quantize(mx.zeros((op["n"], op["k"]), dt), group_size=op["group_size"], bits=op["bits"],
+                              mode=op["mode"])
+        out = mx.quantized_matmul(mx.zeros((op["rows"], op["k"]), dt), w, s, b, transpose=True,
+                                  group_size=op["group_size"], bits=op["bits"], mode=op["mode"])
     elif kind == "take":
         out = mx.take(mx.zeros((64, 8), getattr(mx, op["dtype"])), mx.zeros((4,), getattr(mx, op["index_dtype"])),
                       axis=0)

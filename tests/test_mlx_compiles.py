@@ -40,8 +40,9 @@ def test_jobs_per_tile_class_and_kernel():
         (b, r, n) for b in (4, 8) for r in mc.QMM_ROWS for n in (64, 128))
     assert all(len(j.ops) == 1 for j in jobs if j.ops[0]["op"] == "quantized_matmul")  # one module a worker
     assert all(o["k"] % 64 == 0 and o["dtype"] == "bfloat16" for o in qmm)
-    gq = [j.ops for j in jobs if j.ops[0]["op"] == "gather_qmm"]
-    assert [len(o) for o in gq] == [1, 1] and all(o[0]["bits"] == 4 for o in gq)  # the experts': the global class
+    # the gathers first (every first use needs them), then the tile classes in QMM_ROWS's order
+    assert [j.ops[0]["op"] for j in jobs[:2]] == ["take", "take"]
+    assert [o["rows"] for o in qmm] == sorted((o["rows"] for o in qmm), key=mc.QMM_ROWS.index)
     assert sorted(o["index_dtype"] for j in jobs for o in j.ops if o["op"] == "take" and o["dtype"] != "uint32") \
         == ["int32", "uint32"]
     assert {o["dtype"] for j in mc.jobs_for(_config(_Q4_ROUTER8), "float16") for o in j.ops
