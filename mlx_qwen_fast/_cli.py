@@ -211,8 +211,8 @@ def _first_use_notice(argv: Sequence[str], dtype: Optional[str] = None):
 
         ahead = start(path, dtype)
     if ahead is not None:
-        print(f"mlx_qwen_fast: first use of this model on this machine: MLX's CUDA kernels compile in "
-              f"{len(ahead.jobs)} processes while it loads (once per machine)", file=sys.stderr)
+        print(f"mlx_qwen_fast: first use of this model on this machine: {len(ahead.jobs)} of MLX's CUDA kernel "
+              f"modules compile in {ahead.workers} processes while it loads (once per machine)", file=sys.stderr)
     else:
         print(f"mlx_qwen_fast: MLX may compile CUDA kernels for this model for a few minutes before its first "
               f"token (once per machine; `python -m mlx_qwen_fast warmup --model {models[0]}` does it ahead "

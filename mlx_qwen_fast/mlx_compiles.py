@@ -174,10 +174,13 @@ def worker_count(n_jobs: int) -> int:
 
 
 def _publish(private: Path, cache: Path) -> List[str]:
-    """Move a finished worker's modules into ``cache``: for each
-    ``<module>.ptx``, the ``.cu`` and ``.txt`` first, the ``.ptx`` last,
-    each by an atomic rename; a module ``cache`` already holds is left
-    alone. Returns the modules published."""
+    """Move a worker's modules into ``cache`` (``private`` is a folder
+    inside it: the same file system): for each ``<module>.ptx``, the
+    ``.cu`` and ``.txt`` first, the ``.ptx`` last, each by an atomic rename;
+    a module ``cache`` already holds is left alone. Only for a worker that
+    exited with code 0: MLX writes a module's ``.txt`` last, so a worker
+    stopped inside that write leaves a module MLX would read as having no
+    kernels. Returns the modules published."""
     done = []
     for ptx in sorted(private.glob("*.ptx")):
         if (cache / ptx.name).exists():
@@ -185,30 +188,59 @@ def _publish(private: Path, cache: Path) -> List[str]:
         for ext in (".cu", ".txt", ".ptx"):
             src = ptx.with_suffix(ext)
             if src.exists():
-                tmp = cache / f".{src.name}.{os.getpid()}.part"
-                try:
-                    shutil.copyfile(src, tmp)
-                    os.replace(tmp, cache / src.name)
-                finally:
-                    tmp.unlink(missing_ok=True)
+                os.replace(src, cache / src.name)
         done.append(ptx.stem)
     return done
+
+
+_ROOT_PREFIX = ".mqf-ahead-"  # + the parent's pid + "-": the workers' folders inside the cache
+
+
+def _remove_stale_roots(cache: Path) -> None:
+    """Remove the workers' folders that a process no longer running left in
+    ``cache`` (one killed before it could remove them)."""
+    for d in cache.glob(_ROOT_PREFIX + "*"):
+        try:
+            pid = int(d.name[len(_ROOT_PREFIX):].split("-", 1)[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except (ValueError, OSError):  # not ours, or a live process of another user
+            continue
+
+
+def _last_line(path: Path) -> str:
+    """The last non-empty line of the file's last 4 KB ("" when none)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 4096))
+            lines = f.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return lines[-1][:200] if lines else ""
 
 
 class Ahead:
     """Workers compiling a first use's MLX modules (made by :func:`start`).
 
     At most :func:`worker_count` run at once, started and watched by a
-    daemon thread; each finished worker's modules are published at once.
-    The workers are stopped and their folders removed by :meth:`close`,
-    which also runs when the process exits (a load error, Ctrl-C), so no
-    worker outlives the run."""
+    daemon thread; each worker's modules are published as soon as it exits
+    with code 0. The workers are stopped and their folders removed by
+    :meth:`close`, which also runs when the process exits normally (a load
+    error, Ctrl-C); a worker whose parent dies otherwise is killed by the
+    kernel (Linux: ``PR_SET_PDEATHSIG``, set by :func:`main`), and a later
+    :func:`start` removes the folders such a parent left.
+
+    Raises:
+        OSError: the workers' folder cannot be made in ``cache``.
+    """
 
     def __init__(self, jobs: Sequence[Job], cache: Path, *, timeout_s: float = WORKER_TIMEOUT_S,
                  command: Optional[Sequence[str]] = None):
         self.jobs, self.cache, self.timeout_s = list(jobs), Path(cache), timeout_s
+        self.workers = worker_count(len(self.jobs))
         self._command = list(command) if command is not None else [sys.executable, "-m", __name__, "--job"]
-        self._root = Path(tempfile.mkdtemp(prefix=".mqf-ahead-", dir=self.cache))
+        self._root = Path(tempfile.mkdtemp(prefix=f"{_ROOT_PREFIX}{os.getpid()}-", dir=self.cache))
         self._lock = threading.Lock()
         self._running: Dict[int, Tuple[subprocess.Popen, float]] = {}
         self._closed = False
@@ -217,26 +249,36 @@ class Ahead:
         self.failed: List[str] = []
         self.t0 = time.perf_counter()
         atexit.register(self.close)
-        threading.Thread(target=self._schedule, name="mqf-ahead", daemon=True).start()
+        self._thread = threading.Thread(target=self._schedule, name="mqf-ahead", daemon=True)
+        self._thread.start()
 
-    def _launch(self, i: int, job: Job) -> Optional[subprocess.Popen]:
+    def _launch(self, i: int) -> None:
+        job = self.jobs[i]
         private = self._root / str(i)
-        private.mkdir()
         env = config.child_environment(**{config.MLX_PTX_CACHE.name: str(private)})
-        spec = json.dumps({"name": job.name, "ops": list(job.ops)})
+        spec = json.dumps({"name": job.name, "ops": list(job.ops), "parent": os.getpid()})
         try:
+            private.mkdir()
             with open(private / "stderr.txt", "wb") as err:  # a file: a pipe nobody reads could fill
-                return subprocess.Popen(self._command + [spec], env=env, stdout=subprocess.DEVNULL, stderr=err)
-        except OSError as e:
+                proc = subprocess.Popen(self._command + [spec], env=env, stdout=subprocess.DEVNULL, stderr=err)
+        except (OSError, ValueError, TypeError) as e:  # TypeError: no sys.executable
             self._finish(i, f"not started: {e}")
-            return None
+            return
+        with self._lock:
+            if self._closed:  # close() ran while it started: its snapshot missed this one
+                proc.kill()
+                proc.wait()
+                return
+            self._running[i] = (proc, time.perf_counter())
 
     def _finish(self, i: int, why: Optional[str]) -> None:
         private = self._root / str(i)
-        try:
-            done = _publish(private, self.cache)  # also a failed or stopped worker's modules
-        except OSError:  # the folder removed by close() meanwhile
-            done = []
+        done = []
+        if why is None and not self._closed:
+            try:
+                done = _publish(private, self.cache)
+            except OSError:  # the cache folder gone or not writable: the caller compiles them itself
+                why = "not published"
         with self._lock:
             self.published += done
             if why is not None:
@@ -244,34 +286,28 @@ class Ahead:
         shutil.rmtree(private, ignore_errors=True)
 
     def _schedule(self) -> None:
-        queue, slots = list(range(len(self.jobs))), worker_count(len(self.jobs))
-        while (queue or self._running) and not self._closed:
-            while queue and len(self._running) < slots and not self._closed:
-                i = queue.pop(0)
-                proc = self._launch(i, self.jobs[i])
-                if proc is not None:
+        try:
+            queue = list(range(len(self.jobs)))
+            while (queue or self._running) and not self._closed:
+                while queue and len(self._running) < self.workers and not self._closed:
+                    self._launch(queue.pop(0))
+                for i, (proc, t_start) in list(self._running.items()):
+                    rc, why = proc.poll(), None
+                    if rc is None:
+                        if time.perf_counter() - t_start < self.timeout_s:
+                            continue
+                        proc.kill()
+                        proc.wait()
+                        why = f"stopped after {self.timeout_s:g} s"
+                    elif rc != 0:
+                        last = _last_line(self._root / str(i) / "stderr.txt")
+                        why = f"exit code {rc}" + (f": {last}" if last else "")
                     with self._lock:
-                        self._running[i] = (proc, time.perf_counter())
-            for i, (proc, t_start) in list(self._running.items()):
-                rc, why = proc.poll(), None
-                if rc is None:
-                    if time.perf_counter() - t_start < self.timeout_s:
-                        continue
-                    proc.kill()
-                    proc.wait()
-                    why = f"stopped after {self.timeout_s:g} s"
-                elif rc != 0:
-                    try:
-                        lines = (self._root / str(i) / "stderr.txt").read_text(errors="replace").strip().splitlines()
-                    except OSError:
-                        lines = []
-                    why = f"exit code {rc}" + (f": {lines[-1][:200]}" if lines else "")
-                with self._lock:
-                    del self._running[i]
-                if not self._closed:
+                        self._running.pop(i, None)
                     self._finish(i, why)
-            time.sleep(0.05)
-        self._done.set()
+                time.sleep(0.05)
+        finally:
+            self._done.set()
 
     def wait(self) -> Dict:
         """Wait for every worker (each stops at ``timeout_s``), remove their
@@ -280,18 +316,25 @@ class Ahead:
         the reason."""
         self._done.wait()
         self.close()
-        return {"seconds": round(time.perf_counter() - self.t0, 1), "published": sorted(self.published),
-                "failed": list(self.failed)}
+        with self._lock:
+            return {"seconds": round(time.perf_counter() - self.t0, 1), "published": sorted(self.published),
+                    "failed": list(self.failed)}
 
     def close(self) -> None:
-        """Stop the workers still running (their modules unpublished) and
-        remove the workers' folders. Idempotent."""
+        """Stop the workers still running (their modules unpublished), wait
+        for the scheduler, remove the workers' folders. Idempotent."""
         with self._lock:
             self._closed = True
             running = [p for p, _ in self._running.values()]
         for proc in running:
             if proc.poll() is None:
                 proc.kill()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
         shutil.rmtree(self._root, ignore_errors=True)
         atexit.unregister(self.close)
 
@@ -301,7 +344,8 @@ def start(model_path, dtype: Optional[str] = None) -> Optional[Ahead]:
     folder), or return None where there is nothing to do: not on CUDA, no
     known compile cache folder (``MLX_PTX_CACHE_DIR`` unset), the model
     already warmed up into it (:func:`mlx_qwen_fast.warmup.is_warm`), no
-    readable ``config.json``, or no job for its quantisation."""
+    readable ``config.json``, no job for its quantisation, or a cache
+    folder that cannot be written."""
     from . import backend
     from .warmup import is_warm
 
@@ -315,15 +359,37 @@ def start(model_path, dtype: Optional[str] = None) -> Optional[Ahead]:
     jobs = jobs_for(cfg, dtype) if isinstance(cfg, dict) else []
     if not jobs:
         return None
-    Path(cache).mkdir(parents=True, exist_ok=True)
-    return Ahead(jobs, Path(cache))
+    try:
+        Path(cache).mkdir(parents=True, exist_ok=True)
+        _remove_stale_roots(Path(cache))
+        return Ahead(jobs, Path(cache))
+    except OSError:  # a cache folder that cannot be written: MLX compiles as it would (and caches nothing)
+        return None
+
+
+def _die_with_parent(parent: Optional[int]) -> None:
+    """Linux: have the kernel kill this worker when its parent (pid
+    ``parent``) dies, since a SIGTERM or SIGKILL skips the parent's
+    clean-up; exit at once if it already has. Elsewhere nothing."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if parent is not None and os.getppid() != parent:  # it died before the call took effect
+        sys.exit(1)
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog=f"python -m {__name__}", description="a worker of mlx_qwen_fast.mlx_compiles")
-    p.add_argument("--job", required=True, help="a Job as JSON ({'name', 'ops'})")
+    p.add_argument("--job", required=True, help="a Job as JSON ({'name', 'ops', 'parent'})")
     args = p.parse_args(argv)
     spec = json.loads(args.job)
+    _die_with_parent(spec.get("parent"))
     run_job(Job(spec["name"], tuple(spec["ops"])))
 
 

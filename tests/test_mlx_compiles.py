@@ -112,13 +112,13 @@ def test_workers_publish_whole_modules(tmp_path):
             _job("d")]
     ahead = mc.Ahead(jobs, cache, timeout_s=3.0, command=[sys.executable, "-c", _FAKE])
     r = ahead.wait()
-    # a failed worker's finished modules are published too; the stopped one is named
-    assert r["published"] == ["qmm_a", "qmm_b"] and r["failed"] == ["b (exit code 3)", "c (stopped after 3 s)"]
-    for m in ("qmm_a", "qmm_b"):
-        assert all((cache / f"{m}{ext}").read_text() == m + ext for ext in (".cu", ".ptx", ".txt"))
+    # only a worker that exited with code 0 is published (one stopped inside MLX's write of a module
+    # would leave it half written); the failed and the stopped ones are named with the reason
+    assert r["published"] == ["qmm_a"] and r["failed"] == ["b (exit code 3)", "c (stopped after 3 s)"]
+    assert all((cache / f"qmm_a{ext}").read_text() == "qmm_a" + ext for ext in (".cu", ".ptx", ".txt"))
     assert (cache / "kept.ptx").read_text() == "the cache's own"  # a module the cache holds is left alone
     assert sorted(p.name for p in cache.iterdir()) == sorted(
-        ["kept.ptx"] + [f"qmm_{m}{ext}" for m in "ab" for ext in (".cu", ".ptx", ".txt")])  # no folder, no part
+        ["kept.ptx"] + [f"qmm_a{ext}" for ext in (".cu", ".ptx", ".txt")])  # no folder
 
 
 def test_close_stops_the_workers_and_leaves_nothing(tmp_path):
@@ -180,7 +180,7 @@ def test_the_cli_starts_the_workers_and_waits_after_loading(env, tmp_path, tiny_
     started = []
 
     class FakeAhead:
-        jobs = [1, 2, 3]
+        jobs, workers = [1, 2, 3], 2
 
         def wait(self):
             return {"seconds": 1.5, "published": ["m1", "m2"], "failed": ["x"]}
@@ -196,7 +196,7 @@ def test_the_cli_starts_the_workers_and_waits_after_loading(env, tmp_path, tiny_
     # (no --dtype here: the CLI's --dtype wraps mlx_lm's loader for the rest of the process)
     _cli.run_mlx_lm_main("mlx_lm.fake_cmd2", ["--model", str(tiny_checkpoint)])
     assert started == [(tiny_checkpoint, None)]
-    assert "compile in 3 processes while it loads" in capsys.readouterr().err
+    assert "3 of MLX's CUDA kernel modules compile in 2 processes while it loads" in capsys.readouterr().err
     hooks[-1]()
     assert "2 MLX kernel modules compiled ahead, 1.5 s since the start; not done: x" in capsys.readouterr().err
     # that run completed: the model is warm, so the next starts nothing
@@ -240,3 +240,47 @@ def test_a_worker_compiles_mlx_modules_into_the_cache(tmp_path):
     assert r["failed"] == [] and len(r["published"]) == 1 and r["published"][0].startswith("qmm_")
     m = r["published"][0]
     assert (cache / f"{m}.ptx").stat().st_size > 0 and (cache / f"{m}.txt").is_file()
+
+
+def test_start_removes_what_a_dead_parent_left_and_survives_an_unwritable_cache(env, tmp_path, tiny_checkpoint,
+                                                                                monkeypatch):
+    import subprocess
+
+    cache = tmp_path / "ptx"
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    (cache / f".mqf-ahead-{dead}-x" / "0").mkdir(parents=True)
+    (cache / f".mqf-ahead-{mc.os.getpid()}-y").mkdir()  # a live process's (this one's): kept
+    env.set("MLX_PTX_CACHE_DIR", str(cache))
+    monkeypatch.setattr(backend, "current", lambda: backend.CUDA)
+    monkeypatch.setattr(mc, "jobs_for", lambda config, dtype=None: [_job("nothing")])
+    ahead = mc.start(tiny_checkpoint)
+    assert ahead is not None and ahead.wait()["failed"] == []
+    assert sorted(p.name for p in cache.iterdir()) == [f".mqf-ahead-{mc.os.getpid()}-y"]
+    # a cache path that cannot be a folder: no workers, no exception (MLX compiles as it would)
+    (tmp_path / "file").write_text("")
+    env.set("MLX_PTX_CACHE_DIR", str(tmp_path / "file" / "ptx"))
+    assert mc.start(tiny_checkpoint) is None
+
+
+def test_a_worker_that_cannot_start_is_named_and_wait_returns(tmp_path):
+    r = mc.Ahead([_job("a"), _job("b")], tmp_path, command=[sys.executable + "\0"]).wait()
+    assert r["published"] == [] and [f.split(" (")[0] for f in r["failed"]] == ["a", "b"]
+    assert all("not started" in f for f in r["failed"]) and list(tmp_path.iterdir()) == []
+
+
+def test_a_worker_exits_when_its_parent_is_gone():
+    """The real worker: told a parent that is not its parent (as when the parent died before it
+    started), it exits with code 1 at once (Linux), compiling nothing."""
+    import subprocess
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux's")
+    spec = json.dumps({"name": "x", "ops": [{"op": "take", "dtype": "float32", "index_dtype": "int32"}],
+                       "parent": 1 if mc.os.getpid() != 1 else 2})
+    r = subprocess.run([sys.executable, "-m", "mlx_qwen_fast.mlx_compiles", "--job", spec], timeout=120)
+    assert r.returncode == 1
+    spec = json.dumps({"name": "x", "ops": [{"op": "take", "dtype": "float32", "index_dtype": "int32"}],
+                       "parent": mc.os.getpid()})
+    assert subprocess.run([sys.executable, "-m", "mlx_qwen_fast.mlx_compiles", "--job", spec],
+                          timeout=120).returncode == 0
