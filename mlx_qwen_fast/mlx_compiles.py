@@ -77,7 +77,7 @@ def quantization_classes(config: dict) -> List[Tuple[int, int, str]]:
     per-layer dict, as ``mlx_lm.convert`` writes them), sorted; empty for an
     unquantised checkpoint."""
     q = config.get("quantization") or config.get("quantization_config")
-    if not isinstance(q, dict):
+    if not isinstance(q, dict) or "quant_method" in q:  # quant_method: another library's (GPTQ, AWQ, ...)
         return []
     found = set()
     for entry in [q] + [v for v in q.values() if isinstance(v, dict)]:
@@ -104,7 +104,8 @@ def jobs_for(config: dict, dtype: Optional[str] = None) -> List[Job]:
     ``put_along_axis``: every first use needs them); then, per affine
     quantisation class and tile class of rows (:data:`QMM_ROWS`, the class
     of most prompts first), a quantised matmul whose outputs are a multiple
-    of 128 and, for 4 and 8 bits, one whose outputs are not (MLX's two
+    of 128 and, for 4 and 8 bits in 16-bit activations, one whose outputs
+    are not (MLX's two
     kernels). The experts' stock ``gather_qmm`` (one row per assignment)
     builds the 16-row class's module, so it needs no job of its own
     (bench/results/package-figures.md, "First use"). Other quantisation
@@ -122,7 +123,7 @@ def jobs_for(config: dict, dtype: Optional[str] = None) -> List[Job]:
             base = dict(op="quantized_matmul", rows=rows, k=4 * max(64, gs), bits=bits, group_size=gs, mode=mode,
                         dtype=dtype)
             jobs.append(Job(f"quantized matmul {bits}-bit g{gs}, {rows} rows", (dict(base, n=128),)))
-            if bits in (4, 8):
+            if bits in (4, 8) and dtype != "float32":  # qmm_sm80 takes 16-bit activations only
                 jobs.append(Job(f"quantized matmul {bits}-bit g{gs}, {rows} rows, 64 outputs", (dict(base, n=64),)))
     return jobs
 

@@ -28,8 +28,10 @@ def test_quantization_classes_from_the_global_and_per_layer_entries():
     assert mc.quantization_classes(_config({"group_size": 32, "bits": 3})) == [(3, 32, "affine")]
     assert mc.quantization_classes(_config({"group_size": 32, "bits": 4, "mode": "mxfp4"})) == [(4, 32, "mxfp4")]
     assert mc.quantization_classes(_config()) == []
-    # quantization_config (transformers' name) when quantization is absent
+    # quantization_config (transformers' name) when quantization is absent; another library's: none
     assert mc.quantization_classes({"quantization_config": {"group_size": 64, "bits": 6}}) == [(6, 64, "affine")]
+    assert mc.quantization_classes({"quantization_config": {"quant_method": "gptq", "bits": 4,
+                                                            "group_size": 128}}) == []
 
 
 def test_jobs_per_tile_class_and_kernel():
@@ -47,6 +49,9 @@ def test_jobs_per_tile_class_and_kernel():
         == ["int32", "uint32"]
     assert {o["dtype"] for j in mc.jobs_for(_config(_Q4_ROUTER8), "float16") for o in j.ops
             if o["op"] != "take" or o["dtype"] != "uint32"} == {"float16"}
+    # float32 activations: MLX's naive kernel for every output count (qmm_sm80 takes 16-bit ones)
+    f32 = [j for j in mc.jobs_for(_config(_Q4_ROUTER8), "float32") if j.ops[0]["op"] == "quantized_matmul"]
+    assert len(f32) == 2 * len(mc.QMM_ROWS) and {j.ops[0]["n"] for j in f32} == {128}
     # 3 bits: MLX's naive kernel for every output count, so one job per tile class
     three = [j for j in mc.jobs_for(_config({"group_size": 64, "bits": 3})) if j.ops[0]["op"] == "quantized_matmul"]
     assert [j.ops[0]["rows"] for j in three] == list(mc.QMM_ROWS)
