@@ -214,7 +214,8 @@ METAL_KERNELS = Switch(
     "timed on a Mac")
 MLX_COMPILES_AHEAD = Switch(
     "MLX_QWEN_FAST_COMPILE_AHEAD", "bool", True, "`0`",
-    "on a model's first use on a CUDA machine, the CLIs and `warmup` leave MLX to compile its quantised-matmul "
+    "on a model's first use on a CUDA machine, the CLIs, `warmup` and `mlx_lm.load` with the fast path installed "
+    "leave MLX to compile its quantised-matmul "
     "and gather kernels when first needed, one after another, instead of in worker processes while the "
     "checkpoint loads (a first `generate` on a fresh H100: first token at 151.7 s instead of 56.4 s, "
     "bench/results/package-figures.md, \"First use\")")

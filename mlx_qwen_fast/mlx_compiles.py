@@ -46,7 +46,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import config
 
-__all__ = ["Ahead", "Job", "jobs_for", "quantization_classes", "run_job", "start", "worker_count"]
+__all__ = ["Ahead", "Job", "done_marker", "jobs_for", "quantization_classes", "run_job", "start", "worker_count"]
 
 #: Rows of the quantised matmuls the jobs run: one per tile class of MLX's
 #: ``qmm_sm80`` / ``qmm_naive`` (64: prompts of 33 tokens or more below the
@@ -232,13 +232,16 @@ class Ahead:
     kernel (Linux: ``PR_SET_PDEATHSIG``, set by :func:`main`), and a later
     :func:`start` removes the folders such a parent left.
 
+    ``marker``: a file written when every job succeeded (:func:`done_marker`:
+    :func:`start` does not start them again for that configuration).
+
     Raises:
         OSError: the workers' folder cannot be made in ``cache``.
     """
 
     def __init__(self, jobs: Sequence[Job], cache: Path, *, timeout_s: float = WORKER_TIMEOUT_S,
-                 command: Optional[Sequence[str]] = None):
-        self.jobs, self.cache, self.timeout_s = list(jobs), Path(cache), timeout_s
+                 command: Optional[Sequence[str]] = None, marker: Optional[Path] = None):
+        self.jobs, self.cache, self.timeout_s, self.marker = list(jobs), Path(cache), timeout_s, marker
         self.workers = worker_count(len(self.jobs))
         self._command = list(command) if command is not None else [sys.executable, "-m", __name__, "--job"]
         self._root = Path(tempfile.mkdtemp(prefix=f"{_ROOT_PREFIX}{os.getpid()}-", dir=self.cache))
@@ -248,6 +251,7 @@ class Ahead:
         self._done = threading.Event()
         self.published: List[str] = []
         self.failed: List[str] = []
+        self._finished = 0  # jobs done (published or failed)
         self.t0 = time.perf_counter()
         atexit.register(self.close)
         self._thread = threading.Thread(target=self._schedule, name="mqf-ahead", daemon=True)
@@ -282,6 +286,7 @@ class Ahead:
                 why = "not published"
         with self._lock:
             self.published += done
+            self._finished += 1
             if why is not None:
                 self.failed.append(f"{self.jobs[i].name} ({why})")
         shutil.rmtree(private, ignore_errors=True)
@@ -318,8 +323,14 @@ class Ahead:
         self._done.wait()
         self.close()
         with self._lock:
-            return {"seconds": round(time.perf_counter() - self.t0, 1), "published": sorted(self.published),
-                    "failed": list(self.failed)}
+            r = {"seconds": round(time.perf_counter() - self.t0, 1), "published": sorted(self.published),
+                 "failed": list(self.failed)}
+        if self.marker is not None and not r["failed"] and self._finished == len(self.jobs):
+            try:
+                self.marker.write_text(json.dumps({"jobs": [j.name for j in self.jobs]}))
+            except OSError:
+                pass
+        return r
 
     def close(self) -> None:
         """Stop the workers still running (their modules unpublished), wait
@@ -340,18 +351,30 @@ class Ahead:
         atexit.unregister(self.close)
 
 
+def done_marker(model_path) -> Optional[Path]:
+    """The file that says the workers compiled a first use's modules of
+    ``model_path``'s configuration into the current compile cache (written
+    by :func:`start`'s workers when every job succeeded), or None without a
+    known cache folder."""
+    from .warmup import marker_path
+
+    m = marker_path(model_path)
+    return None if m is None else m.with_name(m.name + "-ahead")
+
+
 def start(model_path, dtype: Optional[str] = None) -> Optional[Ahead]:
     """Start the workers for a first use of ``model_path`` (a checkpoint
     folder), or return None where there is nothing to do: not on CUDA, no
     known compile cache folder (``MLX_PTX_CACHE_DIR`` unset), the model
-    already warmed up into it (:func:`mlx_qwen_fast.warmup.is_warm`), no
+    already warmed up into it (:func:`mlx_qwen_fast.warmup.is_warm`) or its
+    modules compiled by earlier workers (:func:`done_marker`), no
     readable ``config.json``, no job for its quantisation, or a cache
     folder that cannot be written."""
     from . import backend
     from .warmup import is_warm
 
     cache = config.mlx_ptx_cache_dir()
-    if backend.current() != backend.CUDA or not cache or is_warm(model_path):
+    if backend.current() != backend.CUDA or not cache or is_warm(model_path) or done_marker(model_path).is_file():
         return None
     try:
         cfg = json.loads((Path(model_path) / "config.json").read_text())
@@ -363,7 +386,7 @@ def start(model_path, dtype: Optional[str] = None) -> Optional[Ahead]:
     try:
         Path(cache).mkdir(parents=True, exist_ok=True)
         _remove_stale_roots(Path(cache))
-        return Ahead(jobs, Path(cache))
+        return Ahead(jobs, Path(cache), marker=done_marker(model_path))
     except OSError:  # a cache folder that cannot be written: MLX compiles as it would (and caches nothing)
         return None
 

@@ -408,7 +408,11 @@ def install(*, verbose: bool = False, after_load: Optional[Callable[[], object]]
     ``verbose``: print each load's :class:`PatchReport` to stderr (a model
     left stock is then said by that line, without :func:`patch`'s warning),
     one line for a model type without a fast path, and, when the environment
-    switches the fast path off, one line saying so. ``after_load``: called
+    switches the fast path off, one line saying so. A supported model's
+    first (not lazy) load on a CUDA machine compiles MLX's slow modules in
+    worker processes before it returns, saying so in two lines
+    (:mod:`mlx_qwen_fast.mlx_compiles`; once per machine and model
+    configuration; the CLIs start them earlier instead). ``after_load``: called
     once, after the next load has read its model and before it is patched
     (the CLIs wait there for the MLX compiles they started,
     :mod:`mlx_qwen_fast.mlx_compiles`).
@@ -432,12 +436,16 @@ def install(*, verbose: bool = False, after_load: Optional[Callable[[], object]]
     @functools.wraps(current)
     def load_model(*args, **kwargs):
         model, model_config = current(*args, **kwargs)
+        hooked = bool(load_model._after_load)
         while load_model._after_load:
             load_model._after_load.pop(0)()
         if not load_model._active or not enabled():
             return model, model_config
         if sys._getframe(1).f_code is _SHARDED_LOAD.__code__:
             return model, model_config  # sharded_load shards it next: patched (or declined) after that
+        lazy = kwargs.get("lazy", args[1] if len(args) > 1 else False)
+        if not hooked and not lazy and _model_type(model) in SUPPORTED_MODEL_TYPES:
+            _compile_ahead(args[0] if args else kwargs.get("model_path"))
         _patch_loaded(model)
         return model, model_config
 
@@ -471,6 +479,30 @@ def install(*, verbose: bool = False, after_load: Optional[Callable[[], object]]
     mlx_lm.utils.load_model = load_model
     _put_sharded_load(sharded_load)
     return True
+
+
+def _compile_ahead(model_path) -> None:
+    """A model's first use on a CUDA machine through ``mlx_lm.load`` (a
+    user's script; the CLIs start the workers before loading, through
+    ``after_load``): compile MLX's slow modules in worker processes now,
+    before the first forward would compile them one after another
+    (:mod:`mlx_qwen_fast.mlx_compiles`, with
+    :data:`mlx_qwen_fast.config.MLX_COMPILES_AHEAD` on), saying so on
+    stderr. Nothing where :func:`mlx_qwen_fast.mlx_compiles.start` finds
+    nothing to do."""
+    if model_path is None or not config.MLX_COMPILES_AHEAD.get():
+        return
+    from . import mlx_compiles
+
+    ahead = mlx_compiles.start(model_path)
+    if ahead is None:
+        return
+    print(f"mlx_qwen_fast: first use of this model on this machine: {len(ahead.jobs)} of MLX's CUDA kernel modules "
+          f"compile in {ahead.workers} processes (once per machine)", file=sys.stderr)
+    r = ahead.wait()
+    failed = f"; not done: {', '.join(r['failed'])}" if r["failed"] else ""
+    print(f"mlx_qwen_fast: {len(r['published'])} MLX kernel modules compiled in {r['seconds']} s{failed}",
+          file=sys.stderr)
 
 
 def _put_sharded_load(fn) -> None:

@@ -171,7 +171,8 @@ def test_start_runs_the_checkpoints_jobs(env, tmp_path, tiny_checkpoint, monkeyp
     assert ahead is not None and ahead.jobs == only
     r = ahead.wait()
     assert r["failed"] == [] and r["published"] == []
-    assert [p.name for p in (tmp_path / "ptx").iterdir()] == []  # the workers' folders are gone
+    # the workers' folders are gone; the configuration is marked done
+    assert [p.name for p in (tmp_path / "ptx").iterdir()] == [mc.done_marker(tiny_checkpoint).name]
 
 
 def test_the_cli_starts_the_workers_and_waits_after_loading(env, tmp_path, tiny_checkpoint, monkeypatch, capsys):
@@ -261,7 +262,8 @@ def test_start_removes_what_a_dead_parent_left_and_survives_an_unwritable_cache(
     monkeypatch.setattr(mc, "jobs_for", lambda config, dtype=None: [_job("nothing")])
     ahead = mc.start(tiny_checkpoint)
     assert ahead is not None and ahead.wait()["failed"] == []
-    assert sorted(p.name for p in cache.iterdir()) == [f".mqf-ahead-{mc.os.getpid()}-y"]
+    assert sorted(p.name for p in cache.iterdir()) == [f".mqf-ahead-{mc.os.getpid()}-y",
+                                                       mc.done_marker(tiny_checkpoint).name]
     # a cache path that cannot be a folder: no workers, no exception (MLX compiles as it would)
     (tmp_path / "file").write_text("")
     env.set("MLX_PTX_CACHE_DIR", str(tmp_path / "file" / "ptx"))
@@ -289,3 +291,55 @@ def test_a_worker_exits_when_its_parent_is_gone():
                        "parent": mc.os.getpid()})
     assert subprocess.run([sys.executable, "-m", "mlx_qwen_fast.mlx_compiles", "--job", spec],
                           timeout=120).returncode == 0
+
+
+def test_workers_mark_their_configuration_done_only_when_every_job_succeeded(env, tmp_path, tiny_checkpoint,
+                                                                           monkeypatch):
+    cache = tmp_path / "ptx"
+    cache.mkdir()
+    env.set("MLX_PTX_CACHE_DIR", str(cache))
+    marker = mc.done_marker(tiny_checkpoint)
+    assert marker.parent == cache and marker.name.endswith("-ahead")
+    fake = [sys.executable, "-c", _FAKE]
+    mc.Ahead([_job("a"), _job("b", {"op": "exit", "code": 1})], cache, command=fake, marker=marker).wait()
+    assert not marker.exists()
+    mc.Ahead([_job("a"), _job("b")], cache, command=fake, marker=marker).wait()
+    assert marker.is_file()
+    monkeypatch.setattr(backend, "current", lambda: backend.CUDA)
+    assert mc.start(tiny_checkpoint) is None  # done: not started again
+
+
+def test_a_scripts_first_load_compiles_ahead_before_returning(env, tiny_checkpoint, monkeypatch, capsys):
+    """mlx_lm.load through install() (a user's script): on a first use the load starts the workers
+    and waits for them before it returns; not for a lazy load, not when a CLI passed after_load, not
+    with the switch off."""
+    import mlx_lm
+
+    from mlx_qwen_fast import patching
+
+    calls = []
+
+    class FakeAhead:
+        jobs, workers = [1, 2], 2
+
+        def wait(self):
+            calls.append("wait")
+            return {"seconds": 0.5, "published": ["m"], "failed": []}
+
+    monkeypatch.setattr(mc, "start", lambda path, dtype=None: calls.append(str(path)) or FakeAhead())
+    env.set("MLX_QWEN_FAST_COMPILE_AHEAD", "1")
+    patching.uninstall()
+    try:
+        patching.install()
+        model, _ = mlx_lm.load(str(tiny_checkpoint))
+        assert calls == [str(tiny_checkpoint), "wait"] and patching.is_patched(model)
+        err = capsys.readouterr().err
+        assert "2 of MLX's CUDA kernel modules compile in 2 processes" in err and "1 MLX kernel modules" in err
+        mlx_lm.load(str(tiny_checkpoint), lazy=True)
+        patching.install(after_load=lambda: None)
+        mlx_lm.load(str(tiny_checkpoint))
+        env.set("MLX_QWEN_FAST_COMPILE_AHEAD", "0")
+        mlx_lm.load(str(tiny_checkpoint))
+        assert calls == [str(tiny_checkpoint), "wait"]
+    finally:
+        patching.uninstall()
