@@ -89,9 +89,14 @@ def quantization_classes(config: dict) -> List[Tuple[int, int, str]]:
 
 
 def _dtype_of(config: dict) -> str:
-    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    name = text.get("dtype") or text.get("torch_dtype") or config.get("torch_dtype") or "bfloat16"
-    return name if name in ("bfloat16", "float16", "float32") else "bfloat16"
+    """The checkpoint's activation dtype: its text config's ``dtype`` /
+    ``torch_dtype``, else the top level's, else bfloat16."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    for c in (text, config):
+        for key in ("dtype", "torch_dtype"):
+            if c.get(key) in ("bfloat16", "float16", "float32"):
+                return c[key]
+    return "bfloat16"
 
 
 def jobs_for(config: dict, dtype: Optional[str] = None) -> List[Job]:

@@ -49,6 +49,11 @@ def test_jobs_per_tile_class_and_kernel():
         == ["int32", "uint32"]
     assert {o["dtype"] for j in mc.jobs_for(_config(_Q4_ROUTER8), "float16") for o in j.ops
             if o["op"] != "take" or o["dtype"] != "uint32"} == {"float16"}
+    # the dtype from the text config, else the top level's
+    for cfg, want in (({"text_config": {"dtype": "float16"}, "dtype": "float32"}, "float16"),
+                      ({"text_config": {}, "torch_dtype": "float32"}, "float32"), ({"dtype": "int8"}, "bfloat16")):
+        assert {o["dtype"] for j in mc.jobs_for(dict(cfg, quantization=_Q4_ROUTER8)) for o in j.ops
+                if o["op"] != "take" or o["dtype"] != "uint32"} == {want}
     # float32 activations: MLX's naive kernel for every output count (qmm_sm80 takes 16-bit ones)
     f32 = [j for j in mc.jobs_for(_config(_Q4_ROUTER8), "float32") if j.ops[0]["op"] == "quantized_matmul"]
     assert len(f32) == 2 * len(mc.QMM_ROWS) and {j.ops[0]["n"] for j in f32} == {128}
