@@ -27,6 +27,11 @@
   (``mlx/utils.h``: ``enable_tf32``, read at the first product), which
   would hold fp32 comparisons to TF32's rounding; the suite sets it to 0
   unless the environment says otherwise.
+* A model's first load does not start MLX's compile workers
+  (``MLX_QWEN_FAST_COMPILE_AHEAD=0`` unless the environment says
+  otherwise): every tiny checkpoint's configuration would start a set of
+  processes once, beside the xdist workers; tests/test_mlx_compiles.py and
+  the warm-up's GPU test turn them on where they test them.
 """
 
 import os
@@ -37,6 +42,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("MLX_ENABLE_TF32", "0")  # before MLX's first matrix product (see above)
+os.environ.setdefault("MLX_QWEN_FAST_COMPILE_AHEAD", "0")  # no compile workers on a first load (see above)
 
 import mlx.core as mx  # noqa: E402
 
