@@ -237,7 +237,7 @@ class Ahead:
     kernel (Linux: ``PR_SET_PDEATHSIG``, set by :func:`main`), and a later
     :func:`start` removes the folders such a parent left.
 
-    ``marker``: a file written when every job succeeded (:func:`done_marker`:
+    ``marker``: a file written when every job ran to its end (:func:`done_marker`:
     :func:`start` does not start them again for that configuration).
 
     Raises:
@@ -330,9 +330,11 @@ class Ahead:
         with self._lock:
             r = {"seconds": round(time.perf_counter() - self.t0, 1), "published": sorted(self.published),
                  "failed": list(self.failed)}
-        if self.marker is not None and not r["failed"] and self._finished == len(self.jobs):
+        # every job ran to its end: a failed one would fail again (its module compiles in the caller,
+        # as without the workers), so later processes do not wait for workers on each load
+        if self.marker is not None and self._finished == len(self.jobs):
             try:
-                self.marker.write_text(json.dumps({"jobs": [j.name for j in self.jobs]}))
+                self.marker.write_text(json.dumps({"jobs": [j.name for j in self.jobs], "failed": r["failed"]}))
             except OSError:
                 pass
         return r
@@ -359,7 +361,7 @@ class Ahead:
 def done_marker(model_path) -> Optional[Path]:
     """The file that says the workers compiled a first use's modules of
     ``model_path``'s configuration into the current compile cache (written
-    by :func:`start`'s workers when every job succeeded), or None without a
+    by :func:`start`'s workers when every job ran to its end), or None without a
     known cache folder."""
     from .warmup import marker_path
 

@@ -298,18 +298,25 @@ def test_a_worker_exits_when_its_parent_is_gone():
                           timeout=120).returncode == 0
 
 
-def test_workers_mark_their_configuration_done_only_when_every_job_succeeded(env, tmp_path, tiny_checkpoint,
-                                                                           monkeypatch):
+def test_workers_mark_their_configuration_done_when_every_job_ran_to_its_end(env, tmp_path, tiny_checkpoint,
+                                                                              monkeypatch):
+    """A failed job counts (it would fail again; its module compiles in the caller); workers stopped by
+    close() before their end do not."""
+    import time
+
     cache = tmp_path / "ptx"
     cache.mkdir()
     env.set("MLX_PTX_CACHE_DIR", str(cache))
     marker = mc.done_marker(tiny_checkpoint)
     assert marker.parent == cache and marker.name.endswith("-ahead")
     fake = [sys.executable, "-c", _FAKE]
-    mc.Ahead([_job("a"), _job("b", {"op": "exit", "code": 1})], cache, command=fake, marker=marker).wait()
+    ahead = mc.Ahead([_job("slow", {"op": "sleep", "s": 60})], cache, command=fake, marker=marker)
+    time.sleep(0.5)
+    ahead.close()
     assert not marker.exists()
-    mc.Ahead([_job("a"), _job("b")], cache, command=fake, marker=marker).wait()
-    assert marker.is_file()
+    r = mc.Ahead([_job("a"), _job("b", {"op": "exit", "code": 1})], cache, command=fake, marker=marker).wait()
+    assert r["failed"] == ["b (exit code 1)"] and marker.is_file()
+    assert json.loads(marker.read_text())["failed"] == ["b (exit code 1)"]
     monkeypatch.setattr(backend, "current", lambda: backend.CUDA)
     assert mc.start(tiny_checkpoint) is None  # done: not started again
 
