@@ -211,8 +211,9 @@ def _first_use_notice(argv: Sequence[str], dtype: Optional[str] = None):
 
         ahead = start(path, dtype)
     if ahead is not None:
-        print(f"mlx_qwen_fast: first use of this model on this machine: {len(ahead.jobs)} of MLX's CUDA kernel "
-              f"modules compile in {ahead.workers} processes while it loads (once per machine)", file=sys.stderr)
+        from .mlx_compiles import started_line
+
+        print(started_line(ahead, while_loading=True), file=sys.stderr)
     else:
         print(f"mlx_qwen_fast: MLX may compile CUDA kernels for this model for a few minutes before its first "
               f"token (once per machine; `python -m mlx_qwen_fast warmup --model {models[0]}` does it ahead "
@@ -223,10 +224,9 @@ def _first_use_notice(argv: Sequence[str], dtype: Optional[str] = None):
 def _wait_ahead(ahead) -> None:
     """Wait for the MLX compiles :func:`_first_use_notice` started (called
     once the checkpoint is loaded) and say how long they took."""
-    r = ahead.wait()
-    failed = f"; not done: {', '.join(r['failed'])}" if r["failed"] else ""
-    print(f"mlx_qwen_fast: {len(r['published'])} MLX kernel modules compiled ahead, {r['seconds']} s since the "
-          f"start{failed}", file=sys.stderr)
+    from .mlx_compiles import done_line
+
+    print(done_line(ahead.wait()), file=sys.stderr)
 
 
 def _loading_error(exc: BaseException) -> bool:

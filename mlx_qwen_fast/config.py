@@ -217,8 +217,7 @@ MLX_COMPILES_AHEAD = Switch(
     "on a model's first use on a CUDA machine, the CLIs, `warmup` and `mlx_lm.load` with the fast path installed "
     "leave MLX to compile its quantised-matmul "
     "and gather kernels when first needed, one after another, instead of in worker processes while the "
-    "checkpoint loads (a first `generate` on a fresh H100: first token at 151.7 s instead of 56.4 s, "
-    "bench/results/package-figures.md, \"First use\")")
+    "checkpoint loads (timings: bench/results/package-figures.md, \"First use\")")
 KERNEL_CACHE = Switch(
     "MLX_QWEN_FAST_CACHE", "path", None, "a folder",
     "where compiled CUDA kernels are cached (default `$XDG_CACHE_HOME/mlx_qwen_fast` "

@@ -5,19 +5,20 @@ process needs them, one after another, in the thread that evaluates the
 graph, and keeps each in its compile cache (``MLX_PTX_CACHE_DIR``, one
 ``<module>.ptx`` with its ``.txt`` kernel list per module): its quantised
 matmuls (a module per tile class of rows, bit width, group size and mode:
-16-28 s each), its gathers and scatters (a module per dtype pair: 2-5 s
-each). A first ``generate`` of the reference model on a fresh machine
-waited for them in turn: minutes before its first token
-(bench/results/package-figures.md, "First use").
+tens of seconds each), its gathers and scatters (a module per dtype pair).
+A first ``generate`` of the reference model on a fresh machine waited for
+them in turn: minutes before its first token (bench/results/
+package-figures.md, "First use", with and without the workers).
 
 :func:`start` compiles those modules in worker processes at once, while the
 calling process imports mlx-lm and loads the checkpoint: each worker runs
 one :class:`Job` -- a few MLX ops at shapes that make MLX build the modules
 a first use needs (:func:`jobs_for`, from the checkpoint's ``config.json``:
-its quantisation classes and dtype) -- into a compile cache of its own, and
-:meth:`Ahead.wait` publishes each finished worker's files into the shared
-cache (the kernel list before the PTX, each by an atomic rename: MLX reads
-and writes that folder without locks, and a file it finds must be whole).
+its quantisation classes and dtype) -- into a compile cache of its own;
+each worker's files are published into the shared cache when it ends (the
+kernel list before the PTX, each by an atomic rename: MLX reads and writes
+that folder without locks, and a file it finds must be whole), and
+:meth:`Ahead.wait` waits for them all.
 A worker that fails or runs out of time only means that the caller compiles
 that module itself, as it would have. The job list follows MLX 0.32's
 dispatch (``mlx/backend/cuda/quantized/quantized.cpp``: rows below 8 take
@@ -25,7 +26,7 @@ the precompiled GEMV; else ``qmm_sm80`` for 4/8-bit weights whose outputs
 are a multiple of 128 and ``qmm_naive`` otherwise, the tile's rows the next
 power of two of the rows in [16, 64]; gathers keyed by value and index
 dtype); the fused elementwise kernels of ``mx.compile`` and this package's
-own kernels (0.1-0.5 s each) are not among them.
+own kernels (quick to build) are not among them.
 """
 
 from __future__ import annotations
@@ -46,16 +47,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from . import config
 
-__all__ = ["Ahead", "Job", "done_marker", "jobs_for", "quantization_classes", "run_job", "start", "worker_count"]
+__all__ = ["Ahead", "Job", "done_line", "done_marker", "jobs_for", "quantization_classes", "run_job", "start", "started_line", "worker_count"]
 
 #: Rows of the quantised matmuls the jobs run: one per tile class of MLX's
 #: ``qmm_sm80`` / ``qmm_naive`` (64: prompts of 33 tokens or more below the
 #: package's prefill GEMM, and the projections it leaves to MLX; 32; 16).
 QMM_ROWS = (64, 32, 16)
-#: Seconds a worker may take before it is stopped (the slowest module
-#: measured took 28 s alone; bench/results/package-figures.md, "First use"):
-#: the most a first use waits after loading for modules it would otherwise
-#: compile itself, one after another.
+#: Seconds a worker may take before it is stopped, several times the slowest
+#: module's compile (bench/results/package-figures.md, "First use"): the most
+#: a first use waits after loading for modules it would otherwise compile
+#: itself, one after another.
 WORKER_TIMEOUT_S = 120.0
 #: Host memory a worker may take while NVRTC compiles a quantised matmul
 #: (bytes), for :func:`worker_count`.
@@ -110,8 +111,7 @@ def jobs_for(config: dict, dtype: Optional[str] = None) -> List[Job]:
     quantisation class and tile class of rows (:data:`QMM_ROWS`, the class
     of most prompts first), a quantised matmul whose outputs are a multiple
     of 128 and, for 4 and 8 bits in 16-bit activations, one whose outputs
-    are not (MLX's two
-    kernels). The experts' stock ``gather_qmm`` (one row per assignment)
+    are not (MLX's two kernels). The experts' stock ``gather_qmm`` (one row per assignment)
     builds the 16-row class's module, so it needs no job of its own
     (bench/results/package-figures.md, "First use"). Other quantisation
     modes (mxfp4, nvfp4) take MLX's other kernels and get no job."""
@@ -367,6 +367,20 @@ def done_marker(model_path) -> Optional[Path]:
 
     m = marker_path(model_path)
     return None if m is None else m.with_name(m.name + "-ahead")
+
+
+def started_line(ahead: Ahead, while_loading: bool) -> str:
+    """The line the CLIs and ``mlx_lm.load`` print when they start ``ahead``."""
+    when = " while it loads" if while_loading else ""
+    return (f"mlx_qwen_fast: first use of this model on this machine: {len(ahead.jobs)} of MLX's CUDA kernel "
+            f"modules compile in {ahead.workers} processes{when} (once per machine)")
+
+
+def done_line(result: Dict) -> str:
+    """The line they print with :meth:`Ahead.wait`'s ``result``."""
+    failed = f"; not done: {', '.join(result['failed'])}" if result["failed"] else ""
+    return (f"mlx_qwen_fast: {len(result['published'])} MLX kernel modules compiled ahead, {result['seconds']} s "
+            f"since the start{failed}")
 
 
 def start(model_path, dtype: Optional[str] = None) -> Optional[Ahead]:

@@ -497,12 +497,8 @@ def _compile_ahead(model_path) -> None:
     ahead = mlx_compiles.start(model_path)
     if ahead is None:
         return
-    print(f"mlx_qwen_fast: first use of this model on this machine: {len(ahead.jobs)} of MLX's CUDA kernel modules "
-          f"compile in {ahead.workers} processes (once per machine)", file=sys.stderr)
-    r = ahead.wait()
-    failed = f"; not done: {', '.join(r['failed'])}" if r["failed"] else ""
-    print(f"mlx_qwen_fast: {len(r['published'])} MLX kernel modules compiled in {r['seconds']} s{failed}",
-          file=sys.stderr)
+    print(mlx_compiles.started_line(ahead, while_loading=False), file=sys.stderr)
+    print(mlx_compiles.done_line(ahead.wait()), file=sys.stderr)
 
 
 def _put_sharded_load(fn) -> None:
