@@ -296,6 +296,9 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
     QgSB<CfgA> sb;
     if (team < TA && tile < TILES_A)  // weight loads first, as quantized_gemv.cu
       qg_load<CfgA>(A, sb, w_in, s_in, b_in, tile * 16, P, wt * CfgA::BPW, lane >> 2, lane & 3);
+    if (team < TA)  // the team's later tiles into L2 while round 0's weights arrive and xs is staged
+      for (int tl = tile + (int)gridDim.x * TA; tl < TILES_A; tl += (int)gridDim.x * TA)
+        qg_prefetch_l2<CfgA>(w_in, s_in, b_in, tl, P, tid - team * KWA * 32, KWA * 32);
     qg_stage_norm<M, HID, KWA, NT>(xs, sm.ssq, x, in_norm_w, eps_in);
     qg_tiles<CfgA, KWA, TA, TILES_A, false, true>(A, sb, xs, w_in, s_in, b_in, proj, nullptr, P, sm.red);
   } else {
@@ -315,6 +318,13 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
   if ((int)blockIdx.x < M * HV) gdn_step_state_loads(state_in, blockIdx.x, S);
   grid_wait(ctr(), base + BARW);
   clk.mark(2);
+  if constexpr (SameType<T, bf16_t>::value) {
+    // the block's out_proj tiles (phase C) into L2 while the GDN step runs (on M * HV blocks)
+    const int team = warp / KWC;
+    if (team < TC)
+      for (int tl = qg_tile0<TC, true>(team); tl < TILES_C; tl += (int)gridDim.x * TC)
+        qg_prefetch_l2<CfgC>(w_out, s_out, b_out, tl, HID, tid - team * KWC * 32, KWC * 32);
+  }
 
   // ---- B: the GDN step of items (b, h) ----------------------------------------------------
   for (int bh = blockIdx.x; bh < M * HV; bh += gridDim.x) {

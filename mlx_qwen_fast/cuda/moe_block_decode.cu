@@ -286,9 +286,18 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     qg_stage_norm<N, D, KWR, NT>(xn, ssq, x, norm_w, eps);
     qg_tiles<CfgR, KWR, TR, TILES_R, false>(A, sb, xn, wr, sr, br, logits, nullptr, E, red);
   } else {
-    qg_stage_norm<N, D, KWR, NT>(xn, ssq, x, norm_w, eps);  // ends with a __syncthreads: xn staged
     // shared item q (none past NSH): the shared expert's tile q, or the shared gate (q == RBS)
     const int q = ((int)blockIdx.x - RBLK) * TGU + team;
+    if (q < RBS) {  // the tile's gate and up rows into L2 while xn is staged (gu_dots copies them after)
+      const size_t w0 = (size_t)q * RB * (D / 8), s0 = (size_t)q * RB * (D / 64);
+      prefetch_l2_range(xwg + w0, RB * D / 2, ttid, GUW * 32);
+      prefetch_l2_range(xwu + w0, RB * D / 2, ttid, GUW * 32);
+      prefetch_l2_range(xsg + s0, RB * (D / 64) * 2, ttid, GUW * 32);
+      prefetch_l2_range(xsu + s0, RB * (D / 64) * 2, ttid, GUW * 32);
+      prefetch_l2_range(xbg + s0, RB * (D / 64) * 2, ttid, GUW * 32);
+      prefetch_l2_range(xbu + s0, RB * (D / 64) * 2, ttid, GUW * 32);
+    }
+    qg_stage_norm<N, D, KWR, NT>(xn, ssq, x, norm_w, eps);  // ends with a __syncthreads: xn staged
     gu_item(q < NSH, q == RBS, true, -1, (q % RBS) * RB);
   }
   clk.mark(1);
