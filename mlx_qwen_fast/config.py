@@ -45,6 +45,7 @@ __all__ = [
     "DECODE_GEMV_KERNEL",
     "GDN_MIXER_KERNEL",
     "MOE_BLOCK_KERNEL",
+    "L2_PREFETCH",
     "METAL_KERNELS",
     "MLX_COMPILES_AHEAD",
     "KERNEL_CACHE",
@@ -206,6 +207,10 @@ MOE_BLOCK_KERNEL = Switch(
     "on CUDA, a layer's decode step runs its MoE block (post-attention RMSNorm, router, routing, the experts, "
     "the shared expert and the residual) as three launches instead of one persistent kernel (the one-launch "
     "block needs the fused GEMV on)")
+L2_PREFETCH = Switch(
+    "MLX_QWEN_FAST_L2_PREFETCH", "bool", True, "`0`",
+    "on CUDA, the decode step's one-launch kernels no longer prefetch the next launch's weights into L2 (the "
+    "mixer the MoE block's router and shared expert, the MoE block the next layer's input projection)")
 METAL_KERNELS = Switch(
     "MLX_QWEN_FAST_METAL", "bool", False, "`1`",
     "on Apple silicon, the package's Metal kernels run (decode: the Gated DeltaNet step, the MoE block, "
@@ -240,7 +245,7 @@ POISON = Switch(
 SWITCHES: Tuple[Switch, ...] = (
     FAST_PATH, MOE_PREFILL_KERNEL, MOE_DECODE_KERNEL, DECODE_LAYER_STEP, DECODE_MODEL_STEP, VERIFY_MODEL_STEP,
     ATTENTION_DECODE_KERNEL, ATTENTION_PREFILL_KERNEL, DECODE_GEMV_KERNEL, PREFILL_GEMM_KERNEL, GDN_MIXER_KERNEL, MOE_BLOCK_KERNEL,
-    METAL_KERNELS, MLX_COMPILES_AHEAD, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
+    L2_PREFETCH, METAL_KERNELS, MLX_COMPILES_AHEAD, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
 )
 
 

@@ -94,6 +94,7 @@
 // (7-9 us of host time per small custom-kernel node, bench/node_cost.py:
 // ~0.4-0.5 ms per token), less what this node's 10 inputs add.
 #include "grid_sync.cuh"
+#include "next_prefetch.cuh"
 #include "phase_clock.cuh"
 #include "gdn_decode_step.cuh"
 #include "qgemv_tile.cuh"
@@ -260,7 +261,7 @@ struct Smem {
 
 // The whole launch (see the top of the file); a template on the activation
 // type T (= xt) so that only the GEMVs of that type are compiled.
-template <class T>
+template <class T, class PF>
 __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* __restrict__ w_in,
                                       const T* __restrict__ s_in, const T* __restrict__ b_in,
                                       const float* __restrict__ params, const T* __restrict__ conv_state,
@@ -268,7 +269,7 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
                                       const T* __restrict__ s_out, const T* __restrict__ b_out, T* __restrict__ out,
                                       T* __restrict__ conv_state_out, float* __restrict__ state_out,
                                       unsigned* __restrict__ scratch, float eps_in, float eps_qk, float eps_norm,
-                                      const Smem& sm) {
+                                      const Smem& sm, PF prefetch_next) {
   T* const proj = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(scratch) + OFF_PROJ);
   T* const y = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(scratch) + OFF_Y);
   const float* const in_norm_w = params + C * KW + 2 * HV + D;
@@ -344,6 +345,7 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
     grid_arrive<BARW>(ctr());
     if (team < TC && tile < TILES_C)  // loaded while the grid meets (after the arrival, as above)
       qg_load<CfgC>(A, sb, w_out, s_out, b_out, tile * 16, HID, wt * CfgC::BPW, lane >> 2, lane & 3);
+    prefetch_next();
     grid_wait(ctr(), base + 2 * BARW);
     grid_free(grid_slot(mixer_slots));
     clk.mark(4);
@@ -354,6 +356,7 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
     qg_tiles<CfgC, KWC, TC, TILES_C, true, true>(A, sb, xs, w_out, s_out, b_out, out, x, HID, sm.red);
   } else {
     grid_arrive<BARW>(ctr());
+    prefetch_next();
     grid_wait(ctr(), base + 2 * BARW);
     grid_free(grid_slot(mixer_slots));
     clk.mark(4);
@@ -375,7 +378,8 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
     const unsigned* __restrict__ w_out,
     const xt* __restrict__ s_out,
     const xt* __restrict__ b_out,
-    const void* __restrict__ after,  // never read (the launch contract)
+    const void* __restrict__ after  // never read (the launch contract)
+    PF_PARAMS,                      // the next launch's weights, prefetched into L2 (next_prefetch.cuh)
     xt* __restrict__ out,
     xt* __restrict__ conv_state_out,
     float* __restrict__ state_out,
@@ -394,5 +398,5 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
   __shared__ float gate[2];
   const Smem sm{stage, red, ssq, qsh, ksh, vsh, ysh, gred, gate};
   mixer<xt>(x, w_in, s_in, b_in, params, conv_state, state_in, w_out, s_out, b_out, out, conv_state_out, state_out,
-            scratch, eps_in, eps_qk, eps_norm, sm);
+            scratch, eps_in, eps_qk, eps_norm, sm, [&] { next_prefetch(PF_ARGS); });
 }

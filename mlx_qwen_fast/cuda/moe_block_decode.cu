@@ -101,6 +101,7 @@
 // 512, one token; not measured): bench/results/moe-cuda-log.md.
 #include "grid_sync.cuh"
 #include "moe_route_common.cuh"
+#include "next_prefetch.cuh"
 #include "phase_clock.cuh"
 #include "qgemv_tile.cuh"
 
@@ -192,7 +193,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     const unsigned* __restrict__ xwu, const bf16_t* __restrict__ xsu, const bf16_t* __restrict__ xbu,
     const unsigned* __restrict__ xwd, const bf16_t* __restrict__ xsd, const bf16_t* __restrict__ xbd,
     const void* __restrict__ gw, const bf16_t* __restrict__ gs, const bf16_t* __restrict__ gb,
-    const void* __restrict__ after,  // never read (the launch contract)
+    const void* __restrict__ after  // never read (the launch contract)
+    PF_PARAMS,                      // the next launch's weights, prefetched into L2 (next_prefetch.cuh)
     bf16_t* __restrict__ out,
     unsigned* __restrict__ scratch,
     int normalize,
@@ -370,6 +372,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     e0 = item_expert(warp);
     load_item(R, e0, (int)blockIdx.x * RB);
   }
+  next_prefetch(PF_ARGS);
   grid_wait(ctr(), base + 2 * BARW);
   grid_free(grid_slot(moe_block_slots));
   clk.mark(5);

@@ -79,6 +79,7 @@ __all__ = [
     "dtype_macro",
     "gpu_arch",
     "poisoning",
+    "prefetch_defines",
     "sm_count",
     "set_poison",
 ]
@@ -345,6 +346,23 @@ _NAN = float("nan")
 def _f32(x: float) -> float:
     """Nearest fp32 value of x, as a Python float (MLX rejects others)."""
     return float(np.float32(x))
+
+
+#: Arrays a persistent decode kernel prefetches into L2 for the launch after it, at most
+#: (``cuda/next_prefetch.cuh``).
+MAX_PREFETCH = 6
+
+
+def prefetch_defines(prefetch: Sequence) -> Dict[str, object]:
+    """The build macros of ``cuda/next_prefetch.cuh`` for ``prefetch`` (mx.arrays,
+    already checked: :func:`mlx_qwen_fast.kernels._checks.check_prefetch`):
+    ``PF_N`` and each array's size in bytes; none for an empty sequence."""
+    if not prefetch:
+        return {}
+    d: Dict[str, object] = {"PF_N": len(prefetch)}
+    for i, a in enumerate(prefetch):
+        d[f"PF_B{i}"] = f"{a.nbytes}ull"
+    return d
 
 
 def dtype_macro(dtype) -> str:

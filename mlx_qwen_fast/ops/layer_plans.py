@@ -100,6 +100,15 @@ def _prefixed(prefix: str, paths) -> Tuple[Tuple[str, ...], ...]:
     return tuple((prefix,) + tuple(p) for p in paths)
 
 
+def _moe_head(m_paths) -> Tuple[int, ...]:
+    """Positions, in the MoE step's arrays, of what its first launch streams
+    before the routing decides the experts: the router's arrays and the
+    shared expert's gate and up weights (the paths of
+    :func:`mlx_qwen_fast.ops.moe.decode_step_parts`, prefixed ``mlp``)."""
+    shared = (("mlp", "shared_expert", "gate_proj", "weight"), ("mlp", "shared_expert", "up_proj", "weight"))
+    return tuple(i for i, p in enumerate(m_paths) if p[:2] == ("mlp", "gate") or p in shared)[:6]
+
+
 def _moe_parts(layer, x):
     """``(paths under the layer, compiled MoE step)`` or None; the step takes
     ``(h, post_attention_layernorm weight, *arrays)`` and returns
@@ -124,6 +133,9 @@ class LinearStepPlan(NamedTuple):
     n_in: int
     #: ``fn`` before ``mx.compile`` (traced inside the whole-stack step)
     raw: Callable
+    #: positions, in the step's arrays (``arrays[:n_in] + extra``), of the weights its first launch
+    #: streams (the concatenated input projection): what the launch before it prefetches into L2
+    head: Tuple[int, ...] = ()
 
 
 class AttentionStepPlan(NamedTuple):
@@ -148,6 +160,8 @@ class AttentionStepPlan(NamedTuple):
     head_dim: int
     #: ``fn`` before ``mx.compile`` (traced inside the whole-stack step)
     raw: Callable
+    #: as :class:`LinearStepPlan`'s (the concatenated q|k|v projection)
+    head: Tuple[int, ...] = ()
 
 
 LayerStepPlan = Union[LinearStepPlan, AttentionStepPlan]
@@ -165,23 +179,29 @@ def _linear_plan(layer, x, cache):
     m_paths, m_fn = moe
     eps = _norm_eps(layer)
     n_m = len(m_paths)
-    key = ("linear", g_fn, m_fn, eps, g_used, n_m, len(g_extra))
+    # the mixer prefetches what the MoE step streams first (config.L2_PREFETCH, read while tracing)
+    m_head = _moe_head(m_paths) if config.L2_PREFETCH.get() else ()
+    key = ("linear", g_fn, m_fn, eps, g_used, n_m, len(g_extra), m_head)
     fn = _steps.get(key)
     if fn is None:
 
-        def step(x, conv_state, state, *flat):  # flat: norms, GDN arrays read, MoE arrays, GDN extra
+        def step(x, conv_state, state, *flat, prefetch=()):  # flat: norms, GDN arrays read, MoE arrays, GDN extra
             n1, n2 = flat[0], flat[1]
             g = flat[2:2 + g_used]
             m = flat[2 + g_used:2 + g_used + n_m]
             ge = flat[2 + g_used + n_m:]
-            h, conv_state, state = g_fn(x, conv_state, state, n1, *g, *ge)  # x + mixer(norm(x))
-            return m_fn(h, n2, *m), conv_state, state  # h + mlp(norm(h))
+            h, conv_state, state = g_fn(x, conv_state, state, n1, *g, *ge,
+                                        prefetch=tuple(m[i] for i in m_head))  # x + mixer(norm(x))
+            return m_fn(h, n2, *m, prefetch=tuple(prefetch)), conv_state, state  # h + mlp(norm(h))
 
         fn = _steps[key] = (mx.compile(step), step)
     # the arrays the step reads first; the rest only decide whether the plan still holds
     g_paths = _prefixed("linear_attn", g_paths)
     paths = _NORMS + g_paths[:g_used] + m_paths + g_paths[g_used:]
-    return paths, LinearStepPlan("linear", fn[0], g_extra, 2 + g_used + n_m, fn[1])
+    n_in = 2 + g_used + n_m
+    # g_extra: the packed constants, then the concatenated input projection (its first launch's weights)
+    head = tuple(range(n_in + 1, n_in + len(g_extra)))[:3]
+    return paths, LinearStepPlan("linear", fn[0], g_extra, n_in, fn[1], head)
 
 
 def _attention_plan(layer, x, cache):
@@ -204,7 +224,7 @@ def _attention_plan(layer, x, cache):
     fn = _steps.get(key)
     if fn is None:
 
-        def step(x, keys, values, offset, *flat):  # flat: norms, q/k norms, o_proj, MoE arrays, q|k|v
+        def step(x, keys, values, offset, *flat, prefetch=()):  # flat: norms, q/k norms, o_proj, MoE, q|k|v
             n1, n2 = flat[0], flat[1]
             qn_w, kn_w = flat[2], flat[3]
             o = flat[4:4 + n_o]
@@ -217,13 +237,15 @@ def _attention_plan(layer, x, cache):
                 return h, keys, values, rows
             if m_fn is None:
                 return h, keys, values
-            return m_fn(h, n2, *m), keys, values
+            return m_fn(h, n2, *m, prefetch=tuple(prefetch)), keys, values
 
         fn = _steps[key] = (mx.compile(step), step)
     a_paths = _prefixed("self_attn", a_paths)
     paths = _NORMS + a_paths[:n_read] + m_paths + a_paths[n_read:]
-    return paths, AttentionStepPlan("attention", fn[0], a_extra, 2 + n_read + n_m, m_fn is not None,
-                                    normed, a_static.num_kv_heads, a_static.head_dim, fn[1])
+    n_in = 2 + n_read + n_m
+    return paths, AttentionStepPlan("attention", fn[0], a_extra, n_in, m_fn is not None, normed,
+                                    a_static.num_kv_heads, a_static.head_dim, fn[1],
+                                    tuple(range(n_in, n_in + len(a_extra)))[:3])
 
 
 def _add_norm(x, y, weight, eps):
@@ -260,7 +282,8 @@ def layer_entry(layer, x: mx.array, cache) -> Optional[LayerEntry]:
                 or cache[1] is None:
             return None
         key = ("linear", tuple(x.shape), x.dtype, cache[0].dtype, cache[1].dtype, _norm_eps(layer),
-               config.DECODE_GEMV_KERNEL.get(), config.GDN_MIXER_KERNEL.get(), config.MOE_BLOCK_KERNEL.get())
+               config.DECODE_GEMV_KERNEL.get(), config.GDN_MIXER_KERNEL.get(), config.MOE_BLOCK_KERNEL.get(),
+               config.L2_PREFETCH.get())
         arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _linear_plan(layer, x, cache))
     else:
         if type(cache) is not kv_buffers.kv_cache_type() or cache.keys is None:

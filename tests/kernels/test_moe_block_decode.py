@@ -153,6 +153,9 @@ def test_bad_input_names_the_argument(no_launch):
         (dict(norm_eps=0.0), "norm_eps"),
         (dict(norm_eps=float("nan")), "norm_eps"),
         (dict(after=[1.0]), "after"),
+        (dict(prefetch=[x] * 7), "prefetch"),
+        (dict(prefetch=(x, [1.0])), "prefetch"),
+        (dict(prefetch=x), "prefetch"),
     ]:
         with pytest.raises(ValueError, match=name):
             call(**over)
@@ -255,6 +258,25 @@ def test_after_input_is_not_read(monkeypatch):
     router, experts, shared, eg, nw = w
     want = mb.moe_block_decode(x, nw, router, experts, shared, eg, top_k=4, norm_eps=EPS)
     got = mb.moe_block_decode(x, nw, router, experts, shared, eg, top_k=4, norm_eps=EPS, after=mx.arange(7))
+    assert finite(got) and mx.array_equal(got, want).item()
+
+
+@pytest.mark.cuda
+@pytest.mark.cpu_check("moe_block_decode.cu")
+@pytest.mark.usefixtures("poison")
+@pytest.mark.parametrize("sizes", [(1,), (200, 0, 4099), (128, 129, 1000, 3, 64 * 1024 + 5, 7)])
+def test_prefetch_inputs_change_no_bit(monkeypatch, sizes):
+    """Arrays given to prefetch (the next launch's weights) are only
+    prefetched into L2: sizes that are not whole 128-byte lines, an empty
+    array and six of them leave the output's bits as they are (the CUDA
+    check reads each prefetched line, so a line past an array fails it)."""
+    monkeypatch.setattr(cb, "sm_count", lambda: 3)
+    w = _weights(32, 256, 128, 8, 8, 5)
+    x = _x(2, 256, 7)
+    router, experts, shared, eg, nw = w
+    pf = tuple(mx.full((n,), i, mx.uint8) for i, n in enumerate(sizes))
+    want = mb.moe_block_decode(x, nw, router, experts, shared, eg, top_k=4, norm_eps=EPS)
+    got = mb.moe_block_decode(x, nw, router, experts, shared, eg, top_k=4, norm_eps=EPS, prefetch=pf)
     assert finite(got) and mx.array_equal(got, want).item()
 
 
