@@ -45,6 +45,7 @@ __all__ = [
     "DECODE_GEMV_KERNEL",
     "GDN_MIXER_KERNEL",
     "MOE_BLOCK_KERNEL",
+    "GDN_LAYER_KERNEL",
     "L2_PREFETCH",
     "METAL_KERNELS",
     "MLX_COMPILES_AHEAD",
@@ -207,6 +208,10 @@ MOE_BLOCK_KERNEL = Switch(
     "on CUDA, a layer's decode step runs its MoE block (post-attention RMSNorm, router, routing, the experts, "
     "the shared expert and the residual) as three launches instead of one persistent kernel (the one-launch "
     "block needs the fused GEMV on)")
+GDN_LAYER_KERNEL = Switch(
+    "MLX_QWEN_FAST_GDN_LAYER", "bool", True, "`0`",
+    "on CUDA, a Gated DeltaNet decoder layer's decode step runs the one-launch mixer and the one-launch MoE "
+    "block as two launches instead of one (the one-launch layer needs both of them on)")
 L2_PREFETCH = Switch(
     "MLX_QWEN_FAST_L2_PREFETCH", "bool", True, "`0`",
     "on CUDA, the decode step's one-launch kernels no longer prefetch the next launch's weights into L2 (the "
@@ -245,7 +250,7 @@ POISON = Switch(
 SWITCHES: Tuple[Switch, ...] = (
     FAST_PATH, MOE_PREFILL_KERNEL, MOE_DECODE_KERNEL, DECODE_LAYER_STEP, DECODE_MODEL_STEP, VERIFY_MODEL_STEP,
     ATTENTION_DECODE_KERNEL, ATTENTION_PREFILL_KERNEL, DECODE_GEMV_KERNEL, PREFILL_GEMM_KERNEL, GDN_MIXER_KERNEL, MOE_BLOCK_KERNEL,
-    L2_PREFETCH, METAL_KERNELS, MLX_COMPILES_AHEAD, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
+    GDN_LAYER_KERNEL, L2_PREFETCH, METAL_KERNELS, MLX_COMPILES_AHEAD, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
 )
 
 

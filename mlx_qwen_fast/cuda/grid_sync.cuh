@@ -119,3 +119,34 @@ __device__ __forceinline__ void grid_wait(const unsigned long long* ctr, unsigne
   }
   __syncthreads();
 }
+
+// ---- a launch's barriers, for bodies that one kernel runs in turn ------------------------
+
+// The NBAR grid barriers of one launch on its slot of the module's table SLOTS::table() (a struct
+// whose static device function returns the module's `__device__ GridSlot name[GRID_SLOTS]`; the
+// contract above): thread 0 claims the slot and reads its counter (claim), the launch's base is
+// fixed at the first arrival, and CTA 0 frees the slot after the last wait. A body that runs as a part of a launch numbers its barriers from the
+// part's first (b0 + 1, b0 + 2, ...), so that two bodies share one slot and one counter.
+template <unsigned long long NBAR, unsigned long long BARW, class SLOTS>
+struct GridBarriers {
+  unsigned long long v0 = 0, base = 0;  // thread 0's: the counter before the first arrival, the base
+  // Thread 0 claims the launch's slot and reads its counter: once per launch, by its first body
+  // at its start (there rather than in the kernel before the body: the body's register
+  // allocation stays that of the body alone, 104 against 128 registers for the mixer).
+  __device__ __forceinline__ void claim() {
+    if (threadIdx.x == 0) v0 = ld_relaxed_u64(&grid_claim(SLOTS::table(), grid_tag())->ctr);
+  }
+  // The slot's counter at each use (thread 0's), from the grid id: not a pointer held in
+  // registers across the phases (the bodies hold weight tiles in registers).
+  static __device__ __forceinline__ unsigned long long* ctr() { return &grid_slot(SLOTS::table())->ctr; }
+  // Barrier b's arrival (b = 1 .. NBAR; the first also fixes the base).
+  __device__ __forceinline__ void arrive(unsigned b) {
+    if (b == 1 && threadIdx.x == 0) base = grid_launch_base<NBAR, BARW>(v0);
+    grid_arrive<BARW>(ctr());
+  }
+  // Barrier b's wait; after the last, the slot is freed.
+  __device__ __forceinline__ void wait(unsigned b) {
+    grid_wait(ctr(), base + b * BARW);
+    if (b == NBAR) grid_free(grid_slot(SLOTS::table()));
+  }
+};

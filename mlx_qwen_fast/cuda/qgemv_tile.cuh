@@ -199,8 +199,10 @@ __device__ __forceinline__ void qg_store(const float* acc, bf16_t* out, const bf
 // block (of NT) take the sums of squares in that kernel's order (chunk i of
 // 8 inputs by thread i mod 32 KW, a warp_sum per row, the warps' sums in
 // warp order), every thread normalises (MLX's rms_norm roundings:
-// bf16(w * bf16(x * r))). ssq [>= KW][M]. Ends with a __syncthreads.
-template <int M, int K, int KW, int NT, class WT>
+// bf16(w * bf16(x * r))). ssq [>= KW][M]. CG: x read through L2 only
+// (ld.global.cg: rows other blocks wrote earlier in the same launch), else
+// through the non-coherent path. Ends with a __syncthreads.
+template <int M, int K, int KW, int NT, bool CG = false, class WT>
 __device__ __forceinline__ void qg_stage_norm(gdn_u16 (*xs)[K], float (*ssq)[M], const bf16_t* x, const WT* norm_w,
                                               float eps) {
   constexpr int NTR = 32 * KW;
@@ -211,7 +213,7 @@ __device__ __forceinline__ void qg_stage_norm(gdn_u16 (*xs)[K], float (*ssq)[M],
   for (int m = 0; m < M; ++m) part[m] = 0.0f;
   if (tid < NTR) {
     for (int i = tid; i < M * K / 8; i += NTR) {
-      const uint4 v = ldg16(x + 8 * i);
+      const uint4 v = CG ? ldcg16(x + 8 * i) : ldg16(x + 8 * i);
       *reinterpret_cast<uint4*>(&xs[0][0] + 8 * i) = v;
       float f[8];
       load16(reinterpret_cast<const bf16_t*>(&v), f);

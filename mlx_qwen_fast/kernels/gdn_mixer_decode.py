@@ -43,7 +43,7 @@ from . import _checks
 from . import _cuda_build as cb
 from .gated_delta_contract import D, KW, decode_params, packed_width, params_width
 
-__all__ = ["MAX_ROWS", "PHASE_MARKS", "gdn_mixer_decode", "grid_blocks", "mixer_params", "mixer_params_width", "scratch_words",
+__all__ = ["MAX_ROWS", "PHASE_MARKS", "checked_arguments", "gdn_mixer_decode", "grid_blocks", "mixer_params", "mixer_params_width", "scratch_words",
            "supports"]
 
 #: Token rows per call at most (the GEMV tiles' B columns).
@@ -212,6 +212,33 @@ def scratch_words(B: int, Hk: int, Hv: int, x_dtype) -> int:
     return (_round16(B * packed_width(Hk, Hv) * es) + _round16(B * Hv * D * es)) // 4
 
 
+def checked_arguments(fn: str, x, in_proj, params, conv_state, state, out_proj, num_k_heads, num_v_heads,
+                      input_norm_eps, norm_eps, qk_eps, group_size, bits):
+    """:func:`gdn_mixer_decode`'s argument checks (ValueError naming the
+    argument, ``fn: `` first); returns ``(conv_state, state, (input_norm_eps,
+    qk_eps, norm_eps))`` with None states as zeros and the conv state in x's
+    dtype (as the kernel reads it)."""
+    problem = _projections(in_proj, out_proj)
+    if problem is not None:
+        raise ValueError(f"{fn}: {problem}")
+    _checks.check_arrays(fn, _ARRAYS, x, *in_proj, params, conv_state, state, *out_proj)
+    Hk, Hv = num_k_heads, num_v_heads
+    problem = _problem(x, in_proj, params, conv_state, state, out_proj, Hk, Hv, group_size, bits)
+    if problem is not None:
+        raise ValueError(f"{fn}: {problem}")
+    eps = (_checks.check_eps(fn, "input_norm_eps", input_norm_eps), _checks.check_eps(fn, "qk_eps", qk_eps),
+           _checks.check_eps(fn, "norm_eps", norm_eps))
+    B, dt = _rows(x), x.dtype
+    C = (2 * Hk + Hv) * D
+    if conv_state is None:
+        conv_state = mx.zeros((B, KW - 1, C), dtype=dt)
+    elif conv_state.dtype != dt:  # the kernel reads it in the activation dtype
+        conv_state = conv_state.astype(dt)
+    if state is None:
+        state = mx.zeros((B, Hv, D, D), dtype=mx.float32)
+    return conv_state, state, eps
+
+
 def gdn_mixer_decode(
     x: mx.array,
     in_proj: Sequence[mx.array],
@@ -279,24 +306,11 @@ def gdn_mixer_decode(
       RuntimeError: no CUDA compiler could build the kernel.
     """
     fn = "gdn_mixer_decode"
-    problem = _projections(in_proj, out_proj)
-    if problem is not None:
-        raise ValueError(f"{fn}: {problem}")
-    _checks.check_arrays(fn, _ARRAYS, x, *in_proj, params, conv_state, state, *out_proj)
+    conv_state, state, eps = checked_arguments(fn, x, in_proj, params, conv_state, state, out_proj, num_k_heads,
+                                               num_v_heads, input_norm_eps, norm_eps, qk_eps, group_size, bits)
     Hk, Hv = num_k_heads, num_v_heads
-    problem = _problem(x, in_proj, params, conv_state, state, out_proj, Hk, Hv, group_size, bits)
-    if problem is not None:
-        raise ValueError(f"{fn}: {problem}")
-    eps = (_checks.check_eps(fn, "input_norm_eps", input_norm_eps), _checks.check_eps(fn, "qk_eps", qk_eps),
-           _checks.check_eps(fn, "norm_eps", norm_eps))
     B, K, dt = _rows(x), x.shape[-1], x.dtype
     C = (2 * Hk + Hv) * D
-    if conv_state is None:
-        conv_state = mx.zeros((B, KW - 1, C), dtype=dt)
-    elif conv_state.dtype != dt:  # the kernel reads it in the activation dtype
-        conv_state = conv_state.astype(dt)
-    if state is None:
-        state = mx.zeros((B, Hv, D, D), dtype=mx.float32)
     if not isinstance(phase_clock, bool):
         raise ValueError(f"{fn}: phase_clock must be a bool, got {phase_clock!r}")
     if after is not None and not _checks.is_array(after):

@@ -42,7 +42,7 @@ from . import _checks
 from . import _cuda_build as cb
 from . import moe_decode_gemv as md
 
-__all__ = ["MAX_ROWS", "grid_blocks", "moe_block_decode", "moe_block_decode_unchecked", "scratch_words", "smem_bytes", "supports"]
+__all__ = ["MAX_ROWS", "checked_arguments", "grid_blocks", "moe_block_decode", "moe_block_decode_unchecked", "scratch_words", "smem_bytes", "supports"]
 
 #: Token rows per call at most.
 MAX_ROWS = md.MAX_TOKENS
@@ -201,6 +201,20 @@ PHASE_MARKS = ("start", "A done", "barrier 1", "routed", "B done", "barrier 2", 
 _PC_SLOTS = 8  # phase_clock.cuh
 
 
+def checked_arguments(fn: str, x, norm_weight, router, experts, shared, expert_gate, top_k, norm_eps,
+                      router_group_size, router_bits) -> float:
+    """:func:`moe_block_decode`'s argument checks (ValueError naming the
+    argument, ``fn: `` first); returns ``norm_eps`` as a float."""
+    if not isinstance(router, (tuple, list)) or len(router) != 3:
+        raise ValueError(f"{fn}: router must be (weight, scales, biases), got {_checks.describe(router)}")
+    _checks.check_arrays(fn, _ARRAYS, x, norm_weight, *router)
+    problem = _problem(x, norm_weight, router, experts, shared, expert_gate, top_k, router_group_size,
+                       router_bits)
+    if problem is not None:
+        raise ValueError(f"{fn}: {problem}")
+    return _checks.check_eps(fn, "norm_eps", norm_eps)
+
+
 def moe_block_decode(
     x: mx.array,
     norm_weight: mx.array,
@@ -259,14 +273,8 @@ def moe_block_decode(
       RuntimeError: no CUDA compiler could build the kernel.
     """
     fn = "moe_block_decode"
-    if not isinstance(router, (tuple, list)) or len(router) != 3:
-        raise ValueError(f"{fn}: router must be (weight, scales, biases), got {_checks.describe(router)}")
-    _checks.check_arrays(fn, _ARRAYS, x, norm_weight, *router)
-    problem = _problem(x, norm_weight, router, experts, shared, expert_gate, top_k, router_group_size,
-                       router_bits)
-    if problem is not None:
-        raise ValueError(f"{fn}: {problem}")
-    eps = _checks.check_eps(fn, "norm_eps", norm_eps)
+    eps = checked_arguments(fn, x, norm_weight, router, experts, shared, expert_gate, top_k, norm_eps,
+                            router_group_size, router_bits)
     if after is not None and not _checks.is_array(after):
         raise ValueError(f"{fn}: after must be an mx.array or None, got {_checks.describe(after)}")
     prefetch = _checks.check_prefetch(fn, prefetch, cb.MAX_PREFETCH)

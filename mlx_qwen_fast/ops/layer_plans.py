@@ -29,7 +29,11 @@ Per layer kind:
   projection, decode kernel, ``out_proj``; with
   :data:`mlx_qwen_fast.config.GDN_MIXER_KERNEL` these with the input norm
   and the residual as one launch), the residuals and the MoE block's decode
-  step (:func:`mlx_qwen_fast.ops.moe.decode_step_parts`).
+  step (:func:`mlx_qwen_fast.ops.moe.decode_step_parts`). Where both parts
+  are one launch each (the mixer and the one-launch MoE block), with
+  :data:`mlx_qwen_fast.config.GDN_LAYER_KERNEL` the whole layer is one
+  launch (:func:`mlx_qwen_fast.kernels.gdn_layer_decode.gdn_layer_decode`:
+  the two launches' results bit for bit).
 * Gated attention layer (mlx-lm's ``Qwen3NextAttention``): RMSNorm, one
   quantised matmul over the concatenated q|k|v projections, then
   :func:`mlx_qwen_fast.ops.attention.decode_attention` (through
@@ -64,6 +68,8 @@ import mlx.core as mx
 
 from .. import config
 from ..compiled import StepPlans
+from ..kernels import gdn_layer_decode as gdn_layer_kernel
+from . import _launch_order
 from . import attention as attention_ops
 from . import gated_delta as gated_delta_ops
 from . import kv_buffers
@@ -181,8 +187,26 @@ def _linear_plan(layer, x, cache):
     n_m = len(m_paths)
     # the mixer prefetches what the MoE step streams first (config.L2_PREFETCH, read while tracing)
     m_head = _moe_head(m_paths) if config.L2_PREFETCH.get() else ()
-    key = ("linear", g_fn, m_fn, eps, g_used, n_m, len(g_extra), m_head)
+    mix, blk = gated_delta_ops.mixer_step_settings(g_fn), moe_ops.block_step_settings(m_fn)
+    one_launch = config.GDN_LAYER_KERNEL.get() and mix is not None and blk is not None
+    key = ("linear", g_fn, m_fn, eps, g_used, n_m, len(g_extra), m_head, one_launch)
     fn = _steps.get(key)
+    if fn is None and one_launch:
+
+        def step(x, conv_state, state, *flat, prefetch=()):  # flat: norms, out_proj, MoE arrays, params, in_proj
+            m = flat[2 + g_used:2 + g_used + n_m]
+            ge = flat[2 + g_used + n_m:]
+            r = blk.n_router
+            return gdn_layer_kernel.gdn_layer_decode(
+                x, ge[1:], ge[0], conv_state, state, flat[2:2 + g_used], flat[1], m[:r],
+                (m[r:r + 3], m[r + 3:r + 6], m[r + 6:r + 9]), (m[r + 9:r + 12], m[r + 12:r + 15], m[r + 15:r + 18]),
+                (m[r + 18], m[r + 19], m[r + 20], blk.shared_gate_bits), num_k_heads=mix.num_k_heads,
+                num_v_heads=mix.num_v_heads, input_norm_eps=mix.input_norm_eps, norm_eps=mix.norm_eps,
+                top_k=blk.top_k, post_norm_eps=blk.norm_eps, normalize=blk.normalize,
+                router_group_size=blk.router_group_size, router_bits=blk.router_bits, after=_launch_order.take(),
+                prefetch=tuple(prefetch))
+
+        fn = _steps[key] = (mx.compile(step), step)
     if fn is None:
 
         def step(x, conv_state, state, *flat, prefetch=()):  # flat: norms, GDN arrays read, MoE arrays, GDN extra
@@ -283,7 +307,7 @@ def layer_entry(layer, x: mx.array, cache) -> Optional[LayerEntry]:
             return None
         key = ("linear", tuple(x.shape), x.dtype, cache[0].dtype, cache[1].dtype, _norm_eps(layer),
                config.DECODE_GEMV_KERNEL.get(), config.GDN_MIXER_KERNEL.get(), config.MOE_BLOCK_KERNEL.get(),
-               config.L2_PREFETCH.get())
+               config.L2_PREFETCH.get(), config.GDN_LAYER_KERNEL.get())
         arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _linear_plan(layer, x, cache))
     else:
         if type(cache) is not kv_buffers.kv_cache_type() or cache.keys is None:

@@ -89,6 +89,8 @@ from .naive import compute_gates, gated_delta_recurrent, gated_delta_recurrent_s
 # read from this package by the patch report and the tests
 from .checks import _PROJECTIONS, _store  # noqa: F401
 from .cuda import _cuda_decode_modules, mixer_takes_weights  # noqa: F401
+# read by the layer plans (ops/layer_plans.py: the one-launch decoder layer)
+from .cuda import MixerSettings, mixer_step_settings  # noqa: F401
 
 __all__ = [
     "gated_delta_recurrent",

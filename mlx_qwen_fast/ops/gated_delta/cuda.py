@@ -18,7 +18,7 @@ reference layer.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, NamedTuple, Optional
 
 import mlx.core as mx
 
@@ -188,6 +188,28 @@ def _decode_step(num_k_heads: int, num_v_heads: int, norm_eps: float, out_static
 
         fn = _decode_steps[key] = mx.compile(step)
     return fn
+
+
+class MixerSettings(NamedTuple):
+    """What a one-launch mixer step (:func:`_mixer_step`) bakes in."""
+
+    num_k_heads: int
+    num_v_heads: int
+    norm_eps: float
+    n_out: int  # out_proj's arrays
+    input_norm_eps: float
+
+
+def mixer_step_settings(fn) -> Optional[MixerSettings]:
+    """The :class:`MixerSettings` of ``fn`` where it is a one-launch mixer
+    step made here (a :func:`decode_step_parts` ``fn``), else None: what a
+    layer step that runs the mixer inside a larger launch
+    (:func:`mlx_qwen_fast.kernels.gdn_layer_decode.gdn_layer_decode`)
+    needs to know."""
+    for key, f in _decode_steps.items():
+        if f is fn and key[0] == "mixer":
+            return MixerSettings(*key[1:])
+    return None
 
 
 #: ``compiled.linear_arrays``' static settings of a projection the one-launch mixer reads.

@@ -96,6 +96,8 @@ from .naive import block_map, combine, expert_swiglu, group_by_expert, route, sh
 from .checks import decode_arrays  # noqa: F401
 from .cuda import block_takes_weights, decode_plan, moe_decode, router_with_shared_gate  # noqa: F401
 from .cuda import _compiled_decode_step  # noqa: F401
+# read by the layer plans (ops/layer_plans.py: the one-launch decoder layer)
+from .cuda import BlockSettings, block_step_settings  # noqa: F401
 from .metal import metal_decode_plan, metal_prefill_plan  # noqa: F401
 
 __all__ = [

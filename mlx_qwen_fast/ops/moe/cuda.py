@@ -19,7 +19,7 @@ dispatcher (:func:`mlx_qwen_fast.ops.moe.sparse_moe`) picks them.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, NamedTuple, Optional
 
 import mlx.core as mx
 
@@ -264,6 +264,32 @@ def block_takes_weights(block) -> bool:
 
 
 _decode_steps: Dict[tuple, Callable] = {}
+
+
+class BlockSettings(NamedTuple):
+    """What a one-launch MoE block step (:func:`_compiled_decode_step` with
+    ``one_launch``) bakes in."""
+
+    top_k: int
+    normalize: bool
+    router_group_size: int
+    router_bits: int
+    n_router: int  # the router's arrays
+    shared_gate_bits: int
+    norm_eps: float  # the post-attention RMSNorm's
+
+
+def block_step_settings(fn) -> Optional[BlockSettings]:
+    """The :class:`BlockSettings` of ``fn`` where it is a one-launch MoE
+    block step made here (a :func:`mlx_qwen_fast.ops.moe.decode_step_parts`
+    ``fn``), else None: what a layer step that runs the block inside a
+    larger launch (:func:`mlx_qwen_fast.kernels.gdn_layer_decode.gdn_layer_decode`)
+    needs to know."""
+    for key, f in _decode_steps.items():
+        if f is fn and key[-2]:
+            top_k, normalize, router_static, n_router, sgb, eps = key[:6]
+            return BlockSettings(top_k, normalize, router_static[1], router_static[2], n_router, sgb, eps)
+    return None
 
 
 def _compiled_decode_step(top_k: int, normalize: bool, router_static: tuple, n_router: int,
