@@ -43,8 +43,8 @@
 // GM_M) and the block's (MBD_N = GM_M, MBD_K, MBD_E, MBD_D = GM_K, MBD_I,
 // MBD_SGB, MBD_RBITS, MBD_RGS, MBD_WT), PF_N / PF_B*.
 //
-// Prediction for the GPU: bench/results/gdn-cuda-log.md, "A Gated DeltaNet
-// decoder layer as one launch".
+// Design and prediction for the GPU: bench/results/gdn-cuda-log.md, "A Gated
+// DeltaNet decoder layer as one launch".
 #include "gdn_mixer_body.cuh"
 #include "moe_block_body.cuh"
 #include "next_prefetch.cuh"
