@@ -209,13 +209,14 @@ MOE_BLOCK_KERNEL = Switch(
     "the shared expert and the residual) as three launches instead of one persistent kernel (the one-launch "
     "block needs the fused GEMV on)")
 GDN_LAYER_KERNEL = Switch(
-    "MLX_QWEN_FAST_GDN_LAYER", "bool", True, "`0`",
+    "MLX_QWEN_FAST_GDN_LAYER", "bool", False, "`1`",
     "on CUDA, a Gated DeltaNet decoder layer's decode step runs the one-launch mixer and the one-launch MoE "
-    "block as two launches instead of one (the one-launch layer needs both of them on)")
+    "block as one launch instead of two (needs both of them on; not yet timed on a GPU)")
 L2_PREFETCH = Switch(
-    "MLX_QWEN_FAST_L2_PREFETCH", "bool", True, "`0`",
-    "on CUDA, the decode step's one-launch kernels no longer prefetch the next launch's weights into L2 (the "
-    "mixer the MoE block's router and shared expert, the MoE block the next layer's input projection)")
+    "MLX_QWEN_FAST_L2_PREFETCH", "bool", False, "`1`",
+    "on CUDA, the decode step's one-launch kernels prefetch weights into L2 ahead of their loads: their own "
+    "later phases', and the next launch's (the mixer the MoE block's router and shared expert, the MoE block "
+    "the next layer's input projection); not yet timed on a GPU")
 METAL_KERNELS = Switch(
     "MLX_QWEN_FAST_METAL", "bool", False, "`1`",
     "on Apple silicon, the package's Metal kernels run (decode: the Gated DeltaNet step, the MoE block, "

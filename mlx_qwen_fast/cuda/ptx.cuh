@@ -207,9 +207,16 @@ __device__ __forceinline__ uint4 ldg16(const void* p) {
 
 // prefetch.global.L2: the line holding p into L2; no register written, nothing to wait for (a
 // later load of the line hits L2 instead of DRAM). p must lie inside an allocation: the CPU body
-// reads its byte, so that the check's guard pages catch an address past an array.
+// reads its byte, so that the check's guard pages catch an address past an array. Build macro
+// MQF_L2_PF (default 1; 0: every prefetch_l2 of the build does nothing, the wrappers' switch
+// config.L2_PREFETCH off).
+#ifndef MQF_L2_PF
+#define MQF_L2_PF 1
+#endif
 __device__ __forceinline__ void prefetch_l2(const void* p) {
-#ifndef MQF_CPU_CHECK
+#if !MQF_L2_PF
+  (void)p;
+#elif !defined(MQF_CPU_CHECK)
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 #else
   (void)*static_cast<const volatile unsigned char*>(p);

@@ -80,6 +80,7 @@ __all__ = [
     "gpu_arch",
     "poisoning",
     "prefetch_defines",
+    "prefetch_inputs",
     "sm_count",
     "set_poison",
 ]
@@ -353,13 +354,22 @@ def _f32(x: float) -> float:
 MAX_PREFETCH = 6
 
 
+def prefetch_inputs(prefetch: Sequence) -> tuple:
+    """The prefetch arrays a kernel takes: ``prefetch``, or none where
+    :data:`mlx_qwen_fast.config.L2_PREFETCH` is off."""
+    return tuple(prefetch) if config.L2_PREFETCH.get() else ()
+
+
 def prefetch_defines(prefetch: Sequence) -> Dict[str, object]:
-    """The build macros of ``cuda/next_prefetch.cuh`` for ``prefetch`` (mx.arrays,
-    already checked: :func:`mlx_qwen_fast.kernels._checks.check_prefetch`):
-    ``PF_N`` and each array's size in bytes; none for an empty sequence."""
+    """The build macros of a kernel's L2 prefetches: ``MQF_L2_PF``
+    (``cuda/ptx.cuh``: :data:`mlx_qwen_fast.config.L2_PREFETCH`, off: no
+    prefetch in the build) and, for ``prefetch`` (mx.arrays, already
+    checked: :func:`mlx_qwen_fast.kernels._checks.check_prefetch`), those of
+    ``cuda/next_prefetch.cuh``: ``PF_N`` and each array's size in bytes."""
+    d: Dict[str, object] = {"MQF_L2_PF": int(bool(config.L2_PREFETCH.get()))}
     if not prefetch:
-        return {}
-    d: Dict[str, object] = {"PF_N": len(prefetch)}
+        return d
+    d["PF_N"] = len(prefetch)
     for i, a in enumerate(prefetch):
         d[f"PF_B{i}"] = f"{a.nbytes}ull"
     return d

@@ -140,7 +140,7 @@ def gdn_layer_decode(
                                     router_group_size, router_bits)
     if after is not None and not _checks.is_array(after):
         raise ValueError(f"{fn}: after must be an mx.array or None, got {_checks.describe(after)}")
-    prefetch = _checks.check_prefetch(fn, prefetch, cb.MAX_PREFETCH)
+    prefetch = cb.prefetch_inputs(_checks.check_prefetch(fn, prefetch, cb.MAX_PREFETCH))
     return gdn_layer_decode_unchecked(x, in_proj, params, conv_state, state, out_proj, norm_weight, router, experts,
                                       shared, expert_gate, num_k_heads, num_v_heads, mixer_eps, int(top_k),
                                       post_eps, bool(normalize), router_group_size, router_bits, after, prefetch)
@@ -159,6 +159,7 @@ def gdn_layer_decode_unchecked(x, in_proj, params, conv_state, state, out_proj, 
     E, I = wg.shape[0], wg.shape[1]
     gw, gs, gb, sgb = expert_gate
     C = (2 * Hk + Hv) * D
+    prefetch = cb.prefetch_inputs(prefetch)
     kern = _kernel(B, Hv, Hk, K, top_k, E, I, int(sgb), router_bits, router_group_size, norm_weight.dtype,
                    prefetch)
     blocks = grid_blocks(B, Hk, Hv, K, top_k, E, I, router_bits, cb.sm_count())

@@ -315,7 +315,7 @@ def gdn_mixer_decode(
         raise ValueError(f"{fn}: phase_clock must be a bool, got {phase_clock!r}")
     if after is not None and not _checks.is_array(after):
         raise ValueError(f"{fn}: after must be an mx.array or None, got {_checks.describe(after)}")
-    prefetch = _checks.check_prefetch(fn, prefetch, cb.MAX_PREFETCH)
+    prefetch = cb.prefetch_inputs(_checks.check_prefetch(fn, prefetch, cb.MAX_PREFETCH))
     blocks = grid_blocks(B, Hk, Hv, K, cb.sm_count())
     kern = _kernel(dt, Hv, Hk, K, B, phase_clock, prefetch)
     words = scratch_words(B, Hk, Hv, dt)

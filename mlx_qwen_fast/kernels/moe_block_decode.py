@@ -277,7 +277,7 @@ def moe_block_decode(
                             router_group_size, router_bits)
     if after is not None and not _checks.is_array(after):
         raise ValueError(f"{fn}: after must be an mx.array or None, got {_checks.describe(after)}")
-    prefetch = _checks.check_prefetch(fn, prefetch, cb.MAX_PREFETCH)
+    prefetch = cb.prefetch_inputs(_checks.check_prefetch(fn, prefetch, cb.MAX_PREFETCH))
     return moe_block_decode_unchecked(x, norm_weight, router, experts, shared, expert_gate, int(top_k), eps,
                              bool(normalize), router_group_size, router_bits, after=after, prefetch=prefetch)
 
@@ -297,6 +297,7 @@ def moe_block_decode_unchecked(x, norm_weight, router, experts, shared, expert_g
     E, I = wg.shape[0], wg.shape[1]
     (xwg, xsg, xbg), (xwu, xsu, xbu), (xwd, xsd, xbd) = shared
     gw, gs, gb, sgb = expert_gate
+    prefetch = cb.prefetch_inputs(prefetch)
     kern = _kernel(n, top_k, E, D, I, int(sgb), router_bits, router_group_size, norm_weight.dtype, phase_clock,
                    prefetch)
     blocks = grid_blocks(n, top_k, E, D, I, router_bits, cb.sm_count())

@@ -493,9 +493,13 @@ def test_cuda_model_step_matches_the_layer_steps(monkeypatch, env, kernel_heads,
     each of 40 teacher-forced steps (the cache crossing 256 positions), and
     it ran for every decode token (the prompt took mlx-lm's stack). With
     ``mixer`` the stack runs the one-launch GDN mixer
-    (``config.GDN_MIXER_KERNEL``) and the layer steps its three launches."""
+    (``config.GDN_MIXER_KERNEL``) inside the one-launch layer
+    (``config.GDN_LAYER_KERNEL``) with its L2 prefetches, and the layer
+    steps its three launches."""
     assert HAS_CUDA
     env.set(config.GDN_MIXER_KERNEL.name, mixer)
+    env.set(config.GDN_LAYER_KERNEL.name, mixer)  # with the mixer: the one-launch layer, its prefetches
+    env.set(config.L2_PREFETCH.name, mixer)
     ran = []
     real = decoder.decode_model
 
