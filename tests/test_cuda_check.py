@@ -100,6 +100,12 @@ def test_every_ptx_helper_has_a_cpu_body():
                                 MDG_E=512, MDG_LT="bf16_t")),
     ("moe_block_decode.cu", dict(MBD_N=4, MBD_K=8, MBD_E=256, MBD_D=2048, MBD_I=512, MBD_SGB=8, MBD_RBITS=8,
                                  MBD_RGS=64, MBD_WT="bf16_t")),
+    ("moe_block_decode.cu", dict(MBD_N=1, MBD_K=8, MBD_E=256, MBD_D=2048, MBD_I=512, MBD_SGB=8, MBD_RBITS=8,
+                                 MBD_RGS=64, MBD_WT="bf16_t", MQF_L2_PF=1, PF_N=3, PF_B0="1024ull", PF_B1=4,
+                                 PF_B2=0)),
+    ("gdn_layer_decode.cu", dict(GDN_X="bf16_t", GDN_HV=32, GDN_HK=16, GM_K=2048, GM_M=1, MBD_N=1, MBD_K=8,
+                                 MBD_E=256, MBD_D=2048, MBD_I=512, MBD_SGB=8, MBD_RBITS=8, MBD_RGS=64,
+                                 MBD_WT="bf16_t", MQF_L2_PF=1)),
     ("tests/grid_exchange.cu", {}),
     ("tests/grid_slots.cu", {}),
 ])
@@ -689,10 +695,19 @@ def _mixer(shape):
     return out
 
 
+#: GridBarriers::wait (grid_sync.cuh) with barrier b's wait left out (the slot still freed after the
+#: last): what a body without that barrier would run.
+_WAIT = "grid_wait(ctr(), base + b * BARW);"
+
+
+def _skip_wait(b: int) -> str:
+    return f"if (b != {b}) {_WAIT}"
+
+
 @pytest.mark.parametrize("what,shape,source,old,new,index", [
-    ("grid barrier 1 (proj written)", (256, 2, 4), "gdn_mixer_decode.cu", "grid_wait(ctr(), base + BARW);", ";", None),
-    ("grid barrier 2 (y written)", (256, 2, 4), "gdn_mixer_decode.cu", "grid_wait(ctr(), base + 2 * BARW);", ";", 0),
-    ("y staged for out_proj", (256, 2, 4), "gdn_mixer_decode.cu", "ldcg16(y + 8 * i);\n    __syncthreads();",
+    ("grid barrier 1 (proj written)", (256, 2, 4), "grid_sync.cuh", _WAIT, _skip_wait(1), None),
+    ("grid barrier 2 (y written)", (256, 2, 4), "grid_sync.cuh", _WAIT, _skip_wait(2), None),
+    ("y staged for out_proj", (256, 2, 4), "gdn_mixer_body.cuh", "ldcg16(y + 8 * i);\n    __syncthreads();",
      "ldcg16(y + 8 * i);", None),
     ("a tile round's partial sums read before the next round writes them (qg_tiles)", (1024, 2, 8),
      "qgemv_tile.cuh",
@@ -700,8 +715,9 @@ def _mixer(shape):
      "qg_store<Cfg, RES>(acc, out, residual, tile * 16, n_rows, g, t);\n      }", None),
 ])
 def test_planted_missing_barriers_in_the_mixer(what, shape, source, old, new, index):
-    """gdn_mixer_decode.cu (or the GEMV tiles it runs from qgemv_tile.cuh)
-    without one of its barriers: blocks read scratch that other blocks have
+    """gdn_mixer_decode.cu (its body, gdn_mixer_body.cuh; its grid barriers,
+    grid_sync.cuh; or the GEMV tiles it runs from qgemv_tile.cuh) without
+    one of its barriers: blocks read scratch that other blocks have
     not written yet, or threads shared memory that others have not written
     or still read: caught as a schedule-dependent output, or as results that
     differ from the intact kernel's."""
@@ -722,8 +738,8 @@ def test_mixer_traps_on_a_counter_it_cannot_use():
     BARW) traps rather than pass a barrier early."""
     ok = _mixer((256, 2, 4))
     assert all(not mx.isnan(o).any().item() for o in ok)
-    with cuda_check.planted("gdn_mixer_decode.cu", "v0 = ld_relaxed_u64(&s->ctr);",
-                            "v0 = ld_relaxed_u64(&s->ctr) + 1500;"):
+    claim = "v0 = ld_relaxed_u64(&grid_claim(SLOTS::table(), grid_tag())->ctr);"
+    with cuda_check.planted("grid_sync.cuh", claim, claim[:-1] + " + 1500;"):
         with pytest.raises(CudaCheckError, match=r"gdn_mixer_decode.cu .*__trap\(\) at grid_sync.cuh"):
             _mixer((256, 2, 4))
 
@@ -745,23 +761,68 @@ def _moe_block():
     return out
 
 
-@pytest.mark.parametrize("what,old,new,index", [
-    ("grid barrier 1 (logits written)", "grid_wait(ctr(), base + BARW);", ";", None),
-    ("grid barrier 2 (h and the shared gate written)", "grid_wait(ctr(), base + 2 * BARW);", ";", None),
-    ("h staged for the down tiles", "ldcg16(h + 8 * i);\n  __syncthreads();", "ldcg16(h + 8 * i);", None),
+@pytest.mark.parametrize("what,source,old,new", [
+    ("grid barrier 1 (logits written)", "grid_sync.cuh", _WAIT, _skip_wait(1)),
+    ("grid barrier 2 (h and the shared gate written)", "grid_sync.cuh", _WAIT, _skip_wait(2)),
+    ("h staged for the down tiles", "moe_block_body.cuh", "ldcg16(h + 8 * i);\n  __syncthreads();",
+     "ldcg16(h + 8 * i);"),
 ])
-def test_planted_missing_barriers_in_the_moe_block(what, old, new, index):
-    """moe_block_decode.cu without one of its barriers: blocks route from
+def test_planted_missing_barriers_in_the_moe_block(what, source, old, new):
+    """moe_block_decode.cu (its body, moe_block_body.cuh; its grid barriers,
+    grid_sync.cuh) without one of its barriers: blocks route from
     logits, or read SwiGLU rows, that other blocks have not written yet, or
     threads read staged rows others have not written: caught as a
     schedule-dependent output, as an unwritten (poisoned) output, or as
     results that differ from the intact kernel's."""
     ok = _moe_block()
     assert not mx.isnan(ok).any().item()
-    with cuda_check.planted("moe_block_decode.cu", old, new, index=index):
+    with cuda_check.planted(source, old, new):
         try:
             bad = _moe_block()
         except CudaCheckError as e:
             assert re.search(r"depends on the order|never written|poison|out-of-bounds", str(e)), str(e)
             return
     assert not mx.array_equal(bad, ok).item(), f"{what}: removed, not caught"
+
+
+def _gdn_layer():
+    """The one-launch GDN decoder layer (2 rows; mixer K 256, 2/4 heads; MoE
+    top-4 of 32 experts, I 128) on a grid of 3 blocks."""
+    from gdn_helpers import mixer_arrays
+    from moe_blocks import make_arrays, quant
+    from mlx_qwen_fast.kernels import gdn_layer_decode as gl
+    from mlx_qwen_fast.kernels import gdn_mixer_decode as gm
+
+    a = mixer_arrays(9, 2, 256, 2, 4, mx.bfloat16)
+    params = gm.mixer_params(a.conv_weight, a.A_log, a.dt_bias, a.norm_weight, a.input_norm_weight)
+    experts, shared, eg = make_arrays(E=32, D=256, I=128, seed=15)
+    router = quant((32, 256), 65, scale=3.0, bits=8)
+    nw = (1.0 + 0.2 * mx.random.normal((256,), key=mx.random.key(66))).astype(mx.bfloat16)
+    with cuda_check.simulated(sm_count=3):
+        out = gl.gdn_layer_decode(a.x, a.in_proj, params, a.conv_state, a.state, a.out_proj, nw, router, experts,
+                                  shared, eg, num_k_heads=2, num_v_heads=4, input_norm_eps=1e-6, top_k=4,
+                                  post_norm_eps=1e-6)
+        mx.eval(out)
+    return out
+
+
+@pytest.mark.parametrize("what,source,old,new", [
+    ("the join (h written by the mixer's out_proj tiles)", "grid_sync.cuh", _WAIT, _skip_wait(3)),
+    ("the block's first barrier (logits written)", "grid_sync.cuh", _WAIT, _skip_wait(4)),
+    ("the block's second barrier (SwiGLU rows written)", "grid_sync.cuh", _WAIT, _skip_wait(5)),
+])
+def test_planted_missing_barriers_in_the_gdn_layer(what, source, old, new):
+    """gdn_layer_decode.cu without the join or a barrier of its MoE block:
+    blocks read h, logits or SwiGLU rows that other blocks have not written
+    yet (caught as a schedule-dependent, unwritten or different output).
+    (The check cannot tell a non-coherent load from an L2 one: that h is
+    read through L2 only is the source's contract, not tested here.)"""
+    ok = _gdn_layer()
+    assert all(not mx.isnan(o).any().item() for o in ok)
+    with cuda_check.planted(source, old, new):
+        try:
+            bad = _gdn_layer()
+        except CudaCheckError as e:
+            assert re.search(r"depends on the order|never written|poison|out-of-bounds", str(e)), str(e)
+            return
+    assert any(not mx.array_equal(a, b).item() for a, b in zip(bad, ok)), f"{what}: planted, not caught"

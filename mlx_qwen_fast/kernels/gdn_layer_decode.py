@@ -28,7 +28,8 @@ from . import gdn_mixer_decode as gm
 from . import moe_block_decode as mb
 from .gated_delta_contract import D, KW
 
-__all__ = ["gdn_layer_decode", "gdn_layer_decode_unchecked", "grid_blocks", "scratch_words", "supports"]
+__all__ = ["gdn_layer_decode", "gdn_layer_decode_unchecked", "grid_blocks", "scratch_words", "smem_problem",
+           "supports"]
 
 _THREADS = 512
 _kernels: Dict[tuple, cb.CudaKernel] = {}
@@ -53,6 +54,25 @@ def scratch_words(B: int, Hk: int, Hv: int, K: int, top_k: int, E: int, I: int) 
     return gm.scratch_words(B, Hk, Hv, mx.bfloat16) + _round16(B * K * 2) // 4 + mb.scratch_words(B, top_k, E, I)
 
 
+def _static_smem(B: int, K: int, Hv: int, top_k: int) -> int:
+    """Static shared memory of the launch, bytes (the source's arrays: the
+    mixer's staging, reduction, GDN step and gate arrays, the routing's ids
+    and weights), plus 64 for their alignment."""
+    stage = max(B * K * 2, B * Hv * D * 2)
+    return stage + 16 * 32 * 4 * 4 + 16 * B * 4 + 4 * D * 4 + 4 * 3 * 4 + 2 * 4 + 2 * B * top_k * 4 + 64
+
+
+def smem_problem(B: int, K: int, Hv: int, top_k: int, I: int) -> Optional[str]:
+    """None when the launch's shared memory (static, :func:`_static_smem`,
+    and the MoE block's dynamic, :func:`mb.smem_bytes`) fits one block of
+    sm_90 (227 KB), else a line saying what is too large."""
+    need = _static_smem(B, K, Hv, top_k) + mb.smem_bytes(B, top_k, I)
+    if need > mb._SMEM_LIMIT:
+        return (f"the one launch needs {need} bytes of shared memory, more than {mb._SMEM_LIMIT} (rows {B}, "
+                f"hidden {K}, value heads {Hv}, top_k {top_k}, expert width I {I})")
+    return None
+
+
 def supports(x, in_proj: Sequence, out_proj: Sequence, state, norm_weight, router: Sequence, experts: Sequence,
              shared: Sequence, expert_gate: Sequence, *, num_k_heads: int, num_v_heads: int, top_k: int,
              router_group_size: int = 64, router_bits: int = 8) -> bool:
@@ -61,9 +81,11 @@ def supports(x, in_proj: Sequence, out_proj: Sequence, state, norm_weight, route
     :func:`mb.supports`). Shape checks only."""
     if not (_checks.is_array(x) and x.dtype == mx.bfloat16):
         return False
-    return gm.supports(x, in_proj, out_proj, state, num_k_heads=num_k_heads, num_v_heads=num_v_heads) and \
-        mb.supports(x, norm_weight, router, experts, shared, expert_gate, top_k=top_k,
-                    router_group_size=router_group_size, router_bits=router_bits)
+    if not (gm.supports(x, in_proj, out_proj, state, num_k_heads=num_k_heads, num_v_heads=num_v_heads)
+            and mb.supports(x, norm_weight, router, experts, shared, expert_gate, top_k=top_k,
+                            router_group_size=router_group_size, router_bits=router_bits)):
+        return False
+    return smem_problem(mb._rows(x), x.shape[-1], num_v_heads, top_k, experts[0][0].shape[1]) is None
 
 
 def _kernel(B, Hv, Hk, K, k, E, I, sgb, rbits, rgs, norm_dtype, prefetch) -> cb.CudaKernel:
@@ -136,8 +158,12 @@ def gdn_layer_decode(
     conv_state, state, mixer_eps = gm.checked_arguments(fn, x, in_proj, params, conv_state, state, out_proj,
                                                         num_k_heads, num_v_heads, input_norm_eps, norm_eps, qk_eps,
                                                         gm.GROUP_SIZE, gm.BITS)
-    post_eps = mb.checked_arguments(fn, x, norm_weight, router, experts, shared, expert_gate, top_k, post_norm_eps,
-                                    router_group_size, router_bits)
+    post_eps = _checks.check_eps(fn, "post_norm_eps", post_norm_eps)
+    mb.checked_arguments(fn, x, norm_weight, router, experts, shared, expert_gate, top_k, post_eps,
+                         router_group_size, router_bits)
+    problem = smem_problem(mb._rows(x), x.shape[-1], num_v_heads, int(top_k), experts[0][0].shape[1])
+    if problem is not None:
+        raise ValueError(f"{fn}: experts: {problem}")
     if after is not None and not _checks.is_array(after):
         raise ValueError(f"{fn}: after must be an mx.array or None, got {_checks.describe(after)}")
     prefetch = cb.prefetch_inputs(_checks.check_prefetch(fn, prefetch, cb.MAX_PREFETCH))

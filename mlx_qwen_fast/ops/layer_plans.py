@@ -317,7 +317,8 @@ def layer_entry(layer, x: mx.array, cache) -> Optional[LayerEntry]:
         # a changed scale or eps makes a new plan
         key = ("attention", tuple(x.shape), x.dtype, cache.keys.dtype, _norm_eps(layer), id(attn.rope),
                attn.scale, attn.q_norm.eps, attn.k_norm.eps, config.ATTENTION_DECODE_KERNEL.get(),
-               config.METAL_KERNELS.get(), config.DECODE_GEMV_KERNEL.get(), config.MOE_BLOCK_KERNEL.get())
+               config.METAL_KERNELS.get(), config.DECODE_GEMV_KERNEL.get(), config.MOE_BLOCK_KERNEL.get(),
+               config.L2_PREFETCH.get())
         arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _attention_plan(layer, x, cache))
     return None if plan is None else LayerEntry(key, arrays, plan)
 

@@ -208,7 +208,7 @@ def mixer_step_settings(fn) -> Optional[MixerSettings]:
     needs to know."""
     for key, f in _decode_steps.items():
         if f is fn and key[0] == "mixer":
-            return MixerSettings(*key[1:])
+            return MixerSettings(*key[1:6])
     return None
 
 
@@ -247,7 +247,9 @@ def _mixer_step(num_k_heads: int, num_v_heads: int, norm_eps: float, n_out: int,
     conv_state, state)``; ``norm_weight`` is not read (``mixer_params``
     holds it); ``prefetch``: arrays the launch prefetches into L2 for the
     launch after it (the MoE block's first weights)."""
-    key = ("mixer", int(num_k_heads), int(num_v_heads), float(norm_eps), int(n_out), float(input_norm_eps))
+    # the L2 switch chooses the kernel's build (its prefetches) while tracing: a step per value
+    key = ("mixer", int(num_k_heads), int(num_v_heads), float(norm_eps), int(n_out), float(input_norm_eps),
+           config.L2_PREFETCH.get())
     fn = _decode_steps.get(key)
     if fn is None:
 

@@ -310,8 +310,10 @@ def _compiled_decode_step(top_k: int, normalize: bool, router_static: tuple, n_r
     the launch after it (the next layer's first weights); the others ignore
     them."""
     fused = norm_eps is not None
+    # the L2 switch chooses the one-launch kernel's build (its prefetches) while tracing: a step per value
     key = (top_k, bool(normalize), router_static, n_router, shared_gate_bits, float(norm_eps) if fused else None,
-           config.DECODE_GEMV_KERNEL.get(), bool(one_launch and fused), bool(route_in_kernel))
+           config.DECODE_GEMV_KERNEL.get(), config.L2_PREFETCH.get(), bool(one_launch and fused),
+           bool(route_in_kernel))
     fn = _decode_steps.get(key)
     if fn is None and key[-2]:
         _, group_size, bits = router_static[:3]
