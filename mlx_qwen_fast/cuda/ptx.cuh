@@ -214,12 +214,10 @@ __device__ __forceinline__ uint4 ldg16(const void* p) {
 #define MQF_L2_PF 1
 #endif
 __device__ __forceinline__ void prefetch_l2(const void* p) {
-#if !MQF_L2_PF
-  (void)p;
-#elif !defined(MQF_CPU_CHECK)
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#ifndef MQF_CPU_CHECK
+  if (MQF_L2_PF) asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 #else
-  (void)*static_cast<const volatile unsigned char*>(p);
+  if (MQF_L2_PF) (void)*static_cast<const volatile unsigned char*>(p);
 #endif
 }
 // Thread i of n: the 128-byte lines at [p, p + bytes) with index i, i + n, ... (prefetch_l2).
