@@ -35,6 +35,9 @@ CUDA modules (each exposes the wrapper of the same name and ``supports``):
 - ``moe_block_decode``      a MoE block's whole decode step, 1-4 rows: RMSNorm +
                             router, routing + gate/up, down + shared expert +
                             combine + residual in one persistent launch
+- ``gdn_layer_decode``      a GDN decoder layer's whole decode step, 1-4 rows:
+                            the two kernels above (the mixer, then the MoE
+                            block) in one persistent launch
 - ``attention_decode``      gated attention for one token, head_dim 256: q/k
                             RMSNorm + RoPE, the cache write, split-K attention
                             and the output gate
