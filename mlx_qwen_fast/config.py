@@ -46,7 +46,6 @@ __all__ = [
     "GDN_MIXER_KERNEL",
     "MOE_BLOCK_KERNEL",
     "GDN_LAYER_KERNEL",
-    "L2_PREFETCH",
     "METAL_KERNELS",
     "MLX_COMPILES_AHEAD",
     "KERNEL_CACHE",
@@ -212,11 +211,6 @@ GDN_LAYER_KERNEL = Switch(
     "MLX_QWEN_FAST_GDN_LAYER", "bool", False, "`1`",
     "on CUDA, a Gated DeltaNet decoder layer's decode step runs the one-launch mixer and the one-launch MoE "
     "block as one launch instead of two (needs both of them on; not yet timed on a GPU)")
-L2_PREFETCH = Switch(
-    "MLX_QWEN_FAST_L2_PREFETCH", "bool", False, "`1`",
-    "on CUDA, the decode step's one-launch kernels prefetch weights into L2 ahead of their loads: their own "
-    "later phases', and the next launch's (the mixer the MoE block's router and shared expert, the MoE block "
-    "the next layer's input projection); not yet timed on a GPU")
 METAL_KERNELS = Switch(
     "MLX_QWEN_FAST_METAL", "bool", False, "`1`",
     "on Apple silicon, the package's Metal kernels run (decode: the Gated DeltaNet step, the MoE block, "
@@ -251,7 +245,7 @@ POISON = Switch(
 SWITCHES: Tuple[Switch, ...] = (
     FAST_PATH, MOE_PREFILL_KERNEL, MOE_DECODE_KERNEL, DECODE_LAYER_STEP, DECODE_MODEL_STEP, VERIFY_MODEL_STEP,
     ATTENTION_DECODE_KERNEL, ATTENTION_PREFILL_KERNEL, DECODE_GEMV_KERNEL, PREFILL_GEMM_KERNEL, GDN_MIXER_KERNEL, MOE_BLOCK_KERNEL,
-    GDN_LAYER_KERNEL, L2_PREFETCH, METAL_KERNELS, MLX_COMPILES_AHEAD, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
+    GDN_LAYER_KERNEL, METAL_KERNELS, MLX_COMPILES_AHEAD, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
 )
 
 

@@ -100,12 +100,9 @@ def test_every_ptx_helper_has_a_cpu_body():
                                 MDG_E=512, MDG_LT="bf16_t")),
     ("moe_block_decode.cu", dict(MBD_N=4, MBD_K=8, MBD_E=256, MBD_D=2048, MBD_I=512, MBD_SGB=8, MBD_RBITS=8,
                                  MBD_RGS=64, MBD_WT="bf16_t")),
-    ("moe_block_decode.cu", dict(MBD_N=1, MBD_K=8, MBD_E=256, MBD_D=2048, MBD_I=512, MBD_SGB=8, MBD_RBITS=8,
-                                 MBD_RGS=64, MBD_WT="bf16_t", MQF_L2_PF=1, PF_N=3, PF_B0="1024ull", PF_B1=4,
-                                 PF_B2=0)),
     ("gdn_layer_decode.cu", dict(GDN_X="bf16_t", GDN_HV=32, GDN_HK=16, GM_K=2048, GM_M=1, MBD_N=1, MBD_K=8,
                                  MBD_E=256, MBD_D=2048, MBD_I=512, MBD_SGB=8, MBD_RBITS=8, MBD_RGS=64,
-                                 MBD_WT="bf16_t", MQF_L2_PF=1)),
+                                 MBD_WT="bf16_t")),
     ("tests/grid_exchange.cu", {}),
     ("tests/grid_slots.cu", {}),
 ])

@@ -14,19 +14,15 @@
 // all resident at once, on five grid barriers of one slot (grid_sync.cuh's
 // GridBarriers): the mixer's two (1, 2); the join (3: h complete, written
 // by the mixer's out_proj tiles into scratch); the block's two (4, 5). After
-// its arrival at barrier 2 each block prefetches into L2 its share of the
-// MoE block's router and shared-expert gate/up weights (next_prefetch.cuh's
-// way), and after its arrival at the join each router block issues its
-// router tile's register loads before waiting; the block then reads h
-// through L2 only (ld.global.cg: other blocks wrote it in this launch).
-// After its arrival at barrier 5 each block prefetches the PF_N inputs (the
-// next layer's first weights) into L2.
+// its arrival at the join each router block issues its router tile's
+// register loads before waiting; the block then reads h through L2 only
+// (ld.global.cg: other blocks wrote it in this launch).
 //
 // Inputs: the mixer's (x [M, K] bf16, w_in, s_in, b_in, params, conv_state,
 // state, w_out, s_out, b_out: gdn_mixer_decode.cu's), then the MoE block's
 // after its x (norm_w: the post-attention RMSNorm weight; the router, the
 // routed and shared experts, the shared-expert gate: moe_block_decode.cu's),
-// after (any array, never read), PF_N prefetch inputs. Outputs: out [M, K]
+// after (any array, never read). Outputs: out [M, K]
 // bf16, conv_state_out, state_out, scratch uint32 [scratch_words]: the
 // mixer's scratch (proj, y), h [M, K] bf16, the block's scratch (logits,
 // SwiGLU rows, shared gate), each 16-byte aligned (gdn_layer_decode.py's
@@ -41,13 +37,12 @@
 //
 // Build macros: KNAME, the mixer's (GDN_X = bf16_t, GDN_HV, GDN_HK, GM_K,
 // GM_M) and the block's (MBD_N = GM_M, MBD_K, MBD_E, MBD_D = GM_K, MBD_I,
-// MBD_SGB, MBD_RBITS, MBD_RGS, MBD_WT), PF_N / PF_B*.
+// MBD_SGB, MBD_RBITS, MBD_RGS, MBD_WT).
 //
 // Design and prediction for the GPU: bench/results/gdn-cuda-log.md, "A Gated
 // DeltaNet decoder layer as one launch".
 #include "gdn_mixer_body.cuh"
 #include "moe_block_body.cuh"
-#include "next_prefetch.cuh"
 
 namespace {
 static_assert(BF, "the one-launch layer is bf16 only (as the MoE block)");
@@ -87,8 +82,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     const unsigned* __restrict__ xwu, const bf16_t* __restrict__ xsu, const bf16_t* __restrict__ xbu,
     const unsigned* __restrict__ xwd, const bf16_t* __restrict__ xsd, const bf16_t* __restrict__ xbd,
     const void* __restrict__ gw, const bf16_t* __restrict__ gs, const bf16_t* __restrict__ gb,
-    const void* __restrict__ after  // never read (the launch contract)
-    PF_PARAMS,                      // the next launch's weights, prefetched into L2 (next_prefetch.cuh)
+    const void* __restrict__ after,  // never read (the launch contract)
     xt* __restrict__ out,
     xt* __restrict__ conv_state_out,
     float* __restrict__ state_out,
@@ -115,22 +109,14 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
   bf16_t* const h = reinterpret_cast<bf16_t*>(scr + OFF_HL);
   GridBarriers<NBAR_L, BARW, LayerSlots> bar;  // the launch's slot: claimed by the mixer's body
 
-  // the mixer: h = x + mixer(norm(x)); after barrier 2's arrival, the block's first weights into L2
+  // the mixer: h = x + mixer(norm(x))
   const Smem sm{stage, red, ssq, qsh, ksh, vsh, ysh, gred, gate};
   mixer<xt, 0>(x, w_in, s_in, b_in, params, conv_state, state_in, w_out, s_out, b_out, h, conv_state_out,
-               state_out, scratch, eps_in, eps_qk, eps_norm, sm, bar, [&] {
-                 const int i = (int)(blockIdx.x * blockDim.x + threadIdx.x), n = (int)(gridDim.x * blockDim.x);
-                 prefetch_l2_range(wr, (unsigned long long)mbd::E * mbd::D * MBD_RBITS / 8, i, n);
-                 prefetch_l2_range(sr, (unsigned long long)mbd::E * (mbd::D / MBD_RGS) * 2, i, n);
-                 prefetch_l2_range(br, (unsigned long long)mbd::E * (mbd::D / MBD_RGS) * 2, i, n);
-                 prefetch_l2_range(xwg, (unsigned long long)mbd::I * mbd::D / 2, i, n);
-                 prefetch_l2_range(xwu, (unsigned long long)mbd::I * mbd::D / 2, i, n);
-               });
+               state_out, scratch, eps_in, eps_qk, eps_norm, sm, bar);
   bar.arrive(JOIN);  // h written (the block waits in its phase A)
 
   // the block: out = h + block(norm(h)), h read through L2
   mbd::block<JOIN, true>(h, norm_w, wr, sr, br, wg, sg, bg, wu, su, bu, wd, sd, bd, xwg, xsg, xbg, xwu, xsu, xbu, xwd,
                          xsd, xbd, gw, gs, gb, out, reinterpret_cast<unsigned*>(scr + OFF_BLOCK), normalize, eps_post,
-                         mbd::Smem{reinterpret_cast<gdn_u16 (*)[mbd::D]>(stage), red, ssq, rinds, rscores, dsm}, bar,
-                         [&] { next_prefetch(PF_ARGS); });
+                         mbd::Smem{reinterpret_cast<gdn_u16 (*)[mbd::D]>(stage), red, ssq, rinds, rscores, dsm}, bar);
 }

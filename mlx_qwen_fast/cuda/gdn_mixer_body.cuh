@@ -169,9 +169,8 @@ struct Smem {
 // activation type T (= xt) so that only the GEMVs of that type are compiled.
 // It claims the launch's barrier slot (`bar`, grid_sync.cuh's GridBarriers:
 // the mixer is a launch's first body); its two grid barriers are the
-// launch's BAR0 + 1 and BAR0 + 2;
-// prefetch_next() runs after the second one's arrival (next_prefetch.cuh).
-template <class T, unsigned BAR0, class Bar, class PF>
+// launch's BAR0 + 1 and BAR0 + 2.
+template <class T, unsigned BAR0, class Bar>
 __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* __restrict__ w_in,
                                       const T* __restrict__ s_in, const T* __restrict__ b_in,
                                       const float* __restrict__ params, const T* __restrict__ conv_state,
@@ -179,7 +178,7 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
                                       const T* __restrict__ s_out, const T* __restrict__ b_out, T* __restrict__ out,
                                       T* __restrict__ conv_state_out, float* __restrict__ state_out,
                                       unsigned* __restrict__ scratch, float eps_in, float eps_qk, float eps_norm,
-                                      const Smem& sm, Bar& bar, PF prefetch_next) {
+                                      const Smem& sm, Bar& bar) {
   T* const proj = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(scratch) + OFF_PROJ);
   T* const y = reinterpret_cast<T*>(reinterpret_cast<unsigned char*>(scratch) + OFF_Y);
   const float* const in_norm_w = params + C * KW + 2 * HV + D;
@@ -197,9 +196,6 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
     QgSB<CfgA> sb;
     if (team < TA && tile < TILES_A)  // weight loads first, as quantized_gemv.cu
       qg_load<CfgA>(A, sb, w_in, s_in, b_in, tile * 16, P, wt * CfgA::BPW, lane >> 2, lane & 3);
-    if (team < TA)  // the team's later tiles into L2 while round 0's weights arrive and xs is staged
-      for (int tl = tile + (int)gridDim.x * TA; tl < TILES_A; tl += (int)gridDim.x * TA)
-        qg_prefetch_l2<CfgA>(w_in, s_in, b_in, tl, P, tid - team * KWA * 32, KWA * 32);
     qg_stage_norm<M, HID, KWA, NT>(xs, sm.ssq, x, in_norm_w, eps_in);
     qg_tiles<CfgA, KWA, TA, TILES_A, false, true>(A, sb, xs, w_in, s_in, b_in, proj, nullptr, P, sm.red);
   } else {
@@ -216,13 +212,6 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
   if ((int)blockIdx.x < M * HV) gdn_step_state_loads(state_in, blockIdx.x, S);
   bar.wait(BAR0 + 1);
   clk.mark(2);
-  if constexpr (SameType<T, bf16_t>::value) {
-    // the block's out_proj tiles (phase C) into L2 while the GDN step runs (on M * HV blocks)
-    const int team = warp / KWC;
-    if (team < TC)
-      for (int tl = qg_tile0<TC, true>(team); tl < TILES_C; tl += (int)gridDim.x * TC)
-        qg_prefetch_l2<CfgC>(w_out, s_out, b_out, tl, HID, tid - team * KWC * 32, KWC * 32);
-  }
 
   // ---- B: the GDN step of items (b, h) ----------------------------------------------------
   for (int bh = blockIdx.x; bh < M * HV; bh += gridDim.x) {
@@ -242,7 +231,6 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
     bar.arrive(BAR0 + 2);
     if (team < TC && tile < TILES_C)  // loaded while the grid meets (after the arrival, as above)
       qg_load<CfgC>(A, sb, w_out, s_out, b_out, tile * 16, HID, wt * CfgC::BPW, lane >> 2, lane & 3);
-    prefetch_next();
     bar.wait(BAR0 + 2);
     clk.mark(4);
     gdn_u16 (*xs)[KO] = reinterpret_cast<gdn_u16 (*)[KO]>(sm.stage);
@@ -252,7 +240,6 @@ __device__ __forceinline__ void mixer(const T* __restrict__ x, const unsigned* _
     qg_tiles<CfgC, KWC, TC, TILES_C, true, true>(A, sb, xs, w_out, s_out, b_out, out, x, HID, sm.red);
   } else {
     bar.arrive(BAR0 + 2);
-    prefetch_next();
     bar.wait(BAR0 + 2);
     clk.mark(4);
     gemv_rows_f32<KO, true>(ScratchRows{y}, w_out, s_out, b_out, out, x, HID);

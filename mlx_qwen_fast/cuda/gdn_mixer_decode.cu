@@ -94,7 +94,6 @@
 // (7-9 us of host time per small custom-kernel node, bench/node_cost.py:
 // ~0.4-0.5 ms per token), less what this node's 10 inputs add.
 #include "gdn_mixer_body.cuh"
-#include "next_prefetch.cuh"
 
 namespace {
 constexpr unsigned long long NBAR = 2;  // barriers per launch
@@ -117,8 +116,7 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
     const unsigned* __restrict__ w_out,
     const xt* __restrict__ s_out,
     const xt* __restrict__ b_out,
-    const void* __restrict__ after  // never read (the launch contract)
-    PF_PARAMS,                      // the next launch's weights, prefetched into L2 (next_prefetch.cuh)
+    const void* __restrict__ after,  // never read (the launch contract)
     xt* __restrict__ out,
     xt* __restrict__ conv_state_out,
     float* __restrict__ state_out,
@@ -138,6 +136,5 @@ extern "C" __global__ void __launch_bounds__(NT) KNAME(
   const Smem sm{stage, red, ssq, qsh, ksh, vsh, ysh, gred, gate};
   GridBarriers<NBAR, BARW, MixerSlots> bar;  // the launch's slot: claimed by the body
   mixer<xt, 0>(x, w_in, s_in, b_in, params, conv_state, state_in, w_out, s_out, b_out, out, conv_state_out, state_out,
-            scratch, eps_in, eps_qk, eps_norm, sm, bar,
-               [&] { next_prefetch(PF_ARGS); });
+               scratch, eps_in, eps_qk, eps_norm, sm, bar);
 }

@@ -101,8 +101,7 @@ struct Smem {
 // path). JOIN true: a body before it wrote x in this launch and made the
 // arrival of the launch's barrier BAR0: the block waits for it after issuing
 // its router weight loads, and reads x (norm and residual) through L2 only.
-// prefetch_next() runs after the second barrier's arrival (next_prefetch.cuh).
-template <unsigned BAR0, bool JOIN, class Bar, class PF>
+template <unsigned BAR0, bool JOIN, class Bar>
 __device__ __forceinline__ void block(
     const bf16_t* __restrict__ x,
     const nwt* __restrict__ norm_w,
@@ -118,7 +117,7 @@ __device__ __forceinline__ void block(
     unsigned* __restrict__ scratch,
     int normalize,
     float eps,
-    const Smem& sm, Bar& bar, PF prefetch_next) {
+    const Smem& sm, Bar& bar) {
   gdn_u16 (*const xn)[D] = sm.xn;
   float (*const red)[32][4] = sm.red;
   float (*const ssq)[N] = sm.ssq;
@@ -201,15 +200,6 @@ __device__ __forceinline__ void block(
   } else {
     // shared item q (none past NSH): the shared expert's tile q, or the shared gate (q == RBS)
     const int q = ((int)blockIdx.x - RBLK) * TGU + team;
-    if (q < RBS) {  // the tile's gate and up rows into L2 while xn is staged (gu_dots copies them after)
-      const size_t w0 = (size_t)q * RB * (D / 8), s0 = (size_t)q * RB * (D / 64);
-      prefetch_l2_range(xwg + w0, RB * D / 2, ttid, GUW * 32);
-      prefetch_l2_range(xwu + w0, RB * D / 2, ttid, GUW * 32);
-      prefetch_l2_range(xsg + s0, RB * (D / 64) * 2, ttid, GUW * 32);
-      prefetch_l2_range(xsu + s0, RB * (D / 64) * 2, ttid, GUW * 32);
-      prefetch_l2_range(xbg + s0, RB * (D / 64) * 2, ttid, GUW * 32);
-      prefetch_l2_range(xbu + s0, RB * (D / 64) * 2, ttid, GUW * 32);
-    }
     if constexpr (JOIN) bar.wait(BAR0);
     qg_stage_norm<N, D, KWR, NT, JOIN>(xn, ssq, x, norm_w, eps);  // ends with a __syncthreads: xn staged
     gu_item(q < NSH, q == RBS, true, -1, (q % RBS) * RB);
@@ -281,7 +271,6 @@ __device__ __forceinline__ void block(
     e0 = item_expert(warp);
     load_item(R, e0, (int)blockIdx.x * RB);
   }
-  prefetch_next();
   bar.wait(BAR0 + 2);
   clk.mark(5);
 

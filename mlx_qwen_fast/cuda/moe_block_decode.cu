@@ -100,7 +100,6 @@
 // Prediction for the GPU (Qwen3.6-35B-A3B: D = 2048, E = 256, k = 8, I =
 // 512, one token; not measured): bench/results/moe-cuda-log.md.
 #include "moe_block_body.cuh"
-#include "next_prefetch.cuh"
 
 namespace {
 constexpr unsigned long long NBAR = 2;  // barriers per launch
@@ -123,8 +122,7 @@ extern "C" __global__ void __launch_bounds__(mbd::NT, 1) KNAME(
     const unsigned* __restrict__ xwu, const bf16_t* __restrict__ xsu, const bf16_t* __restrict__ xbu,
     const unsigned* __restrict__ xwd, const bf16_t* __restrict__ xsd, const bf16_t* __restrict__ xbd,
     const void* __restrict__ gw, const bf16_t* __restrict__ gs, const bf16_t* __restrict__ gb,
-    const void* __restrict__ after  // never read (the launch contract)
-    PF_PARAMS,                      // the next launch's weights, prefetched into L2 (next_prefetch.cuh)
+    const void* __restrict__ after,  // never read (the launch contract)
     bf16_t* __restrict__ out,
     unsigned* __restrict__ scratch,
     int normalize,
@@ -139,5 +137,5 @@ extern "C" __global__ void __launch_bounds__(mbd::NT, 1) KNAME(
   GridBarriers<NBAR, mbd::BARW, BlockSlots> bar;  // the launch's slot: claimed by the body
   mbd::block<0, false>(x, norm_w, wr, sr, br, wg, sg, bg, wu, su, bu, wd, sd, bd, xwg, xsg, xbg, xwu, xsu, xbu, xwd,
                        xsd, xbd, gw, gs, gb, out, scratch, normalize, eps,
-                       mbd::Smem{xn, red, ssq, rinds, rscores, dsm}, bar, [&] { next_prefetch(PF_ARGS); });
+                       mbd::Smem{xn, red, ssq, rinds, rscores, dsm}, bar);
 }

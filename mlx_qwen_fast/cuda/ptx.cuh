@@ -203,29 +203,6 @@ __device__ __forceinline__ uint4 ldg16(const void* p) {
 #endif
 }
 
-// ---- L2 prefetch ---------------------------------------------------------------------------
-
-// prefetch.global.L2: the line holding p into L2; no register written, nothing to wait for (a
-// later load of the line hits L2 instead of DRAM). p must lie inside an allocation: the CPU body
-// reads its byte, so that the check's guard pages catch an address past an array. Build macro
-// MQF_L2_PF (default 1; 0: every prefetch_l2 of the build does nothing, the wrappers' switch
-// config.L2_PREFETCH off).
-#ifndef MQF_L2_PF
-#define MQF_L2_PF 1
-#endif
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-#ifndef MQF_CPU_CHECK
-  if (MQF_L2_PF) asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-#else
-  if (MQF_L2_PF) (void)*static_cast<const volatile unsigned char*>(p);
-#endif
-}
-// Thread i of n: the 128-byte lines at [p, p + bytes) with index i, i + n, ... (prefetch_l2).
-__device__ __forceinline__ void prefetch_l2_range(const void* p, unsigned long long bytes, int i, int n) {
-  const unsigned char* c = static_cast<const unsigned char*>(p);
-  for (unsigned long long off = 128ull * (unsigned)i; off < bytes; off += 128ull * (unsigned)n) prefetch_l2(c + off);
-}
-
 // ---- asynchronous global -> shared copies (cp.async, sm_80+) ------------------------------
 
 __device__ __forceinline__ unsigned smem_addr(const void* p) {

@@ -81,18 +81,6 @@ __device__ __forceinline__ void qg_load(QgA<Cfg>& A, QgSB<Cfg>& sb, const unsign
   }
 }
 
-// Thread i of n: the weight words, scales and biases of the 16-row tile `tile` (rows past
-// n_rows left out) into L2 (prefetch_l2_range), for a qg_load of it later.
-template <class Cfg, class ST>
-__device__ __forceinline__ void qg_prefetch_l2(const unsigned* w, const ST* scales, const ST* biases, int tile,
-                                               int n_rows, int i, int n) {
-  const int r0 = tile * 16, rows = min(16, n_rows - r0);
-  if (rows <= 0) return;
-  prefetch_l2_range(w + (size_t)r0 * Cfg::WPR, (unsigned long long)rows * Cfg::WPR * 4, i, n);
-  prefetch_l2_range(scales + (size_t)r0 * Cfg::NG, (unsigned long long)rows * Cfg::NG * sizeof(ST), i, n);
-  prefetch_l2_range(biases + (size_t)r0 * Cfg::NG, (unsigned long long)rows * Cfg::NG * sizeof(ST), i, n);
-}
-
 // The warp's blocks as one fp32 mma chain into acc (c0..c3 of the m16n8 C
 // fragment: rows g, g + 8; tokens 2t, 2t + 1), 4-bit weights (quantized_gemv.cu
 // keeps its own 8-bit loop). bb: four registers of the caller for the B

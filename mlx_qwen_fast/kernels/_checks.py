@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
 
-__all__ = ["ArraySpec", "arrays_problem", "check_arrays", "check_eps", "check_prefetch", "describe", "is_array"]
+__all__ = ["ArraySpec", "arrays_problem", "check_arrays", "check_eps", "describe", "is_array"]
 
 
 def describe(value) -> str:
@@ -78,17 +78,3 @@ def check_eps(fn: str, name: str, value) -> float:
             or not 0 < value < 1):
         raise ValueError(f"{fn}: {name} must be a finite float in (0, 1), got {value!r}")
     return float(value)
-
-
-def check_prefetch(fn: str, prefetch, most: int = 6) -> tuple:
-    """``prefetch`` as a tuple if it is a tuple or list of at most ``most``
-    mx.arrays (the arrays a persistent decode kernel prefetches into L2 for
-    the launch after it: ``cuda/next_prefetch.cuh``), else ValueError naming
-    it."""
-    import mlx.core as mx
-
-    if not isinstance(prefetch, (tuple, list)) or len(prefetch) > most \
-            or not all(isinstance(a, mx.array) for a in prefetch):
-        raise ValueError(f"{fn}: prefetch must be a tuple of at most {most} mx.arrays, got "
-                         f"{describe(prefetch) if not isinstance(prefetch, (tuple, list)) else [describe(a) for a in prefetch]}")
-    return tuple(prefetch)

@@ -79,8 +79,6 @@ __all__ = [
     "dtype_macro",
     "gpu_arch",
     "poisoning",
-    "prefetch_defines",
-    "prefetch_inputs",
     "sm_count",
     "set_poison",
 ]
@@ -347,32 +345,6 @@ _NAN = float("nan")
 def _f32(x: float) -> float:
     """Nearest fp32 value of x, as a Python float (MLX rejects others)."""
     return float(np.float32(x))
-
-
-#: Arrays a persistent decode kernel prefetches into L2 for the launch after it, at most
-#: (``cuda/next_prefetch.cuh``).
-MAX_PREFETCH = 6
-
-
-def prefetch_inputs(prefetch: Sequence) -> tuple:
-    """The prefetch arrays a kernel takes: ``prefetch``, or none where
-    :data:`mlx_qwen_fast.config.L2_PREFETCH` is off."""
-    return tuple(prefetch) if config.L2_PREFETCH.get() else ()
-
-
-def prefetch_defines(prefetch: Sequence) -> Dict[str, object]:
-    """The build macros of a kernel's L2 prefetches: ``MQF_L2_PF``
-    (``cuda/ptx.cuh``: :data:`mlx_qwen_fast.config.L2_PREFETCH`, off: no
-    prefetch in the build) and, for ``prefetch`` (mx.arrays, already
-    checked: :func:`mlx_qwen_fast.kernels._checks.check_prefetch`), those of
-    ``cuda/next_prefetch.cuh``: ``PF_N`` and each array's size in bytes."""
-    d: Dict[str, object] = {"MQF_L2_PF": int(bool(config.L2_PREFETCH.get()))}
-    if not prefetch:
-        return d
-    d["PF_N"] = len(prefetch)
-    for i, a in enumerate(prefetch):
-        d[f"PF_B{i}"] = f"{a.nbytes}ull"
-    return d
 
 
 def dtype_macro(dtype) -> str:

@@ -88,13 +88,12 @@ def supports(x, in_proj: Sequence, out_proj: Sequence, state, norm_weight, route
     return smem_problem(mb._rows(x), x.shape[-1], num_v_heads, top_k, experts[0][0].shape[1]) is None
 
 
-def _kernel(B, Hv, Hk, K, k, E, I, sgb, rbits, rgs, norm_dtype, prefetch) -> cb.CudaKernel:
-    pf = cb.prefetch_defines(prefetch)
-    key = (B, Hv, Hk, K, k, E, I, sgb, rbits, rgs, norm_dtype, tuple(sorted(pf.items())))
+def _kernel(B, Hv, Hk, K, k, E, I, sgb, rbits, rgs, norm_dtype) -> cb.CudaKernel:
+    key = (B, Hv, Hk, K, k, E, I, sgb, rbits, rgs, norm_dtype)
     kern = _kernels.get(key)
     if kern is None:
         defines = dict(GDN_X="bf16_t", GDN_HV=Hv, GDN_HK=Hk, GM_K=K, GM_M=B, MBD_N=B, MBD_K=k, MBD_E=E, MBD_D=K,
-                       MBD_I=I, MBD_SGB=sgb, MBD_RBITS=rbits, MBD_RGS=rgs, MBD_WT=cb.dtype_macro(norm_dtype), **pf)
+                       MBD_I=I, MBD_SGB=sgb, MBD_RBITS=rbits, MBD_RGS=rgs, MBD_WT=cb.dtype_macro(norm_dtype))
         kern = _kernels[key] = cb.CudaKernel("gdn_layer_decode.cu", "mqf_gdn_layer", defines)
     return kern
 
@@ -123,7 +122,6 @@ def gdn_layer_decode(
     router_group_size: int = 64,
     router_bits: int = 8,
     after: Optional[mx.array] = None,
-    prefetch: Sequence[mx.array] = (),
 ):
     """A Gated DeltaNet decoder layer's decode step (mixer, then MoE block)
     for one token per row, in one launch.
@@ -140,8 +138,6 @@ def gdn_layer_decode(
         ``post_norm_eps``: that norm's eps (the block's ``norm_eps``).
       after: any array, never read: the launch runs after its writer (the
         kernels' launch contract).
-      prefetch: up to 6 arrays, never read, prefetched into L2 after the
-        last barrier's arrival (the next layer's first weights).
 
     Returns:
       (out with x's shape, bfloat16; conv_state [B, 3, C] bfloat16; state
@@ -166,15 +162,14 @@ def gdn_layer_decode(
         raise ValueError(f"{fn}: experts: {problem}")
     if after is not None and not _checks.is_array(after):
         raise ValueError(f"{fn}: after must be an mx.array or None, got {_checks.describe(after)}")
-    prefetch = cb.prefetch_inputs(_checks.check_prefetch(fn, prefetch, cb.MAX_PREFETCH))
     return gdn_layer_decode_unchecked(x, in_proj, params, conv_state, state, out_proj, norm_weight, router, experts,
                                       shared, expert_gate, num_k_heads, num_v_heads, mixer_eps, int(top_k),
-                                      post_eps, bool(normalize), router_group_size, router_bits, after, prefetch)
+                                      post_eps, bool(normalize), router_group_size, router_bits, after)
 
 
 def gdn_layer_decode_unchecked(x, in_proj, params, conv_state, state, out_proj, norm_weight, router, experts, shared,
                                expert_gate, num_k_heads, num_v_heads, mixer_eps, top_k, post_eps, normalize,
-                               router_group_size, router_bits, after=None, prefetch=()):
+                               router_group_size, router_bits, after=None):
     """:func:`gdn_layer_decode` on arguments already checked (the compiled
     decode step's entry point): ``conv_state`` and ``state`` arrays (the
     conv state in bfloat16), ``mixer_eps`` = (input_norm_eps, qk_eps,
@@ -185,14 +180,11 @@ def gdn_layer_decode_unchecked(x, in_proj, params, conv_state, state, out_proj, 
     E, I = wg.shape[0], wg.shape[1]
     gw, gs, gb, sgb = expert_gate
     C = (2 * Hk + Hv) * D
-    prefetch = cb.prefetch_inputs(prefetch)
-    kern = _kernel(B, Hv, Hk, K, top_k, E, I, int(sgb), router_bits, router_group_size, norm_weight.dtype,
-                   prefetch)
+    kern = _kernel(B, Hv, Hk, K, top_k, E, I, int(sgb), router_bits, router_group_size, norm_weight.dtype)
     blocks = grid_blocks(B, Hk, Hv, K, top_k, E, I, router_bits, cb.sm_count())
     out, new_conv, new_state, _ = kern(
         inputs=[x, *in_proj, params, conv_state, state, *out_proj, norm_weight, *router, wg, sg, bg, wu, su, bu,
-                wd, sd, bd, *shared[0], *shared[1], *shared[2], gw, gs, gb, x if after is None else after,
-                *prefetch],
+                wd, sd, bd, *shared[0], *shared[1], *shared[2], gw, gs, gb, x if after is None else after],
         output_shapes=[tuple(x.shape), (B, KW - 1, C), (B, Hv, D, D),
                        (scratch_words(B, Hk, Hv, K, top_k, E, I),)],
         output_dtypes=[mx.bfloat16, mx.bfloat16, mx.float32, mx.uint32],

@@ -165,12 +165,11 @@ def supports(x, in_proj: Sequence, out_proj: Sequence, state=None, *, num_k_head
     return _problem(x, in_proj, None, None, state, out_proj, num_k_heads, num_v_heads, group_size, bits) is None
 
 
-def _kernel(x_dtype, Hv: int, Hk: int, K: int, B: int, phase_clock: bool = False, prefetch=()) -> cb.CudaKernel:
-    pf = cb.prefetch_defines(prefetch)
-    key = (x_dtype, Hv, Hk, K, B, phase_clock, tuple(sorted(pf.items())))
+def _kernel(x_dtype, Hv: int, Hk: int, K: int, B: int, phase_clock: bool = False) -> cb.CudaKernel:
+    key = (x_dtype, Hv, Hk, K, B, phase_clock)
     kern = _kernels.get(key)
     if kern is None:
-        defines = dict(GDN_X=cb.dtype_macro(x_dtype), GDN_HV=Hv, GDN_HK=Hk, GM_K=K, GM_M=B, **pf)
+        defines = dict(GDN_X=cb.dtype_macro(x_dtype), GDN_HV=Hv, GDN_HK=Hk, GM_K=K, GM_M=B)
         if phase_clock:
             defines["MQF_PHASE_CLOCK"] = 1
         kern = _kernels[key] = cb.CudaKernel("gdn_mixer_decode.cu", "mqf_gdn_mixer", defines)
@@ -256,7 +255,6 @@ def gdn_mixer_decode(
     bits: int = BITS,
     phase_clock: bool = False,
     after: Optional[mx.array] = None,
-    prefetch: Sequence[mx.array] = (),
 ):
     """``x + mixer(rms_norm(x))`` of a Gated DeltaNet decoder layer for one
     token per row, and the layer's new conv and recurrent states, in one
@@ -289,10 +287,6 @@ def gdn_mixer_decode(
         slot of its own (the source's launch contract); pass an output of
         the launch that should come first to keep two in order. None: no
         such input.
-      prefetch: up to 6 arrays, never read: their bytes are prefetched into
-        L2 (``cuda/next_prefetch.cuh``) after the second barrier's arrival,
-        for the launch after this one (the decode step passes the MoE
-        block's router and shared-expert weights); no result changes.
 
     Returns:
       (out with x's shape and dtype, conv_state [B, 3, C] in x's dtype,
@@ -315,13 +309,12 @@ def gdn_mixer_decode(
         raise ValueError(f"{fn}: phase_clock must be a bool, got {phase_clock!r}")
     if after is not None and not _checks.is_array(after):
         raise ValueError(f"{fn}: after must be an mx.array or None, got {_checks.describe(after)}")
-    prefetch = cb.prefetch_inputs(_checks.check_prefetch(fn, prefetch, cb.MAX_PREFETCH))
     blocks = grid_blocks(B, Hk, Hv, K, cb.sm_count())
-    kern = _kernel(dt, Hv, Hk, K, B, phase_clock, prefetch)
+    kern = _kernel(dt, Hv, Hk, K, B, phase_clock)
     words = scratch_words(B, Hk, Hv, dt)
     clock_words = blocks * _PC_SLOTS * 2 if phase_clock else 0
     out, new_conv, new_state, scratch = kern(
-        [x, *in_proj, params, conv_state, state, *out_proj, x if after is None else after, *prefetch],
+        [x, *in_proj, params, conv_state, state, *out_proj, x if after is None else after],
         [tuple(x.shape), (B, KW - 1, C), (B, Hv, D, D), (words + clock_words,)],
         [dt, dt, mx.float32, mx.uint32], (blocks * _THREADS, 1, 1), (_THREADS, 1, 1), eps,
     )

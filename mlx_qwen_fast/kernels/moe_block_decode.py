@@ -178,13 +178,12 @@ def supports(x, norm_weight, router: Sequence, experts: Sequence, shared: Sequen
         return False
 
 
-def _kernel(n, k, E, D, I, sgb, rbits, rgs, norm_dtype, phase_clock=False, prefetch=()) -> cb.CudaKernel:
-    pf = cb.prefetch_defines(prefetch)
-    key = (n, k, E, D, I, sgb, rbits, rgs, norm_dtype, phase_clock, tuple(sorted(pf.items())))
+def _kernel(n, k, E, D, I, sgb, rbits, rgs, norm_dtype, phase_clock=False) -> cb.CudaKernel:
+    key = (n, k, E, D, I, sgb, rbits, rgs, norm_dtype, phase_clock)
     kern = _kernels.get(key)
     if kern is None:
         defines = dict(MBD_N=n, MBD_K=k, MBD_E=E, MBD_D=D, MBD_I=I, MBD_SGB=sgb, MBD_RBITS=rbits, MBD_RGS=rgs,
-                       MBD_WT=cb.dtype_macro(norm_dtype), **pf)
+                       MBD_WT=cb.dtype_macro(norm_dtype))
         if phase_clock:
             defines["MQF_PHASE_CLOCK"] = 1
         kern = _kernels[key] = cb.CudaKernel("moe_block_decode.cu", "mqf_moe_block", defines)
@@ -229,7 +228,6 @@ def moe_block_decode(
     router_group_size: int = 64,
     router_bits: int = 8,
     after: Optional[mx.array] = None,
-    prefetch: Sequence[mx.array] = (),
 ) -> mx.array:
     """``x + block(rms_norm(x))`` of a quantised Qwen3-Next MoE block for one
     token per row, in one launch.
@@ -258,10 +256,6 @@ def moe_block_decode(
         slot of its own (the source's launch contract); pass an output of
         the launch that should come first to keep two in order. None: no
         such input.
-      prefetch: up to 6 arrays, never read: their bytes are prefetched into
-        L2 (``cuda/next_prefetch.cuh``) after the second barrier's arrival,
-        for the launch after this one (the decode step passes the next
-        layer's input projection); no result changes.
 
     Returns:
       x's shape, bfloat16: ``quantized_gemv`` (norm, router) then
@@ -277,34 +271,30 @@ def moe_block_decode(
                             router_group_size, router_bits)
     if after is not None and not _checks.is_array(after):
         raise ValueError(f"{fn}: after must be an mx.array or None, got {_checks.describe(after)}")
-    prefetch = cb.prefetch_inputs(_checks.check_prefetch(fn, prefetch, cb.MAX_PREFETCH))
     return moe_block_decode_unchecked(x, norm_weight, router, experts, shared, expert_gate, int(top_k), eps,
-                             bool(normalize), router_group_size, router_bits, after=after, prefetch=prefetch)
+                             bool(normalize), router_group_size, router_bits, after=after)
 
 
 def moe_block_decode_unchecked(x, norm_weight, router, experts, shared, expert_gate, top_k, eps, normalize,
-                      router_group_size, router_bits, return_scratch=False, phase_clock=False, after=None,
-                      prefetch=()):
+                      router_group_size, router_bits, return_scratch=False, phase_clock=False, after=None):
     """:func:`moe_block_decode` on arguments already checked (the compiled
     decode step's entry point); ``return_scratch``: also the scratch output
     (tests read the phases' intermediates from it); ``phase_clock``: the
     diagnostic build (``cuda/phase_clock.cuh``), returning ``(out, clocks
     int64 [blocks, 8])``: each block's SM cycles from mark 0 at the
     :data:`PHASE_MARKS` (-1 past them), for bench/profile_kernels.py phases;
-    ``after``, ``prefetch``: as :func:`moe_block_decode`'s (None: x)."""
+    ``after``: as :func:`moe_block_decode`'s (None: x)."""
     n, D = _rows(x), x.shape[-1]
     (wg, sg, bg), (wu, su, bu), (wd, sd, bd) = experts
     E, I = wg.shape[0], wg.shape[1]
     (xwg, xsg, xbg), (xwu, xsu, xbu), (xwd, xsd, xbd) = shared
     gw, gs, gb, sgb = expert_gate
-    prefetch = cb.prefetch_inputs(prefetch)
-    kern = _kernel(n, top_k, E, D, I, int(sgb), router_bits, router_group_size, norm_weight.dtype, phase_clock,
-                   prefetch)
+    kern = _kernel(n, top_k, E, D, I, int(sgb), router_bits, router_group_size, norm_weight.dtype, phase_clock)
     blocks = grid_blocks(n, top_k, E, D, I, router_bits, cb.sm_count())
     words = scratch_words(n, top_k, E, I)
     out, scratch = kern(
         inputs=[x, norm_weight, *router, wg, sg, bg, wu, su, bu, wd, sd, bd, xwg, xsg, xbg, xwu, xsu, xbu,
-                xwd, xsd, xbd, gw, gs, gb, x if after is None else after, *prefetch],
+                xwd, xsd, xbd, gw, gs, gb, x if after is None else after],
         output_shapes=[tuple(x.shape), (words + (blocks * _PC_SLOTS * 2 if phase_clock else 0),)],
         output_dtypes=[mx.bfloat16, mx.uint32],
         grid=(blocks * _THREADS, 1, 1),

@@ -106,15 +106,6 @@ def _prefixed(prefix: str, paths) -> Tuple[Tuple[str, ...], ...]:
     return tuple((prefix,) + tuple(p) for p in paths)
 
 
-def _moe_head(m_paths) -> Tuple[int, ...]:
-    """Positions, in the MoE step's arrays, of what its first launch streams
-    before the routing decides the experts: the router's arrays and the
-    shared expert's gate and up weights (the paths of
-    :func:`mlx_qwen_fast.ops.moe.decode_step_parts`, prefixed ``mlp``)."""
-    shared = (("mlp", "shared_expert", "gate_proj", "weight"), ("mlp", "shared_expert", "up_proj", "weight"))
-    return tuple(i for i, p in enumerate(m_paths) if p[:2] == ("mlp", "gate") or p in shared)[:6]
-
-
 def _moe_parts(layer, x):
     """``(paths under the layer, compiled MoE step)`` or None; the step takes
     ``(h, post_attention_layernorm weight, *arrays)`` and returns
@@ -139,9 +130,6 @@ class LinearStepPlan(NamedTuple):
     n_in: int
     #: ``fn`` before ``mx.compile`` (traced inside the whole-stack step)
     raw: Callable
-    #: positions, in the step's arrays (``arrays[:n_in] + extra``), of the weights its first launch
-    #: streams (the concatenated input projection): what the launch before it prefetches into L2
-    head: Tuple[int, ...] = ()
 
 
 class AttentionStepPlan(NamedTuple):
@@ -166,8 +154,6 @@ class AttentionStepPlan(NamedTuple):
     head_dim: int
     #: ``fn`` before ``mx.compile`` (traced inside the whole-stack step)
     raw: Callable
-    #: as :class:`LinearStepPlan`'s (the concatenated q|k|v projection)
-    head: Tuple[int, ...] = ()
 
 
 LayerStepPlan = Union[LinearStepPlan, AttentionStepPlan]
@@ -185,15 +171,13 @@ def _linear_plan(layer, x, cache):
     m_paths, m_fn = moe
     eps = _norm_eps(layer)
     n_m = len(m_paths)
-    # the mixer prefetches what the MoE step streams first (config.L2_PREFETCH, read while tracing)
-    m_head = _moe_head(m_paths) if config.L2_PREFETCH.get() else ()
     mix, blk = gated_delta_ops.mixer_step_settings(g_fn), moe_ops.block_step_settings(m_fn)
     one_launch = config.GDN_LAYER_KERNEL.get() and mix is not None and blk is not None
-    key = ("linear", g_fn, m_fn, eps, g_used, n_m, len(g_extra), m_head, one_launch)
+    key = ("linear", g_fn, m_fn, eps, g_used, n_m, len(g_extra), one_launch)
     fn = _steps.get(key)
     if fn is None and one_launch:
 
-        def step(x, conv_state, state, *flat, prefetch=()):  # flat: norms, out_proj, MoE arrays, params, in_proj
+        def step(x, conv_state, state, *flat):  # flat: norms, out_proj, MoE arrays, params, in_proj
             m = flat[2 + g_used:2 + g_used + n_m]
             ge = flat[2 + g_used + n_m:]
             r = blk.n_router
@@ -203,29 +187,24 @@ def _linear_plan(layer, x, cache):
                 (m[r + 18], m[r + 19], m[r + 20], blk.shared_gate_bits), num_k_heads=mix.num_k_heads,
                 num_v_heads=mix.num_v_heads, input_norm_eps=mix.input_norm_eps, norm_eps=mix.norm_eps,
                 top_k=blk.top_k, post_norm_eps=blk.norm_eps, normalize=blk.normalize,
-                router_group_size=blk.router_group_size, router_bits=blk.router_bits, after=_launch_order.take(),
-                prefetch=tuple(prefetch))
+                router_group_size=blk.router_group_size, router_bits=blk.router_bits, after=_launch_order.take())
 
         fn = _steps[key] = (mx.compile(step), step)
     if fn is None:
 
-        def step(x, conv_state, state, *flat, prefetch=()):  # flat: norms, GDN arrays read, MoE arrays, GDN extra
+        def step(x, conv_state, state, *flat):  # flat: norms, GDN arrays read, MoE arrays, GDN extra
             n1, n2 = flat[0], flat[1]
             g = flat[2:2 + g_used]
             m = flat[2 + g_used:2 + g_used + n_m]
             ge = flat[2 + g_used + n_m:]
-            h, conv_state, state = g_fn(x, conv_state, state, n1, *g, *ge,
-                                        prefetch=tuple(m[i] for i in m_head))  # x + mixer(norm(x))
-            return m_fn(h, n2, *m, prefetch=tuple(prefetch)), conv_state, state  # h + mlp(norm(h))
+            h, conv_state, state = g_fn(x, conv_state, state, n1, *g, *ge)  # x + mixer(norm(x))
+            return m_fn(h, n2, *m), conv_state, state  # h + mlp(norm(h))
 
         fn = _steps[key] = (mx.compile(step), step)
     # the arrays the step reads first; the rest only decide whether the plan still holds
     g_paths = _prefixed("linear_attn", g_paths)
     paths = _NORMS + g_paths[:g_used] + m_paths + g_paths[g_used:]
-    n_in = 2 + g_used + n_m
-    # g_extra: the packed constants, then the concatenated input projection (its first launch's weights)
-    head = tuple(range(n_in + 1, n_in + len(g_extra)))[:3]
-    return paths, LinearStepPlan("linear", fn[0], g_extra, n_in, fn[1], head)
+    return paths, LinearStepPlan("linear", fn[0], g_extra, 2 + g_used + n_m, fn[1])
 
 
 def _attention_plan(layer, x, cache):
@@ -248,7 +227,7 @@ def _attention_plan(layer, x, cache):
     fn = _steps.get(key)
     if fn is None:
 
-        def step(x, keys, values, offset, *flat, prefetch=()):  # flat: norms, q/k norms, o_proj, MoE, q|k|v
+        def step(x, keys, values, offset, *flat):  # flat: norms, q/k norms, o_proj, MoE arrays, q|k|v
             n1, n2 = flat[0], flat[1]
             qn_w, kn_w = flat[2], flat[3]
             o = flat[4:4 + n_o]
@@ -261,15 +240,13 @@ def _attention_plan(layer, x, cache):
                 return h, keys, values, rows
             if m_fn is None:
                 return h, keys, values
-            return m_fn(h, n2, *m, prefetch=tuple(prefetch)), keys, values
+            return m_fn(h, n2, *m), keys, values
 
         fn = _steps[key] = (mx.compile(step), step)
     a_paths = _prefixed("self_attn", a_paths)
     paths = _NORMS + a_paths[:n_read] + m_paths + a_paths[n_read:]
-    n_in = 2 + n_read + n_m
-    return paths, AttentionStepPlan("attention", fn[0], a_extra, n_in, m_fn is not None, normed,
-                                    a_static.num_kv_heads, a_static.head_dim, fn[1],
-                                    tuple(range(n_in, n_in + len(a_extra)))[:3])
+    return paths, AttentionStepPlan("attention", fn[0], a_extra, 2 + n_read + n_m, m_fn is not None,
+                                    normed, a_static.num_kv_heads, a_static.head_dim, fn[1])
 
 
 def _add_norm(x, y, weight, eps):
@@ -307,7 +284,7 @@ def layer_entry(layer, x: mx.array, cache) -> Optional[LayerEntry]:
             return None
         key = ("linear", tuple(x.shape), x.dtype, cache[0].dtype, cache[1].dtype, _norm_eps(layer),
                config.DECODE_GEMV_KERNEL.get(), config.GDN_MIXER_KERNEL.get(), config.MOE_BLOCK_KERNEL.get(),
-               config.L2_PREFETCH.get(), config.GDN_LAYER_KERNEL.get())
+               config.GDN_LAYER_KERNEL.get())
         arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _linear_plan(layer, x, cache))
     else:
         if type(cache) is not kv_buffers.kv_cache_type() or cache.keys is None:
@@ -317,8 +294,7 @@ def layer_entry(layer, x: mx.array, cache) -> Optional[LayerEntry]:
         # a changed scale or eps makes a new plan
         key = ("attention", tuple(x.shape), x.dtype, cache.keys.dtype, _norm_eps(layer), id(attn.rope),
                attn.scale, attn.q_norm.eps, attn.k_norm.eps, config.ATTENTION_DECODE_KERNEL.get(),
-               config.METAL_KERNELS.get(), config.DECODE_GEMV_KERNEL.get(), config.MOE_BLOCK_KERNEL.get(),
-               config.L2_PREFETCH.get())
+               config.METAL_KERNELS.get(), config.DECODE_GEMV_KERNEL.get(), config.MOE_BLOCK_KERNEL.get())
         arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _attention_plan(layer, x, cache))
     return None if plan is None else LayerEntry(key, arrays, plan)
 

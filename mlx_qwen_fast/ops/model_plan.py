@@ -33,13 +33,9 @@ def _model_step(layout: tuple, norm_eps: float, arrays: tuple) -> Callable:
     -> (rms_norm(layers(h)), *new states)``; ``prev`` the previous call's
     output (or ``h``), the first grid-barrier launch's ``after`` input
     (:mod:`mlx_qwen_fast.ops._launch_order`); ``layout`` = per layer (kind, raw
-    layer step, number of its arrays, positions among them of its first
-    launch's weights), ``states`` = per layer its states (GDN: conv state,
-    recurrent state; attention: keys, values, offset), ``arrays`` = per
-    layer its arrays, then the final norm's weight. Each layer's step gets
-    the next layer's first-launch weights as ``prefetch`` (its last launch
-    prefetches them into L2: :data:`mlx_qwen_fast.config.L2_PREFETCH`; the
-    layouts then carry them, else none).
+    layer step, number of its arrays), ``states`` = per layer its states
+    (GDN: conv state, recurrent state; attention: keys, values, offset),
+    ``arrays`` = per layer its arrays, then the final norm's weight.
 
     The arrays are constants of the trace (captured, not inputs): a token's
     call passes only the ~100 states instead of ~1,400 arrays more (MLX
@@ -48,18 +44,12 @@ def _model_step(layout: tuple, norm_eps: float, arrays: tuple) -> Callable:
     object (:meth:`_ModelPlan.holds`); another array makes another plan and
     another step. One trace per input signature (the KV buffers' capacity
     among it)."""
-    starts = [0]
-    for _, _, n_args, _ in layout:
-        starts.append(starts[-1] + n_args)
-    # layer i's prefetch: layer i + 1's first-launch weights (none after the last layer)
-    nexts = [tuple(arrays[starts[i + 1] + j] for j in layout[i + 1][3]) for i in range(len(layout) - 1)] + [()]
-
     def step(h, prev, *states_in):
         s, a, states = 0, 0, []
         with _launch_order.first_launch_after(prev):  # the previous call's output: see _launch_order
-            for (kind, raw, n_args, _), pf in zip(layout, nexts):
+            for kind, raw, n_args in layout:
                 k = 2 if kind == "linear" else 3
-                h, *new = raw(h, *states_in[s:s + k], *arrays[a:a + n_args], prefetch=pf)
+                h, *new = raw(h, *states_in[s:s + k], *arrays[a:a + n_args])
                 states.extend(new)
                 s += k
                 a += n_args
@@ -161,8 +151,7 @@ def _model_sig(h: mx.array) -> tuple:
     """What a model plan bakes in besides the layers' plans: the input's
     shape and dtype, the switches the traces read."""
     return (tuple(h.shape), h.dtype, config.DECODE_GEMV_KERNEL.get(), config.ATTENTION_DECODE_KERNEL.get(),
-            config.GDN_MIXER_KERNEL.get(), config.MOE_BLOCK_KERNEL.get(), config.L2_PREFETCH.get(),
-            config.GDN_LAYER_KERNEL.get())
+            config.GDN_MIXER_KERNEL.get(), config.MOE_BLOCK_KERNEL.get(), config.GDN_LAYER_KERNEL.get())
 
 
 def _plan_model(model, h: mx.array, cache, kept: Optional[Dict[tuple, Callable]] = None) -> Optional[_ModelPlan]:
@@ -198,8 +187,7 @@ def _plan_model(model, h: mx.array, cache, kept: Optional[Dict[tuple, Callable]]
         linear.append(plan.kind == "linear")
         arrays += objs[:plan.n_in]
         arrays += plan.extra
-        layout.append((plan.kind, plan.raw, plan.n_in + len(plan.extra),
-                       plan.head if config.L2_PREFETCH.get() else ()))
+        layout.append((plan.kind, plan.raw, plan.n_in + len(plan.extra)))
     arrays.append(model.norm.weight)
     mp = _ModelPlan()
     mp.sig = _model_sig(h)

@@ -29,7 +29,6 @@ import pytest
 from compare import finite
 from launches_at_once import check_launches_at_once
 from moe_blocks import make_arrays, quant
-from mlx_qwen_fast import config
 from mlx_qwen_fast.kernels import _cuda_build as cb
 from mlx_qwen_fast.kernels import moe_block_decode as mb
 from mlx_qwen_fast.kernels import moe_decode_gemv as md
@@ -154,9 +153,6 @@ def test_bad_input_names_the_argument(no_launch):
         (dict(norm_eps=0.0), "norm_eps"),
         (dict(norm_eps=float("nan")), "norm_eps"),
         (dict(after=[1.0]), "after"),
-        (dict(prefetch=[x] * 7), "prefetch"),
-        (dict(prefetch=(x, [1.0])), "prefetch"),
-        (dict(prefetch=x), "prefetch"),
     ]:
         with pytest.raises(ValueError, match=name):
             call(**over)
@@ -259,29 +255,6 @@ def test_after_input_is_not_read(monkeypatch):
     router, experts, shared, eg, nw = w
     want = mb.moe_block_decode(x, nw, router, experts, shared, eg, top_k=4, norm_eps=EPS)
     got = mb.moe_block_decode(x, nw, router, experts, shared, eg, top_k=4, norm_eps=EPS, after=mx.arange(7))
-    assert finite(got) and mx.array_equal(got, want).item()
-
-
-@pytest.mark.cuda
-@pytest.mark.cpu_check("moe_block_decode.cu")
-@pytest.mark.usefixtures("poison")
-@pytest.mark.parametrize("sizes", [(1,), (200, 0, 4099), (128, 129, 1000, 3, 64 * 1024 + 5, 7)])
-def test_prefetch_inputs_change_no_bit(monkeypatch, env, sizes):
-    """With config.L2_PREFETCH the build prefetches the shared expert's
-    tiles and the arrays given to prefetch (the next launch's weights) into
-    L2: sizes that are not whole 128-byte lines, an empty array and six of
-    them leave the output's bits as the build without prefetches gives
-    them (the CUDA check reads each prefetched line, so a line past an
-    array fails it)."""
-    monkeypatch.setattr(cb, "sm_count", lambda: 3)
-    w = _weights(32, 256, 128, 8, 8, 5)
-    x = _x(2, 256, 7)
-    router, experts, shared, eg, nw = w
-    pf = tuple(mx.full((n,), i, mx.uint8) for i, n in enumerate(sizes))
-    env.set(config.L2_PREFETCH.name, "0")
-    want = mb.moe_block_decode(x, nw, router, experts, shared, eg, top_k=4, norm_eps=EPS)
-    env.set(config.L2_PREFETCH.name, "1")
-    got = mb.moe_block_decode(x, nw, router, experts, shared, eg, top_k=4, norm_eps=EPS, prefetch=pf)
     assert finite(got) and mx.array_equal(got, want).item()
 
 

@@ -318,16 +318,14 @@ def test_linear_layer_step_composes_its_parts(monkeypatch):
         made.append("gdn")
         eps_seen.append(input_norm_eps)
 
-        def fn(x, cs, st, n1, a_log, dt_bias, e, prefetch=()):  # x + mixer(rms_norm(x)), the layer's eps
-            assert prefetch == ()  # the stand-in MoE step's paths hold no router or shared gate/up weight
+        def fn(x, cs, st, n1, a_log, dt_bias, e):  # x + mixer(rms_norm(x)) with the layer's own eps
             return x + mx.fast.rms_norm(x, n1, input_norm_eps) * a_log.sum() + dt_bias.sum() + e, cs + 1, st * 0.5
 
         return (("A_log",), ("dt_bias",), ("norm", "weight")), fn, 2, (mx.array(3.0),)
 
     def moe_parts(block, x, norm_eps):
         eps_seen.append(norm_eps)
-        return (("shared_expert_gate", "weight"),), \
-            lambda h, n2, w, prefetch=(): h + 3 * mx.fast.rms_norm(h, n2, norm_eps) + 0 * w.sum()
+        return (("shared_expert_gate", "weight"),), lambda h, n2, w: h + 3 * mx.fast.rms_norm(h, n2, norm_eps) + 0 * w.sum()
 
     monkeypatch.setattr(dec.gated_delta_ops, "decode_step_parts", gdn_parts)
     monkeypatch.setattr(dec.moe_ops, "decode_step_parts", moe_parts)
@@ -494,12 +492,10 @@ def test_cuda_model_step_matches_the_layer_steps(monkeypatch, env, kernel_heads,
     it ran for every decode token (the prompt took mlx-lm's stack). With
     ``mixer`` the stack runs the one-launch GDN mixer
     (``config.GDN_MIXER_KERNEL``) inside the one-launch layer
-    (``config.GDN_LAYER_KERNEL``) with its L2 prefetches, and the layer
-    steps its three launches."""
+    (``config.GDN_LAYER_KERNEL``), and the layer steps its three launches."""
     assert HAS_CUDA
     env.set(config.GDN_MIXER_KERNEL.name, mixer)
-    env.set(config.GDN_LAYER_KERNEL.name, mixer)  # with the mixer: the one-launch layer, its prefetches
-    env.set(config.L2_PREFETCH.name, mixer)
+    env.set(config.GDN_LAYER_KERNEL.name, mixer)  # with the mixer: the one-launch layer
     ran = []
     real = decoder.decode_model
 
@@ -523,13 +519,10 @@ def test_cuda_model_step_matches_the_layer_steps(monkeypatch, env, kernel_heads,
         assert x.shape == y.shape and x.dtype == y.dtype
 
 
-def _stand_in_parts(monkeypatch, prefetched=None):
+def _stand_in_parts(monkeypatch):
     """Stand-ins for the CUDA-only GDN and MoE decode steps, so that every
     layer takes its whole compiled step on the CPU; returns the list of
-    the GDN plans made. Each GDN plan's extra arrays are a constant and
-    three "input projection" arrays of its own (the step's head); with a
-    list ``prefetched``, each traced call appends ``(part, the prefetch
-    arrays it got)``."""
+    the GDN plans made."""
     from mlx_qwen_fast.ops import decoder as dec
 
     made = []
@@ -537,19 +530,14 @@ def _stand_in_parts(monkeypatch, prefetched=None):
     def gdn_parts(layer, x, cache, input_norm_eps, input_norm_weight=None):
         made.append("gdn")
 
-        def fn(x, cs, st, n1, a_log, dt_bias, e, p0, p1, p2, prefetch=()):
-            if prefetched is not None:
-                prefetched.append(("gdn", prefetch))
+        def fn(x, cs, st, n1, a_log, dt_bias, e):
             y = mx.fast.rms_norm(x, n1, input_norm_eps) * a_log.sum() + dt_bias.sum() * st.mean() + e
-            return x + y + 0 * (p0.sum() + p1.sum() + p2.sum()), cs * 0.5 + x.sum(), st * 0.9 + cs.mean()
+            return x + y, cs * 0.5 + x.sum(), st * 0.9 + cs.mean()
 
-        head = tuple(mx.full((k,), 0.5) for k in (3, 4, 5))  # three distinct arrays per plan
-        return (("A_log",), ("dt_bias",), ("norm", "weight")), fn, 2, (mx.array(0.25),) + head
+        return (("A_log",), ("dt_bias",), ("norm", "weight")), fn, 2, (mx.array(0.25),)
 
     def moe_parts(block, x, norm_eps):
-        def fn(h, n2, w, prefetch=()):
-            if prefetched is not None:
-                prefetched.append(("moe", prefetch))
+        def fn(h, n2, w):
             return h + mx.tanh(mx.fast.rms_norm(h, n2, norm_eps) * (1.0 + w.mean()))
 
         return (("shared_expert_gate", "scales"),), fn  # a float array of the (quantised) gate
@@ -557,32 +545,6 @@ def _stand_in_parts(monkeypatch, prefetched=None):
     monkeypatch.setattr(dec.gated_delta_ops, "decode_step_parts", gdn_parts)
     monkeypatch.setattr(dec.moe_ops, "decode_step_parts", moe_parts)
     return made
-
-
-@pytest.mark.parametrize("on", ["1", "0"])
-def test_model_step_passes_the_next_layers_head_to_prefetch(monkeypatch, env, on):
-    """With config.L2_PREFETCH (traced into the plans), each layer's MoE
-    step gets the next layer's first-launch weights as ``prefetch`` (a GDN
-    layer: its input projection, the last three extra arrays; an attention
-    layer: its concatenated q|k|v arrays), the last layer's none; the mixer
-    gets the MoE step's router and shared gate/up weights (none among the
-    stand-in's paths). Off: no layer gets any."""
-    env.set(config.L2_PREFETCH.name, on)
-    got = []
-    _stand_in_parts(monkeypatch, got)
-    _, fast = _models(seed=53)
-    cache = _prefilled(fast, mx.array([[4, 9, 2]]))
-    mx.eval(fast(mx.array([[8]]), cache=cache))
-    mp = fast.model.__dict__[model_plan._PLAN_ATTR]
-    entries = [layer_plans.layer_entry(l, mx.zeros((1, 1, 256)), c) for l, c in zip(fast.model.layers, cache)]
-    heads = [tuple(e.plan.extra[1:] if e.plan.kind == "linear" else e.plan.extra[:3]) for e in entries]
-    moe = [pf for part, pf in got if part == "moe"]
-    assert len(moe) == len(fast.model.layers)  # one trace of the model step
-    assert all(pf == () for part, pf in got if part == "gdn")
-    for i, pf in enumerate(moe):
-        want = heads[i + 1] if on == "1" and i + 1 < len(heads) else ()
-        assert len(pf) == len(want) and all(a is b for a, b in zip(pf, want)), f"layer {i}"
-    assert mp.fn is not None
 
 
 def _prefilled(model, prompt, make_cache=make_prompt_cache):
@@ -824,11 +786,11 @@ def test_model_step_orders_its_first_grid_launch_after_the_previous_call(monkeyp
 
     def gdn_taking(*a, **k):
         paths, fn, used, extra = gdn_parts(*a, **k)
-        return paths, (lambda *x, **kw: taken.append(_launch_order.take()) or fn(*x, **kw)), used, extra
+        return paths, (lambda *x: taken.append(_launch_order.take()) or fn(*x)), used, extra
 
     def moe_taking(*a, **k):
         paths, fn = moe_parts(*a, **k)
-        return paths, (lambda *x, **kw: taken.append(_launch_order.take()) or fn(*x, **kw))
+        return paths, (lambda *x: taken.append(_launch_order.take()) or fn(*x))
 
     monkeypatch.setattr(dec.gated_delta_ops, "decode_step_parts", gdn_taking)
     monkeypatch.setattr(dec.moe_ops, "decode_step_parts", moe_taking)

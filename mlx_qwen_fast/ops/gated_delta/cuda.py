@@ -178,12 +178,11 @@ def _decode_step(num_k_heads: int, num_v_heads: int, norm_eps: float, out_static
             residual = x if norm is not None else None
             return linear_ops.decode_linear(out, flat[:n_out], out_static[1], residual=residual), conv_state, state
 
-        # prefetch: taken for the one-launch mixer's signature; the three launches prefetch nothing
         if fused:
-            def step(x, conv_state, state, norm_weight, *flat, prefetch=()):
+            def step(x, conv_state, state, norm_weight, *flat):
                 return core(x, conv_state, state, (norm_weight, key[5]), flat)
         else:
-            def step(x, conv_state, state, *flat, prefetch=()):
+            def step(x, conv_state, state, *flat):
                 return core(x, conv_state, state, None, flat)
 
         fn = _decode_steps[key] = mx.compile(step)
@@ -243,21 +242,16 @@ def _mixer_takes(inputs, in_proj, out_proj, state, heads, input_norm_eps, input_
 def _mixer_step(num_k_heads: int, num_v_heads: int, norm_eps: float, n_out: int, input_norm_eps: float):
     """The ``mx.compile``d decode step on the one-launch mixer, with
     :func:`_decode_step`'s fused signature: ``fn(x, conv_state, state,
-    norm_weight, *out_proj, mixer_params, *in_proj, prefetch=()) -> (x + y,
-    conv_state, state)``; ``norm_weight`` is not read (``mixer_params``
-    holds it); ``prefetch``: arrays the launch prefetches into L2 for the
-    launch after it (the MoE block's first weights)."""
-    # the L2 switch chooses the kernel's build (its prefetches) while tracing: a step per value
-    key = ("mixer", int(num_k_heads), int(num_v_heads), float(norm_eps), int(n_out), float(input_norm_eps),
-           config.L2_PREFETCH.get())
+    norm_weight, *out_proj, mixer_params, *in_proj) -> (x + y, conv_state,
+    state)``; ``norm_weight`` is not read (``mixer_params`` holds it)."""
+    key = ("mixer", int(num_k_heads), int(num_v_heads), float(norm_eps), int(n_out), float(input_norm_eps))
     fn = _decode_steps.get(key)
     if fn is None:
 
-        def step(x, conv_state, state, norm_weight, *flat, prefetch=()):
+        def step(x, conv_state, state, norm_weight, *flat):
             return _k_mixer.gdn_mixer_decode(
                 x, flat[n_out + 1:], flat[n_out], conv_state, state, flat[:n_out], num_k_heads=key[1],
-                num_v_heads=key[2], input_norm_eps=key[5], norm_eps=key[3], after=_launch_order.take(),
-                prefetch=tuple(prefetch))
+                num_v_heads=key[2], input_norm_eps=key[5], norm_eps=key[3], after=_launch_order.take())
 
         fn = _decode_steps[key] = mx.compile(step)
     return fn

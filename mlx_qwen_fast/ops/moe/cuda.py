@@ -305,25 +305,20 @@ def _compiled_decode_step(top_k: int, normalize: bool, router_static: tuple, n_r
     results bit for bit). ``one_launch`` (fused form only,
     :func:`_block_kernel_takes`): the whole step as one launch
     (:func:`mlx_qwen_fast.kernels.moe_block_decode.moe_block_decode`: the
-    three launches' results bit for bit). Every step also takes
-    ``prefetch=(arrays)``: the one-launch block prefetches them into L2 for
-    the launch after it (the next layer's first weights); the others ignore
-    them."""
+    three launches' results bit for bit)."""
     fused = norm_eps is not None
-    # the L2 switch chooses the one-launch kernel's build (its prefetches) while tracing: a step per value
     key = (top_k, bool(normalize), router_static, n_router, shared_gate_bits, float(norm_eps) if fused else None,
-           config.DECODE_GEMV_KERNEL.get(), config.L2_PREFETCH.get(), bool(one_launch and fused),
-           bool(route_in_kernel))
+           config.DECODE_GEMV_KERNEL.get(), bool(one_launch and fused), bool(route_in_kernel))
     fn = _decode_steps.get(key)
     if fn is None and key[-2]:
         _, group_size, bits = router_static[:3]
 
-        def step(h, norm_weight, *arrays, prefetch=()):
+        def step(h, norm_weight, *arrays):
             a = arrays[n_router:]
             return _k_block.moe_block_decode_unchecked(h, norm_weight, arrays[:n_router], (a[0:3], a[3:6], a[6:9]),
                                               (a[9:12], a[12:15], a[15:18]), (a[18], a[19], a[20], shared_gate_bits),
                                               top_k, key[5], bool(normalize), group_size, bits,
-                                              after=_launch_order.take(), prefetch=tuple(prefetch))
+                                              after=_launch_order.take())
 
         fn = _decode_steps[key] = mx.compile(step)
     if fn is None:
@@ -346,12 +341,11 @@ def _compiled_decode_step(top_k: int, normalize: bool, router_static: tuple, n_r
             inds, scores = _routing.route(logits, top_k, normalize=normalize)
             return _decode_gemv.moe_decode_arrays_unchecked(xin, inds, scores, experts, shared, expert_gate, residual)
 
-        # prefetch: taken for the one-launch block's signature; these launches prefetch nothing
         if fused:
-            def step(h, norm_weight, *arrays, prefetch=()):
+            def step(h, norm_weight, *arrays):
                 return core(h, (norm_weight, key[5]), arrays)
         else:
-            def step(x, *arrays, prefetch=()):
+            def step(x, *arrays):
                 return core(x, None, arrays)
 
         fn = _decode_steps[key] = mx.compile(step)
