@@ -103,6 +103,10 @@ def test_every_ptx_helper_has_a_cpu_body():
     ("gdn_layer_decode.cu", dict(GDN_X="bf16_t", GDN_HV=32, GDN_HK=16, GM_K=2048, GM_M=1, MBD_N=1, MBD_K=8,
                                  MBD_E=256, MBD_D=2048, MBD_I=512, MBD_SGB=8, MBD_RBITS=8, MBD_RGS=64,
                                  MBD_WT="bf16_t")),
+    ("attention_layer_decode.cu", dict(ATT_X="bf16_t", ATT_W="bf16_t", ATT_HQ=16, ATT_HKV=2, ATT_ROPE_DIMS=64,
+                                       ATT_ROPE_TRAD=0, AL_K=2048, AL_M=1, AL_IW="bf16_t", MBD_N=1, MBD_K=8,
+                                       MBD_E=256, MBD_D=2048, MBD_I=512, MBD_SGB=8, MBD_RBITS=8, MBD_RGS=64,
+                                       MBD_WT="bf16_t")),
     ("tests/grid_exchange.cu", {}),
     ("tests/grid_slots.cu", {}),
 ])
@@ -819,6 +823,55 @@ def test_planted_missing_barriers_in_the_gdn_layer(what, source, old, new):
     with cuda_check.planted(source, old, new):
         try:
             bad = _gdn_layer()
+        except CudaCheckError as e:
+            assert re.search(r"depends on the order|never written|poison|out-of-bounds", str(e)), str(e)
+            return
+    assert any(not mx.array_equal(a, b).item() for a, b in zip(bad, ok)), f"{what}: planted, not caught"
+
+
+def _attention_layer():
+    """The one-launch attention decoder layer (2 rows; K 256, 4 query and 2
+    KV heads, a cache of 160 positions in 2 splits, this token at 70; MoE
+    top-4 of 32 experts, I 128) on a grid of 3 blocks: (out, keys, values)."""
+    from moe_blocks import make_arrays, quant
+    from mlx_qwen_fast.kernels import attention_layer_decode as al
+
+    def norm_w(seed, n):
+        return (1.0 + 0.2 * mx.random.normal((n,), key=mx.random.key(seed))).astype(mx.bfloat16)
+
+    x = (2.0 * mx.random.normal((2, 1, 256), key=mx.random.key(70))).astype(mx.bfloat16)
+    keys, values = (mx.random.normal((2, 2, 160, 256), key=mx.random.key(s)).astype(mx.bfloat16) for s in (71, 72))
+    experts, shared, eg = make_arrays(E=32, D=256, I=128, seed=73)
+    with cuda_check.simulated(sm_count=3):
+        out = al.attention_layer_decode(x, norm_w(74, 256), quant((3072, 256), 75, scale=4.0), norm_w(76, 256),
+                                        norm_w(77, 256), keys, values, mx.array(70, mx.int32),
+                                        quant((256, 1024), 78, scale=2.0), norm_w(79, 256),
+                                        quant((32, 256), 80, scale=3.0, bits=8), experts, shared, eg, num_heads=4,
+                                        num_kv_heads=2, scale=1 / 16, input_norm_eps=1e-6, q_eps=1e-6, k_eps=1e-6,
+                                        rope_dims=64, top_k=4, post_norm_eps=1e-6)
+        mx.eval(out)
+    return out
+
+
+@pytest.mark.parametrize("what,source,old,new", [
+    ("barrier 1 (proj written)", "grid_sync.cuh", _WAIT, _skip_wait(1)),
+    ("barrier 2 (the partials written)", "grid_sync.cuh", _WAIT, _skip_wait(2)),
+    ("barrier 3 (y written)", "grid_sync.cuh", _WAIT, _skip_wait(3)),
+    ("the join (h written)", "grid_sync.cuh", _WAIT, _skip_wait(4)),
+    ("this token's row from proj (the buffer's stale row read instead)", "attention_layer_decode.cu",
+     "if (holds_off && t == q0.tiles - 1) {", "if (false) {"),
+])
+def test_planted_bugs_in_the_attention_layer(what, source, old, new):
+    """attention_layer_decode.cu without one of its grid barriers (blocks
+    read proj, partials, y or h before other blocks wrote them), or with the
+    current position's K/V row taken from the cache buffer (not yet
+    written) instead of the projection: caught as a schedule-dependent,
+    unwritten or different output."""
+    ok = _attention_layer()
+    assert all(not mx.isnan(o).any().item() for o in ok)
+    with cuda_check.planted(source, old, new):
+        try:
+            bad = _attention_layer()
         except CudaCheckError as e:
             assert re.search(r"depends on the order|never written|poison|out-of-bounds", str(e)), str(e)
             return

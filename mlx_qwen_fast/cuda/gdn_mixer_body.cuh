@@ -21,11 +21,7 @@ constexpr int NW = NT / 32;      // warps per block (16)
 static_assert(HID % GSZ == 0 && HID >= GSZ, "GM_K: a multiple of 64");
 static_assert(M >= 1 && M <= 4, "GM_M: 1 to 4 rows");
 
-// Warps per tile: quantized_gemv.py's warps() (one per 512 inputs, 1..16).
-__host__ __device__ constexpr int tile_warps(int k) {
-  return k <= 512 ? 1 : ((k + 511) / 512 > 16 ? 16 : (k + 511) / 512);
-}
-constexpr int KWA = tile_warps(HID), KWC = tile_warps(KO);
+constexpr int KWA = qg_tile_warps(HID), KWC = qg_tile_warps(KO);
 constexpr int TA = NW / KWA, TC = NW / KWC;  // tile teams per block
 constexpr int TILES_A = (P + 15) / 16, TILES_C = (HID + 15) / 16;
 typedef QgCfg<4, GSZ, HID, M, KWA> CfgA;

@@ -27,6 +27,12 @@
 #pragma once
 #include "moe_decode_common.cuh"
 
+// Warps per tile of a K-input GEMV: quantized_gemv.py's warps() (one per 512
+// inputs, 1..16).
+__host__ __device__ constexpr int qg_tile_warps(int k) {
+  return k <= 512 ? 1 : ((k + 511) / 512 > 16 ? 16 : (k + 511) / 512);
+}
+
 // A GEMV's shape: BITS (4, 8), GS (32, 64, 128), K (K % GS == 0), M token
 // rows (1..4), KWARPS warps per tile (1..16).
 template <int BITS_, int GS_, int K_, int M_, int KWARPS_>

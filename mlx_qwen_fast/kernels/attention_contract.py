@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from . import _checks
 
-__all__ = ["DH", "FLOAT_DTYPES", "check_step", "proj_width"]
+__all__ = ["DH", "FLOAT_DTYPES", "check_cache_step", "check_step", "proj_width"]
 
 #: The head dimension the kernels take.
 DH = 256
@@ -62,20 +62,34 @@ def check_step(fn: str, proj, keys, values, offset, q_norm_weight, k_norm_weight
         mx.array or is outside the above (``num_heads`` for ``hq``/``hkv``).
     """
     _checks.check_arrays(fn, _ARRAYS, proj, keys, values, offset, q_norm_weight, k_norm_weight)
-    eps = (_checks.check_eps(fn, "q_eps", q_eps), _checks.check_eps(fn, "k_eps", k_eps))
-    if not (isinstance(hkv, int) and isinstance(hq, int) and hkv > 0 and hq % hkv == 0
-            and hq // hkv <= max_group):
-        raise ValueError(f"{fn}: num_heads ({hq!r}) must be a multiple of num_kv_heads ({hkv!r}), "
-                         f"at most {max_group} query heads per KV head")
+    _check_heads(fn, hq, hkv, max_group)
     P = proj_width(hq, hkv)
     if proj.ndim != 3 or proj.shape[1] != 1 or proj.shape[2] != P or proj.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{fn}: proj must be a float array of shape [B, 1, {P}], got "
                          f"{proj.dtype} {tuple(proj.shape)}")
-    B = proj.shape[0]
+    return check_cache_step(fn, proj.shape[0], proj.dtype, keys, values, offset, q_norm_weight, k_norm_weight, hq,
+                            hkv, scale, q_eps, k_eps, rope_dims, rope_base, rope_scale, max_group=max_group)
+
+
+def _check_heads(fn: str, hq, hkv, max_group: int) -> None:
+    if not (isinstance(hkv, int) and isinstance(hq, int) and hkv > 0 and hq % hkv == 0
+            and hq // hkv <= max_group):
+        raise ValueError(f"{fn}: num_heads ({hq!r}) must be a multiple of num_kv_heads ({hkv!r}), "
+                         f"at most {max_group} query heads per KV head")
+
+
+def check_cache_step(fn: str, B: int, dtype, keys, values, offset, q_norm_weight, k_norm_weight, hq, hkv, scale,
+                     q_eps, k_eps, rope_dims, rope_base, rope_scale, *, max_group: int) -> Tuple[float, float]:
+    """:func:`check_step` for a caller whose projection is not an argument
+    (a kernel that computes it: ``B`` rows of ``dtype``): the same checks of
+    every other argument, the same errors. Returns ``(q_eps, k_eps)``."""
+    _checks.check_arrays(fn, _ARRAYS[1:], keys, values, offset, q_norm_weight, k_norm_weight)
+    eps = (_checks.check_eps(fn, "q_eps", q_eps), _checks.check_eps(fn, "k_eps", k_eps))
+    _check_heads(fn, hq, hkv, max_group)
     for name, t in (("keys", keys), ("values", values)):
         if t.ndim != 4 or tuple(t.shape[:2]) != (B, hkv) or t.shape[3] != DH or t.shape[2] < 1 or (
-                t.dtype != proj.dtype):
-            raise ValueError(f"{fn}: {name} must be {proj.dtype} of shape [{B}, {hkv}, capacity >= 1, {DH}], "
+                t.dtype != dtype):
+            raise ValueError(f"{fn}: {name} must be {dtype} of shape [{B}, {hkv}, capacity >= 1, {DH}], "
                              f"got {t.dtype} {tuple(t.shape)}")
     if values.shape != keys.shape:
         raise ValueError(f"{fn}: values must have the shape of keys {tuple(keys.shape)}, got {tuple(values.shape)}")

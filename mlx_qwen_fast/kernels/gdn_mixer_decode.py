@@ -41,6 +41,7 @@ import mlx.core as mx
 
 from . import _checks
 from . import _cuda_build as cb
+from . import quantized_gemv as qg
 from .gated_delta_contract import D, KW, decode_params, packed_width, params_width
 
 __all__ = ["MAX_ROWS", "PHASE_MARKS", "checked_arguments", "gdn_mixer_decode", "grid_blocks", "mixer_params", "mixer_params_width", "scratch_words",
@@ -131,13 +132,10 @@ def _problem(x, in_proj, params, conv_state, state, out_proj, Hk, Hv, group_size
     if x.dtype == mx.bfloat16 and B * Hv * D * 2 > _STAGE_BYTES:
         return f"rows * num_v_heads * {D} * 2 must be at most {_STAGE_BYTES} (bfloat16), got {B} rows, {Hv} heads"
     C, P, KO = (2 * Hk + Hv) * D, packed_width(Hk, Hv), Hv * D
-    for name, (w, s, b), n, k in (("in_proj", in_proj, P, K), ("out_proj", out_proj, K, KO)):
-        if w.dtype != mx.uint32 or tuple(w.shape) != (n, k * BITS // 32):
-            return f"{name}[0] (weight) must be uint32 [{n}, {k * BITS // 32}], got {w.dtype} {tuple(w.shape)}"
-        for part, a in (("1] (scales)", s), ("2] (biases)", b)):
-            if a.dtype != x.dtype or tuple(a.shape) != (n, k // GROUP_SIZE):
-                return (f"{name}[{part} must be {x.dtype} [{n}, {k // GROUP_SIZE}] (x's dtype), "
-                        f"got {a.dtype} {tuple(a.shape)}")
+    for name, proj, n, k in (("in_proj", in_proj, P, K), ("out_proj", out_proj, K, KO)):
+        problem = qg.projection_problem(name, proj, n, k, BITS, GROUP_SIZE, x.dtype)
+        if problem is not None:
+            return problem + " (scales and biases in x's dtype)"
     pw = mixer_params_width(Hk, Hv, K)
     if params is not None and (params.dtype != mx.float32 or tuple(params.shape) != (pw,)):
         return f"params must be float32 [{pw}] (mixer_params), got {params.dtype} {tuple(params.shape)}"

@@ -88,6 +88,24 @@ def _problem(x, w, scales, biases, norm_weight, residual, group_size, bits) -> O
     return None
 
 
+def projection_problem(name: str, proj, n: int, k: int, bits: int, group_size: int, scale_dtype) -> Optional[str]:
+    """None when ``proj`` is (weight, scales, biases) of an affine
+    ``bits``-bit group-``group_size`` quantised linear layer of ``n`` outputs
+    and ``k`` inputs (weight uint32 [n, k * bits / 32], scales and biases
+    ``scale_dtype`` [n, k / group_size]), else one line naming ``name``'s
+    part that does not fit (the persistent decode kernels' projections)."""
+    if not isinstance(proj, (tuple, list)) or len(proj) != 3 or not all(_checks.is_array(a) for a in proj):
+        return (f"{name} must be (weight, scales, biases) of an affine {bits}-bit group-{group_size} quantised "
+                f"linear layer, got {_checks.describe(proj)}")
+    w, sc, b = proj
+    if w.dtype != mx.uint32 or tuple(w.shape) != (n, k * bits // 32):
+        return f"{name}[0] (weight) must be uint32 [{n}, {k * bits // 32}], got {w.dtype} {tuple(w.shape)}"
+    for part, a in (("1] (scales)", sc), ("2] (biases)", b)):
+        if a.dtype != scale_dtype or tuple(a.shape) != (n, k // group_size):
+            return f"{name}[{part} must be {scale_dtype} [{n}, {k // group_size}], got {a.dtype} {tuple(a.shape)}"
+    return None
+
+
 def supports(x, w, scales, biases, *, group_size: int, bits: int, mode: str = "affine",
              norm_weight=None, residual=None) -> bool:
     """True when :func:`quantized_gemv` takes this call on this machine: the
