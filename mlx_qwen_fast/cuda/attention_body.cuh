@@ -118,6 +118,25 @@ __device__ __forceinline__ void transpose_sum(float* d, int lane) {
   transpose_level<N / 2>(d, lane);
 }
 
+// The cp.async copies (one commit group) of a tile of TILE cache positions
+// [t0, t0 + n) of KV head row0 / cap (row0 = (b * HKV + j) * cap) into kt,
+// vt [TILE][DH] of shared memory, by the block's first NTH threads (thread
+// tid); rows past n zero-filled (no read), so that every row holds finite
+// values.
+template <int NTH>
+__device__ __forceinline__ void copy_kv_tile(xt* kt, xt* vt, const xt* keys, const xt* values, size_t row0, int t0,
+                                             int n, int tid) {
+  constexpr int CHUNKS = TILE * DH / VEC;  // 16-byte chunks per tile and tensor
+  for (int c = tid; c < CHUNKS; c += NTH) {
+    const int r = c / (DH / VEC), col = (c % (DH / VEC)) * VEC;
+    const size_t g = (row0 + t0 + (r < n ? r : 0)) * DH + col;
+    const unsigned bytes = r < n ? 16u : 0u;
+    cp_async16_zfill(smem_addr(kt + r * DH + col), keys + g, bytes);
+    cp_async16_zfill(smem_addr(vt + r * DH + col), values + g, bytes);
+  }
+  cp_async_commit();
+}
+
 // One K/V tile of TILE rows in shared memory (kt, vt: [TILE][DH]; rows past n
 // hold finite values) folded into a warp's online softmax: the query q (EL
 // dims per lane, scaled by scale * log2(e)), the running max m and sum l in

@@ -110,22 +110,11 @@ extern "C" __global__ void __launch_bounds__(G * 32) KNAME(
   const int hi = min(min(lo + split_len, off + 1), cap);
   const int tiles = hi > lo ? (hi - lo + TILE - 1) / TILE : 0;
   const size_t row0 = (size_t)bj * cap;
-  constexpr int CHUNKS = TILE * DH / VEC;  // 16-byte chunks per tile and tensor
   // Tile t into stage st: rows past the split's end are zero-filled (no read), so every row of a
   // stage holds finite values.
   auto copy_tile = [&](int t, int st) {
     xt* kt = reinterpret_cast<xt*>(smem + st * STAGE_BYTES);
-    xt* vt = kt + TILE * DH;
-    const int t0 = lo + t * TILE;
-    const int n = min(TILE, hi - t0);
-    for (int c = tid; c < CHUNKS; c += G * 32) {
-      const int r = c / (DH / VEC), col = (c % (DH / VEC)) * VEC;
-      const size_t g = (row0 + t0 + (r < n ? r : 0)) * DH + col;
-      const unsigned bytes = r < n ? 16u : 0u;
-      cp_async16_zfill(smem_addr(kt + r * DH + col), keys + g, bytes);
-      cp_async16_zfill(smem_addr(vt + r * DH + col), values + g, bytes);
-    }
-    cp_async_commit();
+    copy_kv_tile<G * 32>(kt, kt + TILE * DH, keys, values, row0, lo + t * TILE, min(TILE, hi - (lo + t * TILE)), tid);
   };
   if (tiles > 0) {
     copy_tile(0, 0);  // in flight during the query's norm and rope

@@ -167,7 +167,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
   // ---- the block's first item's first two K/V tiles (before the projection) ----------------
   const int off = *offset;
   const int n_items = M * HKV * ns;
-  constexpr int CHUNKS = TILE * DH / VEC;  // 16-byte chunks per tile and tensor
   // Item `it` (b, j, s): positions [lo, hi) of split s, none past the query or the buffer.
   struct Item {
     int s, bj, lo, hi, tiles;
@@ -184,18 +183,8 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
   // Tile t of item q into stage st; rows past the item's end zero-filled (no read).
   auto copy_tile = [&](const Item& q, int t, int st) {
     xt* kt = reinterpret_cast<xt*>(dsm + st * STAGE_BYTES);
-    xt* vt = kt + TILE * DH;
-    const int t0 = q.lo + t * TILE;
-    const int n = min(TILE, q.hi - t0);
-    const size_t row0 = (size_t)q.bj * cap;
-    for (int c = tid; c < CHUNKS; c += NT) {
-      const int r = c / (DH / VEC), col = (c % (DH / VEC)) * VEC;
-      const size_t g = (row0 + t0 + (r < n ? r : 0)) * DH + col;
-      const unsigned bytes = r < n ? 16u : 0u;
-      cp_async16_zfill(smem_addr(kt + r * DH + col), keys + g, bytes);
-      cp_async16_zfill(smem_addr(vt + r * DH + col), values + g, bytes);
-    }
-    cp_async_commit();
+    copy_kv_tile<NT>(kt, kt + TILE * DH, keys, values, (size_t)q.bj * cap, q.lo + t * TILE,
+                     min(TILE, q.hi - (q.lo + t * TILE)), tid);
   };
   if ((int)blockIdx.x < n_items) {  // positions before this token are known before the projection
     const Item q0 = item_at(blockIdx.x);
