@@ -73,15 +73,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
     const unsigned* __restrict__ w_out,
     const xt* __restrict__ s_out,
     const xt* __restrict__ b_out,
-    const nwt* __restrict__ norm_w,
-    const unsigned* __restrict__ wr, const bf16_t* __restrict__ sr, const bf16_t* __restrict__ br,
-    const unsigned* __restrict__ wg, const bf16_t* __restrict__ sg, const bf16_t* __restrict__ bg,
-    const unsigned* __restrict__ wu, const bf16_t* __restrict__ su, const bf16_t* __restrict__ bu,
-    const unsigned* __restrict__ wd, const bf16_t* __restrict__ sd, const bf16_t* __restrict__ bd,
-    const unsigned* __restrict__ xwg, const bf16_t* __restrict__ xsg, const bf16_t* __restrict__ xbg,
-    const unsigned* __restrict__ xwu, const bf16_t* __restrict__ xsu, const bf16_t* __restrict__ xbu,
-    const unsigned* __restrict__ xwd, const bf16_t* __restrict__ xsd, const bf16_t* __restrict__ xbd,
-    const void* __restrict__ gw, const bf16_t* __restrict__ gs, const bf16_t* __restrict__ gb,
+    MBD_WEIGHT_PARAMS,
     const void* __restrict__ after,  // never read (the launch contract)
     xt* __restrict__ out,
     xt* __restrict__ conv_state_out,
@@ -116,7 +108,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
   bar.arrive(JOIN);  // h written (the block waits in its phase A)
 
   // the block: out = h + block(norm(h)), h read through L2
-  mbd::block<JOIN, true>(h, norm_w, wr, sr, br, wg, sg, bg, wu, su, bu, wd, sd, bd, xwg, xsg, xbg, xwu, xsu, xbu, xwd,
-                         xsd, xbd, gw, gs, gb, out, reinterpret_cast<unsigned*>(scr + OFF_BLOCK), normalize, eps_post,
+  mbd::block<JOIN, true>(h, MBD_WEIGHT_ARGS,
+                         out, reinterpret_cast<unsigned*>(scr + OFF_BLOCK), normalize, eps_post,
                          mbd::Smem{reinterpret_cast<gdn_u16 (*)[mbd::D]>(stage), red, ssq, rinds, rscores, dsm}, bar);
 }

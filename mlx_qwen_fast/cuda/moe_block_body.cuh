@@ -94,6 +94,21 @@ struct Smem {
 };
 
 
+// A kernel's parameters for the block's weights (after its x), in moe_block_decode.cu's order, and
+// the body's arguments from them: one list for every kernel that runs the body.
+#define MBD_WEIGHT_PARAMS                                                                                   \
+  const nwt *__restrict__ norm_w, const unsigned *__restrict__ wr, const bf16_t *__restrict__ sr,           \
+      const bf16_t *__restrict__ br, const unsigned *__restrict__ wg, const bf16_t *__restrict__ sg,         \
+      const bf16_t *__restrict__ bg, const unsigned *__restrict__ wu, const bf16_t *__restrict__ su,         \
+      const bf16_t *__restrict__ bu, const unsigned *__restrict__ wd, const bf16_t *__restrict__ sd,         \
+      const bf16_t *__restrict__ bd, const unsigned *__restrict__ xwg, const bf16_t *__restrict__ xsg,       \
+      const bf16_t *__restrict__ xbg, const unsigned *__restrict__ xwu, const bf16_t *__restrict__ xsu,      \
+      const bf16_t *__restrict__ xbu, const unsigned *__restrict__ xwd, const bf16_t *__restrict__ xsd,      \
+      const bf16_t *__restrict__ xbd, const void *__restrict__ gw, const bf16_t *__restrict__ gs,            \
+      const bf16_t *__restrict__ gb
+#define MBD_WEIGHT_ARGS \
+  norm_w, wr, sr, br, wg, sg, bg, wu, su, bu, wd, sd, bd, xwg, xsg, xbg, xwu, xsu, xbu, xwd, xsd, xbd, gw, gs, gb
+
 // The block's phases (moe_block_decode.cu's header). Its two grid barriers
 // are the launch's BAR0 + 1 and BAR0 + 2 on `bar` (grid_sync.cuh's
 // GridBarriers). JOIN false: the block is the launch's first body (it claims

@@ -113,15 +113,7 @@ struct BlockSlots {
 
 extern "C" __global__ void __launch_bounds__(mbd::NT, 1) KNAME(
     const bf16_t* __restrict__ x,
-    const nwt* __restrict__ norm_w,
-    const unsigned* __restrict__ wr, const bf16_t* __restrict__ sr, const bf16_t* __restrict__ br,
-    const unsigned* __restrict__ wg, const bf16_t* __restrict__ sg, const bf16_t* __restrict__ bg,
-    const unsigned* __restrict__ wu, const bf16_t* __restrict__ su, const bf16_t* __restrict__ bu,
-    const unsigned* __restrict__ wd, const bf16_t* __restrict__ sd, const bf16_t* __restrict__ bd,
-    const unsigned* __restrict__ xwg, const bf16_t* __restrict__ xsg, const bf16_t* __restrict__ xbg,
-    const unsigned* __restrict__ xwu, const bf16_t* __restrict__ xsu, const bf16_t* __restrict__ xbu,
-    const unsigned* __restrict__ xwd, const bf16_t* __restrict__ xsd, const bf16_t* __restrict__ xbd,
-    const void* __restrict__ gw, const bf16_t* __restrict__ gs, const bf16_t* __restrict__ gb,
+    MBD_WEIGHT_PARAMS,
     const void* __restrict__ after,  // never read (the launch contract)
     bf16_t* __restrict__ out,
     unsigned* __restrict__ scratch,
@@ -135,7 +127,7 @@ extern "C" __global__ void __launch_bounds__(mbd::NT, 1) KNAME(
   __shared__ float rscores[mbd::NK];
   if (dynamic_smem_size() < mbd::DSM) __trap();
   GridBarriers<NBAR, mbd::BARW, BlockSlots> bar;  // the launch's slot: claimed by the body
-  mbd::block<0, false>(x, norm_w, wr, sr, br, wg, sg, bg, wu, su, bu, wd, sd, bd, xwg, xsg, xbg, xwu, xsu, xbu, xwd,
-                       xsd, xbd, gw, gs, gb, out, scratch, normalize, eps,
+  mbd::block<0, false>(x, MBD_WEIGHT_ARGS,
+                         out, scratch, normalize, eps,
                        mbd::Smem{xn, red, ssq, rinds, rscores, dsm}, bar);
 }
