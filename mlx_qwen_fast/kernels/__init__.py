@@ -41,6 +41,10 @@ CUDA modules (each exposes the wrapper of the same name and ``supports``):
 - ``attention_decode``      gated attention for one token, head_dim 256: q/k
                             RMSNorm + RoPE, the cache write, split-K attention
                             and the output gate
+- ``attention_layer_decode`` a gated-attention decoder layer's whole decode
+                            step, 1-4 rows: q|k|v GEMV, attention over the
+                            cache, o_proj + residual and the MoE block in one
+                            persistent launch (then the two cache-row writes)
 - ``attention_prefill``     causal flash-attention prefill, head_dim 256
 - ``quantized_gemv``        decode projection, 1-4 rows: RMSNorm + 4/8-bit GEMV
                             + residual
