@@ -159,14 +159,16 @@ extern "C" __global__ void __launch_bounds__(NT, 1) KNAME(
   // ---- the block's first item's first two K/V tiles (before the projection) ----------------
   const int off = *offset;
   const int n_items = M * HKV * ns;
-  // Item `it` (b, j, s): positions [lo, hi) of split s, none past the query or the buffer.
+  // Item `it` (b, j, s): positions [lo, hi) of split s, none past the query or the buffer. Split-major
+  // order: the items that hold positions (the low splits) come first, one per block in the first
+  // round, whose tiles are copied before the projection.
   struct Item {
     int s, bj, lo, hi, tiles;
   };
   auto item_at = [&](int it) {
     Item r;
-    r.s = it % ns;
-    r.bj = it / ns;  // b * HKV + j
+    r.s = it / (M * HKV);
+    r.bj = it % (M * HKV);  // b * HKV + j
     r.lo = r.s * split_len;
     r.hi = min(min(r.lo + split_len, off + 1), cap);
     r.tiles = r.hi > r.lo ? (r.hi - r.lo + TILE - 1) / TILE : 0;
