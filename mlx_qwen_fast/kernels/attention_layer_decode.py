@@ -115,7 +115,8 @@ def _problem(x, input_norm_weight, qkv, keys, o_proj, hq, hkv) -> Optional[str]:
 
 
 def _heads_ok(hq, hkv) -> bool:
-    return isinstance(hq, int) and isinstance(hkv, int) and hkv > 0 and hq % hkv == 0 and hq // hkv <= MAX_GROUP - 1
+    return (type(hq) is int and type(hkv) is int and hkv > 0 and hq > 0 and hq % hkv == 0
+            and hq // hkv <= MAX_GROUP - 1)
 
 
 def supports(x, input_norm_weight, qkv: Sequence, keys, values, o_proj: Sequence, norm_weight, router: Sequence,
@@ -232,8 +233,8 @@ def attention_layer_decode(
                          x, input_norm_weight)
     hq, hkv = num_heads, num_kv_heads
     if not _heads_ok(hq, hkv):
-        raise ValueError(f"{fn}: num_heads ({hq!r}) must be a multiple of num_kv_heads ({hkv!r}), at most "
-                         f"{MAX_GROUP - 1} query heads per KV head")
+        raise ValueError(f"{fn}: num_heads ({hq!r}) must be a positive int multiple of num_kv_heads ({hkv!r}), "
+                         f"at most {MAX_GROUP - 1} query heads per KV head")
     _checks.check_arrays(fn, (("keys", f"[B, Hkv, capacity, {DH}]", False),), keys)
     problem = _problem(x, input_norm_weight, qkv, keys, o_proj, hq, hkv)
     if problem is not None:

@@ -34,6 +34,7 @@ resident traps (a CUDA error) rather than hang. Source:
 
 from __future__ import annotations
 
+import numbers
 from typing import Dict, Optional, Sequence
 
 import mlx.core as mx
@@ -112,10 +113,16 @@ def _static_smem(n: int, D: int) -> int:
     return n * D * 2 + 16 * 32 * 4 * 4 + 16 * n * 4 + 2 * 4 * 32
 
 
+def _is_int(v) -> bool:
+    """An integer that builds a kernel (the build's macros and cache key):
+    not a bool, a float or an array that compares equal to one."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 def _router_problem(x, norm_weight, router, group_size, bits, E) -> Optional[str]:
-    if bits not in ROUTER_BITS:
+    if not _is_int(bits) or bits not in ROUTER_BITS:
         return f"router_bits must be one of {ROUTER_BITS}, got {bits!r}"
-    if group_size not in ROUTER_GROUPS:
+    if not _is_int(group_size) or group_size not in ROUTER_GROUPS:
         return f"router_group_size must be one of {ROUTER_GROUPS}, got {group_size!r}"
     D = x.shape[-1]
     if norm_weight.dtype not in _NORM_DTYPES or tuple(norm_weight.shape) != (D,):
@@ -142,7 +149,7 @@ def _problem(x, norm_weight, router, experts, shared, expert_gate, top_k, group_
         return f"x's rows * D * 2 must be at most 32768, got {tuple(x.shape)}"
     try:
         E = experts[0][0].shape[0]
-    except (TypeError, IndexError, AttributeError):
+    except (TypeError, IndexError, AttributeError, KeyError):
         return "experts must be (gate, up, down), each (weight, scales, biases)"
     if not md.route_fits(E, top_k):
         return (f"top_k ({top_k!r}) and the experts' count ({E}) must fit the in-kernel routing: E a multiple of 32 "
@@ -174,7 +181,7 @@ def supports(x, norm_weight, router: Sequence, experts: Sequence, shared: Sequen
             return False
         return _problem(x, norm_weight, router, experts, shared, expert_gate, top_k, router_group_size,
                         router_bits) is None
-    except (TypeError, ValueError, AttributeError):
+    except (TypeError, ValueError, AttributeError, KeyError):
         return False
 
 

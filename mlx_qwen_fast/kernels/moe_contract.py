@@ -77,11 +77,14 @@ def shared_gate_bits(expert_gate, D: int) -> int:
     ``expert_gate = (weight, scales, biases, bits)``: bits 4 or 8 with
     ``weight`` uint32 ``[1, D * bits / 32]`` and bfloat16 ``scales``,
     ``biases [1, D / 64]`` (group 64); or bits 16 with a bfloat16 ``weight
-    [1, D]`` (a plain ``Linear``; scales and biases are not read).
+    [1, D]`` (a plain ``Linear``; scales and biases are not read, but
+    must be arrays: the kernels take them as inputs).
 
     Returns 4, 8 or 16; 0, never raises, for anything else."""
     try:
         w, s, b, bits = expert_gate
+        if not all(isinstance(a, mx.array) for a in (w, s, b)) or isinstance(bits, bool):
+            return 0
         if bits == 16:
             return 16 if (w.dtype == mx.bfloat16 and tuple(w.shape) == (1, D)) else 0
         if bits in (4, 8) and w.dtype == mx.uint32 and tuple(w.shape) == (1, D * bits // 32):
@@ -109,7 +112,9 @@ def decode_weights_problem(experts: Sequence, shared: Sequence, expert_gate: Seq
     try:
         gate, up, down = experts
         E, I = gate[0].shape[0], gate[0].shape[1]
-    except (TypeError, ValueError, AttributeError, IndexError):
+        if E < 1 or I < 1:
+            return f"experts must hold at least one expert of width I >= 1, got E={E}, I={I}"
+    except (TypeError, ValueError, AttributeError, IndexError, KeyError):
         return "experts must be (gate, up, down), each (weight, scales, biases)"
     if not (is_4bit_group64(gate, (E,), I, D) and is_4bit_group64(up, (E,), I, D)):
         return f"experts gate/up must be 4-bit group-64 (uint32 [E, {I}, {D // 8}], bf16 [E, {I}, {D // 64}] x2)"

@@ -140,6 +140,8 @@ def test_bad_input_names_the_argument(no_launch):
         (dict(qn=a.qn[:128]), "q_norm_weight"),
         (dict(hkv=3), "num_heads"),
         (dict(hq=32, hkv=2), "num_heads"),
+        (dict(hq=True, hkv=True), "num_heads"),  # == 1: would build a kernel with ATT_HQ=True
+        (dict(hq=0), "num_heads"),
         (dict(router=a.blk["router"][:2]), "router"),
         (dict(q_eps=0.0), "q_eps"),
         (dict(input_norm_eps=2.0), "input_norm_eps"),

@@ -144,12 +144,18 @@ def test_bad_input_names_the_argument(no_launch):
         (dict(router=(w, s, b[:-1])), r"router\[2\]"),
         (dict(router_bits=3), "router_bits"),
         (dict(router_group_size=48), "router_group_size"),
+        # values equal to a valid int but not ints: they would build (and cache) a broken kernel
+        (dict(router_bits=8.0), "router_bits"),
+        (dict(router_bits=mx.array(8)), "router_bits"),
+        (dict(router_group_size=64.0), "router_group_size"),
         (dict(top_k=0), "top_k"),
         (dict(top_k=33), "top_k"),
         (dict(top_k=17), "top_k"),  # rows * top_k > 32
         (dict(experts=experts[:2]), "experts"),
         (dict(shared=shared[:1]), "shared"),
         (dict(expert_gate=(eg[0], eg[1], eg[2], 3)), "expert_gate"),
+        (dict(expert_gate=(eg[0], None, None, 16)), "expert_gate"),  # 16-bit: scales, biases still arrays
+        (dict(experts={}), "experts"),
         (dict(norm_eps=0.0), "norm_eps"),
         (dict(norm_eps=float("nan")), "norm_eps"),
         (dict(after=[1.0]), "after"),
@@ -173,6 +179,8 @@ def test_supports(monkeypatch):
     assert not mb.supports(x, nw, router, experts, shared, eg, top_k=4, router_bits=4)
     assert not mb.supports(x, nw, router, experts, shared, eg, top_k=17)
     assert not mb.supports(x, None, router, experts, shared, eg, top_k=4)
+    assert not mb.supports(x, nw, router, {}, shared, eg, top_k=4)
+    assert not mb.supports(x, nw, router, experts, shared, eg, top_k=4, router_bits=8.0)
 
 
 # ---------------------------------------------------------------------------

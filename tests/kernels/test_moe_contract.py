@@ -62,7 +62,8 @@ def test_shared_gate_bits_of_a_plain_gate_and_of_bad_input():
     assert mc.shared_gate_bits((w, w, w, 16), D) == 16
     assert mc.shared_gate_bits((w.astype(mx.float32), w, w, 16), D) == 0
     assert mc.shared_gate_bits((w, w, w, 16), 2 * D) == 0
-    for bad in [None, (w, w, w), (w, w, w, 3), "gate", (None, None, None, 4)]:
+    for bad in [None, (w, w, w), (w, w, w, 3), "gate", (None, None, None, 4), (w, None, None, 16), (w, 1, "a", 16),
+                (w, w, w, True)]:
         assert mc.shared_gate_bits(bad, D) == 0
 
 
@@ -85,6 +86,9 @@ def test_decode_weights_problem_names_the_argument():
         ((experts, shared[:2], eg), "shared must be (gate, up, down)"),
         ((experts, (shared[0], shared[1], _quantized((D, 2 * I), seed=24)), eg), "shared expert must be 4-bit"),
         ((experts, shared, (*eg[:3], 16)), "expert_gate must be (weight, scales, biases, bits)"),
+        (({0: gate}, shared, eg), "experts must be (gate, up, down)"),
+        ((((gate[0][:, :0], gate[1][:, :0], gate[2][:, :0]), up, down), shared, eg),
+         "experts must hold at least one expert"),
     ]
     for args, want in cases:
         problem = mc.decode_weights_problem(*args, D)
