@@ -84,13 +84,14 @@ def _static_smem(B: int, K: int, hq: int, top_k: int) -> int:
 def smem_problem(B: int, K: int, hq: int, hkv: int, top_k: int, I: int) -> Optional[str]:
     """None when the launch's shared memory (static and dynamic) fits one
     block of sm_90 (227 KB) and its staged rows fit 32 KB, else a line
-    saying what is too large."""
+    naming the arguments that make it too large."""
     if max(B * K * 2, B * hq * DH * 2) > 32768:
-        return f"rows * max(hidden {K}, num_heads * {DH}) * 2 must be at most 32768, got rows {B}, heads {hq}"
+        return (f"x and num_heads: rows * max(hidden {K}, num_heads * {DH}) * 2 must be at most 32768, got rows "
+                f"{B}, heads {hq}")
     need = _static_smem(B, K, hq, top_k) + smem_bytes(B, hq, hkv, top_k, I)
     if need > mb._SMEM_LIMIT:
-        return (f"the one launch needs {need} bytes of shared memory, more than {mb._SMEM_LIMIT} (rows {B}, "
-                f"hidden {K}, heads {hq}/{hkv}, top_k {top_k}, expert width I {I})")
+        return (f"experts and top_k: the one launch needs {need} bytes of shared memory, more than "
+                f"{mb._SMEM_LIMIT} (rows {B}, hidden {K}, heads {hq}/{hkv}, top_k {top_k}, expert width I {I})")
     return None
 
 
@@ -248,7 +249,7 @@ def attention_layer_decode(
                          router_group_size, router_bits)
     problem = smem_problem(B, x.shape[-1], hq, hkv, int(top_k), experts[0][0].shape[1])
     if problem is not None:
-        raise ValueError(f"{fn}: experts: {problem}")
+        raise ValueError(f"{fn}: {problem}")
     if after is not None and not _checks.is_array(after):
         raise ValueError(f"{fn}: after must be an mx.array or None, got {_checks.describe(after)}")
     return attention_layer_decode_unchecked(
