@@ -211,7 +211,7 @@ MOE_BLOCK_KERNEL = Switch(
 GDN_LAYER_KERNEL = Switch(
     "MLX_QWEN_FAST_GDN_LAYER", "bool", False, "`1`",
     "on CUDA, a Gated DeltaNet decoder layer's decode step runs the one-launch mixer and the one-launch MoE "
-    "block as one launch instead of two (needs both of them on; GPU time per layer lower, decode not yet measured faster: bench/results/gdn-cuda-log.md)")
+    "block as one launch instead of two (needs both of them on; less GPU time per layer, decode not measured faster)")
 ATTENTION_LAYER_KERNEL = Switch(
     "MLX_QWEN_FAST_ATTENTION_LAYER", "bool", False, "`1`",
     "on CUDA, a gated-attention decoder layer's decode step (the q, k, v projection, attention over the KV cache, "

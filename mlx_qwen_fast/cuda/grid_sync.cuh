@@ -132,7 +132,7 @@ struct GridBarriers {
   unsigned long long v0 = 0, base = 0;  // thread 0's: the counter before the first arrival, the base
   // Thread 0 claims the launch's slot and reads its counter: once per launch, by its first body
   // at its start (there rather than in the kernel before the body, so that the body's register
-  // allocation stays that of the body alone: bench/results/gdn-cuda-log.md).
+  // allocation stays that of the body alone).
   __device__ __forceinline__ void claim() {
     if (threadIdx.x == 0) v0 = ld_relaxed_u64(&grid_claim(SLOTS::table(), grid_tag())->ctr);
   }

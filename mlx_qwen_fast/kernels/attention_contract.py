@@ -18,7 +18,7 @@ import mlx.core as mx
 
 from . import _checks
 
-__all__ = ["DH", "FLOAT_DTYPES", "check_cache_step", "check_step", "proj_width"]
+__all__ = ["DH", "FLOAT_DTYPES", "check_cache_step", "check_heads", "check_step", "heads_ok", "proj_width"]
 
 #: The head dimension the kernels take.
 DH = 256
@@ -62,18 +62,26 @@ def check_step(fn: str, proj, keys, values, offset, q_norm_weight, k_norm_weight
         mx.array or is outside the above (``num_heads`` for ``hq``/``hkv``).
     """
     _checks.check_arrays(fn, _ARRAYS, proj, keys, values, offset, q_norm_weight, k_norm_weight)
-    _check_heads(fn, hq, hkv, max_group)
+    check_heads(fn, hq, hkv, max_group)
     P = proj_width(hq, hkv)
     if proj.ndim != 3 or proj.shape[1] != 1 or proj.shape[2] != P or proj.dtype not in FLOAT_DTYPES:
         raise ValueError(f"{fn}: proj must be a float array of shape [B, 1, {P}], got "
                          f"{proj.dtype} {tuple(proj.shape)}")
-    return check_cache_step(fn, proj.shape[0], proj.dtype, keys, values, offset, q_norm_weight, k_norm_weight, hq,
-                            hkv, scale, q_eps, k_eps, rope_dims, rope_base, rope_scale, max_group=max_group)
+    return _check_cache(fn, proj.shape[0], proj.dtype, keys, values, offset, q_norm_weight, k_norm_weight, hkv,
+                        scale, q_eps, k_eps, rope_dims, rope_base, rope_scale)
 
 
-def _check_heads(fn: str, hq, hkv, max_group: int) -> None:
-    if not (isinstance(hkv, int) and isinstance(hq, int) and hkv > 0 and hq % hkv == 0
-            and hq // hkv <= max_group):
+def heads_ok(hq, hkv, max_group: int) -> bool:
+    """Whether ``hq`` query and ``hkv`` KV heads are positive ints (not
+    bools: a kernel's build takes them as macros), ``hq`` a multiple of
+    ``hkv`` with at most ``max_group`` query heads per KV head."""
+    return type(hq) is int and type(hkv) is int and hq > 0 and hkv > 0 and hq % hkv == 0 and hq // hkv <= max_group
+
+
+def check_heads(fn: str, hq, hkv, max_group: int) -> None:
+    """ValueError naming ``num_heads`` (``fn: `` first) where not
+    :func:`heads_ok`."""
+    if not heads_ok(hq, hkv, max_group):
         raise ValueError(f"{fn}: num_heads ({hq!r}) must be a multiple of num_kv_heads ({hkv!r}), "
                          f"at most {max_group} query heads per KV head")
 
@@ -84,8 +92,14 @@ def check_cache_step(fn: str, B: int, dtype, keys, values, offset, q_norm_weight
     (a kernel that computes it: ``B`` rows of ``dtype``): the same checks of
     every other argument, the same errors. Returns ``(q_eps, k_eps)``."""
     _checks.check_arrays(fn, _ARRAYS[1:], keys, values, offset, q_norm_weight, k_norm_weight)
+    check_heads(fn, hq, hkv, max_group)
+    return _check_cache(fn, B, dtype, keys, values, offset, q_norm_weight, k_norm_weight, hkv, scale, q_eps, k_eps,
+                        rope_dims, rope_base, rope_scale)
+
+
+def _check_cache(fn, B, dtype, keys, values, offset, q_norm_weight, k_norm_weight, hkv, scale, q_eps, k_eps,
+                 rope_dims, rope_base, rope_scale) -> Tuple[float, float]:
     eps = (_checks.check_eps(fn, "q_eps", q_eps), _checks.check_eps(fn, "k_eps", k_eps))
-    _check_heads(fn, hq, hkv, max_group)
     for name, t in (("keys", keys), ("values", values)):
         if t.ndim != 4 or tuple(t.shape[:2]) != (B, hkv) or t.shape[3] != DH or t.shape[2] < 1 or (
                 t.dtype != dtype):

@@ -31,15 +31,17 @@ from . import _cuda_build as cb
 from . import moe_block_decode as mb
 from . import quantized_gemv as qg
 from ._cache_rows import write_rows
-from .attention_contract import DH, check_cache_step, proj_width
+from .attention_contract import DH, check_cache_step, check_heads, heads_ok, proj_width
 from .attention_decode import MAX_GROUP, splits
 
-__all__ = ["attention_layer_decode", "attention_layer_decode_unchecked", "grid_blocks", "scratch_words",
+__all__ = ["MAX_HEADS_PER_KV", "attention_layer_decode", "attention_layer_decode_unchecked", "grid_blocks", "scratch_words",
            "smem_bytes", "smem_problem", "supports"]
 
 _THREADS = 512
 #: The projections' quantisation (the kernel's tiles: quantized_gemv.cu's 4-bit path).
 BITS, GROUP_SIZE = 4, 64
+#: Query heads per KV head at most: one warp each, and a warp past them for this token's key.
+MAX_HEADS_PER_KV = MAX_GROUP - 1
 #: Most blocks of a launch (the source's barrier weight).
 _MAX_BLOCKS = 1024
 _kernels: Dict[tuple, cb.CudaKernel] = {}
@@ -49,11 +51,12 @@ def _round16(n: int) -> int:
     return -(-n // 16) * 16
 
 
-def grid_blocks(B: int, top_k: int, E: int, K: int, I: int, router_bits: int, sm_count: int) -> int:
+def grid_blocks(sm_count: int) -> int:
     """Blocks of the launch: one per SM (every phase uses as many as it
     has: the projection's tiles, the attention items, the MoE block's
-    phases), at most the barrier weight."""
-    return max(1, min(sm_count, _MAX_BLOCKS), mb.grid_blocks(B, top_k, E, K, I, router_bits, sm_count))
+    phases, whose own grid is at most the SMs), at most the barrier
+    weight."""
+    return max(1, min(sm_count, _MAX_BLOCKS))
 
 
 def scratch_words(B: int, hq: int, hkv: int, K: int, ns: int, top_k: int, E: int, I: int) -> int:
@@ -115,11 +118,6 @@ def _problem(x, input_norm_weight, qkv, keys, o_proj, hq, hkv) -> Optional[str]:
     return None
 
 
-def _heads_ok(hq, hkv) -> bool:
-    return (type(hq) is int and type(hkv) is int and hkv > 0 and hq > 0 and hq % hkv == 0
-            and hq // hkv <= MAX_GROUP - 1)
-
-
 def supports(x, input_norm_weight, qkv: Sequence, keys, values, o_proj: Sequence, norm_weight, router: Sequence,
              experts: Sequence, shared: Sequence, expert_gate: Sequence, *, num_heads: int, num_kv_heads: int,
              top_k: int, router_group_size: int = 64, router_bits: int = 8) -> bool:
@@ -132,7 +130,7 @@ def supports(x, input_norm_weight, qkv: Sequence, keys, values, o_proj: Sequence
     if not cb.cuda_available() or not all(_checks.is_array(a) for a in (x, input_norm_weight, keys, values,
                                                                         norm_weight)):
         return False
-    if not _heads_ok(num_heads, num_kv_heads):
+    if not heads_ok(num_heads, num_kv_heads, MAX_HEADS_PER_KV):
         return False
     if _problem(x, input_norm_weight, qkv, keys, o_proj, num_heads, num_kv_heads) is not None:
         return False
@@ -233,16 +231,14 @@ def attention_layer_decode(
     _checks.check_arrays(fn, (("x", "[B, 1, K] bfloat16", False), ("input_norm_weight", "[K] (float)", False)),
                          x, input_norm_weight)
     hq, hkv = num_heads, num_kv_heads
-    if not _heads_ok(hq, hkv):
-        raise ValueError(f"{fn}: num_heads ({hq!r}) must be a positive int multiple of num_kv_heads ({hkv!r}), "
-                         f"at most {MAX_GROUP - 1} query heads per KV head")
+    check_heads(fn, hq, hkv, MAX_HEADS_PER_KV)
     _checks.check_arrays(fn, (("keys", f"[B, Hkv, capacity, {DH}]", False),), keys)
     problem = _problem(x, input_norm_weight, qkv, keys, o_proj, hq, hkv)
     if problem is not None:
         raise ValueError(f"{fn}: {problem}")
     B = mb._rows(x)
     qk_eps = check_cache_step(fn, B, x.dtype, keys, values, offset, q_norm_weight, k_norm_weight, hq, hkv, scale,
-                              q_eps, k_eps, rope_dims, rope_base, rope_scale, max_group=MAX_GROUP - 1)
+                              q_eps, k_eps, rope_dims, rope_base, rope_scale, max_group=MAX_HEADS_PER_KV)
     in_eps = _checks.check_eps(fn, "input_norm_eps", input_norm_eps)
     post_eps = _checks.check_eps(fn, "post_norm_eps", post_norm_eps)
     mb.checked_arguments(fn, x, norm_weight, router, experts, shared, expert_gate, top_k, post_eps,
@@ -276,7 +272,7 @@ def attention_layer_decode_unchecked(x, input_norm_weight, qkv, q_norm_weight, k
     ns, split_len = splits(cap, B, hkv)
     kern = _kernel(B, K, hq, hkv, rope_dims, rope_traditional, input_norm_weight.dtype, q_norm_weight.dtype, top_k,
                    E, I, int(sgb), router_bits, router_group_size, norm_weight.dtype)
-    blocks = grid_blocks(B, top_k, E, K, I, router_bits, cb.sm_count())
+    blocks = grid_blocks(cb.sm_count())
     out, kv_new, at, scratch = kern(
         inputs=[x, input_norm_weight, *qkv, q_norm_weight, k_norm_weight, keys, values, offset, *o_proj, norm_weight,
                 *router, wg, sg, bg, wu, su, bu, wd, sd, bd, *shared[0], *shared[1], *shared[2], gw, gs, gb,

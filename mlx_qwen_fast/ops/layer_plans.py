@@ -74,6 +74,7 @@ import mlx.core as mx
 from .. import config
 from ..compiled import StepPlans
 from ..kernels import attention_layer_decode as attention_layer_kernel
+from ..kernels.attention_contract import heads_ok
 from ..kernels import gdn_layer_decode as gdn_layer_kernel
 from . import _launch_order
 from . import attention as attention_ops
@@ -186,9 +187,9 @@ def _attention_one_launch(layer, x, cache, a_static, blk) -> bool:
     if not (config.ATTENTION_LAYER_KERNEL.get() and config.ATTENTION_DECODE_KERNEL.get()) or blk is None:
         return False
     hq, hkv = a_static.num_heads, a_static.num_kv_heads
-    cache_dtype = getattr(cache, "keys", None).dtype if getattr(cache, "keys", None) is not None else x.dtype
-    if x.dtype != mx.bfloat16 or cache_dtype != mx.bfloat16 or a_static.head_dim != 256 or hq % hkv or \
-            hq // hkv >= 16 or a_static.qkv[1] != _LAYER_STATIC or a_static.o_proj[1] != _LAYER_STATIC:
+    if x.dtype != mx.bfloat16 or cache.keys.dtype != mx.bfloat16 or a_static.head_dim != 256 or \
+            not heads_ok(hq, hkv, attention_layer_kernel.MAX_HEADS_PER_KV) or \
+            a_static.qkv[1] != _LAYER_STATIC or a_static.o_proj[1] != _LAYER_STATIC:
         return False
     B = x.size // x.shape[-1]
     I = layer.mlp.switch_mlp.gate_proj.weight.shape[1]

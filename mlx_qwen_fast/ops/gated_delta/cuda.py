@@ -207,7 +207,7 @@ def mixer_step_settings(fn) -> Optional[MixerSettings]:
     needs to know."""
     for key, f in _decode_steps.items():
         if f is fn and key[0] == "mixer":
-            return MixerSettings(*key[1:6])
+            return MixerSettings(*key[1:])
     return None
 
 
