@@ -46,7 +46,6 @@ __all__ = [
     "GDN_MIXER_KERNEL",
     "MOE_BLOCK_KERNEL",
     "GDN_LAYER_KERNEL",
-    "ATTENTION_LAYER_KERNEL",
     "METAL_KERNELS",
     "MLX_COMPILES_AHEAD",
     "KERNEL_CACHE",
@@ -212,11 +211,6 @@ GDN_LAYER_KERNEL = Switch(
     "MLX_QWEN_FAST_GDN_LAYER", "bool", False, "`1`",
     "on CUDA, a Gated DeltaNet decoder layer's decode step runs the one-launch mixer and the one-launch MoE "
     "block as one launch instead of two (needs both of them on; less GPU time per layer, decode not measured faster)")
-ATTENTION_LAYER_KERNEL = Switch(
-    "MLX_QWEN_FAST_ATTENTION_LAYER", "bool", False, "`1`",
-    "on CUDA, a gated-attention decoder layer's decode step (the q, k, v projection, attention over the KV cache, "
-    "o_proj, the one-launch MoE block) runs as one launch and the two cache-row writes instead of eight "
-    "launches (needs the attention-decode kernels and the one-launch MoE block on; not yet timed on a GPU)")
 METAL_KERNELS = Switch(
     "MLX_QWEN_FAST_METAL", "bool", False, "`1`",
     "on Apple silicon, the package's Metal kernels run (decode: the Gated DeltaNet step, the MoE block, "
@@ -251,7 +245,7 @@ POISON = Switch(
 SWITCHES: Tuple[Switch, ...] = (
     FAST_PATH, MOE_PREFILL_KERNEL, MOE_DECODE_KERNEL, DECODE_LAYER_STEP, DECODE_MODEL_STEP, VERIFY_MODEL_STEP,
     ATTENTION_DECODE_KERNEL, ATTENTION_PREFILL_KERNEL, DECODE_GEMV_KERNEL, PREFILL_GEMM_KERNEL, GDN_MIXER_KERNEL, MOE_BLOCK_KERNEL,
-    GDN_LAYER_KERNEL, ATTENTION_LAYER_KERNEL, METAL_KERNELS, MLX_COMPILES_AHEAD, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
+    GDN_LAYER_KERNEL, METAL_KERNELS, MLX_COMPILES_AHEAD, KERNEL_CACHE, NVRTC, NVFATBIN, ARCH, POISON,
 )
 
 

@@ -44,7 +44,8 @@ CUDA modules (each exposes the wrapper of the same name and ``supports``):
 - ``attention_layer_decode`` a gated-attention decoder layer's whole decode
                             step, 1-4 rows: q|k|v GEMV, attention over the
                             cache, o_proj + residual and the MoE block in one
-                            persistent launch (then the two cache-row writes)
+                            persistent launch (then the two cache-row writes);
+                            measured slower than its launches, on no decode path
 - ``attention_prefill``     causal flash-attention prefill, head_dim 256
 - ``quantized_gemv``        decode projection, 1-4 rows: RMSNorm + 4/8-bit GEMV
                             + residual

@@ -17,6 +17,11 @@ for bit, as one launch and the two row writes of the cache (instead of
 eight launching nodes). Source: ``mlx_qwen_fast/cuda/attention_layer_decode.cu``
 (its header: the phases, the grid barriers, the loads of the cache issued
 before the projection).
+
+No decode path runs it: as its own launch it measured slower than the
+launches it replaces (bench/results/gdn-cuda-log.md, "The one-launch
+attention layer, measured"). It is the tested unit of its body, the
+attention part of the whole-stack decode kernel under development.
 """
 
 from __future__ import annotations

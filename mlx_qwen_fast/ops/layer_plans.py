@@ -51,12 +51,7 @@ Per layer kind:
   as one kernel (:func:`mlx_qwen_fast.ops.linear.add_rms_norm`). The trace
   depends on the buffer's capacity, which grows to multiples of
   :data:`mlx_qwen_fast.ops.kv_buffers.KV_GROWTH` positions (mlx-lm grows by
-  256), not on the offset. Where the MoE block is one launch and the
-  projections are in its format, with
-  :data:`mlx_qwen_fast.config.ATTENTION_LAYER_KERNEL` the whole layer is one
-  launch and the two row writes
-  (:func:`mlx_qwen_fast.kernels.attention_layer_decode.attention_layer_decode`:
-  the launches' results bit for bit).
+  256), not on the offset.
 
 Where a part has no decode step (a CPU or Metal backend, a LoRA-wrapped or
 sharded module, a cache other than mlx-lm's plain ``KVCache`` /
@@ -73,8 +68,6 @@ import mlx.core as mx
 
 from .. import config
 from ..compiled import StepPlans
-from ..kernels import attention_layer_decode as attention_layer_kernel
-from ..kernels.attention_contract import heads_ok
 from ..kernels import gdn_layer_decode as gdn_layer_kernel
 from . import _launch_order
 from . import attention as attention_ops
@@ -175,27 +168,6 @@ def _block_arrays(m, blk) -> tuple:
             (m[r + 18], m[r + 19], m[r + 20], blk.shared_gate_bits))
 
 
-#: ``ops.linear.linear_arrays``' static settings of a projection the one-launch attention layer reads.
-_LAYER_STATIC = ("quantized", attention_layer_kernel.GROUP_SIZE, attention_layer_kernel.BITS, "affine", True, False)
-
-
-def _attention_one_launch(layer, x, cache, a_static, blk) -> bool:
-    """Whether an attention layer's step runs as one launch: its switch,
-    the attention-decode kernels' and the one-launch MoE block (``blk``);
-    bfloat16 rows and cache, head_dim 256, the projections in the kernel's
-    format, the shared memory within a block's."""
-    if not (config.ATTENTION_LAYER_KERNEL.get() and config.ATTENTION_DECODE_KERNEL.get()) or blk is None:
-        return False
-    hq, hkv = a_static.num_heads, a_static.num_kv_heads
-    if x.dtype != mx.bfloat16 or cache.keys.dtype != mx.bfloat16 or a_static.head_dim != 256 or \
-            not heads_ok(hq, hkv, attention_layer_kernel.MAX_HEADS_PER_KV) or \
-            a_static.qkv[1] != _LAYER_STATIC or a_static.o_proj[1] != _LAYER_STATIC:
-        return False
-    B = x.size // x.shape[-1]
-    I = layer.mlp.switch_mlp.gate_proj.weight.shape[1]
-    return attention_layer_kernel.smem_problem(B, x.shape[-1], hq, hkv, blk.top_k, I) is None
-
-
 def _linear_plan(layer, x, cache):
     children = [("linear_attn",), ("mlp",), ("input_layernorm",), ("post_attention_layernorm",)]
     gdn = gated_delta_ops.decode_step_parts(layer.linear_attn, x, cache,
@@ -256,24 +228,10 @@ def _attention_plan(layer, x, cache):
     # without the MoE step, the post-attention norm joins the residual add where that runs as a kernel
     normed = m_fn is None and linear_ops.add_rms_norm_implementation(
         x, x, layer.post_attention_layernorm.weight) != "reference"
-    blk = moe_ops.block_step_settings(m_fn) if m_fn is not None else None
-    one_launch = _attention_one_launch(layer, x, cache, a_static, blk)
     # the attention kernels' switches are read while tracing: a trace per value
     key = ("attention", a_static, m_fn, eps, n_m, len(a_extra), config.ATTENTION_DECODE_KERNEL.get(),
-           config.METAL_KERNELS.get(), config.DECODE_GEMV_KERNEL.get(), normed, one_launch)
+           config.METAL_KERNELS.get(), config.DECODE_GEMV_KERNEL.get(), normed)
     fn = _steps.get(key)
-    if fn is None and one_launch:
-        (dims, traditional, base, rscale), hq, hkv = a_static.rope, a_static.num_heads, a_static.num_kv_heads
-
-        def step(x, keys, values, offset, *flat):  # flat: norms, q/k norms, o_proj, MoE arrays, q|k|v
-            m = flat[2 + n_read:2 + n_read + n_m]
-            return attention_layer_kernel.attention_layer_decode_unchecked(
-                x, flat[0], flat[2 + n_read + n_m:], flat[2], flat[3], keys, values, offset, flat[4:4 + n_o],
-                flat[1], *_block_arrays(m, blk), hq, hkv, a_static.scale, eps[0], (a_static.q_eps, a_static.k_eps),
-                dims, traditional, base, rscale, blk.top_k, blk.norm_eps, blk.normalize, blk.router_group_size,
-                blk.router_bits, after=_launch_order.take())
-
-        fn = _steps[key] = (mx.compile(step), step)
     if fn is None:
 
         def step(x, keys, values, offset, *flat):  # flat: norms, q/k norms, o_proj, MoE arrays, q|k|v
@@ -343,8 +301,7 @@ def layer_entry(layer, x: mx.array, cache) -> Optional[LayerEntry]:
         # a changed scale or eps makes a new plan
         key = ("attention", tuple(x.shape), x.dtype, cache.keys.dtype, _norm_eps(layer), id(attn.rope),
                attn.scale, attn.q_norm.eps, attn.k_norm.eps, config.ATTENTION_DECODE_KERNEL.get(),
-               config.METAL_KERNELS.get(), config.DECODE_GEMV_KERNEL.get(), config.MOE_BLOCK_KERNEL.get(),
-               config.ATTENTION_LAYER_KERNEL.get())
+               config.METAL_KERNELS.get(), config.DECODE_GEMV_KERNEL.get(), config.MOE_BLOCK_KERNEL.get())
         arrays, plan = StepPlans.of(layer).get(key, layer, lambda: _attention_plan(layer, x, cache))
     return None if plan is None else LayerEntry(key, arrays, plan)
 

@@ -151,8 +151,7 @@ def _model_sig(h: mx.array) -> tuple:
     """What a model plan bakes in besides the layers' plans: the input's
     shape and dtype, the switches the traces read."""
     return (tuple(h.shape), h.dtype, config.DECODE_GEMV_KERNEL.get(), config.ATTENTION_DECODE_KERNEL.get(),
-            config.GDN_MIXER_KERNEL.get(), config.MOE_BLOCK_KERNEL.get(), config.GDN_LAYER_KERNEL.get(),
-            config.ATTENTION_LAYER_KERNEL.get())
+            config.GDN_MIXER_KERNEL.get(), config.MOE_BLOCK_KERNEL.get(), config.GDN_LAYER_KERNEL.get())
 
 
 def _plan_model(model, h: mx.array, cache, kept: Optional[Dict[tuple, Callable]] = None) -> Optional[_ModelPlan]:

@@ -492,13 +492,11 @@ def test_cuda_model_step_matches_the_layer_steps(monkeypatch, env, kernel_heads,
     it ran for every decode token (the prompt took mlx-lm's stack). With
     ``mixer`` the stack runs the one-launch GDN mixer
     (``config.GDN_MIXER_KERNEL``) inside the one-launch layer
-    (``config.GDN_LAYER_KERNEL``) and the attention layers as one launch
-    (``config.ATTENTION_LAYER_KERNEL``), and the layer steps its three
+    (``config.GDN_LAYER_KERNEL``), and the layer steps its three
     launches."""
     assert HAS_CUDA
     env.set(config.GDN_MIXER_KERNEL.name, mixer)
     env.set(config.GDN_LAYER_KERNEL.name, mixer)  # with the mixer: the one-launch layer
-    env.set(config.ATTENTION_LAYER_KERNEL.name, mixer)
     ran = []
     real = decoder.decode_model
 
@@ -513,7 +511,6 @@ def test_cuda_model_step_matches_the_layer_steps(monkeypatch, env, kernel_heads,
     assert ran.count(True) == 40 and ran[0] is False  # the prompt: not a decode call
     env.set(config.DECODE_MODEL_STEP.name, "0")
     env.set(config.GDN_MIXER_KERNEL.name, "0")
-    env.set(config.ATTENTION_LAYER_KERNEL.name, "0")
     _, off = _models(seed=5, dtype=mx.bfloat16, preset=kernel_heads)
     pairs_off, _, co = _decode_pair(stock, off, 230, 40, batch, seed=batch)
     for i, ((_, b), (_, c)) in enumerate(zip(pairs, pairs_off)):
@@ -851,47 +848,3 @@ def test_make_room_names_a_bad_count(n):
     assert c.keys is keys
     assert kv_buffers.make_room(c, mx.float32, 1, 2, 8, 0) and kv_buffers.make_room(c, mx.float32, 1, 2, 8, 5)
     assert c.keys.shape[2] >= 8
-
-
-@pytest.mark.cuda
-@pytest.mark.usefixtures("poison")
-@pytest.mark.cpu_check("attention_layer_decode.cu", "attention_decode.cu", "quantized_gemv.cu", "moe_block_decode.cu")
-def test_attention_layer_switch_runs_the_one_launch_layer(env, monkeypatch, kernel_heads):
-    """With ``config.ATTENTION_LAYER_KERNEL`` on, an attention decoder
-    layer's compiled step runs the one-launch layer
-    (``kernels/attention_layer_decode.py``); over three chained steps from a
-    cache of 20 random positions, its output and the cache's valid
-    positions equal the launches' (the switch off) bit for bit."""
-    from mlx_qwen_fast.kernels import _cuda_build as cb
-    from mlx_qwen_fast.kernels import attention_layer_decode as k_layer
-
-    if not HAS_CUDA:  # the CUDA check: a grid of 8 blocks of 512 threads (fibers), not one per SM
-        monkeypatch.setattr(cb, "sm_count", lambda: 8)
-    seed = int(np.random.default_rng().integers(1 << 30))
-    _, fast = _models(seed=seed % 1000, dtype=mx.bfloat16, preset=kernel_heads)
-    i, layer = next((i, l) for i, l in enumerate(fast.layers) if not l.is_linear)
-    launched = []
-    real = k_layer.attention_layer_decode_unchecked
-    monkeypatch.setattr(k_layer, "attention_layer_decode_unchecked",
-                        lambda *a, **k: launched.append(1) or real(*a, **k))
-    ks = mx.random.split(mx.random.key(seed), 3)
-    kv0 = [mx.random.normal((1, 2, 20, 256), key=k).astype(mx.bfloat16) for k in ks[:2]]
-    xs = (2.0 * mx.random.normal((3, 1, 1, layer.input_layernorm.weight.shape[0]), key=ks[2])).astype(mx.bfloat16)
-    runs = {}
-    for on in ("1", "0"):
-        env.set(config.ATTENTION_LAYER_KERNEL.name, on)
-        launched.clear()
-        cache = make_prompt_cache(fast)[i]
-        cache.update_and_fetch(*kv0)
-        ys = []
-        for x in xs:
-            y = layer_plans.decode_layer(layer, x, cache)
-            assert y is not None
-            mx.eval(y, cache.keys, cache.values)
-            ys.append(y)
-        runs[on] = ys, cache.keys[..., :cache.offset, :], cache.values[..., :cache.offset, :]
-        assert bool(launched) == (on == "1"), (on, launched)
-    (ys, k1, v1), (ys_ref, k0, v0) = runs["1"], runs["0"]
-    for step, (y, y_ref) in enumerate(zip(ys, ys_ref)):
-        assert y.shape == y_ref.shape and finite(y) and mx.array_equal(y, y_ref).item(), f"seed {seed}: step {step}"
-    assert mx.array_equal(k1, k0).item() and mx.array_equal(v1, v0).item(), f"seed {seed}: cache"
