@@ -18,10 +18,9 @@ eight launching nodes). Source: ``mlx_qwen_fast/cuda/attention_layer_decode.cu``
 (its header: the phases, the grid barriers, the loads of the cache issued
 before the projection).
 
-No decode path runs it: as its own launch it measured slower than the
-launches it replaces (bench/results/gdn-cuda-log.md, "The one-launch
-attention layer, measured"). It is the tested unit of its body, the
-attention part of the whole-stack decode kernel under development.
+No decode path runs it: as its own launch it is slower than the launches
+it replaces. It is the tested single-launch form of the attention layer's
+body.
 """
 
 from __future__ import annotations
